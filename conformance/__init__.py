@@ -1,0 +1,1 @@
+"""kvcc.conformance (placeholder)."""

@@ -1,0 +1,1 @@
+"""kvcc top-level package."""

@@ -1,0 +1,1 @@
+"""kvcc.reference (placeholder)."""

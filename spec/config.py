@@ -1,0 +1,231 @@
+"""Model configurations: the finite scope the checker explores.
+
+A configuration fixes how many nodes, keys and locations exist, the lease term and the clock-skew
+bound in ticks, and the budgets that keep the state space finite (epochs, lease ids, faults,
+messages in flight). Every budget is a *scope bound*, in the TLC sense of a state constraint:
+behaviours that would exceed it are not explored. The manifest (``manifest.json``) pins the
+distinct-state count and verdict each configuration must produce.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+
+from attrs import field, frozen
+
+# Bytes encode the model state, so every value the state holds must stay below this bound.
+STATE_VALUE_LIMIT = 256
+
+
+@frozen
+class ModelConfig:
+    """The scope of one model-checking run.
+
+    ``parents[k]`` is the parent key of key ``k`` (-1 for a root): a prefix chain or tree.
+    ``namespaces[k]`` is the namespace of key ``k``; ``authorized[n]`` the namespaces node ``n``'s
+    tenant may use. Locations are ``tiers_per_node`` local tiers on each node, then (if
+    ``shared_pool``) one shared-pool location that every node can write to and that no node crash
+    takes down.
+    """
+
+    name: str
+    nodes: int
+    parents: tuple[int, ...]
+    namespaces: tuple[int, ...]
+    authorized: tuple[frozenset[int], ...]
+    tiers_per_node: int = 1
+    shared_pool: bool = True
+    tiering: bool = False  # ownership transfer between locations (promotion / demotion)
+    writes_to_pool_only: bool = False  # new blocks are written to the shared pool, not node tiers
+    lease_term_ticks: int = 2
+    skew_ticks: int = 1  # epsilon: the bound on clock offsets between any two clocks
+    max_epoch: int = 2
+    max_lease_id: int = 3
+    max_requests: int = 2  # lease requests (acquire or renew) per node
+    max_messages: int = 2
+    max_duplications: int = 0
+    max_node_crashes: int = 1
+    max_directory_restarts: int = 1
+    symmetry: bool = False
+    description: str = ""
+    extra: dict = field(factory=dict, eq=False, hash=False)
+
+    def __attrs_post_init__(self) -> None:
+        assert self.nodes >= 1
+        keys = len(self.parents)
+        assert keys >= 1
+        assert len(self.namespaces) == keys
+        assert len(self.authorized) == self.nodes
+        for key, parent in enumerate(self.parents):
+            # Parents come first: a key's hash chains over its parent's, so a parent exists earlier.
+            assert -1 <= parent < key, (key, parent)
+            if parent >= 0:
+                assert self.namespaces[parent] == self.namespaces[key], "a chain stays in one namespace"
+        assert self.lease_term_ticks > self.skew_ticks >= 0, "a holder must keep a positive budget"
+        assert self.tiers_per_node >= 1
+        assert self.max_lease_id + 2 < STATE_VALUE_LIMIT
+        assert self.max_epoch + 1 < STATE_VALUE_LIMIT
+        assert self.locations + 1 < STATE_VALUE_LIMIT
+        assert self.directory_lease_ticks + self.skew_ticks < STATE_VALUE_LIMIT
+        if self.symmetry:
+            assert len(set(self.authorized)) == 1, "symmetry needs interchangeable nodes"
+
+    @property
+    def keys(self) -> int:
+        return len(self.parents)
+
+    @property
+    def locations(self) -> int:
+        return self.nodes * self.tiers_per_node + (1 if self.shared_pool else 0)
+
+    @property
+    def pool_location(self) -> int:
+        """The shared pool's location id, or -1 when the configuration has none."""
+        return self.nodes * self.tiers_per_node if self.shared_pool else -1
+
+    @property
+    def holder_budget_ticks(self) -> int:
+        """How long a holder trusts a lease, on its own clock, counted from sending the request."""
+        return self.lease_term_ticks - self.skew_ticks
+
+    @property
+    def directory_lease_ticks(self) -> int:
+        """How long the directory treats a lease as live, on its own clock: expiry + epsilon."""
+        return self.lease_term_ticks + self.skew_ticks
+
+    @property
+    def restart_grace_ticks(self) -> int:
+        """How long a restarted directory frees nothing: the longest lease it may have issued,
+        plus the skew it may have accumulated on its own clock since."""
+        return self.directory_lease_ticks + self.skew_ticks
+
+    @property
+    def invalidation_deadline_ticks(self) -> int:
+        """Bounded response: an invalidation completes within this many true ticks of starting.
+
+        A live lease lasts at most ``directory_lease_ticks`` on the directory's clock, which is at
+        most ``skew_ticks`` behind true time; each directory restart adds a grace period, also
+        measured on the directory's clock.
+        """
+        one_lease = self.directory_lease_ticks + self.skew_ticks
+        one_grace = self.restart_grace_ticks + self.skew_ticks
+        return one_lease + self.max_directory_restarts * one_grace
+
+    def children(self, key: int) -> tuple[int, ...]:
+        return tuple(k for k, p in enumerate(self.parents) if p == key)
+
+    def descendants(self, key: int) -> tuple[int, ...]:
+        """``key`` and every key whose chain passes through it, parents before children."""
+        found = [key]
+        for k in range(key + 1, self.keys):
+            if self.parents[k] in found:
+                found.append(k)
+        return tuple(found)
+
+    def location_node(self, location: int) -> int:
+        """The node a location lives on, or -1 for the shared pool."""
+        if location == self.pool_location:
+            return -1
+        return location // self.tiers_per_node
+
+    def write_targets(self, node: int) -> tuple[int, ...]:
+        """Where ``node`` may be told to write a new block: its own tiers or the shared pool."""
+        pool = (self.pool_location,) if self.shared_pool else ()
+        if self.writes_to_pool_only:
+            assert pool, "writes_to_pool_only needs a shared pool"
+            return pool
+        local = tuple(range(node * self.tiers_per_node, (node + 1) * self.tiers_per_node))
+        return local + pool
+
+
+def _all(nodes: int, namespaces: int = 1) -> tuple[frozenset[int], ...]:
+    return tuple(frozenset(range(namespaces)) for _ in range(nodes))
+
+
+CONFIGS: dict[str, ModelConfig] = {
+    cfg.name: cfg
+    for cfg in (
+        ModelConfig(
+            name="tiny",
+            nodes=2,
+            parents=(-1,),
+            namespaces=(0,),
+            authorized=_all(2),
+            max_epoch=2,
+            max_lease_id=3,
+            max_messages=2,
+            max_node_crashes=1,
+            max_directory_restarts=1,
+            description="2 nodes, one key, shared pool; used by the fast property tests",
+        ),
+        ModelConfig(
+            name="small",
+            nodes=2,
+            parents=(-1, 0),
+            namespaces=(0, 0),
+            authorized=_all(2),
+            max_epoch=2,
+            max_lease_id=3,
+            max_messages=2,
+            max_node_crashes=1,
+            max_directory_restarts=1,
+            description="2 nodes, a 2-block prefix chain, shared pool; seconds",
+        ),
+        ModelConfig(
+            name="tenants",
+            nodes=2,
+            parents=(-1, -1),
+            namespaces=(0, 1),
+            authorized=(frozenset({0}), frozenset({0, 1})),
+            max_epoch=1,
+            max_lease_id=2,
+            max_messages=2,
+            max_node_crashes=0,
+            max_directory_restarts=0,
+            description="two tenants' namespaces, node 0 authorised for one of them only",
+        ),
+        ModelConfig(
+            name="tiering",
+            nodes=2,
+            parents=(-1,),
+            namespaces=(0,),
+            authorized=_all(2),
+            tiering=True,
+            max_epoch=3,
+            max_lease_id=3,
+            max_messages=2,
+            max_node_crashes=1,
+            max_directory_restarts=0,
+            description="one key moved between tiers (promotion and demotion as ownership transfer)",
+        ),
+        ModelConfig(
+            name="medium",
+            nodes=2,
+            parents=(-1, 0),
+            namespaces=(0, 0),
+            authorized=_all(2),
+            tiering=True,
+            max_epoch=3,
+            max_lease_id=4,
+            max_messages=3,
+            max_duplications=1,
+            max_node_crashes=1,
+            max_directory_restarts=1,
+            description="2 nodes, a prefix chain, tiering, duplication; minutes; used by the benchmark",
+        ),
+    )
+}
+
+
+def get_config(name: str) -> ModelConfig:
+    try:
+        return CONFIGS[name]
+    except KeyError:
+        raise KeyError(f"unknown model configuration {name!r}; known: {', '.join(CONFIGS)}") from None
+
+
+def load_manifest() -> dict:
+    """The pinned distinct-state counts and verdicts, keyed by configuration name."""
+    text = resources.files(__package__).joinpath("manifest.json").read_text()
+    return json.loads(text)

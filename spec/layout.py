@@ -1,0 +1,224 @@
+"""Where each variable of the model state lives.
+
+The checker stores millions of states, so a state is a ``bytes`` value: a fixed part with one byte
+per variable, followed by the messages in flight, each ``MESSAGE_WIDTH`` bytes, sorted (the network
+is a multiset). ``Layout`` names every position, so transitions read as ``s[L.phase[k]]`` and a
+counterexample prints as ``record[k1].phase: COMMITTED -> INVALIDATING``.
+
+Encodings: ids, nodes and locations that may be absent are stored plus one, with 0 meaning none
+(``NO_LOCATION``, ``NO_NODE``, lease id 0). Generations, epochs and tick counters are stored as they
+are. Every value stays below 256; ``ModelConfig`` asserts the bounds that make that true.
+"""
+
+from __future__ import annotations
+
+from .config import ModelConfig
+
+# Record phases (DESIGN: ABSENT -> WRITING -> COMMITTED -> INVALIDATING -> ABSENT, generation + 1).
+ABSENT, WRITING, COMMITTED, INVALIDATING = range(4)
+PHASE_NAMES = ("ABSENT", "WRITING", "COMMITTED", "INVALIDATING")
+
+# What a storage slot (one key at one location) holds.
+EMPTY, FULL, LOST = range(3)
+SLOT_NAMES = ("EMPTY", "FULL", "LOST")
+
+# A writer's progress on one key.
+W_NONE, W_REQUESTED, W_BYTES_SENT = range(3)
+WRITER_NAMES = ("NONE", "REQUESTED", "BYTES_SENT")
+
+# A holder's outstanding lease request.
+P_NONE, P_ACQUIRE, P_RENEW = range(3)
+PENDING_NAMES = ("NONE", "ACQUIRE", "RENEW")
+
+NO_LOCATION = 0  # stored as location + 1
+NO_NODE = 0  # stored as node + 1
+NO_LEASE = 0  # lease ids start at 1
+
+# Messages: (kind, node, key, a, b, c, d). ``node`` is the sender of a request or the addressee of
+# a reply; data-plane messages (write bytes, free, copy) address a location in field ``a``.
+MESSAGE_WIDTH = 7
+(
+    M_ACQUIRE,  # node -> directory: acquire a read lease, request a        (n, k, req)
+    M_RENEW,  # node -> directory: renew lease a at location b, request c (n, k, id, loc+1, req)
+    M_GRANT_READ,  # directory -> node: lease a on loc b, gen c, answering request d
+    M_RENEWED,  # directory -> node: lease a renewed, answering request d
+    M_RELEASE,  # node -> directory: done with lease a                      (n, k, id)
+    M_BEGIN_WRITE,  # node -> directory: let me write key k                 (n, k)
+    M_GRANT_WRITE,  # directory -> node: write lease a, loc b, gen c, epoch d
+    M_WRITE_BYTES,  # writer n -> location b: bytes of gen c under epoch d, lease a
+    M_COMMIT,  # node -> directory: commit lease a under epoch d            (n, k, id, -, -, epoch)
+    M_REVOKE,  # directory -> node: drop lease a and acknowledge            (n, k, id)
+    M_ACK,  # node -> directory: lease a dropped                            (n, k, id)
+    M_FREE,  # directory -> location a: free key k's slot, epoch d
+    M_COPY,  # directory -> location a: copy gen c from location b, epoch d
+    M_COPIED,  # location a -> directory: copy landed under epoch d
+) = range(1, 15)
+MESSAGE_NAMES = {
+    M_ACQUIRE: "Acquire",
+    M_RENEW: "Renew",
+    M_GRANT_READ: "ReadLeaseGranted",
+    M_RENEWED: "LeaseRenewed",
+    M_RELEASE: "Release",
+    M_BEGIN_WRITE: "BeginWrite",
+    M_GRANT_WRITE: "WriteLeaseGranted",
+    M_WRITE_BYTES: "WriteBytes",
+    M_COMMIT: "Commit",
+    M_REVOKE: "Revoke",
+    M_ACK: "RevokeAcked",
+    M_FREE: "Free",
+    M_COPY: "Copy",
+    M_COPIED: "Copied",
+}
+
+
+def message(kind: int, node: int = 0, key: int = 0, a: int = 0, b: int = 0, c: int = 0, d: int = 0) -> bytes:
+    return bytes((kind, node, key, a, b, c, d))
+
+
+class Layout:
+    """Byte positions of every state variable for one configuration."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        self.cfg = cfg
+        self.names: list[str] = []
+        N, K, LOCS = cfg.nodes, cfg.keys, cfg.locations
+
+        def var(name: str) -> int:
+            self.names.append(name)
+            return len(self.names) - 1
+
+        # Directory: durable per-key records ...
+        self.phase = [var(f"record[k{k}].phase") for k in range(K)]
+        self.gen = [var(f"record[k{k}].gen") for k in range(K)]
+        self.epoch = [var(f"record[k{k}].epoch") for k in range(K)]
+        self.owner = [var(f"record[k{k}].owner") for k in range(K)]
+        self.moving = [var(f"record[k{k}].moving_to") for k in range(K)]
+        self.draining = [var(f"record[k{k}].draining") for k in range(K)]
+        self.writer = [var(f"record[k{k}].writer") for k in range(K)]
+        self.w_id = [var(f"record[k{k}].write_lease") for k in range(K)]
+        # ... volatile lease timers and read-lease table ...
+        self.w_left = [var(f"record[k{k}].write_lease_left") for k in range(K)]
+        self.r_id = [[var(f"lease[k{k},n{n}].id") for n in range(N)] for k in range(K)]
+        self.r_loc = [[var(f"lease[k{k},n{n}].location") for n in range(N)] for k in range(K)]
+        self.r_left = [[var(f"lease[k{k},n{n}].left") for n in range(N)] for k in range(K)]
+        # ... and its own clock, restart grace and lease-id counter.
+        self.dir_off = var("directory.clock_offset")
+        self.grace = var("directory.restart_grace_left")
+        self.next_id = var("directory.next_lease_id")
+        # Ghost: true ticks since an invalidation of the key began (bounded response).
+        self.inval_age = [var(f"ghost.invalidating_for[k{k}]") for k in range(K)]
+        # Nodes.
+        self.up = [var(f"node[n{n}].up") for n in range(N)]
+        self.off = [var(f"node[n{n}].clock_offset") for n in range(N)]
+        self.req = [var(f"node[n{n}].last_request") for n in range(N)]
+        # Holder side, per node and key: the trusted lease and the outstanding request.
+        self.h_id = [[var(f"holder[n{n},k{k}].lease") for k in range(K)] for n in range(N)]
+        self.h_loc = [[var(f"holder[n{n},k{k}].location") for k in range(K)] for n in range(N)]
+        self.h_gen = [[var(f"holder[n{n},k{k}].gen") for k in range(K)] for n in range(N)]
+        self.h_left = [[var(f"holder[n{n},k{k}].trust_left") for k in range(K)] for n in range(N)]
+        self.p_kind = [[var(f"holder[n{n},k{k}].pending") for k in range(K)] for n in range(N)]
+        self.p_id = [[var(f"holder[n{n},k{k}].pending_request") for k in range(K)] for n in range(N)]
+        self.p_left = [[var(f"holder[n{n},k{k}].pending_budget") for k in range(K)] for n in range(N)]
+        # Writer side, per node and key.
+        self.w_stage = [[var(f"writer[n{n},k{k}].stage") for k in range(K)] for n in range(N)]
+        self.wr_id = [[var(f"writer[n{n},k{k}].lease") for k in range(K)] for n in range(N)]
+        self.wr_gen = [[var(f"writer[n{n},k{k}].gen") for k in range(K)] for n in range(N)]
+        self.wr_epoch = [[var(f"writer[n{n},k{k}].epoch") for k in range(K)] for n in range(N)]
+        self.wr_loc = [[var(f"writer[n{n},k{k}].location") for k in range(K)] for n in range(N)]
+        # Storage slots, per location and key, with the fence (highest epoch seen there).
+        self.s_status = [[var(f"slot[l{loc},k{k}].status") for k in range(K)] for loc in range(LOCS)]
+        self.s_gen = [[var(f"slot[l{loc},k{k}].gen") for k in range(K)] for loc in range(LOCS)]
+        self.s_epoch = [[var(f"slot[l{loc},k{k}].epoch") for k in range(K)] for loc in range(LOCS)]
+        self.fence = [[var(f"slot[l{loc},k{k}].fence") for k in range(K)] for loc in range(LOCS)]
+        # Fault budgets (scope bounds).
+        self.crashes_left = var("budget.node_crashes")
+        self.restarts_left = var("budget.directory_restarts")
+        self.dups_left = var("budget.duplications")
+
+        self.fixed = len(self.names)
+
+        # Counters that run down with one clock, and what to clear when one reaches zero.
+        # Each entry: (counter index, indices zeroed on expiry).
+        self.directory_timers: list[tuple[int, tuple[int, ...]]] = [(self.grace, ())]
+        for k in range(K):
+            self.directory_timers.append((self.w_left[k], ()))
+            for n in range(N):
+                self.directory_timers.append((self.r_left[k][n], (self.r_id[k][n], self.r_loc[k][n])))
+        self.node_timers: list[list[tuple[int, tuple[int, ...]]]] = []
+        for n in range(N):
+            timers = []
+            for k in range(K):
+                timers.append((self.h_left[n][k], (self.h_id[n][k], self.h_loc[n][k], self.h_gen[n][k])))
+                timers.append((self.p_left[n][k], (self.p_kind[n][k], self.p_id[n][k])))
+            self.node_timers.append(timers)
+
+    # -- decoding helpers used by reports and tests -------------------------------------------
+
+    def value_text(self, index: int, value: int) -> str:
+        name = self.names[index]
+        if name.endswith(".phase"):
+            return PHASE_NAMES[value]
+        if name.endswith(".status"):
+            return SLOT_NAMES[value]
+        if name.endswith(".stage"):
+            return WRITER_NAMES[value]
+        if name.endswith(".pending"):
+            return PENDING_NAMES[value]
+        if name.endswith((".owner", ".moving_to", ".draining", ".location")):
+            return "-" if value == NO_LOCATION else f"l{value - 1}"
+        if name.endswith(".writer"):
+            return "-" if value == NO_NODE else f"n{value - 1}"
+        if name.endswith(".up"):
+            return "up" if value else "down"
+        return str(value)
+
+    def messages(self, state: bytes) -> list[bytes]:
+        return [state[i : i + MESSAGE_WIDTH] for i in range(self.fixed, len(state), MESSAGE_WIDTH)]
+
+    @staticmethod
+    def message_text(msg: bytes) -> str:
+        kind, node, key, a, b, c, d = msg
+        name = MESSAGE_NAMES[kind]
+        if kind in (M_WRITE_BYTES,):
+            return f"{name}(from=n{node}, k{key}, lease={a}, to=l{b - 1}, gen={c}, epoch={d})"
+        if kind == M_FREE:
+            return f"{name}(l{a - 1}, k{key}, epoch={d})"
+        if kind == M_COPY:
+            return f"{name}(to=l{a - 1}, k{key}, from=l{b - 1}, gen={c}, epoch={d})"
+        if kind == M_COPIED:
+            return f"{name}(l{a - 1}, k{key}, epoch={d})"
+        if kind == M_ACQUIRE:
+            return f"{name}(n{node}, k{key}, request={a})"
+        if kind == M_BEGIN_WRITE:
+            return f"{name}(n{node}, k{key})"
+        if kind == M_RENEW:
+            return f"{name}(n{node}, k{key}, lease={a}, l{b - 1}, request={c})"
+        if kind == M_RENEWED:
+            return f"{name}(n{node}, k{key}, lease={a}, request={d})"
+        if kind == M_GRANT_READ:
+            return f"{name}(n{node}, k{key}, lease={a}, l{b - 1}, gen={c}, request={d})"
+        if kind == M_GRANT_WRITE:
+            return f"{name}(n{node}, k{key}, lease={a}, l{b - 1}, gen={c}, epoch={d})"
+        if kind == M_COMMIT:
+            return f"{name}(n{node}, k{key}, lease={a}, epoch={d})"
+        return f"{name}(n{node}, k{key}, lease={a})"
+
+    def variables(self, state: bytes) -> dict[str, str]:
+        """Every fixed variable by name, as text (messages separately)."""
+        return {name: self.value_text(i, state[i]) for i, name in enumerate(self.names)}
+
+    def diff(self, before: bytes, after: bytes) -> dict[str, tuple[str, str]]:
+        """The variables that differ, as ``name -> (before, after)``, messages included."""
+        changed = {
+            self.names[i]: (self.value_text(i, before[i]), self.value_text(i, after[i]))
+            for i in range(self.fixed)
+            if before[i] != after[i]
+        }
+        old, new = self.messages(before), self.messages(after)
+        for m in old:
+            if old.count(m) > new.count(m):
+                changed[f"net: {self.message_text(m)}"] = ("in flight", "gone")
+        for m in new:
+            if new.count(m) > old.count(m):
+                changed[f"net: {self.message_text(m)}"] = ("-", "in flight")
+        return changed

@@ -1,0 +1,828 @@
+"""The protocol model: every protocol action and every failure action as a pure transition.
+
+Theory of operation
+-------------------
+The state (see ``layout``) holds the directory's records and lease table, each node's holder and
+writer state, the storage slots at every location, the clocks and the network. Time is a discrete
+true clock; every clock (the directory's and each node's) runs at true rate but may be stepped
+forward or back, keeping its offset within ``[0, skew_ticks]``, so any two clocks differ by at most
+epsilon. The state stores no absolute time: every deadline is a counter of ticks *left on the clock
+that owns it*, so "the same situation, later" is one state (time normalisation). The model steps
+clocks only in the harmful direction (the directory's ahead, holders' behind), each by at most
+epsilon over a run: the opposite steps only shorten what holders trust, so they add states but
+no behaviour that could break safety.
+
+- ``tick`` advances true time by one: every counter runs down by one; a counter that reaches zero
+  has expired (its lease is dropped, its request abandoned). A clock step moves only the counters of
+  that clock. ``tick`` is disabled while an *urgent* directory action is enabled (expiring a write
+  lease whose time is up, completing an invalidation that may complete): the directory's timers fire
+  on time. That makes progress checkable as bounded response.
+- A holder counts its lease from when it *sent* the request (``pending_budget`` starts when the
+  request leaves) and trusts it for ``lease_term - epsilon`` on its own clock. The directory counts
+  from when it granted, and treats the lease as live for ``lease_term + epsilon`` on its clock.
+- Epochs are fencing tokens. Every ownership change (write grant, transfer) takes ``epoch + 1``; a
+  storage slot remembers the highest epoch it has seen (its fence) and refuses bytes, frees or copies
+  carrying less.
+- Requests, replies and data-plane writes travel as messages in a multiset network of bounded size:
+  any message may be delivered (reordering), dropped (loss) or, within a budget, duplicated. A
+  message sent into a full network is lost. A paused process is one whose messages sit in the
+  network while time passes.
+- Failures: a node crash loses the node's volatile state and, optionally, its disk (its slots become
+  LOST: reads of them fail, they never return other bytes); a restarted node re-registers and the
+  directory forgets what the node lost. A directory restart loses the lease table and timers, keeps
+  every record (they are durable), and frees nothing for a grace period as long as the longest lease
+  it may have issued.
+
+Mutants (deliberate bugs, see ``mutants``) are named flags checked at the exact line they break.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from .config import ModelConfig
+from .layout import (
+    ABSENT,
+    COMMITTED,
+    EMPTY,
+    FULL,
+    INVALIDATING,
+    LOST,
+    M_ACK,
+    M_ACQUIRE,
+    M_BEGIN_WRITE,
+    M_COMMIT,
+    M_COPIED,
+    M_COPY,
+    M_FREE,
+    M_GRANT_READ,
+    M_GRANT_WRITE,
+    M_RELEASE,
+    M_RENEW,
+    M_RENEWED,
+    M_REVOKE,
+    M_WRITE_BYTES,
+    MESSAGE_WIDTH,
+    NO_LEASE,
+    NO_LOCATION,
+    NO_NODE,
+    P_ACQUIRE,
+    P_NONE,
+    P_RENEW,
+    W_BYTES_SENT,
+    W_NONE,
+    W_REQUESTED,
+    WRITING,
+    Layout,
+    message,
+)
+
+# A successor: (action name, parameters, next state).
+Step = tuple[str, tuple[int, ...], bytes]
+
+MUTANT_FLAGS = frozenset(
+    {
+        "no_fencing",
+        "late_commit_accepted",
+        "invalidation_ignores_leases",
+        "holder_ignores_skew",
+        "holder_counts_from_receipt",
+        "renew_revives_expired",
+        "evict_under_lease",
+        "evict_parent_first",
+        "lease_id_reuse_after_restart",
+        "grant_during_invalidation",
+        "restart_without_grace",
+        "ack_before_drop",
+        "invalidate_without_cascade",
+        "invalidation_waits_for_acks",
+        "no_namespace_check",
+        "write_lease_never_expires",
+    }
+)
+
+
+class Model:
+    """Initial states and the successor relation for one configuration (and optional bugs)."""
+
+    def __init__(self, cfg: ModelConfig, bugs: Iterable[str] = ()) -> None:
+        self.cfg = cfg
+        self.bugs = frozenset(bugs)
+        unknown = self.bugs - MUTANT_FLAGS
+        assert not unknown, f"unknown mutant flags: {sorted(unknown)}"
+        self.L = Layout(cfg)
+        cfg_ = cfg
+        self.holder_budget = cfg_.holder_budget_ticks
+        if "holder_ignores_skew" in self.bugs:
+            self.holder_budget = cfg_.lease_term_ticks
+        self.deadline = cfg_.invalidation_deadline_ticks
+        # Which (node, key) pairs a tenant may touch (DESIGN property 11).
+        self.allowed = [[cfg_.namespaces[k] in cfg_.authorized[n] for k in range(cfg_.keys)] for n in range(cfg_.nodes)]
+        self.loc_node = [cfg_.location_node(loc) for loc in range(cfg_.locations)]
+        self.children = [cfg_.children(k) for k in range(cfg_.keys)]
+        self.subtree = [cfg_.descendants(k) for k in range(cfg_.keys)]
+        self.ns_keys = {}
+        for k, ns in enumerate(cfg_.namespaces):
+            self.ns_keys.setdefault(ns, []).append(k)
+
+    # ------------------------------------------------------------------ initial state
+
+    def init_states(self) -> list[bytes]:
+        L, cfg = self.L, self.cfg
+        s = bytearray(L.fixed)
+        for n in range(cfg.nodes):
+            s[L.up[n]] = 1
+        s[L.next_id] = 1
+        s[L.crashes_left] = cfg.max_node_crashes
+        s[L.restarts_left] = cfg.max_directory_restarts
+        s[L.dups_left] = cfg.max_duplications
+        return [bytes(s)]
+
+    # ------------------------------------------------------------------ helpers
+
+    def _pack(self, fixed: bytearray, net: list[bytes]) -> bytes:
+        if len(net) > 1:
+            net = sorted(net)
+        return bytes(fixed) + b"".join(net)
+
+    def _send(self, net: list[bytes], msg: bytes) -> None:
+        """Put a message on the wire; a full network loses it (message loss is a fault we allow)."""
+        if len(net) < self.cfg.max_messages:
+            net.append(msg)
+
+    def live_lease_on(self, s: bytes, k: int, loc_plus_1: int) -> bool:
+        L = self.L
+        for n in range(self.cfg.nodes):
+            if s[L.r_id[k][n]] != NO_LEASE and s[L.r_loc[k][n]] == loc_plus_1:
+                return True
+        return False
+
+    def has_live_lease(self, s: bytes, k: int) -> bool:
+        L = self.L
+        for n in range(self.cfg.nodes):
+            if s[L.r_id[k][n]] != NO_LEASE:
+                return True
+        return False
+
+    def location_up(self, s: bytes, loc: int) -> bool:
+        node = self.loc_node[loc]
+        return node < 0 or s[self.L.up[node]] == 1
+
+    def completion_enabled(self, s: bytes, k: int) -> bool:
+        """May the invalidation of ``k`` complete now? (Gray & Cheriton's write rule.)"""
+        L = self.L
+        if s[L.phase[k]] != INVALIDATING:
+            return False
+        if s[L.grace] > 0 and "restart_without_grace" not in self.bugs:
+            return False  # a restarted directory cannot know who still trusts a lease
+        if "invalidation_ignores_leases" in self.bugs:
+            return True
+        return not self.has_live_lease(s, k)
+
+    def urgent(self, s: bytes) -> bool:
+        """Is a directory timer due? Time does not pass until it has fired."""
+        L = self.L
+        for k in range(self.cfg.keys):
+            phase = s[L.phase[k]]
+            if phase == WRITING and s[L.w_left[k]] == 0 and "write_lease_never_expires" not in self.bugs:
+                return True
+            if phase == INVALIDATING and self.completion_enabled(s, k):
+                return True
+        return False
+
+    # ------------------------------------------------------------------ successors
+
+    def successors(self, s: bytes) -> list[Step]:
+        out: list[Step] = []
+        L, cfg = self.L, self.cfg
+        fixed = s[: L.fixed]
+        net = [s[i : i + MESSAGE_WIDTH] for i in range(L.fixed, len(s), MESSAGE_WIDTH)]
+
+        self._time(s, fixed, net, out)
+        for n in range(cfg.nodes):
+            if s[L.up[n]]:
+                for k in range(cfg.keys):
+                    self._holder_actions(s, fixed, net, n, k, out)
+                    self._writer_actions(s, fixed, net, n, k, out)
+        for k in range(cfg.keys):
+            self._directory_actions(s, fixed, net, k, out)
+        for ns, keys in self.ns_keys.items():
+            # invalidate(namespace): every key of one tenant's model namespace at once.
+            if len(keys) > 1 and any(s[L.phase[j]] == COMMITTED for j in keys):
+                out.append(("invalidate_namespace", (ns,), self._start_invalidation(s, fixed, net, keys)))
+        # Each distinct message once: delivering either of two equal messages is one step.
+        for i, msg in enumerate(net):
+            if msg in net[:i]:
+                continue
+            rest = net[:i] + net[i + 1 :]
+            self._deliver(s, fixed, rest, msg, out)
+            out.append(("drop", tuple(msg), self._pack(bytearray(fixed), rest)))
+            if s[L.dups_left] > 0 and len(net) < cfg.max_messages:
+                b = bytearray(fixed)
+                b[L.dups_left] -= 1
+                out.append(("duplicate", tuple(msg), self._pack(b, net + [msg])))
+        self._failures(s, fixed, net, out)
+        return out
+
+    # -- time ---------------------------------------------------------------------------------
+
+    def _run_down(self, b: bytearray, timers: list[tuple[int, tuple[int, ...]]], delta: int) -> None:
+        """Move every running counter of one clock by ``delta`` ticks; zero means expired."""
+        for counter, cleared in timers:
+            v = b[counter]
+            if v == 0:
+                continue  # expiry is final: stepping a clock back does not revive a lease
+            v -= delta
+            if v <= 0:
+                b[counter] = 0
+                for idx in cleared:
+                    b[idx] = 0
+            else:
+                b[counter] = v
+
+    def _directory_timers(self, s: bytes) -> list[tuple[int, tuple[int, ...]]]:
+        timers = self.L.directory_timers
+        if "invalidation_waits_for_acks" in self.bugs:
+            # Bug: leases on an invalidating key are kept until acknowledged, never expired.
+            L = self.L
+            frozen = {
+                L.r_left[k][n]
+                for k in range(self.cfg.keys)
+                if s[L.phase[k]] == INVALIDATING
+                for n in range(self.cfg.nodes)
+            }
+            timers = [t for t in timers if t[0] not in frozen]
+        return timers
+
+    def _time(self, s: bytes, fixed: bytes, net: list[bytes], out: list[Step]) -> None:
+        L, cfg = self.L, self.cfg
+        tail = s[L.fixed :]
+        if not self.urgent(s):
+            b = bytearray(fixed)
+            self._run_down(b, self._directory_timers(s), 1)
+            for n in range(cfg.nodes):
+                self._run_down(b, L.node_timers[n], 1)
+            for k in range(cfg.keys):
+                if s[L.phase[k]] == INVALIDATING and b[L.inval_age[k]] <= self.deadline:
+                    b[L.inval_age[k]] += 1
+            out.append(("tick", (), bytes(b) + tail))
+        # Clock steps, in the direction that can hurt (Gray & Cheriton: a fast server clock or a
+        # slow holder clock breaks leases; the opposite errors only delay): the directory's clock
+        # may jump ahead, a holder's clock may fall behind, each by at most epsilon in all.
+        eps = cfg.skew_ticks
+        if s[L.dir_off] < eps:
+            b = bytearray(fixed)
+            b[L.dir_off] += 1
+            self._run_down(b, self._directory_timers(s), 1)
+            out.append(("clock_forward", (-1,), bytes(b) + tail))
+        for n in range(cfg.nodes):
+            if s[L.up[n]] and s[L.off[n]] < eps:
+                b = bytearray(fixed)
+                b[L.off[n]] += 1  # the offset counts how far this clock has fallen behind
+                self._run_down(b, L.node_timers[n], -1)
+                out.append(("clock_back", (n,), bytes(b) + tail))
+
+    # -- holder (reader) side -----------------------------------------------------------------
+
+    def _holder_actions(self, s: bytes, fixed: bytes, net: list[bytes], n: int, k: int, out: list[Step]) -> None:
+        L = self.L
+        h_id = s[L.h_id[n][k]]
+        if s[L.p_kind[n][k]] == P_NONE and len(net) < self.cfg.max_messages and s[L.req[n]] < self.cfg.max_requests:
+            # Every request carries a fresh request number, echoed by its answer: a grant or a
+            # renewal that answers an earlier request (delayed, duplicated, or addressed to the
+            # node before a crash) is never taken for the answer to this one. The budget starts
+            # now, when the request leaves (DESIGN: leases).
+            req = s[L.req[n]] + 1
+            b = bytearray(fixed)
+            b[L.req[n]] = req
+            b[L.p_id[n][k]] = req
+            b[L.p_left[n][k]] = self.holder_budget
+            if h_id == NO_LEASE:
+                b[L.p_kind[n][k]] = P_ACQUIRE
+                out.append(("acquire", (n, k), self._pack(b, net + [message(M_ACQUIRE, n, k, req)])))
+            else:
+                b[L.p_kind[n][k]] = P_RENEW
+                renew = message(M_RENEW, n, k, h_id, s[L.h_loc[n][k]], req)
+                out.append(("renew", (n, k), self._pack(b, net + [renew])))
+        if h_id != NO_LEASE:
+            # A read under a trusted lease: observes the slot (the properties judge what it sees).
+            loc = s[L.h_loc[n][k]] - 1
+            out.append(("read", (n, k, loc), s))
+            # Release: stop trusting first, then tell the directory.
+            b = bytearray(fixed)
+            b[L.h_id[n][k]] = b[L.h_loc[n][k]] = b[L.h_gen[n][k]] = b[L.h_left[n][k]] = 0
+            if s[L.p_kind[n][k]] == P_RENEW:
+                b[L.p_kind[n][k]] = b[L.p_id[n][k]] = b[L.p_left[n][k]] = 0
+            rest = list(net)
+            self._send(rest, message(M_RELEASE, n, k, h_id))
+            out.append(("release", (n, k), self._pack(b, rest)))
+
+    # -- writer side --------------------------------------------------------------------------
+
+    def _writer_actions(self, s: bytes, fixed: bytes, net: list[bytes], n: int, k: int, out: list[Step]) -> None:
+        L = self.L
+        stage = s[L.w_stage[n][k]]
+        if stage == W_NONE:
+            if len(net) < self.cfg.max_messages:
+                b = bytearray(fixed)
+                b[L.w_stage[n][k]] = W_REQUESTED
+                out.append(("begin_write", (n, k), self._pack(b, net + [message(M_BEGIN_WRITE, n, k)])))
+            return
+        if stage == W_REQUESTED:
+            # The client gives up before it was granted; a late grant finds nobody waiting and
+            # the write lease expires.
+            b = bytearray(fixed)
+            self._clear_writer(b, n, k)
+            out.append(("abort", (n, k), self._pack(b, net)))
+
+    def _clear_writer(self, b: bytearray, n: int, k: int) -> None:
+        L = self.L
+        b[L.w_stage[n][k]] = W_NONE
+        b[L.wr_id[n][k]] = b[L.wr_gen[n][k]] = b[L.wr_epoch[n][k]] = b[L.wr_loc[n][k]] = 0
+
+    # -- directory internal actions -----------------------------------------------------------
+
+    def _directory_actions(self, s: bytes, fixed: bytes, net: list[bytes], k: int, out: list[Step]) -> None:
+        L, cfg = self.L, self.cfg
+        phase = s[L.phase[k]]
+        if phase == WRITING:
+            if s[L.w_left[k]] == 0 and "write_lease_never_expires" not in self.bugs:
+                # The write lease expired: the key is writable again, the late writer is fenced
+                # by the next grant's higher epoch.
+                writer = s[L.writer[k]] - 1
+                b = bytearray(fixed)
+                self._end_generation(b, k)
+                name = "expire_write_lease_of_crashed" if not s[L.up[writer]] else "expire_write_lease"
+                out.append((name, (k,), self._pack(b, net)))
+        elif phase == COMMITTED:
+            self._invalidate_actions(s, fixed, net, k, out)
+            self._evict_actions(s, fixed, net, k, out)
+            if cfg.tiering:
+                self._transfer_actions(s, fixed, net, k, out)
+        elif phase == INVALIDATING:
+            if self.completion_enabled(s, k):
+                b = bytearray(fixed)
+                rest = list(net)
+                self._free_copies(s, b, rest, k)
+                self._end_generation(b, k)
+                out.append(("complete_invalidation", (k,), self._pack(b, rest)))
+
+    def _end_generation(self, b: bytearray, k: int) -> None:
+        """Back to ABSENT with the next generation: the old one can never be read again."""
+        L = self.L
+        b[L.phase[k]] = ABSENT
+        b[L.gen[k]] += 1
+        b[L.owner[k]] = b[L.moving[k]] = b[L.draining[k]] = NO_LOCATION
+        b[L.writer[k]] = NO_NODE
+        b[L.w_id[k]] = b[L.w_left[k]] = 0
+        b[L.inval_age[k]] = 0
+
+    def _free_copies(self, s: bytes, b: bytearray, net: list[bytes], k: int) -> None:
+        L = self.L
+        for idx in (L.owner[k], L.draining[k]):
+            loc = s[idx]
+            if loc != NO_LOCATION:
+                self._send(net, message(M_FREE, 0, k, loc, 0, 0, s[L.epoch[k]]))
+
+    def _invalidate_actions(self, s: bytes, fixed: bytes, net: list[bytes], k: int, out: list[Step]) -> None:
+        """invalidate(key) voids the key and its whole prefix subtree (DESIGN: invalidation)."""
+        keys = self.subtree[k] if "invalidate_without_cascade" not in self.bugs else (k,)
+        out.append(("invalidate", (k,), self._start_invalidation(s, fixed, net, keys)))
+
+    def _start_invalidation(self, s: bytes, fixed: bytes, net: list[bytes], keys: Iterable[int]) -> bytes:
+        b = bytearray(fixed)
+        rest = list(net)
+        self._invalidate_into(s, b, rest, keys)
+        return self._pack(b, rest)
+
+    def _invalidate_into(self, s: bytes, b: bytearray, net: list[bytes], keys: Iterable[int]) -> None:
+        """Move every committed key of ``keys`` to INVALIDATING and revoke its leases."""
+        L = self.L
+        for j in keys:
+            phase = s[L.phase[j]]
+            if phase == COMMITTED:
+                b[L.phase[j]] = INVALIDATING
+                b[L.inval_age[j]] = 0
+                b[L.moving[j]] = NO_LOCATION  # an unfinished transfer is abandoned
+                for n in range(self.cfg.nodes):
+                    lease = b[L.r_id[j][n]]
+                    if lease != NO_LEASE:
+                        self._send(net, message(M_REVOKE, n, j, lease))
+            elif phase == WRITING:
+                # A write in progress below an invalidated prefix is aborted; its commit will
+                # find the generation gone.
+                self._end_generation(b, j)
+
+    def _evict_actions(self, s: bytes, fixed: bytes, net: list[bytes], k: int, out: list[Step]) -> None:
+        """A node asks to evict its copy of ``k`` under memory pressure; the directory decides."""
+        L = self.L
+        for idx in (L.owner[k], L.draining[k]):
+            loc1 = s[idx]
+            if loc1 == NO_LOCATION or not self.location_up(s, loc1 - 1):
+                continue
+            if s[L.grace] > 0 and "restart_without_grace" not in self.bugs:
+                continue
+            if "evict_parent_first" not in self.bugs and any(s[L.phase[c]] != ABSENT for c in self.children[k]):
+                continue  # leaves before their ancestors
+            if self.live_lease_on(s, k, loc1) and "evict_under_lease" not in self.bugs:
+                out.append(("evict_refused", (k, loc1 - 1), s))
+                continue
+            if idx == L.owner[k] and s[L.draining[k]] != NO_LOCATION:
+                continue  # the draining copy goes first; the owner is the last copy
+            b = bytearray(fixed)
+            loc = loc1 - 1
+            b[L.s_status[loc][k]] = EMPTY  # the node drops the bytes once the directory agreed
+            b[L.s_gen[loc][k]] = b[L.s_epoch[loc][k]] = 0
+            if idx == L.draining[k]:
+                b[L.draining[k]] = NO_LOCATION
+            else:
+                self._end_generation(b, k)  # the last copy is gone: the key is ABSENT again
+            out.append(("evict", (k, loc), self._pack(b, net)))
+
+    def _transfer_actions(self, s: bytes, fixed: bytes, net: list[bytes], k: int, out: list[Step]) -> None:
+        """Promotion / demotion: move the owner copy to another location as an ownership transfer."""
+        L, cfg = self.L, self.cfg
+        if s[L.moving[k]] != NO_LOCATION or s[L.draining[k]] != NO_LOCATION:
+            if s[L.draining[k]] != NO_LOCATION and not self.live_lease_on(s, k, s[L.draining[k]]):
+                if s[L.grace] == 0 or "restart_without_grace" in self.bugs:
+                    # The old copy's leases drained: free it.
+                    b = bytearray(fixed)
+                    rest = list(net)
+                    self._send(rest, message(M_FREE, 0, k, s[L.draining[k]], 0, 0, s[L.epoch[k]]))
+                    b[L.draining[k]] = NO_LOCATION
+                    out.append(("free_drained", (k,), self._pack(b, rest)))
+            if s[L.moving[k]] != NO_LOCATION:
+                b = bytearray(fixed)
+                b[L.moving[k]] = NO_LOCATION
+                out.append(("cancel_transfer", (k,), self._pack(b, net)))
+            return
+        if s[L.epoch[k]] >= cfg.max_epoch or len(net) >= cfg.max_messages:
+            return
+        owner = s[L.owner[k]]
+        for dest in range(cfg.locations):
+            if dest + 1 == owner or not self.location_up(s, dest):
+                continue
+            b = bytearray(fixed)
+            b[L.epoch[k]] += 1
+            b[L.moving[k]] = dest + 1
+            copy = message(M_COPY, 0, k, dest + 1, owner, s[L.gen[k]], b[L.epoch[k]])
+            out.append(("start_transfer", (k, dest), self._pack(b, net + [copy])))
+
+    # -- message delivery ---------------------------------------------------------------------
+
+    def _deliver(self, s: bytes, fixed: bytes, net: list[bytes], msg: bytes, out: list[Step]) -> None:
+        kind = msg[0]
+        handler = self._handlers[kind]
+        handler(self, s, fixed, net, msg, out)
+
+    # directory-bound requests
+
+    def _on_acquire(self, s, fixed, net, msg, out):
+        L, cfg = self.L, self.cfg
+        _, n, k, req, *_ = msg
+        phase = s[L.phase[k]]
+        grantable = phase == COMMITTED or (phase == INVALIDATING and "grant_during_invalidation" in self.bugs)
+        authorized = self.allowed[n][k] or "no_namespace_check" in self.bugs
+        if not (grantable and authorized) or s[L.r_id[k][n]] != NO_LEASE or s[L.next_id] > cfg.max_lease_id:
+            out.append(("refuse_read_lease", (n, k), self._pack(bytearray(fixed), net)))
+            return
+        b = bytearray(fixed)
+        lease = s[L.next_id]
+        b[L.next_id] = lease + 1
+        loc1 = s[L.owner[k]]
+        b[L.r_id[k][n]] = lease
+        b[L.r_loc[k][n]] = loc1
+        b[L.r_left[k][n]] = cfg.directory_lease_ticks
+        rest = list(net)
+        self._send(rest, message(M_GRANT_READ, n, k, lease, loc1, s[L.gen[k]], req))
+        out.append(("grant_read_lease", (n, k, lease), self._pack(b, rest)))
+
+    def _on_renew(self, s, fixed, net, msg, out):
+        L, cfg = self.L, self.cfg
+        _, n, k, lease, loc1, req, _ = msg
+        live = s[L.r_id[k][n]] == lease
+        revive = s[L.r_id[k][n]] == NO_LEASE and "renew_revives_expired" in self.bugs
+        # Renew only a live lease on the current owner of a committed key: never revive one that
+        # expired or was revoked, never extend a lease on a copy that is draining.
+        if (live or revive) and s[L.phase[k]] == COMMITTED and (loc1 == s[L.owner[k]] or revive):
+            b = bytearray(fixed)
+            b[L.r_id[k][n]] = lease
+            b[L.r_loc[k][n]] = loc1
+            b[L.r_left[k][n]] = cfg.directory_lease_ticks
+            rest = list(net)
+            self._send(rest, message(M_RENEWED, n, k, lease, 0, 0, req))
+            out.append(("renew_lease", (n, k, lease), self._pack(b, rest)))
+        else:
+            out.append(("refuse_renewal", (n, k, lease), self._pack(bytearray(fixed), net)))
+
+    def _on_release(self, s, fixed, net, msg, out):
+        L = self.L
+        _, n, k, lease, *_ = msg
+        b = bytearray(fixed)
+        if s[L.r_id[k][n]] == lease:
+            b[L.r_id[k][n]] = b[L.r_loc[k][n]] = b[L.r_left[k][n]] = 0
+        out.append(("release_lease", (n, k, lease), self._pack(b, net)))
+
+    def _on_begin_write(self, s, fixed, net, msg, out):
+        L, cfg = self.L, self.cfg
+        _, n, k, *_ = msg
+        parent = cfg.parents[k]
+        ok = (
+            s[L.phase[k]] == ABSENT
+            and (parent < 0 or s[L.phase[parent]] == COMMITTED)
+            and (self.allowed[n][k] or "no_namespace_check" in self.bugs)
+            and s[L.epoch[k]] < cfg.max_epoch
+            and s[L.next_id] <= cfg.max_lease_id
+        )
+        if not ok:
+            out.append(("refuse_write_lease", (n, k), self._pack(bytearray(fixed), net)))
+            return
+        lease = s[L.next_id]
+        epoch = s[L.epoch[k]] + 1  # every ownership change takes a new epoch: the fencing token
+        for loc in cfg.write_targets(n):
+            if not self.location_up(s, loc):
+                continue
+            b = bytearray(fixed)
+            b[L.next_id] = lease + 1
+            b[L.phase[k]] = WRITING
+            b[L.epoch[k]] = epoch
+            b[L.owner[k]] = loc + 1
+            b[L.writer[k]] = n + 1
+            b[L.w_id[k]] = lease
+            b[L.w_left[k]] = cfg.directory_lease_ticks
+            rest = list(net)
+            self._send(rest, message(M_GRANT_WRITE, n, k, lease, loc + 1, s[L.gen[k]], epoch))
+            out.append(("grant_write_lease", (n, k, loc), self._pack(b, rest)))
+
+    def _on_commit(self, s, fixed, net, msg, out):
+        L = self.L
+        _, n, k, lease, _, _, epoch = msg
+        current = (
+            s[L.phase[k]] == WRITING
+            and s[L.w_id[k]] == lease
+            and s[L.epoch[k]] == epoch
+            and s[L.w_left[k]] > 0
+        )
+        late_but_accepted = "late_commit_accepted" in self.bugs and s[L.phase[k]] == WRITING
+        b = bytearray(fixed)
+        if current or late_but_accepted:
+            b[L.phase[k]] = COMMITTED
+            b[L.writer[k]] = NO_NODE
+            b[L.w_id[k]] = b[L.w_left[k]] = 0
+            out.append(("commit_write", (n, k, lease), self._pack(b, net)))
+        else:
+            out.append(("reject_stale_commit", (n, k, lease), self._pack(b, net)))
+
+    def _on_ack(self, s, fixed, net, msg, out):
+        L = self.L
+        _, n, k, lease, *_ = msg
+        b = bytearray(fixed)
+        if s[L.phase[k]] == INVALIDATING and s[L.r_id[k][n]] == lease:
+            b[L.r_id[k][n]] = b[L.r_loc[k][n]] = b[L.r_left[k][n]] = 0
+        out.append(("revoke_acked", (n, k, lease), self._pack(b, net)))
+
+    def _on_copied(self, s, fixed, net, msg, out):
+        L = self.L
+        _, _, k, dest1, _, _, epoch = msg
+        b = bytearray(fixed)
+        if s[L.phase[k]] == COMMITTED and s[L.moving[k]] == dest1 and s[L.epoch[k]] == epoch:
+            # The new copy is the owner; the old one drains its leases before it is freed.
+            b[L.draining[k]] = s[L.owner[k]]
+            b[L.owner[k]] = dest1
+            b[L.moving[k]] = NO_LOCATION
+            out.append(("finish_transfer", (k, dest1 - 1), self._pack(b, net)))
+        else:
+            out.append(("ignore_stale_copied", (k, dest1 - 1), self._pack(b, net)))
+
+    # node-bound replies
+
+    def _on_grant_read(self, s, fixed, net, msg, out):
+        L = self.L
+        _, n, k, lease, loc1, gen, req = msg
+        b = bytearray(fixed)
+        if (
+            s[L.up[n]]
+            and s[L.p_kind[n][k]] == P_ACQUIRE
+            and s[L.p_id[n][k]] == req
+            and s[L.h_id[n][k]] == NO_LEASE
+        ):
+            budget = s[L.p_left[n][k]]
+            if "holder_counts_from_receipt" in self.bugs:
+                budget = self.holder_budget
+            b[L.h_id[n][k]] = lease
+            b[L.h_loc[n][k]] = loc1
+            b[L.h_gen[n][k]] = gen
+            b[L.h_left[n][k]] = budget
+            b[L.p_kind[n][k]] = b[L.p_id[n][k]] = b[L.p_left[n][k]] = 0
+            out.append(("trust_read_lease", (n, k, lease), self._pack(b, net)))
+        else:
+            out.append(("ignore_stale_grant", (n, k, lease), self._pack(b, net)))
+
+    def _on_renewed(self, s, fixed, net, msg, out):
+        L = self.L
+        _, n, k, lease, _, _, req = msg
+        b = bytearray(fixed)
+        if (
+            s[L.up[n]]
+            and s[L.p_kind[n][k]] == P_RENEW
+            and s[L.p_id[n][k]] == req
+            and s[L.h_id[n][k]] == lease
+        ):
+            b[L.h_left[n][k]] = s[L.p_left[n][k]]  # counted from when the renewal was sent
+            b[L.p_kind[n][k]] = b[L.p_id[n][k]] = b[L.p_left[n][k]] = 0
+            out.append(("trust_renewal", (n, k, lease), self._pack(b, net)))
+        else:
+            out.append(("ignore_stale_renewal", (n, k, lease), self._pack(b, net)))
+
+    def _on_grant_write(self, s, fixed, net, msg, out):
+        L = self.L
+        _, n, k, lease, loc1, gen, epoch = msg
+        b = bytearray(fixed)
+        if s[L.up[n]] and s[L.w_stage[n][k]] == W_REQUESTED:
+            # Send the bytes to the granted location at once, tagged with the epoch (the fencing
+            # token). However long they take to land -- a pause, a slow network -- the tag is
+            # what the location judges them by.
+            b[L.w_stage[n][k]] = W_BYTES_SENT
+            b[L.wr_id[n][k]] = lease
+            b[L.wr_gen[n][k]] = gen
+            b[L.wr_epoch[n][k]] = epoch
+            b[L.wr_loc[n][k]] = loc1
+            rest = list(net)
+            self._send(rest, message(M_WRITE_BYTES, n, k, lease, loc1, gen, epoch))
+            out.append(("start_writing", (n, k, lease), self._pack(b, rest)))
+        else:
+            out.append(("ignore_stale_write_grant", (n, k, lease), self._pack(b, net)))
+
+    def _on_revoke(self, s, fixed, net, msg, out):
+        L = self.L
+        _, n, k, lease, *_ = msg
+        b = bytearray(fixed)
+        rest = list(net)
+        if s[L.up[n]]:
+            if s[L.h_id[n][k]] == lease and "ack_before_drop" not in self.bugs:
+                # Drop the copy first, then acknowledge (Chubby's flush-then-ack).
+                b[L.h_id[n][k]] = b[L.h_loc[n][k]] = b[L.h_gen[n][k]] = b[L.h_left[n][k]] = 0
+            if s[L.p_kind[n][k]] != P_NONE:
+                # The revocation may overtake the grant it revokes: an acquire still waiting for
+                # its grant is cancelled too, or the holder would trust a lease the directory is
+                # about to forget on this very ack. (Found by the checker: NoReadAfterAck.)
+                b[L.p_kind[n][k]] = b[L.p_id[n][k]] = b[L.p_left[n][k]] = 0
+            self._send(rest, message(M_ACK, n, k, lease))
+        out.append(("drop_and_ack", (n, k, lease), self._pack(b, rest)))
+
+    # data plane, at a location
+
+    def _on_write_bytes(self, s, fixed, net, msg, out):
+        L = self.L
+        _, n, k, lease, loc1, gen, epoch = msg
+        loc = loc1 - 1
+        b = bytearray(fixed)
+        if not self.location_up(s, loc):
+            out.append(("write_to_down_location", (n, k, loc), self._pack(b, net)))
+            return
+        writer_waiting = s[L.up[n]] and s[L.w_stage[n][k]] == W_BYTES_SENT and s[L.wr_id[n][k]] == lease
+        if epoch < s[L.fence[loc][k]] and "no_fencing" not in self.bugs:
+            # A stale writer (paused past its lease, or a zombie) is refused where the data lives.
+            if writer_waiting:
+                self._clear_writer(b, n, k)
+            out.append(("fence_stale_write", (n, k, loc), self._pack(b, net)))
+            return
+        b[L.s_status[loc][k]] = FULL
+        b[L.s_gen[loc][k]] = gen
+        b[L.s_epoch[loc][k]] = epoch
+        b[L.fence[loc][k]] = max(epoch, s[L.fence[loc][k]])
+        rest = net
+        if writer_waiting:
+            # Published (written, synced, then made visible): the writer asks to commit.
+            self._clear_writer(b, n, k)
+            rest = list(net)
+            self._send(rest, message(M_COMMIT, n, k, lease, 0, 0, epoch))
+        out.append(("store_bytes", (n, k, loc), self._pack(b, rest)))
+
+    def _on_free(self, s, fixed, net, msg, out):
+        L = self.L
+        _, _, k, loc1, _, _, epoch = msg
+        loc = loc1 - 1
+        b = bytearray(fixed)
+        if not self.location_up(s, loc):
+            out.append(("free_at_down_location", (k, loc), self._pack(b, net)))
+        elif epoch < s[L.fence[loc][k]] and "no_fencing" not in self.bugs:
+            out.append(("fence_stale_free", (k, loc), self._pack(b, net)))
+        else:
+            b[L.s_status[loc][k]] = EMPTY
+            b[L.s_gen[loc][k]] = b[L.s_epoch[loc][k]] = 0
+            out.append(("free_slot", (k, loc), self._pack(b, net)))
+
+    def _on_copy(self, s, fixed, net, msg, out):
+        L = self.L
+        _, _, k, dest1, src1, gen, epoch = msg
+        dest, src = dest1 - 1, src1 - 1
+        b = bytearray(fixed)
+        source_ok = (
+            self.location_up(s, src)
+            and s[L.s_status[src][k]] == FULL
+            and s[L.s_gen[src][k]] == gen
+        )
+        if not self.location_up(s, dest) or not source_ok:
+            out.append(("copy_failed", (k, dest), self._pack(b, net)))
+            return
+        if epoch < s[L.fence[dest][k]] and "no_fencing" not in self.bugs:
+            out.append(("fence_stale_copy", (k, dest), self._pack(b, net)))
+            return
+        b[L.s_status[dest][k]] = FULL
+        b[L.s_gen[dest][k]] = gen
+        b[L.s_epoch[dest][k]] = epoch
+        b[L.fence[dest][k]] = max(epoch, s[L.fence[dest][k]])
+        rest = list(net)
+        self._send(rest, message(M_COPIED, 0, k, dest1, 0, 0, epoch))
+        out.append(("store_copy", (k, dest), self._pack(b, rest)))
+
+    _handlers: dict[int, Callable] = {
+        M_ACQUIRE: _on_acquire,
+        M_RENEW: _on_renew,
+        M_RELEASE: _on_release,
+        M_BEGIN_WRITE: _on_begin_write,
+        M_COMMIT: _on_commit,
+        M_ACK: _on_ack,
+        M_COPIED: _on_copied,
+        M_GRANT_READ: _on_grant_read,
+        M_RENEWED: _on_renewed,
+        M_GRANT_WRITE: _on_grant_write,
+        M_REVOKE: _on_revoke,
+        M_WRITE_BYTES: _on_write_bytes,
+        M_FREE: _on_free,
+        M_COPY: _on_copy,
+    }
+
+    # -- failures -----------------------------------------------------------------------------
+
+    def _failures(self, s: bytes, fixed: bytes, net: list[bytes], out: list[Step]) -> None:
+        L, cfg = self.L, self.cfg
+        for n in range(cfg.nodes):
+            if s[L.up[n]]:
+                if s[L.crashes_left] > 0:
+                    out.append(("crash", (n, 0), self._pack(self._crash(s, fixed, n, lose_disk=False), net)))
+                    out.append(("crash", (n, 1), self._pack(self._crash(s, fixed, n, lose_disk=True), net)))
+            else:
+                out.append(("restart_node", (n,), self._restart_node(s, fixed, net, n)))
+        if s[L.restarts_left] > 0:
+            out.append(("restart_directory", (), self._pack(self._restart_directory(s, fixed), net)))
+
+    def _crash(self, s: bytes, fixed: bytes, n: int, lose_disk: bool) -> bytearray:
+        """kill -9: volatile state is gone; the disk survives unless ``lose_disk``."""
+        L, cfg = self.L, self.cfg
+        b = bytearray(fixed)
+        b[L.up[n]] = 0
+        b[L.crashes_left] -= 1
+        for k in range(cfg.keys):
+            for idx in (L.h_id, L.h_loc, L.h_gen, L.h_left, L.p_kind, L.p_id, L.p_left):
+                b[idx[n][k]] = 0
+            self._clear_writer(b, n, k)
+        if lose_disk:
+            for loc in range(cfg.locations):
+                if self.loc_node[loc] != n:
+                    continue
+                for k in range(cfg.keys):
+                    if b[L.s_status[loc][k]] == FULL:
+                        b[L.s_status[loc][k]] = LOST  # a read fails; it never returns other bytes
+                    b[L.fence[loc][k]] = 0  # the fence was on that disk too
+        return b
+
+    def _restart_node(self, s: bytes, fixed: bytes, net: list[bytes], n: int) -> bytes:
+        """The node comes back (recovery scan done) and re-registers with the directory, which
+        forgets the node's leases and every copy the node lost. A lost owner copy is invalidated
+        like any other: other nodes may still trust leases on it, so the key becomes writable
+        again only once those have been acknowledged or expired."""
+        L, cfg = self.L, self.cfg
+        b = bytearray(fixed)
+        rest = list(net)
+        b[L.up[n]] = 1
+        for k in range(cfg.keys):
+            b[L.r_id[k][n]] = b[L.r_loc[k][n]] = b[L.r_left[k][n]] = 0
+        for k in range(cfg.keys):
+            for idx in (L.owner[k], L.draining[k], L.moving[k]):
+                loc1 = s[idx]
+                if loc1 == NO_LOCATION or self.loc_node[loc1 - 1] != n:
+                    continue
+                if idx == L.moving[k]:
+                    b[idx] = NO_LOCATION  # the copy in progress died with the node
+                elif s[L.s_status[loc1 - 1][k]] == LOST and idx == L.owner[k] and b[L.phase[k]] == COMMITTED:
+                    self._invalidate_into(s, b, rest, self.subtree[k])
+        return self._pack(b, rest)
+
+    def _restart_directory(self, s: bytes, fixed: bytes) -> bytearray:
+        """The directory process restarts from its durable log: records survive, the lease table
+        and timers do not."""
+        L, cfg = self.L, self.cfg
+        b = bytearray(fixed)
+        b[L.restarts_left] -= 1
+        for k in range(cfg.keys):
+            for n in range(cfg.nodes):
+                b[L.r_id[k][n]] = b[L.r_loc[k][n]] = b[L.r_left[k][n]] = 0
+            if s[L.phase[k]] == WRITING:
+                b[L.w_left[k]] = cfg.restart_grace_ticks  # the writer may still hold its lease
+        if "restart_without_grace" not in self.bugs:
+            b[L.grace] = cfg.restart_grace_ticks
+        if "lease_id_reuse_after_restart" in self.bugs:
+            b[L.next_id] = 1  # the counter was not in the durable log
+        return b

@@ -1,0 +1,59 @@
+"""Deliberately broken protocols, each of which a named property must catch.
+
+A checker that catches no bug proves nothing. Each mutant switches on one bug flag of ``Model``
+(a line of the protocol that is dropped or changed), names the configuration to check it in and
+the property that must report it. ``kvcc mutants`` fails unless every mutant is caught by exactly
+the property it names.
+"""
+
+from __future__ import annotations
+
+from attrs import frozen
+
+
+@frozen
+class Mutant:
+    name: str
+    bugs: tuple[str, ...]
+    expected_property: str
+    config: str
+    text: str
+
+
+MUTANTS: dict[str, Mutant] = {
+    m.name: m
+    for m in (
+        Mutant("no-fencing", ("no_fencing",), "CommittedBytesIntact", "small",
+               "storage accepts bytes and frees under any epoch: a paused writer overwrites a newer commit"),
+        Mutant("late-commit-accepted", ("late_commit_accepted",), "CommittedBytesIntact", "small",
+               "the directory commits a write without checking its lease and epoch"),
+        Mutant("invalidation-ignores-leases", ("invalidation_ignores_leases",), "NoReclaimUnderLease", "small",
+               "an invalidation (a rewrite) completes without waiting for leases to be acked or expire"),
+        Mutant("holder-ignores-skew", ("holder_ignores_skew",), "LeaseKnownToDirectory", "small",
+               "a holder trusts its lease for the full term instead of term - epsilon"),
+        Mutant("holder-counts-from-receipt", ("holder_counts_from_receipt",), "LeaseKnownToDirectory", "small",
+               "a holder counts its lease from the grant's arrival, not from sending the request"),
+        Mutant("renew-revives-expired", ("renew_revives_expired",), "RenewalNeverRevives", "small",
+               "the directory renews a lease that already expired"),
+        Mutant("evict-under-lease", ("evict_under_lease",), "NoReclaimUnderLease", "small",
+               "eviction ignores live read leases"),
+        Mutant("evict-parent-first", ("evict_parent_first",), "PrefixClosed", "small",
+               "eviction takes a parent while its child is still cached"),
+        Mutant("lease-id-reuse", ("lease_id_reuse_after_restart",), "LeaseIdsFresh", "small",
+               "a restarted directory starts lease ids from 1 again"),
+        Mutant("grant-during-invalidation", ("grant_during_invalidation",), "LeasesGrantedOnlyOnCommitted", "small",
+               "the directory grants read leases on a key that is being invalidated"),
+        Mutant("restart-without-grace", ("restart_without_grace",), "NoReclaimUnderLease", "small",
+               "a restarted directory frees copies before the longest lease it may have issued expired"),
+        Mutant("ack-before-drop", ("ack_before_drop",), "NoReadAfterAck", "small",
+               "a holder acknowledges a revocation but keeps trusting its lease"),
+        Mutant("invalidate-without-cascade", ("invalidate_without_cascade",), "PrefixClosed", "small",
+               "invalidating a key leaves its descendants committed"),
+        Mutant("invalidation-waits-for-acks", ("invalidation_waits_for_acks",), "InvalidationCompletesInTime", "small",
+               "an invalidation waits for every acknowledgement and never completes by expiry"),
+        Mutant("no-namespace-check", ("no_namespace_check",), "NamespaceIsolation", "tenants",
+               "the directory grants leases without checking the tenant's namespaces"),
+        Mutant("write-lease-never-expires", ("write_lease_never_expires",), "WriteLeaseEndsInTime", "small",
+               "a write lease whose holder vanished is never expired"),
+    )
+}

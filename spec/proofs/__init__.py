@@ -1,0 +1,1 @@
+"""z3 proofs of the core safety properties: one obligation per (action, invariant)."""

@@ -1,0 +1,513 @@
+"""Every property of the protocol, written once as a pure predicate over model states.
+
+Three kinds:
+
+- ``Invariant``: must hold in every reachable state (``always``).
+- ``TransitionProperty``: must hold on every step ``(pre, action, post)`` (``always [][P]``).
+- ``Sometimes``: must hold in *some* reachable state or step; one per ``always``, so that a model
+  which never reaches the situation an invariant talks about fails instead of passing vacuously.
+
+Progress is stated as bounded response: ``InvalidationCompletesInTime`` bounds a ghost timer, and
+``WriteLeaseEndsInTime`` forbids time to pass while a write lease's time is up.
+
+The checker, the proofs' re-check of counterexamples, the property tests, the reference's own
+assertions and the conformance oracle all call these same functions. Each predicate receives the
+``Model`` (for its configuration and layout) and a state (``bytes``).
+
+Numbering follows DESIGN.md's property list.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from attrs import frozen
+
+from .layout import (
+    ABSENT,
+    COMMITTED,
+    FULL,
+    INVALIDATING,
+    LOST,
+    M_ACK,
+    M_COMMIT,
+    M_COPY,
+    M_GRANT_READ,
+    M_GRANT_WRITE,
+    M_RELEASE,
+    M_RENEW,
+    M_RENEWED,
+    M_REVOKE,
+    M_WRITE_BYTES,
+    MESSAGE_WIDTH,
+    NO_LEASE,
+    NO_LOCATION,
+    W_BYTES_SENT,
+    WRITING,
+)
+from .model import Model
+
+StatePredicate = Callable[[Model, bytes], bool]
+StepPredicate = Callable[[Model, bytes, str, tuple, bytes], bool]
+
+
+@frozen
+class Invariant:
+    name: str
+    design: str  # which DESIGN.md property this states
+    text: str
+    holds: StatePredicate
+    kind: str = "safety"  # or "progress"
+
+
+@frozen
+class TransitionProperty:
+    name: str
+    design: str
+    text: str
+    holds: StepPredicate
+    kind: str = "safety"
+
+
+@frozen
+class Sometimes:
+    name: str
+    text: str
+    reached_state: StatePredicate | None = None
+    reached_step: StepPredicate | None = None
+    companion_of: tuple[str, ...] = ()
+
+
+# --------------------------------------------------------------------------------- helpers
+
+
+def _trusted(m: Model, s: bytes):
+    """Every lease a holder currently trusts: (node, key, lease, location, gen, trust_left)."""
+    L = m.L
+    for n in range(m.cfg.nodes):
+        for k in range(m.cfg.keys):
+            lease = s[L.h_id[n][k]]
+            if lease != NO_LEASE:
+                yield n, k, lease, s[L.h_loc[n][k]] - 1, s[L.h_gen[n][k]], s[L.h_left[n][k]]
+
+
+def _messages(m: Model, s: bytes):
+    for i in range(m.L.fixed, len(s), MESSAGE_WIDTH):
+        yield s[i : i + MESSAGE_WIDTH]
+
+
+def _slot_holds(m: Model, s: bytes, loc: int, k: int, gen: int) -> bool:
+    """The slot holds exactly generation ``gen`` of ``k`` -- or lost it in a crash, so that a read
+    fails instead of returning other bytes."""
+    L = m.L
+    status = s[L.s_status[loc][k]]
+    return status == LOST or (status == FULL and s[L.s_gen[loc][k]] == gen)
+
+
+def _holder_block(m: Model, s: bytes) -> bool:
+    """Fast path: does any holder trust any lease at all?"""
+    L = m.L
+    return any(s[L.h_id[n][k]] for n in range(m.cfg.nodes) for k in range(m.cfg.keys))
+
+
+# --------------------------------------------------------------------------------- invariants
+
+
+def one_writer_per_generation(m: Model, s: bytes) -> bool:
+    """At most one node ever holds the write lease of a key's generation."""
+    L = m.L
+    seen: dict[tuple[int, int], int] = {}
+    for n in range(m.cfg.nodes):
+        for k in range(m.cfg.keys):
+            if s[L.w_stage[n][k]] >= W_BYTES_SENT:
+                if seen.setdefault((k, s[L.wr_gen[n][k]]), n) != n:
+                    return False
+    for msg in _messages(m, s):
+        if msg[0] == M_GRANT_WRITE:
+            if seen.setdefault((msg[2], msg[5]), msg[1]) != msg[1]:
+                return False
+    return True
+
+
+def one_owner_per_epoch(m: Model, s: bytes) -> bool:
+    """No two locations hold a key's bytes under the same epoch."""
+    L = m.L
+    for k in range(m.cfg.keys):
+        epochs = [
+            s[L.s_epoch[loc][k]]
+            for loc in range(m.cfg.locations)
+            if s[L.s_status[loc][k]] == FULL
+        ]
+        if len(epochs) != len(set(epochs)):
+            return False
+    return True
+
+
+def epochs_bound_fences(m: Model, s: bytes) -> bool:
+    """The directory's epoch of a key is the highest one anywhere: no fence, stored copy or
+    message carries a higher one (so ``epoch + 1`` is always fresh)."""
+    L = m.L
+    for k in range(m.cfg.keys):
+        top = s[L.epoch[k]]
+        for loc in range(m.cfg.locations):
+            if s[L.fence[loc][k]] > top or s[L.s_epoch[loc][k]] > top:
+                return False
+    for msg in _messages(m, s):
+        if msg[0] in (M_GRANT_WRITE, M_WRITE_BYTES, M_COPY) and msg[6] > s[L.epoch[msg[2]]]:
+            return False
+    return True
+
+
+def no_dirty_read(m: Model, s: bytes) -> bool:
+    """A holder trusts a lease only on a COMMITTED (or still-invalidating) generation."""
+    L = m.L
+    for _, k, _, _, _, _ in _trusted(m, s):
+        if s[L.phase[k]] not in (COMMITTED, INVALIDATING):
+            return False
+    return True
+
+
+def committed_bytes_intact(m: Model, s: bytes) -> bool:
+    """The committed generation's bytes sit unchanged at its owner (and at a draining copy)."""
+    L = m.L
+    for k in range(m.cfg.keys):
+        if s[L.phase[k]] in (COMMITTED, INVALIDATING):
+            for idx in (L.owner[k], L.draining[k]):
+                loc1 = s[idx]
+                if loc1 != NO_LOCATION and not _slot_holds(m, s, loc1 - 1, k, s[L.gen[k]]):
+                    return False
+    return True
+
+
+def no_reclaim_under_lease(m: Model, s: bytes) -> bool:
+    """No location a holder trusts a lease on has been freed, evicted, moved or overwritten."""
+    for _, k, _, loc, gen, _ in _trusted(m, s):
+        if not _slot_holds(m, s, loc, k, gen):
+            return False
+    return True
+
+
+def no_stale_read(m: Model, s: bytes) -> bool:
+    """Once an invalidation completed (the generation moved on), nobody trusts the old one."""
+    L = m.L
+    for _, k, _, _, gen, _ in _trusted(m, s):
+        if gen != s[L.gen[k]]:
+            return False
+    return True
+
+
+def no_read_after_ack(m: Model, s: bytes) -> bool:
+    """A holder that acknowledged a revocation no longer trusts that lease."""
+    L = m.L
+    for msg in _messages(m, s):
+        if msg[0] == M_ACK and s[L.h_id[msg[1]][msg[2]]] == msg[3]:
+            return False
+    return True
+
+
+def lease_ids_fresh(m: Model, s: bytes) -> bool:
+    """Every lease id in use anywhere is below the directory's counter: ids are never reused."""
+    L = m.L
+    top = s[L.next_id]
+    for k in range(m.cfg.keys):
+        if s[L.w_id[k]] >= top:
+            return False
+        for n in range(m.cfg.nodes):
+            if s[L.r_id[k][n]] >= top or s[L.h_id[n][k]] >= top or s[L.wr_id[n][k]] >= top:
+                return False
+    for msg in _messages(m, s):
+        if msg[0] in _CARRIES_LEASE and msg[3] >= top:
+            return False
+    return True
+
+
+_CARRIES_LEASE = frozenset(
+    (M_RENEW, M_GRANT_READ, M_RENEWED, M_RELEASE, M_GRANT_WRITE, M_WRITE_BYTES, M_COMMIT, M_REVOKE, M_ACK)
+)
+
+
+def lease_known_to_directory(m: Model, s: bytes) -> bool:
+    """Holder-side validity under skew: whatever a holder trusts, the directory still counts as
+    live at least as long (or frees nothing during its restart grace for at least as long)."""
+    L = m.L
+    grace = s[L.grace]
+    for n, k, lease, _, _, left in _trusted(m, s):
+        if s[L.r_id[k][n]] == lease and s[L.r_left[k][n]] >= left:
+            continue
+        if grace >= left:
+            continue
+        return False
+    return True
+
+
+def directory_data_agreement(m: Model, s: bytes) -> bool:
+    """The directory never points a live lease at a location without the leased bytes."""
+    L = m.L
+    for k in range(m.cfg.keys):
+        gen = s[L.gen[k]]
+        for n in range(m.cfg.nodes):
+            if s[L.r_id[k][n]] != NO_LEASE:
+                loc1 = s[L.r_loc[k][n]]
+                if loc1 == NO_LOCATION or not _slot_holds(m, s, loc1 - 1, k, gen):
+                    return False
+    return True
+
+
+def prefix_closed(m: Model, s: bytes) -> bool:
+    """A written or committed block's parent is committed: a request's blocks form one chain."""
+    L = m.L
+    for k, parent in enumerate(m.cfg.parents):
+        if parent >= 0 and s[L.phase[k]] in (WRITING, COMMITTED) and s[L.phase[parent]] != COMMITTED:
+            return False
+    return True
+
+
+def namespace_isolation(m: Model, s: bytes) -> bool:
+    """No node holds a lease or a write grant in a namespace its tenant is not authorised for."""
+    L = m.L
+    for n in range(m.cfg.nodes):
+        for k in range(m.cfg.keys):
+            if m.allowed[n][k]:
+                continue
+            if s[L.r_id[k][n]] or s[L.h_id[n][k]] or s[L.w_stage[n][k]] >= W_BYTES_SENT:
+                return False
+    return True
+
+
+def invalidation_completes_in_time(m: Model, s: bytes) -> bool:
+    """Bounded response: an invalidation completes within the deadline (term + 2 epsilon, plus a
+    grace period per directory restart), acknowledged or not."""
+    L = m.L
+    return all(s[L.inval_age[k]] <= m.deadline for k in range(m.cfg.keys))
+
+
+# --------------------------------------------------------------------------------- steps
+
+
+def epoch_monotonic(m: Model, pre: bytes, action: str, params: tuple, post: bytes) -> bool:
+    """Epochs never decrease: not at the directory, not at a fence (unless that disk was lost)."""
+    L = m.L
+    for k in range(m.cfg.keys):
+        if post[L.epoch[k]] < pre[L.epoch[k]]:
+            return False
+    if action == "crash" and params[1] == 1:
+        return True
+    for k in range(m.cfg.keys):
+        for loc in range(m.cfg.locations):
+            if post[L.fence[loc][k]] < pre[L.fence[loc][k]]:
+                return False
+    return True
+
+
+def fencing_holds(m: Model, pre: bytes, action: str, params: tuple, post: bytes) -> bool:
+    """Where data lives, new bytes never carry an epoch below the slot's fence."""
+    L = m.L
+    for k in range(m.cfg.keys):
+        for loc in range(m.cfg.locations):
+            e = L.s_epoch[loc][k]
+            if post[e] != pre[e] and post[L.s_status[loc][k]] == FULL and post[e] < pre[L.fence[loc][k]]:
+                return False
+    return True
+
+
+def leases_granted_only_on_committed(m: Model, pre: bytes, action: str, params: tuple, post: bytes) -> bool:
+    """A lease is granted or extended only on a COMMITTED key: never while writing, never during
+    an invalidation (no new leases once it began)."""
+    if action == "clock_forward":
+        return True  # the directory's clock moved; nothing was granted
+    L = m.L
+    for k in range(m.cfg.keys):
+        for n in range(m.cfg.nodes):
+            r = L.r_left[k][n]
+            if post[r] > pre[r] and post[L.phase[k]] != COMMITTED:
+                return False
+    return True
+
+
+def renewal_never_revives(m: Model, pre: bytes, action: str, params: tuple, post: bytes) -> bool:
+    """A lease-table entry appears only as a fresh grant with a new id: renewal never brings back
+    a lease that expired or was revoked."""
+    L = m.L
+    for k in range(m.cfg.keys):
+        for n in range(m.cfg.nodes):
+            i = L.r_id[k][n]
+            if pre[i] == NO_LEASE and post[i] != NO_LEASE and post[i] != pre[L.next_id]:
+                return False
+    return True
+
+
+def write_lease_ends_in_time(m: Model, pre: bytes, action: str, params: tuple, post: bytes) -> bool:
+    """Bounded response: time does not pass a write lease whose term is up: every write lease
+    ends in commit, abort or expiry within its term."""
+    if action != "tick":
+        return True
+    L = m.L
+    return not any(pre[L.phase[k]] == WRITING and pre[L.w_left[k]] == 0 for k in range(m.cfg.keys))
+
+
+# --------------------------------------------------------------------------------- sometimes
+
+
+def _remote_read(m: Model, pre: bytes, action: str, params: tuple, post: bytes) -> bool:
+    if action != "read":
+        return False
+    n, k, loc = params
+    node = m.loc_node[loc]
+    return node >= 0 and node != n and _slot_holds(m, pre, loc, k, pre[m.L.h_gen[n][k]]) and pre[m.L.s_status[loc][k]] == FULL
+
+
+def _completed_by_acks(m: Model, pre: bytes, action: str, params: tuple, post: bytes) -> bool:
+    if action != "revoke_acked":
+        return False
+    n, k, _ = params
+    return pre[m.L.phase[k]] == INVALIDATING and m.has_live_lease(pre, k) and not m.has_live_lease(post, k)
+
+
+def _completed_by_expiry(m: Model, pre: bytes, action: str, params: tuple, post: bytes) -> bool:
+    if action not in ("tick", "clock_forward"):
+        return False
+    return any(
+        pre[m.L.phase[k]] == INVALIDATING and m.has_live_lease(pre, k) and not m.has_live_lease(post, k)
+        for k in range(m.cfg.keys)
+    )
+
+
+def _multi_holder_invalidation(m: Model, s: bytes) -> bool:
+    L = m.L
+    return any(
+        s[L.phase[k]] == INVALIDATING and sum(1 for n in range(m.cfg.nodes) if s[L.r_id[k][n]]) >= 2
+        for k in range(m.cfg.keys)
+    )
+
+
+def _step(name: str) -> StepPredicate:
+    return lambda m, pre, action, params, post: action == name
+
+
+def _trusting_while_invalidating(m: Model, s: bytes) -> bool:
+    return any(s[m.L.phase[k]] == INVALIDATING for _, k, *_ in _trusted(m, s))
+
+
+def _ack_in_flight(m: Model, s: bytes) -> bool:
+    return any(msg[0] == M_ACK for msg in _messages(m, s))
+
+
+def _trust_during_grace(m: Model, s: bytes) -> bool:
+    return s[m.L.grace] > 0 and _holder_block(m, s)
+
+
+def _child_committed(m: Model, s: bytes) -> bool:
+    L = m.L
+    return any(p >= 0 and s[L.phase[k]] == COMMITTED for k, p in enumerate(m.cfg.parents))
+
+
+def _committed_at_owner(m: Model, s: bytes) -> bool:
+    L = m.L
+    return any(s[L.phase[k]] == COMMITTED and s[L.s_status[s[L.owner[k]] - 1][k]] == FULL for k in range(m.cfg.keys))
+
+
+def _two_epochs_stored(m: Model, s: bytes) -> bool:
+    L = m.L
+    return any(
+        len({s[L.s_epoch[loc][k]] for loc in range(m.cfg.locations) if s[L.s_status[loc][k]] == FULL}) >= 2
+        for k in range(m.cfg.keys)
+    )
+
+
+def _unauthorised_refused(m: Model, pre: bytes, action: str, params: tuple, post: bytes) -> bool:
+    return action in ("refuse_read_lease", "refuse_write_lease") and not m.allowed[params[0]][params[1]]
+
+
+def _crash_handoff(m: Model, pre: bytes, action: str, params: tuple, post: bytes) -> bool:
+    if action == "expire_write_lease_of_crashed":
+        return True
+    if action == "restart_node":
+        L = m.L
+        return any(pre[L.phase[k]] == COMMITTED and post[L.phase[k]] == INVALIDATING for k in range(m.cfg.keys))
+    return False
+
+
+def _renewal(m: Model, pre: bytes, action: str, params: tuple, post: bytes) -> bool:
+    return action == "trust_renewal"
+
+
+INVARIANTS: tuple[Invariant, ...] = (
+    Invariant("OneWriterPerGeneration", "1", "at most one node holds the write lease of a (key, generation)", one_writer_per_generation),
+    Invariant("OneOwnerPerEpoch", "1", "no two locations hold a key's bytes under one epoch", one_owner_per_epoch),
+    Invariant("EpochsBoundFences", "2", "no fence, copy or message carries an epoch above the directory's", epochs_bound_fences),
+    Invariant("NoDirtyRead", "3", "holders trust leases only on committed generations", no_dirty_read),
+    Invariant("CommittedBytesIntact", "4", "the committed generation's bytes sit unchanged at its owner", committed_bytes_intact),
+    Invariant("NoReclaimUnderLease", "5", "no location under a trusted lease is freed, evicted, moved or overwritten", no_reclaim_under_lease),
+    Invariant("NoStaleRead", "6", "after an invalidation completes nobody trusts the old generation", no_stale_read),
+    Invariant("NoReadAfterAck", "7", "a holder that acked a revocation no longer trusts the lease", no_read_after_ack),
+    Invariant("LeaseIdsFresh", "8", "every lease id in use is below the directory's counter", lease_ids_fresh),
+    Invariant("LeaseKnownToDirectory", "8,12", "a holder's trust never outlives the directory's view of the lease (skew, restart)", lease_known_to_directory),
+    Invariant("DirectoryDataAgreement", "9", "a live lease never points at a location without the leased bytes", directory_data_agreement),
+    Invariant("PrefixClosed", "10", "a written or committed block's parent is committed", prefix_closed),
+    Invariant("NamespaceIsolation", "11", "no lease or write grant outside the tenant's namespaces", namespace_isolation),
+    Invariant("InvalidationCompletesInTime", "progress", "an invalidation completes within its deadline", invalidation_completes_in_time, kind="progress"),
+)
+
+TRANSITION_PROPERTIES: tuple[TransitionProperty, ...] = (
+    TransitionProperty("EpochMonotonic", "2", "epochs never decrease, at the directory or at a fence", epoch_monotonic),
+    TransitionProperty("FencingHolds", "2", "a slot never accepts bytes under an epoch below its fence", fencing_holds),
+    TransitionProperty("LeasesGrantedOnlyOnCommitted", "3,6", "leases are granted or extended only on committed keys", leases_granted_only_on_committed),
+    TransitionProperty("RenewalNeverRevives", "8", "a lease appears only as a fresh grant; renewal never revives", renewal_never_revives),
+    TransitionProperty("WriteLeaseEndsInTime", "progress", "time never passes an expired write lease", write_lease_ends_in_time, kind="progress"),
+)
+
+SOMETIMES: tuple[Sometimes, ...] = (
+    Sometimes("RemoteReadUnderLease", "a node reads a peer's copy under a trusted lease", reached_step=_remote_read,
+              companion_of=("NoReclaimUnderLease", "NoDirtyRead", "DirectoryDataAgreement")),
+    Sometimes("InvalidationCompletedByAcks", "the last lease of an invalidating key ends by acknowledgement", reached_step=_completed_by_acks,
+              companion_of=("NoReadAfterAck",)),
+    Sometimes("InvalidationCompletedByExpiry", "the last lease of an invalidating key ends by expiry", reached_step=_completed_by_expiry,
+              companion_of=("InvalidationCompletesInTime",)),
+    Sometimes("InvalidationWithTwoHolders", "an invalidation waits on leases held by two nodes", reached_state=_multi_holder_invalidation),
+    Sometimes("FencedStaleWrite", "a stale writer's bytes are refused by a fence", reached_step=_step("fence_stale_write"),
+              companion_of=("FencingHolds", "OneOwnerPerEpoch")),
+    Sometimes("StaleCommitRejected", "the directory rejects a late commit", reached_step=_step("reject_stale_commit"),
+              companion_of=("OneWriterPerGeneration",)),
+    Sometimes("RefusedEvictionOfLeasedBlock", "an eviction is refused because the copy is leased", reached_step=_step("evict_refused")),
+    Sometimes("Eviction", "an unleased copy is evicted", reached_step=_step("evict")),
+    Sometimes("OwnershipHandoffAfterCrash", "a crashed owner's key becomes writable again", reached_step=_crash_handoff),
+    Sometimes("TrustedDuringInvalidation", "a holder still trusts a lease while its key is invalidating", reached_state=_trusting_while_invalidating,
+              companion_of=("NoStaleRead",)),
+    Sometimes("AckInFlight", "an acknowledgement of a revocation is in flight", reached_state=_ack_in_flight),
+    Sometimes("TrustedDuringRestartGrace", "a holder trusts a lease the restarted directory forgot", reached_state=_trust_during_grace,
+              companion_of=("LeaseKnownToDirectory",)),
+    Sometimes("LeaseRenewed", "a holder extends its trust by a renewal", reached_step=_renewal, companion_of=("RenewalNeverRevives",)),
+    Sometimes("ChildCommitted", "a block is committed under a committed parent", reached_state=_child_committed,
+              companion_of=("PrefixClosed",)),
+    Sometimes("CommittedAtOwner", "a committed block's bytes are at its owner", reached_state=_committed_at_owner,
+              companion_of=("CommittedBytesIntact",)),
+    Sometimes("TwoEpochsStored", "copies of one key under two epochs coexist", reached_state=_two_epochs_stored,
+              companion_of=("EpochsBoundFences", "EpochMonotonic")),
+    Sometimes("UnauthorisedRequestRefused", "a request outside the tenant's namespaces is refused", reached_step=_unauthorised_refused,
+              companion_of=("NamespaceIsolation",)),
+)
+
+
+def applicable_sometimes(cfg) -> tuple[Sometimes, ...]:
+    """The ``sometimes`` a configuration must reach: those its scope can express."""
+    chosen = []
+    for sm in SOMETIMES:
+        if sm.name == "UnauthorisedRequestRefused" and all(len(a) == len(set(cfg.namespaces)) for a in cfg.authorized):
+            continue
+        if sm.name == "ChildCommitted" and all(p < 0 for p in cfg.parents):
+            continue
+        if sm.name == "OwnershipHandoffAfterCrash" and cfg.max_node_crashes == 0:
+            continue
+        if sm.name == "TrustedDuringRestartGrace" and cfg.max_directory_restarts == 0:
+            continue
+        if sm.name == "TwoEpochsStored" and cfg.max_epoch < 2:
+            continue
+        chosen.append(sm)
+    return tuple(chosen)
+
+
+def by_name(name: str):
+    for prop in INVARIANTS + TRANSITION_PROPERTIES:
+        if prop.name == name:
+            return prop
+    raise KeyError(name)
