@@ -199,7 +199,8 @@ class Checker:
         m = self.model
         started = time.perf_counter()
         seen: set[int] = set()
-        fingerprint = self.fingerprint
+        # Without symmetry the fingerprint is the built-in hash: no Python call per state.
+        fingerprint = self.fingerprint if self.symmetry is not None else hash
         invariants = self.invariants
         tprops = self.transition_properties
         state_sometimes = [sm for sm in self.sometimes if sm.reached_state is not None]
@@ -239,10 +240,10 @@ class Checker:
                     if violation is not None:
                         break
                     if step_sometimes:
-                        for sm in step_sometimes:
-                            if sm.reached_step(m, s, action, params, t):
-                                reached.add(sm.name)
-                        step_sometimes = [sm for sm in step_sometimes if sm.name not in reached]
+                        hit = [sm for sm in step_sometimes if sm.reached_step(m, s, action, params, t)]
+                        if hit:
+                            reached.update(sm.name for sm in hit)
+                            step_sometimes = [sm for sm in step_sometimes if sm.name not in reached]
                     fp = fingerprint(t)
                     if fp in seen:
                         continue
@@ -255,10 +256,10 @@ class Checker:
                     if violation is not None:
                         break
                     if state_sometimes:
-                        for sm in state_sometimes:
-                            if sm.reached_state(m, t):
-                                reached.add(sm.name)
-                        state_sometimes = [sm for sm in state_sometimes if sm.name not in reached]
+                        hit = [sm for sm in state_sometimes if sm.reached_state(m, t)]
+                        if hit:
+                            reached.update(sm.name for sm in hit)
+                            state_sometimes = [sm for sm in state_sometimes if sm.name not in reached]
                 if violation is not None:
                     break
                 if self.max_states is not None and len(seen) >= self.max_states:

@@ -38,6 +38,8 @@ class ModelConfig:
     shared_pool: bool = True
     tiering: bool = False  # ownership transfer between locations (promotion / demotion)
     writes_to_pool_only: bool = False  # new blocks are written to the shared pool, not node tiers
+    writers: tuple[int, ...] | None = None  # nodes that write blocks (None: all)
+    readers: tuple[int, ...] | None = None  # nodes that take read leases (None: all)
     lease_term_ticks: int = 2
     skew_ticks: int = 1  # epsilon: the bound on clock offsets between any two clocks
     max_epoch: int = 2
@@ -70,6 +72,7 @@ class ModelConfig:
         assert self.directory_lease_ticks + self.skew_ticks < STATE_VALUE_LIMIT
         if self.symmetry:
             assert len(set(self.authorized)) == 1, "symmetry needs interchangeable nodes"
+            assert self.writers is None and self.readers is None, "symmetry needs interchangeable nodes"
 
     @property
     def keys(self) -> int:
@@ -143,76 +146,55 @@ def _all(nodes: int, namespaces: int = 1) -> tuple[frozenset[int], ...]:
     return tuple(frozenset(range(namespaces)) for _ in range(nodes))
 
 
+# Scopes are kept small on purpose: each is a few seconds to a minute of exhaustive search in
+# CPython. Roles (``writers``, ``readers``) cut the interleavings that only repeat a scenario with
+# the nodes swapped; ``medium`` lifts them.
+_ONE_KEY = dict(nodes=2, parents=(-1,), namespaces=(0,), authorized=_all(2))
+_ROLES = dict(writes_to_pool_only=True, writers=(0,), readers=(1,))
+
 CONFIGS: dict[str, ModelConfig] = {
     cfg.name: cfg
     for cfg in (
         ModelConfig(
-            name="tiny",
-            nodes=2,
-            parents=(-1,),
-            namespaces=(0,),
-            authorized=_all(2),
-            max_epoch=2,
-            max_lease_id=3,
-            max_messages=2,
-            max_node_crashes=1,
-            max_directory_restarts=1,
-            description="2 nodes, one key, shared pool; used by the fast property tests",
+            name="tiny", **_ONE_KEY, **_ROLES, max_epoch=1, max_lease_id=2, max_requests=1,
+            max_node_crashes=0, max_directory_restarts=0,
+            description="a writer, a reader, one key in the shared pool; for fast property tests",
         ),
         ModelConfig(
-            name="small",
-            nodes=2,
-            parents=(-1, 0),
-            namespaces=(0, 0),
-            authorized=_all(2),
-            max_epoch=2,
-            max_lease_id=3,
-            max_messages=2,
-            max_node_crashes=1,
-            max_directory_restarts=1,
-            description="2 nodes, a 2-block prefix chain, shared pool; seconds",
+            name="small", **_ONE_KEY, **_ROLES, max_epoch=2, max_lease_id=3, max_requests=1,
+            max_node_crashes=1, max_directory_restarts=0,
+            description="a writer and a reader on one pooled key, two write generations, a node crash; seconds",
         ),
         ModelConfig(
-            name="tenants",
-            nodes=2,
-            parents=(-1, -1),
-            namespaces=(0, 1),
-            authorized=(frozenset({0}), frozenset({0, 1})),
-            max_epoch=1,
-            max_lease_id=2,
-            max_messages=2,
-            max_node_crashes=0,
-            max_directory_restarts=0,
-            description="two tenants' namespaces, node 0 authorised for one of them only",
+            name="restart", **_ONE_KEY, **_ROLES, max_epoch=1, max_lease_id=3, max_requests=1,
+            max_node_crashes=0, max_directory_restarts=1,
+            description="a directory restart while leases are out",
         ),
         ModelConfig(
-            name="tiering",
-            nodes=2,
-            parents=(-1,),
-            namespaces=(0,),
-            authorized=_all(2),
-            tiering=True,
-            max_epoch=3,
-            max_lease_id=3,
-            max_messages=2,
-            max_node_crashes=1,
-            max_directory_restarts=0,
-            description="one key moved between tiers (promotion and demotion as ownership transfer)",
+            name="renewal", **_ONE_KEY, **_ROLES, max_epoch=1, max_lease_id=2, max_requests=2,
+            max_node_crashes=0, max_directory_restarts=0,
+            description="a reader that renews its lease",
         ),
         ModelConfig(
-            name="medium",
-            nodes=2,
-            parents=(-1, 0),
-            namespaces=(0, 0),
-            authorized=_all(2),
-            tiering=True,
-            max_epoch=3,
-            max_lease_id=4,
-            max_messages=3,
-            max_duplications=1,
-            max_node_crashes=1,
-            max_directory_restarts=1,
-            description="2 nodes, a prefix chain, tiering, duplication; minutes; used by the benchmark",
+            name="chain", nodes=2, parents=(-1, 0), namespaces=(0, 0), authorized=_all(2), **_ROLES,
+            max_epoch=1, max_lease_id=3, max_requests=1, max_node_crashes=0, max_directory_restarts=0,
+            description="a 2-block prefix chain: cascading invalidation, leaves evicted first",
+        ),
+        ModelConfig(
+            name="tenants", nodes=2, parents=(-1, -1), namespaces=(0, 1),
+            authorized=(frozenset({0}), frozenset({0, 1})), writes_to_pool_only=True, writers=(1,),
+            max_epoch=1, max_lease_id=2, max_requests=1, max_node_crashes=0, max_directory_restarts=0,
+            description="two tenants' namespaces; node 0 is authorised for one of them only",
+        ),
+        ModelConfig(
+            name="tiering", **_ONE_KEY, writers=(0,), readers=(1,), tiering=True, max_epoch=2,
+            max_lease_id=2, max_requests=1, max_node_crashes=1, max_directory_restarts=0,
+            description="a block moved between a node's tier and the pool: ownership transfer, draining",
+        ),
+        ModelConfig(
+            name="medium", **_ONE_KEY, **_ROLES, max_epoch=2, max_lease_id=4, max_requests=2,
+            max_node_crashes=1, max_directory_restarts=1,
+            description="small plus renewals and a directory restart; minutes; used by the benchmark",
         ),
     )
 }

@@ -137,6 +137,19 @@ class Layout:
 
         self.fixed = len(self.names)
 
+        # Contiguous blocks, so that a property can skip work with one C-level slice compare.
+        def block(grid) -> slice:
+            flat = sorted(i for row in grid for i in (row if isinstance(row, list) else [row]))
+            assert flat == list(range(flat[0], flat[-1] + 1)), "a block must be contiguous"
+            return slice(flat[0], flat[-1] + 1)
+
+        self.epoch_block = block(self.epoch)
+        self.fence_block = block(self.fence)
+        self.slot_epoch_block = block(self.s_epoch)
+        self.lease_id_block = block(self.r_id)
+        self.lease_left_block = block(self.r_left)
+        self.holder_block = block(self.h_id)
+
         # Counters that run down with one clock, and what to clear when one reaches zero.
         # Each entry: (counter index, indices zeroed on expiry).
         self.directory_timers: list[tuple[int, tuple[int, ...]]] = [(self.grace, ())]

@@ -111,6 +111,10 @@ class Model:
         unknown = self.bugs - MUTANT_FLAGS
         assert not unknown, f"unknown mutant flags: {sorted(unknown)}"
         self.L = Layout(cfg)
+        # Plain attributes: the checker reads these millions of times.
+        self.N, self.K, self.LOCS = cfg.nodes, cfg.keys, cfg.locations
+        self.reads = [cfg.readers is None or n in cfg.readers for n in range(cfg.nodes)]
+        self.writes = [cfg.writers is None or n in cfg.writers for n in range(cfg.nodes)]
         cfg_ = cfg
         self.holder_budget = cfg_.holder_budget_ticks
         if "holder_ignores_skew" in self.bugs:
@@ -202,8 +206,10 @@ class Model:
         for n in range(cfg.nodes):
             if s[L.up[n]]:
                 for k in range(cfg.keys):
-                    self._holder_actions(s, fixed, net, n, k, out)
-                    self._writer_actions(s, fixed, net, n, k, out)
+                    if self.reads[n]:
+                        self._holder_actions(s, fixed, net, n, k, out)
+                    if self.writes[n]:
+                        self._writer_actions(s, fixed, net, n, k, out)
         for k in range(cfg.keys):
             self._directory_actions(s, fixed, net, k, out)
         for ns, keys in self.ns_keys.items():
@@ -328,9 +334,9 @@ class Model:
                 b[L.w_stage[n][k]] = W_REQUESTED
                 out.append(("begin_write", (n, k), self._pack(b, net + [message(M_BEGIN_WRITE, n, k)])))
             return
-        if stage == W_REQUESTED:
-            # The client gives up before it was granted; a late grant finds nobody waiting and
-            # the write lease expires.
+        if stage in (W_REQUESTED, W_BYTES_SENT):
+            # The client gives up (a timeout): a late grant finds nobody waiting, bytes still in
+            # flight land or are fenced, and the write lease expires.
             b = bytearray(fixed)
             self._clear_writer(b, n, k)
             out.append(("abort", (n, k), self._pack(b, net)))

@@ -84,8 +84,10 @@ class Sometimes:
 def _trusted(m: Model, s: bytes):
     """Every lease a holder currently trusts: (node, key, lease, location, gen, trust_left)."""
     L = m.L
-    for n in range(m.cfg.nodes):
-        for k in range(m.cfg.keys):
+    if not any(s[L.holder_block]):
+        return
+    for n in range(m.N):
+        for k in range(m.K):
             lease = s[L.h_id[n][k]]
             if lease != NO_LEASE:
                 yield n, k, lease, s[L.h_loc[n][k]] - 1, s[L.h_gen[n][k]], s[L.h_left[n][k]]
@@ -107,7 +109,7 @@ def _slot_holds(m: Model, s: bytes, loc: int, k: int, gen: int) -> bool:
 def _holder_block(m: Model, s: bytes) -> bool:
     """Fast path: does any holder trust any lease at all?"""
     L = m.L
-    return any(s[L.h_id[n][k]] for n in range(m.cfg.nodes) for k in range(m.cfg.keys))
+    return any(s[L.h_id[n][k]] for n in range(m.N) for k in range(m.K))
 
 
 # --------------------------------------------------------------------------------- invariants
@@ -117,8 +119,8 @@ def one_writer_per_generation(m: Model, s: bytes) -> bool:
     """At most one node ever holds the write lease of a key's generation."""
     L = m.L
     seen: dict[tuple[int, int], int] = {}
-    for n in range(m.cfg.nodes):
-        for k in range(m.cfg.keys):
+    for n in range(m.N):
+        for k in range(m.K):
             if s[L.w_stage[n][k]] >= W_BYTES_SENT:
                 if seen.setdefault((k, s[L.wr_gen[n][k]]), n) != n:
                     return False
@@ -132,10 +134,10 @@ def one_writer_per_generation(m: Model, s: bytes) -> bool:
 def one_owner_per_epoch(m: Model, s: bytes) -> bool:
     """No two locations hold a key's bytes under the same epoch."""
     L = m.L
-    for k in range(m.cfg.keys):
+    for k in range(m.K):
         epochs = [
             s[L.s_epoch[loc][k]]
-            for loc in range(m.cfg.locations)
+            for loc in range(m.LOCS)
             if s[L.s_status[loc][k]] == FULL
         ]
         if len(epochs) != len(set(epochs)):
@@ -147,9 +149,9 @@ def epochs_bound_fences(m: Model, s: bytes) -> bool:
     """The directory's epoch of a key is the highest one anywhere: no fence, stored copy or
     message carries a higher one (so ``epoch + 1`` is always fresh)."""
     L = m.L
-    for k in range(m.cfg.keys):
+    for k in range(m.K):
         top = s[L.epoch[k]]
-        for loc in range(m.cfg.locations):
+        for loc in range(m.LOCS):
             if s[L.fence[loc][k]] > top or s[L.s_epoch[loc][k]] > top:
                 return False
     for msg in _messages(m, s):
@@ -170,7 +172,7 @@ def no_dirty_read(m: Model, s: bytes) -> bool:
 def committed_bytes_intact(m: Model, s: bytes) -> bool:
     """The committed generation's bytes sit unchanged at its owner (and at a draining copy)."""
     L = m.L
-    for k in range(m.cfg.keys):
+    for k in range(m.K):
         if s[L.phase[k]] in (COMMITTED, INVALIDATING):
             for idx in (L.owner[k], L.draining[k]):
                 loc1 = s[idx]
@@ -209,10 +211,10 @@ def lease_ids_fresh(m: Model, s: bytes) -> bool:
     """Every lease id in use anywhere is below the directory's counter: ids are never reused."""
     L = m.L
     top = s[L.next_id]
-    for k in range(m.cfg.keys):
+    for k in range(m.K):
         if s[L.w_id[k]] >= top:
             return False
-        for n in range(m.cfg.nodes):
+        for n in range(m.N):
             if s[L.r_id[k][n]] >= top or s[L.h_id[n][k]] >= top or s[L.wr_id[n][k]] >= top:
                 return False
     for msg in _messages(m, s):
@@ -243,9 +245,9 @@ def lease_known_to_directory(m: Model, s: bytes) -> bool:
 def directory_data_agreement(m: Model, s: bytes) -> bool:
     """The directory never points a live lease at a location without the leased bytes."""
     L = m.L
-    for k in range(m.cfg.keys):
+    for k in range(m.K):
         gen = s[L.gen[k]]
-        for n in range(m.cfg.nodes):
+        for n in range(m.N):
             if s[L.r_id[k][n]] != NO_LEASE:
                 loc1 = s[L.r_loc[k][n]]
                 if loc1 == NO_LOCATION or not _slot_holds(m, s, loc1 - 1, k, gen):
@@ -265,8 +267,8 @@ def prefix_closed(m: Model, s: bytes) -> bool:
 def namespace_isolation(m: Model, s: bytes) -> bool:
     """No node holds a lease or a write grant in a namespace its tenant is not authorised for."""
     L = m.L
-    for n in range(m.cfg.nodes):
-        for k in range(m.cfg.keys):
+    for n in range(m.N):
+        for k in range(m.K):
             if m.allowed[n][k]:
                 continue
             if s[L.r_id[k][n]] or s[L.h_id[n][k]] or s[L.w_stage[n][k]] >= W_BYTES_SENT:
@@ -278,7 +280,7 @@ def invalidation_completes_in_time(m: Model, s: bytes) -> bool:
     """Bounded response: an invalidation completes within the deadline (term + 2 epsilon, plus a
     grace period per directory restart), acknowledged or not."""
     L = m.L
-    return all(s[L.inval_age[k]] <= m.deadline for k in range(m.cfg.keys))
+    return all(s[L.inval_age[k]] <= m.deadline for k in range(m.K))
 
 
 # --------------------------------------------------------------------------------- steps
@@ -287,13 +289,15 @@ def invalidation_completes_in_time(m: Model, s: bytes) -> bool:
 def epoch_monotonic(m: Model, pre: bytes, action: str, params: tuple, post: bytes) -> bool:
     """Epochs never decrease: not at the directory, not at a fence (unless that disk was lost)."""
     L = m.L
-    for k in range(m.cfg.keys):
+    if pre[L.epoch_block] == post[L.epoch_block] and pre[L.fence_block] == post[L.fence_block]:
+        return True
+    for k in range(m.K):
         if post[L.epoch[k]] < pre[L.epoch[k]]:
             return False
     if action == "crash" and params[1] == 1:
         return True
-    for k in range(m.cfg.keys):
-        for loc in range(m.cfg.locations):
+    for k in range(m.K):
+        for loc in range(m.LOCS):
             if post[L.fence[loc][k]] < pre[L.fence[loc][k]]:
                 return False
     return True
@@ -302,8 +306,10 @@ def epoch_monotonic(m: Model, pre: bytes, action: str, params: tuple, post: byte
 def fencing_holds(m: Model, pre: bytes, action: str, params: tuple, post: bytes) -> bool:
     """Where data lives, new bytes never carry an epoch below the slot's fence."""
     L = m.L
-    for k in range(m.cfg.keys):
-        for loc in range(m.cfg.locations):
+    if pre[L.slot_epoch_block] == post[L.slot_epoch_block]:
+        return True
+    for k in range(m.K):
+        for loc in range(m.LOCS):
             e = L.s_epoch[loc][k]
             if post[e] != pre[e] and post[L.s_status[loc][k]] == FULL and post[e] < pre[L.fence[loc][k]]:
                 return False
@@ -316,8 +322,10 @@ def leases_granted_only_on_committed(m: Model, pre: bytes, action: str, params: 
     if action == "clock_forward":
         return True  # the directory's clock moved; nothing was granted
     L = m.L
-    for k in range(m.cfg.keys):
-        for n in range(m.cfg.nodes):
+    if pre[L.lease_left_block] == post[L.lease_left_block] or action == "tick":
+        return True  # a tick only runs leases down
+    for k in range(m.K):
+        for n in range(m.N):
             r = L.r_left[k][n]
             if post[r] > pre[r] and post[L.phase[k]] != COMMITTED:
                 return False
@@ -328,8 +336,10 @@ def renewal_never_revives(m: Model, pre: bytes, action: str, params: tuple, post
     """A lease-table entry appears only as a fresh grant with a new id: renewal never brings back
     a lease that expired or was revoked."""
     L = m.L
-    for k in range(m.cfg.keys):
-        for n in range(m.cfg.nodes):
+    if pre[L.lease_id_block] == post[L.lease_id_block]:
+        return True
+    for k in range(m.K):
+        for n in range(m.N):
             i = L.r_id[k][n]
             if pre[i] == NO_LEASE and post[i] != NO_LEASE and post[i] != pre[L.next_id]:
                 return False
@@ -342,7 +352,7 @@ def write_lease_ends_in_time(m: Model, pre: bytes, action: str, params: tuple, p
     if action != "tick":
         return True
     L = m.L
-    return not any(pre[L.phase[k]] == WRITING and pre[L.w_left[k]] == 0 for k in range(m.cfg.keys))
+    return not any(pre[L.phase[k]] == WRITING and pre[L.w_left[k]] == 0 for k in range(m.K))
 
 
 # --------------------------------------------------------------------------------- sometimes
@@ -352,8 +362,7 @@ def _remote_read(m: Model, pre: bytes, action: str, params: tuple, post: bytes) 
     if action != "read":
         return False
     n, k, loc = params
-    node = m.loc_node[loc]
-    return node >= 0 and node != n and _slot_holds(m, pre, loc, k, pre[m.L.h_gen[n][k]]) and pre[m.L.s_status[loc][k]] == FULL
+    return m.loc_node[loc] != n and _slot_holds(m, pre, loc, k, pre[m.L.h_gen[n][k]]) and pre[m.L.s_status[loc][k]] == FULL
 
 
 def _completed_by_acks(m: Model, pre: bytes, action: str, params: tuple, post: bytes) -> bool:
@@ -368,15 +377,15 @@ def _completed_by_expiry(m: Model, pre: bytes, action: str, params: tuple, post:
         return False
     return any(
         pre[m.L.phase[k]] == INVALIDATING and m.has_live_lease(pre, k) and not m.has_live_lease(post, k)
-        for k in range(m.cfg.keys)
+        for k in range(m.K)
     )
 
 
 def _multi_holder_invalidation(m: Model, s: bytes) -> bool:
     L = m.L
     return any(
-        s[L.phase[k]] == INVALIDATING and sum(1 for n in range(m.cfg.nodes) if s[L.r_id[k][n]]) >= 2
-        for k in range(m.cfg.keys)
+        s[L.phase[k]] == INVALIDATING and sum(1 for n in range(m.N) if s[L.r_id[k][n]]) >= 2
+        for k in range(m.K)
     )
 
 
@@ -403,14 +412,14 @@ def _child_committed(m: Model, s: bytes) -> bool:
 
 def _committed_at_owner(m: Model, s: bytes) -> bool:
     L = m.L
-    return any(s[L.phase[k]] == COMMITTED and s[L.s_status[s[L.owner[k]] - 1][k]] == FULL for k in range(m.cfg.keys))
+    return any(s[L.phase[k]] == COMMITTED and s[L.s_status[s[L.owner[k]] - 1][k]] == FULL for k in range(m.K))
 
 
 def _two_epochs_stored(m: Model, s: bytes) -> bool:
     L = m.L
     return any(
-        len({s[L.s_epoch[loc][k]] for loc in range(m.cfg.locations) if s[L.s_status[loc][k]] == FULL}) >= 2
-        for k in range(m.cfg.keys)
+        len({s[L.s_epoch[loc][k]] for loc in range(m.LOCS) if s[L.s_status[loc][k]] == FULL}) >= 2
+        for k in range(m.K)
     )
 
 
@@ -423,7 +432,7 @@ def _crash_handoff(m: Model, pre: bytes, action: str, params: tuple, post: bytes
         return True
     if action == "restart_node":
         L = m.L
-        return any(pre[L.phase[k]] == COMMITTED and post[L.phase[k]] == INVALIDATING for k in range(m.cfg.keys))
+        return any(pre[L.phase[k]] == COMMITTED and post[L.phase[k]] == INVALIDATING for k in range(m.K))
     return False
 
 
@@ -457,7 +466,7 @@ TRANSITION_PROPERTIES: tuple[TransitionProperty, ...] = (
 )
 
 SOMETIMES: tuple[Sometimes, ...] = (
-    Sometimes("RemoteReadUnderLease", "a node reads a peer's copy under a trusted lease", reached_step=_remote_read,
+    Sometimes("RemoteReadUnderLease", "a node reads a copy held elsewhere (a peer or the pool) under a trusted lease", reached_step=_remote_read,
               companion_of=("NoReclaimUnderLease", "NoDirtyRead", "DirectoryDataAgreement")),
     Sometimes("InvalidationCompletedByAcks", "the last lease of an invalidating key ends by acknowledgement", reached_step=_completed_by_acks,
               companion_of=("NoReadAfterAck",)),
@@ -500,7 +509,16 @@ def applicable_sometimes(cfg) -> tuple[Sometimes, ...]:
             continue
         if sm.name == "TrustedDuringRestartGrace" and cfg.max_directory_restarts == 0:
             continue
-        if sm.name == "TwoEpochsStored" and cfg.max_epoch < 2:
+        if sm.name == "TwoEpochsStored" and (cfg.max_epoch < 2 or (cfg.writes_to_pool_only and not cfg.tiering)):
+            continue
+        readers = cfg.nodes if cfg.readers is None else len(cfg.readers)
+        if sm.name == "InvalidationWithTwoHolders" and readers < 2:
+            continue
+        if sm.name == "LeaseRenewed" and cfg.max_requests < 2:
+            continue
+        if sm.name == "FencedStaleWrite" and cfg.max_epoch < 2:
+            continue
+        if sm.name == "StaleCommitRejected" and cfg.max_epoch < 2:
             continue
         chosen.append(sm)
     return tuple(chosen)

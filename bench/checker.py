@@ -1,0 +1,265 @@
+"""Benchmark: the model checker's throughput and memory per state (``kvcc bench checker``).
+
+The check runs in a fresh interpreter (``sys.executable``), so its peak resident set is its own:
+
+- ``distinct_states_per_second``: the checker's own figure (distinct states / search seconds).
+- ``bytes_per_state``: peak RSS growth over the search (``ru_maxrss`` after the run, minus a
+  baseline taken after the imports and the model's construction) divided by distinct states. It
+  includes the frontier queues, the interpreter's allocator slack and everything else the search
+  touches: the figure that decides how big a model fits in memory.
+- ``visited_set_bytes_per_state``: the deterministic part, ``sys.getsizeof`` of the visited set
+  plus its fingerprints, per state. It does not depend on the allocator or on timing.
+
+A benchmark reports; it does not fail on a missed target. The exit code is 1 only when the check
+itself fails (a property violated, or the measuring process dying).
+
+The child streams one JSON object per line on stdout: ``{"event": "progress", ...}`` per
+breadth-first level, then ``{"event": "result", ...}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+TARGETS = {"distinct_states_per_second": 100_000, "bytes_per_state": 200}
+DEFAULT_CONFIG = "medium"
+
+
+# ------------------------------------------------------------------------------------ child side
+
+
+def _maxrss_bytes() -> int:
+    import resource
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB, macOS bytes
+
+
+def _emit(obj: dict) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def _visited_set_bytes(seen: set | None, n: int) -> tuple[int, str]:
+    """``sys.getsizeof`` of the visited set and of every fingerprint in it. When the set could not
+    be reached, a set of ``n`` fingerprint-sized integers is built and measured instead."""
+    if seen is None:
+        import random
+
+        rng = random.Random(0)
+        seen = {rng.getrandbits(64) - 2**63 for _ in range(n)}
+        how = "estimated"
+    else:
+        how = "measured"
+    return sys.getsizeof(seen) + sum(sys.getsizeof(x) for x in seen), how
+
+
+def child_main(config: str, max_states: int | None) -> None:
+    """Runs in the fresh interpreter: build the model, take the baseline, search, measure."""
+    import gc
+
+    from kvcc.spec.checker import Checker
+    from kvcc.spec.config import get_config
+    from kvcc.spec.model import Model
+
+    cfg = get_config(config)
+    model = Model(cfg, ())
+    grabbed: dict[str, Any] = {"frontier_peak": 0}
+
+    def progress(depth: int, distinct: int, frontier: int) -> None:
+        if "seen" not in grabbed:
+            # The visited set is a local of Checker.run, our caller; keep a reference to it so it
+            # can be measured after the run. (An API for this would be cleaner: see the report.)
+            seen = sys._getframe(1).f_locals.get("seen")
+            grabbed["seen"] = seen if isinstance(seen, set) else None
+        grabbed["frontier_peak"] = max(grabbed["frontier_peak"], frontier)
+        _emit({"event": "progress", "depth": depth, "distinct": distinct, "frontier": frontier})
+
+    checker = Checker(model, max_states=max_states, progress=progress)
+    gc.collect()
+    baseline = _maxrss_bytes()
+    result = checker.run()
+    peak = _maxrss_bytes()
+    res = result.to_json()
+    n = res["distinct_states"]
+    set_bytes, how = _visited_set_bytes(grabbed.get("seen"), n)
+    v = res.get("violation")
+    _emit({
+        "event": "result",
+        "config": config,
+        "ok": res["ok"],
+        "truncated": res["truncated"],
+        "violation": None if v is None else {"property": v["property"], "kind": v["kind"], "steps": v["steps"]},
+        "distinct_states": n,
+        "generated_states": res["generated_states"],
+        "depth": res["depth"],
+        "seconds": result.seconds,
+        "baseline_rss_bytes": baseline,
+        "peak_rss_bytes": peak,
+        "visited_set_bytes": set_bytes,
+        "visited_set_measure": how,
+        "frontier_peak": grabbed["frontier_peak"],
+    })
+
+
+# ----------------------------------------------------------------------------------- parent side
+
+
+class BenchError(Exception):
+    pass
+
+
+def measure(config: str = DEFAULT_CONFIG, max_states: int | None = None, on_progress=None) -> dict[str, Any]:
+    """Run the check in a fresh interpreter and return the benchmark's figures."""
+    code = "import sys; from kvcc.bench.checker import child_main; " \
+           "child_main(sys.argv[1], int(sys.argv[2]) if sys.argv[2] else None)"
+    cmd = [sys.executable, "-c", code, config, "" if max_states is None else str(max_states)]
+    started = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED", "0")})
+    final: dict[str, Any] | None = None
+    assert proc.stdout is not None and proc.stderr is not None
+    try:
+        for line in proc.stdout:
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if event.get("event") == "progress" and on_progress is not None:
+                on_progress(event["depth"], event["distinct"], event["frontier"])
+            elif event.get("event") == "result":
+                final = event
+        stderr = proc.stderr.read()
+        rc = proc.wait()
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    if rc != 0 or final is None:
+        tail = "\n".join(stderr.strip().splitlines()[-15:])
+        raise BenchError(f"the measuring process failed (exit {rc}):\n{tail}")
+
+    n = final["distinct_states"]
+    seconds = final["seconds"]
+    growth = max(final["peak_rss_bytes"] - final["baseline_rss_bytes"], 0)
+    rate = n / seconds if seconds > 0 else None
+    bps = growth / n if n else None
+    out = {
+        "config": config,
+        "distinct_states": n,
+        "generated_states": final["generated_states"],
+        "depth": final["depth"],
+        "seconds": round(seconds, 3),
+        "distinct_states_per_second": None if rate is None else round(rate, 1),
+        "bytes_per_state": None if bps is None else round(bps, 1),
+        "peak_rss_bytes": final["peak_rss_bytes"],
+        "baseline_rss_bytes": final["baseline_rss_bytes"],
+        "rss_growth_bytes": growth,
+        "visited_set_bytes": final["visited_set_bytes"],
+        "visited_set_bytes_per_state": round(final["visited_set_bytes"] / n, 1) if n else None,
+        "visited_set_measure": final["visited_set_measure"],
+        "frontier_peak": final["frontier_peak"],
+        "max_states": max_states,
+        "truncated": final["truncated"],
+        "check_ok": final["ok"],
+        "violation": final["violation"],
+        "wall_seconds": round(time.perf_counter() - started, 3),
+        "python": sys.version.split()[0],
+        "targets": dict(TARGETS),
+    }
+    out["met"] = {
+        "distinct_states_per_second": rate is not None and rate >= TARGETS["distinct_states_per_second"],
+        "bytes_per_state": bps is not None and bps <= TARGETS["bytes_per_state"],
+    }
+    return out
+
+
+def render(console, r: dict[str, Any]) -> None:
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
+    from kvcc.report import fmt_bytes, fmt_int, fmt_rate, fmt_seconds
+
+    def met(ok: bool) -> Text:
+        return Text("met", style="green") if ok else Text("missed", style="bold yellow")
+
+    title = f"Checker benchmark: {r['config']}"
+    if r["truncated"]:
+        title += f" (capped at {fmt_int(r['max_states'])} states)"
+    t = Table(title=title, box=box.SIMPLE_HEAVY, title_justify="left")
+    t.add_column("figure")
+    t.add_column("value", justify="right")
+    t.add_column("target", justify="right")
+    t.add_column("")
+    t.add_row("distinct states/s", fmt_rate(r["distinct_states_per_second"]),
+              f">= {TARGETS['distinct_states_per_second']:,}", met(r["met"]["distinct_states_per_second"]))
+    bps = r["bytes_per_state"]
+    t.add_row("bytes/state (peak RSS growth)", "-" if bps is None else f"{bps:,.1f}",
+              f"<= {TARGETS['bytes_per_state']:,}", met(r["met"]["bytes_per_state"]))
+    vps = r["visited_set_bytes_per_state"]
+    t.add_row(f"bytes/state (visited set, {r['visited_set_measure']})", "-" if vps is None else f"{vps:,.1f}", "", "")
+    t.add_row("distinct states", fmt_int(r["distinct_states"]), "", "")
+    t.add_row("generated states", fmt_int(r["generated_states"]), "", "")
+    t.add_row("depth", fmt_int(r["depth"]), "", "")
+    t.add_row("peak frontier", fmt_int(r["frontier_peak"]), "", "")
+    t.add_row("search seconds", fmt_seconds(r["seconds"]), "", "")
+    t.add_row("peak RSS", fmt_bytes(r["peak_rss_bytes"]), "", "")
+    t.add_row("RSS growth", fmt_bytes(r["rss_growth_bytes"]), "", "")
+    console.print(t)
+    if r["violation"]:
+        v = r["violation"]
+        console.print(Text(f"the check failed: {v['property']} ({v['kind']}) violated in {v['steps']} steps",
+                           style="bold red"))
+    elif not r["check_ok"] and not r["truncated"]:
+        console.print(Text("note: the check did not pass (an unreached sometimes); see kvcc check", style="yellow"))
+
+
+# ------------------------------------------------------------------------------------ entry points
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default=DEFAULT_CONFIG, metavar="NAME",
+                        help=f"model configuration (default {DEFAULT_CONFIG})")
+    parser.add_argument("--max-states", type=int, metavar="N", help="stop after N distinct states")
+    parser.add_argument("--json", action="store_true", help="print one JSON object and nothing else")
+
+
+def run(args: argparse.Namespace) -> int:
+    """``kvcc bench checker``: measure, print, exit 1 only if the check itself failed."""
+    from rich.console import Console
+
+    from kvcc.cli import print_json
+    from kvcc.report import CheckProgress
+
+    err = Console(stderr=True, highlight=False)
+    try:
+        if args.json:
+            r = measure(args.config, args.max_states)
+        else:
+            with CheckProgress(err, f"{args.config} (benchmark)") as progress:
+                r = measure(args.config, args.max_states, on_progress=progress)
+    except BenchError as exc:
+        print(f"kvcc bench checker: error: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print_json(r)
+    else:
+        render(Console(highlight=False), r)
+    return 1 if r["violation"] else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvcc.bench.checker", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,532 @@
+"""kvcc's command line: ``kvcc check | mutants | prove | verify | bench checker``.
+
+Exit codes: 0 when everything asked for holds, 1 when something fails (a violation, an unreached
+``sometimes``, a manifest mismatch, a mutant not caught by its property, an unproved obligation),
+2 on bad usage (an unknown configuration or mutant, or a part of the project not there yet).
+With ``--json`` a command prints exactly one JSON object on stdout and nothing else.
+
+The spec (``kvcc.spec``) is imported inside the commands, so ``kvcc --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing
+import os
+import sys
+import time
+import traceback
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.text import Text
+
+from . import report
+
+PROG = "kvcc"
+DEFAULT_CONFIG = "small"
+MUTANT_WORKERS = 2  # the CI machines have two cores; the mutants are independent
+
+# Manifest fields that a run reproduces exactly (timings are never pinned).
+MANIFEST_FIELDS = ("distinct_states", "generated_states", "depth", "ok")
+
+
+class UsageError(Exception):
+    """Bad input from the user: reported as one line on stderr, exit code 2."""
+
+
+# ------------------------------------------------------------------------------------- utilities
+
+
+def _stdout() -> Console:
+    console = Console(highlight=False)
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        # Piped or logged (CI): rich would assume 80 columns and squeeze the tables.
+        console = Console(highlight=False, width=140)
+    return console
+
+
+def _stderr() -> Console:
+    return Console(stderr=True, highlight=False)
+
+
+def _usage_error(command: str, message: str) -> int:
+    print(f"{PROG} {command}: error: {message}", file=sys.stderr)
+    return 2
+
+
+def jsonable(obj: Any) -> Any:
+    """JSON-safe copy: non-finite floats (``inf`` states/s of a zero-second run) become null, tuples lists."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, Mapping):
+        return {str(k): jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [jsonable(v) for v in obj]
+    if isinstance(obj, (set, frozenset)):
+        return [jsonable(v) for v in sorted(obj, key=repr)]
+    return obj
+
+
+def print_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(jsonable(obj), allow_nan=False) + "\n")
+    sys.stdout.flush()
+
+
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1: {n}")
+    return n
+
+
+def resolve_config(name: str) -> str:
+    from kvcc.spec.config import CONFIGS
+
+    if name not in CONFIGS:
+        raise UsageError(f"unknown configuration {name!r} (known: {', '.join(CONFIGS)})")
+    return name
+
+
+def resolve_mutant(name: str) -> str:
+    from kvcc.spec.mutants import MUTANTS
+
+    if name not in MUTANTS:
+        raise UsageError(f"unknown mutant {name!r} (known: {', '.join(MUTANTS)})")
+    return name
+
+
+# ----------------------------------------------------------------------------------------- check
+
+
+def manifest_status(config: str, mutant: str | None, res: Mapping[str, Any]) -> dict[str, Any] | None:
+    """Compare a run with ``spec/manifest.json``'s pinned figures for its configuration.
+
+    Returns None for a mutant run (the manifest pins the real protocol), else a dict with
+    ``status``: ``match`` / ``mismatch`` (then ``expected`` and ``actual``), or ``absent`` /
+    ``unpinned`` / ``skipped`` / ``unreadable`` with ``why``."""
+    if mutant is not None:
+        return None
+    from kvcc.spec.config import load_manifest
+
+    try:
+        manifest = load_manifest()
+    except FileNotFoundError:
+        return {"status": "absent", "why": "no spec/manifest.json: nothing pinned"}
+    except Exception as exc:  # noqa: BLE001 - a broken manifest is reported, not fatal
+        return {"status": "unreadable", "why": f"cannot read spec/manifest.json: {exc}"}
+    table = manifest.get("configs", manifest) if isinstance(manifest, Mapping) else {}
+    entry = table.get(config) if isinstance(table, Mapping) else None
+    pinned = {k: entry[k] for k in MANIFEST_FIELDS if isinstance(entry, Mapping) and k in entry}
+    if "distinct_states" not in pinned:
+        return {"status": "unpinned", "why": f"spec/manifest.json pins no state count for {config!r}"}
+    if res.get("truncated"):
+        return {"status": "skipped", "why": "not compared with the manifest: the run was truncated (--max-states)"}
+    actual = {k: res.get(k) for k in pinned}
+    status = "match" if actual == pinned else "mismatch"
+    fmt = lambda d: ", ".join(f"{k}={v}" for k, v in d.items())  # noqa: E731
+    return {"status": status, "expected": fmt(pinned), "actual": fmt(actual)}
+
+
+def run_check(config: str, mutant: str | None, max_states: int | None, progress=None) -> tuple[dict, dict | None, int]:
+    """Run the checker; return (``to_json()`` (+ ``manifest_match``), manifest status, exit code)."""
+    from kvcc.spec.checker import check
+    from kvcc.spec.config import get_config
+
+    result = check(get_config(config), mutant=mutant, max_states=max_states, progress=progress)
+    res = result.to_json()
+    manifest = manifest_status(config, mutant, res)
+    if manifest is not None and manifest["status"] in ("match", "mismatch"):
+        res["manifest_match"] = manifest["status"] == "match"
+    code = 0 if res["ok"] and res.get("manifest_match", True) else 1
+    return res, manifest, code
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    try:
+        mutant = resolve_mutant(args.mutant) if args.mutant else None
+        if args.config is None:
+            from kvcc.spec.mutants import MUTANTS
+
+            args.config = MUTANTS[mutant].config if mutant else DEFAULT_CONFIG
+        config = resolve_config(args.config)
+    except UsageError as exc:
+        return _usage_error("check", str(exc))
+    if args.json:
+        res, _, code = run_check(config, mutant, args.max_states)
+        print_json(res)
+        return code
+    out = _stdout()
+    label = config + (f" + mutant {mutant}" if mutant else "")
+    with report.CheckProgress(_stderr(), label) as progress:
+        res, manifest, code = run_check(config, mutant, args.max_states, progress)
+    report.render_check(out, res, manifest, args.max_states)
+    out.print(report.verdict_line(code == 0, f"check {label}", report.check_detail(res, manifest)))
+    return code
+
+
+# --------------------------------------------------------------------------------------- mutants
+
+
+def mutant_job(name: str, max_states: int | None = None) -> dict[str, Any]:
+    """Check one mutant in its own configuration (runs in a worker process)."""
+    from kvcc.spec.checker import check
+    from kvcc.spec.config import get_config
+    from kvcc.spec.mutants import MUTANTS
+
+    m = MUTANTS[name]
+    started = time.perf_counter()
+    r = check(get_config(m.config), mutant=name, max_states=max_states)
+    v = r.violation
+    return {
+        "name": name,
+        "expected_property": m.expected_property,
+        "caught": v is not None and v.property == m.expected_property,
+        "caught_by": None if v is None else v.property,
+        "steps": None if v is None else max(len(v.trace) - 1, 0),
+        "seconds": round(time.perf_counter() - started, 3),
+        "config": m.config,
+        "distinct_states": r.distinct_states,
+        "truncated": r.truncated,
+    }
+
+
+def _failed_job(name: str, exc: BaseException) -> dict[str, Any]:
+    from kvcc.spec.mutants import MUTANTS
+
+    m = MUTANTS[name]
+    return {"name": name, "expected_property": m.expected_property, "caught": False, "caught_by": None,
+            "steps": None, "seconds": None, "config": m.config, "distinct_states": None, "truncated": False,
+            "error": f"{type(exc).__name__}: {exc}"}
+
+
+def run_mutants(names: Sequence[str], max_states: int | None = None, jobs: int = MUTANT_WORKERS,
+                on_done=None) -> dict[str, Any]:
+    """Check each mutant (in worker processes when there are several); ``{"ok", "mutants"}``."""
+    started = time.perf_counter()
+    rows: dict[str, dict] = {}
+    if len(names) == 1 or jobs == 1:
+        for name in names:
+            try:
+                rows[name] = mutant_job(name, max_states)
+            except Exception as exc:  # noqa: BLE001 - one broken mutant must not hide the others
+                rows[name] = _failed_job(name, exc)
+            if on_done:
+                on_done(rows[name])
+    else:
+        # spawn, not fork: the parent may hold a live display's thread, and fork copies locks.
+        ctx = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=min(jobs, len(names)), mp_context=ctx) as pool:
+            futures = {pool.submit(mutant_job, name, max_states): name for name in names}
+            try:
+                for fut in as_completed(futures):
+                    name = futures[fut]
+                    try:
+                        rows[name] = fut.result()
+                    except Exception as exc:  # noqa: BLE001
+                        rows[name] = _failed_job(name, exc)
+                    if on_done:
+                        on_done(rows[name])
+            except BaseException:
+                pool.shutdown(wait=False, cancel_futures=True)
+                raise
+    ordered = [rows[n] for n in names]
+    return {"ok": all(r["caught"] for r in ordered), "mutants": ordered,
+            "seconds": round(time.perf_counter() - started, 3)}
+
+
+def _mutants_progress(console: Console, total: int) -> Progress:
+    return Progress(SpinnerColumn(), TextColumn("[bold]mutants[/]"), BarColumn(), MofNCompleteColumn(),
+                    TextColumn("{task.description}"), TimeElapsedColumn(), console=console, transient=True,
+                    disable=not console.is_terminal)
+
+
+def _selected_mutants(only: Sequence[str] | None) -> list[str]:
+    from kvcc.spec.mutants import MUTANTS
+
+    if not only:
+        return list(MUTANTS)
+    names: list[str] = []
+    for name in only:
+        resolve_mutant(name)
+        if name not in names:
+            names.append(name)
+    return names
+
+
+def cmd_mutants(args: argparse.Namespace) -> int:
+    try:
+        names = _selected_mutants(args.only)
+    except UsageError as exc:
+        return _usage_error("mutants", str(exc))
+    if args.json:
+        payload = run_mutants(names, args.max_states, args.jobs)
+        print_json(payload)
+        return 0 if payload["ok"] else 1
+    out = _stdout()
+    err = _stderr()
+    with _mutants_progress(err, len(names)) as prog:
+        task = prog.add_task("", total=len(names))
+        payload = run_mutants(names, args.max_states, args.jobs,
+                              on_done=lambda row: prog.update(task, advance=1, description=row["name"]))
+    out.print(report.mutants_table(payload["mutants"]))
+    out.print(report.verdict_line(payload["ok"], "mutants", mutants_detail(payload)))
+    return 0 if payload["ok"] else 1
+
+
+def mutants_detail(payload: Mapping[str, Any]) -> str:
+    rows = payload["mutants"]
+    caught = sum(1 for r in rows if r["caught"])
+    text = f"{caught}/{len(rows)} caught by their expected property, {report.fmt_seconds(payload.get('seconds'))}s"
+    missed = [r for r in rows if not r["caught"]]
+    if missed:
+        text += "; not: " + ", ".join(
+            r["name"] + (f" (by {r['caught_by']})" if r.get("caught_by") else " (error)" if r.get("error") else "")
+            for r in missed)
+    return text
+
+
+# ----------------------------------------------------------------------------------------- prove
+
+
+class ProofsUnavailable(Exception):
+    pass
+
+
+def _load_prove_all():
+    try:
+        from kvcc.spec.proofs import prove_all
+    except ImportError as exc:
+        raise ProofsUnavailable(f"the z3 proofs are not available (kvcc.spec.proofs.prove_all): {exc}") from None
+    return prove_all
+
+
+def _obligation_json(o: Any) -> dict[str, Any]:
+    d = dict(o.to_json()) if hasattr(o, "to_json") else {}
+    for key in ("action", "invariant", "proved", "seconds", "counterexample"):
+        if key not in d and hasattr(o, key):
+            d[key] = getattr(o, key)
+    d["proved"] = bool(d.get("proved"))
+    return d
+
+
+def run_prove(mutant: str | None) -> dict[str, Any]:
+    """Raises ``ProofsUnavailable`` until ``kvcc.spec.proofs.prove_all`` exists."""
+    prove_all = _load_prove_all()
+    bugs: frozenset[str] = frozenset()
+    if mutant is not None:
+        from kvcc.spec.mutants import MUTANTS
+
+        bugs = frozenset(MUTANTS[mutant].bugs)
+    started = time.perf_counter()
+    obligations = [_obligation_json(o) for o in prove_all(bugs=bugs)]
+    proved = sum(1 for o in obligations if o["proved"])
+    return {
+        "ok": bool(obligations) and proved == len(obligations),
+        "mutant": mutant,
+        "proved": proved,
+        "total": len(obligations),
+        "seconds": round(time.perf_counter() - started, 3),
+        "obligations": obligations,
+    }
+
+
+def cmd_prove(args: argparse.Namespace) -> int:
+    try:
+        mutant = resolve_mutant(args.mutant) if args.mutant else None
+    except UsageError as exc:
+        return _usage_error("prove", str(exc))
+    try:
+        if args.json:
+            payload = run_prove(mutant)
+        else:
+            with _stderr().status("proving ..." if mutant is None else f"proving with mutant {mutant} ..."):
+                payload = run_prove(mutant)
+    except ProofsUnavailable as exc:
+        if args.json:
+            print_json({"ok": False, "mutant": mutant, "error": str(exc), "obligations": []})
+        return _usage_error("prove", str(exc))
+    if args.json:
+        print_json(payload)
+        return 0 if payload["ok"] else 1
+    out = _stdout()
+    out.print(report.proofs_table(payload["obligations"]))
+    for o in payload["obligations"]:
+        if not o["proved"]:
+            report.render_counterexample(out, f"counterexample: {o.get('action')} breaks {o.get('invariant')}",
+                                         o.get("counterexample"))
+    out.print(report.verdict_line(payload["ok"], "prove" + (f" (mutant {mutant})" if mutant else ""),
+                                  prove_detail(payload)))
+    return 0 if payload["ok"] else 1
+
+
+def prove_detail(payload: Mapping[str, Any]) -> str:
+    text = f"{payload['proved']}/{payload['total']} obligations proved, {report.fmt_seconds(payload.get('seconds'))}s"
+    failed = [f"{o.get('action')}/{o.get('invariant')}" for o in payload["obligations"] if not o["proved"]]
+    if failed:
+        text += "; failed: " + ", ".join(failed[:5]) + (" ..." if len(failed) > 5 else "")
+    return text
+
+
+# ---------------------------------------------------------------------------------------- verify
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    """The main job today: ``check --config small``, then ``mutants``, then ``prove``."""
+    out, err = _stdout(), _stderr()
+    quiet = args.json
+    verdicts: dict[str, bool] = {}
+    payload: dict[str, Any] = {}
+
+    def stage_failed(name: str, exc: BaseException) -> None:
+        verdicts[name] = False
+        payload[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        if not quiet:
+            traceback.print_exc(file=sys.stderr)
+            out.print(report.verdict_line(False, name, payload[name]["error"]))
+
+    # 1. check
+    try:
+        with report.CheckProgress(err, DEFAULT_CONFIG, enabled=None if not quiet else False) as progress:
+            res, manifest, code = run_check(DEFAULT_CONFIG, None, None, progress)
+        verdicts["check"] = code == 0
+        payload["check"] = res
+        if not quiet:
+            out.print(report.verdict_line(code == 0, f"check {DEFAULT_CONFIG}", report.check_detail(res, manifest)))
+            if res.get("violation"):
+                report.render_trace(out, res["violation"], res.get("config"))
+    except Exception as exc:  # noqa: BLE001
+        stage_failed("check", exc)
+
+    # 2. mutants
+    try:
+        names = _selected_mutants(None)
+        if quiet:
+            mp = run_mutants(names)
+        else:
+            with _mutants_progress(err, len(names)) as prog:
+                task = prog.add_task("", total=len(names))
+                mp = run_mutants(names, on_done=lambda row: prog.update(task, advance=1, description=row["name"]))
+        verdicts["mutants"] = mp["ok"]
+        payload["mutants"] = mp
+        if not quiet:
+            out.print(report.verdict_line(mp["ok"], "mutants", mutants_detail(mp)))
+    except Exception as exc:  # noqa: BLE001
+        stage_failed("mutants", exc)
+
+    # 3. prove
+    try:
+        if quiet:
+            pp = run_prove(None)
+        else:
+            with err.status("proving ..."):
+                pp = run_prove(None)
+        verdicts["prove"] = pp["ok"]
+        payload["prove"] = pp
+        if not quiet:
+            out.print(report.verdict_line(pp["ok"], "prove", prove_detail(pp)))
+    except ProofsUnavailable as exc:
+        verdicts["prove"] = False
+        payload["prove"] = {"ok": False, "error": str(exc), "obligations": []}
+        if not quiet:
+            out.print(report.verdict_line(False, "prove", str(exc)))
+    except Exception as exc:  # noqa: BLE001
+        stage_failed("prove", exc)
+
+    ok = all(verdicts.get(s, False) for s in ("check", "mutants", "prove"))
+    if quiet:
+        print_json({"ok": ok, **payload})
+    else:
+        failed = [s for s in ("check", "mutants", "prove") if not verdicts.get(s, False)]
+        final = Text("verify: ", style="bold")
+        final.append("PASS" if ok else "FAIL", style="bold green" if ok else "bold red")
+        if failed:
+            final.append(f" ({', '.join(failed)})")
+        out.print(final)
+    return 0 if ok else 1
+
+
+# ----------------------------------------------------------------------------------------- bench
+
+
+def cmd_bench_checker(args: argparse.Namespace) -> int:
+    from kvcc.bench import checker as bench_checker
+
+    try:
+        resolve_config(args.config)
+    except UsageError as exc:
+        return _usage_error("bench checker", str(exc))
+    return bench_checker.run(args)
+
+
+# ---------------------------------------------------------------------------------------- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description="kvcc: a formally checked KV-cache coherence protocol.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("check", help="model-check one configuration (optionally with a mutant)",
+                       description="Explore every reachable state of a configuration and check every property.")
+    p.add_argument("--config", metavar="NAME",
+                   help=f"model configuration (default: the mutant's own, else {DEFAULT_CONFIG})")
+    p.add_argument("--mutant", metavar="NAME", help="switch on one mutant's bugs")
+    p.add_argument("--max-states", type=_positive_int, metavar="N",
+                   help="stop after N distinct states (the run is then not exhaustive and not ok)")
+    p.add_argument("--json", action="store_true", help="print one JSON object and nothing else")
+    p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser("mutants", help="check that every mutant is caught by its expected property",
+                       description="Check each mutant in its configuration; each must violate exactly its expected property.")
+    p.add_argument("--only", nargs="+", metavar="NAME", help="only these mutants")
+    p.add_argument("--max-states", type=_positive_int, metavar="N", help="cap each mutant's search at N distinct states")
+    p.add_argument("--jobs", type=_positive_int, default=MUTANT_WORKERS, metavar="N",
+                   help=f"worker processes (default {MUTANT_WORKERS})")
+    p.add_argument("--json", action="store_true", help="print one JSON object and nothing else")
+    p.set_defaults(func=cmd_mutants)
+
+    p = sub.add_parser("prove", help="discharge the z3 proof obligations",
+                       description="Prove every (action, invariant) obligation with z3.")
+    p.add_argument("--mutant", metavar="NAME", help="prove with one mutant's bugs switched on (expected to fail)")
+    p.add_argument("--json", action="store_true", help="print one JSON object and nothing else")
+    p.set_defaults(func=cmd_prove)
+
+    p = sub.add_parser("verify", help="the main job: check small, mutants, prove",
+                       description=f"Run check --config {DEFAULT_CONFIG}, then mutants, then prove; pass only if all three pass.")
+    p.add_argument("--json", action="store_true", help="print one JSON object and nothing else")
+    p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("bench", help="benchmarks", description="Benchmarks.")
+    bsub = p.add_subparsers(dest="bench", metavar="BENCHMARK", required=True)
+    from kvcc.bench.checker import add_arguments
+
+    b = bsub.add_parser("checker", help="model-checker throughput and memory per state",
+                        description="Distinct states per second and bytes per state of the model checker.")
+    add_arguments(b)
+    b.set_defaults(func=cmd_bench_checker)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, or argparse's own usage errors
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
