@@ -182,7 +182,7 @@ CONFIGS: dict[str, ModelConfig] = {
         ),
         ModelConfig(
             name="tenants", nodes=2, parents=(-1, -1), namespaces=(0, 1),
-            authorized=(frozenset({0}), frozenset({0, 1})), writes_to_pool_only=True, writers=(1,),
+            authorized=(frozenset({0}), frozenset({0, 1})), writes_to_pool_only=True, writers=(1,), readers=(0,),
             max_epoch=1, max_lease_id=2, max_requests=1, max_node_crashes=0, max_directory_restarts=0,
             description="two tenants' namespaces; node 0 is authorised for one of them only",
         ),

@@ -805,6 +805,13 @@ class Model:
         b[L.up[n]] = 1
         for k in range(cfg.keys):
             b[L.r_id[k][n]] = b[L.r_loc[k][n]] = b[L.r_left[k][n]] = 0
+            # A node that lost its disk lost its fences too: it takes them back from the
+            # directory, whose epoch bounds every epoch ever issued, so that no message from
+            # before the crash (a stale free, a zombie's bytes) can land. (Found by the checker:
+            # a stale Free of the lost copy was accepted under a reset fence.)
+            for loc in range(cfg.locations):
+                if self.loc_node[loc] == n and b[L.fence[loc][k]] < s[L.epoch[k]]:
+                    b[L.fence[loc][k]] = s[L.epoch[k]]
         for k in range(cfg.keys):
             for idx in (L.owner[k], L.draining[k], L.moving[k]):
                 loc1 = s[idx]
