@@ -28,6 +28,9 @@ import time
 from typing import Any
 
 TARGETS = {"distinct_states_per_second": 100_000, "bytes_per_state": 200}
+# Below this much growth the peak RSS mostly reflects heap slack left by the imports: too small a
+# run to say anything about memory per state.
+RELIABLE_RSS_GROWTH = 8 * 1024 * 1024
 DEFAULT_CONFIG = "medium"
 
 
@@ -161,6 +164,7 @@ def measure(config: str = DEFAULT_CONFIG, max_states: int | None = None, on_prog
         "peak_rss_bytes": final["peak_rss_bytes"],
         "baseline_rss_bytes": final["baseline_rss_bytes"],
         "rss_growth_bytes": growth,
+        "rss_growth_reliable": growth >= RELIABLE_RSS_GROWTH,
         "visited_set_bytes": final["visited_set_bytes"],
         "visited_set_bytes_per_state": round(final["visited_set_bytes"] / n, 1) if n else None,
         "visited_set_measure": final["visited_set_measure"],
@@ -213,6 +217,9 @@ def render(console, r: dict[str, Any]) -> None:
     t.add_row("peak RSS", fmt_bytes(r["peak_rss_bytes"]), "", "")
     t.add_row("RSS growth", fmt_bytes(r["rss_growth_bytes"]), "", "")
     console.print(t)
+    if not r["rss_growth_reliable"]:
+        console.print(Text(f"note: the RSS grew by only {fmt_bytes(r['rss_growth_bytes'])}; too small a run to "
+                           "measure bytes per state reliably (the visited-set figure still holds)", style="yellow"))
     if r["violation"]:
         v = r["violation"]
         console.print(Text(f"the check failed: {v['property']} ({v['kind']}) violated in {v['steps']} steps",
@@ -224,21 +231,29 @@ def render(console, r: dict[str, Any]) -> None:
 # ------------------------------------------------------------------------------------ entry points
 
 
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1: {n}")
+    return n
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=DEFAULT_CONFIG, metavar="NAME",
                         help=f"model configuration (default {DEFAULT_CONFIG})")
-    parser.add_argument("--max-states", type=int, metavar="N", help="stop after N distinct states")
+    parser.add_argument("--max-states", type=_positive_int, metavar="N", help="stop after N distinct states")
     parser.add_argument("--json", action="store_true", help="print one JSON object and nothing else")
 
 
 def run(args: argparse.Namespace) -> int:
     """``kvcc bench checker``: measure, print, exit 1 only if the check itself failed."""
-    from rich.console import Console
-
-    from kvcc.cli import print_json
+    from kvcc.cli import print_json, stderr_console, stdout_console
     from kvcc.report import CheckProgress
 
-    err = Console(stderr=True, highlight=False)
+    err = stderr_console()
     try:
         if args.json:
             r = measure(args.config, args.max_states)
@@ -251,7 +266,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json(r)
     else:
-        render(Console(highlight=False), r)
+        render(stdout_console(), r)
     return 1 if r["violation"] else 0
 
 

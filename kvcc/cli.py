@@ -43,7 +43,7 @@ class UsageError(Exception):
 # ------------------------------------------------------------------------------------- utilities
 
 
-def _stdout() -> Console:
+def stdout_console() -> Console:
     console = Console(highlight=False)
     if not console.is_terminal and "COLUMNS" not in os.environ:
         # Piped or logged (CI): rich would assume 80 columns and squeeze the tables.
@@ -51,7 +51,7 @@ def _stdout() -> Console:
     return console
 
 
-def _stderr() -> Console:
+def stderr_console() -> Console:
     return Console(stderr=True, highlight=False)
 
 
@@ -164,12 +164,12 @@ def cmd_check(args: argparse.Namespace) -> int:
         res, _, code = run_check(config, mutant, args.max_states)
         print_json(res)
         return code
-    out = _stdout()
+    out = stdout_console()
     label = config + (f" + mutant {mutant}" if mutant else "")
-    with report.CheckProgress(_stderr(), label) as progress:
+    with report.CheckProgress(stderr_console(), label) as progress:
         res, manifest, code = run_check(config, mutant, args.max_states, progress)
     report.render_check(out, res, manifest, args.max_states)
-    out.print(report.verdict_line(code == 0, f"check {label}", report.check_detail(res, manifest)))
+    out.print(report.verdict_line(code == 0, f"check {label}", report.check_detail(res, manifest)), soft_wrap=True)
     return code
 
 
@@ -271,14 +271,14 @@ def cmd_mutants(args: argparse.Namespace) -> int:
         payload = run_mutants(names, args.max_states, args.jobs)
         print_json(payload)
         return 0 if payload["ok"] else 1
-    out = _stdout()
-    err = _stderr()
+    out = stdout_console()
+    err = stderr_console()
     with _mutants_progress(err, len(names)) as prog:
         task = prog.add_task("", total=len(names))
         payload = run_mutants(names, args.max_states, args.jobs,
                               on_done=lambda row: prog.update(task, advance=1, description=row["name"]))
     out.print(report.mutants_table(payload["mutants"]))
-    out.print(report.verdict_line(payload["ok"], "mutants", mutants_detail(payload)))
+    out.print(report.verdict_line(payload["ok"], "mutants", mutants_detail(payload)), soft_wrap=True)
     return 0 if payload["ok"] else 1
 
 
@@ -348,7 +348,7 @@ def cmd_prove(args: argparse.Namespace) -> int:
         if args.json:
             payload = run_prove(mutant)
         else:
-            with _stderr().status("proving ..." if mutant is None else f"proving with mutant {mutant} ..."):
+            with stderr_console().status("proving ..." if mutant is None else f"proving with mutant {mutant} ..."):
                 payload = run_prove(mutant)
     except ProofsUnavailable as exc:
         if args.json:
@@ -357,14 +357,14 @@ def cmd_prove(args: argparse.Namespace) -> int:
     if args.json:
         print_json(payload)
         return 0 if payload["ok"] else 1
-    out = _stdout()
+    out = stdout_console()
     out.print(report.proofs_table(payload["obligations"]))
     for o in payload["obligations"]:
         if not o["proved"]:
             report.render_counterexample(out, f"counterexample: {o.get('action')} breaks {o.get('invariant')}",
                                          o.get("counterexample"))
     out.print(report.verdict_line(payload["ok"], "prove" + (f" (mutant {mutant})" if mutant else ""),
-                                  prove_detail(payload)))
+                                  prove_detail(payload)), soft_wrap=True)
     return 0 if payload["ok"] else 1
 
 
@@ -381,7 +381,7 @@ def prove_detail(payload: Mapping[str, Any]) -> str:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     """The main job today: ``check --config small``, then ``mutants``, then ``prove``."""
-    out, err = _stdout(), _stderr()
+    out, err = stdout_console(), stderr_console()
     quiet = args.json
     verdicts: dict[str, bool] = {}
     payload: dict[str, Any] = {}
@@ -391,7 +391,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         payload[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
         if not quiet:
             traceback.print_exc(file=sys.stderr)
-            out.print(report.verdict_line(False, name, payload[name]["error"]))
+            out.print(report.verdict_line(False, name, payload[name]["error"]), soft_wrap=True)
 
     # 1. check
     try:
@@ -400,7 +400,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         verdicts["check"] = code == 0
         payload["check"] = res
         if not quiet:
-            out.print(report.verdict_line(code == 0, f"check {DEFAULT_CONFIG}", report.check_detail(res, manifest)))
+            detail = report.check_detail(res, manifest)
+            out.print(report.verdict_line(code == 0, f"check {DEFAULT_CONFIG}", detail), soft_wrap=True)
             if res.get("violation"):
                 report.render_trace(out, res["violation"], res.get("config"))
     except Exception as exc:  # noqa: BLE001
@@ -418,7 +419,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         verdicts["mutants"] = mp["ok"]
         payload["mutants"] = mp
         if not quiet:
-            out.print(report.verdict_line(mp["ok"], "mutants", mutants_detail(mp)))
+            out.print(report.verdict_line(mp["ok"], "mutants", mutants_detail(mp)), soft_wrap=True)
     except Exception as exc:  # noqa: BLE001
         stage_failed("mutants", exc)
 
@@ -432,12 +433,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
         verdicts["prove"] = pp["ok"]
         payload["prove"] = pp
         if not quiet:
-            out.print(report.verdict_line(pp["ok"], "prove", prove_detail(pp)))
+            out.print(report.verdict_line(pp["ok"], "prove", prove_detail(pp)), soft_wrap=True)
     except ProofsUnavailable as exc:
         verdicts["prove"] = False
         payload["prove"] = {"ok": False, "error": str(exc), "obligations": []}
         if not quiet:
-            out.print(report.verdict_line(False, "prove", str(exc)))
+            out.print(report.verdict_line(False, "prove", str(exc)), soft_wrap=True)
     except Exception as exc:  # noqa: BLE001
         stage_failed("prove", exc)
 
@@ -450,7 +451,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         final.append("PASS" if ok else "FAIL", style="bold green" if ok else "bold red")
         if failed:
             final.append(f" ({', '.join(failed)})")
-        out.print(final)
+        out.print(final, soft_wrap=True)
     return 0 if ok else 1
 
 
@@ -485,9 +486,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_check)
 
     p = sub.add_parser("mutants", help="check that every mutant is caught by its expected property",
-                       description="Check each mutant in its configuration; each must violate exactly its expected property.")
+                       description="Check each mutant in its configuration; "
+                                   "each must violate exactly its expected property.")
     p.add_argument("--only", nargs="+", metavar="NAME", help="only these mutants")
-    p.add_argument("--max-states", type=_positive_int, metavar="N", help="cap each mutant's search at N distinct states")
+    p.add_argument("--max-states", type=_positive_int, metavar="N",
+                   help="cap each mutant's search at N distinct states")
     p.add_argument("--jobs", type=_positive_int, default=MUTANT_WORKERS, metavar="N",
                    help=f"worker processes (default {MUTANT_WORKERS})")
     p.add_argument("--json", action="store_true", help="print one JSON object and nothing else")
@@ -500,7 +503,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_prove)
 
     p = sub.add_parser("verify", help="the main job: check small, mutants, prove",
-                       description=f"Run check --config {DEFAULT_CONFIG}, then mutants, then prove; pass only if all three pass.")
+                       description=f"Run check --config {DEFAULT_CONFIG}, then mutants, then prove; "
+                                   "pass only if all three pass.")
     p.add_argument("--json", action="store_true", help="print one JSON object and nothing else")
     p.set_defaults(func=cmd_verify)
 

@@ -258,7 +258,7 @@ def render_trace(console: Console, violation: Mapping[str, Any], config_name: st
     for i, step in enumerate(trace):
         header = Text(f"Step {step.get('step', i)}  ", style="bold")
         header.append_text(_action_text(str(step.get("action")), step.get("params") or []))
-        if i == last and last > 0:
+        if i == last:
             header.append(f"   <- violates {violation.get('property')}", style="bold red")
         console.print(header)
         changes = step.get("changes") or {}
@@ -319,14 +319,14 @@ def check_detail(res: Mapping[str, Any], manifest: Mapping[str, Any] | None = No
 
 
 def mutants_table(rows: Iterable[Mapping[str, Any]]) -> Table:
-    t = Table(title="Mutants", box=box.SIMPLE, title_justify="left")
-    t.add_column("mutant", no_wrap=True)
-    t.add_column("config", style="dim", no_wrap=True)
-    t.add_column("expected property", no_wrap=True)
-    t.add_column("verdict")
-    t.add_column("steps", justify="right")
-    t.add_column("states", justify="right")
-    t.add_column("seconds", justify="right")
+    t = Table(title="Mutants", box=box.SIMPLE, title_justify="left", pad_edge=False)
+    t.add_column("mutant", overflow="fold")
+    t.add_column("config", style="dim", overflow="fold")
+    t.add_column("expected property", overflow="fold")
+    t.add_column("verdict", min_width=6, overflow="fold")
+    t.add_column("steps", justify="right", no_wrap=True)
+    t.add_column("states", justify="right", no_wrap=True)
+    t.add_column("seconds", justify="right", no_wrap=True)
     for r in rows:
         if r.get("error"):
             verdict = Text(f"error: {r['error']}", style="bold red")

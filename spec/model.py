@@ -120,6 +120,11 @@ class Model:
         if "holder_ignores_skew" in self.bugs:
             self.holder_budget = cfg_.lease_term_ticks
         self.deadline = cfg_.invalidation_deadline_ticks
+        self.node_timers = self.L.node_timers
+        if "holder_counts_from_receipt" in self.bugs:
+            # Bug: nothing runs on the holder's clock until the grant arrives.
+            pending = {self.L.p_left[n][k] for n in range(cfg_.nodes) for k in range(cfg_.keys)}
+            self.node_timers = [[t for t in timers if t[0] not in pending] for timers in self.L.node_timers]
         # Which (node, key) pairs a tenant may touch (DESIGN property 11).
         self.allowed = [[cfg_.namespaces[k] in cfg_.authorized[n] for k in range(cfg_.keys)] for n in range(cfg_.nodes)]
         self.loc_node = [cfg_.location_node(loc) for loc in range(cfg_.locations)]
@@ -267,7 +272,7 @@ class Model:
             b = bytearray(fixed)
             self._run_down(b, self._directory_timers(s), 1)
             for n in range(cfg.nodes):
-                self._run_down(b, L.node_timers[n], 1)
+                self._run_down(b, self.node_timers[n], 1)
             for k in range(cfg.keys):
                 if s[L.phase[k]] == INVALIDATING and b[L.inval_age[k]] <= self.deadline:
                     b[L.inval_age[k]] += 1
@@ -285,7 +290,7 @@ class Model:
             if s[L.up[n]] and s[L.off[n]] < eps:
                 b = bytearray(fixed)
                 b[L.off[n]] += 1  # the offset counts how far this clock has fallen behind
-                self._run_down(b, L.node_timers[n], -1)
+                self._run_down(b, self.node_timers[n], -1)
                 out.append(("clock_back", (n,), bytes(b) + tail))
 
     # -- holder (reader) side -----------------------------------------------------------------

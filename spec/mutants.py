@@ -23,11 +23,11 @@ class Mutant:
 MUTANTS: dict[str, Mutant] = {
     m.name: m
     for m in (
-        Mutant("no-fencing", ("no_fencing",), "CommittedBytesIntact", "small",
+        Mutant("no-fencing", ("no_fencing",), "FencingHolds", "small",
                "storage accepts bytes and frees under any epoch: a paused writer overwrites a newer commit"),
         Mutant("late-commit-accepted", ("late_commit_accepted",), "CommittedBytesIntact", "small",
                "the directory commits a write without checking its lease and epoch"),
-        Mutant("invalidation-ignores-leases", ("invalidation_ignores_leases",), "NoReclaimUnderLease", "small",
+        Mutant("invalidation-ignores-leases", ("invalidation_ignores_leases",), "DirectoryDataAgreement", "small",
                "an invalidation (a rewrite) completes without waiting for leases to be acked or expire"),
         Mutant("holder-ignores-skew", ("holder_ignores_skew",), "LeaseKnownToDirectory", "small",
                "a holder trusts its lease for the full term instead of term - epsilon"),
@@ -35,7 +35,7 @@ MUTANTS: dict[str, Mutant] = {
                "a holder counts its lease from the grant's arrival, not from sending the request"),
         Mutant("renew-revives-expired", ("renew_revives_expired",), "RenewalNeverRevives", "renewal",
                "the directory renews a lease that already expired"),
-        Mutant("evict-under-lease", ("evict_under_lease",), "NoReclaimUnderLease", "small",
+        Mutant("evict-under-lease", ("evict_under_lease",), "DirectoryDataAgreement", "small",
                "eviction ignores live read leases"),
         Mutant("evict-parent-first", ("evict_parent_first",), "PrefixClosed", "chain",
                "eviction takes a parent while its child is still cached"),
@@ -43,7 +43,7 @@ MUTANTS: dict[str, Mutant] = {
                "a restarted directory starts lease ids from 1 again"),
         Mutant("grant-during-invalidation", ("grant_during_invalidation",), "LeasesGrantedOnlyOnCommitted", "small",
                "the directory grants read leases on a key that is being invalidated"),
-        Mutant("restart-without-grace", ("restart_without_grace",), "NoReclaimUnderLease", "restart",
+        Mutant("restart-without-grace", ("restart_without_grace",), "LeaseKnownToDirectory", "restart",
                "a restarted directory frees copies before the longest lease it may have issued expired"),
         Mutant("ack-before-drop", ("ack_before_drop",), "NoReadAfterAck", "small",
                "a holder acknowledges a revocation but keeps trusting its lease"),
