@@ -32,6 +32,8 @@ TARGETS = {"distinct_states_per_second": 100_000, "bytes_per_state": 200}
 # run to say anything about memory per state.
 RELIABLE_RSS_GROWTH = 8 * 1024 * 1024
 DEFAULT_CONFIG = "medium"
+# One checker worker per core of this project's machines.
+DEFAULT_WORKERS = max(1, min(2, os.cpu_count() or 1))
 
 
 # ------------------------------------------------------------------------------------ child side
@@ -49,21 +51,7 @@ def _emit(obj: dict) -> None:
     sys.stdout.flush()
 
 
-def _visited_set_bytes(seen: set | None, n: int) -> tuple[int, str]:
-    """``sys.getsizeof`` of the visited set and of every fingerprint in it. When the set could not
-    be reached, a set of ``n`` fingerprint-sized integers is built and measured instead."""
-    if seen is None:
-        import random
-
-        rng = random.Random(0)
-        seen = {rng.getrandbits(64) - 2**63 for _ in range(n)}
-        how = "estimated"
-    else:
-        how = "measured"
-    return sys.getsizeof(seen) + sum(sys.getsizeof(x) for x in seen), how
-
-
-def child_main(config: str, max_states: int | None) -> None:
+def child_main(config: str, max_states: int | None, workers: int = 1) -> None:
     """Runs in the fresh interpreter: build the model, take the baseline, search, measure."""
     import gc
 
@@ -73,41 +61,36 @@ def child_main(config: str, max_states: int | None) -> None:
 
     cfg = get_config(config)
     model = Model(cfg, ())
-    grabbed: dict[str, Any] = {"frontier_peak": 0}
+    frontier_peak = 0
 
     def progress(depth: int, distinct: int, frontier: int) -> None:
-        if "seen" not in grabbed:
-            # The visited set is a local of Checker.run, our caller; keep a reference to it so it
-            # can be measured after the run. (An API for this would be cleaner: see the report.)
-            seen = sys._getframe(1).f_locals.get("seen")
-            grabbed["seen"] = seen if isinstance(seen, set) else None
-        grabbed["frontier_peak"] = max(grabbed["frontier_peak"], frontier)
+        nonlocal frontier_peak
+        frontier_peak = max(frontier_peak, frontier)
         _emit({"event": "progress", "depth": depth, "distinct": distinct, "frontier": frontier})
 
     checker = Checker(model, max_states=max_states, progress=progress)
     gc.collect()
     baseline = _maxrss_bytes()
-    result = checker.run()
-    peak = _maxrss_bytes()
+    result = checker.run(workers=workers)
     res = result.to_json()
-    n = res["distinct_states"]
-    set_bytes, how = _visited_set_bytes(grabbed.get("seen"), n)
     v = res.get("violation")
     _emit({
         "event": "result",
         "config": config,
+        "workers": workers,
         "ok": res["ok"],
         "truncated": res["truncated"],
         "violation": None if v is None else {"property": v["property"], "kind": v["kind"], "steps": v["steps"]},
-        "distinct_states": n,
+        "distinct_states": res["distinct_states"],
         "generated_states": res["generated_states"],
         "depth": res["depth"],
         "seconds": result.seconds,
-        "baseline_rss_bytes": baseline,
-        "peak_rss_bytes": peak,
-        "visited_set_bytes": set_bytes,
-        "visited_set_measure": how,
-        "frontier_peak": grabbed["frontier_peak"],
+        # Each forked worker starts from this process's pages, so its peak counts the baseline.
+        "baseline_rss_bytes": baseline * workers,
+        "peak_rss_bytes": result.peak_rss_bytes,
+        "visited_set_bytes": result.visited_bytes,
+        "visited_set_measure": "measured",
+        "frontier_peak": frontier_peak,
     })
 
 
@@ -118,11 +101,12 @@ class BenchError(Exception):
     pass
 
 
-def measure(config: str = DEFAULT_CONFIG, max_states: int | None = None, on_progress=None) -> dict[str, Any]:
+def measure(config: str = DEFAULT_CONFIG, max_states: int | None = None, on_progress=None,
+            workers: int = DEFAULT_WORKERS) -> dict[str, Any]:
     """Run the check in a fresh interpreter and return the benchmark's figures."""
     code = "import sys; from kvcc.bench.checker import child_main; " \
-           "child_main(sys.argv[1], int(sys.argv[2]) if sys.argv[2] else None)"
-    cmd = [sys.executable, "-c", code, config, "" if max_states is None else str(max_states)]
+           "child_main(sys.argv[1], int(sys.argv[2]) if sys.argv[2] else None, int(sys.argv[3]))"
+    cmd = [sys.executable, "-c", code, config, "" if max_states is None else str(max_states), str(workers)]
     started = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED", "0")})
@@ -155,6 +139,7 @@ def measure(config: str = DEFAULT_CONFIG, max_states: int | None = None, on_prog
     bps = growth / n if n else None
     out = {
         "config": config,
+        "workers": final["workers"],
         "distinct_states": n,
         "generated_states": final["generated_states"],
         "depth": final["depth"],
@@ -194,7 +179,7 @@ def render(console, r: dict[str, Any]) -> None:
     def met(ok: bool) -> Text:
         return Text("met", style="green") if ok else Text("missed", style="bold yellow")
 
-    title = f"Checker benchmark: {r['config']}"
+    title = f"Checker benchmark: {r['config']}, {r['workers']} worker(s)"
     if r["truncated"]:
         title += f" (capped at {fmt_int(r['max_states'])} states)"
     t = Table(title=title, box=box.SIMPLE_HEAVY, title_justify="left")
@@ -245,6 +230,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=DEFAULT_CONFIG, metavar="NAME",
                         help=f"model configuration (default {DEFAULT_CONFIG})")
     parser.add_argument("--max-states", type=_positive_int, metavar="N", help="stop after N distinct states")
+    parser.add_argument("--workers", type=_positive_int, default=DEFAULT_WORKERS, metavar="N",
+                        help=f"checker worker processes (default {DEFAULT_WORKERS})")
     parser.add_argument("--json", action="store_true", help="print one JSON object and nothing else")
 
 
@@ -256,10 +243,10 @@ def run(args: argparse.Namespace) -> int:
     err = stderr_console()
     try:
         if args.json:
-            r = measure(args.config, args.max_states)
+            r = measure(args.config, args.max_states, workers=args.workers)
         else:
             with CheckProgress(err, f"{args.config} (benchmark)") as progress:
-                r = measure(args.config, args.max_states, on_progress=progress)
+                r = measure(args.config, args.max_states, on_progress=progress, workers=args.workers)
     except BenchError as exc:
         print(f"kvcc bench checker: error: {exc}", file=sys.stderr)
         return 1

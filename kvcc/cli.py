@@ -31,6 +31,8 @@ from . import report
 PROG = "kvcc"
 DEFAULT_CONFIG = "small"
 MUTANT_WORKERS = 2  # the CI machines have two cores; the mutants are independent
+# Checker worker processes for one search: one per core, at most two.
+DEFAULT_WORKERS = max(1, min(2, os.cpu_count() or 1))
 
 # Manifest fields that a run reproduces exactly (timings are never pinned).
 MANIFEST_FIELDS = ("distinct_states", "generated_states", "depth", "ok")
@@ -136,12 +138,19 @@ def manifest_status(config: str, mutant: str | None, res: Mapping[str, Any]) -> 
     return {"status": status, "expected": fmt(pinned), "actual": fmt(actual)}
 
 
-def run_check(config: str, mutant: str | None, max_states: int | None, progress=None) -> tuple[dict, dict | None, int]:
-    """Run the checker; return (``to_json()`` (+ ``manifest_match``), manifest status, exit code)."""
+def run_check(config: str, mutant: str | None, max_states: int | None, progress=None,
+              workers: int | None = None) -> tuple[dict, dict | None, int]:
+    """Run the checker; return (``to_json()`` (+ ``manifest_match``), manifest status, exit code).
+
+    Without a mutant the search uses one worker process per core (at most 2); a mutant's search
+    uses one, so that its counterexample -- the first violation found at the shortest depth --
+    is the same on every run."""
     from kvcc.spec.checker import check
     from kvcc.spec.config import get_config
 
-    result = check(get_config(config), mutant=mutant, max_states=max_states, progress=progress)
+    if workers is None:
+        workers = 1 if mutant else DEFAULT_WORKERS
+    result = check(get_config(config), mutant=mutant, max_states=max_states, progress=progress, workers=workers)
     res = result.to_json()
     manifest = manifest_status(config, mutant, res)
     if manifest is not None and manifest["status"] in ("match", "mismatch"):
@@ -161,13 +170,13 @@ def cmd_check(args: argparse.Namespace) -> int:
     except UsageError as exc:
         return _usage_error("check", str(exc))
     if args.json:
-        res, _, code = run_check(config, mutant, args.max_states)
+        res, _, code = run_check(config, mutant, args.max_states, workers=args.workers)
         print_json(res)
         return code
     out = stdout_console()
     label = config + (f" + mutant {mutant}" if mutant else "")
     with report.CheckProgress(stderr_console(), label) as progress:
-        res, manifest, code = run_check(config, mutant, args.max_states, progress)
+        res, manifest, code = run_check(config, mutant, args.max_states, progress, workers=args.workers)
     report.render_check(out, res, manifest, args.max_states)
     out.print(report.verdict_line(code == 0, f"check {label}", report.check_detail(res, manifest)), soft_wrap=True)
     return code
@@ -480,6 +489,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", metavar="NAME",
                    help=f"model configuration (default: the mutant's own, else {DEFAULT_CONFIG})")
     p.add_argument("--mutant", metavar="NAME", help="switch on one mutant's bugs")
+    p.add_argument("--workers", type=_positive_int, metavar="N",
+                   help=f"worker processes (default: {DEFAULT_WORKERS}, or 1 with a mutant)")
     p.add_argument("--max-states", type=_positive_int, metavar="N",
                    help="stop after N distinct states (the run is then not exhaustive and not ok)")
     p.add_argument("--json", action="store_true", help="print one JSON object and nothing else")

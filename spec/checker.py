@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -67,6 +68,9 @@ class CheckResult:
     deadlocks: int = 0
     collision_probability: float = 0.0
     truncated: bool = False
+    workers: int = 1
+    visited_bytes: int = 0
+    peak_rss_bytes: int = 0  # summed over workers; each worker's includes the parent's pages
 
     @property
     def states_per_second(self) -> float:
@@ -85,6 +89,8 @@ class CheckResult:
             "collision_probability": self.collision_probability,
             "deadlocks": self.deadlocks,
             "truncated": self.truncated,
+            "workers": self.workers,
+            "visited_bytes_per_state": round(self.visited_bytes / self.distinct_states, 1) if self.distinct_states else 0,
             "properties": self.properties,
             "coverage": self.coverage,
             "uncovered_actions": [a for a in ACTIONS if self.coverage.get(a, 0) == 0],
@@ -190,114 +196,84 @@ class Checker:
         self.progress = progress
         self.symmetry = Symmetry(model) if model.cfg.symmetry else None
 
+    def _invariant_masks(self):
+        """Bit masks of the variable groups each invariant reads (``Invariant.reads``)."""
+        groups = self.model.L.groups
+        bits = {name: 1 << i for i, name in enumerate(groups)}
+        messages_bit = 1 << len(groups)
+        bits["messages"] = messages_bit
+        everything = (messages_bit << 1) - 1
+        group_slices = [(bits[name], sl) for name, sl in groups.items()]
+        masks = []
+        for inv in self.invariants:
+            mask = 0
+            for name in inv.reads:
+                mask |= bits[name]
+            masks.append((inv, mask or everything))
+        return group_slices, messages_bit, masks
+
     def fingerprint(self, s: bytes) -> int:
         if self.symmetry is not None:
             s = self.symmetry.canonical(s)
         return hash(s)
 
-    def run(self, mutant: str | None = None) -> CheckResult:
+    def run(self, mutant: str | None = None, workers: int = 1) -> CheckResult:
+        """Explore every reachable state; with ``workers > 1``, in that many forked processes,
+        each owning the fingerprints ``fp % workers == worker`` and exchanging the successors
+        it finds for the others, one breadth-first level at a time."""
         m = self.model
         started = time.perf_counter()
-        seen: set[int] = set()
-        # Without symmetry the fingerprint is the built-in hash: no Python call per state.
-        fingerprint = self.fingerprint if self.symmetry is not None else hash
-        invariants = self.invariants
-        tprops = self.transition_properties
-        state_sometimes = [sm for sm in self.sometimes if sm.reached_state is not None]
-        step_sometimes = [sm for sm in self.sometimes if sm.reached_step is not None]
-        reached: set[str] = set()
-        coverage: Counter[str] = Counter()
-        violation: Violation | None = None
-        deadlocks = 0
-        generated = 0
-        truncated = False
-
-        frontier: list[bytes] = []
-        for s in m.init_states():
-            fp = fingerprint(s)
-            if fp not in seen:
-                seen.add(fp)
-                frontier.append(s)
-                for inv in invariants:
-                    if not inv.holds(m, s):
-                        violation = Violation(inv.name, "invariant", 0)
-        depth = 0
-        while frontier and violation is None:
-            nxt: list[bytes] = []
-            for s in frontier:
-                steps = m.successors(s)
-                if not steps:
-                    deadlocks += 1
-                    violation = Violation("Deadlock", "deadlock", depth)
+        if workers > 1:
+            outcome = _run_parallel(self, workers)
+        else:
+            explorer = _Explorer(self)
+            frontier = explorer.start()
+            depth = 0
+            truncated = False
+            while frontier and explorer.violation is None:
+                nxt, _ = explorer.expand(frontier, depth)
+                if explorer.violation is not None:
                     break
-                generated += len(steps)
-                for action, params, t in steps:
-                    coverage[action] += 1
-                    for tp in tprops:
-                        if not tp.holds(m, s, action, params, t):
-                            violation = Violation(tp.name, "transition", depth + 1)
-                            break
-                    if violation is not None:
-                        break
-                    if step_sometimes:
-                        hit = [sm for sm in step_sometimes if sm.reached_step(m, s, action, params, t)]
-                        if hit:
-                            reached.update(sm.name for sm in hit)
-                            step_sometimes = [sm for sm in step_sometimes if sm.name not in reached]
-                    fp = fingerprint(t)
-                    if fp in seen:
-                        continue
-                    seen.add(fp)
-                    nxt.append(t)
-                    for inv in invariants:
-                        if not inv.holds(m, t):
-                            violation = Violation(inv.name, "invariant", depth + 1)
-                            break
-                    if violation is not None:
-                        break
-                    if state_sometimes:
-                        hit = [sm for sm in state_sometimes if sm.reached_state(m, t)]
-                        if hit:
-                            reached.update(sm.name for sm in hit)
-                            state_sometimes = [sm for sm in state_sometimes if sm.name not in reached]
-                if violation is not None:
-                    break
-                if self.max_states is not None and len(seen) >= self.max_states:
+                frontier = nxt
+                if nxt:
+                    depth += 1
+                if self.progress is not None:
+                    self.progress(depth, len(explorer.seen), len(frontier))
+                if self.max_states is not None and len(explorer.seen) >= self.max_states and frontier:
                     truncated = True
                     break
-            if truncated:
-                break
-            frontier = nxt
-            if nxt:
-                depth += 1
-            if self.progress is not None:
-                self.progress(depth, len(seen), len(frontier))
+            outcome = _Outcome.of(explorer, depth, truncated)
+            outcome.peak_rss_bytes = _maxrss_bytes()
         seconds = time.perf_counter() - started
 
+        violation = outcome.violation
         properties: dict[str, str] = {}
-        for prop in invariants + tprops:
+        for prop in self.invariants + self.transition_properties:
             properties[prop.name] = "violated" if violation is not None and violation.property == prop.name else "holds"
         for sm in self.sometimes:
-            properties[sm.name] = "reached" if sm.name in reached else "unreached"
-        exhausted = violation is None and not truncated
+            properties[sm.name] = "reached" if sm.name in outcome.reached else "unreached"
+        exhausted = violation is None and not outcome.truncated
         ok = exhausted and all(properties[sm.name] == "reached" for sm in self.sometimes)
         if violation is not None:
             violation.trace = self.shortest_trace(violation)
-        n = len(seen)
+        n = outcome.distinct
         return CheckResult(
             config=m.cfg.name,
             mutant=mutant,
             ok=ok,
             distinct_states=n,
-            generated_states=generated,
-            depth=depth,
+            generated_states=outcome.generated,
+            depth=outcome.depth,
             seconds=seconds,
             properties=properties,
-            coverage=dict(sorted(coverage.items())),
+            coverage=dict(sorted(outcome.coverage.items())),
             violation=violation,
-            deadlocks=deadlocks,
+            deadlocks=outcome.deadlocks,
             collision_probability=n * n / 2.0**65,
-            truncated=truncated,
+            truncated=outcome.truncated,
+            workers=workers,
+            visited_bytes=outcome.visited_bytes,
+            peak_rss_bytes=outcome.peak_rss_bytes,
         )
 
     # ------------------------------------------------------------------ counterexamples
@@ -373,7 +349,312 @@ class Checker:
         return steps
 
 
-def check(cfg: ModelConfig, mutant: str | None = None, max_states: int | None = None, progress=None) -> CheckResult:
+@define
+class _Outcome:
+    distinct: int
+    generated: int
+    depth: int
+    deadlocks: int
+    coverage: Counter
+    reached: set
+    violation: Violation | None
+    truncated: bool
+    visited_bytes: int
+    peak_rss_bytes: int = 0
+
+    @classmethod
+    def of(cls, ex: "_Explorer", depth: int, truncated: bool) -> "_Outcome":
+        return cls(len(ex.seen), ex.generated, depth, ex.deadlocks, ex.coverage, ex.reached,
+                   ex.violation, truncated, ex.visited_bytes())
+
+
+class _Explorer:
+    """One process's share of the search: the fingerprints it owns (all of them when alone),
+    what it has reached and covered, and the expansion of one breadth-first level."""
+
+    def __init__(self, checker: Checker, worker: int = 0, workers: int = 1) -> None:
+        self.checker = checker
+        self.m = checker.model
+        self.worker, self.workers = worker, workers
+        # Without symmetry the fingerprint is the built-in hash: no Python call per state.
+        self.fingerprint = checker.fingerprint if checker.symmetry is not None else hash
+        self.group_slices, self.messages_bit, self.invariant_masks = checker._invariant_masks()
+        self.everything = (self.messages_bit << 1) - 1
+        self.state_sometimes = [sm for sm in checker.sometimes if sm.reached_state is not None]
+        self.step_sometimes = [sm for sm in checker.sometimes if sm.reached_step is not None]
+        self.seen: set[int] = set()
+        self.reached: set[str] = set()
+        self.coverage: Counter[str] = Counter()
+        self.violation: Violation | None = None
+        self.deadlocks = 0
+        self.generated = 0
+
+    @property
+    def partition(self) -> tuple[slice, slice]:
+        """What decides which worker owns a state: the directory's records and the storage
+        slots. Most steps (messages, clocks, holders) leave both alone, so most successors stay
+        with the worker that found them and never cross a pipe."""
+        groups = self.m.L.groups
+        return groups["records"], groups["slots"]
+
+    def owner(self, s: bytes) -> int:
+        if self.workers == 1:
+            return 0
+        a, b = self.partition
+        return hash(s[a] + s[b]) % self.workers
+
+    def visited_bytes(self) -> int:
+        """Memory held by the visited set: the table plus one integer per fingerprint."""
+        sample = next(iter(self.seen), 0)
+        return sys.getsizeof(self.seen) + len(self.seen) * sys.getsizeof(sample)
+
+    def start(self) -> list[bytes]:
+        frontier = []
+        for s in self.m.init_states():
+            fp = self.fingerprint(s)
+            if self.owner(s) == self.worker:
+                self.admit(fp, s, self.everything, -1, frontier)
+        return frontier
+
+    def admit(self, fp: int, t: bytes, changed: int, depth: int, nxt: list[bytes]) -> None:
+        """A state this process owns was reached: keep it if new, and check it."""
+        if fp in self.seen:
+            return
+        self.seen.add(fp)
+        nxt.append(t)
+        m = self.m
+        # Every invariant held on the parent: re-evaluate only those that read a group that
+        # changed (``changed`` is a bit mask of ``Layout.groups`` plus the network).
+        for inv, mask in self.invariant_masks:
+            if mask & changed and not inv.holds(m, t):
+                self.violation = Violation(inv.name, "invariant", depth + 1)
+                return
+        if self.state_sometimes:
+            hit = [sm for sm in self.state_sometimes if sm.reached_state(m, t)]
+            if hit:
+                self.reached.update(sm.name for sm in hit)
+                self.state_sometimes = [sm for sm in self.state_sometimes if sm.name not in self.reached]
+
+    def absorb(self, batch: list[tuple[int, bytes]], depth: int, nxt: list[bytes]) -> None:
+        """States found by another process for this one, each with its changed-groups mask."""
+        fingerprint = self.fingerprint
+        for changed, t in batch:
+            assert self.owner(t) == self.worker
+            self.admit(fingerprint(t), t, changed, depth, nxt)
+            if self.violation is not None:
+                return
+
+    def expand(self, frontier: list[bytes], depth: int, send=None) -> tuple[list[bytes], list]:
+        """Generate every successor of ``frontier``; keep those this process owns, hand the
+        others to ``send`` in batches (or return them)."""
+        m, checker = self.m, self.checker
+        tprops = checker.transition_properties
+        watch = m.L.step_watch
+        fixed = m.L.fixed
+        group_slices, messages_bit = self.group_slices, self.messages_bit
+        fingerprint, workers, worker = self.fingerprint, self.workers, self.worker
+        coverage = self.coverage
+        max_states = checker.max_states
+        part_a, part_b = self.partition
+        part_hash = hash
+        nxt: list[bytes] = []
+        # outboxes[w]: states found for worker w, each with the mask of groups that changed.
+        outboxes: list[list[tuple[int, bytes]]] = [[] for _ in range(workers)]
+        for s in frontier:
+            steps = m.successors(s)
+            if not steps:
+                self.deadlocks += 1
+                self.violation = Violation("Deadlock", "deadlock", depth)
+                break
+            self.generated += len(steps)
+            for action, params, t in steps:
+                coverage[action] += 1
+                if self.step_sometimes:
+                    hit = [sm for sm in self.step_sometimes if sm.reached_step(m, s, action, params, t)]
+                    if hit:
+                        self.reached.update(sm.name for sm in hit)
+                        self.step_sometimes = [sm for sm in self.step_sometimes if sm.name not in self.reached]
+                if t is s:
+                    continue  # a self-loop (a read, a refused eviction): nothing changes
+                # Step properties read only ``step_watch`` (and ticks): skip them when it is
+                # unchanged.
+                if action == "tick" or s[watch] != t[watch]:
+                    for tp in tprops:
+                        if not tp.holds(m, s, action, params, t):
+                            self.violation = Violation(tp.name, "transition", depth + 1)
+                            break
+                    if self.violation is not None:
+                        break
+                fp = fingerprint(t)
+                if workers == 1 or (s[part_a] == t[part_a] and s[part_b] == t[part_b]):
+                    owner = worker  # ``s`` is this worker's, and so is everything like it
+                else:
+                    owner = part_hash(t[part_a] + t[part_b]) % workers
+                if owner == worker and fp in self.seen:
+                    continue
+                changed = 0
+                for bit, sl in group_slices:
+                    if s[sl] != t[sl]:
+                        changed |= bit
+                if s[fixed:] != t[fixed:]:
+                    changed |= messages_bit
+                if owner == worker:
+                    self.admit(fp, t, changed, depth, nxt)
+                    if self.violation is not None:
+                        break
+                else:
+                    box = outboxes[owner]
+                    box.append((changed, t))
+                    if len(box) >= _BATCH and send is not None:
+                        send(owner, box)
+                        outboxes[owner] = []
+            if self.violation is not None:
+                break
+            if workers == 1 and max_states is not None and len(self.seen) >= max_states:
+                break
+        return nxt, outboxes
+
+
+def _maxrss_bytes() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+# States handed to another worker are sent in batches of this many.
+_BATCH = 20_000
+
+
+def _worker_main(checker: Checker, worker: int, workers: int, peers: dict, control) -> None:
+    """One forked worker: expand its frontier level by level, exchanging states with its peers
+    through pipes (a thread drains incoming pipes so that two senders never block each other)."""
+    import queue
+    import threading
+
+    explorer = _Explorer(checker, worker, workers)
+    inbox: queue.Queue = queue.Queue()
+
+    def drain(conn) -> None:
+        while True:
+            try:
+                item = conn.recv()
+            except EOFError:
+                return
+            inbox.put(item)
+            if item == "exit":
+                return
+
+    for conn in peers.values():
+        threading.Thread(target=drain, args=(conn,), daemon=True).start()
+
+    def send(owner: int, batch: list) -> None:
+        peers[owner].send(batch)
+
+    frontier = explorer.start()
+    depth = 0
+    while True:
+        nxt, outboxes = explorer.expand(frontier, depth, send)
+        for owner, box in enumerate(outboxes):
+            if box and owner != worker:
+                send(owner, box)
+        for conn in peers.values():
+            conn.send("end")
+        ended = 0
+        while ended < len(peers):
+            item = inbox.get()
+            if item == "end":
+                ended += 1
+            elif explorer.violation is None:
+                explorer.absorb(item, depth, nxt)
+        control.send((len(explorer.seen), len(nxt), explorer.violation is not None))
+        if control.recv() != "go":
+            break
+        frontier = nxt
+        depth += 1
+    control.send(
+        {
+            "distinct": len(explorer.seen),
+            "generated": explorer.generated,
+            "deadlocks": explorer.deadlocks,
+            "coverage": dict(explorer.coverage),
+            "reached": explorer.reached,
+            "violation": None if explorer.violation is None else (
+                explorer.violation.property, explorer.violation.kind, explorer.violation.depth),
+            "visited_bytes": explorer.visited_bytes(),
+            "peak_rss_bytes": _maxrss_bytes(),
+        }
+    )
+    for conn in peers.values():
+        conn.send("exit")
+
+
+def _run_parallel(checker: Checker, workers: int) -> _Outcome:
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")  # workers inherit the model and the hash secret
+    links = {}
+    for a in range(workers):
+        for b in range(a + 1, workers):
+            links[(a, b)], links[(b, a)] = ctx.Pipe()
+    controls, procs = [], []
+    for w in range(workers):
+        mine, theirs = ctx.Pipe()
+        peers = {v: links[(w, v)] for v in range(workers) if v != w}
+        proc = ctx.Process(target=_worker_main, args=(checker, w, workers, peers, theirs), daemon=True)
+        proc.start()
+        controls.append(mine)
+        procs.append(proc)
+    depth = 0
+    truncated = False
+    try:
+        while True:
+            reports = [c.recv() for c in controls]
+            distinct = sum(r[0] for r in reports)
+            frontier = sum(r[1] for r in reports)
+            violated = any(r[2] for r in reports)
+            if frontier and not violated:
+                depth += 1
+            if checker.progress is not None:
+                checker.progress(depth, distinct, frontier)
+            over = checker.max_states is not None and distinct >= checker.max_states and frontier > 0
+            truncated = over and not violated
+            go = frontier > 0 and not violated and not over
+            for c in controls:
+                c.send("go" if go else "stop")
+            if not go:
+                break
+        finals = [c.recv() for c in controls]
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+    coverage: Counter = Counter()
+    reached: set = set()
+    violation = None
+    for f in finals:
+        coverage.update(f["coverage"])
+        reached |= f["reached"]
+        if f["violation"] is not None and (violation is None or f["violation"][2] < violation.depth):
+            violation = Violation(*f["violation"])
+    outcome = _Outcome(
+        distinct=sum(f["distinct"] for f in finals),
+        generated=sum(f["generated"] for f in finals),
+        depth=depth,
+        deadlocks=sum(f["deadlocks"] for f in finals),
+        coverage=coverage,
+        reached=reached,
+        violation=violation,
+        truncated=truncated,
+        visited_bytes=sum(f["visited_bytes"] for f in finals),
+        peak_rss_bytes=sum(f["peak_rss_bytes"] for f in finals),
+    )
+    return outcome
+
+
+def check(
+    cfg: ModelConfig, mutant: str | None = None, max_states: int | None = None, progress=None, workers: int = 1
+) -> CheckResult:
     """Check one configuration (with one mutant's bugs, if named)."""
     from .mutants import MUTANTS
 
@@ -381,4 +662,4 @@ def check(cfg: ModelConfig, mutant: str | None = None, max_states: int | None = 
     if mutant is not None:
         bugs = MUTANTS[mutant].bugs
     model = Model(cfg, bugs)
-    return Checker(model, max_states=max_states, progress=progress).run(mutant=mutant)
+    return Checker(model, max_states=max_states, progress=progress).run(mutant=mutant, workers=workers)

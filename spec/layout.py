@@ -90,7 +90,6 @@ class Layout:
         # Directory: durable per-key records ...
         self.phase = [var(f"record[k{k}].phase") for k in range(K)]
         self.gen = [var(f"record[k{k}].gen") for k in range(K)]
-        self.epoch = [var(f"record[k{k}].epoch") for k in range(K)]
         self.owner = [var(f"record[k{k}].owner") for k in range(K)]
         self.moving = [var(f"record[k{k}].moving_to") for k in range(K)]
         self.draining = [var(f"record[k{k}].draining") for k in range(K)]
@@ -98,9 +97,6 @@ class Layout:
         self.w_id = [var(f"record[k{k}].write_lease") for k in range(K)]
         # ... volatile lease timers and read-lease table ...
         self.w_left = [var(f"record[k{k}].write_lease_left") for k in range(K)]
-        self.r_id = [[var(f"lease[k{k},n{n}].id") for n in range(N)] for k in range(K)]
-        self.r_loc = [[var(f"lease[k{k},n{n}].location") for n in range(N)] for k in range(K)]
-        self.r_left = [[var(f"lease[k{k},n{n}].left") for n in range(N)] for k in range(K)]
         # ... and its own clock, restart grace and lease-id counter.
         self.dir_off = var("directory.clock_offset")
         self.grace = var("directory.restart_grace_left")
@@ -125,11 +121,18 @@ class Layout:
         self.wr_gen = [[var(f"writer[n{n},k{k}].gen") for k in range(K)] for n in range(N)]
         self.wr_epoch = [[var(f"writer[n{n},k{k}].epoch") for k in range(K)] for n in range(N)]
         self.wr_loc = [[var(f"writer[n{n},k{k}].location") for k in range(K)] for n in range(N)]
+        # The step properties read only what lies between here and the end of the read-lease
+        # table (``step_watch``): record epochs, storage slots and the directory's lease table.
+        self.epoch = [var(f"record[k{k}].epoch") for k in range(K)]
         # Storage slots, per location and key, with the fence (highest epoch seen there).
         self.s_status = [[var(f"slot[l{loc},k{k}].status") for k in range(K)] for loc in range(LOCS)]
         self.s_gen = [[var(f"slot[l{loc},k{k}].gen") for k in range(K)] for loc in range(LOCS)]
         self.s_epoch = [[var(f"slot[l{loc},k{k}].epoch") for k in range(K)] for loc in range(LOCS)]
         self.fence = [[var(f"slot[l{loc},k{k}].fence") for k in range(K)] for loc in range(LOCS)]
+        # The directory's read-lease table (volatile: lost when the directory restarts).
+        self.r_id = [[var(f"lease[k{k},n{n}].id") for n in range(N)] for k in range(K)]
+        self.r_loc = [[var(f"lease[k{k},n{n}].location") for n in range(N)] for k in range(K)]
+        self.r_left = [[var(f"lease[k{k},n{n}].left") for n in range(N)] for k in range(K)]
         # Fault budgets (scope bounds).
         self.crashes_left = var("budget.node_crashes")
         self.restarts_left = var("budget.directory_restarts")
@@ -149,6 +152,23 @@ class Layout:
         self.lease_id_block = block(self.r_id)
         self.lease_left_block = block(self.r_left)
         self.holder_block = block(self.h_id)
+        self.step_watch = slice(self.epoch[0], self.r_left[-1][-1] + 1)
+        # Variable groups, each contiguous: an invariant names the groups it reads, and the
+        # checker re-evaluates it on a new state only when one of them changed from the parent
+        # state (where every invariant already held). "messages" is the network.
+        self.groups: dict[str, slice] = {
+            "records": slice(self.phase[0], self.w_left[-1] + 1),
+            "directory": slice(self.dir_off, self.inval_age[-1] + 1),
+            "nodes": slice(self.up[0], self.req[-1] + 1),
+            "holders": slice(self.h_id[0][0], self.p_left[-1][-1] + 1),
+            "writers": slice(self.w_stage[0][0], self.wr_loc[-1][-1] + 1),
+            "epochs": block(self.epoch),
+            "slots": slice(self.s_status[0][0], self.fence[-1][-1] + 1),
+            "leases": slice(self.r_id[0][0], self.r_left[-1][-1] + 1),
+            "budgets": slice(self.crashes_left, self.dups_left + 1),
+        }
+        covered = sorted(i for sl in self.groups.values() for i in range(sl.start, sl.stop))
+        assert covered == list(range(self.fixed)), "the groups partition the fixed part"
 
         # Counters that run down with one clock, and what to clear when one reaches zero.
         # Each entry: (counter index, indices zeroed on expiry).

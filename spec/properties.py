@@ -58,6 +58,10 @@ class Invariant:
     text: str
     holds: StatePredicate
     kind: str = "safety"  # or "progress"
+    # The layout groups (see ``Layout.groups``) and "messages" the predicate reads: the checker
+    # skips it on a state whose parent agrees on all of them. Declaring too few is unsound;
+    # ``tests/test_spec.py`` re-evaluates every invariant on every state of a configuration.
+    reads: tuple[str, ...] = ()
 
 
 @frozen
@@ -441,20 +445,20 @@ def _renewal(m: Model, pre: bytes, action: str, params: tuple, post: bytes) -> b
 
 
 INVARIANTS: tuple[Invariant, ...] = (
-    Invariant("OneWriterPerGeneration", "1", "at most one node holds the write lease of a (key, generation)", one_writer_per_generation),
-    Invariant("OneOwnerPerEpoch", "1", "no two locations hold a key's bytes under one epoch", one_owner_per_epoch),
-    Invariant("EpochsBoundFences", "2", "no fence, copy or message carries an epoch above the directory's", epochs_bound_fences),
-    Invariant("NoDirtyRead", "3", "holders trust leases only on committed generations", no_dirty_read),
-    Invariant("CommittedBytesIntact", "4", "the committed generation's bytes sit unchanged at its owner", committed_bytes_intact),
-    Invariant("NoReclaimUnderLease", "5", "no location under a trusted lease is freed, evicted, moved or overwritten", no_reclaim_under_lease),
-    Invariant("NoStaleRead", "6", "after an invalidation completes nobody trusts the old generation", no_stale_read),
-    Invariant("NoReadAfterAck", "7", "a holder that acked a revocation no longer trusts the lease", no_read_after_ack),
-    Invariant("LeaseIdsFresh", "8", "every lease id in use is below the directory's counter", lease_ids_fresh),
-    Invariant("LeaseKnownToDirectory", "8,12", "a holder's trust never outlives the directory's view of the lease (skew, restart)", lease_known_to_directory),
-    Invariant("DirectoryDataAgreement", "9", "a live lease never points at a location without the leased bytes", directory_data_agreement),
-    Invariant("PrefixClosed", "10", "a written or committed block's parent is committed", prefix_closed),
-    Invariant("NamespaceIsolation", "11", "no lease or write grant outside the tenant's namespaces", namespace_isolation),
-    Invariant("InvalidationCompletesInTime", "progress", "an invalidation completes within its deadline", invalidation_completes_in_time, kind="progress"),
+    Invariant("OneWriterPerGeneration", "1", "at most one node holds the write lease of a (key, generation)", one_writer_per_generation, reads=('writers', 'messages')),
+    Invariant("OneOwnerPerEpoch", "1", "no two locations hold a key's bytes under one epoch", one_owner_per_epoch, reads=('slots',)),
+    Invariant("EpochsBoundFences", "2", "no fence, copy or message carries an epoch above the directory's", epochs_bound_fences, reads=('epochs', 'slots', 'messages')),
+    Invariant("NoDirtyRead", "3", "holders trust leases only on committed generations", no_dirty_read, reads=('holders', 'records')),
+    Invariant("CommittedBytesIntact", "4", "the committed generation's bytes sit unchanged at its owner", committed_bytes_intact, reads=('records', 'slots')),
+    Invariant("NoReclaimUnderLease", "5", "no location under a trusted lease is freed, evicted, moved or overwritten", no_reclaim_under_lease, reads=('holders', 'slots')),
+    Invariant("NoStaleRead", "6", "after an invalidation completes nobody trusts the old generation", no_stale_read, reads=('holders', 'records')),
+    Invariant("NoReadAfterAck", "7", "a holder that acked a revocation no longer trusts the lease", no_read_after_ack, reads=('holders', 'messages')),
+    Invariant("LeaseIdsFresh", "8", "every lease id in use is below the directory's counter", lease_ids_fresh, reads=('directory', 'records', 'leases', 'holders', 'writers', 'messages')),
+    Invariant("LeaseKnownToDirectory", "8,12", "a holder's trust never outlives the directory's view of the lease (skew, restart)", lease_known_to_directory, reads=('holders', 'leases', 'directory')),
+    Invariant("DirectoryDataAgreement", "9", "a live lease never points at a location without the leased bytes", directory_data_agreement, reads=('records', 'leases', 'slots')),
+    Invariant("PrefixClosed", "10", "a written or committed block's parent is committed", prefix_closed, reads=('records',)),
+    Invariant("NamespaceIsolation", "11", "no lease or write grant outside the tenant's namespaces", namespace_isolation, reads=('leases', 'holders', 'writers')),
+    Invariant("InvalidationCompletesInTime", "progress", "an invalidation completes within its deadline", invalidation_completes_in_time, kind="progress", reads=('directory',)),
 )
 
 TRANSITION_PROPERTIES: tuple[TransitionProperty, ...] = (
