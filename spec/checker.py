@@ -381,7 +381,12 @@ class _Explorer:
         self.group_slices, self.messages_bit, self.invariant_masks = checker._invariant_masks()
         self.everything = (self.messages_bit << 1) - 1
         self.state_sometimes = [sm for sm in checker.sometimes if sm.reached_state is not None]
-        self.step_sometimes = [sm for sm in checker.sometimes if sm.reached_step is not None]
+        # action -> the step ``sometimes`` not yet reached that may fire on it
+        self.step_sometimes: dict[str, list] = {}
+        for sm in checker.sometimes:
+            if sm.reached_step is not None:
+                for action in sm.on_actions or ACTIONS:
+                    self.step_sometimes.setdefault(action, []).append(sm)
         self.seen: set[int] = set()
         self.reached: set[str] = set()
         self.coverage: Counter[str] = Counter()
@@ -454,6 +459,7 @@ class _Explorer:
         group_slices, messages_bit = self.group_slices, self.messages_bit
         fingerprint, workers, worker = self.fingerprint, self.workers, self.worker
         coverage = self.coverage
+        step_sometimes = self.step_sometimes
         max_states = checker.max_states
         part_a, part_b = self.partition
         part_hash = hash
@@ -469,11 +475,13 @@ class _Explorer:
             self.generated += len(steps)
             for action, params, t in steps:
                 coverage[action] += 1
-                if self.step_sometimes:
-                    hit = [sm for sm in self.step_sometimes if sm.reached_step(m, s, action, params, t)]
-                    if hit:
-                        self.reached.update(sm.name for sm in hit)
-                        self.step_sometimes = [sm for sm in self.step_sometimes if sm.name not in self.reached]
+                pending = step_sometimes.get(action)
+                if pending:
+                    for sm in [sm for sm in pending if sm.reached_step(m, s, action, params, t)]:
+                        self.reached.add(sm.name)
+                        for waiting in step_sometimes.values():
+                            if sm in waiting:
+                                waiting.remove(sm)
                 if t is s:
                     continue  # a self-loop (a read, a refused eviction): nothing changes
                 # Step properties read only ``step_watch`` (and ticks): skip them when it is

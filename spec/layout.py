@@ -152,6 +152,9 @@ class Layout:
         self.lease_id_block = block(self.r_id)
         self.lease_left_block = block(self.r_left)
         self.holder_block = block(self.h_id)
+        # Every variable that holds a lease id: the directory's write and read leases, what
+        # holders trust, what writers write under.
+        self.lease_id_blocks = (block(self.w_id), block(self.r_id), block(self.h_id), block(self.wr_id))
         self.step_watch = slice(self.epoch[0], self.r_left[-1][-1] + 1)
         # Variable groups, each contiguous: an invariant names the groups it reads, and the
         # checker re-evaluates it on a new state only when one of them changed from the parent

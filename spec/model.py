@@ -226,8 +226,13 @@ class Model:
             if msg in net[:i]:
                 continue
             rest = net[:i] + net[i + 1 :]
+            delivered = len(out)
             self._deliver(s, fixed, rest, msg, out)
-            out.append(("drop", tuple(msg), self._pack(bytearray(fixed), rest)))
+            dropped = self._pack(bytearray(fixed), rest)
+            # A delivery the receiver ignores (a refusal, a stale reply) is the same step as
+            # losing the message: keep the step that says why.
+            if all(step[2] != dropped for step in out[delivered:]):
+                out.append(("drop", tuple(msg), dropped))
             if s[L.dups_left] > 0 and len(net) < cfg.max_messages:
                 b = bytearray(fixed)
                 b[L.dups_left] -= 1
@@ -775,8 +780,11 @@ class Model:
         for n in range(self.N):
             if s[L.up[n]]:
                 if s[L.crashes_left] > 0:
-                    out.append(("crash", (n, 0), self._pack(self._crash(s, fixed, n, lose_disk=False), net)))
-                    out.append(("crash", (n, 1), self._pack(self._crash(s, fixed, n, lose_disk=True), net)))
+                    kept = self._crash(s, fixed, n, lose_disk=False)
+                    lost = self._crash(s, fixed, n, lose_disk=True)
+                    out.append(("crash", (n, 0), self._pack(kept, net)))
+                    if lost != kept:  # with nothing on its disk, losing it changes nothing
+                        out.append(("crash", (n, 1), self._pack(lost, net)))
             else:
                 out.append(("restart_node", (n,), self._restart_node(s, fixed, net, n)))
         if s[L.restarts_left] > 0:

@@ -80,6 +80,8 @@ class Sometimes:
     reached_state: StatePredicate | None = None
     reached_step: StepPredicate | None = None
     companion_of: tuple[str, ...] = ()
+    # The actions a ``reached_step`` can fire on (empty: any); the checker asks only on those.
+    on_actions: tuple[str, ...] = ()
 
 
 # --------------------------------------------------------------------------------- helpers
@@ -215,12 +217,9 @@ def lease_ids_fresh(m: Model, s: bytes) -> bool:
     """Every lease id in use anywhere is below the directory's counter: ids are never reused."""
     L = m.L
     top = s[L.next_id]
-    for k in range(m.K):
-        if s[L.w_id[k]] >= top:
+    for block in L.lease_id_blocks:
+        if max(s[block]) >= top:
             return False
-        for n in range(m.N):
-            if s[L.r_id[k][n]] >= top or s[L.h_id[n][k]] >= top or s[L.wr_id[n][k]] >= top:
-                return False
     for msg in _messages(m, s):
         if msg[0] in _CARRIES_LEASE and msg[3] >= top:
             return False
@@ -471,25 +470,25 @@ TRANSITION_PROPERTIES: tuple[TransitionProperty, ...] = (
 
 SOMETIMES: tuple[Sometimes, ...] = (
     Sometimes("RemoteReadUnderLease", "a node reads a copy held elsewhere (a peer or the pool) under a trusted lease", reached_step=_remote_read,
-              companion_of=("NoReclaimUnderLease", "NoDirtyRead", "DirectoryDataAgreement")),
+              companion_of=("NoReclaimUnderLease", "NoDirtyRead", "DirectoryDataAgreement"), on_actions=('read',)),
     Sometimes("InvalidationCompletedByAcks", "the last lease of an invalidating key ends by acknowledgement", reached_step=_completed_by_acks,
-              companion_of=("NoReadAfterAck",)),
+              companion_of=("NoReadAfterAck",), on_actions=('revoke_acked',)),
     Sometimes("InvalidationCompletedByExpiry", "the last lease of an invalidating key ends by expiry", reached_step=_completed_by_expiry,
-              companion_of=("InvalidationCompletesInTime",)),
+              companion_of=("InvalidationCompletesInTime",), on_actions=('tick', 'clock_forward')),
     Sometimes("InvalidationWithTwoHolders", "an invalidation waits on leases held by two nodes", reached_state=_multi_holder_invalidation),
-    Sometimes("FencedStaleWrite", "a stale writer's bytes are refused by a fence", reached_step=_step("fence_stale_write"),
+    Sometimes("FencedStaleWrite", "a stale writer's bytes are refused by a fence", reached_step=_step("fence_stale_write"), on_actions=('fence_stale_write',),
               companion_of=("FencingHolds", "OneOwnerPerEpoch")),
-    Sometimes("StaleCommitRejected", "the directory rejects a late commit", reached_step=_step("reject_stale_commit"),
+    Sometimes("StaleCommitRejected", "the directory rejects a late commit", reached_step=_step("reject_stale_commit"), on_actions=('reject_stale_commit',),
               companion_of=("OneWriterPerGeneration",)),
-    Sometimes("RefusedEvictionOfLeasedBlock", "an eviction is refused because the copy is leased", reached_step=_step("evict_refused")),
-    Sometimes("Eviction", "an unleased copy is evicted", reached_step=_step("evict")),
-    Sometimes("OwnershipHandoffAfterCrash", "a crashed owner's key becomes writable again", reached_step=_crash_handoff),
+    Sometimes("RefusedEvictionOfLeasedBlock", "an eviction is refused because the copy is leased", reached_step=_step("evict_refused"), on_actions=('evict_refused',)),
+    Sometimes("Eviction", "an unleased copy is evicted", reached_step=_step("evict"), on_actions=('evict',)),
+    Sometimes("OwnershipHandoffAfterCrash", "a crashed owner's key becomes writable again", reached_step=_crash_handoff, on_actions=('expire_write_lease_of_crashed', 'restart_node')),
     Sometimes("TrustedDuringInvalidation", "a holder still trusts a lease while its key is invalidating", reached_state=_trusting_while_invalidating,
               companion_of=("NoStaleRead",)),
     Sometimes("AckInFlight", "an acknowledgement of a revocation is in flight", reached_state=_ack_in_flight),
     Sometimes("TrustedDuringRestartGrace", "a holder trusts a lease the restarted directory forgot", reached_state=_trust_during_grace,
               companion_of=("LeaseKnownToDirectory",)),
-    Sometimes("LeaseRenewed", "a holder extends its trust by a renewal", reached_step=_renewal, companion_of=("RenewalNeverRevives",)),
+    Sometimes("LeaseRenewed", "a holder extends its trust by a renewal", reached_step=_renewal, companion_of=("RenewalNeverRevives",), on_actions=('trust_renewal',)),
     Sometimes("ChildCommitted", "a block is committed under a committed parent", reached_state=_child_committed,
               companion_of=("PrefixClosed",)),
     Sometimes("CommittedAtOwner", "a committed block's bytes are at its owner", reached_state=_committed_at_owner,
@@ -497,7 +496,7 @@ SOMETIMES: tuple[Sometimes, ...] = (
     Sometimes("TwoEpochsStored", "copies of one key under two epochs coexist", reached_state=_two_epochs_stored,
               companion_of=("EpochsBoundFences", "EpochMonotonic")),
     Sometimes("UnauthorisedRequestRefused", "a request outside the tenant's namespaces is refused", reached_step=_unauthorised_refused,
-              companion_of=("NamespaceIsolation",)),
+              companion_of=("NamespaceIsolation",), on_actions=('refuse_read_lease', 'refuse_write_lease')),
 )
 
 

@@ -1,0 +1,283 @@
+"""From a z3 model of a failed obligation to concrete ``model.py`` states, and back to the predicates.
+
+A counterexample to induction (CTI) is a z3 model of ``hypothesis(pre) and action(pre, post) and not
+invariant(post)``. To make it small and printable:
+
+1. universes are shrunk one sort at a time (mypyvy's ``--minimize-models``): ``Node``, ``Key``,
+   ``Loc`` and ``Msg`` get the fewest elements z3 can still satisfy the query with;
+2. every integer the two states and their messages hold is bounded (the model stores bytes), first
+   tightly, then looser;
+3. the model is read off element by element into a ``ModelConfig`` sized to it (nodes and keys as
+   found, each node's locations as tiers, one shared pool) and two ``bytes`` states laid out by
+   ``Layout``, messages as sorted 7-byte records built with ``layout.message``.
+
+The Python predicates are then evaluated on those bytes: a CTI is *re-checked* when the invariant's
+Python form holds on the pre-state and fails on the post-state (for a transition property: fails on
+the step). Every other invariant's Python form is also evaluated on the pre-state: the hypothesis of
+the z3 query must hold there too, or the z3 and Python readings of some invariant disagree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import z3
+
+from .. import layout as LY
+from ..config import ModelConfig
+from ..model import Model
+from .encoding import (
+    EPS, INT, KIND_NAMES, Kind, Loc, Msg, NOLOC, Node, Key, Pending, Phase, STATE_VARS, SlotStatus, Stage, T,
+    Action, State, allowed, is_pool, kind, locnode, m_epoch, m_gen, m_key, m_lease, m_loc, m_node, m_req, m_src,
+)
+
+_ENUMS = {Phase: 4, SlotStatus: 3, Stage: 3, Pending: 3}
+_PY_KIND = {name: getattr(LY, "M_" + name) for name in KIND_NAMES}
+
+
+@dataclass
+class Universe:
+    nodes: list
+    keys: list
+    locs: list  # real locations (NOLOC excluded)
+    msgs: list
+    noloc: object
+
+
+def _card(sort, size: int, tag: str) -> tuple[list, z3.BoolRef]:
+    elems = [z3.Const(f"{tag}{i}", sort) for i in range(size)]
+    x = z3.Const(f"{tag}_x", sort)
+    return elems, z3.ForAll([x], z3.Or([x == e for e in elems]))
+
+
+def _universe_size(model: z3.ModelRef, sort) -> int:
+    u = model.get_universe(sort)
+    return len(u) if u is not None else 1
+
+
+def shrink(solver: z3.Solver) -> dict[object, list] | None:
+    """Push scopes that pin each sort to as few named elements as still satisfy the query.
+
+    Returns the named elements per sort (the scopes stay pushed; the caller pops them), or None.
+    """
+    elements: dict[object, list] = {}
+    pool_axiom = None
+    l1, l2 = z3.Const("pool_l1", Loc), z3.Const("pool_l2", Loc)
+    pool_axiom = z3.ForAll([l1, l2], z3.Implies(
+        z3.And(l1 != NOLOC, l2 != NOLOC, is_pool(l1), is_pool(l2)), l1 == l2))
+    solver.push()
+    solver.add(pool_axiom)  # the model has at most one shared pool
+    if solver.check() != z3.sat:
+        solver.pop()
+        solver.push()
+    for sort, tag in ((Node, "n"), (Key, "k"), (Loc, "l"), (Msg, "m")):
+        current = _universe_size(solver.model(), sort)
+        chosen = None
+        for size in range(1, current + 1):
+            elems, axiom = _card(sort, size, f"cti_{tag}")
+            solver.push()
+            solver.add(axiom)
+            if solver.check() == z3.sat:
+                chosen = elems
+                break
+            solver.pop()
+        if chosen is None:
+            return None
+        elements[sort] = chosen
+    return elements
+
+
+def _cells(state: State, elements) -> list:
+    """Every integer cell of a state over the named elements."""
+    out = []
+    for name, (idx, val) in STATE_VARS.items():
+        if val != INT:
+            continue
+        arr = getattr(state, name)
+        if not idx:
+            out.append(arr)
+        elif len(idx) == 1:
+            out += [arr[e] for e in elements[idx[0]]]
+        else:
+            out += [arr[a, b] for a in elements[idx[0]] for b in elements[idx[1]]]
+    return out
+
+
+def bound_integers(solver: z3.Solver, pre: State, post: State, elements) -> bool:
+    """Push a scope bounding every integer to a byte (tightest bound that works). False if none."""
+    cells = _cells(pre, elements) + _cells(post, elements)
+    for m in elements[Msg]:
+        cells += [m_lease(m), m_gen(m), m_epoch(m), m_req(m)]
+    for bound in (6, 15, 60, 250):
+        solver.push()
+        solver.add(T <= min(bound, 100), EPS <= min(bound, 100))
+        solver.add([z3.And(c >= 0, c <= bound) for c in cells])
+        if solver.check() == z3.sat:
+            return True
+        solver.pop()
+    return False
+
+
+def _enum_index(model, value, sort) -> int:
+    v = model.eval(value, model_completion=True)
+    for i in range(_ENUMS[sort]):
+        if z3.is_true(model.eval(v == sort.constructor(i)(), model_completion=True)):
+            return i
+    raise ValueError(f"no constructor of {sort} matches {v}")
+
+
+def _int(model, term) -> int:
+    return model.eval(term, model_completion=True).as_long()
+
+
+def _bool(model, term) -> bool:
+    return z3.is_true(model.eval(term, model_completion=True))
+
+
+def _index_of(model, elems, value) -> int:
+    for i, e in enumerate(elems):
+        if _bool(model, value == e):
+            return i
+    raise ValueError(f"{value} is not among the named elements")
+
+
+@dataclass
+class Concrete:
+    cfg: ModelConfig
+    model: Model
+    pre: bytes
+    post: bytes
+    node_of: list  # z3 element per Python node
+    key_of: list
+    loc_of: list  # z3 element per Python location (None for unused ones)
+
+
+def concretize(zmodel: z3.ModelRef, pre: State, act: Action, elements, bugs=frozenset()) -> Concrete:
+    nodes, keys, all_locs, msgs = elements[Node], elements[Key], elements[Loc], elements[Msg]
+    noloc_i = _index_of(zmodel, all_locs, NOLOC)
+    real = [l for i, l in enumerate(all_locs) if i != noloc_i]
+    pool = [l for l in real if _bool(zmodel, is_pool(l))]
+    per_node: list[list] = [[] for _ in nodes]
+    for l in real:
+        if l in pool:
+            continue
+        per_node[_index_of(zmodel, nodes, locnode(l))].append(l)
+    tiers = max([1] + [len(x) for x in per_node])
+    loc_of: list = []
+    for i in range(len(nodes)):
+        row = per_node[i] + [None] * (tiers - len(per_node[i]))
+        loc_of += row
+    loc_of.append(pool[0] if pool else None)
+    term, eps = _int(zmodel, T), _int(zmodel, EPS)
+    authorized = tuple(
+        frozenset(j for j, k in enumerate(keys) if _bool(zmodel, allowed(n, k))) for n in nodes
+    )
+    cfg = ModelConfig(
+        name="cti", nodes=len(nodes), parents=(-1,) * len(keys), namespaces=tuple(range(len(keys))),
+        authorized=authorized, tiers_per_node=tiers, shared_pool=True, tiering=True,
+        lease_term_ticks=term, skew_ticks=eps, max_epoch=200, max_lease_id=200, max_requests=250,
+        max_messages=250, max_duplications=0, max_node_crashes=1, max_directory_restarts=1,
+        description="a counterexample to induction, read off a z3 model",
+    )
+    model = Model(cfg, bugs)
+    L = model.L
+
+    def loc_code(value) -> int:
+        v = zmodel.eval(value, model_completion=True)
+        if _bool(zmodel, v == NOLOC):
+            return LY.NO_LOCATION
+        for i, l in enumerate(loc_of):
+            if l is not None and _bool(zmodel, v == l):
+                return i + 1
+        raise ValueError(f"location {v} not mapped")
+
+    def build(state: State) -> bytes:
+        b = bytearray(L.fixed)
+        index = {Node: nodes, Key: keys}
+        for name, (idx, val) in STATE_VARS.items():
+            if name == "inflight":
+                continue
+            arr = getattr(state, name)
+            pos = getattr(L, name)
+            if idx and idx[0] == Loc:
+                rows = [(i, l) for i, l in enumerate(loc_of) if l is not None]
+            elif idx:
+                rows = list(enumerate(index[idx[0]]))
+            if not idx:
+                cells = [(pos, arr)]
+            elif len(idx) == 1:
+                cells = [(pos[i], arr[e]) for i, e in rows]
+            else:
+                cols = list(enumerate(index[idx[1]]))
+                cells = [(pos[i][j], arr[e, f]) for i, e in rows for j, f in cols]
+            for p, term_ in cells:
+                if val == INT:
+                    v = _int(zmodel, term_)
+                elif val == z3.BoolSort():
+                    v = 1 if _bool(zmodel, term_) else 0
+                elif val == Loc:
+                    v = loc_code(term_)
+                elif val == Node:
+                    v = 0  # ``writer``: filled below from the phase
+                else:
+                    v = _enum_index(zmodel, term_, val)
+                if not 0 <= v < 256:
+                    raise ValueError(f"{L.names[p]} = {v} does not fit a byte")
+                b[p] = v
+        for j, k in enumerate(keys):
+            if b[L.phase[j]] == LY.WRITING:
+                b[L.writer[j]] = _index_of(zmodel, nodes, state.writer[k]) + 1
+        b[L.crashes_left] = 1
+        b[L.restarts_left] = 1
+        net = []
+        for m in msgs:
+            if not _bool(zmodel, state.inflight[m]):
+                continue
+            net.append(_message(zmodel, m, nodes, keys, loc_code))
+        return bytes(b) + b"".join(sorted(net))
+
+    return Concrete(cfg, model, build(pre), build(act.post), nodes, keys, loc_of)
+
+
+def _message(zmodel, m, nodes, keys, loc_code) -> bytes:
+    name = KIND_NAMES[_enum_index_kind(zmodel, m)]
+    node = _index_of(zmodel, nodes, m_node(m)) if name not in ("FREE", "COPY", "COPIED") else 0
+    key = _index_of(zmodel, keys, m_key(m))
+    lease, gen, epoch, req = (_int(zmodel, f(m)) for f in (m_lease, m_gen, m_epoch, m_req))
+    code = _PY_KIND[name]
+    fields = {
+        "ACQUIRE": (req, 0, 0, 0),
+        "RENEW": (lease, loc_code(m_loc(m)), req, 0),
+        "GRANT_READ": (lease, loc_code(m_loc(m)), gen, req),
+        "RENEWED": (lease, 0, 0, req),
+        "RELEASE": (lease, 0, 0, 0),
+        "BEGIN_WRITE": (0, 0, 0, 0),
+        "GRANT_WRITE": (lease, loc_code(m_loc(m)), gen, epoch),
+        "WRITE_BYTES": (lease, loc_code(m_loc(m)), gen, epoch),
+        "COMMIT": (lease, 0, 0, epoch),
+        "REVOKE": (lease, 0, 0, 0),
+        "ACK": (lease, 0, 0, 0),
+        "FREE": (loc_code(m_loc(m)), 0, 0, epoch),
+        "COPY": (loc_code(m_loc(m)), loc_code(m_src(m)), gen, epoch),
+        "COPIED": (loc_code(m_loc(m)), 0, 0, epoch),
+    }[name]
+    for v in fields:
+        if not 0 <= v < 256:
+            raise ValueError(f"a {name} message field {v} does not fit a byte")
+    return LY.message(code, node, key, *fields)
+
+
+def _enum_index_kind(zmodel, m) -> int:
+    v = zmodel.eval(kind(m), model_completion=True)
+    for i in range(len(KIND_NAMES)):
+        if _bool(zmodel, v == Kind.constructor(i)()):
+            return i
+    raise ValueError(v)
+
+
+def python_params(act: Action, zmodel, conc: Concrete) -> tuple:
+    """The model's parameter tuple for the step (what the transition properties look at)."""
+    if act.python[0] == "crash":
+        n = _index_of(zmodel, conc.node_of, act.params["n"])
+        return (n, 1 if act.lose_disk else 0)
+    return ()
