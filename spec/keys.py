@@ -40,6 +40,7 @@ Standard library and attrs only: this module is part of the vocabulary every lay
 from __future__ import annotations
 
 import hashlib
+import operator
 import re
 import struct
 from collections.abc import Sequence
@@ -406,14 +407,20 @@ class BlockKey:
     def _chain(cls, ns_digest: bytes, block_tokens: int, parent: BlockKey | None, token_ids: Sequence[int]) -> BlockKey:
         if parent is not None and not isinstance(parent, BlockKey):
             raise TypeError(f"parent must be a BlockKey or None, not {type(parent).__name__}")
-        tokens = list(token_ids)
-        if len(tokens) != block_tokens:
-            raise ValueError(f"a block holds {block_tokens} tokens, got {len(tokens)}")
-        for t in tokens:
-            if isinstance(t, bool) or not isinstance(t, int):
-                raise TypeError(f"token ids are ints, got {type(t).__name__}")
+        tokens = []
+        for t in token_ids:
+            # Any integer type (numpy, torch scalars) via __index__; never a bool.
+            if isinstance(t, bool):
+                raise TypeError("token ids are ints, got bool")
+            try:
+                t = operator.index(t)
+            except TypeError:
+                raise TypeError(f"token ids are ints, got {type(t).__name__}") from None
             if not 0 <= t < TOKEN_ID_LIMIT:
                 raise ValueError(f"token id {t} outside 0..{TOKEN_ID_LIMIT - 1}")
+            tokens.append(t)
+        if len(tokens) != block_tokens:
+            raise ValueError(f"a block holds {block_tokens} tokens, got {len(tokens)}")
         payload = cbor_encode([ns_digest, None if parent is None else parent.digest, tokens])
         return cls(hashlib.sha256(payload).digest())
 

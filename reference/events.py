@@ -1,0 +1,268 @@
+"""The protocol event log: one JSON object per line (NDJSON), one line per protocol step.
+
+Trace validation (DESIGN: "How the pieces check each other") replays what implementations did
+through the spec's successor function, so every event is named by the spec action it performs
+(``EVENTS``, a subset of ``spec/checker.py``'s ``ACTIONS``; a test keeps it so). What the spec
+only lets the *environment* do -- time passing, clock steps, the network losing or duplicating
+a message -- no process can observe, so it is not an event.
+
+A line::
+
+    {"node": "n1", "incarnation": 3, "seq": 17, "t_local_ns": ..., "t_wall_ns": ...,
+     "event": "grant_read_lease", "key": "<64 hex>", "gen": 2, "epoch": 5, "lease": 41,
+     "result": "ok", ...extra fields}
+
+- ``seq`` starts at 1 and increases by one per line of one log; ``(node, incarnation)`` names the
+  log. A node that restarts takes a new, higher incarnation; a restarted engine that reused its
+  incarnation would restart ``seq`` and be caught by ``read_events`` (DESIGN: "an engine restart
+  that resets its event sequence → stale routing index").
+- ``t_local_ns`` is ``time.monotonic_ns()``: it orders one process's events and never steps back,
+  but means nothing across machines. ``t_wall_ns`` is ``time.time_ns()``: the node's wall clock,
+  within epsilon of the others' (the spec's clock assumption), and it may step. The validator
+  reads time as intervals from both. Both clocks are injectable (tests use mock clocks).
+- ``key`` (a ``BlockKey`` or 64 hex digits), ``gen``, ``epoch``, ``lease`` and ``result`` are on
+  every line, ``null`` when the event has none. Extra fields are JSON values; ``BlockKey`` values
+  become hex and ``bytes`` become hex text.
+
+``EventLog.emit`` is thread-safe and writes each line in one call, flushed at once unless
+``flush_each_line=False``.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import IO, Any
+
+from kvcc.spec.keys import BlockKey
+
+from .errors import Malformed, ProtocolViolation
+
+# The spec's action names that a process can log (spec/checker.py ACTIONS minus ENVIRONMENT).
+EVENTS = (
+    # holder (reader) side
+    "acquire", "renew", "read", "release", "trust_read_lease", "trust_renewal", "drop_and_ack",
+    # writer side
+    "begin_write", "abort", "start_writing",
+    # directory
+    "grant_read_lease", "refuse_read_lease", "renew_lease", "refuse_renewal", "release_lease",
+    "grant_write_lease", "refuse_write_lease", "commit_write", "reject_stale_commit",
+    "expire_write_lease", "expire_write_lease_of_crashed",
+    "invalidate", "invalidate_namespace", "revoke_acked", "complete_invalidation",
+    "evict", "evict_refused",
+    "start_transfer", "finish_transfer", "free_drained", "cancel_transfer",
+    # locations (data plane)
+    "store_bytes", "fence_stale_write", "store_copy", "free_slot", "fence_stale_free",
+    # failures a process (or a fault injector) observes and logs
+    "crash", "restart_node", "restart_directory",
+)  # fmt: skip
+# Spec actions of the environment alone: never logged.
+ENVIRONMENT_ACTIONS = ("tick", "clock_forward", "clock_back", "drop", "duplicate")
+_EVENT_SET = frozenset(EVENTS)
+assert len(_EVENT_SET) == len(EVENTS)
+assert not _EVENT_SET & set(ENVIRONMENT_ACTIONS)
+
+STANDARD_FIELDS = ("node", "incarnation", "seq", "t_local_ns", "t_wall_ns", "event", "key", "gen", "epoch", "lease", "result")
+MAX_EVENT_LINE_BYTES = 1 << 20  # read_events refuses longer lines
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, BlockKey):
+        return value.hex
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value).hex()
+    if isinstance(value, (set, frozenset, tuple)):
+        return list(value)
+    raise TypeError(f"an event field of type {type(value).__name__} has no JSON form")
+
+
+class EventLog:
+    """Appends protocol events of one process incarnation to a file (path) or a text stream.
+
+    ``EventLog(sink, node_id, incarnation, *, flush_each_line=True, monotonic_ns=time.monotonic_ns,
+    wall_ns=time.time_ns)``. ``emit(event, key=None, gen=None, epoch=None, lease=None,
+    result=None, **fields) -> dict`` writes and returns the record. An event name that is not in
+    ``EVENTS``, an extra field that shadows a standard one, or a value without a JSON form is our
+    bug: ``ProtocolViolation``. Use as a context manager, or call ``close()``.
+    """
+
+    def __init__(
+        self,
+        sink: str | os.PathLike[str] | IO[str],
+        node_id: str,
+        incarnation: int,
+        *,
+        flush_each_line: bool = True,
+        monotonic_ns: Callable[[], int] = time.monotonic_ns,
+        wall_ns: Callable[[], int] = time.time_ns,
+    ) -> None:
+        if type(node_id) is not str or not node_id:
+            raise ValueError("node_id is non-empty text")
+        if type(incarnation) is not int or incarnation < 0:
+            raise ValueError("incarnation is an int >= 0")
+        if isinstance(sink, (str, os.PathLike)):
+            self._stream: IO[str] = open(sink, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+            self._owns_stream = True
+        else:
+            self._stream = sink
+            self._owns_stream = False
+        self.node_id = node_id
+        self.incarnation = incarnation
+        self.flush_each_line = flush_each_line
+        self._monotonic_ns = monotonic_ns
+        self._wall_ns = wall_ns
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._closed = False
+
+    @property
+    def last_seq(self) -> int:
+        return self._seq
+
+    def emit(
+        self,
+        event: str,
+        *,
+        key: BlockKey | str | None = None,
+        gen: int | None = None,
+        epoch: int | None = None,
+        lease: int | None = None,
+        result: str | None = None,
+        **fields: Any,
+    ) -> dict[str, Any]:
+        if event not in _EVENT_SET:
+            raise ProtocolViolation(f"{event!r} is not a spec action that a process logs (see EVENTS)")
+        clash = set(fields) & set(STANDARD_FIELDS)
+        if clash:
+            raise ProtocolViolation(f"extra fields shadow standard ones: {sorted(clash)}")
+        if isinstance(key, BlockKey):
+            key = key.hex
+        elif key is not None:
+            try:
+                BlockKey.from_hex(key)  # 64 lowercase hex digits
+            except ValueError as e:
+                raise ProtocolViolation(f"event {event!r}: {e}") from None
+        with self._lock:
+            if self._closed:
+                raise ProtocolViolation("emit on a closed EventLog")
+            record: dict[str, Any] = {
+                "node": self.node_id,
+                "incarnation": self.incarnation,
+                "seq": self._seq + 1,
+                "t_local_ns": self._monotonic_ns(),
+                "t_wall_ns": self._wall_ns(),
+                "event": event,
+                "key": key,
+                "gen": gen,
+                "epoch": epoch,
+                "lease": lease,
+                "result": result,
+                **fields,
+            }
+            try:
+                line = json.dumps(record, default=_json_default, separators=(",", ":"), allow_nan=False)
+            except (TypeError, ValueError) as e:
+                raise ProtocolViolation(f"event {event!r}: {e}") from None
+            self._stream.write(line + "\n")  # one write per line: lines never interleave
+            if self.flush_each_line:
+                self._stream.flush()
+            self._seq += 1
+        return record
+
+    def flush(self) -> None:
+        with self._lock:
+            self._stream.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._stream.flush()
+            if self._owns_stream:
+                self._stream.close()
+
+    def __enter__(self) -> EventLog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _check_record(record: Any, where: str) -> None:
+    if type(record) is not dict:
+        raise Malformed(f"{where}: not a JSON object")
+    for name in STANDARD_FIELDS:
+        if name not in record:
+            raise Malformed(f"{where}: missing {name!r}")
+    if type(record["node"]) is not str or not record["node"]:
+        raise Malformed(f"{where}: node is non-empty text")
+    for name in ("incarnation", "seq", "t_local_ns", "t_wall_ns"):
+        if type(record[name]) is not int or record[name] < 0:
+            raise Malformed(f"{where}: {name} is an int >= 0")
+    if record["event"] not in _EVENT_SET:
+        raise Malformed(f"{where}: {record['event']!r} is not a spec action (EVENTS)")
+    key = record["key"]
+    if key is not None:
+        if type(key) is not str:
+            raise Malformed(f"{where}: key is hex text or null")
+        try:
+            BlockKey.from_hex(key)
+        except ValueError as e:
+            raise Malformed(f"{where}: {e}") from None
+    for name in ("gen", "epoch", "lease"):
+        v = record[name]
+        if v is not None and (type(v) is not int or v < 0):
+            raise Malformed(f"{where}: {name} is an int >= 0 or null")
+    if record["result"] is not None and type(record["result"]) is not str:
+        raise Malformed(f"{where}: result is text or null")
+
+
+def _lines(source: str | os.PathLike[str] | IO[str] | Iterable[str]) -> Iterable[str]:
+    if isinstance(source, (str, os.PathLike)):
+        with open(source, encoding="utf-8") as f:
+            yield from f
+    else:
+        yield from source
+
+
+def read_events(
+    source: str | os.PathLike[str] | IO[str] | Iterable[str], *, contiguous: bool = True
+) -> list[dict[str, Any]]:
+    """Parse and validate an event log (a path, a text stream or an iterable of lines), possibly
+    the concatenation of several nodes' and incarnations' logs. Checks every standard field and,
+    per ``(node, incarnation)``, that ``seq`` strictly increases; with ``contiguous`` (the
+    default) also that it starts at 1 and rises by exactly one per line, so that a lost line is
+    caught too (pass ``contiguous=False`` for a log cut from the middle). Raises ``Malformed``
+    naming the line."""
+    events: list[dict[str, Any]] = []
+    last: dict[tuple[str, int], int] = {}
+    for number, line in enumerate(_lines(source), start=1):
+        where = f"line {number}"
+        if len(line) > MAX_EVENT_LINE_BYTES:
+            raise Malformed(f"{where}: longer than {MAX_EVENT_LINE_BYTES} bytes")
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as e:
+            raise Malformed(f"{where}: not JSON ({e})") from None
+        _check_record(record, where)
+        log = (record["node"], record["incarnation"])
+        previous = last.get(log, 0)
+        if record["seq"] <= previous or (contiguous and record["seq"] != previous + 1):
+            raise Malformed(
+                f"{where}: seq {record['seq']} of node {log[0]!r} incarnation {log[1]} follows seq {previous}"
+            )
+        last[log] = record["seq"]
+        events.append(record)
+    return events
+
+
+def events_from_text(text: str, *, contiguous: bool = True) -> list[dict[str, Any]]:
+    """``read_events`` over a string (convenient in tests)."""
+    return read_events(io.StringIO(text), contiguous=contiguous)

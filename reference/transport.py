@@ -1,0 +1,531 @@
+"""TCP transport: an asyncio server and client around ``wire.Session``.
+
+Theory of operation
+-------------------
+Every connection carries one ``wire.Session`` (framing, per-tenant authentication, replay
+protection); this module only moves its bytes and schedules work.
+
+*Requests and replies are pipelined.* A client may have up to ``max_in_flight`` requests
+outstanding on one connection; each request is a frame with its own ``seq``, and its reply is the
+frame whose ``re`` equals that ``seq``. The server runs one handler task per request, so replies
+come back in completion order, and a slow request (a ``WaitTicket`` long-poll) never holds up a
+fast one (a lease renewal) on the same connection. A reply that arrives after its request timed
+out is dropped with a reason (``Client.stats["stale_replies"]``): late answers are network
+weather, and the protocol's request numbers already make them harmless.
+
+*Server.* ``handler(tenant, msg) -> reply`` is awaited for every request, with the connection's
+authenticated tenant. Limits, all named and units last: ``max_connections`` (beyond it a
+connection gets a final ``Error("busy")``), ``request_timeout_ms`` (a handler still running then
+is cancelled and the request answered with ``Error("timeout")``; handlers must therefore be
+cancellation-safe), ``idle_timeout_ms`` (a connection with nothing received and nothing in flight
+for that long gets ``Error("idle")`` and is closed), ``max_frame_bytes`` (pass
+``wire.MAX_CONTROL_FRAME_BYTES`` for a control-only service such as the directory, so that no
+peer can make it buffer 64 MiB), and ``max_in_flight_per_connection`` (beyond it the server stops
+reading that connection: back-pressure, not an error). ``Ping`` is answered with ``Pong`` by the
+transport itself (``answer_ping``), never reaching the handler: the raw baseline for benchmarks.
+
+A ``PeerViolation`` -- from the session (garbage, bad MAC, replay, oversized frame) or raised by
+the handler (e.g. ``Tenants.authorize``) -- is answered with a final ``Error(code, detail)`` and the
+connection is closed; a violation found by the session never reaches the handler, and nothing
+after it on that connection is processed. Any other exception from the handler is our bug: it is
+logged and answered with ``Error("internal")``, and the connection stays up.
+
+*Client.* ``await client.request(msg, timeout_ms=...)`` connects on first use and reconnects after
+any failure (the next request opens a new connection, with a new session). It never resends a
+request by itself: when a request fails with ``ConnectionFailed`` it may or may not have been
+processed; the caller retries, and the protocol's request numbers make that safe. A timeout raises
+``TimeoutError_`` naming the request; the connection stays up for the others. An ``Error`` reply
+is returned like any other reply; a *final* ``Error`` from the server fails every outstanding
+request with ``ConnectionFailed(code=<its code>)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from .errors import ConnectionFailed, PeerViolation, ProtocolViolation, TimeoutError_
+from .wire import (
+    ERROR_BUSY,
+    ERROR_IDLE,
+    ERROR_INTERNAL,
+    ERROR_SHUTDOWN,
+    ERROR_TIMEOUT,
+    MAX_FRAME_BYTES,
+    MAX_WAIT_TICKET_MS,
+    Error,
+    Ping,
+    Pong,
+    Received,
+    Session,
+    Tenants,
+    check_message,
+    kind_of,
+)
+
+log = logging.getLogger("kvcc.transport")
+
+# -- limits -------------------------------------------------------------------------------------
+MAX_CONNECTIONS_DEFAULT = 256
+MAX_IN_FLIGHT_PER_CONNECTION_DEFAULT = 64
+SERVER_REQUEST_TIMEOUT_MS_DEFAULT = 40_000  # above the longest WaitTicket
+CLIENT_REQUEST_TIMEOUT_MS_DEFAULT = 45_000  # above the server's, so the server's answer wins
+CONNECT_TIMEOUT_MS_DEFAULT = 5_000
+IDLE_TIMEOUT_MS_DEFAULT = 300_000
+CLOSE_TIMEOUT_MS = 1_000  # how long a closing connection waits for its last frames to leave
+READ_CHUNK_BYTES = 256 << 10
+
+assert MAX_WAIT_TICKET_MS < SERVER_REQUEST_TIMEOUT_MS_DEFAULT < CLIENT_REQUEST_TIMEOUT_MS_DEFAULT
+assert CONNECT_TIMEOUT_MS_DEFAULT < CLIENT_REQUEST_TIMEOUT_MS_DEFAULT
+
+Handler = Callable[[str, Any], Awaitable[Any]]
+
+
+async def _close_writer(writer: asyncio.StreamWriter) -> None:
+    """Close, letting already-written frames leave (bounded by ``CLOSE_TIMEOUT_MS``)."""
+    writer.close()
+    with contextlib.suppress(Exception, asyncio.CancelledError):
+        async with asyncio.timeout(CLOSE_TIMEOUT_MS / 1000):
+            await writer.wait_closed()
+
+
+# -- server ---------------------------------------------------------------------------------------
+
+
+class _ServerConnection:
+    def __init__(self, server: Server, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.server = server
+        self.reader = reader
+        self.writer = writer
+        self.session = Session.server(server.tenants, max_frame_bytes=server.max_frame_bytes)
+        self.slots = asyncio.Semaphore(server.max_in_flight_per_connection)
+        self.handlers: set[asyncio.Task] = set()
+        self.closing = False
+        self.linger_deadline = 0.0
+        self.linger_timer: asyncio.TimerHandle | None = None
+        self.peer = writer.get_extra_info("peername")
+
+    async def run(self) -> None:
+        server = self.server
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                # While closing, keep reading (and discarding) until the peer closes or the
+                # linger time is up: closing a socket with unread input sends a reset, which can
+                # destroy our final Error before the peer reads it (a "lingering close").
+                wait_s = self.linger_deadline - loop.time() if self.closing else server.idle_timeout_ms / 1000
+                if wait_s <= 0:
+                    return
+                try:
+                    async with asyncio.timeout(wait_s):
+                        data = await self.reader.read(READ_CHUNK_BYTES)
+                except TimeoutError:
+                    if self.closing:
+                        return
+                    if not self.handlers:
+                        self.fail(ERROR_IDLE, f"nothing received for {server.idle_timeout_ms} ms")
+                    continue  # busy, not idle
+                if not data:
+                    return  # the peer closed
+                if self.closing:
+                    continue  # discarded: nothing after a final Error is processed
+                try:
+                    received = self.session.receive_data(data)
+                except PeerViolation as violation:
+                    server.stats["peer_violations"] += 1
+                    log.info("peer violation from %s: %s", self.peer, violation)
+                    self.fail(violation.code, violation.detail)
+                    continue
+                pinged = False
+                for r in received:
+                    if r.final:
+                        log.info("peer %s closed with %s: %s", self.peer, r.msg.code, r.msg.text)
+                        return
+                    server.stats["requests"] += 1
+                    if server.answer_ping and type(r.msg) is Ping:
+                        self.reply(Pong(r.msg.nonce), r.seq)
+                        pinged = True
+                        continue
+                    await self.slots.acquire()  # back-pressure: stop reading while full
+                    if self.closing:
+                        self.slots.release()
+                        break
+                    task = asyncio.create_task(self.handle(r))
+                    self.handlers.add(task)
+                    task.add_done_callback(self.handlers.discard)
+                if pinged:
+                    await self.writer.drain()  # a peer that never reads cannot grow our buffer
+        except (ConnectionError, OSError) as e:
+            log.info("connection from %s lost: %s", self.peer, e)
+        finally:
+            self.closing = True
+            await _close_writer(self.writer)
+            if self.linger_timer is not None:
+                self.linger_timer.cancel()
+
+    def fail(self, code: str, detail: str) -> None:
+        """Send a final Error and half-close; ``run`` then discards input until the peer closes
+        (or ``CLOSE_TIMEOUT_MS``) and closes. Nothing more is processed or answered."""
+        if self.closing:
+            return
+        self.closing = True
+        loop = asyncio.get_running_loop()
+        self.linger_deadline = loop.time() + CLOSE_TIMEOUT_MS / 1000
+        with contextlib.suppress(ProtocolViolation, ConnectionError, OSError, RuntimeError):
+            self.writer.write(self.session.send_error(code, detail))
+            if self.writer.can_write_eof():
+                self.writer.write_eof()  # the peer reads our Error, then EOF
+        # However ``run`` is waiting (maybe on a long idle read), the connection ends by then.
+        self.linger_timer = loop.call_later(CLOSE_TIMEOUT_MS / 1000, self.writer.transport.abort)
+
+    def reply(self, msg: Any, re: int) -> None:
+        if self.closing:
+            return  # the connection is going away; the peer will see ConnectionFailed
+        try:
+            frame = self.session.send(msg, re=re)
+        except ProtocolViolation as e:
+            log.error("invalid reply %r: %s", msg, e)
+            self.server.stats["handler_errors"] += 1
+            frame = self.session.send(Error(ERROR_INTERNAL, "the server built an invalid reply"), re=re)
+        # send() and write() with no await between: frames leave in seq order.
+        self.writer.write(frame)
+
+    async def handle(self, r: Received) -> None:
+        server = self.server
+        try:
+            task = asyncio.create_task(server.handler(self.session.tenant, r.msg))
+            try:
+                done, _ = await asyncio.wait({task}, timeout=server.request_timeout_ms / 1000)
+            except asyncio.CancelledError:
+                task.cancel()  # the server is closing: the handler goes too
+                raise
+            if not done:
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+                server.stats["timeouts"] += 1
+                reply: Any = Error(ERROR_TIMEOUT, f"{kind_of(r.msg)} not answered within {server.request_timeout_ms} ms")
+            else:
+                try:
+                    reply = task.result()
+                except PeerViolation as violation:
+                    server.stats["peer_violations"] += 1
+                    log.info("handler found a peer violation from %s: %s", self.peer, violation)
+                    self.fail(violation.code, violation.detail)
+                    return
+                except Exception:
+                    log.exception("handler failed on %s", kind_of(r.msg))
+                    server.stats["handler_errors"] += 1
+                    reply = Error(ERROR_INTERNAL, f"the server failed on {kind_of(r.msg)}")
+            self.reply(reply, r.seq)
+            with contextlib.suppress(ConnectionError, OSError):
+                await self.writer.drain()
+        finally:
+            self.slots.release()
+
+
+class Server:
+    """``Server(handler, tenants, *, host="127.0.0.1", port=0, ...)``; ``await server.start()``
+    (or ``async with``), then ``server.port`` is the bound port; ``await server.close()`` stops
+    listening, sends each connection a final ``Error("shutdown")``, cancels connections and
+    running handlers, and returns when they are gone."""
+
+    def __init__(
+        self,
+        handler: Handler,
+        tenants: Tenants | Mapping[str, bytes],
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_connections: int = MAX_CONNECTIONS_DEFAULT,
+        request_timeout_ms: int = SERVER_REQUEST_TIMEOUT_MS_DEFAULT,
+        idle_timeout_ms: int = IDLE_TIMEOUT_MS_DEFAULT,
+        max_frame_bytes: int = MAX_FRAME_BYTES,
+        max_in_flight_per_connection: int = MAX_IN_FLIGHT_PER_CONNECTION_DEFAULT,
+        answer_ping: bool = True,
+    ) -> None:
+        assert max_connections > 0 and request_timeout_ms > 0 and idle_timeout_ms > 0
+        assert 0 < max_frame_bytes <= MAX_FRAME_BYTES and max_in_flight_per_connection > 0
+        self.handler = handler
+        self.tenants = tenants if isinstance(tenants, Tenants) else Tenants(tenants)
+        self.host = host
+        self._port = port
+        self.max_connections = max_connections
+        self.request_timeout_ms = request_timeout_ms
+        self.idle_timeout_ms = idle_timeout_ms
+        self.max_frame_bytes = max_frame_bytes
+        self.max_in_flight_per_connection = max_in_flight_per_connection
+        self.answer_ping = answer_ping
+        self.stats = {"connections": 0, "refused_busy": 0, "requests": 0, "peer_violations": 0,
+                      "handler_errors": 0, "timeouts": 0}  # fmt: skip
+        self._server: asyncio.base_events.Server | None = None
+        self._connections: dict[asyncio.Task, _ServerConnection] = {}
+        self._orphans: set[asyncio.Task] = set()  # handlers still running after their connection ended
+        self._closing = False
+
+    @property
+    def port(self) -> int:
+        assert self._server is not None, "start() first"
+        return self._port
+
+    @property
+    def connection_count(self) -> int:
+        return len(self._connections)
+
+    async def start(self) -> Server:
+        self._server = await asyncio.start_server(self._on_connect, self.host, self._port, limit=READ_CHUNK_BYTES)
+        self._port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._closing or len(self._connections) >= self.max_connections:
+            self.stats["refused_busy"] += 1
+            refusal = Session.server(self.tenants).send_error(
+                ERROR_SHUTDOWN if self._closing else ERROR_BUSY,
+                "the server is closing" if self._closing else f"more than {self.max_connections} connections",
+            )
+            with contextlib.suppress(ConnectionError, OSError, RuntimeError):
+                writer.write(refusal)
+                if writer.can_write_eof():
+                    writer.write_eof()
+                async with asyncio.timeout(CLOSE_TIMEOUT_MS / 1000):
+                    while await reader.read(READ_CHUNK_BYTES):
+                        pass  # lingering close, as in _ServerConnection.run
+            await _close_writer(writer)
+            return
+        task = asyncio.current_task()
+        assert task is not None
+        conn = _ServerConnection(self, reader, writer)
+        self._connections[task] = conn
+        self.stats["connections"] += 1
+        try:
+            await conn.run()
+        except asyncio.CancelledError:
+            if not self._closing:
+                raise
+            # close() cancelled a connection that did not end by itself: that is the shutdown
+            # asked for, not an error (asyncio would log a cancelled connection task).
+        finally:
+            self._connections.pop(task, None)
+            # Handlers left running after the connection ended finish on their own (their
+            # replies are dropped); close() cancels them.
+            for t in conn.handlers:
+                if not t.done():
+                    self._orphans.add(t)
+                    t.add_done_callback(self._orphans.discard)
+
+    async def close(self) -> None:
+        self._closing = True
+        if self._server is not None:
+            self._server.close()
+        tasks = list(self._connections)
+        handlers = [t for conn in self._connections.values() for t in conn.handlers]
+        handlers += list(self._orphans)
+        for t in handlers:
+            t.cancel()
+        for conn in self._connections.values():
+            conn.fail(ERROR_SHUTDOWN, "the server is closing")  # its reader sees EOF and ends
+        await asyncio.gather(*handlers, return_exceptions=True)
+        if tasks:
+            _, stragglers = await asyncio.wait(tasks, timeout=CLOSE_TIMEOUT_MS / 1000)
+            for t in stragglers:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(CLOSE_TIMEOUT_MS / 1000):
+                    await self._server.wait_closed()
+
+    async def __aenter__(self) -> Server:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+# -- client ----------------------------------------------------------------------------------------
+
+
+class _ClientConnection:
+    def __init__(self, client: Client, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.client = client
+        self.reader = reader
+        self.writer = writer
+        self.session = Session.client(client.tenant, client.token, max_frame_bytes=client.max_frame_bytes)
+        self.pending: dict[int, asyncio.Future] = {}
+        self.failure: ConnectionFailed | None = None
+        self.reader_task = asyncio.create_task(self.read_loop())
+
+    async def read_loop(self) -> None:
+        try:
+            while True:
+                data = await self.reader.read(READ_CHUNK_BYTES)
+                if not data:
+                    self.fail(ConnectionFailed("the server closed the connection", code="eof"))
+                    return
+                try:
+                    received = self.session.receive_data(data)
+                except PeerViolation as violation:
+                    log.warning("server %s:%s broke the protocol: %s", self.client.host, self.client.port, violation)
+                    with contextlib.suppress(ProtocolViolation, ConnectionError, OSError, RuntimeError):
+                        self.writer.write(self.session.send_error(violation.code, violation.detail))
+                    self.fail(ConnectionFailed(f"the server broke the protocol: {violation.detail}", code=violation.code))
+                    return
+                for r in received:
+                    if r.final:
+                        self.fail(ConnectionFailed(f"the server ended the connection: {r.msg.text}", code=r.msg.code))
+                        return
+                    future = self.pending.pop(r.re, None)
+                    if future is None or future.done():
+                        # An answer to a request that timed out (or an unsolicited push, which
+                        # this client does not take): stale, not a violation.
+                        self.client.stats["stale_replies"] += 1
+                        continue
+                    future.set_result(r.msg)
+        except (ConnectionError, OSError) as e:
+            self.fail(ConnectionFailed(f"connection lost: {e}", code="reset"))
+        except asyncio.CancelledError:
+            self.fail(ConnectionFailed("the client closed the connection", code="closed"))
+            raise
+        finally:
+            self.writer.close()
+
+    def fail(self, error: ConnectionFailed) -> None:
+        if self.failure is None:
+            self.failure = error
+        for future in self.pending.values():
+            if not future.done():
+                future.set_exception(self.error())
+        self.pending.clear()
+
+    def error(self) -> ConnectionFailed:
+        """A fresh exception per failed request (one instance raised in many tasks would tangle
+        their tracebacks)."""
+        assert self.failure is not None
+        return ConnectionFailed(self.failure.detail, code=self.failure.code)
+
+
+class Client:
+    """``Client(host, port, tenant, token, *, timeout_ms=..., connect_timeout_ms=...,
+    max_frame_bytes=..., max_in_flight=...)``. ``await request(msg, timeout_ms=None) -> reply``;
+    ``await ping()`` -> round-trip seconds; ``await close()``; also an async context manager.
+
+    Raises from ``request``: ``TimeoutError_`` (the request, or the connect, took too long),
+    ``ConnectionFailed`` (could not connect; the connection broke or was ended by the server while
+    the request was outstanding, ``code`` saying why; or the server broke the protocol, ``code``
+    being that violation's code), ``ProtocolViolation`` (``msg`` is not a valid message).
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        tenant: str,
+        token: bytes,
+        *,
+        timeout_ms: int = CLIENT_REQUEST_TIMEOUT_MS_DEFAULT,
+        connect_timeout_ms: int = CONNECT_TIMEOUT_MS_DEFAULT,
+        max_frame_bytes: int = MAX_FRAME_BYTES,
+        max_in_flight: int = MAX_IN_FLIGHT_PER_CONNECTION_DEFAULT,
+    ) -> None:
+        assert timeout_ms > 0 and connect_timeout_ms > 0 and max_in_flight > 0
+        Session.client(tenant, token)  # validates tenant and token now, not at first use
+        self.host = host
+        self.port = port
+        self.tenant = tenant
+        self.token = token
+        self.timeout_ms = timeout_ms
+        self.connect_timeout_ms = connect_timeout_ms
+        self.max_frame_bytes = max_frame_bytes
+        self.max_in_flight = max_in_flight
+        self.stats = {"connects": 0, "requests": 0, "timeouts": 0, "stale_replies": 0}
+        self._conn: _ClientConnection | None = None
+        self._connect_lock = asyncio.Lock()
+        self._slots = asyncio.Semaphore(max_in_flight)
+        self._closed = False
+
+    @property
+    def connected(self) -> bool:
+        return self._conn is not None and self._conn.failure is None
+
+    async def connect(self) -> None:
+        """Connect now (``request`` does it on demand)."""
+        await self._connection()
+
+    async def _connection(self) -> _ClientConnection:
+        conn = self._conn
+        if conn is not None and conn.failure is None:
+            return conn
+        async with self._connect_lock:
+            conn = self._conn
+            if conn is not None and conn.failure is None:
+                return conn
+            if self._closed:
+                raise ConnectionFailed("the client is closed", code="closed")
+            where = f"{self.host}:{self.port}"
+            try:
+                async with asyncio.timeout(self.connect_timeout_ms / 1000):
+                    reader, writer = await asyncio.open_connection(self.host, self.port, limit=READ_CHUNK_BYTES)
+            except TimeoutError:
+                raise TimeoutError_(f"connect to {where}", self.connect_timeout_ms) from None
+            except OSError as e:
+                raise ConnectionFailed(f"connect to {where}: {e}", code="refused") from e
+            self._conn = _ClientConnection(self, reader, writer)
+            self.stats["connects"] += 1
+            return self._conn
+
+    async def request(self, msg: Any, *, timeout_ms: int | None = None) -> Any:
+        check_message(msg)  # our bug, before anything is sent
+        if timeout_ms is None:
+            timeout_ms = self.timeout_ms
+        kind = kind_of(msg)
+        self.stats["requests"] += 1
+        try:
+            async with asyncio.timeout(timeout_ms / 1000):
+                async with self._slots:
+                    conn = await self._connection()
+                    future = asyncio.get_running_loop().create_future()
+                    frame = conn.session.send(msg)
+                    seq = conn.session.last_sent_seq
+                    conn.pending[seq] = future
+                    try:
+                        conn.writer.write(frame)
+                        await conn.writer.drain()
+                        return await future
+                    except (ConnectionError, OSError) as e:
+                        conn.fail(ConnectionFailed(f"connection lost: {e}", code="reset"))
+                        raise conn.error() from None
+                    finally:
+                        conn.pending.pop(seq, None)
+        except TimeoutError_:
+            raise
+        except TimeoutError:
+            self.stats["timeouts"] += 1
+            raise TimeoutError_(f"{kind} request to {self.host}:{self.port}", timeout_ms) from None
+
+    async def ping(self, nonce: int = 0, *, timeout_ms: int | None = None) -> float:
+        """One Ping round trip; returns its duration in seconds."""
+        start = time.perf_counter()
+        reply = await self.request(Ping(nonce), timeout_ms=timeout_ms)
+        if type(reply) is not Pong or reply.nonce != nonce:
+            raise ConnectionFailed(f"Ping answered with {reply!r}", code="unexpected_reply")
+        return time.perf_counter() - start
+
+    async def close(self) -> None:
+        self._closed = True
+        conn = self._conn
+        if conn is not None:
+            conn.reader_task.cancel()
+            with contextlib.suppress(BaseException):
+                await conn.reader_task
+            await _close_writer(conn.writer)
+
+    async def __aenter__(self) -> Client:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
