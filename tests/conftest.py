@@ -1,0 +1,74 @@
+"""etcd fixtures: a real etcd (Debian's etcd-server) on loopback, started per need.
+
+Tests that use them are skipped, with the reason, when no ``etcd`` binary is on PATH.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+
+
+def _etcd_children() -> list[int]:
+    """PIDs of etcd processes whose parent is this (pytest / xdist worker) process."""
+    me, out = os.getpid(), []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+            comm, ppid = stat[stat.index("(") + 1 : stat.rindex(")")], int(stat[stat.rindex(")") + 2 :].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == me and comm.startswith("etcd"):
+            out.append(int(d.name))
+    return out
+
+
+@pytest.fixture(scope="session")
+def etcd_leak_check():
+    """Session end: no etcd process started by this process is still running."""
+    from kvcc.reference import etcd_harness
+
+    try:
+        etcd_harness.etcd_binary()
+    except etcd_harness.EtcdNotInstalled as e:
+        pytest.skip(str(e))
+
+    yield
+    leaked = sorted(set(etcd_harness.live_pids()) | set(_etcd_children()))
+    assert not leaked, f"etcd processes left running: {leaked}"
+
+
+@pytest.fixture(scope="session")
+def etcd1(etcd_leak_check):
+    """One single-member cluster for the session (tests use their own key prefix)."""
+    from kvcc.reference.etcd_harness import EtcdCluster
+
+    with EtcdCluster(members=1) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def etcd3(etcd_leak_check, request):
+    """A fresh three-member cluster per test (the failover tests kill and pause members).
+    When the test failed, the members' logs go to its captured output."""
+    from kvcc.reference.etcd_harness import EtcdCluster
+
+    failed_before = request.session.testsfailed
+    with EtcdCluster(members=3) as cluster:
+        yield cluster
+        if request.session.testsfailed > failed_before:
+            print(cluster.logs(lines=60))
+
+
+@pytest.fixture
+def etcd_kv(etcd1):
+    """A client on the session cluster, and a key prefix unique to the test."""
+    from kvcc.reference.etcd_client import EtcdKV
+
+    with EtcdKV(etcd1.endpoints, request_timeout_s=5.0, failover_timeout_s=10.0) as kv:
+        yield kv, f"t/{uuid.uuid4().hex[:8]}/"
