@@ -216,21 +216,13 @@ def render(console, r: dict[str, Any]) -> None:
 # ------------------------------------------------------------------------------------ entry points
 
 
-def _positive_int(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1: {n}")
-    return n
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from kvcc.cli import positive_int
+
     parser.add_argument("--config", default=DEFAULT_CONFIG, metavar="NAME",
                         help=f"model configuration (default {DEFAULT_CONFIG})")
-    parser.add_argument("--max-states", type=_positive_int, metavar="N", help="stop after N distinct states")
-    parser.add_argument("--workers", type=_positive_int, default=DEFAULT_WORKERS, metavar="N",
+    parser.add_argument("--max-states", type=positive_int, metavar="N", help="stop after N distinct states")
+    parser.add_argument("--workers", type=positive_int, default=DEFAULT_WORKERS, metavar="N",
                         help=f"checker worker processes (default {DEFAULT_WORKERS})")
     parser.add_argument("--json", action="store_true", help="print one JSON object and nothing else")
 

@@ -80,7 +80,7 @@ def print_json(obj: Any) -> None:
     sys.stdout.flush()
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     try:
         n = int(text)
     except ValueError:
@@ -489,9 +489,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", metavar="NAME",
                    help=f"model configuration (default: the mutant's own, else {DEFAULT_CONFIG})")
     p.add_argument("--mutant", metavar="NAME", help="switch on one mutant's bugs")
-    p.add_argument("--workers", type=_positive_int, metavar="N",
+    p.add_argument("--workers", type=positive_int, metavar="N",
                    help=f"worker processes (default: {DEFAULT_WORKERS}, or 1 with a mutant)")
-    p.add_argument("--max-states", type=_positive_int, metavar="N",
+    p.add_argument("--max-states", type=positive_int, metavar="N",
                    help="stop after N distinct states (the run is then not exhaustive and not ok)")
     p.add_argument("--json", action="store_true", help="print one JSON object and nothing else")
     p.set_defaults(func=cmd_check)
@@ -500,9 +500,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Check each mutant in its configuration; "
                                    "each must violate exactly its expected property.")
     p.add_argument("--only", nargs="+", metavar="NAME", help="only these mutants")
-    p.add_argument("--max-states", type=_positive_int, metavar="N",
+    p.add_argument("--max-states", type=positive_int, metavar="N",
                    help="cap each mutant's search at N distinct states")
-    p.add_argument("--jobs", type=_positive_int, default=MUTANT_WORKERS, metavar="N",
+    p.add_argument("--jobs", type=positive_int, default=MUTANT_WORKERS, metavar="N",
                    help=f"worker processes (default {MUTANT_WORKERS})")
     p.add_argument("--json", action="store_true", help="print one JSON object and nothing else")
     p.set_defaults(func=cmd_mutants)
