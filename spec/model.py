@@ -33,20 +33,23 @@ no behaviour that could break safety.
   every record (they are durable), and frees nothing for a grace period as long as the longest lease
   it may have issued.
 
-Mutants (deliberate bugs, see ``mutants``) are named flags checked at the exact line they break.
+Every guard is a rule of ``rules`` (may this lease be granted, may this commit land, may this
+invalidation complete, ...), the same functions the reference directory calls: this module only
+reads their arguments out of the packed state and turns their answers into successors.
+
+Mutants (deliberate bugs, see ``mutants``) are named flags checked at the exact line they break:
+a flag bypasses a rule's call or alters its arguments or answer there; the rules stay correct.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+from . import layout
 from .config import ModelConfig
 from .layout import (
-    ABSENT,
-    COMMITTED,
     EMPTY,
     FULL,
-    INVALIDATING,
     LOST,
     M_ACK,
     M_ACQUIRE,
@@ -72,10 +75,42 @@ from .layout import (
     W_BYTES_SENT,
     W_NONE,
     W_REQUESTED,
-    WRITING,
     Layout,
     message,
 )
+from .rules import (
+    ABSENT,
+    COMMITTED,
+    INVALIDATE_ABORT_WRITE,
+    INVALIDATE_START,
+    INVALIDATING,
+    REASON_LEASED,
+    WRITING,
+    directory_view,
+    fence_accepts,
+    holder_budget,
+    invalidation_deadline,
+    invalidation_step,
+    lost_copy_invalidates,
+    may_ack_revoke,
+    may_begin_write,
+    may_commit,
+    may_complete_invalidation,
+    may_evict,
+    may_finish_transfer,
+    may_free_drained,
+    may_grant_read,
+    may_release,
+    may_renew,
+    may_start_transfer,
+    next_epoch,
+    restart_grace,
+    restored_fence,
+    write_lease_must_expire,
+)
+
+# The packed state stores phases as the rules number them.
+assert (layout.ABSENT, layout.WRITING, layout.COMMITTED, layout.INVALIDATING) == (ABSENT, WRITING, COMMITTED, INVALIDATING)
 
 # A successor: (action name, parameters, next state).
 Step = tuple[str, tuple[int, ...], bytes]
@@ -116,10 +151,18 @@ class Model:
         self.reads = [cfg.readers is None or n in cfg.readers for n in range(cfg.nodes)]
         self.writes = [cfg.writers is None or n in cfg.writers for n in range(cfg.nodes)]
         cfg_ = cfg
-        self.holder_budget = cfg_.holder_budget_ticks
+        term, eps = cfg_.lease_term_ticks, cfg_.skew_ticks
+        self.holder_budget = holder_budget(term, eps)
         if "holder_ignores_skew" in self.bugs:
-            self.holder_budget = cfg_.lease_term_ticks
-        self.deadline = cfg_.invalidation_deadline_ticks
+            self.holder_budget = term  # bug: the rule is bypassed, the full term trusted
+        self.directory_view = directory_view(term, eps)
+        self.restart_grace = restart_grace(term, eps)
+        self.deadline = invalidation_deadline(term, eps, cfg_.max_directory_restarts)
+        # ``ModelConfig`` spells the same limits out for reports; they must be these.
+        assert cfg_.holder_budget_ticks == holder_budget(term, eps)
+        assert cfg_.directory_lease_ticks == self.directory_view
+        assert cfg_.restart_grace_ticks == self.restart_grace
+        assert cfg_.invalidation_deadline_ticks == self.deadline
         self.node_timers = self.L.node_timers
         if "holder_counts_from_receipt" in self.bugs:
             # Bug: nothing runs on the holder's clock until the grant arrives.
@@ -180,22 +223,23 @@ class Model:
     def completion_enabled(self, s: bytes, k: int) -> bool:
         """May the invalidation of ``k`` complete now? (Gray & Cheriton's write rule.)"""
         L = self.L
-        if s[L.phase[k]] != INVALIDATING:
-            return False
-        if s[L.grace] > 0 and "restart_without_grace" not in self.bugs:
-            return False  # a restarted directory cannot know who still trusts a lease
+        phase = s[L.phase[k]]
+        if phase != INVALIDATING:
+            return False  # fast path: the rule would say no without looking at the leases
+        in_grace = s[L.grace] > 0 and "restart_without_grace" not in self.bugs
         if "invalidation_ignores_leases" in self.bugs:
-            return True
-        return not self.has_live_lease(s, k)
+            return may_complete_invalidation(phase, in_grace, 0)  # bug: leases not counted
+        return may_complete_invalidation(phase, in_grace, self.has_live_lease(s, k))
 
     def urgent(self, s: bytes) -> bool:
         """Is a directory timer due? Time does not pass until it has fired."""
         L = self.L
         for k in range(self.K):
             phase = s[L.phase[k]]
-            if phase == WRITING and s[L.w_left[k]] == 0 and "write_lease_never_expires" not in self.bugs:
-                return True
-            if phase == INVALIDATING and self.completion_enabled(s, k):
+            if phase == WRITING:
+                if write_lease_must_expire(phase, s[L.w_left[k]] > 0) and "write_lease_never_expires" not in self.bugs:
+                    return True
+            elif phase == INVALIDATING and self.completion_enabled(s, k):
                 return True
         return False
 
@@ -365,7 +409,7 @@ class Model:
         L, cfg = self.L, self.cfg
         phase = s[L.phase[k]]
         if phase == WRITING:
-            if s[L.w_left[k]] == 0 and "write_lease_never_expires" not in self.bugs:
+            if write_lease_must_expire(phase, s[L.w_left[k]] > 0) and "write_lease_never_expires" not in self.bugs:
                 # The write lease expired: the key is writable again, the late writer is fenced
                 # by the next grant's higher epoch.
                 writer = s[L.writer[k]] - 1
@@ -418,8 +462,8 @@ class Model:
         """Move every committed key of ``keys`` to INVALIDATING and revoke its leases."""
         L = self.L
         for j in keys:
-            phase = s[L.phase[j]]
-            if phase == COMMITTED:
+            step = invalidation_step(s[L.phase[j]])
+            if step == INVALIDATE_START:
                 b[L.phase[j]] = INVALIDATING
                 b[L.inval_age[j]] = 0
                 b[L.moving[j]] = NO_LOCATION  # an unfinished transfer is abandoned
@@ -427,7 +471,7 @@ class Model:
                     lease = b[L.r_id[j][n]]
                     if lease != NO_LEASE:
                         self._send(net, message(M_REVOKE, n, j, lease))
-            elif phase == WRITING:
+            elif step == INVALIDATE_ABORT_WRITE:
                 # A write in progress below an invalidated prefix is aborted; its commit will
                 # find the generation gone.
                 self._end_generation(b, j)
@@ -438,16 +482,20 @@ class Model:
         for idx in (L.owner[k], L.draining[k]):
             loc1 = s[idx]
             if loc1 == NO_LOCATION or not self.location_up(s, loc1 - 1):
-                continue
-            if s[L.grace] > 0 and "restart_without_grace" not in self.bugs:
-                continue
-            if "evict_parent_first" not in self.bugs and any(s[L.phase[c]] != ABSENT for c in self.children[k]):
-                continue  # leaves before their ancestors
-            if self.live_lease_on(s, k, loc1) and "evict_under_lease" not in self.bugs:
+                continue  # a copy the directory knows of, on a node that is up to ask
+            reason = may_evict(
+                s[L.phase[k]],
+                True,
+                "evict_parent_first" in self.bugs or all(s[L.phase[c]] == ABSENT for c in self.children[k]),
+                self.live_lease_on(s, k, loc1) and "evict_under_lease" not in self.bugs,
+                s[L.grace] > 0 and "restart_without_grace" not in self.bugs,
+                idx == L.owner[k] and s[L.draining[k]] != NO_LOCATION,
+            )
+            if reason == REASON_LEASED:
                 out.append(("evict_refused", (k, loc1 - 1), s))
                 continue
-            if idx == L.owner[k] and s[L.draining[k]] != NO_LOCATION:
-                continue  # the draining copy goes first; the owner is the last copy
+            if reason is not None:
+                continue  # refusals other than a lease are not steps the properties talk about
             b = bytearray(fixed)
             loc = loc1 - 1
             b[L.s_status[loc][k]] = EMPTY  # the node drops the bytes once the directory agreed
@@ -461,16 +509,18 @@ class Model:
     def _transfer_actions(self, s: bytes, fixed: bytes, net: list[bytes], k: int, out: list[Step]) -> None:
         """Promotion / demotion: move the owner copy to another location as an ownership transfer."""
         L, cfg = self.L, self.cfg
-        if s[L.moving[k]] != NO_LOCATION or s[L.draining[k]] != NO_LOCATION:
-            if s[L.draining[k]] != NO_LOCATION and not self.live_lease_on(s, k, s[L.draining[k]]):
-                if s[L.grace] == 0 or "restart_without_grace" in self.bugs:
+        moving, draining = s[L.moving[k]], s[L.draining[k]]
+        if not may_start_transfer(s[L.phase[k]], moving != NO_LOCATION, draining != NO_LOCATION):
+            if draining != NO_LOCATION:
+                in_grace = s[L.grace] > 0 and "restart_without_grace" not in self.bugs
+                if may_free_drained(in_grace, self.live_lease_on(s, k, draining)):
                     # The old copy's leases drained: free it.
                     b = bytearray(fixed)
                     rest = list(net)
-                    self._send(rest, message(M_FREE, 0, k, s[L.draining[k]], 0, 0, s[L.epoch[k]]))
+                    self._send(rest, message(M_FREE, 0, k, draining, 0, 0, s[L.epoch[k]]))
                     b[L.draining[k]] = NO_LOCATION
                     out.append(("free_drained", (k,), self._pack(b, rest)))
-            if s[L.moving[k]] != NO_LOCATION:
+            if moving != NO_LOCATION:
                 b = bytearray(fixed)
                 b[L.moving[k]] = NO_LOCATION
                 out.append(("cancel_transfer", (k,), self._pack(b, net)))
@@ -482,7 +532,7 @@ class Model:
             if dest + 1 == owner or not self.location_up(s, dest):
                 continue
             b = bytearray(fixed)
-            b[L.epoch[k]] += 1
+            b[L.epoch[k]] = next_epoch(s[L.epoch[k]])
             b[L.moving[k]] = dest + 1
             copy = message(M_COPY, 0, k, dest + 1, owner, s[L.gen[k]], b[L.epoch[k]])
             out.append(("start_transfer", (k, dest), self._pack(b, net + [copy])))
@@ -500,9 +550,11 @@ class Model:
         L, cfg = self.L, self.cfg
         _, n, k, req, *_ = msg
         phase = s[L.phase[k]]
-        grantable = phase == COMMITTED or (phase == INVALIDATING and "grant_during_invalidation" in self.bugs)
+        if phase == INVALIDATING and "grant_during_invalidation" in self.bugs:
+            phase = COMMITTED  # bug: an invalidating key looks grantable
         authorized = self.allowed[n][k] or "no_namespace_check" in self.bugs
-        if not (grantable and authorized) or s[L.r_id[k][n]] != NO_LEASE or s[L.next_id] > cfg.max_lease_id:
+        refusal = may_grant_read(phase, authorized, s[L.r_id[k][n]] != NO_LEASE)
+        if refusal is not None or s[L.next_id] > cfg.max_lease_id:
             out.append(("refuse_read_lease", (n, k), self._pack(bytearray(fixed), net)))
             return
         b = bytearray(fixed)
@@ -511,7 +563,7 @@ class Model:
         loc1 = s[L.owner[k]]
         b[L.r_id[k][n]] = lease
         b[L.r_loc[k][n]] = loc1
-        b[L.r_left[k][n]] = cfg.directory_lease_ticks
+        b[L.r_left[k][n]] = self.directory_view
         rest = list(net)
         self._send(rest, message(M_GRANT_READ, n, k, lease, loc1, s[L.gen[k]], req))
         out.append(("grant_read_lease", (n, k, lease), self._pack(b, rest)))
@@ -519,15 +571,19 @@ class Model:
     def _on_renew(self, s, fixed, net, msg, out):
         L, cfg = self.L, self.cfg
         _, n, k, lease, loc1, req, _ = msg
-        live = s[L.r_id[k][n]] == lease
-        revive = s[L.r_id[k][n]] == NO_LEASE and "renew_revives_expired" in self.bugs
+        entry = s[L.r_id[k][n]]
         # Renew only a live lease on the current owner of a committed key: never revive one that
         # expired or was revoked, never extend a lease on a copy that is draining.
-        if (live or revive) and s[L.phase[k]] == COMMITTED and (loc1 == s[L.owner[k]] or revive):
+        if entry == NO_LEASE and "renew_revives_expired" in self.bugs:
+            # Bug: the expired entry is taken for a live one, on the owner.
+            refusal = may_renew(s[L.phase[k]], True, lease, lease, loc1, loc1)
+        else:
+            refusal = may_renew(s[L.phase[k]], entry != NO_LEASE, entry, lease, loc1, s[L.owner[k]])
+        if refusal is None:
             b = bytearray(fixed)
             b[L.r_id[k][n]] = lease
             b[L.r_loc[k][n]] = loc1
-            b[L.r_left[k][n]] = cfg.directory_lease_ticks
+            b[L.r_left[k][n]] = self.directory_view
             rest = list(net)
             self._send(rest, message(M_RENEWED, n, k, lease, 0, 0, req))
             out.append(("renew_lease", (n, k, lease), self._pack(b, rest)))
@@ -538,7 +594,7 @@ class Model:
         L = self.L
         _, n, k, lease, *_ = msg
         b = bytearray(fixed)
-        if s[L.r_id[k][n]] == lease:
+        if may_release(s[L.r_id[k][n]], lease):
             b[L.r_id[k][n]] = b[L.r_loc[k][n]] = b[L.r_left[k][n]] = 0
         out.append(("release_lease", (n, k, lease), self._pack(b, net)))
 
@@ -546,18 +602,17 @@ class Model:
         L, cfg = self.L, self.cfg
         _, n, k, *_ = msg
         parent = cfg.parents[k]
-        ok = (
-            s[L.phase[k]] == ABSENT
-            and (parent < 0 or s[L.phase[parent]] == COMMITTED)
-            and (self.allowed[n][k] or "no_namespace_check" in self.bugs)
-            and s[L.epoch[k]] < cfg.max_epoch
-            and s[L.next_id] <= cfg.max_lease_id
+        refusal = may_begin_write(
+            s[L.phase[k]],
+            None if parent < 0 else s[L.phase[parent]],
+            self.allowed[n][k] or "no_namespace_check" in self.bugs,
         )
-        if not ok:
+        # The epoch and lease-id budgets are scope bounds of the model, not protocol rules.
+        if refusal is not None or s[L.epoch[k]] >= cfg.max_epoch or s[L.next_id] > cfg.max_lease_id:
             out.append(("refuse_write_lease", (n, k), self._pack(bytearray(fixed), net)))
             return
         lease = s[L.next_id]
-        epoch = s[L.epoch[k]] + 1  # every ownership change takes a new epoch: the fencing token
+        epoch = next_epoch(s[L.epoch[k]])  # every ownership change takes a new epoch: the fencing token
         for loc in cfg.write_targets(n):
             if not self.location_up(s, loc):
                 continue
@@ -568,7 +623,7 @@ class Model:
             b[L.owner[k]] = loc + 1
             b[L.writer[k]] = n + 1
             b[L.w_id[k]] = lease
-            b[L.w_left[k]] = cfg.directory_lease_ticks
+            b[L.w_left[k]] = self.directory_view
             rest = list(net)
             self._send(rest, message(M_GRANT_WRITE, n, k, lease, loc + 1, s[L.gen[k]], epoch))
             out.append(("grant_write_lease", (n, k, loc), self._pack(b, rest)))
@@ -576,15 +631,12 @@ class Model:
     def _on_commit(self, s, fixed, net, msg, out):
         L = self.L
         _, n, k, lease, _, _, epoch = msg
-        current = (
-            s[L.phase[k]] == WRITING
-            and s[L.w_id[k]] == lease
-            and s[L.epoch[k]] == epoch
-            and s[L.w_left[k]] > 0
-        )
-        late_but_accepted = "late_commit_accepted" in self.bugs and s[L.phase[k]] == WRITING
+        phase = s[L.phase[k]]
+        refusal = may_commit(phase, s[L.w_id[k]], lease, s[L.epoch[k]], epoch, s[L.w_left[k]] > 0)
+        if refusal is not None and phase == WRITING and "late_commit_accepted" in self.bugs:
+            refusal = None  # bug: any commit of a WRITING key is taken
         b = bytearray(fixed)
-        if current or late_but_accepted:
+        if refusal is None:
             b[L.phase[k]] = COMMITTED
             b[L.writer[k]] = NO_NODE
             b[L.w_id[k]] = b[L.w_left[k]] = 0
@@ -596,7 +648,7 @@ class Model:
         L = self.L
         _, n, k, lease, *_ = msg
         b = bytearray(fixed)
-        if s[L.phase[k]] == INVALIDATING and s[L.r_id[k][n]] == lease:
+        if may_ack_revoke(s[L.phase[k]], s[L.r_id[k][n]], lease):
             b[L.r_id[k][n]] = b[L.r_loc[k][n]] = b[L.r_left[k][n]] = 0
         out.append(("revoke_acked", (n, k, lease), self._pack(b, net)))
 
@@ -604,7 +656,7 @@ class Model:
         L = self.L
         _, _, k, dest1, _, _, epoch = msg
         b = bytearray(fixed)
-        if s[L.phase[k]] == COMMITTED and s[L.moving[k]] == dest1 and s[L.epoch[k]] == epoch:
+        if may_finish_transfer(s[L.phase[k]], s[L.moving[k]], dest1, s[L.epoch[k]], epoch):
             # The new copy is the owner; the old one drains its leases before it is freed.
             b[L.draining[k]] = s[L.owner[k]]
             b[L.owner[k]] = dest1
@@ -700,7 +752,7 @@ class Model:
             out.append(("write_to_down_location", (n, k, loc), self._pack(b, net)))
             return
         writer_waiting = s[L.up[n]] and s[L.w_stage[n][k]] == W_BYTES_SENT and s[L.wr_id[n][k]] == lease
-        if epoch < s[L.fence[loc][k]] and "no_fencing" not in self.bugs:
+        if not fence_accepts(epoch, s[L.fence[loc][k]]) and "no_fencing" not in self.bugs:
             # A stale writer (paused past its lease, or a zombie) is refused where the data lives.
             if writer_waiting:
                 self._clear_writer(b, n, k)
@@ -725,7 +777,7 @@ class Model:
         b = bytearray(fixed)
         if not self.location_up(s, loc):
             out.append(("free_at_down_location", (k, loc), self._pack(b, net)))
-        elif epoch < s[L.fence[loc][k]] and "no_fencing" not in self.bugs:
+        elif not fence_accepts(epoch, s[L.fence[loc][k]]) and "no_fencing" not in self.bugs:
             out.append(("fence_stale_free", (k, loc), self._pack(b, net)))
         else:
             b[L.s_status[loc][k]] = EMPTY
@@ -745,7 +797,7 @@ class Model:
         if not self.location_up(s, dest) or not source_ok:
             out.append(("copy_failed", (k, dest), self._pack(b, net)))
             return
-        if epoch < s[L.fence[dest][k]] and "no_fencing" not in self.bugs:
+        if not fence_accepts(epoch, s[L.fence[dest][k]]) and "no_fencing" not in self.bugs:
             out.append(("fence_stale_copy", (k, dest), self._pack(b, net)))
             return
         b[L.s_status[dest][k]] = FULL
@@ -826,8 +878,8 @@ class Model:
             # before the crash (a stale free, a zombie's bytes) can land. (Found by the checker:
             # a stale Free of the lost copy was accepted under a reset fence.)
             for loc in range(self.LOCS):
-                if self.loc_node[loc] == n and b[L.fence[loc][k]] < s[L.epoch[k]]:
-                    b[L.fence[loc][k]] = s[L.epoch[k]]
+                if self.loc_node[loc] == n:
+                    b[L.fence[loc][k]] = restored_fence(b[L.fence[loc][k]], s[L.epoch[k]])
         for k in range(self.K):
             for idx in (L.owner[k], L.draining[k], L.moving[k]):
                 loc1 = s[idx]
@@ -835,7 +887,7 @@ class Model:
                     continue
                 if idx == L.moving[k]:
                     b[idx] = NO_LOCATION  # the copy in progress died with the node
-                elif s[L.s_status[loc1 - 1][k]] == LOST and idx == L.owner[k] and b[L.phase[k]] == COMMITTED:
+                elif lost_copy_invalidates(b[L.phase[k]], idx == L.owner[k], s[L.s_status[loc1 - 1][k]] == LOST):
                     self._invalidate_into(s, b, rest, self.subtree[k])
         return self._pack(b, rest)
 
@@ -849,9 +901,9 @@ class Model:
             for n in range(self.N):
                 b[L.r_id[k][n]] = b[L.r_loc[k][n]] = b[L.r_left[k][n]] = 0
             if s[L.phase[k]] == WRITING:
-                b[L.w_left[k]] = cfg.restart_grace_ticks  # the writer may still hold its lease
+                b[L.w_left[k]] = self.restart_grace  # the writer may still hold its lease
         if "restart_without_grace" not in self.bugs:
-            b[L.grace] = cfg.restart_grace_ticks
+            b[L.grace] = self.restart_grace
         if "lease_id_reuse_after_restart" in self.bugs:
             b[L.next_id] = 1  # the counter was not in the durable log
         return b

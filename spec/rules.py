@@ -1,0 +1,302 @@
+"""The protocol's decision rules, written once, as small pure functions on plain values.
+
+Theory of operation
+-------------------
+Every guard of the protocol -- may this read lease be granted, may this commit land, may this
+invalidation complete -- is a function here of plain ints, bools and strings. Two callers share
+them:
+
+- ``spec/model.py``, the model the checker explores, reads its arguments out of a packed bytes
+  state with bounded counters (lease "time left" counts down to zero);
+- the reference directory (``kvcc.reference.directory.core``), reads them out of attrs records
+  and a lease table with absolute expiry times on the directory's clock.
+
+So what the checker proved about a guard is a property of the very function the reference runs.
+What stays with each caller is only how it *obtains* the arguments (a byte at an offset, a field of
+a record) and what it does with the answer (a successor state, a reply and effects).
+
+Conventions:
+
+- A rule that can refuse returns ``None`` to allow, else a refusal reason: one of the
+  ``REASON_*`` codes below, the words a ``LeaseRefused``, ``CommitRejected`` or ``EvictRefused``
+  carries on the wire. When several reasons apply, the first one checked is returned; the order
+  is part of the rule (callers and logs may rely on it), the model only looks at ``is None``.
+- A rule that cannot refuse (it decides *whether* something happens) returns a bool.
+- Mutants (``spec/mutants.py``) are not here: a mutant flag in ``model.py`` bypasses or alters
+  the call at the line it breaks, so the rule itself is always the correct one.
+- Times are in whatever unit the caller counts (ticks in the model, milliseconds in the
+  reference); the time rules only add and compare.
+
+Standard library only: this module is part of the vocabulary every layer imports.
+"""
+
+from __future__ import annotations
+
+# -- phases ---------------------------------------------------------------------------------------
+# A record's phase (DESIGN: ABSENT -> WRITING -> COMMITTED -> INVALIDATING -> ABSENT, gen + 1).
+# The values are the model's bytes (``spec/layout.py`` names them too; ``model.py`` asserts that
+# both agree).
+ABSENT, WRITING, COMMITTED, INVALIDATING = range(4)
+PHASE_NAMES = ("ABSENT", "WRITING", "COMMITTED", "INVALIDATING")
+PHASES = (ABSENT, WRITING, COMMITTED, INVALIDATING)
+# Phases in which a generation is readable by those who already hold a lease on it.
+READABLE_PHASES = (COMMITTED, INVALIDATING)
+
+# -- refusal reasons ------------------------------------------------------------------------------
+# The same words as ``kvcc.reference.wire.REASON_*`` (a test keeps them equal); the last three are
+# refusals the wire module does not name yet.
+REASON_NOT_COMMITTED = "not_committed"  # no committed generation to lease (ABSENT or WRITING)
+REASON_INVALIDATING = "invalidating"  # no new leases, renewals or evictions while an invalidation runs
+REASON_NOT_ABSENT = "not_absent"  # begin_write on a key that has a generation
+REASON_PARENT_NOT_COMMITTED = "parent_not_committed"  # prefix chains are written root first
+REASON_UNAUTHORIZED = "unauthorized"  # namespace not allowed for this tenant
+REASON_UNKNOWN_LEASE = "unknown_lease"  # expired, revoked, released or never granted
+REASON_STALE_EPOCH = "stale_epoch"  # a commit under an epoch that is no longer the key's
+REASON_LEASE_EXPIRED = "lease_expired"  # a commit after its write lease expired
+REASON_LEASED = "leased"  # eviction refused: a live read lease on that location
+REASON_HAS_CHILDREN = "has_children"  # eviction refused: leaves before their ancestors
+REASON_RESTARTING = "restarting"  # a restarted directory's grace period: nothing is freed
+REASON_NOT_FOUND = "not_found"  # eviction of a location that holds no copy the directory knows
+REASON_WRONG_GENERATION = "wrong_generation"
+REASON_ALREADY_LEASED = "already_leased"  # the holder has a live lease on the key: renew it instead
+REASON_NOT_OWNER = "not_owner"  # renewal of a lease on a copy that is no longer the owner (draining)
+REASON_DRAINING_FIRST = "draining_first"  # the owner copy is the last one: the draining copy goes first
+
+REASONS = (
+    REASON_NOT_COMMITTED, REASON_INVALIDATING, REASON_NOT_ABSENT, REASON_PARENT_NOT_COMMITTED,
+    REASON_UNAUTHORIZED, REASON_UNKNOWN_LEASE, REASON_STALE_EPOCH, REASON_LEASE_EXPIRED,
+    REASON_LEASED, REASON_HAS_CHILDREN, REASON_RESTARTING, REASON_NOT_FOUND, REASON_WRONG_GENERATION,
+    REASON_ALREADY_LEASED, REASON_NOT_OWNER, REASON_DRAINING_FIRST,
+)  # fmt: skip
+assert len(set(REASONS)) == len(REASONS)
+
+# -- time -----------------------------------------------------------------------------------------
+# DESIGN (leases): clocks differ by at most epsilon. A holder stops trusting a lease at
+# ``term - epsilon`` on its own clock, counted from when it *sent* the request; the directory
+# treats it as live until ``term + epsilon`` on its clock, counted from the grant. Between the two
+# lie at least the 2 epsilon by which the two clocks may disagree.
+
+
+def holder_budget(term: int, eps: int) -> int:
+    """How long a holder trusts a lease on its own clock, from sending the request (glossary)."""
+    assert term > eps >= 0, "a holder must keep a positive budget"
+    return term - eps
+
+
+def directory_view(term: int, eps: int) -> int:
+    """How long the directory treats a lease as live on its own clock, from the grant."""
+    assert term > eps >= 0
+    return term + eps
+
+
+def restart_grace(term: int, eps: int) -> int:
+    """How long a restarted directory frees nothing: the longest lease it may have issued
+    (``directory_view``), plus the skew its own clock may have gathered since."""
+    return directory_view(term, eps) + eps
+
+
+def invalidation_deadline(term: int, eps: int, restarts: int) -> int:
+    """Bounded response: an invalidation completes within this much *true* time of starting.
+
+    A live lease lasts at most ``directory_view`` on the directory's clock, which runs at most
+    ``eps`` behind true time; each directory restart in between adds a grace period, also
+    measured on the directory's clock."""
+    assert restarts >= 0
+    one_lease = directory_view(term, eps) + eps
+    one_grace = restart_grace(term, eps) + eps
+    return one_lease + restarts * one_grace
+
+
+def lease_expires_at(granted_at: int, term: int, eps: int) -> int:
+    """The directory-clock time a lease (or renewal) granted at ``granted_at`` stops being live."""
+    return granted_at + directory_view(term, eps)
+
+
+def holder_trusts_until(sent_at: int, term: int, eps: int) -> int:
+    """The holder-clock time a holder that *sent* its request at ``sent_at`` stops trusting."""
+    return sent_at + holder_budget(term, eps)
+
+
+def lease_live(now: int, expires_at: int) -> bool:
+    """A lease (read or write) is live strictly before its expiry on the directory's clock. In the
+    model ``now`` is 0 and ``expires_at`` the ticks left: a counter at zero has expired."""
+    return now < expires_at
+
+
+# -- read leases ----------------------------------------------------------------------------------
+
+
+def may_grant_read(phase: int, authorized: bool, holder_has_live_lease: bool) -> str | None:
+    """Acquire: a read lease only on a COMMITTED generation (DESIGN 3, 6), only in a namespace the
+    requester's tenant may use (DESIGN 11), and one lease per holder and key (it renews that one)."""
+    if not authorized:
+        return REASON_UNAUTHORIZED
+    if phase != COMMITTED:
+        return REASON_INVALIDATING if phase == INVALIDATING else REASON_NOT_COMMITTED
+    if holder_has_live_lease:
+        return REASON_ALREADY_LEASED
+    return None
+
+
+def may_renew(
+    phase: int, entry_live: bool, entry_id: int, lease_id: int, lease_location: object, owner: object
+) -> str | None:
+    """Renew: extend only a *live* lease under its own id (DESIGN 8: renewal never revives one that
+    expired, was released or revoked), only on a COMMITTED key (no extension once an invalidation
+    began), and only on the owner copy (a lease on a draining copy runs out so the copy can go).
+
+    ``entry_live``/``entry_id``: the directory's own live entry for this holder and key, if any."""
+    if not entry_live or entry_id != lease_id:
+        return REASON_UNKNOWN_LEASE
+    if phase != COMMITTED:
+        return REASON_INVALIDATING if phase == INVALIDATING else REASON_NOT_COMMITTED
+    if lease_location != owner:
+        return REASON_NOT_OWNER
+    return None
+
+
+def may_release(entry_id: int, lease_id: int) -> bool:
+    """Release ends the directory's entry only if it names that very lease: a late Release of an
+    earlier lease never ends a later one."""
+    return entry_id == lease_id
+
+
+def may_ack_revoke(phase: int, entry_id: int, lease_id: int) -> bool:
+    """An acknowledged revocation ends the entry it names, while the invalidation that revoked it
+    runs. (Holders drop their trust *before* acking: flush-then-ack.)"""
+    return phase == INVALIDATING and entry_id == lease_id
+
+
+# -- writes ---------------------------------------------------------------------------------------
+
+
+def may_begin_write(phase: int, parent_phase: int | None, authorized: bool) -> str | None:
+    """BeginWrite: only an ABSENT key (a key names immutable content; a rewrite is the next
+    generation), only under a COMMITTED parent (``None``: a root) so that prefix chains are
+    written root first (DESIGN 10), only in an authorised namespace (DESIGN 11)."""
+    if not authorized:
+        return REASON_UNAUTHORIZED
+    if phase != ABSENT:
+        return REASON_NOT_ABSENT
+    if parent_phase is not None and parent_phase != COMMITTED:
+        return REASON_PARENT_NOT_COMMITTED
+    return None
+
+
+def next_epoch(epoch: int) -> int:
+    """Every ownership change (write grant, transfer) takes a fresh epoch: the fencing token."""
+    return epoch + 1
+
+
+def may_commit(
+    phase: int, write_lease_id: int, lease_id: int, record_epoch: int, epoch: int, write_lease_live: bool
+) -> str | None:
+    """Commit: only the current write lease of a WRITING key, under the key's current epoch, before
+    that lease expired (DESIGN: a writer that paused past its lease is fenced, never published)."""
+    if phase != WRITING or write_lease_id != lease_id:
+        return REASON_UNKNOWN_LEASE
+    if record_epoch != epoch:
+        return REASON_STALE_EPOCH
+    if not write_lease_live:
+        return REASON_LEASE_EXPIRED
+    return None
+
+
+def write_lease_must_expire(phase: int, write_lease_live: bool) -> bool:
+    """A WRITING key whose write lease ran out goes back to ABSENT (next generation), at once:
+    the key is writable again, the late writer fenced by the next grant's epoch."""
+    return phase == WRITING and not write_lease_live
+
+
+# -- fencing (at a location) ------------------------------------------------------------------------
+
+
+def fence_accepts(epoch: int, fence: int) -> bool:
+    """A slot accepts bytes, a free or a copy only under an epoch at least its fence (DESIGN 2)."""
+    return epoch >= fence
+
+
+def restored_fence(fence: int, record_epoch: int) -> int:
+    """A node that rejoins (maybe without its disk, fences and all) takes the directory's epoch as
+    a floor: it bounds every epoch ever issued for the key, so no message from before the crash
+    can land."""
+    return record_epoch if fence < record_epoch else fence
+
+
+# -- invalidation -----------------------------------------------------------------------------------
+
+INVALIDATE_START = "start"  # COMMITTED -> INVALIDATING: revoke every lease, wait, then free
+INVALIDATE_ABORT_WRITE = "abort_write"  # WRITING -> ABSENT (gen + 1): the commit will find it gone
+
+
+def invalidation_step(phase: int) -> str | None:
+    """What invalidating one key (of a key's subtree or a namespace) does to it; ``None``: nothing
+    (ABSENT has nothing to void, INVALIDATING is under way already)."""
+    if phase == COMMITTED:
+        return INVALIDATE_START
+    if phase == WRITING:
+        return INVALIDATE_ABORT_WRITE
+    return None
+
+
+def may_complete_invalidation(phase: int, in_grace: bool, live_leases: int) -> bool:
+    """An invalidation completes -- its copies are freed, the generation ends -- only when every
+    lease on it was acknowledged or expired (DESIGN 6; Gray & Cheriton's write rule), and never
+    during a restarted directory's grace: it cannot know who still trusts a lease it forgot.
+
+    ``live_leases``: how many read leases on the key are live (a bool says whether any is)."""
+    return phase == INVALIDATING and not in_grace and not live_leases
+
+
+# -- eviction and transfer ------------------------------------------------------------------------
+
+
+def may_evict(
+    phase: int,
+    is_owner_or_draining: bool,
+    children_all_absent: bool,
+    leased_here: bool,
+    in_grace: bool,
+    owner_while_draining: bool = False,
+) -> str | None:
+    """Evict: a node may drop a COMMITTED copy the directory knows of (the owner or a draining
+    one), never during restart grace, leaves before their ancestors (DESIGN 10), never under a
+    live read lease on that location (DESIGN 5), and the owner copy last (while a draining copy
+    exists, that one goes first). The order of the checks is the order of the reasons."""
+    if phase != COMMITTED:
+        return REASON_INVALIDATING if phase == INVALIDATING else REASON_NOT_COMMITTED
+    if not is_owner_or_draining:
+        return REASON_NOT_FOUND
+    if in_grace:
+        return REASON_RESTARTING
+    if not children_all_absent:
+        return REASON_HAS_CHILDREN
+    if leased_here:
+        return REASON_LEASED
+    if owner_while_draining:
+        return REASON_DRAINING_FIRST
+    return None
+
+
+def may_start_transfer(phase: int, moving: bool, draining: bool) -> bool:
+    """Promotion / demotion moves the owner copy of a COMMITTED key, one transfer at a time: not
+    while a copy is moving, nor while the previous owner still drains."""
+    return phase == COMMITTED and not moving and not draining
+
+
+def may_finish_transfer(phase: int, moving_to: object, location: object, record_epoch: int, epoch: int) -> bool:
+    """A ``Copied`` finishes the transfer it answers -- to the location the key is moving to,
+    under the epoch the transfer took -- and nothing else (a stale or duplicated Copied)."""
+    return phase == COMMITTED and moving_to == location and record_epoch == epoch
+
+
+def may_free_drained(in_grace: bool, leased_here: bool) -> bool:
+    """The previous owner's copy is freed once its leases drained, never during restart grace."""
+    return not in_grace and not leased_here
+
+
+def lost_copy_invalidates(phase: int, is_owner: bool, lost: bool) -> bool:
+    """A node that rejoins without the disk holding a COMMITTED key's owner copy voids the key (and
+    its subtree) like any invalidation: others may still trust leases on it, so it becomes
+    writable again only once those were acknowledged or expired."""
+    return phase == COMMITTED and is_owner and lost

@@ -1,0 +1,165 @@
+"""The decision rules (spec/rules.py): one vocabulary with the layout, the configurations and the
+wire, the truth tables the model relies on, and the layering that lets every layer import them."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvcc.spec import layout, rules
+from kvcc.spec.config import CONFIGS
+
+REPO = Path(__file__).resolve().parents[1]
+phases = st.sampled_from(rules.PHASES)
+ids = st.integers(0, 5)
+
+
+def test_phases_are_the_layouts():
+    assert (layout.ABSENT, layout.WRITING, layout.COMMITTED, layout.INVALIDATING) == rules.PHASES
+    assert layout.PHASE_NAMES == rules.PHASE_NAMES
+
+
+def test_reasons_are_the_wires():
+    from kvcc.reference import wire
+
+    on_wire = {name: getattr(wire, name) for name in dir(wire) if name.startswith("REASON_")}
+    assert on_wire, "the wire names refusal reasons"
+    for name, value in on_wire.items():
+        assert getattr(rules, name) == value, name
+    for reason in rules.REASONS:
+        assert wire._CODE_RE.fullmatch(reason), f"{reason!r} does not fit the wire's Code"
+
+
+def test_configurations_derive_their_limits_from_the_rules():
+    for cfg in CONFIGS.values():
+        term, eps = cfg.lease_term_ticks, cfg.skew_ticks
+        assert cfg.holder_budget_ticks == rules.holder_budget(term, eps)
+        assert cfg.directory_lease_ticks == rules.directory_view(term, eps)
+        assert cfg.restart_grace_ticks == rules.restart_grace(term, eps)
+        assert cfg.invalidation_deadline_ticks == rules.invalidation_deadline(term, eps, cfg.max_directory_restarts)
+
+
+@given(term=st.integers(1, 10**9), eps=st.integers(0, 10**9), sent=st.integers(0, 10**12), delay=st.integers(0, 10**9))
+def test_holder_trust_ends_before_the_directory_forgets(term, eps, sent, delay):
+    """The timing argument of DESIGN (leases): a holder counting from sending, on a clock up to
+    eps behind, stops trusting before a directory counting from the (later) grant, on a clock up
+    to eps ahead, stops treating the lease as live."""
+    if eps >= term:
+        eps = term - 1
+    granted = sent + delay  # true time; the grant never precedes the request
+    holder_stops_true = rules.holder_trusts_until(sent, term, eps) + eps  # holder clock behind by eps
+    directory_stops_true = rules.lease_expires_at(granted, term, eps) - eps  # directory clock ahead by eps
+    assert holder_stops_true <= directory_stops_true
+    assert rules.restart_grace(term, eps) >= rules.directory_view(term, eps) + eps
+
+
+@given(phase=phases, authorized=st.booleans(), has=st.booleans())
+def test_may_grant_read(phase, authorized, has):
+    reason = rules.may_grant_read(phase, authorized, has)
+    assert (reason is None) == (authorized and phase == rules.COMMITTED and not has)
+    if not authorized:
+        assert reason == rules.REASON_UNAUTHORIZED
+    elif phase == rules.INVALIDATING:
+        assert reason == rules.REASON_INVALIDATING
+
+
+@given(phase=phases, live=st.booleans(), entry=ids, lease=ids, loc=ids, owner=ids)
+def test_may_renew_never_revives(phase, live, entry, lease, loc, owner):
+    reason = rules.may_renew(phase, live, entry, lease, loc, owner)
+    assert (reason is None) == (live and entry == lease and phase == rules.COMMITTED and loc == owner)
+    if not live:
+        assert reason == rules.REASON_UNKNOWN_LEASE
+
+
+@given(phase=phases, parent=st.one_of(st.none(), phases), authorized=st.booleans())
+def test_may_begin_write(phase, parent, authorized):
+    reason = rules.may_begin_write(phase, parent, authorized)
+    ok = authorized and phase == rules.ABSENT and parent in (None, rules.COMMITTED)
+    assert (reason is None) == ok
+
+
+@given(phase=phases, wid=ids, lease=ids, repoch=ids, epoch=ids, live=st.booleans())
+def test_may_commit(phase, wid, lease, repoch, epoch, live):
+    reason = rules.may_commit(phase, wid, lease, repoch, epoch, live)
+    assert (reason is None) == (phase == rules.WRITING and wid == lease and repoch == epoch and live)
+    if phase == rules.WRITING and wid == lease and repoch != epoch:
+        assert reason == rules.REASON_STALE_EPOCH
+    if phase == rules.WRITING and wid == lease and repoch == epoch and not live:
+        assert reason == rules.REASON_LEASE_EXPIRED
+
+
+@given(epoch=ids, fence=ids)
+def test_fencing(epoch, fence):
+    assert rules.fence_accepts(epoch, fence) == (epoch >= fence)
+    restored = rules.restored_fence(fence, epoch)
+    assert restored == max(fence, epoch)
+    if fence <= epoch:  # the directory's epoch bounds every fence (EpochsBoundFences)
+        assert rules.fence_accepts(epoch, restored)  # the directory's epoch passes the restored fence
+    assert not rules.fence_accepts(epoch - 1, restored)  # anything older never does
+    assert rules.next_epoch(epoch) > epoch
+
+
+@given(phase=phases, grace=st.booleans(), live=st.integers(0, 3))
+def test_invalidation_completes_only_without_live_leases(phase, grace, live):
+    done = rules.may_complete_invalidation(phase, grace, live)
+    assert done == (phase == rules.INVALIDATING and not grace and live == 0)
+
+
+def test_invalidation_step():
+    assert rules.invalidation_step(rules.COMMITTED) == rules.INVALIDATE_START
+    assert rules.invalidation_step(rules.WRITING) == rules.INVALIDATE_ABORT_WRITE
+    assert rules.invalidation_step(rules.ABSENT) is None
+    assert rules.invalidation_step(rules.INVALIDATING) is None
+
+
+@given(phase=phases, known=st.booleans(), leaves=st.booleans(), leased=st.booleans(), grace=st.booleans(), last=st.booleans())
+def test_may_evict(phase, known, leaves, leased, grace, last):
+    reason = rules.may_evict(phase, known, leaves, leased, grace, last)
+    assert (reason is None) == (phase == rules.COMMITTED and known and leaves and not leased and not grace and not last)
+    if phase == rules.COMMITTED and known and not grace and leaves and leased:
+        assert reason == rules.REASON_LEASED
+    if phase == rules.COMMITTED and known and not grace and not leaves:
+        assert reason == rules.REASON_HAS_CHILDREN
+
+
+def test_transfer_rules():
+    C = rules.COMMITTED
+    assert rules.may_start_transfer(C, False, False)
+    assert not rules.may_start_transfer(C, True, False)
+    assert not rules.may_start_transfer(C, False, True)
+    assert not rules.may_start_transfer(rules.INVALIDATING, False, False)
+    assert rules.may_finish_transfer(C, "l1", "l1", 3, 3)
+    assert not rules.may_finish_transfer(C, "l1", "l1", 3, 2)
+    assert not rules.may_finish_transfer(C, "l1", "l2", 3, 3)
+    assert rules.may_free_drained(False, False)
+    assert not rules.may_free_drained(True, False)
+    assert not rules.may_free_drained(False, True)
+
+
+def test_rules_import_only_the_standard_library():
+    """The rules are vocabulary: every layer imports them, so they import nothing of kvcc's."""
+    tree = ast.parse((REPO / "spec" / "rules.py").read_text())
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, "no relative imports"
+            imported.add((node.module or "").split(".")[0])
+    assert imported <= {"__future__"}, imported
+
+
+def test_the_model_calls_the_rules():
+    """Every guard of the model goes through a rule: each rule the model imports is called there."""
+    src = (REPO / "spec" / "model.py").read_text()
+    for name in (
+        "may_grant_read", "may_renew", "may_release", "may_ack_revoke", "may_begin_write", "may_commit",
+        "write_lease_must_expire", "fence_accepts", "restored_fence", "invalidation_step",
+        "may_complete_invalidation", "may_evict", "may_start_transfer", "may_finish_transfer",
+        "may_free_drained", "lost_copy_invalidates", "next_epoch", "holder_budget", "directory_view",
+        "restart_grace", "invalidation_deadline",
+    ):  # fmt: skip
+        assert f"{name}(" in src, name
