@@ -1,0 +1,450 @@
+"""Benchmark: each storage tier's read and write bandwidth as a fraction of the raw limit measured
+in the same run, on the same memory or directory, with the same block size and thread count
+(``kvcc bench tiers``).
+
+Raw limits:
+
+- DRAM and GPU (on the CPU device): ``numpy.copyto`` between preallocated buffers of the same
+  size, over a ring of as many blocks as the tier holds. With CUDA, the GPU tier is compared with a
+  ``torch`` copy pinned-host -> device (write) and device -> pinned-host (read), synchronised per
+  block as the tier is.
+- NVMe and pool: a plain file in the same directory, written with ``pwrite`` + ``fdatasync`` per
+  block (the durability the tiers give before ``Stored``) and read with ``preadv``, through
+  ``O_DIRECT`` when the tier uses it (else buffered; the report says which), at the same queue
+  depth: ``threads`` concurrent blocks on both sides.
+
+What the tiers do on top: a verified read checksums the block (CRC-32, ~2-4 GB/s per core); the
+memory tiers also run with ``verify_reads=False`` (rows marked "no verify") to show the copy
+alone. An NVMe write is two synced phases (payload + intent header, then the commit header) and
+reads stage through an aligned buffer. A pool write creates the key's directory and fence file,
+writes and fsyncs a temp file, renames it and fsyncs the directory. Writes go to fresh keys (a node
+storing new blocks); their frees are not timed. Reads reread a fixed set of blocks.
+
+A benchmark reports; it does not fail on a missed target. The exit code is 1 only when measuring
+fails (an exception, or a tier returning a miss or wrong bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json as jsonlib
+import mmap
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+KIB, MIB = 1 << 10, 1 << 20
+SIZES = (64 * KIB, 256 * KIB, 1 * MIB, 4 * MIB, 16 * MIB)
+TIERS = ("dram", "gpu", "nvme", "pool")
+TARGET_RATIO = 0.8
+TARGET_MIN_SIZE = 1 * MIB
+DEFAULT_THREADS = 4
+DEFAULT_TRIALS = 3
+MEMORY_TRIAL_BYTES = 256 * MIB  # bytes moved per timed trial, memory tiers
+FILE_TRIAL_BYTES = 64 * MIB  # ... file tiers
+MEMORY_RING_BLOCKS = (4, 64)  # min, max blocks the memory tiers and their raw copies cycle over
+FILE_BLOCKS = (8, 512)  # min, max blocks per file-tier trial
+
+
+class BenchError(Exception):
+    pass
+
+
+def _key(*parts: object) -> bytes:
+    return hashlib.sha256(repr(parts).encode()).digest()
+
+
+def _clamp(x: int, bounds: tuple[int, int]) -> int:
+    return max(bounds[0], min(bounds[1], x))
+
+
+def _filesystem(path: Path) -> str:
+    """The filesystem type holding ``path`` (from /proc/mounts), or "unknown"."""
+    try:
+        mounts = [line.split() for line in Path("/proc/mounts").read_text().splitlines()]
+    except OSError:
+        return "unknown"
+    real = str(path.resolve())
+    best = ("", "unknown")
+    for m in mounts:
+        if len(m) >= 3 and (real == m[1] or real.startswith(m[1].rstrip("/") + "/")) and len(m[1]) >= len(best[0]):
+            best = (m[1], m[2])
+    return best[1]
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+# ------------------------------------------------------------------------------------ memory tiers
+
+
+def _bench_memory(kind: str, size: int, verify: bool, trials: int, trial_bytes: int) -> dict[str, Any]:
+    import numpy as np
+    import torch
+
+    from kvcc.reference.tiers import DramTier, GpuTier, Hit
+
+    ring = _clamp(trial_bytes // size, MEMORY_RING_BLOCKS)
+    ops = max(ring, trial_bytes // size)
+    tier = (DramTier(ring + 1, size, verify_reads=verify) if kind == "dram"
+            else GpuTier(ring + 1, size, verify_reads=verify))
+    cuda = kind == "gpu" and tier.device.type == "cuda"
+    pin = torch.cuda.is_available()
+    src = torch.from_numpy(np.frombuffer(os.urandom(size), dtype=np.uint8).copy())
+    out = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
+    if pin:
+        src = src.pin_memory()
+    keys = [_key("mem", kind, size, i) for i in range(ring)]
+    try:
+        if cuda:
+            raw_ring = torch.empty((ring, size), dtype=torch.uint8, device=tier.device)
+
+            def raw_write() -> None:
+                for i in range(ops):
+                    raw_ring[i % ring].copy_(src, non_blocking=True)
+                    torch.cuda.synchronize(tier.device)
+
+            def raw_read() -> None:
+                for i in range(ops):
+                    out.copy_(raw_ring[i % ring], non_blocking=True)
+                    torch.cuda.synchronize(tier.device)
+
+            raw_name = "torch copy pinned host <-> device"
+        else:
+            ring_np = np.empty((ring, size), dtype=np.uint8)
+            src_np, out_np = src.numpy(), out.numpy()
+
+            def raw_write() -> None:
+                for i in range(ops):
+                    np.copyto(ring_np[i % ring], src_np)
+
+            def raw_read() -> None:
+                for i in range(ops):
+                    np.copyto(out_np, ring_np[i % ring])
+
+            raw_name = "memcpy (numpy.copyto)"
+
+        def tier_write() -> None:
+            for i in range(ops):
+                tier.write(keys[i % ring], 1, 1, src)  # replaces the key's block: one spare slot
+
+        def tier_read() -> None:
+            for i in range(ops):
+                if tier.read_into(keys[i % ring], 1, out) != Hit(size):
+                    raise BenchError(f"{kind}: read of a stored block missed")
+
+        tier_write()  # warm-up: fills the ring
+        raw_write()
+        res = _trials(trials, ops * size, raw_write, tier_write, raw_read, tier_read)
+        if not torch.equal(out.cpu(), src.cpu()):
+            raise BenchError(f"{kind}: a read returned other bytes than were written")
+        res["raw"] = raw_name
+        res["device"] = str(tier.device) if kind == "gpu" else ("pinned host" if tier.pinned else "host")
+        return res
+    finally:
+        tier.close()
+
+
+def _trials(trials: int, nbytes: int, raw_write: Callable[[], object], tier_write: Callable[[], object],
+            raw_read: Callable[[], object], tier_read: Callable[[], object],
+            after_write: Callable[[], None] | None = None) -> dict[str, Any]:
+    """Interleaved trials (raw, tier, raw, tier, ...) so drift hits both; medians in GB/s."""
+    times: dict[str, list[float]] = {"raw_write": [], "tier_write": [], "raw_read": [], "tier_read": []}
+    for t in range(trials):
+        times["raw_write"].append(_timed(raw_write))
+        times["tier_write"].append(_timed(tier_write))
+        if after_write is not None:
+            after_write()
+        times["raw_read"].append(_timed(raw_read))
+        times["tier_read"].append(_timed(tier_read))
+    return {k: nbytes / statistics.median(v) / 1e9 for k, v in times.items()}
+
+
+# ------------------------------------------------------------------------------------ file tiers
+
+
+def _bench_file(kind: str, size: int, directory: Path, threads: int, trials: int, trial_bytes: int) -> dict[str, Any]:
+    from kvcc.reference.tiers import Hit, NvmeTier, SharedPoolTier, Stored
+    from kvcc.reference.tiers.base import round_up
+    from kvcc.reference.tiers.nvme import pread_upto, pwrite_all
+
+    n = _clamp(trial_bytes // size, FILE_BLOCKS)
+    here = directory / f"{kind}-{size}"
+    if kind == "nvme":
+        tier: Any = NvmeTier(here, size, (2 * n + threads) * size, read_threads=threads)
+    else:
+        tier = SharedPoolTier(here, 1 << 62, threads=threads)
+    data = os.urandom(size)
+    read_keys = [_key("read", kind, size, i) for i in range(n)]
+    outs = [bytearray(size) for _ in range(min(n, 4 * threads))]
+    pool = ThreadPoolExecutor(threads)
+    stride = round_up(size)
+    raw_path = directory / f"raw-{kind}-{size}.bin"
+    fd = os.open(raw_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | (os.O_DIRECT if tier.direct_io else 0), 0o600)
+    local = threading.local()
+    trial = [0]
+
+    def buf() -> memoryview:
+        if not hasattr(local, "view"):
+            local.mm = mmap.mmap(-1, stride)
+            local.mm.write(data + bytes(stride - size))
+            local.view = memoryview(local.mm)
+        return local.view
+
+    def raw_write_one(i: int) -> None:
+        pwrite_all(fd, buf(), i * stride)
+        os.fdatasync(fd)
+
+    def raw_read_one(i: int) -> None:
+        if pread_upto(fd, buf(), i * stride) != stride:
+            raise BenchError("raw read came back short")
+
+    def write_keys(t: int) -> list[bytes]:
+        return [_key("write", kind, size, t, i) for i in range(n)]
+
+    def tier_write() -> None:
+        keys = write_keys(trial[0])
+        for r in pool.map(lambda k: tier.write(k, 1, 1, data), keys):
+            if r != Stored(size):
+                raise BenchError(f"{kind}: write returned {r}")
+
+    def free_written() -> None:
+        for k in write_keys(trial[0]):
+            tier.free(k, 1)
+        trial[0] += 1
+
+    def tier_read() -> None:
+        got = tier.read_many([(k, 1, outs[i % len(outs)]) for i, k in enumerate(read_keys)])
+        if any(r != Hit(size) for r in got):
+            raise BenchError(f"{kind}: a read of a stored block missed: {next(r for r in got if r != Hit(size))}")
+
+    try:
+        for r in pool.map(lambda k: tier.write(k, 1, 1, data), read_keys):  # the read set
+            if r != Stored(size):
+                raise BenchError(f"{kind}: write returned {r}")
+        list(pool.map(raw_write_one, range(n)))  # warm-up: allocate the raw file's blocks
+        res = _trials(trials, n * size, lambda: list(pool.map(raw_write_one, range(n))), tier_write,
+                      lambda: list(pool.map(raw_read_one, range(n))), tier_read, after_write=free_written)
+        if any(bytes(o) != data for o in outs):
+            raise BenchError(f"{kind}: a read returned other bytes than were written")
+        res["raw"] = ("O_DIRECT" if tier.direct_io else "buffered") + " pwrite+fdatasync / preadv"
+        res["direct_io"] = tier.direct_io
+        return res
+    finally:
+        pool.shutdown()
+        os.close(fd)
+        tier.close()
+        raw_path.unlink(missing_ok=True)
+        shutil.rmtree(here, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------ measure
+
+
+def measure(sizes: Sequence[int] = SIZES, tiers: Sequence[str] = TIERS, directory: str | os.PathLike | None = None,
+            threads: int = DEFAULT_THREADS, trials: int = DEFAULT_TRIALS,
+            memory_trial_bytes: int = MEMORY_TRIAL_BYTES, file_trial_bytes: int = FILE_TRIAL_BYTES,
+            on_progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Run the benchmark; return a JSON-able dict (see ``render`` for what it holds)."""
+    import torch
+
+    from kvcc.reference.tiers.nvme import probe_direct_io
+
+    started = time.perf_counter()
+    parent = Path(directory) if directory is not None else Path(tempfile.gettempdir())
+    parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="kvcc-bench-tiers-", dir=parent))
+    rows: list[dict[str, Any]] = []
+    direct, why = probe_direct_io(work)
+    try:
+        plan: list[tuple[str, str, bool]] = []
+        for t in tiers:
+            if t in ("dram", "gpu"):
+                plan += [(t, t, True), (f"{t} (no verify)", t, False)]
+            else:
+                plan.append((t, t, True))
+        for label, kind, verify in plan:
+            for size in sizes:
+                if on_progress is not None:
+                    on_progress(f"{label} {_fmt_size(size)}")
+                if kind in ("dram", "gpu"):
+                    r = _bench_memory(kind, size, verify, trials, memory_trial_bytes)
+                else:
+                    r = _bench_file(kind, size, work, threads, trials, file_trial_bytes)
+                # Writes always checksum; the "no verify" variants differ only in reads.
+                for op in ("write", "read") if verify else ("read",):
+                    ratio = r[f"tier_{op}"] / r[f"raw_{op}"]
+                    rows.append({
+                        "tier": label, "op": op, "size": size,
+                        "tier_gb_per_s": round(r[f"tier_{op}"], 3), "raw_gb_per_s": round(r[f"raw_{op}"], 3),
+                        "ratio": round(ratio, 3), "raw": r["raw"],
+                        "meets_target": (ratio >= TARGET_RATIO) if size >= TARGET_MIN_SIZE else None,
+                    })
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    summary: dict[str, bool | None] = {}
+    for row in rows:
+        name = f"{row['tier']}/{row['op']}"
+        if row["meets_target"] is not None:
+            summary[name] = bool(summary.get(name, True)) and row["meets_target"]
+        else:
+            summary.setdefault(name, None)
+    return {
+        "sizes": list(sizes),
+        "threads": threads,
+        "trials": trials,
+        "directory": str(parent),
+        "filesystem": _filesystem(work.parent),
+        "direct_io": direct,
+        "direct_io_detail": why,
+        "cuda": torch.cuda.is_available(),
+        "target": {"ratio": TARGET_RATIO, "min_size": TARGET_MIN_SIZE},
+        "rows": rows,
+        "met": summary,
+        "seconds": round(time.perf_counter() - started, 1),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+    }
+
+
+# ------------------------------------------------------------------------------------ output
+
+
+def _fmt_size(n: int) -> str:
+    return f"{n // MIB} MiB" if n >= MIB else f"{n // KIB} KiB"
+
+
+def render(console: Any, r: dict[str, Any]) -> None:
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
+    t = Table(title=f"Tier bandwidth / raw limit, {r['threads']} threads, median of {r['trials']} "
+                    f"(target >= {r['target']['ratio']} from {_fmt_size(r['target']['min_size'])})",
+              box=box.SIMPLE_HEAVY, title_justify="left")
+    t.add_column("tier")
+    t.add_column("op")
+    for size in r["sizes"]:
+        t.add_column(_fmt_size(size), justify="right")
+    t.add_column("target")
+    by = {(row["tier"], row["op"], row["size"]): row for row in r["rows"]}
+    for name, met in r["met"].items():
+        tier, op = name.rsplit("/", 1)
+        cells = []
+        for size in r["sizes"]:
+            row = by.get((tier, op, size))
+            if row is None:
+                cells.append(Text("-"))
+                continue
+            style = "green" if row["ratio"] >= r["target"]["ratio"] else ("yellow" if size < r["target"]["min_size"] else "red")
+            cell = Text(f"{row['ratio']:.2f}", style=style)
+            cell.append(f"\n{row['tier_gb_per_s']:.2f}/{row['raw_gb_per_s']:.2f}", style="dim")
+            cells.append(cell)
+        verdict = Text("-") if met is None else (Text("met", style="green") if met else Text("missed", style="bold yellow"))
+        t.add_row(tier, op, *cells, verdict)
+    console.print(t)
+    raws = sorted({(row["tier"].split(" ")[0], row["raw"]) for row in r["rows"]})
+    console.print(Text("cells: ratio, then tier/raw GB/s. raw limits: " + "; ".join(f"{k}: {v}" for k, v in raws), style="dim"))
+    console.print(Text(f"directory {r['directory']} ({r['filesystem']}): O_DIRECT "
+                       f"{'used' if r['direct_io'] else 'unavailable (' + r['direct_io_detail'] + '), buffered + fdatasync'}; "
+                       f"CUDA {'yes' if r['cuda'] else 'no (gpu tier on the cpu device)'}; {r['seconds']} s", style="dim"))
+
+
+def _parse_size(text: str) -> int:
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    mult = {"K": KIB, "M": MIB, "G": 1 << 30}.get(t[-1:], 1)
+    try:
+        n = int(t[:-1] if t[-1:] in "KMG" else t) * mult
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 64K, 1M)") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
+    return n
+
+
+def _sizes(text: str) -> list[int]:
+    return [_parse_size(s) for s in text.split(",") if s.strip()]
+
+
+def _tiers(text: str) -> list[str]:
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    bad = [n for n in names if n not in TIERS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"tiers are {', '.join(TIERS)}; got {text!r}")
+    return names
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1: {n}")
+    return n
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--sizes", type=_sizes, default=list(SIZES), metavar="LIST",
+                        help="block sizes, comma-separated (default 64K,256K,1M,4M,16M)")
+    parser.add_argument("--tiers", type=_tiers, default=list(TIERS), metavar="LIST",
+                        help=f"tiers, comma-separated (default {','.join(TIERS)})")
+    parser.add_argument("--dir", metavar="PATH", help="directory for the NVMe and pool tiers (default: the system temp dir)")
+    parser.add_argument("--threads", type=_positive, default=DEFAULT_THREADS, metavar="N",
+                        help=f"concurrent blocks for the file tiers and their raw limit (default {DEFAULT_THREADS})")
+    parser.add_argument("--trials", type=_positive, default=DEFAULT_TRIALS, metavar="N",
+                        help=f"timed trials per figure, median reported (default {DEFAULT_TRIALS})")
+    parser.add_argument("--json", action="store_true", help="print one JSON object and nothing else")
+
+
+def run(json: bool = False, **options: Any) -> dict[str, Any]:
+    """Measure (``options`` as for ``measure``), print a rich table (or JSON with ``json=True``),
+    return the result."""
+    from rich.console import Console
+
+    if json:
+        r = measure(**options)
+        print(jsonlib.dumps(r, indent=1))
+        return r
+    err = Console(stderr=True)
+    with err.status("tiers benchmark") as status:
+        r = measure(on_progress=lambda what: status.update(f"tiers benchmark: {what}"), **options)
+    render(Console(), r)
+    return r
+
+
+def cli(args: argparse.Namespace) -> int:
+    """``kvcc bench tiers`` with the arguments of ``add_arguments``; 0, or 1 if measuring failed."""
+    try:
+        run(json=args.json, sizes=args.sizes, tiers=args.tiers, directory=args.dir, threads=args.threads,
+            trials=args.trials)
+    except (BenchError, OSError) as exc:
+        print(f"kvcc bench tiers: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvcc.bench.tiers", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+    return cli(args)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

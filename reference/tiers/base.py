@@ -1,0 +1,746 @@
+"""The storage-tier contract: what one location (GPU memory, host DRAM, local NVMe, a shared pool)
+must and must not do with the bytes of KV blocks.
+
+Theory of operation
+-------------------
+A tier holds at most one block per key, like a storage slot in the spec (``spec/model.py``:
+``_on_write_bytes``, ``_on_free``, ``_crash``). A block is named by ``key`` (32 bytes, a SHA-256
+digest) and ``gen`` (its generation) and is written under an ``epoch``, the fencing token of the
+ownership grant that allowed the write.
+
+- **Fences.** Every key has a fence: the highest epoch the tier has stored under. ``write`` and
+  ``free`` carrying a lower epoch are refused with ``Fenced`` and change nothing; an equal epoch is
+  accepted (a retried or duplicated message of the current owner). A stored write raises the fence
+  to its epoch; a free leaves it where it is; the fence outlives the block (a freed key keeps its
+  fence), so a zombie writer cannot land bytes after a free. A node that lost its disk lost its
+  fences too, and takes them back from the directory with ``restore_fences``.
+- **Atomic publish.** A block becomes visible all at once, after all of its bytes are in place (and,
+  for the durable tiers, on disk). Replacing a key's block (a new generation, or the same one again)
+  writes the new block elsewhere and then switches over; a reader sees the old block or the new
+  one, never a mix. A tier may therefore answer ``NoSpace`` to a replacement when it is full.
+- **Checked reads.** Every block carries a header (key, gen, epoch, length, publish sequence) and a
+  CRC-32 over the header's identity fields and the payload; every read checks both before a byte
+  reaches the caller. Corrupt, truncated or lost data is a ``Miss`` with a reason and a log record
+  on the ``kvcc.tiers`` logger, never other bytes (spec property 4).
+- **No policy.** A tier never evicts on its own: the node knows the leases (spec property 5) and
+  decides what to free; the tier only reports ``used_bytes``, ``capacity_bytes`` and ``lru()``.
+
+Three kinds of failure, as everywhere in kvcc: a stale or refused request is an outcome
+(``Fenced``, ``Absent``, ``Miss``); a caller breaking the contract (a key of the wrong length, a
+buffer too small, a block larger than the tier's slots, use after ``close``) raises
+``ValueError``/``TypeError``/``TierClosed``; our own bug is an ``assert``. I/O errors other than a
+full device propagate as ``OSError``.
+
+Checksum cost: ``zlib.crc32`` runs at roughly 2-4 GB/s per core (it releases the GIL above 5 KiB,
+so concurrent reads checksum in parallel). That is the ceiling of a verified read from a memory
+tier; see ``bench/tiers.py`` for the measured figures.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import logging
+import struct
+import sys
+import threading
+import zlib
+from collections import OrderedDict, deque
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from attrs import define, frozen
+
+log = logging.getLogger("kvcc.tiers")
+
+# ------------------------------------------------------------------------------------ limits
+
+KEY_BYTES = 32  # a SHA-256 digest
+PAGE_BYTES = 4096  # alignment of every on-disk header and payload (O_DIRECT needs <= this)
+MAX_EPOCH = 2**63 - 1  # headers store epochs, generations and sequences as unsigned 64-bit
+MAX_GEN = 2**63 - 1
+KEY_LOCK_STRIPES = 64  # writes and frees of one key are serialised on one of these locks
+
+HEADER_MAGIC = b"KVCB"
+HEADER_VERSION = 1
+# Header flags. A header with neither flag is an *intent*: the write that put it there had not
+# committed yet (its payload may be partial); recovery drops it.
+FLAG_COMMITTED = 1
+FLAG_TOMBSTONE = 2
+
+# magic, version, flags, key, gen, epoch, length, seq, block_crc, header_crc
+_HEADER = struct.Struct("<4sHH32sQQQQII")
+HEADER_BYTES = _HEADER.size
+# The identity a block's checksum covers together with its payload. Flags are left out so that
+# the intent and the committed header of one write carry the same block checksum.
+_IDENTITY = struct.Struct("<32sQQQQ")
+
+assert HEADER_BYTES == 80
+assert HEADER_BYTES <= PAGE_BYTES
+assert PAGE_BYTES & (PAGE_BYTES - 1) == 0
+
+
+def round_up(n: int, to: int = PAGE_BYTES) -> int:
+    return (n + to - 1) // to * to
+
+
+# ------------------------------------------------------------------------------------ outcomes
+
+
+class MissReason(enum.StrEnum):
+    ABSENT = "absent"  # no block for this key here
+    OTHER_GENERATION = "other_generation"  # the key is here, under another generation
+    CORRUPT = "corrupt"  # header or payload failed its checksum or does not match the request
+    TRUNCATED = "truncated"  # the medium holds fewer bytes than the header promises
+    LOST = "lost"  # the copy is known to have been lost (crash, I/O error, failed recovery)
+
+
+@frozen
+class Stored:
+    """The block is published: every later read of (key, gen) returns exactly its bytes."""
+
+    nbytes: int
+
+
+@frozen
+class Fenced:
+    """Refused: the request's epoch is below the key's fence. Nothing changed."""
+
+    fence: int
+
+
+@frozen
+class NoSpace:
+    """Refused: no room for a block of ``nbytes`` (nothing is evicted to make room). Nothing changed."""
+
+    nbytes: int
+
+
+@frozen
+class Hit:
+    """``out[:nbytes]`` holds exactly the committed bytes of (key, gen)."""
+
+    nbytes: int
+
+
+@frozen
+class Miss:
+    """No bytes for (key, gen). ``out`` holds no bytes of any block that this read vouched for."""
+
+    reason: MissReason
+
+
+@frozen
+class Freed:
+    """The block is gone (durably, for the durable tiers); its space is reusable; the fence stays."""
+
+
+@frozen
+class Absent:
+    """Nothing to free: no block for this key here. Nothing changed."""
+
+
+WriteOutcome = Stored | Fenced | NoSpace
+ReadOutcome = Hit | Miss
+FreeOutcome = Freed | Fenced | Absent
+
+
+@frozen
+class BlockInfo:
+    key: bytes
+    gen: int
+    epoch: int
+    nbytes: int
+
+
+@frozen
+class RecoveryReport:
+    """What a recovery scan found. ``lost`` lists keys whose block was there but failed
+    verification (the node must tell the directory those copies are lost); ``fences_corrupt`` lists
+    keys whose fence could not be read back (the node must ``restore_fences`` them from the
+    directory before writing or freeing them)."""
+
+    kept: int = 0
+    dropped_corrupt: int = 0
+    dropped_truncated: int = 0
+    dropped_uncommitted: int = 0
+    superseded: int = 0
+    tombstones: int = 0
+    journal_records: int = 0
+    lost: tuple[bytes, ...] = ()
+    fences_corrupt: tuple[bytes, ...] = ()
+    seconds: float = 0.0
+
+
+class TierClosed(RuntimeError):
+    """The tier was used after ``close()``."""
+
+
+class OutOfSpace(Exception):
+    """Raised by a slot tier's ``_store`` when the medium is full (ENOSPC); becomes ``NoSpace``."""
+
+
+class CorruptFence(RuntimeError):
+    """A durable fence could not be read back; writes and frees of that key are refused until
+    ``restore_fences`` sets it again from the directory (failing safe: a lost fence could let a
+    stale writer in)."""
+
+
+# ------------------------------------------------------------------------------------ headers
+
+
+@frozen
+class Header:
+    flags: int
+    key: bytes
+    gen: int
+    epoch: int
+    length: int
+    seq: int
+    block_crc: int
+
+    def pack(self) -> bytes:
+        body = _HEADER.pack(HEADER_MAGIC, HEADER_VERSION, self.flags, self.key, self.gen, self.epoch,
+                            self.length, self.seq, self.block_crc, 0)
+        crc = zlib.crc32(body[: HEADER_BYTES - 4])
+        return body[: HEADER_BYTES - 4] + crc.to_bytes(4, "little")
+
+    def with_flags(self, flags: int) -> Header:
+        return Header(flags, self.key, self.gen, self.epoch, self.length, self.seq, self.block_crc)
+
+    def same_block(self, key: bytes, gen: int, epoch: int, length: int, seq: int) -> bool:
+        return (self.key, self.gen, self.epoch, self.length, self.seq) == (key, gen, epoch, length, seq)
+
+
+def block_checksum(key: bytes, gen: int, epoch: int, length: int, seq: int, payload: Any) -> int:
+    """CRC-32 over the block's identity and its payload (any contiguous buffer of ``length`` bytes)."""
+    return zlib.crc32(payload, zlib.crc32(_IDENTITY.pack(key, gen, epoch, length, seq)))
+
+
+def make_header(flags: int, key: bytes, gen: int, epoch: int, seq: int, payload: Any, length: int) -> Header:
+    return Header(flags, key, gen, epoch, length, seq, block_checksum(key, gen, epoch, length, seq, payload))
+
+
+def decode_header(raw: Any) -> tuple[Header | None, str]:
+    """(header, "") when ``raw`` starts with a valid header; else (None, why): "blank" for all-zero
+    bytes (a slot never written), or "bad magic", "bad version", "bad header checksum"."""
+    raw = bytes(raw[:HEADER_BYTES])
+    if len(raw) < HEADER_BYTES:
+        return None, "short header"
+    magic, version, flags, key, gen, epoch, length, seq, block_crc, crc = _HEADER.unpack(raw)
+    if magic != HEADER_MAGIC:
+        return None, "blank" if raw.count(0) == HEADER_BYTES else "bad magic"
+    if zlib.crc32(raw[: HEADER_BYTES - 4]) != crc:
+        return None, "bad header checksum"
+    if version != HEADER_VERSION:
+        return None, "bad version"
+    return Header(flags, key, gen, epoch, length, seq, block_crc), ""
+
+
+# ------------------------------------------------------------------------------------ arguments
+
+
+def check_key(key: Any) -> bytes:
+    if not isinstance(key, bytes | bytearray | memoryview):
+        raise TypeError(f"key must be bytes, not {type(key).__name__}")
+    key = bytes(key)
+    if len(key) != KEY_BYTES:
+        raise ValueError(f"key must be {KEY_BYTES} bytes (a SHA-256 digest), got {len(key)}")
+    return key
+
+
+def _check_int(name: str, value: Any, top: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, not {type(value).__name__}")
+    if not 0 <= value <= top:
+        raise ValueError(f"{name} out of range [0, {top}]: {value}")
+    return value
+
+
+def check_gen(gen: Any) -> int:
+    return _check_int("gen", gen, MAX_GEN)
+
+
+def check_epoch(epoch: Any) -> int:
+    return _check_int("epoch", epoch, MAX_EPOCH)
+
+
+# ------------------------------------------------------------------------------------ buffers
+# torch is optional here: the file tiers take torch tensors when the caller has torch loaded, and
+# never import it themselves (a crash-test child starts in a fraction of a second without it).
+
+
+def _torch() -> Any:
+    return sys.modules.get("torch")
+
+
+def is_tensor(obj: Any) -> bool:
+    torch = _torch()
+    return torch is not None and isinstance(obj, torch.Tensor)
+
+
+def _check_tensor(t: Any, what: str) -> Any:
+    torch = _torch()
+    if t.dtype != torch.uint8:
+        raise TypeError(f"{what} tensor must be torch.uint8, not {t.dtype}")
+    if not t.is_contiguous():
+        raise ValueError(f"{what} tensor must be contiguous")
+    return t.reshape(-1)
+
+
+def source_bytes(data: Any) -> memoryview:
+    """A flat, read-only byte view of ``data``: bytes, bytearray, memoryview, a contiguous numpy
+    array, or a contiguous ``torch.uint8`` tensor (a device tensor is copied to host memory)."""
+    if is_tensor(data):
+        t = _check_tensor(data, "data")
+        if t.device.type != "cpu":
+            t = t.cpu()
+        return memoryview(t.numpy()).cast("B")
+    if isinstance(data, str):
+        raise TypeError("data must be bytes-like, not str")
+    mv = memoryview(data)
+    if not mv.c_contiguous:
+        raise ValueError("data must be contiguous")
+    return mv if (mv.format == "B" and mv.ndim == 1) else mv.cast("B")
+
+
+def sink_bytes(out: Any) -> memoryview:
+    """A flat, writable byte view of a host buffer: bytearray, writable memoryview, numpy array, or
+    a CPU ``torch.uint8`` tensor."""
+    if is_tensor(out):
+        t = _check_tensor(out, "out")
+        if t.device.type != "cpu":
+            raise TypeError(f"out is on {t.device}; this path takes host buffers only")
+        return memoryview(t.numpy()).cast("B")
+    mv = memoryview(out)
+    if mv.readonly:
+        raise TypeError("out must be writable (bytearray, memoryview of one, numpy array or tensor)")
+    if not mv.c_contiguous:
+        raise ValueError("out must be contiguous")
+    return mv if (mv.format == "B" and mv.ndim == 1) else mv.cast("B")
+
+
+def prepare_sink(out: Any) -> tuple[Any, int]:
+    """(sink, room): a flat writable host view, or a flat ``torch.uint8`` tensor on a device."""
+    if is_tensor(out) and out.device.type != "cpu":
+        return _check_tensor(out, "out"), out.numel()
+    mv = sink_bytes(out)
+    return mv, mv.nbytes
+
+
+def copy_out(sink: Any, src: Any, n: int) -> None:
+    """Copy ``n`` verified bytes from a host buffer into a sink from ``prepare_sink``."""
+    if is_tensor(sink):
+        import numpy as np
+
+        torch = _torch()
+        sink[:n].copy_(torch.from_numpy(np.frombuffer(src, dtype=np.uint8, count=n)))  # synchronous
+    else:
+        copy_into(sink, src, n)
+
+
+def copy_into(dst: memoryview, src: Any, n: int) -> None:
+    """``dst[:n] = src[:n]`` with numpy (a plain memcpy that releases the GIL)."""
+    import numpy as np
+
+    np.copyto(np.frombuffer(dst, dtype=np.uint8, count=n), np.frombuffer(src, dtype=np.uint8, count=n))
+
+
+def event(level: int, name: str, tier: str, key: bytes | None = None, **fields: Any) -> None:
+    """A structured record on ``kvcc.tiers``: ``record.event`` names it, ``record.tier`` the tier,
+    ``record.key`` the key in hex, and every other field is an attribute of its own."""
+    extra = {"event": name, "tier": tier, "key": key.hex() if key is not None else None, **fields}
+    detail = " ".join(f"{k}={v}" for k, v in extra.items() if k not in ("event", "tier") and v is not None)
+    log.log(level, "%s %s %s", tier, name, detail, extra=extra)
+
+
+# ------------------------------------------------------------------------------------ contract
+
+
+class Tier(abc.ABC):
+    """One storage location's slots. Every method is thread-safe.
+
+    Implementations must keep the rules of the module docstring; ``tests/test_tiers.py`` checks them
+    for every tier in this package and can be pointed at a new one.
+    """
+
+    name: str
+
+    @abc.abstractmethod
+    def write(self, key: bytes, gen: int, epoch: int, data: Any) -> WriteOutcome:
+        """Store ``data`` (bytes, bytearray, memoryview, numpy array or a contiguous 1-D
+        ``torch.uint8`` tensor) as block (key, gen) under ``epoch``.
+
+        Must return ``Fenced(fence)`` and change no state when ``epoch < fence(key)``.
+        Must publish atomically: a concurrent reader sees the previous block of the key (or none)
+        until the new block is complete; after a crash at any instruction the block is either
+        fully there with a valid checksum or absent. Durable tiers must have the block on stable
+        storage before returning ``Stored``. On ``Stored`` the fence becomes ``max(fence, epoch)``
+        and a previous block of the key (any generation) is gone.
+        Returns ``NoSpace`` when there is no free room (even when replacing the key's own block:
+        the new block is written before the old one is dropped); must not evict to make room.
+        Raises ``ValueError`` for a block larger than the tier's slots, ``TierClosed`` after close.
+        """
+
+    @abc.abstractmethod
+    def read_into(self, key: bytes, gen: int, out: Any) -> ReadOutcome:
+        """Copy block (key, gen) into ``out`` (bytearray, writable memoryview, numpy array, or a
+        ``torch.uint8`` tensor on the CPU or, for the tiers that say so, on their device).
+
+        Must verify the header (key, gen, epoch, length) and the checksum on every read.
+        ``Hit(n)``: ``out[:n]`` holds exactly the committed bytes; bytes past ``n`` are untouched.
+        ``Miss(reason)``: no block vouched for; must never hand out other bytes as a hit. On a miss
+        the contract allows ``out`` to have been overwritten (its contents are then unspecified);
+        every tier in this package verifies before copying and leaves ``out`` untouched.
+        Corrupt, truncated or lost data must be logged (``kvcc.tiers``).
+        A hit makes the key the most recently used. Raises ``ValueError`` if ``out`` is smaller
+        than the block.
+        """
+
+    def read(self, key: bytes, gen: int) -> bytes | None:
+        """The block's bytes, or None on any miss."""
+        for _ in range(3):  # the block may be replaced between sizing and reading
+            n = self.nbytes(key, gen)
+            if n is None:
+                return None
+            buf = bytearray(n)
+            try:
+                outcome = self.read_into(key, gen, buf)
+            except ValueError:
+                continue
+            return bytes(buf[: outcome.nbytes]) if isinstance(outcome, Hit) else None
+        return None
+
+    def read_many(self, requests: Sequence[tuple[bytes, int, Any]]) -> list[ReadOutcome]:
+        """``read_into`` for each (key, gen, out); tiers with I/O queues run them in parallel."""
+        return [self.read_into(k, g, o) for k, g, o in requests]
+
+    @abc.abstractmethod
+    def free(self, key: bytes, epoch: int) -> FreeOutcome:
+        """Drop the key's block. ``Fenced`` (no change) when ``epoch < fence(key)``; ``Absent`` when
+        there is nothing to drop; ``Freed`` once the block is gone for good (durable tiers: a crash
+        after ``Freed`` must not bring it back). The fence stays. A block that readers are copying
+        right now is dropped for new readers at once and its space is reused after they finish."""
+
+    @abc.abstractmethod
+    def fence(self, key: bytes) -> int:
+        """The highest epoch this location has stored under for ``key`` (0 when never written)."""
+
+    @abc.abstractmethod
+    def restore_fences(self, fences: Mapping[bytes, int]) -> None:
+        """Set ``fence(k) = max(fence(k), e)`` for each item (durably, for the durable tiers): a node
+        that lost its disk takes its fences back from the directory (spec: ``_restart_node``)."""
+
+    @abc.abstractmethod
+    def contains(self, key: bytes, gen: int) -> bool:
+        """Whether (key, gen) is published here (without reading or verifying its bytes)."""
+
+    @abc.abstractmethod
+    def nbytes(self, key: bytes, gen: int) -> int | None:
+        """The length of block (key, gen), or None when it is not here."""
+
+    @abc.abstractmethod
+    def keys(self) -> list[bytes]:
+        """Keys with a published block (a snapshot)."""
+
+    @abc.abstractmethod
+    def blocks(self) -> list[BlockInfo]:
+        """Every published block (what a restarted node re-registers with the directory)."""
+
+    @abc.abstractmethod
+    def lru(self) -> list[bytes]:
+        """Published keys from least to most recently used (written or read). The node picks
+        eviction victims from this list, skipping leased ones; the tier never evicts."""
+
+    @property
+    @abc.abstractmethod
+    def used_bytes(self) -> int:
+        """Capacity in use (for slot tiers: occupied slots x slot size)."""
+
+    @property
+    @abc.abstractmethod
+    def capacity_bytes(self) -> int:
+        """Total capacity."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release memory, files and threads; later calls raise ``TierClosed``. Idempotent."""
+
+    def __enter__(self) -> Tier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ------------------------------------------------------------------------------------ slot tiers
+
+
+@define(eq=False)
+class _Entry:
+    """One published block in a slot tier (the in-memory copy of its header), plus who uses it."""
+
+    slot: int
+    key: bytes
+    gen: int
+    epoch: int
+    length: int
+    seq: int
+    crc: int
+    pins: int = 0  # readers copying out of the slot right now
+    live: bool = True  # published and not yet replaced or freed
+    erased: bool = False  # the slot's header no longer vouches for the block (tombstoned)
+    released: bool = False  # the slot is back on the free list
+
+    def header(self) -> Header:
+        return Header(FLAG_COMMITTED, self.key, self.gen, self.epoch, self.length, self.seq, self.crc)
+
+
+class SlotTier(Tier):
+    """Fencing, publish, pins and LRU for tiers of fixed-size slots (DRAM, GPU, NVMe).
+
+    Subclasses move the bytes: ``_store`` (write payload and header, durably where that applies;
+    return the block checksum), ``_load`` (verify and copy out), ``_erase`` (make the slot's header
+    stop vouching for its block, durably where that applies).
+
+    Locking: ``_mu`` guards the tables and is never held across I/O or copies. Writes, frees and
+    fence restores of one key take that key's stripe lock first, so the fence cannot move between
+    a write's check and its publish. A slot leaves the free list when a write takes it and returns
+    when its block is replaced or freed, erased, and no reader has it pinned: a reader never sees
+    its slot reused under it.
+    """
+
+    def __init__(self, name: str, num_slots: int, block_bytes: int) -> None:
+        if num_slots < 1:
+            raise ValueError(f"a tier needs at least one slot, got {num_slots}")
+        if block_bytes < 1:
+            raise ValueError(f"block_bytes must be positive, got {block_bytes}")
+        self.name = name
+        self.num_slots = num_slots
+        self.block_bytes = block_bytes
+        self._mu = threading.Lock()
+        self._key_locks = [threading.Lock() for _ in range(KEY_LOCK_STRIPES)]
+        self._free: deque[int] = deque(range(num_slots))
+        self._by_key: dict[bytes, _Entry] = {}
+        self._lru: OrderedDict[bytes, None] = OrderedDict()
+        self._fences: dict[bytes, int] = {}
+        self._lost: dict[bytes, int] = {}  # key -> generation whose copy was lost
+        self._seq = 0
+        self._closed = False
+
+    # -- hooks ------------------------------------------------------------------------------
+
+    def _prepare_source(self, data: Any) -> tuple[Any, int]:
+        src = source_bytes(data)
+        return src, src.nbytes
+
+    def _prepare_sink(self, out: Any) -> tuple[Any, int]:
+        return prepare_sink(out)
+
+    @abc.abstractmethod
+    def _store(self, slot: int, key: bytes, gen: int, epoch: int, seq: int, src: Any, n: int) -> int: ...
+
+    @abc.abstractmethod
+    def _load(self, entry: _Entry, sink: Any) -> ReadOutcome: ...
+
+    @abc.abstractmethod
+    def _erase(self, entry: _Entry, fence: int) -> None: ...
+
+    def _persist_fences(self, raised: Sequence[tuple[bytes, int]]) -> None:
+        """Make raised fences durable (durable tiers); called with the keys' stripe locks held."""
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _key_lock(self, key: bytes) -> threading.Lock:
+        return self._key_locks[int.from_bytes(key[:4], "little") % KEY_LOCK_STRIPES]
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TierClosed(f"tier {self.name} is closed")
+
+    def _release_locked(self, entry: _Entry) -> None:
+        """Give the slot back once nothing refers to its block any more. Caller holds ``_mu``."""
+        if not entry.live and entry.erased and entry.pins == 0 and not entry.released:
+            entry.released = True
+            self._free.append(entry.slot)
+
+    def _retire(self, entry: _Entry, fence: int) -> None:
+        """A replaced or freed block: erase its header, then free its slot when unpinned."""
+        assert not entry.live
+        try:
+            self._erase(entry, fence)
+        except OSError as exc:
+            # Only for a *replaced* block (free re-raises): the newer block has the higher publish
+            # sequence, which is what recovery keeps; the slot is reused (and overwritten) later.
+            event(logging.WARNING, "erase_failed", self.name, entry.key, gen=entry.gen, error=str(exc))
+        with self._mu:
+            entry.erased = True
+            self._release_locked(entry)
+
+    # -- contract ---------------------------------------------------------------------------
+
+    def write(self, key: bytes, gen: int, epoch: int, data: Any) -> WriteOutcome:
+        key, gen, epoch = check_key(key), check_gen(gen), check_epoch(epoch)
+        src, n = self._prepare_source(data)
+        if n > self.block_bytes:
+            raise ValueError(f"{self.name}: a {n}-byte block does not fit {self.block_bytes}-byte slots")
+        with self._key_lock(key):
+            with self._mu:
+                self._check_open()
+                fence = self._fences.get(key, 0)
+                if epoch < fence:
+                    return Fenced(fence)  # a stale writer, refused where the data lives
+                if not self._free:
+                    return NoSpace(n)
+                slot = self._free.popleft()
+                self._seq += 1
+                seq = self._seq
+            try:
+                crc = self._store(slot, key, gen, epoch, seq, src, n)
+            except OutOfSpace:
+                with self._mu:
+                    self._free.appendleft(slot)
+                return NoSpace(n)
+            except BaseException:
+                with self._mu:
+                    self._free.appendleft(slot)
+                raise
+            entry = _Entry(slot, key, gen, epoch, n, seq, crc)
+            with self._mu:
+                # The key's stripe lock is held: nothing else moved this key's fence or block.
+                assert self._fences.get(key, 0) == fence
+                old = self._by_key.get(key)
+                self._by_key[key] = entry
+                self._lru[key] = None
+                self._lru.move_to_end(key)
+                self._fences[key] = max(fence, epoch)
+                self._lost.pop(key, None)
+                if old is not None:
+                    old.live = False
+            if old is not None:
+                self._retire(old, max(fence, epoch))
+        return Stored(n)
+
+    def read_into(self, key: bytes, gen: int, out: Any) -> ReadOutcome:
+        key, gen = check_key(key), check_gen(gen)
+        sink, room = self._prepare_sink(out)
+        with self._mu:
+            self._check_open()
+            entry = self._by_key.get(key)
+            if entry is None:
+                return Miss(MissReason.LOST if self._lost.get(key) == gen else MissReason.ABSENT)
+            if entry.gen != gen:
+                return Miss(MissReason.OTHER_GENERATION)
+            if entry.length > room:
+                raise ValueError(f"out has {room} bytes, block is {entry.length}")
+            entry.pins += 1
+        outcome: ReadOutcome | None = None
+        try:
+            outcome = self._load(entry, sink)
+        finally:
+            with self._mu:
+                entry.pins -= 1
+                raced = not entry.live
+                if isinstance(outcome, Hit) and not raced:
+                    self._lru.move_to_end(key)
+                self._release_locked(entry)
+                current = self._by_key.get(key)
+        assert outcome is not None
+        if isinstance(outcome, Miss) and raced:
+            # Replaced or freed while we copied: its header may have been erased under us. That is
+            # a race with a free (the node should not free under a lease), not corruption.
+            return Miss(MissReason.OTHER_GENERATION if current is not None else MissReason.ABSENT)
+        if isinstance(outcome, Miss):
+            event(logging.WARNING, f"read_{outcome.reason.value}", self.name, key, gen=gen, slot=entry.slot)
+        return outcome
+
+    def free(self, key: bytes, epoch: int) -> FreeOutcome:
+        key, epoch = check_key(key), check_epoch(epoch)
+        with self._key_lock(key):
+            with self._mu:
+                self._check_open()
+                fence = self._fences.get(key, 0)
+                if epoch < fence:
+                    return Fenced(fence)
+                entry = self._by_key.pop(key, None)
+                if entry is None:
+                    return Freed() if self._lost.pop(key, None) is not None else Absent()
+                self._lru.pop(key, None)
+                entry.live = False
+            try:
+                self._erase(entry, fence)
+            except BaseException:
+                with self._mu:  # not freed after all: the block stays published
+                    entry.live = True
+                    self._by_key[key] = entry
+                    self._lru[key] = None
+                raise
+            with self._mu:
+                entry.erased = True
+                self._release_locked(entry)
+        return Freed()
+
+    def fence(self, key: bytes) -> int:
+        key = check_key(key)
+        with self._mu:
+            return self._fences.get(key, 0)
+
+    def restore_fences(self, fences: Mapping[bytes, int]) -> None:
+        wanted = {check_key(k): check_epoch(e) for k, e in fences.items()}
+        stripes = sorted({id(self._key_lock(k)): self._key_lock(k) for k in wanted}.items())
+        for _, lock in stripes:  # in a fixed order: no deadlock with another restore
+            lock.acquire()
+        try:
+            with self._mu:
+                self._check_open()
+                raised = [(k, e) for k, e in wanted.items() if e > self._fences.get(k, 0)]
+            if raised:
+                self._persist_fences(raised)
+                with self._mu:
+                    for k, e in raised:
+                        self._fences[k] = max(e, self._fences.get(k, 0))
+        finally:
+            for _, lock in reversed(stripes):
+                lock.release()
+
+    def contains(self, key: bytes, gen: int) -> bool:
+        key = check_key(key)
+        with self._mu:
+            entry = self._by_key.get(key)
+            return entry is not None and entry.gen == gen
+
+    def nbytes(self, key: bytes, gen: int) -> int | None:
+        key = check_key(key)
+        with self._mu:
+            entry = self._by_key.get(key)
+            return entry.length if entry is not None and entry.gen == gen else None
+
+    def keys(self) -> list[bytes]:
+        with self._mu:
+            return list(self._by_key)
+
+    def blocks(self) -> list[BlockInfo]:
+        with self._mu:
+            return [BlockInfo(e.key, e.gen, e.epoch, e.length) for e in self._by_key.values()]
+
+    def lru(self) -> list[bytes]:
+        with self._mu:
+            return list(self._lru)
+
+    def lost(self) -> dict[bytes, int]:
+        """Keys whose copy was lost (found corrupt by recovery), with the lost generation."""
+        with self._mu:
+            return dict(self._lost)
+
+    @property
+    def used_bytes(self) -> int:
+        with self._mu:
+            return (self.num_slots - len(self._free)) * self.block_bytes
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.num_slots * self.block_bytes
+
+    def close(self) -> None:
+        with self._mu:
+            self._closed = True
