@@ -1,0 +1,1076 @@
+"""The directory as a sans-IO core: messages and time in, replies and effects out.
+
+Theory of operation
+-------------------
+The directory is the authority for every block key: its record (phase, generation, epoch, owner,
+transfer, writer and write lease), the read leases on it, and the invalidations that void it.
+This module is that authority with no I/O at all (h11 style): it never reads a clock, opens a
+socket, touches a disk or draws a random number. The runtime around it supplies
+
+- **time**: every entry point takes ``now_ms``, the directory's *monotonic* clock (never stepped
+  back within one incarnation; a restarted directory may start a new clock anywhere). Timers fire
+  when the runtime calls ``tick(now_ms)`` at ``next_deadline_ms()`` -- and, since every entry point
+  first lets time pass up to ``now_ms``, a late tick only delays, never breaks, anything;
+- **messages**: ``handle(msg, now_ms, tenant)`` takes one request of ``kvcc.reference.wire`` from
+  an authenticated ``tenant`` and returns ``(reply, effects)``; ``reply`` is ``None`` for the
+  one-way messages (``RevokeAcked``, ``Copied``);
+- **effects**, attrs values to carry out *in order*, durable ones first: ``Persist`` (a record),
+  ``PersistTicket``, ``ForgetTicket`` and ``ReserveLeaseIds`` must be committed to the durable log
+  (``store.DirectoryStore.commit``) before the reply or any ``Send``, ``FreeAt`` or ``CopyAt`` of
+  the same call leaves: a directory that crashes after a reply and before its log would otherwise
+  forget a commit, a lease id or a completed invalidation it already told someone about.
+  ``Emit`` is one line of the protocol event log (``kvcc.reference.events``); ``CompleteTicket``
+  wakes whoever waits on that invalidation.
+
+Every decision is a rule of ``kvcc.spec.rules`` -- the functions the model checker explored --
+called with arguments read from this module's records and lease table. The mapping onto the
+spec's state (``spec/layout.py``):
+
+- ``Record`` is ``record[k]``; a lease-table entry ``ReadLease`` is ``lease[k, n]``, with the
+  spec's "ticks left" replaced by ``expires_at_ms`` on the directory clock
+  (``rules.lease_expires_at``: grant time + term + epsilon); an entry is live while
+  ``rules.lease_live(now, expires_at_ms)``. Write leases likewise.
+- ``next_lease_id`` is ``directory.next_lease_id``. The spec keeps it durable; here lease ids are
+  reserved in blocks of ``lease_id_block``: the high-water mark ``lease_id_limit`` is made durable
+  (``ReserveLeaseIds``) *before* any id below it is handed out, and a restarted directory starts
+  at the durable mark, so ids are never reused (DESIGN 8), whatever was lost in the crash.
+- ``grace_until_ms`` is ``directory.restart_grace_left``: after ``restarted`` the directory frees
+  nothing for ``rules.restart_grace`` (term + 2 epsilon), the longest lease it may have issued
+  plus the skew its own clock may have gathered (DESIGN 12).
+- Tickets (``Ticket``) are not in the spec: they make an invalidation's completion observable
+  (``WaitTicket``). A ticket completes when every key it voided has completed its invalidation.
+
+Handlers follow TigerBeetle's shape: first the message is ignored with a reason if it is stale or
+duplicated (network weather: an ``Emit`` of an ``ignore_*`` event, which is a diagnostic and not a
+spec action, and no state change); then a rule decides; then the handler asserts what must now
+hold. A peer that breaks the protocol in a way no network can (a key claimed under two different
+parents) gets ``PeerViolation``; a request for a namespace its tenant may not use, where the reply
+has no refusal to carry it (``Lookup``, ``Invalidate``), gets ``Unauthorized``. Anything else that
+goes wrong is our bug: an ``AssertionError``.
+
+Event names are the spec's action names (``kvcc.reference.events.EVENTS``), except the
+``ignore_*`` diagnostics; extra fields never shadow the log's standard ones (``holder``,
+``writer``, ``location`` name the nodes and locations involved).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Union
+
+import attrs
+from attrs import field, frozen
+
+from kvcc.spec.keys import BlockKey, LeaseId, LocationId, NamespaceDigest, NodeId
+from kvcc.spec.rules import (
+    ABSENT,
+    COMMITTED,
+    INVALIDATE_ABORT_WRITE,
+    INVALIDATE_START,
+    INVALIDATING,
+    PHASE_NAMES,
+    PHASES,
+    READABLE_PHASES,
+    REASON_LEASED,
+    REASON_NOT_FOUND,
+    REASON_UNAUTHORIZED,
+    REASON_UNKNOWN_LEASE,
+    REASON_WRONG_GENERATION,
+    WRITING,
+    directory_view,
+    holder_budget,
+    invalidation_deadline,
+    invalidation_step,
+    lease_expires_at,
+    lease_live,
+    lost_copy_invalidates,
+    may_ack_revoke,
+    may_begin_write,
+    may_commit,
+    may_complete_invalidation,
+    may_evict,
+    may_finish_transfer,
+    may_free_drained,
+    may_grant_read,
+    may_release,
+    may_renew,
+    may_start_transfer,
+    next_epoch,
+    restart_grace,
+    write_lease_must_expire,
+)
+
+from ..errors import PeerViolation, Unauthorized
+from ..events import EVENTS
+from ..wire import (
+    SCOPE_NAMESPACE,
+    Acquire,
+    BeginWrite,
+    Commit,
+    CommitRejected,
+    Committed,
+    Copied,
+    Copy,
+    Evict,
+    Evicted,
+    EvictRefused,
+    Invalidate,
+    InvalidationCompleted,
+    InvalidationPending,
+    InvalidationStarted,
+    LeaseRefused,
+    LeaseReleased,
+    LeaseRenewed,
+    Lookup,
+    PrefixFound,
+    ReadLeaseGranted,
+    Release,
+    Renew,
+    Revoke,
+    RevokeAcked,
+    WaitTicket,
+    WriteLeaseGranted,
+)
+
+NO_LEASE = 0  # lease ids start at 1, as in the spec
+FIRST_LEASE_ID = 1
+FIRST_TICKET = 1
+TICKET_PENDING = "pending"
+TICKET_COMPLETED = "completed"
+_EVENT_SET = frozenset(EVENTS)
+
+
+# -- configuration ----------------------------------------------------------------------------------
+
+
+def _positive(instance: Any, attribute: Any, value: int) -> None:
+    if type(value) is not int or value < 1:
+        raise ValueError(f"{attribute.name} must be an int >= 1, got {value!r}")
+
+
+@frozen
+class DirectoryConfig:
+    """The directory's limits. ``lease_term_ms`` is what a lease is granted for; ``skew_ms`` is
+    epsilon, the bound on the offset between any two clocks (the spec's ``skew_ticks``).
+    ``lease_id_block``: lease ids reserved durably at once. ``max_completed_tickets``: completed
+    invalidation tickets remembered (older ones are answered "completed" by id alone).
+    ``pool_location``: where new blocks are written by default (the shared pool), if anywhere."""
+
+    lease_term_ms: int = field(default=10_000, validator=_positive)
+    skew_ms: int = 500
+    lease_id_block: int = field(default=1024, validator=_positive)
+    max_completed_tickets: int = field(default=10_000, validator=_positive)
+    pool_location: LocationId | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if type(self.skew_ms) is not int or not 0 <= self.skew_ms < self.lease_term_ms:
+            raise ValueError("skew_ms must be an int in 0 .. lease_term_ms - 1: a holder must keep a positive budget")
+
+    @property
+    def holder_budget_ms(self) -> int:
+        return holder_budget(self.lease_term_ms, self.skew_ms)
+
+    @property
+    def directory_view_ms(self) -> int:
+        return directory_view(self.lease_term_ms, self.skew_ms)
+
+    @property
+    def restart_grace_ms(self) -> int:
+        return restart_grace(self.lease_term_ms, self.skew_ms)
+
+    def invalidation_deadline_ms(self, restarts: int = 0) -> int:
+        return invalidation_deadline(self.lease_term_ms, self.skew_ms, restarts)
+
+
+# -- state --------------------------------------------------------------------------------------------
+
+
+@frozen
+class Record:
+    """The durable entry of one key (glossary: record). ``namespace`` and ``parent`` are the key's
+    identity, learnt from the first ``BeginWrite`` (a key's hash chains over both, so they never
+    change). ``write_lease`` is ``NO_LEASE`` unless WRITING; ``committed_lease`` is the write lease
+    that committed the current generation (to answer a retried ``Commit`` again)."""
+
+    key: BlockKey
+    namespace: NamespaceDigest
+    parent: BlockKey | None
+    phase: int = ABSENT
+    gen: int = 0
+    epoch: int = 0
+    owner: LocationId | None = None
+    moving_to: LocationId | None = None
+    draining: LocationId | None = None
+    writer: NodeId | None = None
+    writer_tenant: str | None = None
+    write_lease: LeaseId = NO_LEASE
+    write_lease_expires_at_ms: int = 0
+    committed_lease: LeaseId = NO_LEASE
+
+    def __attrs_post_init__(self) -> None:
+        assert self.phase in PHASES
+        assert self.gen >= 0 and self.epoch >= 0
+        assert (self.owner is not None) == (self.phase != ABSENT), self
+        assert (self.phase == WRITING) == (self.write_lease != NO_LEASE) == (self.writer is not None), self
+        assert self.moving_to is None or self.phase == COMMITTED, self
+        assert self.draining is None or self.phase in READABLE_PHASES, self
+        assert self.moving_to is None or self.moving_to != self.owner
+
+    @property
+    def phase_name(self) -> str:
+        return PHASE_NAMES[self.phase]
+
+
+@frozen
+class ReadLease:
+    """One entry of the directory's (volatile) lease table: ``lease`` lets ``node`` (of
+    ``tenant``) read generation ``gen`` of ``key`` at ``location`` until ``expires_at_ms`` on the
+    directory's clock."""
+
+    lease: LeaseId
+    node: NodeId
+    tenant: str
+    key: BlockKey
+    location: LocationId
+    gen: int
+    expires_at_ms: int
+
+
+@frozen
+class Ticket:
+    """An invalidation the caller can wait on: the keys it voided, those still ``pending``
+    (INVALIDATING), and how the leases on them ended: ``acked`` (acknowledged, released, or
+    forgotten when their holder rejoined), ``expired``, and the directory ``restarts`` lived
+    through (after which the forgotten leases end by expiry too)."""
+
+    ticket: int
+    keys: tuple[BlockKey, ...]
+    pending: frozenset[BlockKey]
+    started_at_ms: int
+    completed_at_ms: int | None = None
+    acked: int = 0
+    expired: int = 0
+    restarts: int = 0
+
+    @property
+    def state(self) -> str:
+        return TICKET_COMPLETED if self.completed_at_ms is not None else TICKET_PENDING
+
+    @property
+    def completed_by(self) -> str | None:
+        """"expiry" if any lease on it ran out (or was lost to a restart), else "acks" if any was
+        acknowledged, else "no_leases"; ``None`` while pending."""
+        if self.completed_at_ms is None:
+            return None
+        if self.expired or self.restarts:
+            return "expiry"
+        return "acks" if self.acked else "no_leases"
+
+
+# -- effects --------------------------------------------------------------------------------------------
+
+
+@frozen
+class Send:
+    """Send ``msg`` (a ``Revoke``) to ``node``."""
+
+    node: NodeId
+    msg: Any
+
+
+@frozen
+class FreeAt:
+    """Send ``wire.Free(location, key, epoch)``: the location frees its copy unless fenced."""
+
+    location: LocationId
+    key: BlockKey
+    epoch: int
+
+
+@frozen
+class CopyAt:
+    """Send ``wire.Copy(location, key, source, gen, epoch)``: a transfer's new copy."""
+
+    location: LocationId
+    key: BlockKey
+    source: LocationId
+    gen: int
+    epoch: int
+
+    def message(self) -> Copy:
+        return Copy(self.location, self.key, self.source, self.gen, self.epoch)
+
+
+@frozen
+class Persist:
+    """Durable: store ``record`` (replacing the key's previous one)."""
+
+    record: Record
+
+
+@frozen
+class PersistTicket:
+    """Durable: store ``ticket``."""
+
+    ticket: Ticket
+
+
+@frozen
+class ForgetTicket:
+    """Durable: drop a completed ticket the directory no longer remembers."""
+
+    ticket: int
+
+
+@frozen
+class ReserveLeaseIds:
+    """Durable: every lease id below ``limit`` may be in use; a restart starts at ``limit``."""
+
+    limit: int
+
+
+@frozen(eq=False)
+class Emit:
+    """One line of the protocol event log: ``EventLog.emit(event, **fields)``. ``is_spec_action``
+    is false for the ``ignore_*`` diagnostics, which a trace validator does not replay."""
+
+    event: str
+    fields: Mapping[str, Any]
+
+    @property
+    def is_spec_action(self) -> bool:
+        return self.event in _EVENT_SET
+
+
+@frozen
+class CompleteTicket:
+    """Wake whoever waits on ``ticket``: its invalidation completed."""
+
+    ticket: Ticket
+
+
+Effect = Union[Send, FreeAt, CopyAt, Persist, PersistTicket, ForgetTicket, ReserveLeaseIds, Emit, CompleteTicket]
+DURABLE_EFFECTS = (Persist, PersistTicket, ForgetTicket, ReserveLeaseIds)
+
+Authorization = Callable[[str, bytes], bool]  # (tenant, namespace digest) -> may use it
+Placement = Callable[[NodeId, BlockKey], LocationId]  # (writer, key) -> where it writes
+
+
+# -- the core ---------------------------------------------------------------------------------------------
+
+
+class DirectoryCore:
+    """``DirectoryCore(config, tenants_authorization, place_write=None)``: a fresh directory with no
+    records; ``restarted(...)`` turns it into one recovered from a durable log.
+
+    ``tenants_authorization(tenant, namespace_digest) -> bool`` says whether a tenant may use a
+    namespace (``wire.Tenants.allows``). ``place_write(node, key) -> location`` picks where a
+    granted write goes; by default ``config.pool_location``, else the writer's node id (its default
+    tier), so set one of the two where locations are named otherwise.
+
+    The state is public for reading (tests, metrics, the conformance oracle) and must not be
+    changed from outside: ``records``, ``read_leases``, ``tickets``, ``next_lease_id``,
+    ``lease_id_limit``, ``grace_until_ms``, ``now_ms``.
+    """
+
+    def __init__(
+        self,
+        config: DirectoryConfig,
+        tenants_authorization: Authorization,
+        place_write: Placement | None = None,
+    ) -> None:
+        self.config = config
+        self._authorized = tenants_authorization
+        self._place_write = place_write or self._default_placement
+        self._reset(records=(), next_lease_id=FIRST_LEASE_ID, now_ms=0)
+
+    def _default_placement(self, node: NodeId, key: BlockKey) -> LocationId:
+        return self.config.pool_location if self.config.pool_location is not None else LocationId(node)
+
+    def _reset(self, records: Iterable[Record], next_lease_id: int, now_ms: int) -> None:
+        assert next_lease_id >= FIRST_LEASE_ID
+        self.now_ms = now_ms
+        self.records: dict[BlockKey, Record] = {}
+        self._children: dict[BlockKey, set[BlockKey]] = {}
+        self._by_namespace: dict[bytes, set[BlockKey]] = {}
+        self._invalidating: set[BlockKey] = set()
+        self._draining: set[BlockKey] = set()
+        self._write_heap: list[tuple[int, BlockKey, int]] = []  # (expires_at_ms, key, write lease)
+        for rec in records:
+            self._index(rec)
+        # The read-lease table and its indexes (volatile: a restart loses them).
+        self.read_leases: dict[int, ReadLease] = {}
+        self._leases_on_key: dict[BlockKey, set[int]] = {}
+        self._lease_of_holder: dict[tuple[BlockKey, NodeId], int] = {}
+        self._leases_of_node: dict[NodeId, set[int]] = {}
+        self._lease_heap: list[tuple[int, int]] = []  # (expires_at_ms, lease); stale entries skipped
+        self.next_lease_id = next_lease_id
+        self.lease_id_limit = next_lease_id  # nothing reserved yet in this incarnation
+        self.grace_until_ms: int | None = None
+        self.tickets: dict[int, Ticket] = {}
+        self._tickets_on_key: dict[BlockKey, set[int]] = {}
+        self._completed_order: deque[int] = deque()
+        self.next_ticket = FIRST_TICKET
+
+    def _index(self, rec: Record) -> None:
+        """Put a record in place and keep every index of it current."""
+        old = self.records.get(rec.key)
+        if old is None:
+            if rec.parent is not None:
+                self._children.setdefault(rec.parent, set()).add(rec.key)
+            self._by_namespace.setdefault(rec.namespace, set()).add(rec.key)
+        else:
+            assert (old.namespace, old.parent) == (rec.namespace, rec.parent), "a key's identity never changes"
+            assert rec.gen >= old.gen and rec.epoch >= old.epoch, "generations and epochs never decrease"
+        self.records[rec.key] = rec
+        (self._invalidating.add if rec.phase == INVALIDATING else self._invalidating.discard)(rec.key)
+        (self._draining.add if rec.draining is not None else self._draining.discard)(rec.key)
+        if rec.phase == WRITING:
+            heapq.heappush(self._write_heap, (rec.write_lease_expires_at_ms, rec.key, rec.write_lease))
+
+    def _put(self, rec: Record, effects: list[Effect]) -> Record:
+        self._index(rec)
+        effects.append(Persist(rec))
+        return rec
+
+    # ------------------------------------------------------------------ reading the state
+
+    @property
+    def in_grace(self) -> bool:
+        return self.grace_until_ms is not None and lease_live(self.now_ms, self.grace_until_ms)
+
+    def phase_of(self, key: BlockKey) -> int:
+        rec = self.records.get(key)
+        return ABSENT if rec is None else rec.phase
+
+    def leases_on(self, key: BlockKey) -> list[ReadLease]:
+        return [self.read_leases[i] for i in sorted(self._leases_on_key.get(key, ()))]
+
+    def live_lease_on(self, key: BlockKey, location: LocationId) -> bool:
+        return any(self.read_leases[i].location == location for i in self._leases_on_key.get(key, ()))
+
+    def children(self, key: BlockKey) -> tuple[BlockKey, ...]:
+        return tuple(sorted(self._children.get(key, ())))
+
+    def subtree(self, key: BlockKey) -> list[BlockKey]:
+        """``key`` and its descendants (its prefix subtree), parents before children."""
+        out, stack = [], [key]
+        while stack:
+            k = stack.pop()
+            out.append(k)
+            stack.extend(sorted(self._children.get(k, ()), reverse=True))
+        return out
+
+    def next_deadline_ms(self) -> int | None:
+        """When ``tick`` next has something to do (a lease or write lease runs out, grace ends);
+        ``None`` when nothing is timed. Stale heap entries may make it early, never late."""
+        times = []
+        if self._lease_heap:
+            times.append(self._lease_heap[0][0])
+        if self._write_heap:
+            times.append(self._write_heap[0][0])
+        if self.grace_until_ms is not None:
+            times.append(self.grace_until_ms)
+        return min(times) if times else None
+
+    def lookup(self, namespace: bytes, keys: Iterable[BlockKey]) -> tuple[LocationId, ...]:
+        """The owners of the longest prefix of ``keys`` (a prompt's chain, root first) that is
+        COMMITTED in ``namespace``: each key's parent must be the key before it (DESIGN 10)."""
+        owners: list[LocationId] = []
+        parent: BlockKey | None = None
+        for key in keys:
+            rec = self.records.get(key)
+            if rec is None or rec.namespace != namespace or rec.parent != parent or rec.phase != COMMITTED:
+                break
+            assert rec.owner is not None
+            owners.append(rec.owner)
+            parent = key
+        return tuple(owners)
+
+    def ticket_status(self, ticket: int) -> Ticket | None:
+        """The ticket, or ``None`` for one completed so long ago it was forgotten."""
+        if not FIRST_TICKET <= ticket < self.next_ticket:
+            raise PeerViolation(f"no invalidation ticket {ticket} was issued", code="unknown_ticket")
+        return self.tickets.get(ticket)
+
+    # ------------------------------------------------------------------ time
+
+    def tick(self, now_ms: int) -> list[Effect]:
+        """Let time pass up to ``now_ms``: expire read leases (at grant + term + epsilon) and write
+        leases, end the restart grace, complete the invalidations that may now complete, free
+        drained copies."""
+        effects: list[Effect] = []
+        self._advance(now_ms, effects)
+        return effects
+
+    def _advance(self, now_ms: int, effects: list[Effect]) -> None:
+        assert now_ms >= self.now_ms, f"the directory clock went back: {now_ms} < {self.now_ms}"
+        self.now_ms = now_ms
+        heap = self._lease_heap
+        while heap and heap[0][0] <= now_ms:
+            expires_at, lease = heapq.heappop(heap)
+            entry = self.read_leases.get(lease)
+            if entry is None or entry.expires_at_ms != expires_at:
+                continue  # released, revoked or renewed since
+            assert not lease_live(now_ms, entry.expires_at_ms)
+            self._drop_lease(entry, "expired", effects)
+        if self.grace_until_ms is not None and not lease_live(now_ms, self.grace_until_ms):
+            self.grace_until_ms = None
+            for key in sorted(self._invalidating):
+                self._maybe_complete(key, effects)
+            for key in sorted(self._draining):
+                self._maybe_free_drained(key, effects)
+        wheap = self._write_heap
+        while wheap and wheap[0][0] <= now_ms:
+            expires_at, key, lease = heapq.heappop(wheap)
+            rec = self.records[key]
+            if rec.write_lease != lease or rec.write_lease_expires_at_ms != expires_at:
+                continue  # committed, aborted, or given a new expiry by a restart
+            live = lease_live(now_ms, rec.write_lease_expires_at_ms)
+            assert write_lease_must_expire(rec.phase, live)
+            self._emit(effects, "expire_write_lease", rec, lease=lease, writer=rec.writer)
+            self._end_generation(rec, effects)
+
+    # ------------------------------------------------------------------ messages
+
+    def handle(self, msg: Any, now_ms: int, tenant: str) -> tuple[Any, list[Effect]]:
+        """One request from ``tenant`` (already authenticated by its session) at ``now_ms``."""
+        effects: list[Effect] = []
+        self._advance(now_ms, effects)
+        match msg:
+            case Acquire():
+                reply = self._acquire(msg, tenant, effects)
+            case Renew():
+                reply = self._renew(msg, tenant, effects)
+            case Release():
+                reply = self._release(msg, tenant, effects)
+            case BeginWrite():
+                reply = self._begin_write(msg, tenant, effects)
+            case Commit():
+                reply = self._commit(msg, tenant, effects)
+            case RevokeAcked():
+                self._revoke_acked(msg, tenant, effects)
+                reply = None  # one-way
+            case Copied():
+                self._copied(msg, effects)
+                reply = None  # one-way
+            case Evict():
+                reply = self._evict(msg, tenant, effects)
+            case Lookup():
+                self._authorize(tenant, msg.namespace)
+                owners = self.lookup(msg.namespace, msg.keys)
+                reply = PrefixFound(msg.namespace, len(owners), owners)
+            case Invalidate():
+                reply = self._invalidate(msg, tenant, effects)
+            case WaitTicket():
+                ticket = self.ticket_status(msg.ticket)
+                pending = ticket is not None and ticket.state == TICKET_PENDING
+                reply = InvalidationPending(msg.ticket) if pending else InvalidationCompleted(msg.ticket)
+            case _:
+                raise PeerViolation(f"the directory does not take {type(msg).__name__}", code="unexpected_message")
+        self._check_effects(effects)
+        return reply, effects
+
+    def _authorize(self, tenant: str, namespace: bytes) -> None:
+        if not self._authorized(tenant, namespace):
+            raise Unauthorized(f"tenant {tenant[:80]!r} may not use namespace {bytes(namespace).hex()[:16]}…")
+
+    # read leases (DESIGN: leases)
+
+    def _acquire(self, msg: Acquire, tenant: str, effects: list[Effect]) -> Any:
+        rec = self.records.get(msg.key)
+        phase = ABSENT if rec is None else rec.phase
+        # Authorised for the key's own namespace, not merely the one the request names (DESIGN 11).
+        authorized = self._authorized(tenant, msg.namespace) and (rec is None or rec.namespace == msg.namespace)
+        held = (msg.key, msg.node) in self._lease_of_holder
+        reason = may_grant_read(phase, authorized, held)
+        if reason is not None:
+            self._emit(effects, "refuse_read_lease", rec, key=msg.key, result=reason, holder=msg.node)
+            return LeaseRefused(msg.node, msg.key, msg.request, reason)
+        assert rec is not None and rec.phase == COMMITTED and rec.owner is not None
+        lease = self._allocate_lease_id(effects)
+        entry = ReadLease(
+            lease=lease, node=msg.node, tenant=tenant, key=msg.key, location=rec.owner, gen=rec.gen,
+            expires_at_ms=lease_expires_at(self.now_ms, self.config.lease_term_ms, self.config.skew_ms),
+        )  # fmt: skip
+        self._add_lease(entry)
+        self._emit(effects, "grant_read_lease", rec, lease=lease, holder=msg.node, location=rec.owner)
+        assert self.live_lease_on(msg.key, rec.owner)
+        return ReadLeaseGranted(
+            msg.node, msg.key, lease, rec.owner, rec.gen, rec.epoch, self.config.lease_term_ms, msg.request
+        )
+
+    def _renew(self, msg: Renew, tenant: str, effects: list[Effect]) -> Any:
+        rec = self.records.get(msg.key)
+        entry = self._holder_entry(msg.key, msg.node, tenant)
+        reason = may_renew(
+            ABSENT if rec is None else rec.phase,
+            entry is not None,
+            NO_LEASE if entry is None else entry.lease,
+            msg.lease,
+            msg.location if entry is None else entry.location,
+            None if rec is None else rec.owner,
+        )
+        if reason is not None:
+            self._emit(effects, "refuse_renewal", rec, key=msg.key, lease=msg.lease, result=reason, holder=msg.node)
+            return LeaseRefused(msg.node, msg.key, msg.request, reason)
+        assert entry is not None and rec is not None
+        assert entry.gen == rec.gen and entry.location == rec.owner
+        renewed = attrs.evolve(
+            entry, expires_at_ms=lease_expires_at(self.now_ms, self.config.lease_term_ms, self.config.skew_ms)
+        )
+        assert renewed.expires_at_ms >= entry.expires_at_ms
+        self.read_leases[entry.lease] = renewed
+        heapq.heappush(self._lease_heap, (renewed.expires_at_ms, renewed.lease))
+        self._emit(effects, "renew_lease", rec, lease=msg.lease, holder=msg.node)
+        return LeaseRenewed(msg.node, msg.key, msg.lease, self.config.lease_term_ms, msg.request)
+
+    def _release(self, msg: Release, tenant: str, effects: list[Effect]) -> Any:
+        entry = self._holder_entry(msg.key, msg.node, tenant)
+        if entry is None or not may_release(entry.lease, msg.lease):
+            # Released twice, or after it expired or was revoked: nothing to end.
+            self._emit(effects, "ignore_stale_release", None, key=msg.key, lease=msg.lease, holder=msg.node)
+        else:
+            # The event first: ending the lease may complete an invalidation, a later step.
+            self._emit(effects, "release_lease", self.records.get(msg.key), lease=msg.lease, holder=msg.node)
+            self._drop_lease(entry, "released", effects)
+            assert msg.lease not in self.read_leases
+        return LeaseReleased(msg.node, msg.key, msg.lease)
+
+    def _revoke_acked(self, msg: RevokeAcked, tenant: str, effects: list[Effect]) -> None:
+        rec = self.records.get(msg.key)
+        entry = self._holder_entry(msg.key, msg.node, tenant)
+        phase = ABSENT if rec is None else rec.phase
+        if entry is None or not may_ack_revoke(phase, entry.lease, msg.lease):
+            # A duplicated ack, or one that lost the race with the lease's expiry.
+            self._emit(effects, "ignore_stale_ack", rec, key=msg.key, lease=msg.lease, holder=msg.node)
+            return
+        self._emit(effects, "revoke_acked", rec, lease=msg.lease, holder=msg.node)
+        self._drop_lease(entry, "acked", effects)  # may complete the invalidation: a later step
+        assert msg.lease not in self.read_leases
+
+    def _holder_entry(self, key: BlockKey, node: NodeId, tenant: str) -> ReadLease | None:
+        """The live lease-table entry of ``node`` on ``key`` -- as far as ``tenant`` is concerned:
+        another tenant's lease is none of its business (it may not renew, release or ack it)."""
+        lease = self._lease_of_holder.get((key, node))
+        if lease is None:
+            return None
+        entry = self.read_leases[lease]
+        assert lease_live(self.now_ms, entry.expires_at_ms), "expired entries are dropped before any message"
+        return entry if entry.tenant == tenant else None
+
+    def _allocate_lease_id(self, effects: list[Effect]) -> int:
+        """A fresh lease id. The high-water mark goes to the durable log first (``ReserveLeaseIds``
+        precedes the reply carrying the id), so no restart can hand it out again (DESIGN 8)."""
+        if self.next_lease_id >= self.lease_id_limit:
+            self.lease_id_limit = self.next_lease_id + self.config.lease_id_block
+            effects.append(ReserveLeaseIds(self.lease_id_limit))
+        lease = self.next_lease_id
+        self.next_lease_id += 1
+        assert FIRST_LEASE_ID <= lease < self.lease_id_limit
+        return lease
+
+    def _add_lease(self, entry: ReadLease) -> None:
+        assert entry.lease not in self.read_leases
+        assert (entry.key, entry.node) not in self._lease_of_holder
+        self.read_leases[entry.lease] = entry
+        self._leases_on_key.setdefault(entry.key, set()).add(entry.lease)
+        self._lease_of_holder[(entry.key, entry.node)] = entry.lease
+        self._leases_of_node.setdefault(entry.node, set()).add(entry.lease)
+        heapq.heappush(self._lease_heap, (entry.expires_at_ms, entry.lease))
+
+    def _drop_lease(self, entry: ReadLease, cause: str, effects: list[Effect]) -> None:
+        """End one lease-table entry (``cause``: expired, acked, released, forgotten) and take
+        the steps that may have been waiting for it."""
+        del self.read_leases[entry.lease]
+        on_key = self._leases_on_key[entry.key]
+        on_key.discard(entry.lease)
+        if not on_key:
+            del self._leases_on_key[entry.key]
+        del self._lease_of_holder[(entry.key, entry.node)]
+        self._leases_of_node[entry.node].discard(entry.lease)
+        rec = self.records[entry.key]
+        if rec.phase == INVALIDATING:
+            for t in sorted(self._tickets_on_key.get(entry.key, ())):
+                ticket = self.tickets[t]
+                if cause == "expired":
+                    self.tickets[t] = attrs.evolve(ticket, expired=ticket.expired + 1)
+                else:
+                    self.tickets[t] = attrs.evolve(ticket, acked=ticket.acked + 1)
+            self._maybe_complete(entry.key, effects)
+        elif rec.draining == entry.location:
+            self._maybe_free_drained(entry.key, effects)
+
+    # writes
+
+    def _begin_write(self, msg: BeginWrite, tenant: str, effects: list[Effect]) -> Any:
+        rec = self.records.get(msg.key)
+        authorized = self._authorized(tenant, msg.namespace) and (rec is None or rec.namespace == msg.namespace)
+        if authorized and rec is not None and rec.parent != msg.parent:
+            # A key's hash chains over its parent's: one key, two parents is a lie (or SHA-256 broke).
+            raise PeerViolation(f"key {msg.key.hex[:16]}… claimed under a second parent", code="key_identity")
+        parent_phase = None
+        if msg.parent is not None:
+            parent = self.records.get(msg.parent)
+            # A chain stays in one namespace: a parent in another one is no parent here.
+            ok_parent = parent is not None and parent.namespace == msg.namespace
+            parent_phase = parent.phase if ok_parent else ABSENT  # type: ignore[union-attr]
+        reason = may_begin_write(ABSENT if rec is None else rec.phase, parent_phase, authorized)
+        if reason is not None:
+            self._emit(effects, "refuse_write_lease", rec, key=msg.key, result=reason, writer=msg.node)
+            return LeaseRefused(msg.node, msg.key, msg.request, reason)
+        if rec is None:
+            rec = Record(key=msg.key, namespace=msg.namespace, parent=msg.parent)
+        location = self._place_write(msg.node, msg.key)
+        lease = self._allocate_lease_id(effects)
+        rec = self._put(
+            attrs.evolve(
+                rec, phase=WRITING, epoch=next_epoch(rec.epoch), owner=location, writer=msg.node,
+                writer_tenant=tenant, write_lease=lease, committed_lease=NO_LEASE,
+                write_lease_expires_at_ms=lease_expires_at(self.now_ms, self.config.lease_term_ms, self.config.skew_ms),
+            ),
+            effects,
+        )  # fmt: skip
+        assert not self._leases_on_key.get(msg.key), "no read lease outlives its generation"
+        self._emit(effects, "grant_write_lease", rec, lease=lease, writer=msg.node, location=location)
+        return WriteLeaseGranted(
+            msg.node, msg.key, lease, location, rec.gen, rec.epoch, self.config.lease_term_ms, msg.request
+        )
+
+    def _commit(self, msg: Commit, tenant: str, effects: list[Effect]) -> Any:
+        rec = self.records.get(msg.key)
+        if rec is None:
+            self._emit(effects, "reject_stale_commit", None, key=msg.key, lease=msg.lease, result=REASON_UNKNOWN_LEASE)
+            return CommitRejected(msg.node, msg.key, msg.lease, REASON_UNKNOWN_LEASE)
+        if (
+            rec.phase in READABLE_PHASES
+            and rec.committed_lease == msg.lease
+            and (rec.gen, rec.epoch) == (msg.gen, msg.epoch)
+        ):
+            # A retried Commit (its answer was lost): the same answer again, nothing changes.
+            self._emit(effects, "ignore_duplicate_commit", rec, lease=msg.lease, writer=msg.node)
+            return Committed(msg.node, msg.key, msg.lease, rec.gen, rec.epoch)
+        # Only the writer the lease was granted to may use it.
+        own = rec.writer == msg.node and rec.writer_tenant == tenant
+        reason = may_commit(
+            rec.phase,
+            rec.write_lease if own else NO_LEASE,
+            msg.lease,
+            rec.epoch,
+            msg.epoch,
+            lease_live(self.now_ms, rec.write_lease_expires_at_ms),
+        )
+        if reason is None and msg.gen != rec.gen:
+            reason = REASON_WRONG_GENERATION  # the right lease and epoch name one generation only
+        if reason is not None:
+            self._emit(effects, "reject_stale_commit", rec, lease=msg.lease, result=reason, writer=msg.node)
+            return CommitRejected(msg.node, msg.key, msg.lease, reason)
+        assert rec.phase == WRITING and rec.owner is not None
+        parent = None if rec.parent is None else self.records[rec.parent]
+        assert parent is None or parent.phase == COMMITTED, "a WRITING key's parent stays COMMITTED (the cascade)"
+        rec = self._put(
+            attrs.evolve(
+                rec, phase=COMMITTED, writer=None, writer_tenant=None, write_lease=NO_LEASE,
+                write_lease_expires_at_ms=0, committed_lease=msg.lease,
+            ),
+            effects,
+        )  # fmt: skip
+        self._emit(effects, "commit_write", rec, lease=msg.lease, writer=msg.node, location=rec.owner)
+        return Committed(msg.node, msg.key, msg.lease, rec.gen, rec.epoch)
+
+    def _end_generation(self, rec: Record, effects: list[Effect]) -> Record:
+        """Back to ABSENT with the next generation: the old one can never be read again."""
+        assert not self._leases_on_key.get(rec.key), "a generation ends only when no lease on it is live"
+        return self._put(
+            attrs.evolve(
+                rec, phase=ABSENT, gen=rec.gen + 1, owner=None, moving_to=None, draining=None, writer=None,
+                writer_tenant=None, write_lease=NO_LEASE, write_lease_expires_at_ms=0, committed_lease=NO_LEASE,
+            ),
+            effects,
+        )  # fmt: skip
+
+    # invalidation (DESIGN: invalidation)
+
+    def _invalidate(self, msg: Invalidate, tenant: str, effects: list[Effect]) -> Any:
+        self._authorize(tenant, msg.namespace)
+        if msg.scope == SCOPE_NAMESPACE:
+            keys = sorted(self._by_namespace.get(msg.namespace, ()))
+            event = "invalidate_namespace"
+        else:
+            # A key, or the last key of a prefix chain: either way the key and its prefix subtree.
+            assert msg.key is not None
+            rec = self.records.get(msg.key)
+            keys = self.subtree(msg.key) if rec is not None and rec.namespace == msg.namespace else []
+            event = "invalidate"
+        ticket = self._start_invalidation(keys, effects)
+        self._emit(effects, event, None, key=msg.key, ticket=ticket.ticket, keys=len(keys), scope=msg.scope)
+        return InvalidationStarted(ticket.ticket)
+
+    def _start_invalidation(self, keys: Iterable[BlockKey], effects: list[Effect]) -> Ticket:
+        """Void every key of ``keys``: COMMITTED ones go INVALIDATING (their leases revoked), writes
+        in progress are aborted; a ticket waits for the keys that are now INVALIDATING."""
+        voided, pending = [], set()
+        for key in keys:
+            rec = self.records[key]
+            step = invalidation_step(rec.phase)
+            if step == INVALIDATE_START:
+                rec = self._put(attrs.evolve(rec, phase=INVALIDATING, moving_to=None), effects)
+                for entry in self.leases_on(key):
+                    effects.append(Send(entry.node, Revoke(entry.node, key, entry.lease, entry.gen)))
+            elif step == INVALIDATE_ABORT_WRITE:
+                # The write in progress below a voided prefix: its commit will find the generation gone.
+                self._end_generation(rec, effects)
+            if step is not None or rec.phase == INVALIDATING:
+                voided.append(key)
+            if rec.phase == INVALIDATING:
+                pending.add(key)
+        ticket = Ticket(self.next_ticket, tuple(voided), frozenset(pending), started_at_ms=self.now_ms)
+        self.next_ticket += 1
+        self.tickets[ticket.ticket] = ticket
+        for key in pending:
+            self._tickets_on_key.setdefault(key, set()).add(ticket.ticket)
+        effects.append(PersistTicket(ticket))
+        for key in sorted(pending):
+            self._maybe_complete(key, effects)
+        if not ticket.pending:
+            self._complete_ticket(ticket.ticket, effects)
+        return self.tickets.get(ticket.ticket, ticket)
+
+    def _maybe_complete(self, key: BlockKey, effects: list[Effect]) -> None:
+        """Complete the invalidation of ``key`` if the rule allows it now: free its copies, end
+        the generation, and let its tickets know."""
+        rec = self.records[key]
+        live = len(self._leases_on_key.get(key, ()))
+        if not may_complete_invalidation(rec.phase, self.in_grace, live):
+            return
+        assert rec.owner is not None
+        copies = [loc for loc in (rec.owner, rec.draining) if loc is not None]
+        ended = self._end_generation(rec, effects)  # durable before any Free leaves
+        for loc in copies:
+            effects.append(FreeAt(loc, key, rec.epoch))
+        self._emit(effects, "complete_invalidation", rec, gen=rec.gen, next_gen=ended.gen)
+        for t in sorted(self._tickets_on_key.pop(key, ())):
+            ticket = self.tickets[t]
+            assert key in ticket.pending
+            ticket = self.tickets[t] = attrs.evolve(ticket, pending=ticket.pending - {key})
+            if ticket.pending:
+                effects.append(PersistTicket(ticket))  # the log's tickets stay the core's
+            else:
+                self._complete_ticket(t, effects)
+
+    def _complete_ticket(self, t: int, effects: list[Effect]) -> None:
+        ticket = attrs.evolve(self.tickets[t], completed_at_ms=self.now_ms)
+        assert not ticket.pending
+        assert all(self.phase_of(k) != INVALIDATING or t not in self._tickets_on_key.get(k, ()) for k in ticket.keys)
+        self.tickets[t] = ticket
+        effects.append(PersistTicket(ticket))
+        effects.append(CompleteTicket(ticket))
+        self._completed_order.append(t)
+        while len(self._completed_order) > self.config.max_completed_tickets:
+            old = self._completed_order.popleft()
+            del self.tickets[old]
+            effects.append(ForgetTicket(old))
+
+    # eviction
+
+    def _evict(self, msg: Evict, tenant: str, effects: list[Effect]) -> Any:
+        rec = self.records.get(msg.key)
+        if rec is None:
+            self._emit(effects, "ignore_evict", None, key=msg.key, result=REASON_NOT_FOUND, location=msg.location)
+            return EvictRefused(msg.node, msg.key, msg.location, REASON_NOT_FOUND)
+        if not self._authorized(tenant, rec.namespace):
+            self._emit(effects, "ignore_evict", rec, result=REASON_UNAUTHORIZED, location=msg.location)
+            return EvictRefused(msg.node, msg.key, msg.location, REASON_UNAUTHORIZED)
+        is_owner = rec.phase != ABSENT and msg.location == rec.owner
+        is_draining = msg.location == rec.draining
+        reason = may_evict(
+            rec.phase,
+            is_owner or is_draining,
+            all(self.phase_of(c) == ABSENT for c in self._children.get(msg.key, ())),
+            self.live_lease_on(msg.key, msg.location),
+            self.in_grace,
+            is_owner and rec.draining is not None,
+        )
+        if reason is not None:
+            # Only a refusal because of a lease is a step of the spec (evict_refused); the others
+            # are requests the spec's nodes never make.
+            event = "evict_refused" if reason == REASON_LEASED else "ignore_evict"
+            self._emit(effects, event, rec, result=reason, location=msg.location)
+            return EvictRefused(msg.node, msg.key, msg.location, reason)
+        assert not self.live_lease_on(msg.key, msg.location)
+        self._emit(effects, "evict", rec, location=msg.location)
+        if is_draining:
+            self._put(attrs.evolve(rec, draining=None), effects)
+        else:
+            self._end_generation(rec, effects)  # the last copy is gone: ABSENT again
+        return Evicted(msg.node, msg.key, msg.location)
+
+    # transfer (promotion / demotion)
+
+    def start_transfer(self, key: BlockKey, dest: LocationId, now_ms: int) -> tuple[bool, list[Effect]]:
+        """Move ``key``'s owner copy to ``dest`` (a tiering decision): copy under ``epoch + 1``;
+        ``Copied`` makes it the owner; the old copy drains, then is freed."""
+        effects: list[Effect] = []
+        self._advance(now_ms, effects)
+        rec = self.records.get(key)
+        if rec is None or dest == rec.owner:
+            return False, effects
+        if not may_start_transfer(rec.phase, rec.moving_to is not None, rec.draining is not None):
+            return False, effects
+        assert rec.owner is not None
+        rec = self._put(attrs.evolve(rec, epoch=next_epoch(rec.epoch), moving_to=dest), effects)
+        effects.append(CopyAt(dest, key, rec.owner, rec.gen, rec.epoch))
+        self._emit(effects, "start_transfer", rec, location=dest)
+        return True, effects
+
+    def cancel_transfer(self, key: BlockKey, now_ms: int) -> list[Effect]:
+        """Give up a transfer (its copy failed or timed out); a late ``Copied`` is then ignored."""
+        effects: list[Effect] = []
+        self._advance(now_ms, effects)
+        rec = self.records.get(key)
+        if rec is not None and rec.moving_to is not None:
+            rec = self._put(attrs.evolve(rec, moving_to=None), effects)
+            self._emit(effects, "cancel_transfer", rec)
+        return effects
+
+    def _copied(self, msg: Copied, effects: list[Effect]) -> None:
+        rec = self.records.get(msg.key)
+        if rec is None or not may_finish_transfer(rec.phase, rec.moving_to, msg.location, rec.epoch, msg.epoch):
+            self._emit(effects, "ignore_stale_copied", rec, key=msg.key, location=msg.location)
+            return
+        assert rec.owner is not None and rec.draining is None
+        rec = self._put(attrs.evolve(rec, draining=rec.owner, owner=msg.location, moving_to=None), effects)
+        self._emit(effects, "finish_transfer", rec, location=msg.location)
+        self._maybe_free_drained(msg.key, effects)
+
+    def _maybe_free_drained(self, key: BlockKey, effects: list[Effect]) -> None:
+        rec = self.records[key]
+        if rec.phase != COMMITTED or rec.draining is None:
+            return  # an invalidation frees the draining copy with the owner
+        if not may_free_drained(self.in_grace, self.live_lease_on(key, rec.draining)):
+            return
+        drained = rec.draining
+        rec = self._put(attrs.evolve(rec, draining=None), effects)
+        effects.append(FreeAt(drained, key, rec.epoch))
+        self._emit(effects, "free_drained", rec, location=drained)
+
+    # ------------------------------------------------------------------ failures
+
+    def node_rejoined(
+        self,
+        node: NodeId,
+        lost_locations: Iterable[LocationId],
+        now_ms: int,
+        locations: Iterable[LocationId] = (),
+    ) -> tuple[dict[BlockKey, int], list[Effect]]:
+        """``node`` restarted and re-registers (spec: restart_node). The directory forgets its
+        leases (it trusts none after a crash), cancels transfers to its ``locations``, and voids
+        every COMMITTED key whose owner copy was at one of ``lost_locations`` (a disk that came
+        back empty), with the key's subtree -- others may still trust leases on it. Returns the
+        fences the node must restore: every key's epoch, which bounds any epoch ever issued
+        (``rules.restored_fence``), so nothing sent before the crash can land."""
+        effects: list[Effect] = []
+        self._advance(now_ms, effects)
+        lost = frozenset(lost_locations)
+        mine = frozenset(locations) | lost
+        for lease in sorted(self._leases_of_node.get(node, ())):
+            self._drop_lease(self.read_leases[lease], "forgotten", effects)
+        self._leases_of_node.pop(node, None)
+        voided: list[BlockKey] = []
+        seen: set[BlockKey] = set()
+        for key in sorted(self.records):
+            rec = self.records[key]
+            if rec.moving_to is not None and rec.moving_to in mine:
+                rec = self._put(attrs.evolve(rec, moving_to=None), effects)  # the copy died with the node
+            if rec.owner in mine and lost_copy_invalidates(rec.phase, True, rec.owner in lost):
+                for k in self.subtree(key):
+                    if k not in seen:
+                        seen.add(k)
+                        voided.append(k)
+        ticket = self._start_invalidation(voided, effects) if voided else None
+        fences = {key: rec.epoch for key, rec in self.records.items() if rec.epoch > 0}
+        self._emit(
+            effects, "restart_node", None, rejoined=node, lost=sorted(lost), voided=len(voided),
+            ticket=None if ticket is None else ticket.ticket,
+        )  # fmt: skip
+        assert node not in self._leases_of_node or not self._leases_of_node[node]
+        self._check_effects(effects)
+        return fences, effects
+
+    def restarted(
+        self,
+        records: Iterable[Record],
+        next_lease_id: int,
+        now_ms: int,
+        tickets: Iterable[Ticket] = (),
+        next_ticket: int = FIRST_TICKET,
+    ) -> list[Effect]:
+        """Become the directory recovered from its durable log (spec: restart_directory): the
+        records and tickets survive, the lease table does not. ``next_lease_id`` is the durable
+        high-water mark (every id below it may have been handed out). For ``restart_grace``
+        (term + 2 epsilon) nothing is freed: leases the old incarnation granted may still be
+        trusted. A WRITING key's writer may still hold its lease: it gets as long."""
+        grace = self.config.restart_grace_ms
+        recovered = []
+        for rec in records:
+            if rec.phase == WRITING:
+                rec = attrs.evolve(rec, write_lease_expires_at_ms=now_ms + grace)  # a new clock
+            recovered.append(rec)
+        self._reset(recovered, next_lease_id, now_ms)
+        self.grace_until_ms = now_ms + grace
+        effects: list[Effect] = []
+        for ticket in sorted(tickets, key=lambda t: t.ticket):
+            if ticket.state == TICKET_PENDING:
+                ticket = attrs.evolve(ticket, restarts=ticket.restarts + 1)
+                effects.append(PersistTicket(ticket))
+                for key in ticket.pending:
+                    assert self.records[key].phase == INVALIDATING, "a pending ticket waits on INVALIDATING keys"
+                    self._tickets_on_key.setdefault(key, set()).add(ticket.ticket)
+            else:
+                self._completed_order.append(ticket.ticket)
+            self.tickets[ticket.ticket] = ticket
+        self.next_ticket = max([next_ticket, *[t + 1 for t in self.tickets]])
+        self._emit(effects, "restart_directory", None, records=len(self.records), grace_ms=grace)
+        return effects
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def _emit(self, effects: list[Effect], event: str, rec: Record | None, **fields: Any) -> None:
+        assert event in _EVENT_SET or event.startswith("ignore_"), event
+        base: dict[str, Any] = {}
+        if rec is not None:
+            base = {"key": rec.key, "gen": rec.gen, "epoch": rec.epoch}
+        base.update(fields)
+        if base.get("result") is None:
+            base["result"] = "ok"
+        effects.append(Emit(event, base))
+
+    def _check_effects(self, effects: list[Effect]) -> None:
+        """What every call's effects must satisfy: lease ids handed out are reserved, and no free
+        leaves while a lease on that copy is live or during restart grace (DESIGN 5, 12)."""
+        for e in effects:
+            if isinstance(e, FreeAt):
+                assert not self.in_grace, "nothing is freed during restart grace"
+                assert not self.live_lease_on(e.key, e.location), "no free under a live lease"
+        assert self.next_lease_id <= self.lease_id_limit
+
+    def check_invariants(self) -> None:
+        """Assert the directory-side invariants of the spec, in its vocabulary (for tests and
+        debugging; O(records + leases))."""
+        for lease, entry in self.read_leases.items():
+            rec = self.records[entry.key]
+            assert lease_live(self.now_ms, entry.expires_at_ms), "LeaseTable: expired entries are gone"
+            assert rec.phase in READABLE_PHASES, "NoDirtyRead: leases only on readable generations"
+            assert entry.gen == rec.gen, "NoStaleRead: a lease names the current generation"
+            assert entry.location in (rec.owner, rec.draining), "DirectoryDataAgreement: a lease is on a copy"
+            assert lease < self.next_lease_id <= self.lease_id_limit, "LeaseIdsFresh"
+            assert self._authorized(entry.tenant, rec.namespace), "NamespaceIsolation"
+        for key, rec in self.records.items():
+            if rec.phase in (WRITING, COMMITTED) and rec.parent is not None:
+                assert self.phase_of(rec.parent) == COMMITTED, "PrefixClosed"
+            if rec.phase == WRITING:
+                assert rec.write_lease < self.next_lease_id, "LeaseIdsFresh"
+            if rec.phase == INVALIDATING and not self.in_grace:
+                assert self._leases_on_key.get(key), "an invalidation with no lease left has completed"
