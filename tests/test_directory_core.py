@@ -665,6 +665,7 @@ class DirectoryMachine(RuleBasedStateMachine):
         self.inval_since: dict[BlockKey, tuple[int, int]] = {}
         self.req = 0
         self.old_leases: list[tuple[str, BlockKey, Trust]] = []
+        self.old_grants: list[tuple[str, BlockKey, Grant]] = []
         self.log = io.StringIO()
         self.event_log = EventLog(self.log, "directory", 1)
 
@@ -839,16 +840,25 @@ class DirectoryMachine(RuleBasedStateMachine):
         trust = self._forget((node, key))  # stop trusting first, then tell
         self._handle(wire.Release(node, key, trust.lease), TENANT_OF[node])
 
-    @precondition(lambda self: self.to_nodes)
-    @rule(data=st.data())
-    def deliver_revoke(self, data):
-        send = self.to_nodes.pop(data.draw(st.integers(0, len(self.to_nodes) - 1)))
+    def _deliver_revoke(self, index: int) -> wire.RevokeAcked | None:
+        send = self.to_nodes.pop(index)
         if not self.up[send.node]:
-            return  # lost with the node
+            return None  # lost with the node
         trust = self.trusted.get((send.node, send.msg.key))
         if trust is not None and trust.lease == send.msg.lease:
             self._forget((send.node, send.msg.key))  # drop, then ack (flush-then-ack)
-        self.to_directory.append((send.node, wire.RevokeAcked(send.node, send.msg.key, send.msg.lease)))
+        return wire.RevokeAcked(send.node, send.msg.key, send.msg.lease)
+
+    @precondition(lambda self: self.to_nodes)
+    @rule(data=st.data(), prompt=st.booleans())
+    def deliver_revoke_and_ack(self, data, prompt):
+        """A revoke delivered; its ack either back at the directory at once or in the network."""
+        node = self.to_nodes[index := data.draw(st.integers(0, len(self.to_nodes) - 1))].node
+        ack = self._deliver_revoke(index)
+        if ack is not None and prompt:
+            self._handle(ack, TENANT_OF[node])
+        elif ack is not None:
+            self.to_directory.append((node, ack))
 
     @precondition(lambda self: self.to_directory)
     @rule(data=st.data())
@@ -881,6 +891,7 @@ class DirectoryMachine(RuleBasedStateMachine):
             for (n, k), g in self.writers.items():
                 assert not (k == key and g.gen == reply.gen), "OneWriterPerGeneration"
             self.writers[(node, key)] = Grant(reply.lease, reply.location, reply.gen, reply.epoch)
+            self.old_grants = [*self.old_grants[-15:], (node, key, attrs.evolve(self.writers[(node, key)]))]
 
     @rule(data=st.data(), node=st.sampled_from(NODES), local=st.booleans(), delays=st.lists(st.integers(0, 20), min_size=2, max_size=2))
     def write(self, data, node, local, delays):
@@ -927,6 +938,14 @@ class DirectoryMachine(RuleBasedStateMachine):
                 grant.stored = True  # published: the writer may commit
             else:
                 del self.writers[(msg.node, msg.key)]  # fenced: the writer gives up
+
+    @precondition(lambda self: self.old_grants)
+    @rule(data=st.data())
+    def zombie_write(self, data):
+        """The bytes of any past grant land (again): a writer that paused past its lease, or a
+        duplicated WriteBytes. The location's fence must keep them from any newer copy."""
+        node, key, grant = data.draw(st.sampled_from(self.old_grants))
+        self._land(wire.WriteBytes(node, key, grant.lease, grant.location, grant.gen, grant.epoch, b""))
 
     @precondition(lambda self: any(g.stored for g in self.writers.values()))
     @rule(data=st.data(), delay=st.one_of(st.integers(0, 20), st.integers(0, 150)))
