@@ -1,20 +1,17 @@
-"""From a z3 model of a failed obligation to concrete ``model.py`` states, and back to the predicates.
+"""From a finite z3 model to concrete ``model.py`` states, and back to the predicates.
 
-A counterexample to induction (CTI) is a z3 model of ``hypothesis(pre) and action(pre, post) and not
-invariant(post)``. To make it small and printable:
+A counterexample to induction (CTI) is a finite model of ``hypothesis(pre) and action(pre, post) and
+not invariant(post)``, found by ``bounded.find_model`` over a few named elements per sort with every
+integer bounded to a byte. It is read off element by element into a ``ModelConfig`` sized to it
+(nodes and keys as found, each node's locations as its tiers, one shared pool, every key its own
+namespace so that any authorisation relation is expressible) and ``bytes`` states laid out by
+``Layout``, with the messages in flight as sorted 7-byte records built with ``layout.message``.
 
-1. universes are shrunk one sort at a time (mypyvy's ``--minimize-models``): ``Node``, ``Key``,
-   ``Loc`` and ``Msg`` get the fewest elements z3 can still satisfy the query with;
-2. every integer the two states and their messages hold is bounded (the model stores bytes), first
-   tightly, then looser;
-3. the model is read off element by element into a ``ModelConfig`` sized to it (nodes and keys as
-   found, each node's locations as tiers, one shared pool) and two ``bytes`` states laid out by
-   ``Layout``, messages as sorted 7-byte records built with ``layout.message``.
-
-The Python predicates are then evaluated on those bytes: a CTI is *re-checked* when the invariant's
-Python form holds on the pre-state and fails on the post-state (for a transition property: fails on
-the step). Every other invariant's Python form is also evaluated on the pre-state: the hypothesis of
-the z3 query must hold there too, or the z3 and Python readings of some invariant disagree.
+The Python predicates are then evaluated on those bytes (``obligations._recheck``): a CTI is
+*re-checked* when the invariant's Python form holds on the pre-state and fails on the post-state
+(for a transition property: fails on the step), and every other invariant's Python form must hold on
+the pre-state too. ``step_in_model`` asks whether the step is literally one of
+``Model.successors(pre)``.
 """
 
 from __future__ import annotations
@@ -33,89 +30,6 @@ from .encoding import (
 
 _ENUMS = {Phase: 4, SlotStatus: 3, Stage: 3, Pending: 3}
 _PY_KIND = {name: getattr(LY, "M_" + name) for name in KIND_NAMES}
-
-
-@dataclass
-class Universe:
-    nodes: list
-    keys: list
-    locs: list  # real locations (NOLOC excluded)
-    msgs: list
-    noloc: object
-
-
-def _card(sort, size: int, tag: str) -> tuple[list, z3.BoolRef]:
-    elems = [z3.Const(f"{tag}{i}", sort) for i in range(size)]
-    x = z3.Const(f"{tag}_x", sort)
-    return elems, z3.ForAll([x], z3.Or([x == e for e in elems]))
-
-
-def _universe_size(model: z3.ModelRef, sort) -> int:
-    u = model.get_universe(sort)
-    return len(u) if u is not None else 1
-
-
-def shrink(solver: z3.Solver) -> dict[object, list] | None:
-    """Push scopes that pin each sort to as few named elements as still satisfy the query.
-
-    Returns the named elements per sort (the scopes stay pushed; the caller pops them), or None.
-    """
-    elements: dict[object, list] = {}
-    pool_axiom = None
-    l1, l2 = z3.Const("pool_l1", Loc), z3.Const("pool_l2", Loc)
-    pool_axiom = z3.ForAll([l1, l2], z3.Implies(
-        z3.And(l1 != NOLOC, l2 != NOLOC, is_pool(l1), is_pool(l2)), l1 == l2))
-    solver.push()
-    solver.add(pool_axiom)  # the model has at most one shared pool
-    if solver.check() != z3.sat:
-        solver.pop()
-        solver.push()
-    for sort, tag in ((Node, "n"), (Key, "k"), (Loc, "l"), (Msg, "m")):
-        current = _universe_size(solver.model(), sort)
-        chosen = None
-        for size in range(1, current + 1):
-            elems, axiom = _card(sort, size, f"cti_{tag}")
-            solver.push()
-            solver.add(axiom)
-            if solver.check() == z3.sat:
-                chosen = elems
-                break
-            solver.pop()
-        if chosen is None:
-            return None
-        elements[sort] = chosen
-    return elements
-
-
-def _cells(state: State, elements) -> list:
-    """Every integer cell of a state over the named elements."""
-    out = []
-    for name, (idx, val) in STATE_VARS.items():
-        if val != INT:
-            continue
-        arr = getattr(state, name)
-        if not idx:
-            out.append(arr)
-        elif len(idx) == 1:
-            out += [arr[e] for e in elements[idx[0]]]
-        else:
-            out += [arr[a, b] for a in elements[idx[0]] for b in elements[idx[1]]]
-    return out
-
-
-def bound_integers(solver: z3.Solver, pre: State, post: State, elements) -> bool:
-    """Push a scope bounding every integer to a byte (tightest bound that works). False if none."""
-    cells = _cells(pre, elements) + _cells(post, elements)
-    for m in elements[Msg]:
-        cells += [m_lease(m), m_gen(m), m_epoch(m), m_req(m)]
-    for bound in (6, 15, 60, 250):
-        solver.push()
-        solver.add(T <= min(bound, 100), EPS <= min(bound, 100))
-        solver.add([z3.And(c >= 0, c <= bound) for c in cells])
-        if solver.check() == z3.sat:
-            return True
-        solver.pop()
-    return False
 
 
 def _enum_index(model, value, sort) -> int:
@@ -150,9 +64,15 @@ class Concrete:
     node_of: list  # z3 element per Python node
     key_of: list
     loc_of: list  # z3 element per Python location (None for unused ones)
+    states: list  # every state read off (``pre`` and ``post`` are the first and the last)
 
 
 def concretize(zmodel: z3.ModelRef, pre: State, act: Action, elements, bugs=frozenset()) -> Concrete:
+    return concretize_states(zmodel, [pre, act.post], elements, bugs)
+
+
+def concretize_states(zmodel: z3.ModelRef, states: list[State], elements, bugs=frozenset()) -> Concrete:
+    """Read states off a finite z3 model: a configuration sized to it and one ``bytes`` per state."""
     nodes, keys, all_locs, msgs = elements[Node], elements[Key], elements[Loc], elements[Msg]
     noloc_i = _index_of(zmodel, all_locs, NOLOC)
     real = [l for i, l in enumerate(all_locs) if i != noloc_i]
@@ -236,7 +156,27 @@ def concretize(zmodel: z3.ModelRef, pre: State, act: Action, elements, bugs=froz
             net.append(_message(zmodel, m, nodes, keys, loc_code))
         return bytes(b) + b"".join(sorted(net))
 
-    return Concrete(cfg, model, build(pre), build(act.post), nodes, keys, loc_of)
+    built = [build(st) for st in states]
+    return Concrete(cfg, model, built[0], built[-1], nodes, keys, loc_of, built)
+
+
+def step_in_model(model: Model, pre: bytes, label: str, post: bytes) -> bool:
+    """Is ``post`` a successor of ``pre`` under ``model.successors`` with that label -- up to the
+    encoding's set network (a delivered message may stay in flight) and the variables the encoding
+    does not have (the bounded-response ghost and the fault budgets)?"""
+    L = model.L
+    ignore = set(L.inval_age) | {L.crashes_left, L.restarts_left, L.dups_left}
+    keep = [i for i in range(L.fixed) if i not in ignore]
+    want = bytes(post[i] for i in keep)
+    post_msgs = set(L.messages(post))
+    pre_msgs = set(L.messages(pre))
+    for lab, _params, t in model.successors(pre):
+        if lab != label or bytes(t[i] for i in keep) != want:
+            continue
+        got = set(L.messages(t))
+        if got <= post_msgs <= got | pre_msgs:
+            return True
+    return False
 
 
 def _message(zmodel, m, nodes, keys, loc_code) -> bytes:

@@ -61,8 +61,8 @@ Mutant flags of ``mutants.py`` are honoured at the same lines as in ``model.py``
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 import z3
 

@@ -38,7 +38,6 @@ from ..layout import (
     LOST as PY_LOST,
     M_ACK as PY_M_ACK,
     M_ACQUIRE as PY_M_ACQUIRE,
-    M_BEGIN_WRITE as PY_M_BEGIN_WRITE,
     M_COMMIT as PY_M_COMMIT,
     M_COPIED as PY_M_COPIED,
     M_COPY as PY_M_COPY,
@@ -61,7 +60,7 @@ from ..layout import (
 from ..model import Model
 from .encoding import (
     ABSENT, COMMITTED, EMPTY, EPS, FULL, INVALIDATING, LOST, NOLOC, P_ACQUIRE, P_NONE, P_RENEW, T,
-    W_BYTES_SENT, W_NONE, WRITING, Action, Key, Loc, Msg, Node, State, allowed, kind, loc_up, m_epoch,
+    W_BYTES_SENT, W_NONE, WRITING, Action, FIELD_FUNS, KIND_FIELDS, Key, Loc, Msg, Node, State, allowed, kind, loc_up, m_epoch,
     m_gen, m_key, m_lease, m_loc, m_node, m_req, m_src, K_,
 )
 
@@ -140,8 +139,9 @@ class Item:
 
 def _msg_item(s: State, kind_name: str, **extra) -> Item:
     m = bv(f"m_{kind_name.lower()}_", Msg)
-    f = dict(key=m_key(m), node=m_node(m), lease=m_lease(m), loc=m_loc(m), gen=m_gen(m), epoch=m_epoch(m),
-             req=m_req(m), src=m_src(m), msg=m)
+    # Only the fields this kind carries: the others are don't-cares of the element.
+    f = {name: FIELD_FUNS[name](m) for name in KIND_FIELDS[kind_name]}
+    f["msg"] = m
     return Item([m], msg_is(s, m, kind_name), f)
 
 

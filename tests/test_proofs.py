@@ -1,0 +1,146 @@
+"""The z3 proofs (spec/proofs): the design proves, every mutant fails where it should with a
+counterexample the Python predicates confirm, and the encoding agrees with model.py."""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+
+from kvcc.spec import properties as P
+from kvcc.spec.checker import Checker
+from kvcc.spec.config import get_config
+from kvcc.spec.model import MUTANT_FLAGS, Model
+from kvcc.spec.mutants import MUTANTS
+from kvcc.spec.proofs import (
+    MUTANT_CTI_ACTIONS,
+    MUTANT_NOTES,
+    MUTANT_OBLIGATIONS,
+    enabled_witnesses,
+    format_counterexample,
+    prove_all,
+    results_to_json,
+    summary,
+)
+from kvcc.spec.proofs.bounded import SIZES
+from kvcc.spec.proofs.encoding import SUPPORTED_BUGS, Protocol, State
+from kvcc.spec.proofs.invariants import PROPERTIES, STATE_INVARIANTS, STEP_INVARIANTS, STRENGTHENINGS
+from kvcc.spec.proofs.obligations import violation_path
+from kvcc.spec.proofs.simulation import check_model_steps
+
+REQUIRED_FLAGS = {
+    "holder_ignores_skew", "holder_counts_from_receipt", "invalidation_ignores_leases", "evict_under_lease",
+    "restart_without_grace", "no_fencing", "renew_revives_expired", "late_commit_accepted", "ack_before_drop",
+    "lease_id_reuse_after_restart",
+}
+CORE_PROPERTIES = {
+    "OneWriterPerGeneration", "OneOwnerPerEpoch", "EpochMonotonic", "EpochsBoundFences", "FencingHolds",
+    "NoReclaimUnderLease", "NoStaleRead", "LeaseKnownToDirectory",
+}
+
+
+def test_the_design_proves():
+    """One test, so that the whole run happens once per session (also under xdist)."""
+    design = prove_all()
+
+    # Every obligation is proved.
+    failed = [(r.action, r.invariant, r.status) for r in design if not r.proved]
+    assert not failed
+
+    # One obligation per (action, invariant), per (init, state invariant), per (identity, transition
+    # property) -- the last is what the frame rule rests on for transition properties.
+    actions = [a.name for a in Protocol().actions(State.fresh("t_"))]
+    pairs = [(r.action, r.invariant) for r in design]
+    assert len(pairs) == len(set(pairs))
+    for inv in STATE_INVARIANTS + STEP_INVARIANTS:
+        for action in actions:
+            assert (action, inv.name) in pairs
+    assert {("init", inv.name) for inv in STATE_INVARIANTS} <= set(pairs)
+    assert {("identity", inv.name) for inv in STEP_INVARIANTS} <= set(pairs)
+    assert len(pairs) == (len(actions) + 1) * len(STATE_INVARIANTS) + (len(actions) + 1) * len(STEP_INVARIANTS)
+
+    # The core safety properties are among those proved.
+    assert CORE_PROPERTIES <= {r.invariant for r in design}
+
+    # Queries take milliseconds.
+    queried = [r.seconds for r in design if r.method == "z3"]
+    assert statistics.median(queried) < 0.05
+    assert sum(queried) < 60
+
+    # Results serialise; the summary agrees.
+    data = json.loads(results_to_json(design))
+    assert data[0].keys() >= {"action", "invariant", "proved", "seconds", "counterexample"}
+    info = summary(design)
+    assert info["proved"] == info["obligations"] == len(design)
+    assert set(info["uses"]) == {i.name for i in STATE_INVARIANTS + STEP_INVARIANTS}
+
+
+def test_properties_are_the_predicates_of_properties_py():
+    for inv in PROPERTIES + STEP_INVARIANTS:
+        assert inv.python is P.by_name(inv.name).holds
+    assert not {i.name for i in STRENGTHENINGS} & {p.name for p in P.INVARIANTS + P.TRANSITION_PROPERTIES}
+
+
+def test_the_inductive_invariant_is_not_vacuous():
+    # Every action is enabled in some state that satisfies every invariant (z3 and Python agree).
+    witnesses = enabled_witnesses()
+    assert all(w is not None and w["pre_holds_in_python"] for w in witnesses.values()), witnesses
+
+
+# ------------------------------------------------------------------------------ mutants
+
+
+def test_required_mutant_flags_are_supported():
+    assert REQUIRED_FLAGS <= set(MUTANT_OBLIGATIONS) <= SUPPORTED_BUGS <= MUTANT_FLAGS
+    assert set(MUTANT_CTI_ACTIONS) == set(MUTANT_OBLIGATIONS)
+
+
+def test_mutant_mapping_follows_mutants_py():
+    for mutant in MUTANTS.values():
+        (flag,) = mutant.bugs
+        if flag in MUTANT_OBLIGATIONS:
+            assert MUTANT_OBLIGATIONS[flag] == mutant.expected_property or flag in MUTANT_NOTES, mutant.name
+
+
+@pytest.mark.parametrize("flag", sorted(MUTANT_OBLIGATIONS))
+def test_mutant_fails_its_obligation_with_a_rechecked_cti(flag):
+    invariant = MUTANT_OBLIGATIONS[flag]
+    results = prove_all(frozenset({flag}), invariants=(invariant,), actions=MUTANT_CTI_ACTIONS[flag])
+    failed = [r for r in results if not r.proved]
+    assert {r.action for r in failed} == set(MUTANT_CTI_ACTIONS[flag])
+    for r in failed:
+        cex = r.counterexample
+        assert r.status == "cti", format_counterexample(cex)
+        assert cex["rechecked"] and cex["recheck"] in (
+            {"predicate_on_pre": True, "predicate_on_post": False}, {"predicate_on_step": False})
+        assert cex["hypothesis_fails_in_python"] == []  # z3 and Python agree on the whole hypothesis
+        assert cex["step_in_model"]  # the step is one of model.py's successors
+        assert cex["config"]["nodes"] <= 3 and cex["config"]["keys"] <= 2
+        assert cex["invariant"] in format_counterexample(cex)
+
+
+def test_holder_ignores_skew_leads_to_a_lease_unknown_to_the_directory():
+    steps = ("acquire", "grant_read_lease", "trust_read_lease", "clock_forward", "clock_back")
+    path = violation_path(frozenset({"holder_ignores_skew"}), steps, "LeaseKnownToDirectory")
+    assert path is not None
+    assert path["violated_at_end"] and path["holds_before"][0]
+    assert path["hypothesis_fails_in_python"] == [] and all(path["steps_in_model"])
+    # The design admits no such path (in these universes; the proof says: in none).
+    assert violation_path(frozenset(), steps, "LeaseKnownToDirectory", sizes=SIZES[:5]) is None
+
+
+# ------------------------------------------------------------------------------ agreement with model.py
+
+
+def test_strengthenings_hold_on_every_reachable_state():
+    invariants = [P.Invariant(s.name, "", s.text, s.python) for s in STRENGTHENINGS]
+    result = Checker(Model(get_config("tiny")), invariants=invariants, transition_properties=()).run()
+    assert result.ok, result.violation
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiering"])
+def test_every_model_step_is_a_step_of_the_encoding(name):
+    report = check_model_steps(Model(get_config(name)), per_label=2, max_states=1500, walks=60, depth=30)
+    assert report["checked"] > 0
+    assert not report["failures"], report["failures"][:3]
