@@ -201,11 +201,15 @@ class _ActionSolver:
         started = time.perf_counter()
         all_lits = list(self.lits.values())
         steps: list = []
-        if hint is not None and all(h in self.lits for h in hint):
-            steps.append(([self.lits[h] for h in hint], HINTED_TIMEOUT_MS))
-        elif not prefer_models:
-            steps.append((all_lits, QUICK_TIMEOUT_MS))
-        steps += ["model", (all_lits, self.timeout_ms)]
+        if minimize:
+            # Recording cores (``refresh_hints``): every hypothesis, the full timeout, nothing else.
+            steps.append((all_lits, self.timeout_ms))
+        else:
+            if hint is not None and all(h in self.lits for h in hint):
+                steps.append(([self.lits[h] for h in hint], HINTED_TIMEOUT_MS))
+            elif not prefer_models:
+                steps.append((all_lits, QUICK_TIMEOUT_MS))
+            steps += ["model", (all_lits, self.timeout_ms)]
         if minimize:
             s.set("core.minimize", True)
         try:
