@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json as jsonlib
 import mmap
 import os
 import shutil
@@ -386,42 +385,37 @@ def _tiers(text: str) -> list[str]:
     return names
 
 
-def _positive(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1: {n}")
-    return n
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from kvcc.cli import positive_int
+
     parser.add_argument("--sizes", type=_sizes, default=list(SIZES), metavar="LIST",
                         help="block sizes, comma-separated (default 64K,256K,1M,4M,16M)")
     parser.add_argument("--tiers", type=_tiers, default=list(TIERS), metavar="LIST",
                         help=f"tiers, comma-separated (default {','.join(TIERS)})")
     parser.add_argument("--dir", metavar="PATH", help="directory for the NVMe and pool tiers (default: the system temp dir)")
-    parser.add_argument("--threads", type=_positive, default=DEFAULT_THREADS, metavar="N",
+    parser.add_argument("--threads", type=positive_int, default=DEFAULT_THREADS, metavar="N",
                         help=f"concurrent blocks for the file tiers and their raw limit (default {DEFAULT_THREADS})")
-    parser.add_argument("--trials", type=_positive, default=DEFAULT_TRIALS, metavar="N",
+    parser.add_argument("--trials", type=positive_int, default=DEFAULT_TRIALS, metavar="N",
                         help=f"timed trials per figure, median reported (default {DEFAULT_TRIALS})")
+    parser.add_argument("--memory-trial-bytes", type=_parse_size, default=MEMORY_TRIAL_BYTES, metavar="SIZE",
+                        help=f"bytes moved per timed trial, memory tiers (default {MEMORY_TRIAL_BYTES // MIB}M)")
+    parser.add_argument("--file-trial-bytes", type=_parse_size, default=FILE_TRIAL_BYTES, metavar="SIZE",
+                        help=f"bytes moved per timed trial, file tiers (default {FILE_TRIAL_BYTES // MIB}M)")
     parser.add_argument("--json", action="store_true", help="print one JSON object and nothing else")
 
 
 def run(json: bool = False, **options: Any) -> dict[str, Any]:
     """Measure (``options`` as for ``measure``), print a rich table (or JSON with ``json=True``),
     return the result."""
-    from rich.console import Console
+    from kvcc.cli import print_json, stderr_console, stdout_console
 
     if json:
         r = measure(**options)
-        print(jsonlib.dumps(r, indent=1))
+        print_json(r)
         return r
-    err = Console(stderr=True)
-    with err.status("tiers benchmark") as status:
+    with stderr_console().status("tiers benchmark") as status:
         r = measure(on_progress=lambda what: status.update(f"tiers benchmark: {what}"), **options)
-    render(Console(), r)
+    render(stdout_console(), r)
     return r
 
 
@@ -429,7 +423,7 @@ def cli(args: argparse.Namespace) -> int:
     """``kvcc bench tiers`` with the arguments of ``add_arguments``; 0, or 1 if measuring failed."""
     try:
         run(json=args.json, sizes=args.sizes, tiers=args.tiers, directory=args.dir, threads=args.threads,
-            trials=args.trials)
+            trials=args.trials, memory_trial_bytes=args.memory_trial_bytes, file_trial_bytes=args.file_trial_bytes)
     except (BenchError, OSError) as exc:
         print(f"kvcc bench tiers: error: {exc}", file=sys.stderr)
         return 1

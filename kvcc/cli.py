@@ -1,4 +1,4 @@
-"""kvcc's command line: ``kvcc check | mutants | prove | verify | bench checker``.
+"""kvcc's command line: ``kvcc check | mutants | prove | verify | bench checker | bench tiers``.
 
 Exit codes: 0 when everything asked for holds, 1 when something fails (a violation, an unreached
 ``sometimes``, a manifest mismatch, a mutant not caught by its property, an unproved obligation),
@@ -477,6 +477,12 @@ def cmd_bench_checker(args: argparse.Namespace) -> int:
     return bench_checker.run(args)
 
 
+def cmd_bench_tiers(args: argparse.Namespace) -> int:
+    from kvcc.bench import tiers as bench_tiers
+
+    return bench_tiers.cli(args)
+
+
 # ---------------------------------------------------------------------------------------- parser
 
 
@@ -527,6 +533,13 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Distinct states per second and bytes per state of the model checker.")
     add_arguments(b)
     b.set_defaults(func=cmd_bench_checker)
+    from kvcc.bench.tiers import add_arguments as add_tiers_arguments
+
+    b = bsub.add_parser("tiers", help="storage-tier bandwidth as a fraction of the raw limit",
+                        description="Read and write bandwidth of each storage tier (DRAM, GPU, NVMe, pool) "
+                                    "per block size, as a fraction of the raw limit measured in the same run.")
+    add_tiers_arguments(b)
+    b.set_defaults(func=cmd_bench_tiers)
     return parser
 
 
