@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -68,6 +69,12 @@ from .wire import (
 )
 
 log = logging.getLogger("kvcc.transport")
+
+# The server connection a handler is answering for (set around every handler call): a handler
+# that needs to push to that peer later (the directory's Revoke, Free, Copy) keeps it.
+current_connection: contextvars.ContextVar[_ServerConnection | None] = contextvars.ContextVar(
+    "kvcc_transport_connection", default=None
+)  # the annotation is text (PEP 563): _ServerConnection is defined below
 
 # -- limits -------------------------------------------------------------------------------------
 MAX_CONNECTIONS_DEFAULT = 256
@@ -108,6 +115,28 @@ class _ServerConnection:
         self.linger_deadline = 0.0
         self.linger_timer: asyncio.TimerHandle | None = None
         self.peer = writer.get_extra_info("peername")
+        self.on_close: list[Callable[[_ServerConnection], None]] = []
+
+    @property
+    def tenant(self) -> str | None:
+        return self.session.tenant
+
+    @property
+    def closed(self) -> bool:
+        return self.closing
+
+    def push(self, msg: Any) -> bool:
+        """Send ``msg`` unasked (``re`` = 0) to the peer; ``False`` if the connection is going
+        away (the message is lost, as the network may lose any: the protocol copes)."""
+        if self.closing:
+            return False
+        try:
+            frame = self.session.send(msg, re=0)
+            self.writer.write(frame)
+        except (ConnectionError, OSError, RuntimeError):
+            return False
+        self.server.stats["pushes"] += 1
+        return True
 
     async def run(self) -> None:
         server = self.server
@@ -163,6 +192,11 @@ class _ServerConnection:
             log.info("connection from %s lost: %s", self.peer, e)
         finally:
             self.closing = True
+            for callback in self.on_close:
+                try:
+                    callback(self)
+                except Exception:
+                    log.exception("on_close callback failed")
             await _close_writer(self.writer)
             if self.linger_timer is not None:
                 self.linger_timer.cancel()
@@ -197,6 +231,7 @@ class _ServerConnection:
     async def handle(self, r: Received) -> None:
         server = self.server
         try:
+            current_connection.set(self)  # copied into the handler's context
             task = asyncio.create_task(server.handler(self.session.tenant, r.msg))
             try:
                 done, _ = await asyncio.wait({task}, timeout=server.request_timeout_ms / 1000)
@@ -261,7 +296,7 @@ class Server:
         self.max_in_flight_per_connection = max_in_flight_per_connection
         self.answer_ping = answer_ping
         self.stats = {"connections": 0, "refused_busy": 0, "requests": 0, "peer_violations": 0,
-                      "handler_errors": 0, "timeouts": 0}  # fmt: skip
+                      "handler_errors": 0, "timeouts": 0, "pushes": 0}  # fmt: skip
         self._server: asyncio.base_events.Server | None = None
         self._connections: dict[asyncio.Task, _ServerConnection] = {}
         self._orphans: set[asyncio.Task] = set()  # handlers still running after their connection ended
@@ -379,6 +414,10 @@ class _ClientConnection:
                     if r.final:
                         self.fail(ConnectionFailed(f"the server ended the connection: {r.msg.text}", code=r.msg.code))
                         return
+                    if r.re == 0 and self.client.on_push is not None:
+                        self.client.stats["pushes"] += 1
+                        self.client.on_push(r.msg)
+                        continue
                     future = self.pending.pop(r.re, None)
                     if future is None or future.done():
                         # An answer to a request that timed out (or an unsolicited push, which
@@ -431,6 +470,7 @@ class Client:
         connect_timeout_ms: int = CONNECT_TIMEOUT_MS_DEFAULT,
         max_frame_bytes: int = MAX_FRAME_BYTES,
         max_in_flight: int = MAX_IN_FLIGHT_PER_CONNECTION_DEFAULT,
+        on_push: Callable[[Any], None] | None = None,
     ) -> None:
         assert timeout_ms > 0 and connect_timeout_ms > 0 and max_in_flight > 0
         Session.client(tenant, token)  # validates tenant and token now, not at first use
@@ -442,7 +482,8 @@ class Client:
         self.connect_timeout_ms = connect_timeout_ms
         self.max_frame_bytes = max_frame_bytes
         self.max_in_flight = max_in_flight
-        self.stats = {"connects": 0, "requests": 0, "timeouts": 0, "stale_replies": 0}
+        self.on_push = on_push  # called (in the read loop: must not block) with each pushed message
+        self.stats = {"connects": 0, "requests": 0, "timeouts": 0, "stale_replies": 0, "pushes": 0}
         self._conn: _ClientConnection | None = None
         self._connect_lock = asyncio.Lock()
         self._slots = asyncio.Semaphore(max_in_flight)

@@ -460,6 +460,79 @@ class EvictRefused:
     reason: Code
 
 
+# Membership and tiering: node/client <-> directory.
+@frozen
+class Hello:
+    """Node or client -> directory, first on every connection: who is on this connection (the
+    directory pushes the directives for ``node`` -- ``Revoke``, ``Free``, ``Copy`` -- on it), its
+    ``incarnation`` (higher after every restart), where its data server listens (``address``
+    "host:port", "" for a client without one), the ``locations`` it serves and those of them that
+    came back empty after a restart (``lost``)."""
+
+    node: NodeId
+    incarnation: int
+    address: str
+    locations: tuple[LocationId, ...]
+    lost: tuple[LocationId, ...]
+
+
+@frozen
+class Welcome:
+    """Directory -> a node that said Hello. After a restart (a new ``incarnation``) it carries the
+    fences the node must restore: for every key owned at (or moving to) one of its locations, the
+    key's epoch, which bounds every epoch ever issued for it (``rules.restored_fence``)."""
+
+    node: NodeId
+    incarnation: int
+    fence_keys: tuple[BlockKey, ...]
+    fence_epochs: tuple[int, ...]
+
+
+@frozen
+class ListNodes:
+    nonce: int
+
+
+@frozen
+class NodeList:
+    """The nodes that said Hello with a data address, and those addresses ("host:port")."""
+
+    nodes: tuple[NodeId, ...]
+    addresses: tuple[NodeId, ...]
+
+
+@frozen
+class Transfer:
+    """Node -> directory: move the owner copy of ``key`` to ``destination`` (promotion or
+    demotion between tiers: an ownership transfer under ``epoch + 1``)."""
+
+    node: NodeId
+    key: BlockKey
+    destination: LocationId
+
+
+@frozen
+class TransferStarted:
+    key: BlockKey
+    destination: LocationId
+    epoch: Epoch
+
+
+@frozen
+class TransferRefused:
+    key: BlockKey
+    destination: LocationId
+    reason: Code
+
+
+@frozen
+class Noted:
+    """The directory took a one-way message (``RevokeAcked``, ``Copied``, ``Freed``): the
+    transport answers every request, and this answer says only that it arrived."""
+
+    what: Code
+
+
 # Generic.
 @frozen
 class Error:
@@ -487,6 +560,7 @@ _ALL = (
     Free, Freed, Copy, Copied, CopyFailed, Fenced, ReadBytes, BytesRead, ReadRefused,
     Lookup, PrefixFound, Invalidate, InvalidationStarted, WaitTicket, InvalidationCompleted,
     InvalidationPending, Evict, Evicted, EvictRefused,
+    Hello, Welcome, ListNodes, NodeList, Transfer, TransferStarted, TransferRefused, Noted,
     Error, Ping, Pong,
 )  # fmt: skip
 
@@ -618,6 +692,16 @@ def _ids_from_wire(v: Any) -> tuple[str, ...]:
     return t
 
 
+def _uints_from_wire(v: Any) -> tuple[int, ...]:
+    if type(v) is not list:
+        raise ValueError("expected an array of ints")
+    t = tuple(v)
+    problem = _tuple_checker(_check_uint)(t)
+    if problem:
+        raise ValueError(problem)
+    return t
+
+
 # annotation text -> (check, to_wire, from_wire)
 _WIRE_TYPES: dict[str, tuple] = {
     "int": _plain(_check_uint),
@@ -638,6 +722,8 @@ _WIRE_TYPES: dict[str, tuple] = {
     ),
     "tuple[BlockKey, ...]": (_tuple_checker(_check_key), lambda v: [k.digest for k in v], _keys_from_wire),
     "tuple[LocationId, ...]": (_tuple_checker(_check_id), list, _ids_from_wire),
+    "tuple[NodeId, ...]": (_tuple_checker(_check_id), list, _ids_from_wire),
+    "tuple[int, ...]": (_tuple_checker(_check_uint), list, _uints_from_wire),
 }
 
 
@@ -651,6 +737,12 @@ def _cross_field_problem(msg: Any) -> str | None:
     elif type(msg) is PrefixFound:
         if len(msg.locations) != msg.blocks_matched:
             return f"{len(msg.locations)} locations for {msg.blocks_matched} matched blocks"
+    elif type(msg) is Welcome:
+        if len(msg.fence_keys) != len(msg.fence_epochs):
+            return f"{len(msg.fence_keys)} fence keys for {len(msg.fence_epochs)} epochs"
+    elif type(msg) is NodeList:
+        if len(msg.nodes) != len(msg.addresses):
+            return f"{len(msg.nodes)} nodes for {len(msg.addresses)} addresses"
     elif type(msg) is WaitTicket:
         if msg.timeout_ms > MAX_WAIT_TICKET_MS:
             return f"timeout_ms {msg.timeout_ms} above {MAX_WAIT_TICKET_MS}"

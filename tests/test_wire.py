@@ -34,7 +34,9 @@ from kvcc.reference.wire import (
     PrefixFound,
     Session,
     Tenants,
+    NodeList,
     WaitTicket,
+    Welcome,
     WriteBytes,
     decode,
     encode,
@@ -69,6 +71,8 @@ FIELD_STRATEGIES = {
     "BlockKey | None": st.none() | _keys,
     "tuple[BlockKey, ...]": st.lists(_keys, max_size=6).map(tuple),
     "tuple[LocationId, ...]": st.lists(_ids, max_size=6).map(tuple),
+    "tuple[NodeId, ...]": st.lists(_ids, max_size=6).map(tuple),
+    "tuple[int, ...]": st.lists(_uint, max_size=6).map(tuple),
 }
 
 
@@ -84,6 +88,16 @@ def message_strategy(cls: type) -> st.SearchStrategy:
             lambda locs: st.builds(PrefixFound, namespace=FIELD_STRATEGIES["NamespaceDigest"],
                                    blocks_matched=st.just(len(locs)), locations=st.just(tuple(locs)))
         )  # fmt: skip
+    if cls is Welcome:
+        return st.lists(st.tuples(_keys, _uint), max_size=6).flatmap(
+            lambda pairs: st.builds(Welcome, node=_ids, incarnation=_uint,
+                                    fence_keys=st.just(tuple(k for k, _ in pairs)),
+                                    fence_epochs=st.just(tuple(e for _, e in pairs)))
+        )  # fmt: skip
+    if cls is NodeList:
+        return st.lists(_ids, max_size=6).flatmap(
+            lambda ids: st.builds(NodeList, nodes=st.just(tuple(ids)), addresses=st.just(tuple(reversed(ids))))
+        )
     if cls is WaitTicket:
         return st.builds(WaitTicket, ticket=_uint, timeout_ms=st.integers(0, wire.MAX_WAIT_TICKET_MS))
     return st.builds(cls, **{a.name: FIELD_STRATEGIES[a.type] for a in attrs.fields(cls)})
