@@ -27,9 +27,10 @@ else
 fi
 
 if [ "$needs_install" = 1 ]; then
-    echo "setup: pip install -c constraints.txt -e . (quiet)" >&2
+    # [mooncake]: a real Mooncake Store for the mooncake adapters (no torch; see pyproject.toml).
+    echo "setup: pip install -c constraints.txt -e .[mooncake] (quiet)" >&2
     "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check \
-        -c constraints.txt -e .
+        -c constraints.txt -e ".[mooncake]"
     # Guard: never a CUDA torch, never torchvision or nvidia-* wheels.
     "$VENV/bin/python" - <<'PY'
 import sys
