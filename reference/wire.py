@@ -939,12 +939,15 @@ class Tenants:
 
     tokens: Mapping[str, bytes] = field(converter=_tokens)
     namespaces: Mapping[str, frozenset[bytes]] = field(factory=dict, converter=_namespaces)
+    # Tenants that act on every namespace: the cache nodes' own identity (a node evicts and
+    # demotes whatever it stores). Never give it to an engine.
+    operators: frozenset[str] = field(default=frozenset(), converter=frozenset)
 
     def token(self, tenant: str) -> bytes | None:
         return self.tokens.get(tenant)
 
     def allows(self, tenant: str, namespace_digest: bytes) -> bool:
-        return namespace_digest in self.namespaces.get(tenant, frozenset())
+        return tenant in self.operators or namespace_digest in self.namespaces.get(tenant, frozenset())
 
     def authorize(self, tenant: str, namespace_digest: bytes) -> None:
         """Raise ``Unauthorized`` unless ``tenant`` may use the namespace (DESIGN property 11)."""

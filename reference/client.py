@@ -1,0 +1,502 @@
+"""The client library an inference engine uses: lookups, leases, reads, writes, invalidation.
+
+Theory of operation
+-------------------
+A ``KvccClient`` is one *holder* and one *writer* in the spec's sense, named by ``client_id``.
+It talks to the directory over one authenticated connection (pipelined requests; the directory
+pushes ``Revoke`` on it) and to cache nodes' data servers for the bytes.
+
+**Leases** (DESIGN: leases). A read lease is trusted from when its ``Acquire`` was *sent* for
+``term - epsilon`` on this process's monotonic clock (``holder_budget``): whatever the directory's
+clock or the network did, the directory keeps the lease live for ``term + epsilon`` from the
+grant, which is later. ``read`` refuses (``lease_expired``) once the budget is spent. ``renew``
+extends the budget counted from when the renewal was sent. A ``Revoke`` drops the lease *first*
+and acknowledges *after* (Chubby's flush-then-ack; spec ``drop_and_ack``); a revoke that overtakes
+the grant it revokes cancels the pending acquire, so the late grant is never trusted (the
+checker found that one: ``NoReadAfterAck``).
+
+**Writes.** ``begin_write`` takes the key's write lease (the directory picks the location and the
+epoch); ``write_bytes`` sends the block to that location tagged with the epoch, and the location
+refuses it if a newer owner has come since (fencing); ``commit`` publishes it at the directory,
+which refuses a commit after the lease expired or under a stale epoch. ``abort`` gives up: the
+write lease expires at the directory. ``put`` does all three.
+
+**Reads** go to the location's node (addresses from ``ListNodes``, refreshed on a miss). The
+node verifies the block's checksum and generation: the bytes a read returns are the committed
+bytes of exactly that generation, or the read fails (DESIGN 4). ``read`` copies into the
+caller's buffer when given one (bytearray, memoryview, numpy array, ``torch.uint8`` tensor).
+
+**Results.** Expected refusals are values (``Refused(reason)``, reasons from ``wire.REASON_*``
+plus ``"miss"``, ``"fenced"``, ``"revoked"``, ``"no_space"``); infrastructure failure raises
+``ConnectionFailed`` / ``TimeoutError_``; a caller's mistake raises ``ValueError``/``TypeError``.
+
+**Events.** With an ``EventLog`` the client logs its spec actions under ``client_id``:
+``acquire``, ``trust_read_lease``, ``read``, ``renew``, ``trust_renewal``, ``release``,
+``drop_and_ack``, ``begin_write``, ``start_writing``, ``abort``.
+
+``SyncClient`` runs a ``KvccClient`` on a private event loop thread for synchronous callers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import Any
+
+from attrs import frozen
+
+from kvcc.spec.keys import BlockKey, LocationId, Namespace
+from kvcc.spec.rules import holder_budget
+
+from .errors import ConnectionFailed
+from .events import EventLog
+from .tiers.base import copy_into, sink_bytes, source_bytes
+from .transport import Client
+from .wire import (
+    MAX_FRAME_BYTES,
+    MAX_WAIT_TICKET_MS,
+    SCOPE_KEY,
+    SCOPES,
+    Acquire,
+    BeginWrite,
+    BytesRead,
+    BytesStored,
+    Commit,
+    CommitRejected,
+    Committed,
+    Error,
+    Evict,
+    Evicted,
+    EvictRefused,
+    Fenced,
+    Hello,
+    Invalidate,
+    InvalidationCompleted,
+    InvalidationStarted,
+    LeaseRefused,
+    LeaseRenewed,
+    ListNodes,
+    Lookup,
+    NodeList,
+    PrefixFound,
+    ReadBytes,
+    ReadLeaseGranted,
+    ReadRefused,
+    Release,
+    Renew,
+    Revoke,
+    RevokeAcked,
+    WaitTicket,
+    Welcome,
+    WriteBytes,
+    WriteLeaseGranted,
+)
+
+log = logging.getLogger("kvcc.client")
+
+REASON_LEASE_EXPIRED = "lease_expired"
+REASON_REVOKED = "revoked"
+REASON_MISS = "miss"
+REASON_FENCED = "fenced"
+REASON_NO_SPACE = "no_space"
+SYNC_CALL_TIMEOUT_S = 120.0  # SyncClient: longest any one call may take (WaitTicket included)
+
+
+@frozen
+class Refused:
+    """An expected refusal: ``reason`` is a ``wire.REASON_*`` code or one of this module's."""
+
+    reason: str
+    detail: str = ""
+
+
+@frozen
+class ReadLease:
+    key: BlockKey
+    lease: int
+    location: LocationId
+    gen: int
+    epoch: int
+    term_ms: int
+    sent_ns: int  # when the request that (re)started the budget was sent (monotonic)
+    trusted_until_ns: int
+
+
+@frozen
+class WriteLease:
+    key: BlockKey
+    namespace: bytes
+    parent: BlockKey | None
+    lease: int
+    location: LocationId
+    gen: int
+    epoch: int
+    term_ms: int
+    sent_ns: int
+    trusted_until_ns: int
+
+
+@frozen
+class PrefixHit:
+    """The first ``blocks`` keys of a lookup are cached; ``locations[i]`` holds key ``i``."""
+
+    blocks: int
+    locations: tuple[LocationId, ...]
+
+
+def _digest(ns: Namespace | bytes) -> bytes:
+    if isinstance(ns, Namespace):
+        return ns.digest()
+    if type(ns) is bytes and len(ns) == 32:
+        return ns
+    raise TypeError("a namespace is a Namespace or its 32-byte digest")
+
+
+class KvccClient:
+    """``KvccClient(directory, tenant, token, *, client_id, skew_ms, events=None)``; ``await start()``."""
+
+    def __init__(
+        self,
+        directory: tuple[str, int],
+        tenant: str,
+        token: bytes,
+        *,
+        client_id: str | None = None,
+        skew_ms: int,
+        events: EventLog | None = None,
+        incarnation: int = 1,
+        timeout_ms: int | None = None,
+    ) -> None:
+        self.client_id = client_id or f"c{os.getpid()}-{id(self) & 0xFFFF:x}"
+        self.tenant = tenant
+        self.token = token
+        self.skew_ms = skew_ms
+        self.events = events
+        self.incarnation = incarnation
+        kwargs = {} if timeout_ms is None else {"timeout_ms": timeout_ms}
+        self._dir = Client(*directory, tenant, token, on_push=self._on_push, **kwargs)
+        self._hello_connects = -1
+        self._requests = itertools.count(1)
+        self._leases: dict[BlockKey, ReadLease] = {}
+        self._pending: dict[BlockKey, int] = {}  # key -> request id of an acquire in flight
+        self._cancelled: set[int] = set()  # acquires a Revoke overtook
+        self._nodes: dict[str, str] = {}
+        self._peers: dict[str, Client] = {}
+        self._acks: set[asyncio.Task] = set()
+        self._timeout_ms = timeout_ms
+        self.stats = {"hits": 0, "misses": 0, "revoked": 0, "expired_reads": 0}
+
+    async def start(self) -> KvccClient:
+        await self._ensure_hello()
+        await self.refresh_nodes()
+        return self
+
+    async def close(self) -> None:
+        for t in list(self._acks):
+            t.cancel()
+        await asyncio.gather(*self._acks, return_exceptions=True)
+        for c in self._peers.values():
+            await c.close()
+        await self._dir.close()
+
+    async def __aenter__(self) -> KvccClient:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------------ plumbing
+
+    async def _ensure_hello(self) -> None:
+        await self._dir.connect()
+        if self._hello_connects == self._dir.stats["connects"]:
+            return
+        self._hello_connects = self._dir.stats["connects"]
+        reply = await self._dir.request(Hello(self.client_id, self.incarnation, "", (), ()))
+        if type(reply) is not Welcome:
+            raise ConnectionFailed(f"Hello answered with {reply!r}", code="unexpected_reply")
+
+    async def _ask(self, msg: Any) -> Any:
+        await self._ensure_hello()
+        reply = await self._dir.request(msg)
+        if type(reply) is Error:
+            raise ConnectionFailed(f"the directory failed {type(msg).__name__}: {reply.code}: {reply.text}", code=reply.code)
+        return reply
+
+    def _emit(self, event: str, **fields: Any) -> None:
+        if self.events is not None:
+            self.events.emit(event, **fields)
+
+    def _budget_ns(self, term_ms: int) -> int:
+        return holder_budget(term_ms, self.skew_ms) * 1_000_000
+
+    async def refresh_nodes(self) -> dict[str, str]:
+        reply = await self._ask(ListNodes(0))
+        assert type(reply) is NodeList
+        self._nodes = dict(zip(reply.nodes, reply.addresses))
+        return dict(self._nodes)
+
+    async def _peer(self, location: LocationId) -> Client:
+        node = location.split("/", 1)[0] if location != "pool" else None
+        if node is None or node not in self._nodes:
+            await self.refresh_nodes()
+        if node is None:
+            node = min(self._nodes) if self._nodes else None  # any node serves the shared pool
+        if node is None or node not in self._nodes:
+            raise ConnectionFailed(f"no node serves {location}", code="no_node")
+        address = self._nodes[node]
+        client = self._peers.get(address)
+        if client is None:
+            host, port = address.rsplit(":", 1)
+            kwargs = {} if self._timeout_ms is None else {"timeout_ms": self._timeout_ms}
+            client = self._peers[address] = Client(host, int(port), self.tenant, self.token, max_frame_bytes=MAX_FRAME_BYTES, **kwargs)
+        return client
+
+    def _on_push(self, msg: Any) -> None:
+        if type(msg) is not Revoke:
+            log.warning("%s ignores a pushed %s", self.client_id, type(msg).__name__)
+            return
+        held = self._leases.get(msg.key)
+        if held is not None and held.lease == msg.lease:
+            del self._leases[msg.key]  # drop first ...
+            self.stats["revoked"] += 1
+        pending = self._pending.pop(msg.key, None)
+        if pending is not None:
+            self._cancelled.add(pending)  # ... and a grant still on its way is never trusted
+        self._emit("drop_and_ack", key=msg.key, gen=msg.gen, lease=msg.lease)
+        task = asyncio.create_task(self._ack(msg))  # ... then acknowledge
+        self._acks.add(task)
+        task.add_done_callback(self._acks.discard)
+
+    async def _ack(self, msg: Revoke) -> None:
+        try:
+            await self._dir.request(RevokeAcked(self.client_id, msg.key, msg.lease))
+        except Exception as e:  # the lease then ends by expiry: slower, never unsafe
+            log.info("%s: ack of lease %d lost: %s", self.client_id, msg.lease, e)
+
+    # ------------------------------------------------------------------ lookup
+
+    async def lookup(self, ns: Namespace | bytes, keys: Sequence[BlockKey]) -> PrefixHit:
+        reply = await self._ask(Lookup(_digest(ns), tuple(keys)))
+        assert type(reply) is PrefixFound
+        return PrefixHit(reply.blocks_matched, reply.locations)
+
+    # ------------------------------------------------------------------ read leases
+
+    def lease_of(self, key: BlockKey) -> ReadLease | None:
+        return self._leases.get(key)
+
+    async def acquire(self, ns: Namespace | bytes, key: BlockKey) -> ReadLease | Refused:
+        if key in self._leases:
+            return self._leases[key]
+        request = next(self._requests)
+        sent = time.monotonic_ns()
+        self._pending[key] = request
+        self._emit("acquire", key=key, request=request)
+        try:
+            reply = await self._ask(Acquire(self.client_id, key, _digest(ns), request))
+        finally:
+            if self._pending.get(key) == request:
+                del self._pending[key]
+        if type(reply) is LeaseRefused:
+            return Refused(reply.reason)
+        assert type(reply) is ReadLeaseGranted and reply.request == request
+        if request in self._cancelled:
+            self._cancelled.discard(request)
+            return Refused(REASON_REVOKED, "revoked before the grant arrived")
+        lease = ReadLease(key, reply.lease, reply.location, reply.gen, reply.epoch, reply.term_ms, sent,
+                          sent + self._budget_ns(reply.term_ms))  # fmt: skip
+        self._leases[key] = lease
+        self._emit("trust_read_lease", key=key, gen=reply.gen, epoch=reply.epoch, lease=reply.lease,
+                   location=reply.location, request=request)  # fmt: skip
+        return lease
+
+    async def renew(self, lease: ReadLease) -> ReadLease | Refused:
+        if self._leases.get(lease.key) != lease:
+            return Refused(REASON_REVOKED, "not held")
+        request = next(self._requests)
+        sent = time.monotonic_ns()
+        self._emit("renew", key=lease.key, gen=lease.gen, lease=lease.lease, request=request)
+        reply = await self._ask(Renew(self.client_id, lease.key, lease.lease, lease.location, request))
+        if type(reply) is LeaseRefused:
+            return Refused(reply.reason)
+        assert type(reply) is LeaseRenewed
+        if self._leases.get(lease.key) is None or self._leases[lease.key].lease != lease.lease:
+            return Refused(REASON_REVOKED, "revoked while renewing")
+        renewed = ReadLease(lease.key, lease.lease, lease.location, lease.gen, lease.epoch, reply.term_ms, sent,
+                            max(lease.trusted_until_ns, sent + self._budget_ns(reply.term_ms)))  # fmt: skip
+        self._leases[lease.key] = renewed
+        self._emit("trust_renewal", key=lease.key, gen=lease.gen, lease=lease.lease, request=request)
+        return renewed
+
+    async def release(self, lease: ReadLease) -> None:
+        if self._leases.get(lease.key) is not None and self._leases[lease.key].lease == lease.lease:
+            del self._leases[lease.key]  # stop trusting first, then tell the directory
+            self._emit("release", key=lease.key, gen=lease.gen, lease=lease.lease)
+        await self._ask(Release(self.client_id, lease.key, lease.lease))
+
+    def trusted(self, lease: ReadLease, now_ns: int | None = None) -> bool:
+        held = self._leases.get(lease.key)
+        now = time.monotonic_ns() if now_ns is None else now_ns
+        return held is not None and held.lease == lease.lease and now < held.trusted_until_ns
+
+    async def read(self, lease: ReadLease, out: Any = None) -> bytes | int | Refused:
+        """The block's bytes (or, with ``out``, their length, copied into ``out``)."""
+        if not self.trusted(lease):
+            held = self._leases.get(lease.key)
+            if held is not None and held.lease == lease.lease:
+                self.stats["expired_reads"] += 1
+                return Refused(REASON_LEASE_EXPIRED)
+            return Refused(REASON_REVOKED, "the lease is no longer held")
+        held = self._leases[lease.key]
+        peer = await self._peer(held.location)
+        reply = await peer.request(ReadBytes(self.client_id, held.key, held.lease, held.location, held.gen))
+        if type(reply) is not BytesRead or reply.gen != held.gen or reply.key != held.key:
+            self.stats["misses"] += 1
+            reason = reply.reason if type(reply) is ReadRefused else REASON_MISS
+            return Refused(reason)
+        self.stats["hits"] += 1
+        self._emit("read", key=held.key, gen=held.gen, epoch=held.epoch, lease=held.lease, location=held.location,
+                   nbytes=len(reply.data))  # fmt: skip
+        if out is None:
+            return reply.data
+        sink = sink_bytes(out)
+        if len(sink) < len(reply.data):
+            raise ValueError(f"buffer of {len(sink)} bytes for a block of {len(reply.data)}")
+        copy_into(sink, reply.data, len(reply.data))
+        return len(reply.data)
+
+    # ------------------------------------------------------------------ writes
+
+    async def begin_write(self, ns: Namespace | bytes, key: BlockKey, parent: BlockKey | None) -> WriteLease | Refused:
+        request = next(self._requests)
+        sent = time.monotonic_ns()
+        digest = _digest(ns)
+        self._emit("begin_write", key=key, request=request, parent=None if parent is None else parent.hex)
+        reply = await self._ask(BeginWrite(self.client_id, key, digest, parent, request))
+        if type(reply) is LeaseRefused:
+            return Refused(reply.reason)
+        assert type(reply) is WriteLeaseGranted and reply.request == request
+        return WriteLease(key, digest, parent, reply.lease, reply.location, reply.gen, reply.epoch, reply.term_ms,
+                          sent, sent + self._budget_ns(reply.term_ms))  # fmt: skip
+
+    async def write_bytes(self, wl: WriteLease, data: Any) -> None | Refused:
+        payload = data if type(data) is bytes else bytes(source_bytes(data))
+        self._emit("start_writing", key=wl.key, gen=wl.gen, epoch=wl.epoch, lease=wl.lease, location=wl.location)
+        peer = await self._peer(wl.location)
+        reply = await peer.request(WriteBytes(self.client_id, wl.key, wl.lease, wl.location, wl.gen, wl.epoch, payload))
+        if type(reply) is BytesStored:
+            return None
+        if type(reply) is Fenced:
+            return Refused(REASON_FENCED, f"fence {reply.fence} above epoch {reply.epoch}")
+        if type(reply) is Error:
+            return Refused(reply.code, reply.text)
+        return Refused(REASON_MISS, f"unexpected {type(reply).__name__}")
+
+    async def commit(self, wl: WriteLease) -> Committed | Refused:
+        reply = await self._ask(Commit(self.client_id, wl.key, wl.lease, wl.gen, wl.epoch))
+        if type(reply) is CommitRejected:
+            return Refused(reply.reason)
+        assert type(reply) is Committed
+        return reply
+
+    def abort(self, wl: WriteLease) -> None:
+        """Give up the write: the directory expires the write lease; bytes already sent are
+        never readable (the generation never commits) and a late one is fenced."""
+        self._emit("abort", key=wl.key, gen=wl.gen, epoch=wl.epoch, lease=wl.lease)
+
+    async def put(self, ns: Namespace | bytes, key: BlockKey, parent: BlockKey | None, data: Any) -> Committed | Refused:
+        wl = await self.begin_write(ns, key, parent)
+        if isinstance(wl, Refused):
+            return wl
+        stored = await self.write_bytes(wl, data)
+        if stored is not None:
+            self.abort(wl)
+            return stored
+        return await self.commit(wl)
+
+    # ------------------------------------------------------------------ invalidation and eviction
+
+    async def invalidate(self, ns: Namespace | bytes, scope: str = SCOPE_KEY, key: BlockKey | None = None) -> int:
+        if scope not in SCOPES:
+            raise ValueError(f"scope {scope!r} is not one of {SCOPES}")
+        reply = await self._ask(Invalidate(_digest(ns), scope, key))
+        assert type(reply) is InvalidationStarted
+        return reply.ticket
+
+    async def wait(self, ticket: int, timeout_s: float) -> bool:
+        """Whether invalidation ``ticket`` completed within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            reply = await self._ask(WaitTicket(ticket, max(0, min(left_ms, MAX_WAIT_TICKET_MS))))
+            if type(reply) is InvalidationCompleted:
+                return True
+            if left_ms <= 0 or time.monotonic() >= deadline:
+                return False
+
+    async def evict(self, key: BlockKey, location: LocationId) -> Evicted | Refused:
+        """Ask the node serving ``location`` to evict its copy of ``key`` (the directory decides)."""
+        peer = await self._peer(location)
+        reply = await peer.request(Evict(self.client_id, key, location))
+        if type(reply) is EvictRefused:
+            return Refused(reply.reason)
+        if type(reply) is Error:
+            return Refused(reply.code, reply.text)
+        assert type(reply) is Evicted
+        return reply
+
+
+class SyncClient:
+    """A ``KvccClient`` for synchronous callers: its own event loop on a daemon thread. Every
+    method of ``KvccClient`` is available with the same arguments, blocking."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kvcc-client", daemon=True)
+        self._thread.start()
+        self._client = self._call_sync(self._make(args, kwargs))
+
+    async def _make(self, args: tuple, kwargs: dict) -> KvccClient:
+        return await KvccClient(*args, **kwargs).start()
+
+    def _call_sync(self, coro: Any, timeout_s: float = SYNC_CALL_TIMEOUT_S) -> Any:
+        fut: Future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        return fut.result(timeout_s)
+
+    @property
+    def client(self) -> KvccClient:
+        return self._client
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._client, name)
+        if not asyncio.iscoroutinefunction(attr):
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return self._call_sync(attr(*args, **kwargs))
+
+        return call
+
+    def abort(self, wl: WriteLease) -> None:
+        self._loop.call_soon_threadsafe(self._client.abort, wl)
+
+    def close(self) -> None:
+        try:
+            self._call_sync(self._client.close(), 10)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(5)
+            self._loop.close()
+
+    def __enter__(self) -> SyncClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,363 @@
+"""The directory server: the sans-IO core wired to a clock, a durable store, TCP and an event log.
+
+Theory of operation
+-------------------
+``DirectoryCore`` decides; this module carries its decisions out, in the order the core's
+docstring requires:
+
+1. Every request is one ``core.handle(msg, now_ms, tenant)`` call on the event loop's thread --
+   the core is never entered twice at once, and nothing awaits between the call and carrying out
+   its effects, so effects leave in the order they were produced.
+2. Durable effects (``Persist``, ``PersistTicket``, ``ForgetTicket``, ``ReserveLeaseIds``) are
+   committed to the store in one transaction *before* the reply or any directive leaves. A store
+   that fails raises, the request is answered ``Error("internal")``, and this directory stops
+   serving (``fatal``): what the core believes is no longer what the log holds, and a restart
+   from the log is the only safe way on.
+3. Directives go to nodes as **pushes** on the connection the node last said ``Hello`` on
+   (``transport.current_connection``): ``Revoke`` to a holder, ``Free`` and ``Copy`` to the node
+   serving the location (location ids are ``"<node>/<tier>"``; the shared pool, which every node
+   mounts, is served by any connected node that lists it). A directive for a node that is not
+   connected is lost -- exactly the network loss the spec allows: a lost ``Revoke`` ends by lease
+   expiry, a lost ``Free`` leaves a copy no lease will ever point at, fenced by its epoch.
+4. Timers: one task sleeps until ``core.next_deadline_ms()`` (woken early when a request may
+   have moved it) and calls ``core.tick``; lease expiry, write-lease expiry, restart grace and the
+   invalidations waiting on them happen there.
+5. ``WaitTicket`` long-polls: it waits (up to its ``timeout_ms``) on an ``asyncio.Event`` that
+   the ``CompleteTicket`` effect sets.
+
+The clock is ``time.monotonic_ns`` in ms from the server's start (injectable): a restarted
+directory starts a new clock, which the core allows (``restarted`` re-bases write leases).
+
+A first start (an empty log) serves at once; a restart (a log with an earlier incarnation)
+calls ``core.restarted`` and so grants nothing conflicting for the restart grace (DESIGN 12).
+
+Membership: ``Hello(node, incarnation, address, locations, lost)`` registers the connection.
+A node seen before under another incarnation, or one that lost locations, has restarted:
+``core.node_rejoined`` forgets its leases and voids what it lost, and the ``Welcome`` carries
+the fences the node restores for the keys owned at its locations.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from kvcc.spec.keys import BlockKey, LocationId, NodeId
+
+from ..errors import PeerViolation
+from ..events import EventLog
+from ..transport import Server, current_connection
+from ..wire import (
+    MAX_CONTROL_FRAME_BYTES,
+    MAX_LOOKUP_KEYS,
+    MAX_WAIT_TICKET_MS,
+    Copied,
+    Free,
+    Hello,
+    InvalidationCompleted,
+    InvalidationPending,
+    ListNodes,
+    NodeList,
+    Noted,
+    RevokeAcked,
+    Tenants,
+    Transfer,
+    TransferRefused,
+    TransferStarted,
+    WaitTicket,
+    Welcome,
+    kind_of,
+)
+from .core import (
+    DURABLE_EFFECTS,
+    TICKET_PENDING,
+    CompleteTicket,
+    CopyAt,
+    DirectoryConfig,
+    DirectoryCore,
+    Effect,
+    Emit,
+    FreeAt,
+    Send,
+)
+from .store import Loaded
+
+log = logging.getLogger("kvcc.directory")
+
+POOL_LOCATION = "pool"  # the shared pool's location id: every node mounts it
+LOCATION_SEPARATOR = "/"  # "<node>/<tier>"
+TIMER_SLACK_MS = 1  # sleep this much past a deadline: the core expires at deadline, not before
+
+
+class Store(Protocol):
+    """What the server needs of a durable log (``store.DirectoryStore``, ``etcd_store``)."""
+
+    def load(self) -> Loaded: ...
+
+    def commit(self, effects: list[Effect]) -> int: ...
+
+    def close(self) -> None: ...
+
+
+def node_of(location: LocationId) -> NodeId | None:
+    """The node serving ``location`` (``None`` for the shared pool: any node can)."""
+    if location == POOL_LOCATION:
+        return None
+    return NodeId(location.split(LOCATION_SEPARATOR, 1)[0])
+
+
+def rendezvous_placement(nodes: Callable[[], dict[NodeId, tuple[LocationId, ...]]]) -> Callable:
+    """Place a write on the first location of the node with the highest hash of (node, key):
+    blocks spread over the nodes, and a key stays with its node while membership holds
+    (rendezvous hashing). With no node registered the writer's own id names the location."""
+    import hashlib
+
+    def place(writer: NodeId, key: BlockKey) -> LocationId:
+        candidates = {n: locs for n, locs in nodes().items() if locs}
+        if not candidates:
+            return LocationId(f"{writer}{LOCATION_SEPARATOR}dram")
+        best = max(candidates, key=lambda n: hashlib.blake2b(n.encode() + key.digest, digest_size=8).digest())
+        return candidates[best][0]
+
+    return place
+
+
+class _Member:
+    __slots__ = ("node", "incarnation", "address", "locations", "conn")
+
+    def __init__(self, node: NodeId, incarnation: int, address: str, locations: tuple[LocationId, ...], conn: Any):
+        self.node = node
+        self.incarnation = incarnation
+        self.address = address
+        self.locations = locations
+        self.conn = conn
+
+
+class DirectoryServer:
+    """``DirectoryServer(config, tenants, store, *, host, port, events=None)``; ``await start()``
+    (or ``async with``), then ``port``; ``await close()``. ``fatal`` is set once the store failed."""
+
+    def __init__(
+        self,
+        config: DirectoryConfig,
+        tenants: Tenants,
+        store: Store,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        events: EventLog | None = None,
+        monotonic_ns: Callable[[], int] = time.monotonic_ns,
+        request_timeout_ms: int | None = None,
+    ) -> None:
+        self.config = config
+        self.tenants = tenants
+        self.store = store
+        self.events = events
+        self._monotonic_ns = monotonic_ns
+        self._start_ns = monotonic_ns()
+        self._members: dict[NodeId, _Member] = {}
+        self.core = DirectoryCore(config, tenants.allows, rendezvous_placement(self._locations_by_node))
+        kwargs = {} if request_timeout_ms is None else {"request_timeout_ms": request_timeout_ms}
+        self._server = Server(self._handle, tenants, host=host, port=port, max_frame_bytes=MAX_CONTROL_FRAME_BYTES, **kwargs)
+        self._ticket_events: dict[int, asyncio.Event] = {}
+        self._timer_task: asyncio.Task | None = None
+        self._wake = asyncio.Event()
+        self.fatal: BaseException | None = None
+        self.incarnation = 0
+        self.restarted = False
+        self.stats = {"requests": 0, "pushes": 0, "lost_directives": 0, "commits": 0}
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def port(self) -> int:
+        return self._server.port
+
+    def now_ms(self) -> int:
+        return (self._monotonic_ns() - self._start_ns) // 1_000_000
+
+    async def start(self) -> DirectoryServer:
+        loaded = self.store.load()
+        self.incarnation = loaded.incarnation
+        fresh = not loaded.records and not loaded.tickets and loaded.next_lease_id <= 1 and loaded.incarnation <= 1
+        if not fresh:
+            # DESIGN 12: honour every lease the previous incarnation may have granted.
+            self.restarted = True
+            effects = self.core.restarted(
+                loaded.records, loaded.next_lease_id, self.now_ms(), loaded.tickets, loaded.next_ticket
+            )
+            self._apply(effects)
+        await self._server.start()
+        self._timer_task = asyncio.create_task(self._timer())
+        log.info("directory incarnation %d on port %d (%s)", self.incarnation, self.port, "restarted" if self.restarted else "fresh")
+        return self
+
+    async def close(self) -> None:
+        if self._timer_task is not None:
+            self._timer_task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._timer_task
+        await self._server.close()
+        for ev in self._ticket_events.values():
+            ev.set()
+
+    async def __aenter__(self) -> DirectoryServer:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def _locations_by_node(self) -> dict[NodeId, tuple[LocationId, ...]]:
+        return {n: tuple(loc for loc in m.locations if loc != POOL_LOCATION) for n, m in self._members.items()}
+
+    # ------------------------------------------------------------------ requests
+
+    async def _handle(self, tenant: str, msg: Any) -> Any:
+        if self.fatal is not None:
+            raise RuntimeError(f"the directory stopped serving: its store failed ({self.fatal})")
+        self.stats["requests"] += 1
+        match msg:
+            case Hello():
+                return self._hello(tenant, msg)
+            case ListNodes():
+                nodes = sorted(n for n, m in self._members.items() if m.address)[:MAX_LOOKUP_KEYS]
+                return NodeList(tuple(nodes), tuple(self._members[n].address for n in nodes))
+            case Transfer():
+                return self._transfer(tenant, msg)
+            case WaitTicket():
+                return await self._wait_ticket(tenant, msg)
+            case Free():
+                raise PeerViolation("Free is a directive, not a request", code="unexpected_message")
+        reply, effects = self.core.handle(msg, self.now_ms(), tenant)
+        self._apply(effects)
+        if reply is None:
+            assert type(msg) in (RevokeAcked, Copied)
+            return Noted("revoke_acked" if type(msg) is RevokeAcked else "copied")
+        return reply
+
+    def _hello(self, tenant: str, msg: Hello) -> Welcome:
+        conn = current_connection.get()
+        known = self._members.get(msg.node)
+        fence_keys: list[BlockKey] = []
+        fence_epochs: list[int] = []
+        rejoined = (known is not None and known.incarnation != msg.incarnation) or bool(msg.lost)
+        if known is not None and msg.incarnation < known.incarnation:
+            raise PeerViolation(
+                f"node {msg.node} said Hello as incarnation {msg.incarnation} after {known.incarnation}",
+                code="stale_incarnation",
+            )
+        if rejoined:
+            fences, effects = self.core.node_rejoined(msg.node, msg.lost, self.now_ms(), msg.locations)
+            self._apply(effects)
+            mine = set(msg.locations)
+            for key, epoch in sorted(fences.items()):
+                rec = self.core.records[key]
+                if rec.owner in mine or rec.moving_to in mine or rec.draining in mine:
+                    fence_keys.append(key)
+                    fence_epochs.append(epoch)
+            fence_keys, fence_epochs = fence_keys[:MAX_LOOKUP_KEYS], fence_epochs[:MAX_LOOKUP_KEYS]
+        self._members[msg.node] = _Member(msg.node, msg.incarnation, msg.address, msg.locations, conn)
+        if conn is not None:
+            conn.on_close.append(lambda c, node=msg.node: self._disconnected(node, c))
+        self._wake.set()
+        return Welcome(msg.node, msg.incarnation, tuple(fence_keys), tuple(fence_epochs))
+
+    def _disconnected(self, node: NodeId, conn: Any) -> None:
+        m = self._members.get(node)
+        if m is not None and m.conn is conn:
+            m.conn = None  # directives for it are lost until it says Hello again
+
+    def _transfer(self, tenant: str, msg: Transfer) -> Any:
+        rec = self.core.records.get(msg.key)
+        if rec is None or not self.tenants.allows(tenant, rec.namespace):
+            return TransferRefused(msg.key, msg.destination, "not_found")
+        ok, effects = self.core.start_transfer(msg.key, msg.destination, self.now_ms())
+        self._apply(effects)
+        if not ok:
+            return TransferRefused(msg.key, msg.destination, "not_transferable")
+        return TransferStarted(msg.key, msg.destination, self.core.records[msg.key].epoch)
+
+    async def _wait_ticket(self, tenant: str, msg: WaitTicket) -> Any:
+        timeout_ms = min(msg.timeout_ms, MAX_WAIT_TICKET_MS)
+        deadline = time.monotonic() + timeout_ms / 1000
+        while True:
+            self._apply(self.core.tick(self.now_ms()))
+            ticket = self.core.ticket_status(msg.ticket)  # PeerViolation for a ticket never issued
+            if ticket is None or ticket.state != TICKET_PENDING:
+                return InvalidationCompleted(msg.ticket)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return InvalidationPending(msg.ticket)
+            ev = self._ticket_events.setdefault(msg.ticket, asyncio.Event())
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(left):
+                    await ev.wait()
+
+    # ------------------------------------------------------------------ effects
+
+    def _apply(self, effects: list[Effect]) -> None:
+        durable = [e for e in effects if isinstance(e, DURABLE_EFFECTS)]
+        if durable:
+            try:
+                self.store.commit(durable)
+            except BaseException as e:
+                self.fatal = e
+                log.critical("the durable log failed; this directory stops serving: %r", e)
+                raise
+            self.stats["commits"] += 1
+        for e in effects:
+            match e:
+                case Emit():
+                    if self.events is not None and e.is_spec_action:
+                        self.events.emit(e.event, **dict(e.fields))
+                case Send():
+                    self._push(e.node, e.msg)
+                case FreeAt():
+                    self._push_to_location(e.location, Free(e.location, e.key, e.epoch))
+                case CopyAt():
+                    self._push_to_location(e.location, e.message())
+                case CompleteTicket():
+                    ev = self._ticket_events.pop(e.ticket.ticket, None)
+                    if ev is not None:
+                        ev.set()
+        self._wake.set()
+
+    def _push(self, node: NodeId, msg: Any) -> None:
+        m = self._members.get(node)
+        if m is None or m.conn is None or not m.conn.push(msg):
+            self.stats["lost_directives"] += 1
+            log.info("%s for %s lost: not connected", kind_of(msg), node)
+            return
+        self.stats["pushes"] += 1
+
+    def _push_to_location(self, location: LocationId, msg: Any) -> None:
+        node = node_of(location)
+        if node is None:  # the shared pool: any connected node that mounts it
+            node = next((n for n, m in sorted(self._members.items()) if location in m.locations and m.conn), None)
+            if node is None:
+                self.stats["lost_directives"] += 1
+                return
+        self._push(node, msg)
+
+    # ------------------------------------------------------------------ time
+
+    async def _timer(self) -> None:
+        while True:
+            self._wake.clear()
+            deadline = self.core.next_deadline_ms()
+            now = self.now_ms()
+            if deadline is not None and deadline <= now:
+                try:
+                    self._apply(self.core.tick(now))
+                except BaseException:
+                    return  # fatal: the store failed
+                await asyncio.sleep(0)
+                continue
+            wait_s = None if deadline is None else (deadline - now + TIMER_SLACK_MS) / 1000
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(wait_s):
+                    await self._wake.wait()

@@ -1,0 +1,374 @@
+"""A cache node: storage tiers served over TCP, kept coherent by the directory's directives.
+
+Theory of operation
+-------------------
+A node owns *locations*, one per tier, named ``"<node>/<tier>"`` (``n1/gpu``, ``n1/dram``,
+``n1/nvme``), and may mount the shared pool (location ``"pool"``). It holds no protocol state of
+its own beyond what its tiers keep -- the blocks and, per key, the fence -- and it never decides
+whether a block may be dropped: the directory does (DESIGN: directory).
+
+- **Data server** (``transport.Server``, data-sized frames). ``WriteBytes`` from a writer is
+  stored under its epoch: a tier refuses a lower epoch than its fence (spec ``fence_stale_write``),
+  so a writer that paused past its lease cannot land bytes after a newer owner. A full tier first
+  makes room by eviction (below). ``ReadBytes`` returns the bytes of exactly (key, gen), verified
+  against their checksum, or ``ReadRefused("miss")``: never other bytes (DESIGN 4). ``Evict`` from
+  a client asks the directory on the client's behalf. Every request is authenticated per tenant
+  (the same tokens as the directory's).
+- **Directory link** (``transport.Client`` with ``on_push``). The node says ``Hello`` on every
+  new connection (its incarnation, data address, locations, and the locations that came back empty
+  after a restart); the ``Welcome`` carries the fences to restore (spec ``restart_node``). The
+  directory pushes ``Free`` (drop a copy unless fenced: ``free_slot`` / ``fence_stale_free``) and
+  ``Copy`` (a transfer's new copy under ``epoch + 1``: ``store_copy``, then ``Copied``).
+- **Eviction** (DESIGN: eviction and tiering). When a tier is full the node walks its
+  least-recently-used keys and asks the directory ``Evict`` for each; the directory refuses a copy
+  under a live read lease (``leased``) or one whose children are still cached (``has_children``:
+  leaves go before their ancestors), and the node frees only what was granted. The node never
+  frees a block on its own say.
+- **Demotion**: above ``demote_watermark`` of a tier's capacity, the node asks the directory to
+  ``Transfer`` its least recently used blocks to the next (slower) tier: an ownership transfer,
+  not a copy behind the directory's back; the old copy is freed by the directory's ``Free`` once
+  its leases drained.
+
+Events (``kvcc.reference.events``): ``store_bytes``, ``fence_stale_write``, ``store_copy``,
+``free_slot``, ``fence_stale_free``, ``crash``/``restart_node`` are logged by the node under its
+own id and incarnation; ``location`` names the tier.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kvcc.spec.keys import BlockKey, LocationId, NodeId
+
+from .errors import ConnectionFailed, PeerViolation, TimeoutError_
+from .events import EventLog
+from .tiers import Fenced as TierFenced
+from .tiers import Freed as TierFreed
+from .tiers import Hit, NoSpace, Stored, Tier
+from .transport import Client, Server
+from .wire import (
+    MAX_FRAME_BYTES,
+    BytesRead,
+    BytesStored,
+    Copied,
+    Copy,
+    CopyFailed,
+    Error,
+    Evict,
+    Evicted,
+    EvictRefused,
+    Fenced,
+    Free,
+    Hello,
+    ReadBytes,
+    ReadRefused,
+    Revoke,
+    Tenants,
+    Transfer,
+    Welcome,
+    WriteBytes,
+)
+
+log = logging.getLogger("kvcc.node")
+
+POOL_LOCATION = "pool"
+EVICT_SCAN_MAX = 64  # least-recently-used keys asked about per attempt to make room
+DEMOTE_INTERVAL_MS = 200
+DEMOTE_WATERMARK_DEFAULT = 0.9
+DEMOTE_BATCH = 8
+DIRECTORY_RETRY_MS = 200
+REASON_MISS = "miss"
+REASON_NO_SPACE = "no_space"
+
+
+def location_id(node: NodeId, tier: str) -> LocationId:
+    return LocationId(f"{node}/{tier}")
+
+
+class CacheNode:
+    """``CacheNode(node_id, tiers, tenants, directory, *, incarnation, ...)``.
+
+    ``tiers``: tier name -> ``Tier``, fastest first (the demotion order); ``pool``: the shared
+    pool's tier if this node mounts it. ``directory``: (host, port). ``directory_tenant``: the
+    tenant this node authenticates as with the directory (its token is in ``tenants``).
+    ``lost``: tier names that came back empty after a restart (volatile tiers always do).
+    """
+
+    def __init__(
+        self,
+        node_id: str,
+        tiers: Mapping[str, Tier],
+        tenants: Tenants,
+        directory: tuple[str, int],
+        *,
+        directory_tenant: str,
+        incarnation: int = 1,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        pool: Tier | None = None,
+        lost: Sequence[str] = (),
+        events: EventLog | None = None,
+        demote_watermark: float = DEMOTE_WATERMARK_DEFAULT,
+    ) -> None:
+        assert tiers, "a node has at least one tier"
+        assert 0 < demote_watermark <= 1
+        self.node_id = NodeId(node_id)
+        self.tiers = dict(tiers)
+        self.pool = pool
+        self.tenants = tenants
+        self.incarnation = incarnation
+        self.events = events
+        self.demote_watermark = demote_watermark
+        self._locations: dict[LocationId, Tier] = {location_id(self.node_id, n): t for n, t in self.tiers.items()}
+        if pool is not None:
+            self._locations[LocationId(POOL_LOCATION)] = pool
+        self._lost = tuple(location_id(self.node_id, n) for n in lost)
+        token = tenants.token(directory_tenant)
+        assert token is not None, f"no token for tenant {directory_tenant!r}"
+        self._dir = Client(*directory, directory_tenant, token, on_push=self._on_push)
+        self._hello_connects = -1
+        self._server = Server(self._handle, tenants, host=host, port=port, max_frame_bytes=MAX_FRAME_BYTES)
+        self._tasks: set[asyncio.Task] = set()
+        self._demoter: asyncio.Task | None = None
+        self._evict_lock = asyncio.Lock()
+        self.stats = {"stored": 0, "fenced": 0, "reads": 0, "misses": 0, "freed": 0, "evicted": 0,
+                      "evict_refused": 0, "copies": 0, "demotions": 0}  # fmt: skip
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def port(self) -> int:
+        return self._server.port
+
+    @property
+    def address(self) -> str:
+        return f"{self._server.host}:{self.port}"
+
+    @property
+    def locations(self) -> tuple[LocationId, ...]:
+        return tuple(self._locations)
+
+    async def start(self) -> CacheNode:
+        await self._server.start()
+        await self._ensure_hello()
+        self._demoter = asyncio.create_task(self._demote_loop())
+        return self
+
+    async def close(self) -> None:
+        if self._demoter is not None:
+            self._demoter.cancel()
+            with contextlib.suppress(BaseException):
+                await self._demoter
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._server.close()
+        await self._dir.close()
+
+    async def __aenter__(self) -> CacheNode:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------------ the directory link
+
+    async def _ensure_hello(self) -> None:
+        """Say Hello on the directory connection if it is a new one (after any reconnect)."""
+        await self._dir.connect()
+        if self._hello_connects == self._dir.stats["connects"]:
+            return
+        self._hello_connects = self._dir.stats["connects"]
+        reply = await self._dir.request(
+            Hello(self.node_id, self.incarnation, self.address, self.locations, self._lost)
+        )
+        if type(reply) is not Welcome:
+            raise ConnectionFailed(f"Hello answered with {type(reply).__name__}: {reply!r}", code="unexpected_reply")
+        if reply.fence_keys:
+            fences = {k.digest: e for k, e in zip(reply.fence_keys, reply.fence_epochs)}
+            for tier in self._locations.values():
+                await asyncio.to_thread(tier.restore_fences, fences)
+            log.info("%s restored %d fences", self.node_id, len(fences))
+        self._lost = ()  # reported once
+
+    async def _to_directory(self, msg: Any) -> Any:
+        await self._ensure_hello()
+        return await self._dir.request(msg)
+
+    def _on_push(self, msg: Any) -> None:
+        match msg:
+            case Free():
+                self._spawn(self._free(msg))
+            case Copy():
+                self._spawn(self._copy(msg))
+            case Revoke():
+                # A node holds no read leases itself (clients do): nothing to drop. Acknowledge
+                # anyway, so the directory is not left waiting for an expiry.
+                log.warning("%s got a Revoke for lease %d it never held", self.node_id, msg.lease)
+            case _:
+                log.warning("%s ignores a pushed %s", self.node_id, type(msg).__name__)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _tier(self, location: LocationId) -> Tier | None:
+        return self._locations.get(location)
+
+    def _emit(self, event: str, key: BlockKey, **fields: Any) -> None:
+        if self.events is not None:
+            self.events.emit(event, key=key, **fields)
+
+    async def _free(self, msg: Free) -> None:
+        tier = self._tier(msg.location)
+        if tier is None:
+            log.warning("%s: Free for a location it does not serve: %s", self.node_id, msg.location)
+            return
+        outcome = await asyncio.to_thread(tier.free, msg.key.digest, msg.epoch)
+        if isinstance(outcome, TierFenced):
+            self._emit("fence_stale_free", msg.key, epoch=msg.epoch, result="fenced", location=msg.location,
+                       fence=outcome.fence)  # fmt: skip
+            return
+        self.stats["freed"] += isinstance(outcome, TierFreed)
+        self._emit("free_slot", msg.key, epoch=msg.epoch, result="ok" if isinstance(outcome, TierFreed) else "absent",
+                   location=msg.location)  # fmt: skip
+
+    async def _copy(self, msg: Copy) -> None:
+        dest, src = self._tier(msg.location), self._tier(msg.source)
+        reason = None
+        if dest is None or src is None:
+            reason = "not_local"  # transfers run between tiers of one node (and its pool)
+        else:
+            data = await asyncio.to_thread(src.read, msg.key.digest, msg.gen)
+            if data is None:
+                reason = REASON_MISS
+            else:
+                outcome = await self._store(dest, msg.location, msg.key, msg.gen, msg.epoch, data)
+                if isinstance(outcome, TierFenced):
+                    reason = "fenced"
+                elif not isinstance(outcome, Stored):
+                    reason = REASON_NO_SPACE
+        if reason is not None:
+            log.info("%s: copy of %s to %s failed: %s", self.node_id, msg.key.hex[:12], msg.location, reason)
+            return  # the directory's transfer stays pending until cancelled; nothing moved
+        self.stats["copies"] += 1
+        self._emit("store_copy", msg.key, gen=msg.gen, epoch=msg.epoch, location=msg.location, source=msg.source)
+        with contextlib.suppress(ConnectionFailed, TimeoutError_):
+            await self._to_directory(Copied(msg.location, msg.key, msg.epoch))
+
+    # ------------------------------------------------------------------ the data server
+
+    async def _handle(self, tenant: str, msg: Any) -> Any:
+        match msg:
+            case WriteBytes():
+                return await self._write_bytes(msg)
+            case ReadBytes():
+                return await self._read_bytes(msg)
+            case Evict():
+                return await self._evict_for(tenant, msg)
+        raise PeerViolation(f"a node does not take {type(msg).__name__}", code="unexpected_message")
+
+    async def _write_bytes(self, msg: WriteBytes) -> Any:
+        tier = self._tier(msg.location)
+        if tier is None:
+            return Error("not_here", f"{msg.location} is not a location of {self.node_id}")
+        outcome = await self._store(tier, msg.location, msg.key, msg.gen, msg.epoch, msg.data, writer=msg.node,
+                                    lease=msg.lease)  # fmt: skip
+        if isinstance(outcome, TierFenced):
+            return Fenced(msg.location, msg.key, msg.epoch, outcome.fence)
+        if not isinstance(outcome, Stored):
+            return Error(REASON_NO_SPACE, f"{msg.location} is full of leased blocks")
+        return BytesStored(msg.location, msg.key, msg.gen, msg.epoch)
+
+    async def _store(self, tier: Tier, location: LocationId, key: BlockKey, gen: int, epoch: int, data: Any,
+                     *, writer: str | None = None, lease: int | None = None) -> Any:  # fmt: skip
+        outcome = await asyncio.to_thread(tier.write, key.digest, gen, epoch, data)
+        if isinstance(outcome, NoSpace):
+            await self._make_room(tier, location, len(data))
+            outcome = await asyncio.to_thread(tier.write, key.digest, gen, epoch, data)
+        if isinstance(outcome, TierFenced):
+            self.stats["fenced"] += 1
+            self._emit("fence_stale_write", key, gen=gen, epoch=epoch, lease=lease, result="fenced",
+                       location=location, writer=writer, fence=outcome.fence)  # fmt: skip
+        elif isinstance(outcome, Stored):
+            self.stats["stored"] += 1
+            if writer is not None:
+                self._emit("store_bytes", key, gen=gen, epoch=epoch, lease=lease, location=location, writer=writer,
+                           nbytes=outcome.nbytes)  # fmt: skip
+        return outcome
+
+    async def _read_bytes(self, msg: ReadBytes) -> Any:
+        tier = self._tier(msg.location)
+        if tier is None:
+            return ReadRefused(msg.node, msg.key, msg.location, "not_here")
+        data = await asyncio.to_thread(tier.read, msg.key.digest, msg.gen)
+        self.stats["reads"] += 1
+        if data is None:
+            self.stats["misses"] += 1
+            return ReadRefused(msg.node, msg.key, msg.location, REASON_MISS)
+        return BytesRead(msg.location, msg.key, msg.gen, tier.fence(msg.key.digest), data)
+
+    async def _evict_for(self, tenant: str, msg: Evict) -> Any:
+        """A client asks to evict the copy at one of our locations: the directory decides (with
+        the client's tenant, so that it may only evict in its own namespaces)."""
+        tier = self._tier(msg.location)
+        if tier is None:
+            return EvictRefused(msg.node, msg.key, msg.location, "not_here")
+        token = self.tenants.token(tenant)
+        assert token is not None
+        async with Client(self._dir.host, self._dir.port, tenant, token) as dir_as_tenant:
+            reply = await dir_as_tenant.request(Evict(self.node_id, msg.key, msg.location))
+        if type(reply) is Evicted:
+            await self._drop_evicted(tier, msg.location, msg.key)
+        return reply
+
+    async def _drop_evicted(self, tier: Tier, location: LocationId, key: BlockKey) -> None:
+        outcome = await asyncio.to_thread(tier.free, key.digest, tier.fence(key.digest))
+        self.stats["evicted"] += 1
+        log.debug("%s evicted %s from %s: %s", self.node_id, key.hex[:12], location, type(outcome).__name__)
+
+    # ------------------------------------------------------------------ capacity
+
+    async def _make_room(self, tier: Tier, location: LocationId, nbytes: int) -> None:
+        """Evict least-recently-used blocks the directory agrees to, until ``nbytes`` fit."""
+        async with self._evict_lock:
+            for raw in tier.lru()[:EVICT_SCAN_MAX]:
+                if tier.capacity_bytes - tier.used_bytes >= nbytes:
+                    return
+                key = BlockKey(raw)
+                try:
+                    reply = await self._to_directory(Evict(self.node_id, key, location))
+                except (ConnectionFailed, TimeoutError_) as e:
+                    log.warning("%s: cannot make room, directory unreachable: %s", self.node_id, e)
+                    return
+                if type(reply) is Evicted:
+                    await self._drop_evicted(tier, location, key)
+                else:
+                    self.stats["evict_refused"] += 1
+
+    async def _demote_loop(self) -> None:
+        names = list(self.tiers)
+        while True:
+            await asyncio.sleep(DEMOTE_INTERVAL_MS / 1000)
+            for upper, lower in zip(names, names[1:]):
+                tier = self.tiers[upper]
+                if tier.used_bytes <= self.demote_watermark * tier.capacity_bytes:
+                    continue
+                for raw in tier.lru()[:DEMOTE_BATCH]:
+                    key = BlockKey(raw)
+                    with contextlib.suppress(ConnectionFailed, TimeoutError_):
+                        await self._to_directory(Transfer(self.node_id, key, location_id(self.node_id, lower)))
+                        self.stats["demotions"] += 1
+
+    def snapshot(self) -> dict[str, Any]:
+        """What each tier holds (for ``kvcc cluster`` output and tests)."""
+        return {
+            loc: {"blocks": len(t.keys()), "used_bytes": t.used_bytes, "capacity_bytes": t.capacity_bytes}
+            for loc, t in self._locations.items()
+        } | {"stats": dict(self.stats), "time_ns": time.monotonic_ns()}
