@@ -2,18 +2,23 @@
 
 The arena is a ``torch.uint8`` tensor, pinned (page-locked) when CUDA is available so that copies
 to and from GPU tensors run as DMA, else plain host memory. Each slot's header (key, gen, epoch,
-length, publish sequence, CRC-32) lives in a separate header table next to the arena, in the same
-80-byte format the NVMe tier writes to disk; a read checks the header against the index and the
-payload against the CRC before it copies a byte into the caller's buffer, so ``out`` is untouched
-on a miss.
+length, publish sequence, block checksum) lives in a separate header table next to the arena, in
+the same format the NVMe tier writes to disk; a read checks the header against the index and the
+payload against the checksum before it copies a byte into the caller's buffer, so ``out`` is
+untouched on a miss.
+
+A write copies the block into its (not yet published) slot piece by piece and hashes each piece
+right after copying it (``base.copy_checksum``), so the bytes come from memory once. A verified
+read hashes the slot, then copies it out; for blocks that fit the last-level cache the copy then
+reads from cache.
 
 Nothing here survives the process: a restarted node starts with an empty tier and takes its fences
 back from the directory (``restore_fences``), as the spec's ``_crash`` with ``lose_disk`` says.
 
 ``verify_reads`` (default on) may be switched off for this tier: the arena is private memory of
 this process, trusted like GPU memory; the write-time checksum is kept either way. Verification
-is what bounds a read's bandwidth (CRC-32 at ~2-4 GB/s per core against a memcpy at ~10-25 GB/s);
-``bench/tiers.py`` measures both.
+is what a read costs beyond a memcpy (XXH3 at 30-60 GB/s against a memcpy at 10-25 GB/s, one
+core each); ``bench/tiers.py`` measures both.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from typing import Any
 from .base import (
     FLAG_COMMITTED,
     HEADER_BYTES,
+    Header,
     Hit,
     Miss,
     MissReason,
@@ -30,6 +36,7 @@ from .base import (
     SlotTier,
     _Entry,
     block_checksum,
+    copy_checksum,
     copy_into,
     decode_header,
     is_tensor,
@@ -82,12 +89,12 @@ class DramTier(SlotTier):
         a = slot * self.block_bytes
         assert self._host is not None  # the arena is in host memory on this path
         dst = self._host[a:a + n]
+        # The checksum covers the bytes as stored, so a read verifies what the arena holds.
         if is_tensor(src):
             self._arena[a:a + n].copy_(src)  # device -> host copy, synchronous
+            header = make_header(FLAG_COMMITTED, key, gen, epoch, seq, dst, n)
         else:
-            copy_into(dst, src, n)
-        # The checksum covers the bytes as stored, so a read verifies what the arena holds.
-        header = make_header(FLAG_COMMITTED, key, gen, epoch, seq, dst, n)
+            header = Header(FLAG_COMMITTED, key, gen, epoch, n, seq, copy_checksum(dst, src, n, key, gen, epoch, seq))
         self._header_at(slot)[:] = header.pack()
         return header.block_crc
 

@@ -1,4 +1,4 @@
-"""Local NVMe tier: fixed-size slots in slab files, direct I/O, two-phase crash-safe publish.
+"""Local NVMe tier: fixed-size slots in slab files, direct I/O, one-sync crash-safe publish.
 
 Theory of operation
 -------------------
@@ -14,16 +14,30 @@ would only double the memory a block takes; the node's DRAM tier is the cache). 
 filesystem refuses ``O_DIRECT`` (EINVAL), the tier uses buffered I/O with ``fdatasync``, logs that
 once, and says so in ``tier.direct_io``.
 
-**Publish** (``_store``), two phases, each ending in ``fdatasync``:
+**Publish** (``_store``): the committed header and the payload in one write, then one
+``fdatasync``; ``Stored`` is returned only after it. The header's block checksum covers the
+block's identity and every payload byte, and recovery verifies it for every committed header, so
+the checksum is what makes a block valid on disk, not the order in which its pages landed:
 
-1. the payload and an *intent* header (no committed flag) in one write;
-2. the committed header (same identity and block checksum) over the intent.
+- a slot being written never held a valid committed header before (a slot is reused only after
+  its block was tombstoned, see *Free*; a fresh slot is blank), so whatever mix of old and new
+  pages a crash leaves, the slot holds either no valid header (blank, tombstone, or a header page
+  failing its CRC: dropped) or the new header over a payload that either matches its checksum
+  in full (the write landed: the block is kept, exactly as if the crash came a moment after
+  ``Stored``) or does not (a torn write: dropped);
+- a torn write was never acknowledged, so nothing was promised about it; the key's previous
+  block, if it was replacing one, is still published (it is tombstoned only after the new block
+  is synced) and recovery keeps it: recovery keeps a key's newest *intact* committed block;
+- the header's epoch counts toward the key's fence even when the payload is torn (the write
+  passed the fence check; a fence may only err high).
 
-A crash before phase 2 leaves an intent header or the slot's previous header: recovery drops the
-first and never mistakes the second for this block. A valid committed header therefore implies
-its payload was on disk first; the checksum, verified on every read and by recovery, is the second
-line of defence (media corruption, torn pages). ``Stored`` is returned only after phase 2 is synced.
-The price is one extra flush per write, visible at small block sizes (see ``bench/tiers.py``).
+A damaged block can also be media corruption of an acknowledged block; with no intact block of
+the key left, recovery reports the key as lost. (If the tombstone of a replaced block failed to
+be written, logged as ``erase_failed``, and the newer block is later damaged on the medium, the
+older one comes back: a double fault the directory's generation check catches.) Two synced
+phases (payload, then a commit record) would only prove what the checksum already proves, at
+the price of a second flush per write. The header page is written together with the payload, so
+a write is one I/O; writes of different keys run concurrently from the callers' threads.
 
 **Free** overwrites the slot's header with a *tombstone* (key, gen, the fence, the freed block's
 publish sequence), synced before ``Freed``. The tombstone keeps the fence on disk and kills the
@@ -33,13 +47,13 @@ fence journal (and synced), so neither the fence nor the kill is ever lost with 
 pending tombstones go in one append, so a burst of frees costs one journal sync.
 ``restore_fences`` appends to the journal too.
 
-**Recovery** (``recover()``, run on open) reads every header (in parallel), verifies committed
-payloads, and rebuilds the index: per key the committed block with the highest publish sequence,
-if that is above the key's kill sequence; fence = the highest epoch in any header or journal
-record of the key (an intent header's epoch counts too: that write passed the fence check, and a
-fence may only err high). Intent headers, corrupt headers and payloads, and superseded blocks are dropped
-(the last two are tombstoned on disk so that they are not considered again); a key whose newest
-committed block fails verification is reported as lost.
+**Recovery** (``recover()``, run on open) reads every header (in parallel), verifies every
+committed payload, and rebuilds the index: per key the intact committed block with the highest
+publish sequence, if that is above the key's kill sequence; fence = the highest epoch in any
+decodable header or journal record of the key (a torn block's epoch counts too). Corrupt headers,
+torn or corrupt payloads and superseded blocks are dropped (the last two are tombstoned on disk so
+that they are not considered again); a key whose newest committed block fails verification and
+that has no intact block left is reported as lost.
 
 **Reads** check the header and checksum in a page-aligned staging buffer before copying into the
 caller's buffer (``out`` is untouched on a miss). ``os.preadv`` releases the GIL, so reads run in
@@ -83,7 +97,7 @@ from .base import (
     SlotTier,
     _Entry,
     block_checksum,
-    copy_into,
+    copy_checksum,
     copy_out,
     decode_header,
     event,
@@ -91,7 +105,7 @@ from .base import (
     round_up,
 )
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 1: two-phase publish, CRC-32 checksums; 2: one-sync publish, XXH3 checksums
 GEOMETRY_NAME = "tier.json"
 JOURNAL_NAME = "fences.journal"
 SLAB_PATTERN = "slab-{:05d}.kvs"
@@ -353,7 +367,7 @@ class NvmeTier(SlotTier):
 
     def __init__(self, path: str | os.PathLike, block_bytes: int | None = None, capacity_bytes: int | None = None,
                  *, slab_bytes: int = DEFAULT_SLAB_BYTES, direct_io: bool | None = None,
-                 read_threads: int = DEFAULT_READ_THREADS, verify_on_recover: bool = True,
+                 read_threads: int = DEFAULT_READ_THREADS,
                  name: str = "nvme") -> None:
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
@@ -362,7 +376,6 @@ class NvmeTier(SlotTier):
         self.slot_bytes = PAGE_BYTES + round_up(self.block_bytes)
         self.slots_per_slab = geometry["slots_per_slab"]
         self.num_slabs = -(-self.num_slots // self.slots_per_slab)
-        self.verify_on_recover = verify_on_recover
         self.direct_io = resolve_direct_io(self.path, direct_io, name)
         flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | (os.O_DIRECT if self.direct_io else 0)
         self._fds: list[int] = []
@@ -381,8 +394,8 @@ class NvmeTier(SlotTier):
         self._local = threading.local()
         self._pool = ThreadPoolExecutor(max(1, read_threads), thread_name_prefix=f"kvcc-{name}-io",
                                         initializer=self._mark_pool_thread)
-        # Test hook: called between the two publish phases (payload synced, header not written).
-        self._before_commit: Callable[[int], None] | None = None
+        # Test hook: how a slot's header page and payload reach the file (a test tears the write).
+        self._write_slot: Callable[[int, memoryview, int], None] = pwrite_all
         self.recovery = self.recover()
 
     # -- geometry -----------------------------------------------------------------------------
@@ -469,30 +482,25 @@ class NvmeTier(SlotTier):
                     self._journaling = set()
 
     def _store(self, slot: int, key: bytes, gen: int, epoch: int, seq: int, src: Any, n: int) -> int:
-        self._journal_tombstone(slot)
+        self._journal_tombstone(slot)  # the slot's tombstone must outlive the slot's old header
         fd, off = self._where(slot)
         padded = round_up(n)
         with self._buffers.get(PAGE_BYTES + padded) as buf:
             payload = buf[PAGE_BYTES:PAGE_BYTES + n]
-            if n:
-                copy_into(payload, src, n)
+            checksum = copy_checksum(payload, src, n, key, gen, epoch, seq)
             buf[PAGE_BYTES + n:PAGE_BYTES + padded] = _ZERO_PAGE[:padded - n]
-            intent = make_header(0, key, gen, epoch, seq, payload, n)
-            buf[:HEADER_BYTES] = intent.pack()
+            header = Header(FLAG_COMMITTED, key, gen, epoch, n, seq, checksum)
+            buf[:HEADER_BYTES] = header.pack()
             buf[HEADER_BYTES:PAGE_BYTES] = _ZERO_PAGE[HEADER_BYTES:]
             try:
-                pwrite_all(fd, buf[:PAGE_BYTES + padded], off)  # phase 1: intent header + payload
-                os.fdatasync(fd)
-                if self._before_commit is not None:
-                    self._before_commit(slot)
-                buf[:HEADER_BYTES] = intent.with_flags(FLAG_COMMITTED).pack()
-                pwrite_all(fd, buf[:PAGE_BYTES], off)  # phase 2: the commit record
+                # Header and payload in one write, one flush: the checksum decides validity (above).
+                self._write_slot(fd, buf[:PAGE_BYTES + padded], off)
                 os.fdatasync(fd)
             except OSError as exc:
                 if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                     raise OutOfSpace(str(exc)) from exc
                 raise
-        return intent.block_crc
+        return checksum
 
     def _load(self, entry: _Entry, sink: Any) -> ReadOutcome:
         fd, off = self._where(entry.slot)
@@ -534,7 +542,7 @@ class NvmeTier(SlotTier):
     # -- recovery -----------------------------------------------------------------------------
 
     def _scan_slot(self, slot: int) -> tuple[str, Header | None, str]:
-        """(kind, header, why): blank, corrupt, intent, tombstone, truncated, bad_payload, committed."""
+        """(kind, header, why): blank, corrupt, tombstone, truncated, bad_payload, committed."""
         fd, off = self._where(slot)
         with self._buffers.get(PAGE_BYTES) as buf:
             got = pread_upto(fd, buf[:PAGE_BYTES], off)
@@ -545,12 +553,10 @@ class NvmeTier(SlotTier):
             return "corrupt", None, why
         if header.flags == FLAG_TOMBSTONE:
             return "tombstone", header, ""
-        if header.flags == 0:
-            return "intent", header, ""
         if header.flags != FLAG_COMMITTED or header.length > self.block_bytes:
             return "corrupt", None, f"impossible header (flags {header.flags}, length {header.length})"
-        if not self.verify_on_recover:
-            return "committed", header, ""
+        # Always verified: with one-sync publish a committed header alone does not prove that its
+        # payload landed (module docstring).
         n = header.length
         with self._buffers.get(PAGE_BYTES + round_up(n)) as buf:
             view = buf[:PAGE_BYTES + round_up(n)]
@@ -585,15 +591,17 @@ class NvmeTier(SlotTier):
         blank: list[int] = []
         tomb_of: dict[int, tuple[bytes, int, int]] = {}
         committed: dict[bytes, list[tuple[int, Header, bool]]] = defaultdict(list)  # (slot, header, intact)
+        damage: dict[int, tuple[str, str]] = {}  # slot -> (kind, why) of a damaged committed block
         for slot, (kind, header, why) in enumerate(scans):
-            counts[kind] += 1
             if header is not None:
                 max_seq = max(max_seq, header.seq)
                 fences[header.key] = max(fences.get(header.key, 0), header.epoch)
-            if kind in ("corrupt", "truncated", "bad_payload"):
-                event(logging.WARNING, f"recover_{kind}", self.name, header.key if header else None,
-                      gen=header.gen if header else None, slot=slot, detail=why)
-            if kind in ("blank", "corrupt", "intent"):
+            if kind == "corrupt":
+                counts["corrupt"] += 1
+                event(logging.WARNING, "recover_corrupt", self.name, None, slot=slot, detail=why)
+            if kind in ("truncated", "bad_payload"):
+                damage[slot] = (kind, why)
+            if kind in ("blank", "corrupt"):
                 blank.append(slot)
             elif kind == "tombstone":
                 assert header is not None
@@ -605,25 +613,38 @@ class NvmeTier(SlotTier):
 
         index: dict[bytes, tuple[int, Header]] = {}
         lost: dict[bytes, int] = {}
-        doomed: list[tuple[int, Header]] = []  # committed headers to tombstone: superseded or damaged
+        # Committed headers to tombstone, with the sequence the tombstone kills up to.
+        doomed: list[tuple[int, Header, int]] = []
         for key, found in committed.items():
             found.sort(key=lambda f: f[1].seq, reverse=True)
-            slot, newest, intact = found[0]
-            rest = found[1:]
-            if newest.seq <= kills.get(key, 0):
-                rest = found  # freed: a tombstone (on disk or journalled) names a later sequence
-            elif intact:
-                index[key] = (slot, newest)
-            else:
-                lost[key] = newest.gen  # the newest committed copy is damaged: lost, not replaced
-                doomed.append((slot, newest))
-            for s, h, ok in rest:
-                counts["superseded"] += ok
-                doomed.append((s, h))
-        for slot, header in doomed:
+            kill = kills.get(key, 0)  # freed up to here: a tombstone (on disk or journalled) says so
+            alive = [f for f in found if f[1].seq > kill]
+            kept = next((f for f in alive if f[2]), None)
+            for slot, header, intact in found:
+                if kept is not None and slot == kept[0]:
+                    index[key] = (slot, header)
+                    continue
+                newer = kept is not None and header.seq > kept[1].seq
+                if intact:
+                    counts["superseded"] += 1
+                elif newer:
+                    # Damaged and newer than an intact block of the key: a write torn by a crash,
+                    # never acknowledged; the older block is still the published one. Its
+                    # tombstone keeps its fence but kills nothing (sequence 0).
+                    counts["torn"] += 1
+                    event(logging.WARNING, "recover_torn", self.name, key, gen=header.gen, slot=slot,
+                          detail=damage[slot][1])
+                else:
+                    kind, why = damage[slot]
+                    counts[kind] += 1
+                    event(logging.WARNING, f"recover_{kind}", self.name, key, gen=header.gen, slot=slot, detail=why)
+                doomed.append((slot, header, 0 if newer else header.seq))
+            if kept is None and alive:
+                lost[key] = alive[0][1].gen  # the newest committed copy is damaged: lost, not replaced
+        for slot, header, kill_seq in doomed:
             fence = fences[header.key]
-            self._write_header(slot, make_header(FLAG_TOMBSTONE, header.key, header.gen, fence, header.seq, b"", 0))
-            tomb_of[slot] = (header.key, fence, header.seq)
+            self._write_header(slot, make_header(FLAG_TOMBSTONE, header.key, header.gen, fence, kill_seq, b"", 0))
+            tomb_of[slot] = (header.key, fence, kill_seq)
 
         if journal.records > JOURNAL_COMPACT_MIN_RECORDS and journal.records > 2 * len(journal.fences.keys() | journal.kills.keys()):
             self._journal.rewrite(journal.fences, journal.kills)
@@ -642,9 +663,9 @@ class NvmeTier(SlotTier):
             kept=len(index),
             dropped_corrupt=counts["corrupt"] + counts["bad_payload"],
             dropped_truncated=counts["truncated"],
-            dropped_uncommitted=counts["intent"],
+            dropped_uncommitted=counts["torn"],
             superseded=counts["superseded"],
-            tombstones=counts["tombstone"],
+            tombstones=sum(1 for kind, _, _ in scans if kind == "tombstone"),
             journal_records=journal.records,
             lost=tuple(sorted(lost)),
             seconds=round(time.perf_counter() - started, 6),
