@@ -1,0 +1,162 @@
+"""``kvcc serve directory | node`` and ``kvcc cluster up``: the reference implementation's processes.
+
+Kept apart from ``kvcc.cli`` so that the runtime's imports stay out of the spec commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+
+def add_parsers(sub: Any) -> None:
+    p = sub.add_parser("serve", help="run one process of the reference implementation",
+                       description="Run the directory or a cache node until SIGINT/SIGTERM.")
+    ssub = p.add_subparsers(dest="role", metavar="ROLE", required=True)
+
+    d = ssub.add_parser("directory", help="the directory (metadata) service")
+    _common(d)
+    d.add_argument("--state", required=True, type=Path, help="state directory (the durable log)")
+    d.add_argument("--backend", choices=("sqlite", "etcd"), default="sqlite", help="durable log (default sqlite)")
+    d.add_argument("--etcd-endpoints", metavar="URL[,URL...]", help="etcd client URLs (backend etcd)")
+    d.add_argument("--etcd-prefix", default="kvcc", help="key prefix in etcd (default kvcc)")
+    d.set_defaults(func=cmd_serve_directory)
+
+    n = ssub.add_parser("node", help="a cache node with storage tiers")
+    _common(n)
+    n.add_argument("--id", required=True, dest="node_id", help="node id (locations are ID/TIER)")
+    n.add_argument("--directory", required=True, metavar="HOST:PORT")
+    n.add_argument("--state", required=True, type=Path, help="state directory (incarnation, NVMe slabs)")
+    n.add_argument("--tier", action="append", default=[], metavar="KIND=SIZE",
+                   help="a tier, fastest first: gpu=1GiB, dram=256MiB, nvme=4GiB (repeatable)")
+    n.add_argument("--block-bytes", type=int, default=1 << 20, help="largest block (default 1 MiB)")
+    n.add_argument("--pool", metavar="DIR", help="mount the shared pool at DIR (location 'pool')")
+    n.set_defaults(func=cmd_serve_node)
+
+    p = sub.add_parser("cluster", help="a local cluster on loopback", description="A local cluster on loopback.")
+    csub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    u = csub.add_parser("up", help="start a directory and N nodes, run the demo workload, stop",
+                        description="Start a directory and N cache nodes as processes on loopback, run the demo "
+                                    "workload (writes, leased reads from peers, a prefix invalidation, evictions, "
+                                    "a fenced stale writer), print what happened, and shut down cleanly.")
+    u.add_argument("--nodes", type=int, default=3)
+    u.add_argument("--workdir", type=Path, help="where state, logs and event traces go (default: a temp dir)")
+    u.add_argument("--backend", choices=("sqlite", "etcd"), default="sqlite")
+    u.add_argument("--etcd-endpoints", metavar="URL[,URL...]", help="an etcd to use (default with --backend "
+                   "etcd: start one on loopback)")
+    u.add_argument("--serve", action="store_true", help="after the demo, keep serving until Ctrl-C")
+    u.add_argument("--json", action="store_true", help="print one JSON object and nothing else")
+    u.set_defaults(func=cmd_cluster_up)
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True, type=Path, help="the deployment file (JSON: tenants, lease term, skew)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="TCP port (default: any free one)")
+    p.add_argument("--events", metavar="FILE", help="append protocol events here (NDJSON)")
+    p.add_argument("--ready-file", metavar="FILE", help="write {port, pid} here once serving")
+    p.add_argument("--verbose", action="store_true")
+
+
+def cmd_serve_directory(args: argparse.Namespace) -> int:
+    from kvcc.reference import serve
+
+    serve.configure_logging(args.verbose)
+    try:
+        config = serve.ClusterConfig.load(args.config)
+        return serve.run(serve.serve_directory(
+            config, state=args.state, host=args.host, port=args.port, backend=args.backend,
+            etcd_endpoints=args.etcd_endpoints, etcd_prefix=args.etcd_prefix, events=args.events,
+            ready_file=args.ready_file))  # fmt: skip
+    except serve.ConfigError as e:
+        print(f"kvcc serve directory: {e}", file=sys.stderr)
+        return 2
+
+
+def cmd_serve_node(args: argparse.Namespace) -> int:
+    from kvcc.reference import serve
+
+    serve.configure_logging(args.verbose)
+    try:
+        config = serve.ClusterConfig.load(args.config)
+        tiers = [serve.parse_tier(t) for t in args.tier]
+        return serve.run(serve.serve_node(
+            config, node_id=args.node_id, directory=args.directory, state=args.state, host=args.host,
+            port=args.port, tiers=tiers, block_bytes=args.block_bytes, pool=args.pool, events=args.events,
+            ready_file=args.ready_file))  # fmt: skip
+    except serve.ConfigError as e:
+        print(f"kvcc serve node: {e}", file=sys.stderr)
+        return 2
+
+
+def cmd_cluster_up(args: argparse.Namespace) -> int:
+    from kvcc.reference.cluster import ClusterError, LocalCluster
+    from kvcc.reference.demo import DEMO_NAMESPACE, run_demo
+
+    console = Console(stderr=args.json)
+    if args.nodes < 1:
+        console.print("kvcc cluster up: --nodes must be at least 1")
+        return 2
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="kvcc-cluster-"))
+    etcd = None
+    endpoints = args.etcd_endpoints
+    started = time.monotonic()
+    try:
+        if args.backend == "etcd" and not endpoints:
+            from kvcc.reference.etcd_harness import EtcdCluster
+
+            etcd = EtcdCluster(1, workdir / "etcd")
+            etcd.start()
+            endpoints = ",".join(etcd.endpoints)
+        cluster = LocalCluster(workdir, nodes=args.nodes, namespaces=[DEMO_NAMESPACE], backend=args.backend,
+                               etcd_endpoints=endpoints)  # fmt: skip
+        with console.status(f"starting a directory and {args.nodes} nodes ..."):
+            cluster.start()
+        try:
+            pids = {name: p.popen.pid for name, p in cluster.procs.items() if p.popen}
+            console.print(f"[bold]kvcc cluster[/]: directory on 127.0.0.1:{cluster.directory_address[1]} "
+                          f"({args.backend}), nodes {', '.join(cluster.node_ids)}; pids {pids}")
+            rows = run_demo(cluster)
+            table = Table(title="demo workload", show_lines=True)
+            for col in ("step", "what", "outcome"):
+                table.add_column(col)
+            for row in rows:
+                table.add_row(*row)
+            console.print(table)
+            events = cluster.events()
+            counts: dict[str, int] = {}
+            for e in events:
+                counts[e["event"]] = counts.get(e["event"], 0) + 1
+            console.print(f"{len(events)} protocol events in {workdir / 'events'}: "
+                          + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+            if args.serve:
+                console.print("serving; Ctrl-C to stop")
+                try:
+                    while all(cluster.alive(n) for n in cluster.procs):
+                        time.sleep(0.5)
+                except KeyboardInterrupt:
+                    pass
+        finally:
+            with console.status("stopping ..."):
+                cluster.stop()
+        leftovers = [n for n in cluster.procs if cluster.alive(n)]
+        console.print(f"stopped cleanly in {time.monotonic() - started:.1f} s" if not leftovers
+                      else f"[red]processes left running: {leftovers}[/]")  # fmt: skip
+        if args.json:
+            print(json.dumps({"ok": not leftovers, "workdir": str(workdir), "steps": [list(r) for r in rows],
+                              "events": counts}))  # fmt: skip
+        return 0 if not leftovers else 1
+    except ClusterError as e:
+        console.print(f"[red]kvcc cluster up: {e}[/]")
+        return 1
+    finally:
+        if etcd is not None:
+            etcd.stop()

@@ -1,0 +1,269 @@
+"""Process entry points: ``kvcc serve directory`` and ``kvcc serve node``.
+
+A deployment is described by one JSON file shared by every process (``ClusterConfig``)::
+
+    {"lease_term_ms": 2000, "skew_ms": 100,
+     "tenants": {"engine-a": {"token": "<hex, >= 16 bytes>", "namespaces": ["<64 hex>", ...]},
+                 "nodes":    {"token": "<hex>", "operator": true}},
+     "node_tenant": "nodes"}
+
+``operator`` tenants act on every namespace (cache nodes evict and demote whatever they store);
+engines get only their namespaces (DESIGN 11). Each process writes its protocol events to an
+NDJSON file (``--events``) and, once it serves, a ready file (``--ready-file``: JSON with ``port``
+and ``pid``, written atomically) that scripts and ``kvcc cluster`` wait for. SIGINT and SIGTERM
+shut a process down cleanly: the server stops accepting, connections get ``Error("shutdown")``,
+tiers are closed (their files synced).
+
+A node's incarnation is kept in ``<state>/incarnation`` (read, incremented, fsynced at every
+start): a restarted node says Hello under a higher one, and the directory forgets what the old
+one held (spec ``restart_node``). Its volatile tiers (``dram``, ``gpu``) come back empty and are
+reported lost; ``nvme`` recovers from its slab files.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from attrs import frozen
+
+from .wire import Tenants
+
+log = logging.getLogger("kvcc.serve")
+
+VOLATILE_TIERS = ("gpu", "dram")
+TIER_KINDS = ("gpu", "dram", "nvme")
+DEFAULT_BLOCK_BYTES = 1 << 20
+
+
+class ConfigError(ValueError):
+    """The deployment file or a command-line option is wrong; the message says which."""
+
+
+@frozen
+class ClusterConfig:
+    lease_term_ms: int
+    skew_ms: int
+    tenants: Tenants
+    node_tenant: str
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> ClusterConfig:
+        try:
+            tokens, namespaces, operators = {}, {}, set()
+            for name, t in dict(raw["tenants"]).items():
+                tokens[name] = bytes.fromhex(t["token"])
+                namespaces[name] = [bytes.fromhex(h) for h in t.get("namespaces", ())]
+                if t.get("operator"):
+                    operators.add(name)
+            tenants = Tenants(tokens, namespaces, operators=frozenset(operators))
+            node_tenant = raw["node_tenant"]
+            if node_tenant not in operators:
+                raise ConfigError(f"node_tenant {node_tenant!r} must be an operator tenant")
+            return cls(int(raw["lease_term_ms"]), int(raw["skew_ms"]), tenants, node_tenant)
+        except ConfigError:
+            raise
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(f"bad deployment file: {type(e).__name__}: {e}") from None
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> ClusterConfig:
+        try:
+            raw = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ConfigError(f"cannot read deployment file {path}: {e}") from None
+        return cls.from_dict(raw)
+
+    def token(self, tenant: str) -> bytes:
+        token = self.tenants.token(tenant)
+        if token is None:
+            raise ConfigError(f"no tenant {tenant!r} in the deployment file")
+        return token
+
+
+def write_ready(path: str | None, **fields: Any) -> None:
+    if not path:
+        return
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"pid": os.getpid(), **fields}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def parse_size(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    try:
+        if t and t[-1] in units:
+            return int(float(t[:-1]) * units[t[-1]])
+        return int(t)
+    except ValueError:
+        raise ConfigError(f"not a size: {text!r} (e.g. 64MiB, 1GiB, 4096)") from None
+
+
+def parse_tier(spec: str) -> tuple[str, int]:
+    kind, sep, size = spec.partition("=")
+    if not sep or kind not in TIER_KINDS:
+        raise ConfigError(f"--tier takes KIND=SIZE with KIND one of {TIER_KINDS}, got {spec!r}")
+    return kind, parse_size(size)
+
+
+def next_incarnation(state: Path) -> int:
+    state.mkdir(parents=True, exist_ok=True)
+    path = state / "incarnation"
+    try:
+        current = int(path.read_text())
+    except FileNotFoundError:
+        current = 0
+    except ValueError:
+        raise ConfigError(f"{path} is corrupt") from None
+    nxt = current + 1
+    tmp = state / "incarnation.tmp"
+    with open(tmp, "w") as f:
+        f.write(str(nxt))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dfd = os.open(state, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+    return nxt
+
+
+async def _until_signalled() -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
+def _event_log(path: str | None, node: str, incarnation: int) -> Any:
+    from .events import EventLog
+
+    return None if not path else EventLog(path, node, incarnation)
+
+
+# ---------------------------------------------------------------------------------- directory
+
+
+def open_store(backend: str, state: Path, etcd_endpoints: str | None, prefix: str) -> Any:
+    if backend == "sqlite":
+        from .directory.store import DirectoryStore
+
+        state.mkdir(parents=True, exist_ok=True)
+        return DirectoryStore(state / "directory.db")
+    if backend == "etcd":
+        if not etcd_endpoints:
+            raise ConfigError("--backend etcd needs --etcd-endpoints http://HOST:PORT[,...]")
+        from .directory.etcd_store import EtcdDirectoryStore
+
+        return EtcdDirectoryStore([e.strip() for e in etcd_endpoints.split(",") if e.strip()], prefix=prefix)
+    raise ConfigError(f"unknown backend {backend!r} (sqlite, etcd)")
+
+
+async def serve_directory(config: ClusterConfig, *, state: Path, host: str, port: int, backend: str = "sqlite",
+                          etcd_endpoints: str | None = None, etcd_prefix: str = "kvcc", events: str | None = None,
+                          ready_file: str | None = None) -> None:  # fmt: skip
+    from .directory.core import DirectoryConfig
+    from .directory.server import DirectoryServer
+
+    store = open_store(backend, state, etcd_endpoints, etcd_prefix)
+    cfg = DirectoryConfig(lease_term_ms=config.lease_term_ms, skew_ms=config.skew_ms)
+    server = DirectoryServer(cfg, config.tenants, store, host=host, port=port)
+    try:
+        await server.start()
+        server.events = _event_log(events, "directory", server.incarnation)
+        write_ready(ready_file, port=server.port, incarnation=server.incarnation, restarted=server.restarted)
+        log.info("directory serving on %s:%d (backend %s, incarnation %d%s)", host, server.port, backend,
+                 server.incarnation, ", restart grace" if server.restarted else "")  # fmt: skip
+        await _until_signalled()
+    finally:
+        await server.close()
+        if server.events is not None:
+            server.events.close()
+        store.close()
+
+
+# ---------------------------------------------------------------------------------- node
+
+
+def open_tiers(node_id: str, state: Path, tiers: list[tuple[str, int]], block_bytes: int) -> dict[str, Any]:
+    from .tiers import DramTier, GpuTier, NvmeTier
+
+    out: dict[str, Any] = {}
+    for kind, size in tiers:
+        if kind in out:
+            raise ConfigError(f"tier {kind} given twice")
+        blocks = max(1, size // block_bytes)
+        if kind == "dram":
+            out[kind] = DramTier(blocks, block_bytes)
+        elif kind == "gpu":
+            out[kind] = GpuTier(blocks, block_bytes)
+        else:
+            out[kind] = NvmeTier(state / "nvme", block_bytes=block_bytes, capacity_bytes=size)
+    return out
+
+
+async def serve_node(config: ClusterConfig, *, node_id: str, directory: str, state: Path, host: str, port: int,
+                     tiers: list[tuple[str, int]], block_bytes: int = DEFAULT_BLOCK_BYTES, pool: str | None = None,
+                     pool_bytes: int = 1 << 30, events: str | None = None,
+                     ready_file: str | None = None) -> None:  # fmt: skip
+    from .node import CacheNode
+
+    dhost, _, dport = directory.rpartition(":")
+    if not dhost or not dport.isdigit():
+        raise ConfigError(f"--directory takes HOST:PORT, got {directory!r}")
+    if not tiers:
+        raise ConfigError("a node needs at least one --tier")
+    incarnation = next_incarnation(state)
+    opened = open_tiers(node_id, state, tiers, block_bytes)
+    pool_tier = None
+    if pool:
+        from .tiers import SharedPoolTier
+
+        pool_tier = SharedPoolTier(pool, pool_bytes)
+    lost = [k for k in opened if k in VOLATILE_TIERS] if incarnation > 1 else []
+    ev = _event_log(events, node_id, incarnation)
+    node = CacheNode(node_id, opened, config.tenants, (dhost, int(dport)), directory_tenant=config.node_tenant,
+                     incarnation=incarnation, host=host, port=port, pool=pool_tier, lost=lost, events=ev)  # fmt: skip
+    try:
+        await node.start()  # its Hello is the spec's restart_node, logged by the directory
+        write_ready(ready_file, port=node.port, incarnation=incarnation)
+        log.info("node %s (incarnation %d) serving on %s, tiers %s", node_id, incarnation, node.address,
+                 ", ".join(node.locations))  # fmt: skip
+        await _until_signalled()
+    finally:
+        await node.close()
+        for t in opened.values():
+            t.close()
+        if pool_tier is not None:
+            pool_tier.close()
+        if ev is not None:
+            ev.close()
+
+
+def configure_logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def run(coro: Any) -> int:
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(coro)
+    return 0
