@@ -30,6 +30,7 @@ from kvcc.reference.directory import (
     DirectoryStore,
     Emit,
     FreeAt,
+    InvalidEffect,
     Persist,
     PersistTicket,
     ReserveLeaseIds,
@@ -586,7 +587,7 @@ def test_store_round_trip(tmp_path):
 def test_a_failed_commit_writes_nothing(tmp_path):
     with DirectoryStore(str(tmp_path / "d.sqlite")) as store:
         store.commit([ReserveLeaseIds(10)])
-        with pytest.raises(AttributeError):
+        with pytest.raises(InvalidEffect):
             store.commit([ReserveLeaseIds(20), PersistTicket(None)])  # type: ignore[arg-type]
         assert store.lease_id_limit == 10
 

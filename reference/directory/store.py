@@ -20,6 +20,11 @@ Tables:
 
 ``load()`` reads everything back for ``DirectoryCore.restarted``. One ``DirectoryStore`` belongs
 to one thread (SQLite's default); the directory process owns the file alone.
+
+Rows, the checks of ``commit``'s input and of what is read back, ``Loaded`` and the typed errors
+are shared with the etcd store (``durable``). Read leases are not mirrored here
+(``mirror_leases`` does nothing, ``Loaded.lease_horizon_ms`` is ``None``): a restarted embedded
+directory cannot compare its new monotonic clock with the old one, so it waits the full grace.
 """
 
 from __future__ import annotations
@@ -28,22 +33,19 @@ import os
 import sqlite3
 from collections.abc import Iterable
 
-from attrs import frozen
-
-from kvcc.spec.keys import DIGEST_BYTES, BlockKey, LocationId, NamespaceDigest, NodeId
-
-from .core import (
-    DURABLE_EFFECTS,
-    FIRST_LEASE_ID,
-    FIRST_TICKET,
-    Effect,
-    ForgetTicket,
-    Persist,
-    PersistTicket,
-    Record,
-    ReserveLeaseIds,
-    Ticket,
+from .core import FIRST_LEASE_ID, FIRST_TICKET, Effect, ForgetTicket, Persist, PersistTicket, Record, Ticket
+from .durable import (
+    RECORD_FIELDS,
+    TICKET_FIELDS,
+    Loaded,
+    durable_effects,
+    record_from_row,
+    record_row,
+    ticket_from_row,
+    ticket_row,
 )
+
+__all__ = ["DirectoryStore", "Loaded", "SCHEMA_VERSION"]
 
 SCHEMA_VERSION = 1
 _SYNCHRONOUS = ("FULL", "EXTRA")  # never NORMAL or OFF: a committed reply must survive power loss
@@ -81,33 +83,8 @@ CREATE TABLE IF NOT EXISTS meta (
 ) WITHOUT ROWID;
 """
 
-_RECORD_COLUMNS = (
-    "key", "namespace", "parent", "phase", "gen", "epoch", "owner", "moving_to", "draining", "writer",
-    "writer_tenant", "write_lease", "write_lease_expires_at_ms", "committed_lease",
-)  # fmt: skip
-_TICKET_COLUMNS = ("ticket", "keys", "pending", "started_at_ms", "completed_at_ms", "acked", "expired", "restarts")
-
-
-@frozen
-class Loaded:
-    """What a restart recovers: ``DirectoryCore.restarted(records, next_lease_id, now_ms,
-    tickets, next_ticket)``. ``fresh``: the log was empty (a first start)."""
-
-    records: tuple[Record, ...]
-    next_lease_id: int
-    tickets: tuple[Ticket, ...]
-    next_ticket: int
-    incarnation: int
-    fresh: bool
-
-
-def _keys_blob(keys: Iterable[BlockKey]) -> bytes:
-    return b"".join(k.digest for k in sorted(keys))
-
-
-def _keys_from_blob(blob: bytes) -> tuple[BlockKey, ...]:
-    assert len(blob) % DIGEST_BYTES == 0
-    return tuple(BlockKey(blob[i : i + DIGEST_BYTES]) for i in range(0, len(blob), DIGEST_BYTES))
+_RECORD_COLUMNS = RECORD_FIELDS
+_TICKET_COLUMNS = TICKET_FIELDS
 
 
 class DirectoryStore:
@@ -161,39 +138,11 @@ class DirectoryStore:
         next_ticket = max([self._meta("ticket_high_water") or FIRST_TICKET, *[t.ticket + 1 for t in tickets]])
         return Loaded(records, self.lease_id_limit, tickets, next_ticket, incarnation, fresh)
 
-    @staticmethod
-    def _record(row: tuple) -> Record:
-        values = dict(zip(_RECORD_COLUMNS, row, strict=True))
-        return Record(
-            key=BlockKey(values["key"]),
-            namespace=NamespaceDigest(values["namespace"]),
-            parent=None if values["parent"] is None else BlockKey(values["parent"]),
-            phase=values["phase"],
-            gen=values["gen"],
-            epoch=values["epoch"],
-            owner=None if values["owner"] is None else LocationId(values["owner"]),
-            moving_to=None if values["moving_to"] is None else LocationId(values["moving_to"]),
-            draining=None if values["draining"] is None else LocationId(values["draining"]),
-            writer=None if values["writer"] is None else NodeId(values["writer"]),
-            writer_tenant=values["writer_tenant"],
-            write_lease=values["write_lease"],
-            write_lease_expires_at_ms=values["write_lease_expires_at_ms"],
-            committed_lease=values["committed_lease"],
-        )
+    def _record(self, row: tuple) -> Record:
+        return record_from_row(dict(zip(_RECORD_COLUMNS, row, strict=True)), f"{self.path}: record")
 
-    @staticmethod
-    def _ticket(row: tuple) -> Ticket:
-        v = dict(zip(_TICKET_COLUMNS, row, strict=True))
-        return Ticket(
-            ticket=v["ticket"],
-            keys=_keys_from_blob(v["keys"]),
-            pending=frozenset(_keys_from_blob(v["pending"])),
-            started_at_ms=v["started_at_ms"],
-            completed_at_ms=v["completed_at_ms"],
-            acked=v["acked"],
-            expired=v["expired"],
-            restarts=v["restarts"],
-        )
+    def _ticket(self, row: tuple) -> Ticket:
+        return ticket_from_row(dict(zip(_TICKET_COLUMNS, row, strict=True)), f"{self.path}: ticket")
 
     # ------------------------------------------------------------------ writing
 
@@ -216,38 +165,36 @@ class DirectoryStore:
         """Make every durable effect of ``effects`` durable, in order, in one transaction; the
         others are skipped. Returns how many were written. Call it before anything of the same
         call is sent."""
-        durable = [e for e in effects if isinstance(e, DURABLE_EFFECTS)]
+        durable = durable_effects(effects)  # InvalidEffect before anything is written
         if not durable:
             return 0
         with self._transaction():
             for e in durable:
                 if isinstance(e, Persist):
-                    r = e.record
+                    row = record_row(e.record)
                     self._db.execute(
                         f"INSERT OR REPLACE INTO records ({', '.join(_RECORD_COLUMNS)}) "
                         f"VALUES ({', '.join('?' * len(_RECORD_COLUMNS))})",
-                        (
-                            r.key.digest, bytes(r.namespace), None if r.parent is None else r.parent.digest,
-                            r.phase, r.gen, r.epoch, r.owner, r.moving_to, r.draining, r.writer,
-                            r.writer_tenant, r.write_lease, r.write_lease_expires_at_ms, r.committed_lease,
-                        ),
-                    )  # fmt: skip
+                        tuple(row[c] for c in _RECORD_COLUMNS),
+                    )
                 elif isinstance(e, PersistTicket):
-                    t = e.ticket
+                    trow = ticket_row(e.ticket)
                     self._db.execute(
                         f"INSERT OR REPLACE INTO tickets ({', '.join(_TICKET_COLUMNS)}) "
                         f"VALUES ({', '.join('?' * len(_TICKET_COLUMNS))})",
-                        (
-                            t.ticket, _keys_blob(t.keys), _keys_blob(t.pending), t.started_at_ms,
-                            t.completed_at_ms, t.acked, t.expired, t.restarts,
-                        ),
-                    )  # fmt: skip
-                    self._raise_meta("ticket_high_water", t.ticket + 1)
+                        tuple(trow[c] for c in _TICKET_COLUMNS),
+                    )
+                    self._raise_meta("ticket_high_water", e.ticket.ticket + 1)
                 elif isinstance(e, ForgetTicket):
                     self._db.execute("DELETE FROM tickets WHERE ticket = ?", (e.ticket,))
                 else:
                     self._raise_meta("lease_id_limit", e.limit)
         return len(durable)
+
+    def mirror_leases(self, remaining_ms: int) -> None:
+        """Nothing: the embedded store does not mirror leases (see the module docstring)."""
+        if type(remaining_ms) is not int or remaining_ms < 0:
+            raise ValueError(f"remaining_ms must be an int >= 0, got {remaining_ms!r}")
 
     def close(self) -> None:
         self._db.close()
