@@ -540,6 +540,10 @@ def build_parser() -> argparse.ArgumentParser:
                                     "per block size, as a fraction of the raw limit measured in the same run.")
     add_tiers_arguments(b)
     b.set_defaults(func=cmd_bench_tiers)
+
+    from kvcc.cli_runtime import add_parsers as add_runtime_parsers
+
+    add_runtime_parsers(sub)
     return parser
 
 
