@@ -58,7 +58,7 @@ class Node:
         self.local = threading.local()
         self.ops: dict[str, Callable[[dict[str, Any], bytes], tuple[Any, bytes]]] = {
             "ping": lambda a, p: ({"pid": os.getpid()}, b""),
-            "put": lambda a, p: (self.store.put(a["key"], p), b""),
+            "put": self._put,
             "upsert": lambda a, p: (self.store.upsert(a["key"], p), b""),
             "get": self._get,
             "is_exist": lambda a, p: (self.store.is_exist(a["key"]), b""),
@@ -73,6 +73,18 @@ class Node:
             "health": lambda a, p: (self.store.health_check(), b""),
             "hostname": lambda a, p: (self.store.get_hostname(), b""),
         }
+
+    def _put(self, args: dict[str, Any], payload: bytes) -> tuple[Any, bytes]:
+        """put, placed in the segment ``preferred_segment`` names (a node's own) if given."""
+        segment = args.get("preferred_segment")
+        if not segment:
+            return self.store.put(args["key"], payload), b""
+        from mooncake.store import ReplicateConfig
+
+        config = ReplicateConfig()
+        config.replica_num = 1
+        config.preferred_segment = str(segment)
+        return self.store.put(args["key"], payload, config), b""
 
     def _buffer(self) -> tuple[ctypes.Array, int]:
         buf = getattr(self.local, "buf", None)
