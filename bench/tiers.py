@@ -2,23 +2,28 @@
 in the same run, on the same memory or directory, with the same block size and thread count
 (``kvcc bench tiers``).
 
-Raw limits:
+Raw limits, exactly (each measured in the same run, interleaved with the tier's trials):
 
-- DRAM and GPU (on the CPU device): ``numpy.copyto`` between preallocated buffers of the same
-  size, over a ring of as many blocks as the tier holds. With CUDA, the GPU tier is compared with a
-  ``torch`` copy pinned-host -> device (write) and device -> pinned-host (read), synchronised per
-  block as the tier is.
-- NVMe and pool: a plain file in the same directory, written with ``pwrite`` + ``fdatasync`` per
-  block (the durability the tiers give before ``Stored``) and read with ``preadv``, through
-  ``O_DIRECT`` when the tier uses it (else buffered; the report says which), at the same queue
-  depth: ``threads`` concurrent blocks on both sides.
+- DRAM, and GPU on the CPU device: one ``numpy.copyto`` per block (a single-threaded memcpy)
+  between a source buffer and a ring of as many blocks as the tier holds, in the same thread, one
+  block at a time, as the tier is driven. With CUDA, the GPU tier is compared with one ``torch``
+  copy per block, pinned host -> device (write) and device -> pinned host (read), with
+  ``non_blocking=True`` and a synchronisation per block, as the tier synchronises per call.
+- NVMe and pool: a plain preallocated file in the same directory, one ``pwrite`` + one
+  ``fdatasync`` per block (one flush per block, the durability the tiers give before ``Stored``)
+  and one ``preadv`` per block, through ``O_DIRECT`` when the tier uses it (else buffered; the
+  report says which), from ``threads`` threads: ``threads`` blocks in flight on both sides.
 
-What the tiers do on top: a verified read checksums the block (CRC-32, ~2-4 GB/s per core); the
-memory tiers also run with ``verify_reads=False`` (rows marked "no verify") to show the copy
-alone. An NVMe write is two synced phases (payload + intent header, then the commit header) and
-reads stage through an aligned buffer. A pool write creates the key's directory and fence file,
-writes and fsyncs a temp file, renames it and fsyncs the directory. Writes go to fresh keys (a node
-storing new blocks); their frees are not timed. Reads reread a fixed set of blocks.
+What the tiers do on top: every write checksums the block (XXH3-64 in 512 KiB pieces, hashed
+right after each piece is copied) and every verified read checksums it before copying it out
+(the caller's buffer is untouched on a miss, so the copy cannot start before the check ends);
+the memory tiers also run with ``verify_reads=False`` (rows marked "no verify") to show the copy
+alone. An NVMe write copies the block into an aligned buffer behind its header page and writes
+both with one ``pwrite`` + ``fdatasync``; reads stage through an aligned buffer. A pool write
+creates the key's directory and fence file, writes and fsyncs a temp file, renames it and fsyncs
+the directory. Writes go to fresh keys (a node storing new blocks) in slots that were written
+before (the NVMe tier is warmed up as the raw file is: steady state, not first allocation); their
+frees are not timed. Reads reread a fixed set of blocks.
 
 A benchmark reports; it does not fail on a missed target. The exit code is 1 only when measuring
 fails (an exception, or a tier returning a miss or wrong bytes).
@@ -182,7 +187,7 @@ def _bench_file(kind: str, size: int, directory: Path, threads: int, trials: int
     n = _clamp(trial_bytes // size, FILE_BLOCKS)
     here = directory / f"{kind}-{size}"
     if kind == "nvme":
-        tier: Any = NvmeTier(here, size, (2 * n + threads) * size, read_threads=threads)
+        tier: Any = NvmeTier(here, size, 2 * n * size, read_threads=threads)
     else:
         tier = SharedPoolTier(here, 1 << 62, threads=threads)
     data = os.urandom(size)
@@ -234,6 +239,8 @@ def _bench_file(kind: str, size: int, directory: Path, threads: int, trials: int
             if r != Stored(size):
                 raise BenchError(f"{kind}: write returned {r}")
         list(pool.map(raw_write_one, range(n)))  # warm-up: allocate the raw file's blocks
+        tier_write()  # ... and every slot of the tier's
+        free_written()
         res = _trials(trials, n * size, lambda: list(pool.map(raw_write_one, range(n))), tier_write,
                       lambda: list(pool.map(raw_read_one, range(n))), tier_read, after_write=free_written)
         if any(bytes(o) != data for o in outs):
@@ -297,7 +304,7 @@ def measure(sizes: Sequence[int] = SIZES, tiers: Sequence[str] = TIERS, director
     for row in rows:
         name = f"{row['tier']}/{row['op']}"
         if row["meets_target"] is not None:
-            summary[name] = bool(summary.get(name, True)) and row["meets_target"]
+            summary[name] = summary.get(name) is not False and row["meets_target"]
         else:
             summary.setdefault(name, None)
     return {

@@ -192,9 +192,10 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def write_file_atomic(path: Path, data: bytes) -> None:
+def write_file_atomic(path: Path, data: bytes, *, sync_dir: bool = True) -> None:
     """Write ``data`` to ``path`` so that a crash leaves the old file or the new one: a temp file,
-    fsync, rename over, fsync of the directory."""
+    fsync, rename over, fsync of the directory (left to the caller with ``sync_dir=False``, who
+    then fsyncs the directory itself before relying on the new file)."""
     tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}-{secrets.token_hex(4)}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:
@@ -208,7 +209,8 @@ def write_file_atomic(path: Path, data: bytes) -> None:
         raise
     os.close(fd)
     os.rename(tmp, path)
-    fsync_dir(path.parent)
+    if sync_dir:
+        fsync_dir(path.parent)
 
 
 def pwrite_all(fd: int, view: memoryview, offset: int) -> None:

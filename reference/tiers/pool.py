@@ -83,11 +83,10 @@ from .base import (
     check_epoch,
     check_gen,
     check_key,
-    copy_into,
+    copy_checksum,
     copy_out,
     decode_header,
     event,
-    make_header,
     prepare_sink,
     round_up,
     source_bytes,
@@ -191,9 +190,9 @@ class SharedPoolTier(Tier):
         event(logging.ERROR, "fence_corrupt", self.name, key, path=str(self._fence_path(key)))
         raise CorruptFence(f"{self._fence_path(key)} cannot be read back; restore_fences it from the directory")
 
-    def _write_fence(self, key: bytes, epoch: int) -> None:
+    def _write_fence(self, key: bytes, epoch: int, *, sync_dir: bool = True) -> None:
         body = _FENCE.pack(FENCE_MAGIC, epoch)
-        write_file_atomic(self._fence_path(key), body + zlib.crc32(body).to_bytes(4, "little"))
+        write_file_atomic(self._fence_path(key), body + zlib.crc32(body).to_bytes(4, "little"), sync_dir=sync_dir)
 
     # -- usage --------------------------------------------------------------------------------
 
@@ -237,20 +236,23 @@ class SharedPoolTier(Tier):
         try:
             with self._buffers.get(size) as buf:
                 payload = buf[PAGE_BYTES:PAGE_BYTES + n]
-                if n:
-                    copy_into(payload, src, n)
+                seq = time.time_ns()
+                checksum = copy_checksum(payload, src, n, key, gen, epoch, seq)
                 buf[PAGE_BYTES + n:size] = _ZERO_PAGE[:size - PAGE_BYTES - n]
-                header = make_header(FLAG_COMMITTED, key, gen, epoch, time.time_ns(), payload, n)
+                header = Header(FLAG_COMMITTED, key, gen, epoch, n, seq, checksum)
                 buf[:HEADER_BYTES] = header.pack()
                 buf[HEADER_BYTES:PAGE_BYTES] = _ZERO_PAGE[HEADER_BYTES:]
                 pwrite_all(fd, buf[:size], 0)
-            os.fsync(fd)
+            os.fdatasync(fd)  # the data and the file size; the name is the directory's fsync
             with self._locked(key):
                 fence = self._read_fence(key)
                 if epoch < fence:
                     return Fenced(fence)  # the finally removes the temp file: nothing changed
                 if epoch > fence:
-                    self._write_fence(key, epoch)
+                    # Renamed before the block, made durable by the same directory fsync below: a
+                    # crash that keeps the block but not the fence is repaired by recovery (which
+                    # raises a fence behind its block), so one directory flush covers both.
+                    self._write_fence(key, epoch, sync_dir=False)
                 final = self._block_path(key, gen)
                 old = [(g, p) for g, p in self._generations(key) if g != gen]
                 replaced = final.stat().st_size if final.exists() else 0
