@@ -71,7 +71,8 @@ def make(kind: str, path: Path, slots: int = SLOTS, block: int = BLOCK, **kw):
     if kind == "dram":
         return DramTier(slots, block, **kw)
     if kind == "gpu":
-        return GpuTier(slots, block, **kw)
+        # scripts/gpu_check.sh sets KVCC_TEST_GPU_DEVICE=cuda: there a CPU fallback is a failure.
+        return GpuTier(slots, block, **{"device": os.environ.get("KVCC_TEST_GPU_DEVICE"), **kw})
     if kind == "nvme":
         return NvmeTier(path / "nvme", block, slots * block, **kw)
     if kind == "pool":
@@ -890,4 +891,19 @@ def test_dram_tier_pinned_to_and_from_cuda():
     assert tier.write(K(1), 1, 1, src) == Stored(4096)
     out = torch.zeros(4096, dtype=torch.uint8, device="cuda")
     assert tier.read_into(K(1), 1, out) == Hit(4096) and torch.equal(out, src)
+    tier.close()
+
+
+def test_pool_fence_behind_its_block_still_fences(tmp_path):
+    """A crash can persist a block's rename but not its fence file's (one directory flush covers
+    both): the block's epoch fences writers and frees until the fence file catches up, and a
+    free keeps it."""
+    tier = make("pool", tmp_path)
+    assert tier.write(K(1), 1, 5, b"x" * 100) == Stored(100)
+    tier._write_fence(K(1), 1)  # as if the fence file's rename had been lost
+    assert tier.write(K(1), 2, 3, b"zombie") == Fenced(5)
+    assert tier.free(K(1), 4) == Fenced(5)
+    assert tier.free(K(1), 5) == Freed()
+    assert tier.fence(K(1)) == 5
+    assert tier.write(K(1), 3, 4, b"zombie") == Fenced(5)
     tier.close()

@@ -5,13 +5,13 @@ On CUDA (the default when available) copies run on a dedicated ``torch.cuda.Stre
 or read its buffer at once. Host data is staged through pinned buffers (a pool of
 ``staging_buffers``), which DMA requires for asynchronous copies.
 
-Checksums are computed on the host: CRC-32 has no torch kernel, so a block's bytes are staged to
+Checksums are computed on the host: XXH3 has no torch kernel, so a block's bytes are staged to
 pinned host memory to be checksummed. The cost:
 
 - every ``write`` from a device tensor copies the block device->host once more (PCIe, tens of GB/s)
   to checksum it; a write from host memory checksums the staging copy it makes anyway;
-- every verified ``read_into`` copies the block device->host and checksums it at ~2-4 GB/s per core
-  before anything reaches ``out`` (a device ``out`` then gets a device-to-device copy).
+- every verified ``read_into`` copies the block device->host and checksums it (XXH3, 30-60 GB/s
+  per core) before anything reaches ``out`` (a device ``out`` then gets a device-to-device copy).
 
 GPU memory is trusted (no other process writes it, and the copy engines do not corrupt data), so
 ``verify_reads`` may be switched off for this tier: a read is then one copy at device bandwidth.
@@ -140,6 +140,9 @@ class GpuTier(DramTier):
                     return Hit(n)
         if is_tensor(sink):
             dst = sink[:n]
+            if dst.device.type == "cuda":
+                # Work the caller queued on ``out`` (a kernel still reading it) comes first.
+                self._stream.wait_stream(torch.cuda.current_stream(dst.device))
         else:
             import numpy as np
 

@@ -11,14 +11,17 @@ Layout, one directory per key (so that a key's generations are found without lis
 
 **Write**: the block goes to a temp file (flocked by its writer while it exists), fsynced; then,
 under the key's flock: read the fence, refuse a lower epoch (the temp file is removed: no state
-changed), raise the fence file first if the epoch is higher (raising a fence early is safe; the
-reverse order could let a stale writer in after a crash), ``rename`` the temp file over
-``<hex>-<gen>`` (the atomic publish), remove the key's other generations, fsync the directory.
-The check-fence-then-publish runs under ``flock``, so fencing holds across processes.
+changed), raise the fence file first if the epoch is higher (its own temp file, fsynced and
+renamed: other processes see the raised fence before the block), ``rename`` the temp file over
+``<hex>-<gen>`` (the atomic publish), remove the key's other generations, and fsync the
+directory once for both renames. A crash may persist the block's rename and not the fence's; the
+block carries its epoch and recovery raises a fence that is behind its block, so the fence never
+ends below an epoch that was stored. The check-fence-then-publish runs under ``flock``, so
+fencing holds across processes.
 
 **Read** needs no lock: a file, once opened, keeps its bytes even if it is replaced or removed
 (POSIX), and a published file is never written again. The header (key, gen, committed flag) and
-CRC are verified in a staging buffer before ``out`` is touched; a file shorter than its header
+block checksum are verified in a staging buffer before ``out`` is touched; a file shorter than its header
 says is ``Miss(truncated)``.
 
 **Free** (under the flock, fence checked) removes every generation, oldest first, then fsyncs the
@@ -190,6 +193,13 @@ class SharedPoolTier(Tier):
         event(logging.ERROR, "fence_corrupt", self.name, key, path=str(self._fence_path(key)))
         raise CorruptFence(f"{self._fence_path(key)} cannot be read back; restore_fences it from the directory")
 
+    def _locked_fence(self, key: bytes) -> int:
+        """The fence for a decision taken under the key's flock: the fence file, or the epoch of a
+        published block if higher (a crash can persist a block's rename without its fence's; see
+        the write path). Raises ``CorruptFence`` as ``_read_fence`` does."""
+        fence = self._read_fence(key)
+        return max([fence] + [h.epoch for h in self._headers_of(key) if h.key == key])
+
     def _write_fence(self, key: bytes, epoch: int, *, sync_dir: bool = True) -> None:
         body = _FENCE.pack(FENCE_MAGIC, epoch)
         write_file_atomic(self._fence_path(key), body + zlib.crc32(body).to_bytes(4, "little"), sync_dir=sync_dir)
@@ -245,7 +255,7 @@ class SharedPoolTier(Tier):
                 pwrite_all(fd, buf[:size], 0)
             os.fdatasync(fd)  # the data and the file size; the name is the directory's fsync
             with self._locked(key):
-                fence = self._read_fence(key)
+                fence = self._locked_fence(key)
                 if epoch < fence:
                     return Fenced(fence)  # the finally removes the temp file: nothing changed
                 if epoch > fence:
@@ -350,12 +360,14 @@ class SharedPoolTier(Tier):
             return Absent()  # never written here: its fence is 0, so no epoch is refused
         removed = 0
         with self._locked(key) as d:
-            fence = self._read_fence(key)
+            fence = self._locked_fence(key)
             if epoch < fence:
                 return Fenced(fence)
             gens = self._generations(key)
             if not gens:
                 return Absent()
+            if self._read_fence(key) < fence:
+                self._write_fence(key, fence)  # the blocks carried the fence: keep it when they go
             for _, p in gens:  # oldest first: a crash part-way leaves the newest, which was current
                 removed += p.stat().st_size
                 p.unlink()
