@@ -72,3 +72,7 @@ def etcd_kv(etcd1):
 
     with EtcdKV(etcd1.endpoints, request_timeout_s=5.0, failover_timeout_s=10.0) as kv:
         yield kv, f"t/{uuid.uuid4().hex[:8]}/"
+
+
+# The directory's store backends (sqlite, etcd) as one parameterised fixture; see tests/backends.py.
+from backends import directory_store_factory  # noqa: E402, F401
