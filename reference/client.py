@@ -143,6 +143,17 @@ class WriteLease:
 
 
 @frozen
+class Ticket:
+    """A started invalidation: wait on ``id``; ``keys`` it voided (0: nothing was cached)."""
+
+    id: int
+    keys: int
+
+    def __int__(self) -> int:
+        return self.id
+
+
+@frozen
 class PrefixHit:
     """The first ``blocks`` keys of a lookup are cached; ``locations[i]`` holds key ``i``."""
 
@@ -190,6 +201,9 @@ class KvccClient:
         self._peers: dict[str, Client] = {}
         self._acks: set[asyncio.Task] = set()
         self._timeout_ms = timeout_ms
+        # A holder's clock may be off by up to epsilon (DESIGN: leases); tests and the
+        # conformance suite's clock-skew fault set this offset on this holder's clock.
+        self.clock_offset_ns = 0
         self.stats = {"hits": 0, "misses": 0, "revoked": 0, "expired_reads": 0}
 
     async def start(self) -> KvccClient:
@@ -228,6 +242,9 @@ class KvccClient:
         if type(reply) is Error:
             raise ConnectionFailed(f"the directory failed {type(msg).__name__}: {reply.code}: {reply.text}", code=reply.code)
         return reply
+
+    def _now_ns(self) -> int:
+        return time.monotonic_ns() + self.clock_offset_ns
 
     def _emit(self, event: str, **fields: Any) -> None:
         if self.events is not None:
@@ -296,7 +313,7 @@ class KvccClient:
         if key in self._leases:
             return self._leases[key]
         request = next(self._requests)
-        sent = time.monotonic_ns()
+        sent = self._now_ns()
         self._pending[key] = request
         self._emit("acquire", key=key, request=request)
         try:
@@ -321,7 +338,7 @@ class KvccClient:
         if self._leases.get(lease.key) != lease:
             return Refused(REASON_REVOKED, "not held")
         request = next(self._requests)
-        sent = time.monotonic_ns()
+        sent = self._now_ns()
         self._emit("renew", key=lease.key, gen=lease.gen, lease=lease.lease, request=request)
         reply = await self._ask(Renew(self.client_id, lease.key, lease.lease, lease.location, request))
         if type(reply) is LeaseRefused:
@@ -343,7 +360,7 @@ class KvccClient:
 
     def trusted(self, lease: ReadLease, now_ns: int | None = None) -> bool:
         held = self._leases.get(lease.key)
-        now = time.monotonic_ns() if now_ns is None else now_ns
+        now = self._now_ns() if now_ns is None else now_ns
         return held is not None and held.lease == lease.lease and now < held.trusted_until_ns
 
     async def read(self, lease: ReadLease, out: Any = None) -> bytes | int | Refused:
@@ -376,7 +393,7 @@ class KvccClient:
 
     async def begin_write(self, ns: Namespace | bytes, key: BlockKey, parent: BlockKey | None) -> WriteLease | Refused:
         request = next(self._requests)
-        sent = time.monotonic_ns()
+        sent = self._now_ns()
         digest = _digest(ns)
         self._emit("begin_write", key=key, request=request, parent=None if parent is None else parent.hex)
         reply = await self._ask(BeginWrite(self.client_id, key, digest, parent, request))
@@ -423,15 +440,16 @@ class KvccClient:
 
     # ------------------------------------------------------------------ invalidation and eviction
 
-    async def invalidate(self, ns: Namespace | bytes, scope: str = SCOPE_KEY, key: BlockKey | None = None) -> int:
+    async def invalidate(self, ns: Namespace | bytes, scope: str = SCOPE_KEY, key: BlockKey | None = None) -> Ticket:
         if scope not in SCOPES:
             raise ValueError(f"scope {scope!r} is not one of {SCOPES}")
         reply = await self._ask(Invalidate(_digest(ns), scope, key))
         assert type(reply) is InvalidationStarted
-        return reply.ticket
+        return Ticket(reply.ticket, reply.keys)
 
-    async def wait(self, ticket: int, timeout_s: float) -> bool:
+    async def wait(self, ticket: Ticket | int, timeout_s: float) -> bool:
         """Whether invalidation ``ticket`` completed within ``timeout_s``."""
+        ticket = int(ticket)
         deadline = time.monotonic() + timeout_s
         while True:
             left_ms = int((deadline - time.monotonic()) * 1000)

@@ -150,6 +150,7 @@ class LocalCluster:
         }
         self.procs: dict[str, _Proc] = {}
         self._clients: list[Any] = []
+        self._fault_log: Any = None
         self._started = False
 
     # ------------------------------------------------------------------ processes
@@ -222,6 +223,9 @@ class LocalCluster:
             proc = self.procs.get(name)
             if proc is not None:
                 proc.stop()
+        if self._fault_log is not None:
+            self._fault_log.close()
+            self._fault_log = None
         atexit.unregister(self.stop)
 
     def __enter__(self) -> LocalCluster:
@@ -233,12 +237,23 @@ class LocalCluster:
     # ------------------------------------------------------------------ faults
 
     def kill(self, name: str) -> None:
-        """SIGKILL: the process dies where it stands."""
+        """SIGKILL: the process dies where it stands. The crash is logged (spec ``crash``) in the
+        fault injector's event log, since the dead process cannot log it."""
         proc = self.procs[name]
         proc.signal(signal.SIGKILL)
         assert proc.popen is not None
         proc.popen.wait(STOP_GRACE_S)
         proc.paused = False
+        if name != "directory":  # a directory crash is its restart_directory, logged on restart
+            self.note_crash(name)
+
+    def note_crash(self, name: str, lose_disk: bool = False) -> None:
+        """Log that ``name`` (a node, or a client this process killed) crashed."""
+        from .events import EventLog
+
+        if self._fault_log is None:
+            self._fault_log = EventLog(self.workdir / "events" / "faults.ndjson", "faults", 1)
+        self._fault_log.emit("crash", crashed=name, lose_disk=lose_disk)
 
     def pause(self, name: str) -> None:
         self.procs[name].signal(signal.SIGSTOP)

@@ -81,7 +81,8 @@ def run_demo(cluster: Any, block_bytes: int | None = None) -> list[tuple[str, st
     took_ms = (time.monotonic() - started) * 1000
     after = b.lookup(ns, keys_a)
     stale = b.read(leases[3])
-    rows.append(("invalidate", f"engine-a invalidated the prefix from block 3 on (ticket {ticket})",
+    rows.append(("invalidate", f"engine-a invalidated the prefix from block 3 on (ticket {ticket.id}, "
+                 f"{ticket.keys} blocks)",
                  f"{'completed' if done else 'PENDING'} in {took_ms:.0f} ms (leases revoked and acked: "
                  f"{b.client.stats['revoked']}); lookup now {after.blocks} blocks; read under a revoked "
                  f"lease: {stale.reason if isinstance(stale, Refused) else 'SERVED (bug)'}"))  # fmt: skip

@@ -317,15 +317,21 @@ class CacheNode:
     async def _evict_for(self, tenant: str, msg: Evict) -> Any:
         """A client asks to evict the copy at one of our locations: the directory decides (with
         the client's tenant, so that it may only evict in its own namespaces)."""
-        tier = self._tier(msg.location)
+        location = msg.location
+        if location == self.node_id:  # "whichever of my tiers holds it"
+            location = next((loc for loc, t in self._locations.items() if loc != POOL_LOCATION
+                             and msg.key.digest in t.keys()), None)  # fmt: skip
+            if location is None:
+                return EvictRefused(msg.node, msg.key, msg.location, "not_found")
+        tier = self._tier(location)
         if tier is None:
             return EvictRefused(msg.node, msg.key, msg.location, "not_here")
         token = self.tenants.token(tenant)
         assert token is not None
         async with Client(self._dir.host, self._dir.port, tenant, token) as dir_as_tenant:
-            reply = await dir_as_tenant.request(Evict(self.node_id, msg.key, msg.location))
+            reply = await dir_as_tenant.request(Evict(self.node_id, msg.key, location))
         if type(reply) is Evicted:
-            await self._drop_evicted(tier, msg.location, msg.key)
+            await self._drop_evicted(tier, location, msg.key)
         return reply
 
     async def _drop_evicted(self, tier: Tier, location: LocationId, key: BlockKey) -> None:
@@ -356,6 +362,10 @@ class CacheNode:
         names = list(self.tiers)
         while True:
             await asyncio.sleep(DEMOTE_INTERVAL_MS / 1000)
+            # Stay registered: after a directory restart (or a lost connection) say Hello again
+            # at once, so directives reach us and writes can be placed here.
+            with contextlib.suppress(ConnectionFailed, TimeoutError_, OSError):
+                await self._ensure_hello()
             for upper, lower in zip(names, names[1:]):
                 tier = self.tiers[upper]
                 if tier.used_bytes <= self.demote_watermark * tier.capacity_bytes:

@@ -182,10 +182,10 @@ async def serve_directory(config: ClusterConfig, *, state: Path, host: str, port
 
     store = open_store(backend, state, etcd_endpoints, etcd_prefix)
     cfg = DirectoryConfig(lease_term_ms=config.lease_term_ms, skew_ms=config.skew_ms)
-    server = DirectoryServer(cfg, config.tenants, store, host=host, port=port)
+    factory = None if not events else (lambda incarnation: _event_log(events, "directory", incarnation))
+    server = DirectoryServer(cfg, config.tenants, store, host=host, port=port, events_factory=factory)
     try:
         await server.start()
-        server.events = _event_log(events, "directory", server.incarnation)
         write_ready(ready_file, port=server.port, incarnation=server.incarnation, restarted=server.restarted)
         log.info("directory serving on %s:%d (backend %s, incarnation %d%s)", host, server.port, backend,
                  server.incarnation, ", restart grace" if server.restarted else "")  # fmt: skip

@@ -415,7 +415,10 @@ class Invalidate:
 
 @frozen
 class InvalidationStarted:
+    """``keys``: how many keys the invalidation voided (0: nothing was cached under the scope)."""
+
     ticket: int
+    keys: int
 
 
 @frozen

@@ -734,7 +734,8 @@ class DirectoryCore:
             effects,
         )  # fmt: skip
         assert not self._leases_on_key.get(msg.key), "no read lease outlives its generation"
-        self._emit(effects, "grant_write_lease", rec, lease=lease, writer=msg.node, location=location)
+        self._emit(effects, "grant_write_lease", rec, lease=lease, writer=msg.node, location=location,
+                   parent=msg.parent, namespace=msg.namespace)  # fmt: skip
         return WriteLeaseGranted(
             msg.node, msg.key, lease, location, rec.gen, rec.epoch, self.config.lease_term_ms, msg.request
         )
@@ -805,8 +806,9 @@ class DirectoryCore:
             keys = self.subtree(msg.key) if rec is not None and rec.namespace == msg.namespace else []
             event = "invalidate"
         ticket = self._start_invalidation(keys, effects)
-        self._emit(effects, event, None, key=msg.key, ticket=ticket.ticket, keys=len(keys), scope=msg.scope)
-        return InvalidationStarted(ticket.ticket)
+        self._emit(effects, event, None, key=msg.key, ticket=ticket.ticket, keys=len(keys), scope=msg.scope,
+                   namespace=msg.namespace)  # fmt: skip
+        return InvalidationStarted(ticket.ticket, len(ticket.keys))
 
     def _start_invalidation(self, keys: Iterable[BlockKey], effects: list[Effect]) -> Ticket:
         """Void every key of ``keys``: COMMITTED ones go INVALIDATING (their leases revoked), writes

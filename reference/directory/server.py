@@ -90,6 +90,7 @@ log = logging.getLogger("kvcc.directory")
 
 POOL_LOCATION = "pool"  # the shared pool's location id: every node mounts it
 LOCATION_SEPARATOR = "/"  # "<node>/<tier>"
+HOME_SEPARATOR = "."  # a client id "<node>.<name>" lives next to <node>
 TIMER_SLACK_MS = 1  # sleep this much past a deadline: the core expires at deadline, not before
 
 
@@ -111,15 +112,20 @@ def node_of(location: LocationId) -> NodeId | None:
 
 
 def rendezvous_placement(nodes: Callable[[], dict[NodeId, tuple[LocationId, ...]]]) -> Callable:
-    """Place a write on the first location of the node with the highest hash of (node, key):
-    blocks spread over the nodes, and a key stays with its node while membership holds
-    (rendezvous hashing). With no node registered the writer's own id names the location."""
+    """Place a write on the writer's home node if it has one (a client id ``"<node>.<name>"``
+    next to a registered node writes to that node's fastest tier), else on the first location of
+    the node with the highest hash of (node, key): blocks spread over the nodes, and a key stays
+    with its node while membership holds (rendezvous hashing). With no node registered the
+    writer's own id names the location."""
     import hashlib
 
     def place(writer: NodeId, key: BlockKey) -> LocationId:
         candidates = {n: locs for n, locs in nodes().items() if locs}
         if not candidates:
             return LocationId(f"{writer}{LOCATION_SEPARATOR}dram")
+        home = writer.split(HOME_SEPARATOR, 1)[0]
+        if home in candidates:  # a client co-located with a node ("n1.engine") writes locally
+            return candidates[home][0]
         best = max(candidates, key=lambda n: hashlib.blake2b(n.encode() + key.digest, digest_size=8).digest())
         return candidates[best][0]
 
@@ -150,6 +156,7 @@ class DirectoryServer:
         host: str = "127.0.0.1",
         port: int = 0,
         events: EventLog | None = None,
+        events_factory: Callable[[int], EventLog] | None = None,
         monotonic_ns: Callable[[], int] = time.monotonic_ns,
         request_timeout_ms: int | None = None,
     ) -> None:
@@ -157,6 +164,7 @@ class DirectoryServer:
         self.tenants = tenants
         self.store = store
         self.events = events
+        self._events_factory = events_factory  # incarnation -> the event log (known once loaded)
         self._monotonic_ns = monotonic_ns
         self._start_ns = monotonic_ns()
         self._members: dict[NodeId, _Member] = {}
@@ -183,7 +191,11 @@ class DirectoryServer:
     async def start(self) -> DirectoryServer:
         loaded = self.store.load()
         self.incarnation = loaded.incarnation
-        fresh = not loaded.records and not loaded.tickets and loaded.next_lease_id <= 1 and loaded.incarnation <= 1
+        if self._events_factory is not None:
+            self.events = self._events_factory(self.incarnation)
+        # The store says whether its log was empty: an etcd store bumps its incarnation on open
+        # and on load, so a first start there is incarnation 2 and the count proves nothing.
+        fresh = loaded.fresh
         if not fresh:
             # DESIGN 12: honour every lease the previous incarnation may have granted.
             self.restarted = True

@@ -1,0 +1,373 @@
+"""The ``reference`` and ``reference-etcd`` adapters: kvcc's reference implementation, as real
+processes, under the conformance contract (``kvcc.conformance.contract``).
+
+Theory of operation
+-------------------
+``start`` brings up a ``LocalCluster`` in the run's workdir: one directory process (SQLite log,
+or the etcd backend on a real etcd started here on loopback) and ``ctx.nodes`` cache-node
+processes (a DRAM tier and an NVMe tier each). The contract's node ``n`` is cache node ``n`` plus
+a client co-located with it (client id ``"<n>.engine"``, a ``SyncClient`` in this process): the
+directory places that client's writes on its own node, and its reads go to whichever node
+holds the block -- remote reads from peers.
+
+Faults act on the real processes and on the co-located client:
+
+- ``kill``: SIGKILL the node process and drop its client (its leases are never renewed or
+  released); ``restart``: start the node on its state directory as a new incarnation and a new
+  client incarnation (the directory forgets what the old ones held: spec ``restart_node``);
+- ``pause``/``resume``: SIGSTOP/SIGCONT the node process *and* freeze the client's event loop
+  (no revokes read, nothing acknowledged), which is what a stopped engine process would do;
+- ``skew_clock``: steps the client's (the holder's) clock by the offset from now on;
+- ``restart_directory``: kill -9 the directory and restart it on its log, same port.
+
+Events are native: the directory, every node and every client write NDJSON event logs under
+``workdir/events``; ``events()`` reads them all back.
+"""
+
+from __future__ import annotations
+
+import platform
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kvcc.conformance.contract import (
+    FAULTS,
+    PROFILES,
+    Adapter,
+    AdapterError,
+    Capabilities,
+    Committed,
+    Evicted,
+    InvalidationTicket,
+    NotSupported,
+    ReadGrant,
+    Refused,
+    RunContext,
+    Stored,
+    WriteGrant,
+)
+from kvcc.spec.keys import BlockKey, Namespace
+
+REASON_NOT_FOUND = "not_found"
+CLIENT_SUFFIX = ".engine"
+NODE_TIERS = ("dram=4MiB", "nvme=16MiB")
+NODE_BLOCK_BYTES = 64 << 10
+OP_TIMEOUT_MS = 10_000
+
+
+def _infra(exc: BaseException) -> AdapterError:
+    return AdapterError(f"{type(exc).__name__}: {exc}")
+
+
+class ReferenceAdapter(Adapter):
+    """``ReferenceAdapter(backend="sqlite" | "etcd")``."""
+
+    def __init__(self, backend: str = "sqlite") -> None:
+        if backend not in ("sqlite", "etcd"):
+            raise ValueError(f"backend is sqlite or etcd, got {backend!r}")
+        self.backend = backend
+        self.name = "reference" if backend == "sqlite" else "reference-etcd"
+        self._cluster: Any = None
+        self._etcd: Any = None
+        self._clients: dict[str, Any] = {}
+        self._incarnation: dict[str, int] = {}
+        self._frozen: dict[str, threading.Event] = {}
+        self._writes: dict[tuple[str, bytes, int], Any] = {}
+        self._reads: dict[tuple[str, bytes, int], Any] = {}
+        self._lock = threading.Lock()
+        self._ctx: RunContext | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities(
+            profiles=frozenset(PROFILES),
+            faults=frozenset(FAULTS),
+            scopes=frozenset({"key", "prefix", "namespace"}),
+            events="native",
+            leases="enforced",
+            notes=f"kvcc reference implementation: directory ({self.backend}) and cache nodes (DRAM + NVMe) as "
+            "processes on loopback; clients co-located with nodes; clock skew steps the holder's clock",
+        )
+
+    def versions(self) -> Mapping[str, str]:
+        from importlib.metadata import version
+
+        out = {"kvcc": version("kvcc"), "python": platform.python_version(), "backend": self.backend}
+        if self._etcd is not None:
+            from kvcc.reference.etcd_harness import etcd_binary
+
+            out["etcd_binary"] = str(etcd_binary())
+        return out
+
+    def start(self, ctx: RunContext) -> None:
+        from kvcc.reference.cluster import LocalCluster
+
+        self._ctx = ctx
+        try:
+            endpoints = None
+            if self.backend == "etcd":
+                from kvcc.reference.etcd_harness import EtcdCluster
+
+                self._etcd = EtcdCluster(1, ctx.workdir / "etcd").start()
+                endpoints = ",".join(self._etcd.endpoints)
+            self._cluster = LocalCluster(
+                ctx.workdir / "cluster", nodes=ctx.nodes, tiers=NODE_TIERS, block_bytes=NODE_BLOCK_BYTES,
+                lease_term_ms=ctx.lease_term_ms, skew_ms=ctx.skew_ms, namespaces=list(ctx.namespaces),
+                backend=self.backend, etcd_endpoints=endpoints,
+            ).start()  # fmt: skip
+            for node in self._cluster.node_ids:
+                self._incarnation[node] = 1
+                self._clients[node] = self._new_client(node)
+        except Exception as e:
+            self.stop()
+            raise _infra(e) from e
+
+    def _new_client(self, node: str) -> Any:
+        from kvcc.reference.client import SyncClient
+        from kvcc.reference.cluster import ENGINE_TENANT
+        from kvcc.reference.events import EventLog
+
+        cid = f"{node}{CLIENT_SUFFIX}"
+        inc = self._incarnation[node]
+        ev = EventLog(self._cluster.workdir / "events" / f"{cid}.ndjson", cid, inc)
+        assert self._ctx is not None
+        return SyncClient(self._cluster.directory_address, ENGINE_TENANT, self._cluster.engine_token, client_id=cid,
+                          skew_ms=self._ctx.skew_ms, events=ev, incarnation=inc, timeout_ms=OP_TIMEOUT_MS)  # fmt: skip
+
+    def stop(self) -> None:
+        for ev in self._frozen.values():
+            ev.set()
+        self._frozen.clear()
+        for c in self._clients.values():
+            try:
+                c.close()
+            except Exception:
+                pass
+        self._clients.clear()
+        if self._cluster is not None:
+            try:
+                self._cluster.stop()
+            except Exception:
+                pass
+        if self._etcd is not None:
+            try:
+                self._etcd.stop()
+            except Exception:
+                pass
+
+    def nodes(self) -> Sequence[str]:
+        return list(self._cluster.node_ids) if self._cluster is not None else []
+
+    def events(self) -> list[dict] | None:
+        if self._cluster is None:
+            return []
+        return self._cluster.events()
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _client(self, node: str) -> Any:
+        c = self._clients.get(node)
+        if c is None:
+            if self._cluster is None or node not in self._cluster.node_ids:
+                raise AdapterError(f"no node {node!r}")
+            raise AdapterError(f"node {node!r} is down (killed)")
+        return c
+
+    def _call(self, node: str, method: str, *args: Any) -> Any:
+        from kvcc.reference.errors import ConnectionFailed, TimeoutError_
+
+        try:
+            return getattr(self._client(node), method)(*args)
+        except (ConnectionFailed, TimeoutError_, TimeoutError, OSError) as e:
+            raise _infra(e) from e
+
+    @staticmethod
+    def _refused(r: Any) -> Refused:
+        return Refused(r.reason, r.detail)
+
+    # ------------------------------------------------------------------ writes
+
+    def lookup(self, node: str, ns: Namespace, keys: Sequence[BlockKey]) -> int:
+        from kvcc.reference.errors import Unauthorized
+
+        try:
+            return self._call(node, "lookup", ns, list(keys)).blocks
+        except AdapterError as e:
+            if "unauthorized" in e.reason or "Unauthorized" in e.reason:
+                return 0
+            raise
+        except Unauthorized:
+            return 0
+
+    def begin_write(self, node: str, ns: Namespace, key: BlockKey, parent: BlockKey | None) -> WriteGrant | Refused:
+        from kvcc.reference.client import Refused as R
+
+        wl = self._call(node, "begin_write", ns, key, parent)
+        if isinstance(wl, R):
+            return self._refused(wl)
+        c = self._client(node).client
+        with self._lock:
+            self._writes[(node, key.digest, wl.lease)] = wl
+        return WriteGrant(node, key, wl.gen, wl.epoch, wl.lease, wl.location, wl.term_ms,
+                          max(0, wl.sent_ns - c.clock_offset_ns))  # fmt: skip
+
+    def _write_lease(self, grant: WriteGrant) -> Any:
+        with self._lock:
+            wl = self._writes.get((grant.node, grant.key.digest, grant.lease))
+        if wl is None:
+            raise AdapterError(f"write grant {grant.lease} was not issued by this adapter")
+        return wl
+
+    def write_bytes(self, grant: WriteGrant, data: bytes) -> Stored | Refused:
+        from kvcc.reference.client import Refused as R
+
+        out = self._call(grant.node, "write_bytes", self._write_lease(grant), data)
+        return self._refused(out) if isinstance(out, R) else Stored()
+
+    def commit(self, grant: WriteGrant) -> Committed | Refused:
+        from kvcc.reference.client import Refused as R
+
+        out = self._call(grant.node, "commit", self._write_lease(grant))
+        return self._refused(out) if isinstance(out, R) else Committed(out.gen, out.epoch)
+
+    def abort(self, grant: WriteGrant) -> None:
+        with self._lock:
+            wl = self._writes.pop((grant.node, grant.key.digest, grant.lease), None)
+        c = self._clients.get(grant.node)
+        if wl is not None and c is not None:
+            c.abort(wl)
+
+    # ------------------------------------------------------------------ reads
+
+    def acquire(self, node: str, ns: Namespace, key: BlockKey) -> ReadGrant | Refused:
+        from kvcc.reference.client import Refused as R
+
+        lease = self._call(node, "acquire", ns, key)
+        if isinstance(lease, R):
+            return self._refused(lease)
+        return self._grant(node, lease)
+
+    def _grant(self, node: str, lease: Any) -> ReadGrant:
+        c = self._client(node).client
+        with self._lock:
+            self._reads[(node, lease.key.digest, lease.lease)] = lease
+        return ReadGrant(node, lease.key, lease.gen, lease.epoch, lease.lease, lease.location, lease.term_ms,
+                         max(0, lease.sent_ns - c.clock_offset_ns))  # fmt: skip
+
+    def _read_lease(self, grant: ReadGrant) -> Any:
+        with self._lock:
+            lease = self._reads.get((grant.node, grant.key.digest, grant.lease))
+        if lease is None:
+            raise AdapterError(f"read grant {grant.lease} was not issued by this adapter")
+        return lease
+
+    def renew(self, grant: ReadGrant) -> ReadGrant | Refused:
+        from kvcc.reference.client import Refused as R
+
+        c = self._client(grant.node)
+        current = c.lease_of(grant.key)
+        if current is None or current.lease != grant.lease:
+            return Refused("unknown_lease", "not held (released, revoked or expired)")
+        out = self._call(grant.node, "renew", current)
+        return self._refused(out) if isinstance(out, R) else self._grant(grant.node, out)
+
+    def read(self, grant: ReadGrant) -> bytes | Refused:
+        from kvcc.reference.client import Refused as R
+
+        c = self._client(grant.node)
+        current = c.lease_of(grant.key)
+        lease = current if current is not None and current.lease == grant.lease else self._read_lease(grant)
+        out = self._call(grant.node, "read", lease)
+        if isinstance(out, R):
+            reason = "unknown_lease" if out.reason == "revoked" else out.reason
+            return Refused(reason, out.detail)
+        return out
+
+    def release(self, grant: ReadGrant) -> None:
+        c = self._clients.get(grant.node)
+        if c is None:
+            return
+        current = c.lease_of(grant.key)
+        lease = current if current is not None and current.lease == grant.lease else None
+        with self._lock:
+            lease = lease or self._reads.get((grant.node, grant.key.digest, grant.lease))
+        if lease is not None:
+            self._call(grant.node, "release", lease)
+
+    # ------------------------------------------------------------------ invalidation, eviction
+
+    def invalidate(self, node: str, ns: Namespace, scope: str, key: BlockKey | None) -> InvalidationTicket:
+        if scope not in self.capabilities().scopes:
+            raise NotSupported(f"invalidate:{scope}")
+        ticket = self._call(node, "invalidate", ns, scope, key)
+        return InvalidationTicket(ticket.id, ticket.keys)
+
+    def wait_invalidation(self, ticket: InvalidationTicket, timeout_s: float) -> bool:
+        node = next(iter(self._clients), None)
+        if node is None:
+            raise AdapterError("no live client to wait with")
+        return bool(self._call(node, "wait", ticket.id, timeout_s))
+
+    def evict(self, node: str, ns: Namespace, key: BlockKey) -> Evicted | Refused:
+        from kvcc.reference.client import Refused as R
+
+        out = self._call(node, "evict", key, node)  # the node finds the tier that holds it
+        return self._refused(out) if isinstance(out, R) else Evicted()
+
+    # ------------------------------------------------------------------ faults
+
+    def kill(self, node: str) -> None:
+        self._cluster.kill(node)
+        c = self._clients.pop(node, None)
+        if c is not None:
+            self._cluster.note_crash(f"{node}{CLIENT_SUFFIX}")
+            self._thaw(node)
+            try:
+                c.close()
+            except Exception:
+                pass
+
+    def restart(self, node: str) -> None:
+        if node in self._clients:
+            self.kill(node)
+        try:
+            self._cluster.restart(node)
+        except Exception as e:
+            raise _infra(e) from e
+        self._incarnation[node] += 1
+        self._clients[node] = self._new_client(node)
+
+    def pause(self, node: str) -> None:
+        self._cluster.pause(node)
+        c = self._clients.get(node)
+        if c is not None and node not in self._frozen:
+            gate = self._frozen[node] = threading.Event()
+            c._loop.call_soon_threadsafe(gate.wait)  # the client's loop stops, as in SIGSTOP
+
+    def resume(self, node: str) -> None:
+        self._cluster.resume(node)
+        self._thaw(node)
+
+    def _thaw(self, node: str) -> None:
+        gate = self._frozen.pop(node, None)
+        if gate is not None:
+            gate.set()
+
+    def skew_clock(self, node: str, offset_ms: int) -> None:
+        self._client(node).client.clock_offset_ns = offset_ms * 1_000_000
+
+    def restart_directory(self) -> None:
+        try:
+            self._cluster.restart_directory()
+        except Exception as e:
+            raise _infra(e) from e
+
+
+def reference() -> ReferenceAdapter:
+    return ReferenceAdapter("sqlite")
+
+
+def reference_etcd() -> ReferenceAdapter:
+    return ReferenceAdapter("etcd")
