@@ -1,4 +1,4 @@
-"""kvcc's command line: ``kvcc check | mutants | prove | verify | bench checker | bench tiers``.
+"""kvcc's command line: ``kvcc check | mutants | prove | verify | bench checker | bench tiers | bench directory``.
 
 Exit codes: 0 when everything asked for holds, 1 when something fails (a violation, an unreached
 ``sometimes``, a manifest mismatch, a mutant not caught by its property, an unproved obligation),
@@ -483,6 +483,12 @@ def cmd_bench_tiers(args: argparse.Namespace) -> int:
     return bench_tiers.cli(args)
 
 
+def cmd_bench_directory(args: argparse.Namespace) -> int:
+    from kvcc.bench import directory as bench_directory
+
+    return bench_directory.cli(args)
+
+
 # ---------------------------------------------------------------------------------------- parser
 
 
@@ -540,6 +546,14 @@ def build_parser() -> argparse.ArgumentParser:
                                     "per block size, as a fraction of the raw limit measured in the same run.")
     add_tiers_arguments(b)
     b.set_defaults(func=cmd_bench_tiers)
+    from kvcc.bench.directory import add_arguments as add_directory_arguments
+
+    b = bsub.add_parser("directory", help="lease acquire+release throughput and latency, embedded and etcd",
+                        description="Read-lease acquire+release pairs per second and p50/p99 latency over loopback "
+                                    "TCP with concurrent clients, for the directory on SQLite (embedded) and on etcd, "
+                                    "each beside a raw baseline from the same run (Ping round trips; raw etcd puts).")
+    add_directory_arguments(b)
+    b.set_defaults(func=cmd_bench_directory)
 
     from kvcc.cli_runtime import add_parsers as add_runtime_parsers
 
