@@ -19,9 +19,9 @@ docstring requires:
    mounts, is served by any connected node that lists it). A directive for a node that is not
    connected is lost -- exactly the network loss the spec allows: a lost ``Revoke`` ends by lease
    expiry, a lost ``Free`` leaves a copy no lease will ever point at, fenced by its epoch.
-4. Timers: one task sleeps until ``core.next_deadline_ms()`` (woken early when a request may
-   have moved it) and calls ``core.tick``; lease expiry, write-lease expiry, restart grace and the
-   invalidations waiting on them happen there.
+4. Timers: one task sleeps until ``core.next_deadline_ms()`` (woken early only when a request
+   moved it before the deadline the task sleeps towards) and calls ``core.tick``; lease expiry,
+   write-lease expiry, restart grace and the invalidations waiting on them happen there.
 5. ``WaitTicket`` long-polls: it waits (up to its ``timeout_ms``) on an ``asyncio.Event`` that
    the ``CompleteTicket`` effect sets.
 
@@ -174,6 +174,11 @@ class DirectoryServer:
         self._ticket_events: dict[int, asyncio.Event] = {}
         self._timer_task: asyncio.Task | None = None
         self._wake = asyncio.Event()
+        # The deadline the timer task sleeps towards (None: none, it sleeps until woken). A call
+        # that leaves the core's next deadline at or after it need not wake the timer: most
+        # requests only push a later expiry (a new lease), and a wake per request costs a task
+        # switch and a heap read per request.
+        self._timer_deadline_ms: int | None = None
         self.fatal: BaseException | None = None
         self.incarnation = 0
         self.restarted = False
@@ -336,7 +341,9 @@ class DirectoryServer:
                     ev = self._ticket_events.pop(e.ticket.ticket, None)
                     if ev is not None:
                         ev.set()
-        self._wake.set()
+        deadline = self.core.next_deadline_ms()
+        if deadline is not None and (self._timer_deadline_ms is None or deadline < self._timer_deadline_ms):
+            self._wake.set()  # the next deadline moved earlier than the timer sleeps
 
     def _push(self, node: NodeId, msg: Any) -> None:
         m = self._members.get(node)
@@ -370,6 +377,7 @@ class DirectoryServer:
                 await asyncio.sleep(0)
                 continue
             wait_s = None if deadline is None else (deadline - now + TIMER_SLACK_MS) / 1000
+            self._timer_deadline_ms = deadline  # _apply wakes us only for an earlier one
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(wait_s):
                     await self._wake.wait()
