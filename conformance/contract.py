@@ -381,7 +381,9 @@ class Adapter(abc.ABC):
         """Store ``data`` at ``grant.location`` under ``grant.epoch``.
 
         Must: refuse ``fenced`` when the location has seen a higher epoch for the key (property
-        2), ``lease_expired`` when the holder's own deadline has passed.
+        2). May refuse ``lease_expired`` when the writer's own deadline has passed -- but bytes
+        already in flight are judged by their epoch where they land, so a location must fence
+        them whatever the writer believes.
         Must not: overwrite bytes under a live read lease (property 5) or committed bytes
         (property 4).
         """
@@ -397,8 +399,8 @@ class Adapter(abc.ABC):
 
     @abc.abstractmethod
     def abort(self, grant: WriteGrant) -> None:
-        """Give up a write lease: the key returns to ABSENT. Idempotent; never raises for an
-        already expired or unknown grant."""
+        """Give up a write lease: the key returns to ABSENT, at once or when the write lease
+        expires. Idempotent; never raises for an already expired or unknown grant."""
 
     # -- data plane: reads -------------------------------------------------------------------
 

@@ -1,0 +1,273 @@
+"""The catalogue of conformance tests: stable ids, RFC 2119 text, the property each checks.
+
+Theory of operation
+-------------------
+Every test has an id that never changes meaning (``KVCC-<AREA>-<NNN>``; a changed requirement
+gets a new id and the old one is retired, never reused), the suite version that added it, one
+profile (``core``, ``leases``, ``invalidation``, ``tiering``, ``faults``, ``load``) and a
+``required`` flag: certifying a profile needs every required test of it to PASS. The text is a
+requirement in RFC 2119 words; ``properties`` name the spec's properties
+(``kvcc.spec.properties``) and ``design`` the DESIGN.md numbers the test observes.
+
+``body`` names the function in ``kvcc.conformance.workloads`` that runs the test; every test's
+trace is then validated against the spec (``kvcc.conformance.validate``). Tests numbered 9xx
+are *audits*: they run no workload of their own but check the counts gathered over the other
+tests of their profile (non-vacuity: a cache that never caches, never evicts or never fences
+would satisfy every safety property vacuously).
+
+``covers`` names the rules (``kvcc.conformance.testing`` known-bad adapters' ``BROKEN_RULE``)
+whose violation the test is designed to detect. The suite's own tests assert that each
+known-bad adapter fails exactly the tests covering its rule.
+
+``docs/conformance.md`` is generated from this module (``kvcc conform --catalogue-md``).
+"""
+
+from __future__ import annotations
+
+import re
+
+from attrs import field, frozen
+
+from .contract import FAULTS, PROFILES, SCOPES
+
+SUITE_VERSION = "0.1.0"
+TEST_ID_RE = re.compile(r"KVCC-(CORE|LEASE|INVAL|TIER|FAULT|LOAD)-[0-9]{3}")
+DEFAULT_TIME_LIMIT_S = 60.0
+
+RULES = (
+    "read_after_invalidation", "fencing", "evict_under_lease", "caching", "eviction", "lease_ids",
+    "early_completion", "holder_expiry",
+)  # fmt: skip
+
+
+@frozen
+class TestCase:
+    id: str
+    title: str
+    text: str  # RFC 2119
+    profile: str
+    properties: tuple[str, ...]
+    design: str
+    body: str
+    since: str = SUITE_VERSION
+    required: bool = True
+    time_limit_s: float = DEFAULT_TIME_LIMIT_S
+    faults: frozenset[str] = field(default=frozenset(), converter=frozenset)
+    scopes: frozenset[str] = field(default=frozenset({"key"}), converter=frozenset)
+    namespaces: int = 1  # authorised namespaces the test needs
+    covers: frozenset[str] = field(default=frozenset(), converter=frozenset)
+    audit: bool = False
+
+    __test__ = False  # not a pytest test class
+
+    def __attrs_post_init__(self) -> None:
+        assert TEST_ID_RE.fullmatch(self.id), self.id
+        assert self.profile in PROFILES, self.profile
+        assert self.faults <= set(FAULTS), self.faults
+        assert self.scopes <= set(SCOPES), self.scopes
+        assert self.covers <= set(RULES), self.covers
+        assert self.time_limit_s > 0
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "id": self.id, "title": self.title, "text": self.text, "profile": self.profile,
+            "properties": list(self.properties), "design": self.design, "since": self.since,
+            "required": self.required, "time_limit_s": self.time_limit_s, "faults": sorted(self.faults),
+            "scopes": sorted(self.scopes), "audit": self.audit,
+        }  # fmt: skip
+
+
+T = TestCase
+CATALOGUE: tuple[TestCase, ...] = (
+    # -- core -----------------------------------------------------------------------------------------
+    T("KVCC-CORE-001", "Lookup finds the longest committed prefix",
+      "Lookup MUST count the blocks of a chain that are COMMITTED, from the first, and MUST stop at the first "
+      "block that is not; it MUST NOT count blocks of a chain whose parent links differ.",
+      "core", ("PrefixClosed",), "10", "lookup_prefix"),
+    T("KVCC-CORE-002", "One writer per key and generation",
+      "Of concurrent begin_write requests for one ABSENT key from every node, exactly one MUST be granted; the "
+      "others MUST be refused (not_absent). A second begin_write on a COMMITTED key MUST be refused.",
+      "core", ("OneWriterPerGeneration", "OneOwnerPerEpoch"), "1", "one_writer"),
+    T("KVCC-CORE-003", "A remote read under lease returns the committed bytes",
+      "A node holding a read lease on a block committed by another node MUST read exactly the committed bytes.",
+      "core", ("CommittedBytesIntact", "DirectoryDataAgreement"), "3,4,9", "remote_read", covers={"caching"}),
+    T("KVCC-CORE-004", "No lease before commit",
+      "A read lease MUST NOT be granted on a key that is WRITING, before or after its bytes are stored; it MUST "
+      "be refused (not_committed) until the commit.",
+      "core", ("NoDirtyRead", "LeasesGrantedOnlyOnCommitted"), "3", "no_dirty_read"),
+    T("KVCC-CORE-005", "Chains are written root first",
+      "begin_write of a block whose parent is not COMMITTED MUST be refused (parent_not_committed).",
+      "core", ("PrefixClosed",), "10", "prefix_order"),
+    T("KVCC-CORE-006", "Namespaces are isolated",
+      "A request in a namespace the tenant is not authorised for MUST be refused (unauthorized) and lookup in "
+      "it MUST count 0 blocks; the same tokens in another namespace MUST yield other keys.",
+      "core", ("NamespaceIsolation",), "11", "namespace_isolation"),
+    T("KVCC-CORE-007", "An aborted write frees the key",
+      "After a writer aborts, the key MUST become writable again no later than the write lease term plus "
+      "epsilon, under a higher epoch.",
+      "core", ("OneWriterPerGeneration", "EpochMonotonic"), "1,2", "abort_frees"),
+    T("KVCC-CORE-008", "Concurrent chains on every node",
+      "Under concurrent writers and readers on every node, every read MUST return exactly the committed bytes "
+      "of its generation or a refusal, and prefixes MUST stay closed.",
+      "core", ("CommittedBytesIntact", "PrefixClosed", "OneWriterPerGeneration"), "1,3,4,10", "concurrent_chains",
+      covers={"caching"}),
+    T("KVCC-CORE-900", "Audit: leased hits are served",
+      "A core run MUST show reads served under lease by a node other than the writer (a cache that never "
+      "caches fails).", "core", ("RemoteReadUnderLease",), "non-vacuity", "audit", audit=True, covers={"caching"}),
+    # -- leases ---------------------------------------------------------------------------------------
+    T("KVCC-LEASE-001", "Lease ids are never reused",
+      "Every read and write lease granted in a run MUST carry an id never granted before in that run.",
+      "leases", ("LeaseIdsFresh",), "8", "lease_ids_unique"),
+    T("KVCC-LEASE-002", "A released lease is dead",
+      "After release, renewing the lease MUST be refused and reading under it MUST be refused.",
+      "leases", ("RenewalNeverRevives",), "8", "released_lease"),
+    T("KVCC-LEASE-003", "A holder stops at its own deadline",
+      "A holder MUST NOT read under a lease after requested_at + term - epsilon on its clock, measured from "
+      "when it sent the request; renewing such a lease MUST be refused.",
+      "leases", ("LeaseKnownToDirectory", "RenewalNeverRevives"), "8", "holder_deadline", covers={"holder_expiry"}),
+    T("KVCC-LEASE-004", "No eviction under a live lease",
+      "Evicting a copy under a live read lease MUST be refused (leased); once the lease is released, evicting "
+      "it MUST succeed.",
+      "leases", ("NoReclaimUnderLease",), "5", "evict_under_lease", covers={"evict_under_lease", "eviction"}),
+    T("KVCC-LEASE-005", "A stale writer is fenced",
+      "Bytes written under an epoch below the location's fence MUST be refused (fenced) and MUST NOT change "
+      "the committed block; a commit under a superseded write lease MUST be refused.",
+      "leases", ("FencingHolds", "EpochMonotonic", "CommittedBytesIntact"), "2", "stale_writer",
+      covers={"fencing", "caching"}),
+    T("KVCC-LEASE-006", "Renewal extends a live lease",
+      "Renewing a live lease MUST extend the holder's deadline from when the renewal was sent; a read after the "
+      "first deadline and before the renewed one MUST be served.",
+      "leases", ("RenewalNeverRevives",), "8", "renewal_extends", covers={"caching"}),
+    T("KVCC-LEASE-900", "Audit: refused evictions and fenced writes",
+      "A leases run MUST show an eviction refused because of a lease and a stale write refused by a fence.",
+      "leases", ("RefusedEvictionOfLeasedBlock", "FencedStaleWrite"), "non-vacuity", "audit", audit=True,
+      covers={"evict_under_lease", "fencing", "caching"}),
+    # -- invalidation ---------------------------------------------------------------------------------
+    T("KVCC-INVAL-001", "Invalidation with holders",
+      "While an invalidation runs no lease MUST be granted on its keys; it MUST complete once every holder "
+      "acknowledged; after completion no holder MUST read the old generation, and the key MUST be writable "
+      "again under a higher generation whose bytes are then read exactly.",
+      "invalidation", ("NoStaleRead", "NoReadAfterAck", "LeasesGrantedOnlyOnCommitted"), "6,7",
+      "invalidate_with_holders", covers={"read_after_invalidation", "caching"}),
+    T("KVCC-INVAL-002", "Invalidating a key voids its descendants",
+      "Invalidating a block MUST invalidate every block chained under it; lookup MUST then count 0 and none of "
+      "them MUST be leased.",
+      "invalidation", ("PrefixClosed", "NoStaleRead"), "6,10", "cascade"),
+    T("KVCC-INVAL-003", "Prefix-scoped invalidation",
+      "Invalidating with scope prefix MUST void the subtree under the key and MUST leave its ancestors "
+      "COMMITTED.", "invalidation", ("PrefixClosed",), "6,10", "prefix_scope", scopes={"prefix"}),
+    T("KVCC-INVAL-004", "Namespace-scoped invalidation",
+      "Invalidating a namespace MUST void every block of it and MUST NOT touch another namespace.",
+      "invalidation", ("NamespaceIsolation", "NoStaleRead"), "6,11", "namespace_scope", scopes={"namespace"},
+      namespaces=2),
+    T("KVCC-INVAL-005", "An empty invalidation completes",
+      "Invalidating a key that was never written MUST complete promptly and MUST NOT create a block.",
+      "invalidation", ("InvalidationCompletesInTime",), "progress", "empty_invalidation"),
+    T("KVCC-INVAL-900", "Audit: invalidations completed by acknowledgement",
+      "An invalidation run MUST show an invalidation with live holders that completed before their leases "
+      "could expire.", "invalidation", ("InvalidationCompletedByAcks",), "non-vacuity", "audit", audit=True,
+      covers={"caching"}),
+    # -- tiering --------------------------------------------------------------------------------------
+    T("KVCC-TIER-001", "Leaves are evicted before their ancestors",
+      "Evicting a block whose child is cached MUST be refused (has_children); evicting the child and then the "
+      "parent MUST succeed, and lookup MUST then count neither.",
+      "tiering", ("PrefixClosed",), "10", "leaves_first", covers={"eviction"}),
+    T("KVCC-TIER-002", "An evicted block can be written again",
+      "After eviction a key MUST be writable again and its new bytes MUST be read back exactly by another node.",
+      "tiering", ("CommittedBytesIntact", "EpochMonotonic"), "2,4", "rewrite_after_evict",
+      covers={"eviction", "caching"}),
+    T("KVCC-TIER-003", "Evicting what a node does not hold changes nothing",
+      "Evicting a key the node holds no copy of MUST be refused and MUST NOT change lookup.",
+      "tiering", ("DirectoryDataAgreement",), "9", "evict_absent"),
+    T("KVCC-TIER-900", "Audit: evictions happen",
+      "A tiering run MUST show at least one eviction (a cache that never evicts fails).",
+      "tiering", ("Eviction",), "non-vacuity", "audit", audit=True, covers={"eviction"}),
+    # -- faults ---------------------------------------------------------------------------------------
+    T("KVCC-FAULT-001", "A paused holder delays invalidation until its lease expires",
+      "An invalidation whose holder is paused MUST NOT complete before the holder's own deadline, and MUST "
+      "complete within term + 2 epsilon (plus delay); the resumed holder MUST NOT read the old generation.",
+      "faults", ("NoStaleRead", "InvalidationCompletesInTime"), "6,progress", "paused_holder",
+      faults={"pause", "resume"}, covers={"early_completion"}),
+    T("KVCC-FAULT-002", "A crashed owner hands over",
+      "Reads of a killed node's blocks MUST NOT return other bytes; once it restarts without its memory, its "
+      "keys MUST become writable again and the new bytes MUST be read exactly.",
+      "faults", ("CommittedBytesIntact", "DirectoryDataAgreement"), "4,9", "crash_handoff",
+      faults={"kill", "restart"}, covers={"caching"}),
+    T("KVCC-FAULT-003", "Lease ids survive a directory restart",
+      "A restarted directory MUST NOT grant a lease id granted before the restart, and MUST NOT grant a "
+      "conflicting write while a lease of its previous incarnation may be live.",
+      "faults", ("LeaseIdsFresh", "LeaseKnownToDirectory"), "8,12", "directory_restart",
+      faults={"restart_directory"}, covers={"lease_ids"}),
+    T("KVCC-FAULT-004", "Clock skew within epsilon is safe",
+      "With a holder's clock offset by up to epsilon, every read MUST return the committed bytes or a refusal, "
+      "and the holder MUST stop trusting no later than its skewed deadline.",
+      "faults", ("LeaseKnownToDirectory", "CommittedBytesIntact"), "8", "clock_skew", faults={"skew_clock"},
+      covers={"holder_expiry"}),
+    T("KVCC-FAULT-900", "Audit: invalidations completed by expiry",
+      "A faults run MUST show an invalidation that completed by lease expiry.",
+      "faults", ("InvalidationCompletedByExpiry",), "non-vacuity", "audit", audit=True, covers={"early_completion"}),
+    # -- load -----------------------------------------------------------------------------------------
+    T("KVCC-LOAD-001", "Mixed concurrent load",
+      "Under a concurrent mix of writes, reads, invalidations and evictions on every node, every read MUST "
+      "return the committed bytes or a refusal, no read MUST follow a completed invalidation of its "
+      "generation, and the trace MUST validate.",
+      "load", ("CommittedBytesIntact", "NoStaleRead", "NoReclaimUnderLease"), "3,4,5,6", "mixed_load",
+      scopes={"key"}),
+    T("KVCC-LOAD-900", "Audit: the load run cached",
+      "A load run MUST show leased hits and evictions.", "load", ("RemoteReadUnderLease", "Eviction"),
+      "non-vacuity", "audit", audit=True),
+)
+del T
+
+BY_ID = {t.id: t for t in CATALOGUE}
+assert len(BY_ID) == len(CATALOGUE), "test ids are unique"
+assert {t.profile for t in CATALOGUE} == set(PROFILES), "every profile has tests"
+
+
+def tests_for(profiles) -> list[TestCase]:
+    """The tests of ``profiles`` in catalogue order (a profile's audit after its other tests)."""
+    wanted = set(profiles)
+    return [t for t in CATALOGUE if t.profile in wanted]
+
+
+def required_ids(profiles) -> set[str]:
+    return {t.id for t in tests_for(profiles) if t.required}
+
+
+def catalogue_markdown() -> str:
+    """The conformance document, generated (``kvcc conform --catalogue-md``)."""
+    lines = [
+        "# kvcc conformance tests",
+        "",
+        f"Suite version {SUITE_VERSION}. Generated from `conformance/catalogue.py` by "
+        "`kvcc conform --catalogue-md`; do not edit by hand.",
+        "",
+        "The key words MUST, MUST NOT, SHOULD and MAY are to be read as in RFC 2119. A profile is certified "
+        "when every required test of it PASSes and every trace validates (`kvcc certify verify`). Tests "
+        "numbered 9xx are audits over the counts of their profile's other tests.",
+        "",
+        "| profile | tests | required |",
+        "|---|---|---|",
+    ]
+    for p in PROFILES:
+        ts = tests_for([p])
+        lines.append(f"| {p} | {len(ts)} | {sum(t.required for t in ts)} |")
+    for p in PROFILES:
+        lines += ["", f"## Profile `{p}`", ""]
+        for t in tests_for([p]):
+            needs = []
+            if t.faults:
+                needs.append("faults: " + ", ".join(sorted(t.faults)))
+            if t.scopes != {"key"}:
+                needs.append("scopes: " + ", ".join(sorted(t.scopes)))
+            lines += [
+                f"### {t.id}: {t.title}",
+                "",
+                t.text,
+                "",
+                f"- properties: {', '.join(t.properties)} (DESIGN {t.design})",
+                f"- since {t.since}; {'required' if t.required else 'optional'}; time limit {t.time_limit_s:g} s"
+                + (f"; needs {'; '.join(needs)}" if needs else ""),
+                "",
+            ]
+    return "\n".join(lines).rstrip() + "\n"

@@ -1,0 +1,369 @@
+"""The suite's view of one test: every call to the adapter recorded, checked and counted.
+
+Theory of operation
+-------------------
+A workload never calls the adapter directly: it calls a ``Session``, which forwards each
+operation, checks that the answer is a value of the contract (anything else is
+``GarbageAnswer`` -> ERROR), appends it to the *history*, and applies the oracles that hold in
+every test whatever it does:
+
+- **exact bytes** (DESIGN 4): a read that returns bytes must return exactly what the suite wrote
+  under the grant that committed that (key, generation);
+- **no stale read** (DESIGN 6/7): once the suite saw an invalidation of a key complete, no read
+  under a lease of an older generation may return bytes;
+- **holder deadline** (DESIGN leases): no read may return bytes when it started after the
+  holder's own deadline (requested_at + term - epsilon), with epsilon of slack for the holder's
+  clock offset;
+- **fresh lease ids** (DESIGN 8): no grant may carry a lease id granted before in the test.
+
+A violation raises ``OracleFailure`` (FAIL) naming the rule and the history index. Per-test
+oracles are ``Session.check`` calls in the workloads.
+
+The session also counts what the audits need (``Audit``): remote leased hits, evictions,
+evictions refused under a live lease, stale writes fenced, invalidations completed by
+acknowledgement and by expiry.
+
+For an adapter whose events are ``"inferred"`` the session builds the trace from the history:
+the events each call implies, on the node that performed it (``inferred_events``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from attrs import define, field
+
+from kvcc.spec.keys import BlockKey, Namespace
+
+from .contract import (
+    Adapter,
+    Committed,
+    Evicted,
+    InvalidationTicket,
+    ReadGrant,
+    Refused,
+    Stored,
+    WriteGrant,
+)
+
+INFERRED_INCARNATION = 0
+
+
+class OracleFailure(AssertionError):
+    """The adapter's behaviour broke a rule: the test FAILs."""
+
+    def __init__(self, rule: str, detail: str, history_index: int | None = None) -> None:
+        super().__init__(f"{rule}: {detail}" + ("" if history_index is None else f" (history #{history_index})"))
+        self.rule = rule
+        self.detail = detail
+        self.history_index = history_index
+
+
+class GarbageAnswer(Exception):
+    """The adapter answered with something that is not a value of the contract: ERROR."""
+
+
+@define
+class Audit:
+    remote_hits: int = 0
+    hits: int = 0
+    evictions: int = 0
+    refused_evictions_leased: int = 0
+    fenced_writes: int = 0
+    stale_commits_refused: int = 0
+    invalidations_by_ack: int = 0
+    invalidations_by_expiry: int = 0
+
+    def add(self, other: Audit) -> None:
+        for name in self.__attrs_attrs__:
+            setattr(self, name.name, getattr(self, name.name) + getattr(other, name.name))
+
+    def to_json(self) -> dict[str, int]:
+        return {a.name: getattr(self, a.name) for a in self.__attrs_attrs__}
+
+
+@define
+class Session:
+    """What a workload gets: the adapter behind a recording proxy, the run's parameters and a
+    seeded random source. ``ns`` is the test's authorised namespace(s), randomised per run;
+    ``foreign`` one that is not authorised."""
+
+    adapter: Adapter
+    rng: Any
+    namespaces: tuple[Namespace, ...]
+    foreign: Namespace
+    nodes: tuple[str, ...]
+    lease_term_ms: int
+    skew_ms: int
+    history: list[dict] = field(factory=list)
+    audit: Audit = field(factory=Audit)
+    lock: Any = field(factory=threading.Lock)
+    committed: dict = field(factory=dict)  # (key, gen) -> (bytes, writer node)
+    pending_bytes: dict = field(factory=dict)  # (key, lease) -> bytes stored
+    invalidated_below: dict = field(factory=dict)  # key -> every generation below this is void
+    lease_ids: dict = field(factory=dict)  # lease id -> history index of its grant
+    deadlines_ns: dict = field(factory=dict)  # (node, lease) -> holder deadline (suite clock)
+    snapshots: dict = field(factory=dict)  # ticket id -> {key: top generation committed at its start}
+    inferred: list[dict] = field(factory=list)
+    infer: bool = False
+    stopped: Any = field(factory=threading.Event)
+
+    # -- plumbing --------------------------------------------------------------------------------
+
+    @property
+    def ns(self) -> Namespace:
+        return self.namespaces[0]
+
+    @property
+    def term_s(self) -> float:
+        return self.lease_term_ms / 1000
+
+    def _record(self, op: str, node: str | None, args: dict, result: Any, t0: int) -> int:
+        with self.lock:
+            i = len(self.history)
+            self.history.append({"i": i, "t_ns": t0, "dt_ns": time.monotonic_ns() - t0, "op": op, "node": node,
+                                 **args, "result": _summary(result)})  # fmt: skip
+            return i
+
+    def _emit(self, node: str, event: str, **fields: Any) -> None:
+        if not self.infer:
+            return
+        with self.lock:
+            seq = sum(1 for e in self.inferred if e["node"] == node) + 1
+            rec = {"node": node, "incarnation": INFERRED_INCARNATION, "seq": seq, "t_local_ns": time.monotonic_ns(),
+                   "t_wall_ns": time.time_ns(), "event": event, "key": None, "gen": None, "epoch": None, "lease": None,
+                   "result": None, "inferred": True}  # fmt: skip
+            for k, v in fields.items():
+                rec[k] = v.hex if isinstance(v, BlockKey) else v
+            self.inferred.append(rec)
+
+    def check(self, condition: bool, rule: str, detail: str) -> None:
+        """A per-test oracle: FAIL with ``rule`` unless ``condition``."""
+        if not condition:
+            raise OracleFailure(rule, detail, len(self.history) - 1 if self.history else None)
+
+    def sleep_ms(self, ms: float) -> None:
+        if self.stopped.wait(ms / 1000):
+            raise TimeoutError("the test was stopped")
+
+    def fresh_tokens(self, blocks: int, ns: Namespace | None = None) -> list[int]:
+        ns = ns or self.ns
+        return [self.rng.randrange(1, 1 << 31) for _ in range(blocks * ns.block_tokens)]
+
+    def payload(self, size: int | None = None) -> bytes:
+        n = size if size is not None else self.rng.randrange(64, 2048)
+        return self.rng.randbytes(n)
+
+    # -- the contract, recorded --------------------------------------------------------------------
+
+    def lookup(self, node: str, ns: Namespace, keys: Sequence[BlockKey]) -> int:
+        t0 = time.monotonic_ns()
+        n = self.adapter.lookup(node, ns, list(keys))
+        if type(n) is not int or not 0 <= n <= len(keys):
+            raise GarbageAnswer(f"lookup answered {n!r:.80}")
+        self._record("lookup", node, {"keys": len(keys)}, n, t0)
+        return n
+
+    def begin_write(self, node: str, ns: Namespace, key: BlockKey, parent: BlockKey | None) -> WriteGrant | Refused:
+        t0 = time.monotonic_ns()
+        self._emit(node, "begin_write", key=key)
+        g = self.adapter.begin_write(node, ns, key, parent)
+        _expect(g, (WriteGrant, Refused), "begin_write")
+        i = self._record("begin_write", node, {"key": key.hex}, g, t0)
+        if isinstance(g, WriteGrant):
+            self._check_grant(g, node, key, i)
+            self._emit(node, "start_writing", key=key, gen=g.gen, epoch=g.epoch, lease=g.lease, location=g.location)
+        return g
+
+    def write_bytes(self, grant: WriteGrant, data: bytes) -> Stored | Refused:
+        t0 = time.monotonic_ns()
+        r = self.adapter.write_bytes(grant, data)
+        _expect(r, (Stored, Refused), "write_bytes")
+        self._record("write_bytes", grant.node, {"key": grant.key.hex, "lease": grant.lease, "bytes": len(data)}, r, t0)
+        fields = dict(key=grant.key, gen=grant.gen, epoch=grant.epoch, lease=grant.lease, location=grant.location)
+        if isinstance(r, Stored):
+            with self.lock:
+                self.pending_bytes[(grant.key, grant.lease)] = bytes(data)
+            self._emit(grant.location, "store_bytes", **fields)
+        elif r.reason == "fenced":
+            with self.lock:
+                self.audit.fenced_writes += 1
+            self._emit(grant.location, "fence_stale_write", **fields)
+        return r
+
+    def commit(self, grant: WriteGrant) -> Committed | Refused:
+        t0 = time.monotonic_ns()
+        r = self.adapter.commit(grant)
+        _expect(r, (Committed, Refused), "commit")
+        i = self._record("commit", grant.node, {"key": grant.key.hex, "lease": grant.lease}, r, t0)
+        if isinstance(r, Committed):
+            with self.lock:
+                data = self.pending_bytes.get((grant.key, grant.lease))
+                if data is None:
+                    raise OracleFailure("CommittedBytesIntact", "a commit was accepted for bytes never stored", i)
+                if r.gen != grant.gen:
+                    raise OracleFailure("OneWriterPerGeneration", f"committed gen {r.gen}, granted {grant.gen}", i)
+                self.committed[(grant.key, r.gen)] = (data, grant.node)
+        elif r.reason in ("stale_epoch", "unknown_lease", "lease_expired", "wrong_generation", "fenced"):
+            with self.lock:
+                self.audit.stale_commits_refused += 1
+        return r
+
+    def abort(self, grant: WriteGrant) -> None:
+        t0 = time.monotonic_ns()
+        self.adapter.abort(grant)
+        self._record("abort", grant.node, {"key": grant.key.hex, "lease": grant.lease}, None, t0)
+        self._emit(grant.node, "abort", key=grant.key, lease=grant.lease)
+
+    def acquire(self, node: str, ns: Namespace, key: BlockKey) -> ReadGrant | Refused:
+        t0 = time.monotonic_ns()
+        self._emit(node, "acquire", key=key)
+        g = self.adapter.acquire(node, ns, key)
+        _expect(g, (ReadGrant, Refused), "acquire")
+        i = self._record("acquire", node, {"key": key.hex}, g, t0)
+        if isinstance(g, ReadGrant):
+            self._check_grant(g, node, key, i)
+            with self.lock:
+                self.deadlines_ns[(node, g.lease)] = t0 + (g.term_ms - self.skew_ms) * 1_000_000
+            self._emit(node, "trust_read_lease", key=key, gen=g.gen, epoch=g.epoch, lease=g.lease, location=g.location)
+        return g
+
+    def renew(self, grant: ReadGrant) -> ReadGrant | Refused:
+        t0 = time.monotonic_ns()
+        self._emit(grant.node, "renew", key=grant.key, lease=grant.lease)
+        g = self.adapter.renew(grant)
+        _expect(g, (ReadGrant, Refused), "renew")
+        i = self._record("renew", grant.node, {"key": grant.key.hex, "lease": grant.lease}, g, t0)
+        if isinstance(g, ReadGrant):
+            if g.lease != grant.lease or g.key != grant.key:
+                raise GarbageAnswer(f"renew answered another lease: {g!r:.120}")
+            with self.lock:
+                old = self.deadlines_ns.get((grant.node, grant.lease))
+                if old is not None and t0 > old + self.skew_ms * 1_000_000:
+                    raise OracleFailure("RenewalNeverRevives", f"lease {grant.lease} renewed after its deadline", i)
+                self.deadlines_ns[(grant.node, grant.lease)] = t0 + (g.term_ms - self.skew_ms) * 1_000_000
+            self._emit(grant.node, "trust_renewal", key=grant.key, gen=g.gen, epoch=g.epoch, lease=g.lease)
+        return g
+
+    def read(self, grant: ReadGrant) -> bytes | Refused:
+        t0 = time.monotonic_ns()
+        data = self.adapter.read(grant)
+        _expect(data, (bytes, Refused), "read")
+        i = self._record("read", grant.node, {"key": grant.key.hex, "lease": grant.lease, "gen": grant.gen}, data, t0)
+        if isinstance(data, bytes):
+            with self.lock:
+                deadline = self.deadlines_ns.get((grant.node, grant.lease))
+                if deadline is not None and t0 > deadline + self.skew_ms * 1_000_000:
+                    raise OracleFailure(
+                        "holder_deadline",
+                        f"read under lease {grant.lease} served {(t0 - deadline) / 1e6:.1f} ms after the holder's deadline",
+                        i,
+                    )
+                void_below = self.invalidated_below.get(grant.key)
+                if void_below is not None and grant.gen < void_below:
+                    raise OracleFailure("NoStaleRead", f"read of generation {grant.gen} after its invalidation completed", i)
+                expected = self.committed.get((grant.key, grant.gen))
+                if expected is None:
+                    raise OracleFailure("NoDirtyRead", f"read returned bytes of a generation never committed: {grant.gen}", i)
+                if data != expected[0]:
+                    raise OracleFailure("CommittedBytesIntact", f"read returned {len(data)} bytes that differ from the committed {len(expected[0])}", i)
+                self.audit.hits += 1
+                if expected[1] != grant.node:
+                    self.audit.remote_hits += 1
+            self._emit(grant.node, "read", key=grant.key, gen=grant.gen, epoch=grant.epoch, lease=grant.lease,
+                       location=grant.location, result="ok")  # fmt: skip
+        return data
+
+    def release(self, grant: ReadGrant) -> None:
+        t0 = time.monotonic_ns()
+        self.adapter.release(grant)
+        self._record("release", grant.node, {"key": grant.key.hex, "lease": grant.lease}, None, t0)
+        with self.lock:
+            self.deadlines_ns.pop((grant.node, grant.lease), None)
+        self._emit(grant.node, "release", key=grant.key, lease=grant.lease)
+
+    def invalidate(self, node: str, ns: Namespace, scope: str, key: BlockKey | None) -> InvalidationTicket:
+        t0 = time.monotonic_ns()
+        with self.lock:
+            # Every generation committed before the invalidation started is void once it completes.
+            snapshot: dict[BlockKey, int] = {}
+            for k, g in self.committed:
+                snapshot[k] = max(snapshot.get(k, -1), g)
+        t = self.adapter.invalidate(node, ns, scope, key)
+        _expect(t, (InvalidationTicket,), "invalidate")
+        self._record("invalidate", node, {"scope": scope, "key": None if key is None else key.hex}, t, t0)
+        with self.lock:
+            self.snapshots[t.id] = snapshot
+        return t
+
+    def wait_invalidation(self, ticket: InvalidationTicket, timeout_s: float, voids: Sequence[BlockKey] = ()) -> bool:
+        """Wait; on completion every generation of ``voids`` committed before the invalidation
+        started is void for the no-stale-read oracle."""
+        t0 = time.monotonic_ns()
+        done = self.adapter.wait_invalidation(ticket, timeout_s)
+        if type(done) is not bool:
+            raise GarbageAnswer(f"wait_invalidation answered {done!r:.80}")
+        self._record("wait_invalidation", None, {"ticket": ticket.id}, done, t0)
+        if done:
+            with self.lock:
+                snapshot = self.snapshots.get(ticket.id, {})
+                for key in voids:
+                    top = snapshot.get(key)
+                    if top is not None:
+                        self.invalidated_below[key] = max(self.invalidated_below.get(key, 0), top + 1)
+        return done
+
+    def evict(self, node: str, ns: Namespace, key: BlockKey, *, leased: bool = False) -> Evicted | Refused:
+        """``leased``: the workload knows a live lease names this copy (for the audit)."""
+        t0 = time.monotonic_ns()
+        r = self.adapter.evict(node, ns, key)
+        _expect(r, (Evicted, Refused), "evict")
+        self._record("evict", node, {"key": key.hex}, r, t0)
+        with self.lock:
+            if isinstance(r, Evicted):
+                self.audit.evictions += 1
+            elif r.reason == "leased" and leased:
+                self.audit.refused_evictions_leased += 1
+        return r
+
+    # faults: recorded, never checked here
+
+    def fault(self, op: str, *args: Any) -> None:
+        t0 = time.monotonic_ns()
+        getattr(self.adapter, op)(*args)
+        self._record(op, args[0] if args else None, {"args": list(args)}, None, t0)
+        if op in ("kill", "restart", "restart_directory"):
+            self._emit(args[0] if args else "directory", {"kill": "crash", "restart": "restart_node"}.get(op, op))
+
+    def _check_grant(self, g: WriteGrant | ReadGrant, node: str, key: BlockKey, i: int) -> None:
+        if g.node != node or g.key != key:
+            raise GarbageAnswer(f"a grant for another node or key: {g!r:.160}")
+        with self.lock:
+            if g.lease in self.lease_ids:
+                raise OracleFailure("LeaseIdsFresh", f"lease id {g.lease} granted again (first at history #{self.lease_ids[g.lease]})", i)
+            self.lease_ids[g.lease] = i
+
+
+def _expect(value: Any, types: tuple[type, ...], op: str) -> None:
+    if not isinstance(value, types):
+        raise GarbageAnswer(f"{op} answered {type(value).__name__}: {value!r:.80}")
+
+
+def _summary(result: Any) -> Any:
+    if result is None or isinstance(result, (bool, int, str)):
+        return result
+    if isinstance(result, bytes):
+        return {"bytes": len(result)}
+    if isinstance(result, Refused):
+        return {"refused": result.reason, "detail": result.detail[:200]}
+    if isinstance(result, (WriteGrant, ReadGrant)):
+        return {type(result).__name__: {"gen": result.gen, "epoch": result.epoch, "lease": result.lease,
+                                        "location": result.location, "term_ms": result.term_ms}}  # fmt: skip
+    if isinstance(result, Committed):
+        return {"committed": {"gen": result.gen, "epoch": result.epoch}}
+    if isinstance(result, InvalidationTicket):
+        return {"ticket": result.id, "keys": result.keys}
+    return type(result).__name__

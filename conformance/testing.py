@@ -1,0 +1,802 @@
+"""A testing kit shipped with the suite: an in-process deployment and adapters that break one rule.
+
+Theory of operation
+-------------------
+``CoreAdapter`` is a whole kvcc deployment in one process: the sans-IO directory
+(``kvcc.reference.directory.core.DirectoryCore``) under a lock with a real monotonic clock and
+a ticker thread that fires its timers, and one ``DramTier`` per cache node as that node's only
+location (``DirectoryCore``'s default placement: a writer writes to its own node). Messages
+between the pieces are calls; what the reference runtime would send over TCP is applied in the
+order the core returns its effects, durable ones kept in a dict that plays the durable log (so
+``restart_directory`` recovers from exactly what was "made durable").
+
+Every piece logs the spec actions it performs (``kvcc.reference.events``), one log per
+(node, incarnation) and one for the directory, so ``events()`` is the full trace of the run:
+
+- directory: the core's ``Emit`` effects that are spec actions (its ``ignore_*`` diagnostics
+  are not);
+- holder side: ``acquire`` / ``trust_read_lease``, ``renew`` / ``trust_renewal``, ``read``,
+  ``release``, ``drop_and_ack`` (on a revocation: drop the trust first, then acknowledge);
+- writer side: ``begin_write`` / ``start_writing``, ``abort``;
+- locations: ``store_bytes`` / ``fence_stale_write``, ``free_slot`` / ``fence_stale_free``;
+- faults: ``crash`` on the killed incarnation's log (the directory logs ``restart_node`` and
+  ``restart_directory`` itself).
+
+All logs draw their ``t_local_ns`` from one strictly increasing clock, so ``events()`` is one
+total order consistent with causality.
+
+The adapter is the suite's self-test and the base of the known-bad adapters below, each of which
+overrides one hook to break one rule, honestly logging what it did. ``tests/test_conformance*``
+asserts that each fails exactly the catalogue tests that cover its rule (``BROKEN_RULE``).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+from attrs import define
+
+from kvcc.reference.directory.core import (
+    FIRST_LEASE_ID,
+    FIRST_TICKET,
+    TICKET_COMPLETED,
+    CompleteTicket,
+    CopyAt,
+    DirectoryConfig,
+    DirectoryCore,
+    Emit,
+    ForgetTicket,
+    FreeAt,
+    Persist,
+    PersistTicket,
+    ReserveLeaseIds,
+    Send,
+)
+from kvcc.reference.errors import Unauthorized
+from kvcc.reference.events import EventLog
+from kvcc.reference.tiers.base import Fenced as TierFenced
+from kvcc.reference.tiers.base import Freed as TierFreed
+from kvcc.reference.tiers.base import Stored as TierStored
+from kvcc.reference.tiers.dram import DramTier
+from kvcc.reference.wire import (
+    Acquire,
+    BeginWrite,
+    Commit,
+    CommitRejected,
+    Evict,
+    EvictRefused,
+    Invalidate,
+    InvalidationStarted,
+    LeaseRefused,
+    LeaseRenewed,
+    Lookup,
+    PrefixFound,
+    ReadLeaseGranted,
+    Release,
+    Renew,
+    Revoke,
+    RevokeAcked,
+    WriteLeaseGranted,
+)
+from kvcc.reference.wire import Committed as WireCommitted
+from kvcc.reference.wire import Evicted as WireEvicted
+from kvcc.spec.keys import BlockKey, Namespace
+
+from .contract import (
+    FAULTS,
+    PROFILES,
+    SCOPES,
+    Adapter,
+    AdapterError,
+    Capabilities,
+    Committed,
+    Evicted,
+    InvalidationTicket,
+    NotSupported,
+    ReadGrant,
+    Refused,
+    RunContext,
+    Stored,
+    WriteGrant,
+)
+
+TENANT = "conformance"
+DIRECTORY_NODE = "directory"
+BLOCK_SLOTS = 512  # blocks each node's DRAM tier holds
+BLOCK_BYTES = 4096  # the largest block a workload writes
+TICK_IDLE_MS = 20  # the ticker wakes at least this often while nothing is timed
+PAUSED_WAIT_S = 0.05  # how often an operation on a paused node re-checks
+
+
+@define
+class _Trust:
+    """A holder's belief in one read lease (spec: h_id, h_loc, h_gen, h_left)."""
+
+    lease: int
+    gen: int
+    epoch: int
+    location: str
+    deadline_ns: int  # on the holder's own clock: sent + term - skew
+
+
+@define
+class _Node:
+    id: str
+    incarnation: int
+    tier: DramTier
+    log: EventLog
+    stream: io.StringIO
+    alive: bool = True
+    paused: bool = False
+    offset_ns: int = 0
+    trusts: dict = attrs.Factory(dict)  # BlockKey -> _Trust
+    stored: set = attrs.Factory(set)  # (key, lease) whose bytes landed
+    parked: list = attrs.Factory(list)  # revocations waiting while paused
+
+
+class CoreAdapter(Adapter):
+    """An in-process deployment on ``DirectoryCore`` and ``DramTier`` (see the module docstring).
+
+    ``CoreAdapter(profiles=PROFILES, faults=FAULTS)``; pass fewer to test NOT_APPLICABLE paths.
+    """
+
+    name = "core"
+    BROKEN_RULE: str | None = None  # the rule a known-bad subclass breaks
+
+    def __init__(self, *, profiles: Sequence[str] = PROFILES, faults: Sequence[str] = FAULTS) -> None:
+        self._caps = Capabilities(
+            profiles=frozenset(profiles), faults=frozenset(faults), scopes=frozenset(SCOPES),
+            events="native", leases="enforced",
+            notes="in-process DirectoryCore + DramTier per node (the suite's self-test)",
+        )  # fmt: skip
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
+        self._started = False
+        self._stopping = False
+        self._ticker: threading.Thread | None = None
+        self._logs: list[io.StringIO] = []
+        self._last_ns = 0
+        self._ns_lock = threading.Lock()
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def capabilities(self) -> Capabilities:
+        return self._caps
+
+    def versions(self) -> Mapping[str, str]:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            kvcc_version = version("kvcc")
+        except PackageNotFoundError:  # pragma: no cover - a source checkout without metadata
+            kvcc_version = "unknown"
+        return {"adapter": f"{self.name} (kvcc.conformance.testing)", "kvcc": kvcc_version, "python": sys.version.split()[0]}
+
+    def start(self, ctx: RunContext) -> None:
+        with self._lock:
+            assert not self._started, "start once per adapter"
+            self._ctx = ctx
+            self._config = DirectoryConfig(lease_term_ms=ctx.lease_term_ms, skew_ms=ctx.skew_ms)
+            self._allowed = frozenset(ns.digest() for ns in ctx.namespaces)
+            self._t0_ns = time.monotonic_ns()
+            self._core = self._new_core()
+            self._dir_incarnation = 1
+            self._dir_log = self._new_log(DIRECTORY_NODE, 1)
+            self._durable_records: dict[BlockKey, Any] = {}
+            self._durable_tickets: dict[int, Any] = {}
+            self._durable_lease_limit = FIRST_LEASE_ID
+            self._inbox: deque = deque()
+            self._invalidating_ns: bytes | None = None
+            self._request = 0
+            self._nodes: dict[str, _Node] = {}
+            for i in range(1, ctx.nodes + 1):
+                self._nodes[f"n{i}"] = self._new_node(f"n{i}", 1)
+            self._started = True
+            self._ticker = threading.Thread(target=self._tick_loop, name=f"kvcc-{self.name}-ticker", daemon=True)
+            self._ticker.start()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        t = self._ticker
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout=5)
+        with self._lock:
+            for node in getattr(self, "_nodes", {}).values():
+                try:
+                    node.tier.close()
+                except Exception:  # noqa: BLE001 - stop never raises
+                    pass
+
+    def nodes(self) -> Sequence[str]:
+        return tuple(self._nodes)
+
+    def events(self) -> list[dict] | None:
+        with self._lock:
+            records = []
+            for stream in self._logs:
+                records.extend(json.loads(line) for line in stream.getvalue().splitlines() if line)
+        records.sort(key=lambda r: r["t_local_ns"])
+        return records
+
+    # -- plumbing --------------------------------------------------------------------------------
+
+    def _new_core(self) -> DirectoryCore:
+        return DirectoryCore(self._config, lambda tenant, digest: tenant == TENANT and bytes(digest) in self._allowed)
+
+    def _clock_ns(self) -> int:
+        # One strictly increasing clock for every log: the merged trace is one total order.
+        with self._ns_lock:
+            self._last_ns = max(self._last_ns + 1, time.monotonic_ns())
+            return self._last_ns
+
+    def _new_log(self, node: str, incarnation: int) -> EventLog:
+        stream = io.StringIO()
+        self._logs.append(stream)
+        return EventLog(stream, node, incarnation, monotonic_ns=self._clock_ns)
+
+    def _new_node(self, node_id: str, incarnation: int) -> _Node:
+        log = self._new_log(node_id, incarnation)
+        return _Node(node_id, incarnation, DramTier(BLOCK_SLOTS, BLOCK_BYTES, pin_memory=False, name=node_id), log,
+                     self._logs[-1])  # fmt: skip
+
+    def _now_ms(self) -> int:
+        return (time.monotonic_ns() - self._t0_ns) // 1_000_000
+
+    def _node_now_ns(self, node: _Node) -> int:
+        return time.monotonic_ns() + node.offset_ns
+
+    def _next_request(self) -> int:
+        self._request += 1
+        return self._request
+
+    def _check_running(self) -> None:
+        if not self._started:
+            raise AdapterError("adapter not started")
+        if self._stopping:
+            raise AdapterError("adapter stopped")
+
+    def _node(self, node_id: str) -> _Node:
+        """The node an operation names, once it is running (an operation on a paused node waits
+        like a process under SIGSTOP; on a dead one it fails)."""
+        self._check_running()
+        node = self._nodes.get(node_id)
+        if node is None:
+            raise AdapterError(f"no node {node_id!r}")
+        while node.paused and node.alive and not self._stopping:
+            self._cond.wait(PAUSED_WAIT_S)
+        self._check_running()
+        if not node.alive:
+            raise AdapterError(f"node {node_id} is down")
+        return node
+
+    def _dir(self, msg: Any) -> Any:
+        """One request to the directory, its effects applied in order, then the messages they
+        caused delivered (after, so that the logs keep the causal order)."""
+        reply, effects = self._core.handle(msg, self._now_ms(), TENANT)
+        self._apply(effects)
+        self._drain()
+        return reply
+
+    def _apply(self, effects: Sequence[Any]) -> None:
+        for e in effects:
+            match e:
+                case Emit():
+                    if e.is_spec_action:
+                        self._dir_log.emit(e.event, **self._trace_fields(e))
+                case Persist():
+                    self._durable_records[e.record.key] = e.record
+                case PersistTicket():
+                    self._durable_tickets[e.ticket.ticket] = e.ticket
+                case ForgetTicket():
+                    self._durable_tickets.pop(e.ticket, None)
+                case ReserveLeaseIds():
+                    self._durable_lease_limit = max(self._durable_lease_limit, e.limit)
+                case Send():
+                    self._inbox.append(e)
+                case FreeAt():
+                    self._inbox.append(e)
+                case CompleteTicket():
+                    self._cond.notify_all()
+                case CopyAt():  # pragma: no cover - this deployment never starts a transfer
+                    raise AssertionError("CoreAdapter starts no transfers")
+
+    def _trace_fields(self, e: Emit) -> dict[str, Any]:
+        """The core's fields, plus what a trace validator needs to resolve chains and namespace
+        scopes: a write grant's parent and namespace, an invalidated namespace."""
+        fields = dict(e.fields)
+        if e.event == "grant_write_lease":
+            rec = self._core.records[fields["key"]]
+            fields.setdefault("parent", None if rec.parent is None else rec.parent.hex)
+            fields.setdefault("namespace", bytes(rec.namespace).hex())
+        elif e.event == "invalidate_namespace" and self._invalidating_ns is not None:
+            fields.setdefault("namespace", self._invalidating_ns.hex())
+        return fields
+
+    def _drain(self) -> None:
+        while self._inbox:
+            e = self._inbox.popleft()
+            if isinstance(e, Send):
+                self._deliver_revoke(e.node, e.msg)
+            else:
+                self._free_at(e.location, e.key, e.epoch)
+
+    def _deliver_revoke(self, node_id: str, msg: Revoke) -> None:
+        node = self._nodes.get(node_id)
+        if node is None or not node.alive:
+            return  # lost with the node: the lease will expire
+        if node.paused:
+            node.parked.append(msg)
+            return
+        self._holder_revoked(node, msg)
+
+    def _holder_revoked(self, node: _Node, msg: Revoke) -> None:
+        """Spec ``drop_and_ack``: drop the trust first, then acknowledge (flush-then-ack)."""
+        trust = node.trusts.get(msg.key)
+        if trust is not None and trust.lease == msg.lease:
+            self._drop_on_revoke(node, msg.key)
+        node.log.emit("drop_and_ack", key=msg.key, gen=msg.gen, lease=msg.lease)
+        reply, effects = self._core.handle(RevokeAcked(node.id, msg.key, msg.lease), self._now_ms(), TENANT)
+        assert reply is None
+        self._apply(effects)
+
+    def _drop_on_revoke(self, node: _Node, key: BlockKey) -> None:
+        del node.trusts[key]
+
+    def _free_at(self, location: str, key: BlockKey, epoch: int) -> None:
+        node = self._nodes.get(location)
+        if node is None or not node.alive:
+            return  # free_at_down_location: nothing to log
+        outcome = node.tier.free(key.digest, epoch)
+        if isinstance(outcome, TierFenced):
+            node.log.emit("fence_stale_free", key=key, epoch=epoch, location=location, fence=outcome.fence)
+        else:
+            result = "ok" if isinstance(outcome, TierFreed) else "absent"
+            node.log.emit("free_slot", key=key, epoch=epoch, location=location, result=result)
+
+    def _tick_loop(self) -> None:
+        with self._cond:
+            while not self._stopping:
+                try:
+                    self._apply(self._core.tick(self._now_ms()))
+                    self._drain()
+                except Exception:  # noqa: BLE001 - a broken core shows up as errors of operations
+                    if self._stopping:
+                        return
+                    raise
+                deadline = self._core.next_deadline_ms()
+                wait_ms = TICK_IDLE_MS if deadline is None else max(1, min(TICK_IDLE_MS, deadline - self._now_ms() + 1))
+                self._cond.wait(wait_ms / 1000)
+
+    # -- data plane ------------------------------------------------------------------------------
+
+    def lookup(self, node: str, ns: Namespace, keys: Sequence[BlockKey]) -> int:
+        with self._lock:
+            self._node(node)
+            try:
+                reply = self._dir(Lookup(ns.digest(), tuple(keys)))
+            except Unauthorized:
+                return 0
+            assert isinstance(reply, PrefixFound)
+            return reply.blocks_matched
+
+    def begin_write(self, node: str, ns: Namespace, key: BlockKey, parent: BlockKey | None) -> WriteGrant | Refused:
+        with self._lock:
+            n = self._node(node)
+            req = self._next_request()
+            sent_ns = self._node_now_ns(n)
+            n.log.emit("begin_write", key=key, request=req)
+            reply = self._dir(BeginWrite(node, key, ns.digest(), parent, req))
+            if isinstance(reply, LeaseRefused):
+                n.log.emit("abort", key=key)  # the client gives up on this write (spec: abort)
+                return Refused(reply.reason)
+            assert isinstance(reply, WriteLeaseGranted)
+            n.log.emit("start_writing", key=key, gen=reply.gen, epoch=reply.epoch, lease=reply.lease, location=reply.location)
+            return WriteGrant(node, key, reply.gen, reply.epoch, reply.lease, reply.location, reply.term_ms, sent_ns)
+
+    def write_bytes(self, grant: WriteGrant, data: bytes) -> Stored | Refused:
+        with self._lock:
+            self._node(grant.node)
+            loc = self._nodes.get(grant.location)
+            if loc is None or not loc.alive:
+                return Refused("not_found", f"location {grant.location} is down")
+            return self._location_write(loc, grant, data)
+
+    def _location_write(self, loc: _Node, grant: WriteGrant, data: bytes) -> Stored | Refused:
+        outcome = loc.tier.write(grant.key.digest, grant.gen, grant.epoch, data)
+        fields = dict(key=grant.key, gen=grant.gen, epoch=grant.epoch, lease=grant.lease, writer=grant.node, location=loc.id)
+        if isinstance(outcome, TierFenced):
+            loc.log.emit("fence_stale_write", **fields, result="fenced", fence=outcome.fence)
+            return Refused("fenced", f"fence {outcome.fence} > epoch {grant.epoch}")
+        if not isinstance(outcome, TierStored):
+            return Refused("no_space", str(outcome))
+        loc.log.emit("store_bytes", **fields)
+        self._nodes[grant.node].stored.add((grant.key, grant.lease))
+        return Stored()
+
+    def commit(self, grant: WriteGrant) -> Committed | Refused:
+        with self._lock:
+            n = self._node(grant.node)
+            if (grant.key, grant.lease) not in n.stored:
+                return Refused("not_found", "no bytes stored under this grant")
+            reply = self._dir(Commit(grant.node, grant.key, grant.lease, grant.gen, grant.epoch))
+            if isinstance(reply, CommitRejected):
+                return Refused(reply.reason)
+            assert isinstance(reply, WireCommitted)
+            return Committed(reply.gen, reply.epoch)
+
+    def abort(self, grant: WriteGrant) -> None:
+        with self._lock:
+            n = self._node(grant.node)
+            n.stored.discard((grant.key, grant.lease))
+            # No message: the directory lets the write lease expire (spec: abort).
+            n.log.emit("abort", key=grant.key, gen=grant.gen, epoch=grant.epoch, lease=grant.lease)
+
+    def acquire(self, node: str, ns: Namespace, key: BlockKey) -> ReadGrant | Refused:
+        with self._lock:
+            n = self._node(node)
+            req = self._next_request()
+            sent_ns = self._node_now_ns(n)
+            n.log.emit("acquire", key=key, request=req)
+            reply = self._dir(Acquire(node, key, ns.digest(), req))
+            if isinstance(reply, LeaseRefused):
+                return Refused(reply.reason)
+            assert isinstance(reply, ReadLeaseGranted)
+            deadline = sent_ns + (reply.term_ms - self._ctx.skew_ms) * 1_000_000
+            n.trusts[key] = _Trust(reply.lease, reply.gen, reply.epoch, reply.location, deadline)
+            n.log.emit("trust_read_lease", key=key, gen=reply.gen, epoch=reply.epoch, lease=reply.lease,
+                       location=reply.location)  # fmt: skip
+            return self._read_grant(node, key, reply.gen, reply.epoch, reply.lease, reply.location, reply.term_ms, sent_ns)
+
+    def _read_grant(self, node, key, gen, epoch, lease, location, term_ms, sent_ns) -> ReadGrant:
+        return ReadGrant(node, key, gen, epoch, lease, location, term_ms, sent_ns)
+
+    def _trusted(self, n: _Node, grant: ReadGrant) -> _Trust | None:
+        trust = n.trusts.get(grant.key)
+        if trust is None or trust.lease != grant.lease:
+            return None
+        if self._node_now_ns(n) >= trust.deadline_ns:
+            del n.trusts[grant.key]  # the holder's own deadline passed: it stops trusting
+            return None
+        return trust
+
+    def renew(self, grant: ReadGrant) -> ReadGrant | Refused:
+        with self._lock:
+            n = self._node(grant.node)
+            trust = self._trusted(n, grant)
+            if trust is None:
+                return Refused("lease_expired", "the holder no longer trusts this lease")
+            req = self._next_request()
+            sent_ns = self._node_now_ns(n)
+            n.log.emit("renew", key=grant.key, lease=grant.lease, request=req)
+            reply = self._dir(Renew(grant.node, grant.key, grant.lease, trust.location, req))
+            if isinstance(reply, LeaseRefused):
+                return Refused(reply.reason)
+            assert isinstance(reply, LeaseRenewed)
+            current = n.trusts.get(grant.key)
+            if current is None or current.lease != grant.lease:
+                return Refused("unknown_lease", "revoked while renewing")
+            current.deadline_ns = sent_ns + (reply.term_ms - self._ctx.skew_ms) * 1_000_000
+            n.log.emit("trust_renewal", key=grant.key, gen=current.gen, epoch=current.epoch, lease=grant.lease)
+            return attrs.evolve(grant, term_ms=reply.term_ms, requested_at_ns=sent_ns)
+
+    def read(self, grant: ReadGrant) -> bytes | Refused:
+        with self._lock:
+            n = self._node(grant.node)
+            trust = self._trusted(n, grant)
+            if trust is None:
+                return Refused("lease_expired", "no trusted lease")
+            return self._read_at(n, grant, trust)
+
+    def _read_at(self, n: _Node, grant: ReadGrant, trust: _Trust) -> bytes | Refused:
+        loc = self._nodes.get(trust.location)
+        data = loc.tier.read(grant.key.digest, trust.gen) if loc is not None and loc.alive else None
+        n.log.emit("read", key=grant.key, gen=trust.gen, epoch=trust.epoch, lease=trust.lease, location=trust.location,
+                   result="ok" if data is not None else "miss")  # fmt: skip
+        return data if data is not None else Refused("miss")
+
+    def release(self, grant: ReadGrant) -> None:
+        with self._lock:
+            n = self._node(grant.node)
+            trust = n.trusts.get(grant.key)
+            if trust is None or trust.lease != grant.lease:
+                return
+            del n.trusts[grant.key]
+            n.log.emit("release", key=grant.key, gen=trust.gen, lease=grant.lease)
+            self._dir(Release(grant.node, grant.key, grant.lease))
+
+    def invalidate(self, node: str, ns: Namespace, scope: str, key: BlockKey | None) -> InvalidationTicket:
+        with self._lock:
+            self._node(node)
+            if scope not in self._caps.scopes:
+                raise NotSupported(f"invalidate scope {scope}")
+            self._invalidating_ns = ns.digest()
+            try:
+                reply = self._dir(Invalidate(ns.digest(), scope, key))
+            finally:
+                self._invalidating_ns = None
+            assert isinstance(reply, InvalidationStarted)
+            ticket = self._core.tickets.get(reply.ticket)
+            return InvalidationTicket(reply.ticket, 0 if ticket is None else len(ticket.keys))
+
+    def wait_invalidation(self, ticket: InvalidationTicket, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                self._check_running()
+                t = self._core.tickets.get(ticket.id)
+                if ticket.id < FIRST_TICKET or ticket.id >= self._core.next_ticket:
+                    raise AdapterError(f"no ticket {ticket.id}")
+                if t is None or t.state == TICKET_COMPLETED:
+                    return True
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(min(left, TICK_IDLE_MS / 1000))
+
+    def evict(self, node: str, ns: Namespace, key: BlockKey) -> Evicted | Refused:
+        with self._lock:
+            n = self._node(node)
+            rec = self._core.records.get(key)
+            reply = self._dir(Evict(node, key, node))
+            if isinstance(reply, EvictRefused):
+                return self._evict_refused(n, key, reply.reason)
+            assert isinstance(reply, WireEvicted)
+            assert rec is not None
+            # The node drops its bytes once the directory agreed (spec: evict).
+            n.tier.free(key.digest, n.tier.fence(key.digest))
+            return Evicted()
+
+    def _evict_refused(self, n: _Node, key: BlockKey, reason: str) -> Evicted | Refused:
+        return Refused(reason)
+
+    # -- faults ----------------------------------------------------------------------------------
+
+    def _fault(self, name: str) -> None:
+        if name not in self._caps.faults:
+            raise NotSupported(name)
+
+    def kill(self, node: str) -> None:
+        self._fault("kill")
+        with self._cond:
+            self._check_running()
+            n = self._nodes[node]
+            if not n.alive:
+                return
+            n.log.emit("crash", lose_disk=True)
+            n.alive = False
+            n.paused = False
+            n.trusts.clear()
+            n.tier.close()
+            self._cond.notify_all()
+
+    def restart(self, node: str) -> None:
+        self._fault("restart")
+        with self._cond:
+            self._check_running()
+            old = self._nodes[node]
+            if old.alive:
+                raise AdapterError(f"node {node} is running; kill it first")
+            n = self._nodes[node] = self._new_node(node, old.incarnation + 1)
+            fences, effects = self._core.node_rejoined(node, [node], self._now_ms(), [node])
+            n.tier.restore_fences({k.digest: e for k, e in fences.items()})
+            self._apply(effects)
+            self._drain()
+
+    def pause(self, node: str) -> None:
+        self._fault("pause")
+        with self._cond:
+            self._check_running()
+            self._nodes[node].paused = True
+
+    def resume(self, node: str) -> None:
+        self._fault("resume")
+        with self._cond:
+            self._check_running()
+            n = self._nodes[node]
+            n.paused = False
+            parked, n.parked = n.parked, []
+            for msg in parked:
+                if n.alive:
+                    self._holder_revoked(n, msg)
+            self._drain()
+            self._cond.notify_all()
+
+    def skew_clock(self, node: str, offset_ms: int) -> None:
+        self._fault("skew_clock")
+        with self._lock:
+            self._check_running()
+            self._nodes[node].offset_ns = offset_ms * 1_000_000
+
+    def restart_directory(self) -> None:
+        self._fault("restart_directory")
+        with self._cond:
+            self._check_running()
+            self._core = self._new_core()
+            self._dir_incarnation += 1
+            self._dir_log = self._new_log(DIRECTORY_NODE, self._dir_incarnation)
+            tickets = list(self._durable_tickets.values())
+            next_ticket = max([FIRST_TICKET - 1, *self._durable_tickets]) + 1
+            effects = self._core.restarted(
+                list(self._durable_records.values()), self._restart_lease_id(), self._now_ms(), tickets, next_ticket
+            )
+            self._apply(effects)
+            self._drain()
+            self._cond.notify_all()
+
+    def _restart_lease_id(self) -> int:
+        return self._durable_lease_limit
+
+
+# -- known-bad adapters: each breaks one rule ------------------------------------------------------------
+
+
+class StaleReadAdapter(CoreAdapter):
+    """Acknowledges revocations without dropping its copy, and serves it afterwards from a local
+    cache (breaks DESIGN 6/7: no read after ack, no read after the invalidation completed)."""
+
+    name = "bad-stale-read"
+    BROKEN_RULE = "read_after_invalidation"
+
+    def start(self, ctx: RunContext) -> None:
+        self._cache: dict[tuple[str, BlockKey, int], bytes] = {}
+        super().start(ctx)
+
+    def _drop_on_revoke(self, node: _Node, key: BlockKey) -> None:
+        pass  # keeps trusting
+
+    def _read_at(self, n, grant, trust):
+        cached = self._cache.get((n.id, grant.key, trust.lease))
+        if cached is not None:
+            n.log.emit("read", key=grant.key, gen=trust.gen, epoch=trust.epoch, lease=trust.lease,
+                       location=trust.location, result="ok")  # fmt: skip
+            return cached
+        data = super()._read_at(n, grant, trust)
+        if isinstance(data, bytes):
+            self._cache[(n.id, grant.key, trust.lease)] = data
+        return data
+
+
+class NoFencingAdapter(CoreAdapter):
+    """Its locations accept bytes under an epoch below their fence (breaks DESIGN 2: fencing)."""
+
+    name = "bad-no-fencing"
+    BROKEN_RULE = "fencing"
+
+    def _location_write(self, loc, grant, data):
+        fence = loc.tier.fence(grant.key.digest)
+        if fence > grant.epoch:
+            loc.tier.write(grant.key.digest, grant.gen, fence, data)  # overwrite whatever is there
+            loc.log.emit("store_bytes", key=grant.key, gen=grant.gen, epoch=grant.epoch, lease=grant.lease,
+                         writer=grant.node, location=loc.id)  # fmt: skip
+            self._nodes[grant.node].stored.add((grant.key, grant.lease))
+            return Stored()
+        return super()._location_write(loc, grant, data)
+
+
+class EvictsLeasedAdapter(CoreAdapter):
+    """Drops a copy under memory pressure even when the directory refuses because it is leased
+    (breaks DESIGN 5: no eviction under a live lease)."""
+
+    name = "bad-evicts-leased"
+    BROKEN_RULE = "evict_under_lease"
+
+    def _evict_refused(self, n, key, reason):
+        if reason != "leased":
+            return Refused(reason)
+        rec = self._core.records[key]
+        n.tier.free(key.digest, n.tier.fence(key.digest))
+        n.log.emit("evict", key=key, gen=rec.gen, epoch=rec.epoch, location=n.id)
+        return Evicted()
+
+
+class NeverCachesAdapter(CoreAdapter):
+    """Accepts writes and commits but never keeps bytes: every read misses (breaks non-vacuity:
+    a cache that never caches)."""
+
+    name = "bad-never-caches"
+    BROKEN_RULE = "caching"
+
+    def _location_write(self, loc, grant, data):
+        self._nodes[grant.node].stored.add((grant.key, grant.lease))
+        return Stored()  # and drops the bytes
+
+
+class NeverEvictsAdapter(CoreAdapter):
+    """Refuses every eviction as if the copy were leased (breaks non-vacuity: memory is never
+    reclaimed)."""
+
+    name = "bad-never-evicts"
+    BROKEN_RULE = "eviction"
+
+    def evict(self, node, ns, key):
+        with self._lock:
+            self._node(node)
+            return Refused("leased", "this cache never evicts")
+
+
+class ReusedLeaseIdsAdapter(CoreAdapter):
+    """Its directory does not keep the lease-id high-water mark durable: after a restart it
+    hands out lease ids from the start again (breaks DESIGN 8)."""
+
+    name = "bad-reused-lease-ids"
+    BROKEN_RULE = "lease_ids"
+
+    def _restart_lease_id(self) -> int:
+        return FIRST_LEASE_ID
+
+
+class EarlyCompletionAdapter(CoreAdapter):
+    """Reports an invalidation completed as soon as it started, without waiting for holders to
+    acknowledge or their leases to expire (breaks DESIGN 6)."""
+
+    name = "bad-early-completion"
+    BROKEN_RULE = "early_completion"
+
+    def wait_invalidation(self, ticket, timeout_s):
+        with self._lock:
+            self._check_running()
+            return True
+
+
+class TrustsExpiredAdapter(CoreAdapter):
+    """Its holders keep reading after their own lease deadline (breaks DESIGN leases: a holder
+    stops at expiry - epsilon, measured from when it sent the request)."""
+
+    name = "bad-trusts-expired"
+    BROKEN_RULE = "holder_expiry"
+
+    def _trusted(self, n, grant):
+        trust = n.trusts.get(grant.key)
+        return trust if trust is not None and trust.lease == grant.lease else None
+
+
+KNOWN_BAD: tuple[type[CoreAdapter], ...] = (
+    StaleReadAdapter, NoFencingAdapter, EvictsLeasedAdapter, NeverCachesAdapter, NeverEvictsAdapter,
+    ReusedLeaseIdsAdapter, EarlyCompletionAdapter, TrustsExpiredAdapter,
+)  # fmt: skip
+
+
+# -- adapters that break the contract itself ----------------------------------------------------------------
+
+
+class HangingAdapter(CoreAdapter):
+    """Every read blocks until ``stop()`` (the suite's watchdog must turn it into ERROR)."""
+
+    name = "bad-hangs"
+
+    def start(self, ctx: RunContext) -> None:
+        self._released = threading.Event()
+        super().start(ctx)
+
+    def read(self, grant):
+        self._released.wait()
+        raise AdapterError("stopped while reading")
+
+    def stop(self) -> None:
+        released = getattr(self, "_released", None)
+        if released is not None:
+            released.set()
+        super().stop()
+
+
+class GarbageAdapter(CoreAdapter):
+    """Answers ``acquire`` with a value that is not in the contract."""
+
+    name = "bad-garbage"
+
+    def acquire(self, node, ns, key):
+        return {"lease": "yes, probably"}  # type: ignore[return-value]
+
+
+def core_factory() -> CoreAdapter:
+    return CoreAdapter()

@@ -1,0 +1,613 @@
+"""The workloads behind the catalogue's tests: one function per ``TestCase.body``.
+
+Each takes a ``Session`` (``kvcc.conformance.oracles``) and drives the adapter through it: keys
+are chained over the session's namespaces, which are randomised per run (model id and cache
+salt drawn from the seed), so nothing can be precomputed. A workload states its own oracle with
+``Session.check``; the session applies the global ones (exact bytes, no stale read, holder
+deadline, fresh lease ids) to every call. Waits are multiples of the lease term, never fixed
+times, so the same workloads run against millisecond and multi-second terms.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Callable
+
+from kvcc.spec.keys import BlockKey, Namespace, chain_keys
+
+from .contract import Committed, Evicted, ReadGrant, Refused, Stored, WriteGrant
+from .oracles import Session
+
+INVALIDATION_SLACK = 4.0  # an invalidation may take this many lease terms before a test gives up
+CONCURRENT_THREADS = 4
+LOAD_DURATION_TERMS = 3.0  # the load workload runs this many lease terms
+
+
+def chain(s: Session, blocks: int, ns: Namespace | None = None) -> list[BlockKey]:
+    ns = ns or s.ns
+    return chain_keys(ns, s.fresh_tokens(blocks, ns))
+
+
+def put(s: Session, node: str, key: BlockKey, parent: BlockKey | None, ns: Namespace | None = None,
+        data: bytes | None = None) -> bytes:  # fmt: skip
+    """Write and commit one block; the test fails if a plain write is refused."""
+    ns = ns or s.ns
+    g = s.begin_write(node, ns, key, parent)
+    s.check(isinstance(g, WriteGrant), "write", f"begin_write of a fresh key refused: {g}")
+    data = s.payload() if data is None else data
+    r = s.write_bytes(g, data)
+    s.check(isinstance(r, Stored), "write", f"write_bytes under a fresh grant refused: {r}")
+    c = s.commit(g)
+    s.check(isinstance(c, Committed), "write", f"commit under a fresh grant refused: {c}")
+    return data
+
+
+def put_chain(s: Session, node: str, keys: list[BlockKey], ns: Namespace | None = None) -> list[bytes]:
+    return [put(s, node, k, keys[i - 1] if i else None, ns) for i, k in enumerate(keys)]
+
+
+def wait_done(s: Session, ticket, voids) -> float:
+    """Wait for an invalidation; FAIL if it does not complete in time. Returns seconds waited."""
+    t0 = time.monotonic()
+    done = s.wait_invalidation(ticket, INVALIDATION_SLACK * s.term_s + 1, voids=voids)
+    s.check(done, "InvalidationCompletesInTime", f"invalidation {ticket.id} did not complete within {INVALIDATION_SLACK} terms")
+    return time.monotonic() - t0
+
+
+def reader(s: Session, writer: str) -> str:
+    """A node other than ``writer`` where there is one."""
+    others = [n for n in s.nodes if n != writer]
+    return s.rng.choice(others) if others else writer
+
+
+# -- core ------------------------------------------------------------------------------------------
+
+
+def lookup_prefix(s: Session) -> None:
+    w = s.nodes[0]
+    keys = chain(s, 4)
+    s.check(s.lookup(reader(s, w), s.ns, keys) == 0, "PrefixClosed", "lookup counted blocks of an empty deployment")
+    put_chain(s, w, keys[:3])
+    n = s.lookup(reader(s, w), s.ns, keys)
+    s.check(n == 3, "PrefixClosed", f"lookup of a chain with 3 of 4 blocks committed counted {n}")
+    n = s.lookup(w, s.ns, keys[1:])
+    s.check(n == 0, "PrefixClosed", f"lookup of a chain without its root counted {n}")
+    g = s.begin_write(w, s.ns, keys[3], keys[2])
+    s.check(isinstance(g, WriteGrant), "write", f"begin_write refused: {g}")
+    n = s.lookup(reader(s, w), s.ns, keys)
+    s.check(n == 3, "NoDirtyRead", f"lookup counted a WRITING block: {n}")
+
+
+def one_writer(s: Session) -> None:
+    key = chain(s, 1)[0]
+    grants: list = []
+    barrier = threading.Barrier(len(s.nodes) * 2)
+
+    def attempt(node: str) -> None:
+        barrier.wait(timeout=s.term_s * 4 + 5)
+        grants.append(s.begin_write(node, s.ns, key, None))
+
+    threads = [threading.Thread(target=attempt, args=(n,), daemon=True) for n in s.nodes for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    won = [g for g in grants if isinstance(g, WriteGrant)]
+    s.check(len(grants) == len(threads), "write", "a begin_write did not answer")
+    s.check(len(won) == 1, "OneWriterPerGeneration", f"{len(won)} of {len(grants)} concurrent begin_write were granted")
+    s.check(all(g.reason == "not_absent" for g in grants if isinstance(g, Refused)), "OneWriterPerGeneration",
+            f"refusals other than not_absent: {[g.reason for g in grants if isinstance(g, Refused)]}")  # fmt: skip
+    g = won[0]
+    s.check(isinstance(s.write_bytes(g, s.payload()), Stored), "write", "write_bytes refused")
+    s.check(isinstance(s.commit(g), Committed), "write", "commit refused")
+    again = s.begin_write(reader(s, g.node), s.ns, key, None)
+    s.check(isinstance(again, Refused) and again.reason == "not_absent", "OneWriterPerGeneration",
+            f"begin_write on a COMMITTED key answered {again}")  # fmt: skip
+
+
+def remote_read(s: Session) -> None:
+    w = s.nodes[0]
+    keys = chain(s, 2)
+    data = put_chain(s, w, keys)
+    r = reader(s, w)
+    for key, expected in zip(keys, data):
+        g = s.acquire(r, s.ns, key)
+        s.check(isinstance(g, ReadGrant), "caching", f"acquire of a committed block refused: {g}")
+        got = s.read(g)
+        s.check(got == expected, "caching", f"a leased read of a committed block answered {got!r:.60}")
+        s.release(g)
+
+
+def no_dirty_read(s: Session) -> None:
+    w = s.nodes[0]
+    key = chain(s, 1)[0]
+    g = s.begin_write(w, s.ns, key, None)
+    s.check(isinstance(g, WriteGrant), "write", f"begin_write refused: {g}")
+    for stage in ("granted", "stored"):
+        for n in s.nodes:
+            a = s.acquire(n, s.ns, key)
+            s.check(isinstance(a, Refused) and a.reason == "not_committed", "NoDirtyRead",
+                    f"acquire of a WRITING block ({stage}) from {n} answered {a}")  # fmt: skip
+        if stage == "granted":
+            s.check(isinstance(s.write_bytes(g, s.payload()), Stored), "write", "write_bytes refused")
+    s.check(isinstance(s.commit(g), Committed), "write", "commit refused")
+    a = s.acquire(reader(s, w), s.ns, key)
+    s.check(isinstance(a, ReadGrant), "LeasesGrantedOnlyOnCommitted", f"acquire after commit answered {a}")
+    s.release(a)
+
+
+def prefix_order(s: Session) -> None:
+    w = s.nodes[0]
+    keys = chain(s, 3)
+    g = s.begin_write(w, s.ns, keys[1], keys[0])
+    s.check(isinstance(g, Refused) and g.reason == "parent_not_committed", "PrefixClosed",
+            f"begin_write under an ABSENT parent answered {g}")  # fmt: skip
+    put(s, w, keys[0], None)
+    g = s.begin_write(w, s.ns, keys[2], keys[1])
+    s.check(isinstance(g, Refused) and g.reason == "parent_not_committed", "PrefixClosed",
+            f"begin_write under an ABSENT parent answered {g}")  # fmt: skip
+    put(s, w, keys[1], keys[0])
+    put(s, w, keys[2], keys[1])
+    s.check(s.lookup(w, s.ns, keys) == 3, "PrefixClosed", "the written chain is not found")
+
+
+def namespace_isolation(s: Session) -> None:
+    w = s.nodes[0]
+    tokens = s.fresh_tokens(2)
+    mine, theirs = chain_keys(s.ns, tokens), chain_keys(s.foreign, tokens)
+    s.check(not set(mine) & set(theirs), "NamespaceIsolation", "the same tokens gave the same keys in two namespaces")
+    g = s.begin_write(w, s.foreign, theirs[0], None)
+    s.check(isinstance(g, Refused) and g.reason == "unauthorized", "NamespaceIsolation",
+            f"begin_write in a foreign namespace answered {g}")  # fmt: skip
+    put_chain(s, w, mine)
+    for n in s.nodes:
+        a = s.acquire(n, s.foreign, mine[0])
+        s.check(isinstance(a, Refused) and a.reason == "unauthorized", "NamespaceIsolation",
+                f"acquire of a block through a foreign namespace answered {a}")  # fmt: skip
+        s.check(s.lookup(n, s.foreign, theirs) == 0, "NamespaceIsolation", "lookup counted blocks of a foreign namespace")
+
+
+def abort_frees(s: Session) -> None:
+    w = s.nodes[0]
+    key = chain(s, 1)[0]
+    g = s.begin_write(w, s.ns, key, None)
+    s.check(isinstance(g, WriteGrant), "write", f"begin_write refused: {g}")
+    s.abort(g)
+    deadline = time.monotonic() + (s.lease_term_ms + 2 * s.skew_ms) / 1000 + s.term_s
+    while True:
+        g2 = s.begin_write(reader(s, w), s.ns, key, None)
+        if isinstance(g2, WriteGrant):
+            break
+        s.check(g2.reason == "not_absent", "write", f"begin_write after abort answered {g2}")
+        s.check(time.monotonic() < deadline, "WriteLeaseEndsInTime", "the key stayed WRITING after the writer aborted")
+        s.sleep_ms(s.lease_term_ms / 10)
+    s.check(g2.epoch > g.epoch, "EpochMonotonic", f"new write epoch {g2.epoch} not above {g.epoch}")
+    late = s.commit(g)
+    s.check(isinstance(late, Refused), "OneWriterPerGeneration", f"commit under the aborted grant answered {late}")
+
+
+def concurrent_chains(s: Session) -> None:
+    errors: list[BaseException] = []
+    seeds = [s.rng.randrange(1 << 30) for _ in range(CONCURRENT_THREADS)]
+
+    def worker(i: int) -> None:
+        rng = random.Random(seeds[i])
+        try:
+            for _ in range(3):
+                node = rng.choice(s.nodes)
+                keys = chain_keys(s.ns, [rng.randrange(1, 1 << 31) for _ in range(3 * s.ns.block_tokens)])
+                put_chain(s, node, keys)
+                r = rng.choice(s.nodes)
+                matched = s.lookup(r, s.ns, keys)
+                s.check(matched == 3, "PrefixClosed", f"a committed chain of 3 was found {matched} deep")
+                for key in keys:
+                    g = s.acquire(r, s.ns, key)
+                    s.check(isinstance(g, ReadGrant), "caching", f"acquire of a committed block refused: {g}")
+                    got = s.read(g)
+                    s.check(isinstance(got, bytes), "caching", f"a leased read missed: {got}")
+                    s.release(g)
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread
+            errors.append(e)
+
+    run_threads(worker, CONCURRENT_THREADS)
+    if errors:
+        raise errors[0]
+
+
+def run_threads(target: Callable[[int], None], count: int) -> None:
+    threads = [threading.Thread(target=target, args=(i,), daemon=True) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+# -- leases ----------------------------------------------------------------------------------------
+
+
+def lease_ids_unique(s: Session) -> None:
+    keys = chain(s, 2)
+    w = s.nodes[0]
+    put_chain(s, w, keys)
+    for _ in range(2):
+        for n in s.nodes:
+            for key in keys:
+                g = s.acquire(n, s.ns, key)
+                s.check(isinstance(g, ReadGrant), "caching", f"acquire refused: {g}")
+                s.release(g)  # the session's oracle checks every id against every earlier one
+
+
+def released_lease(s: Session) -> None:
+    w = s.nodes[0]
+    key = chain(s, 1)[0]
+    put(s, w, key, None)
+    g = s.acquire(reader(s, w), s.ns, key)
+    s.check(isinstance(g, ReadGrant), "caching", f"acquire refused: {g}")
+    s.release(g)
+    r = s.renew(g)
+    s.check(isinstance(r, Refused), "RenewalNeverRevives", f"renewal of a released lease answered {r}")
+    got = s.read(g)
+    s.check(isinstance(got, Refused), "RenewalNeverRevives", "a read under a released lease was served")
+
+
+def holder_deadline(s: Session) -> None:
+    w = s.nodes[0]
+    key = chain(s, 1)[0]
+    put(s, w, key, None)
+    g = s.acquire(reader(s, w), s.ns, key)
+    s.check(isinstance(g, ReadGrant), "caching", f"acquire refused: {g}")
+    # Past the holder's own deadline plus epsilon for its clock offset: nothing may be served.
+    s.sleep_ms(g.term_ms + 2 * s.skew_ms + 5)
+    got = s.read(g)
+    s.check(isinstance(got, Refused), "holder_deadline", "a read was served after the holder's deadline")
+    r = s.renew(g)
+    s.check(isinstance(r, Refused), "RenewalNeverRevives", f"renewal of an expired lease answered {r}")
+
+
+def evict_under_lease(s: Session) -> None:
+    w = s.nodes[0]
+    key = chain(s, 1)[0]
+    put(s, w, key, None)
+    g = s.acquire(reader(s, w), s.ns, key)
+    s.check(isinstance(g, ReadGrant), "caching", f"acquire refused: {g}")
+    e = s.evict(w, s.ns, key, leased=True)
+    s.check(isinstance(e, Refused) and e.reason == "leased", "NoReclaimUnderLease", f"eviction under a live lease answered {e}")
+    s.release(g)
+    e = s.evict(w, s.ns, key)
+    s.check(isinstance(e, Evicted), "eviction", f"eviction of an unleased copy answered {e}")
+    s.check(s.lookup(w, s.ns, [key]) == 0, "DirectoryDataAgreement", "lookup still finds an evicted block")
+
+
+def stale_writer(s: Session) -> None:
+    w = s.nodes[0]
+    parent, child = chain(s, 2)
+    put(s, w, parent, None)
+    stale = s.begin_write(w, s.ns, child, parent)
+    s.check(isinstance(stale, WriteGrant), "write", f"begin_write refused: {stale}")
+    # Invalidating the parent aborts the write in progress (a zombie from here on) ...
+    wait_done(s, s.invalidate(w, s.ns, "key", parent), [parent, child])
+    put(s, w, parent, None)
+    # ... and a new writer on the same node takes the key under a higher epoch.
+    fresh = s.begin_write(w, s.ns, child, parent)
+    s.check(isinstance(fresh, WriteGrant), "write", f"begin_write after the invalidation refused: {fresh}")
+    s.check(fresh.epoch > stale.epoch, "EpochMonotonic", f"epoch {fresh.epoch} not above {stale.epoch}")
+    data = s.payload()
+    s.check(isinstance(s.write_bytes(fresh, data), Stored), "write", "write_bytes refused")
+    s.check(isinstance(s.commit(fresh), Committed), "write", "commit refused")
+    late = s.write_bytes(stale, s.payload())
+    s.check(isinstance(late, Refused), "FencingHolds", f"bytes under a superseded epoch answered {late}")
+    s.check(late.reason in ("fenced", "lease_expired", "stale_epoch"), "FencingHolds", f"unexpected refusal {late}")
+    late_commit = s.commit(stale)
+    s.check(isinstance(late_commit, Refused), "OneWriterPerGeneration", f"a superseded commit answered {late_commit}")
+    g = s.acquire(reader(s, w), s.ns, child)
+    s.check(isinstance(g, ReadGrant), "caching", f"acquire refused: {g}")
+    got = s.read(g)
+    s.check(got == data or isinstance(got, Refused), "CommittedBytesIntact", "the committed block changed")
+    s.release(g)
+
+
+def renewal_extends(s: Session) -> None:
+    w = s.nodes[0]
+    key = chain(s, 1)[0]
+    data = put(s, w, key, None)
+    g = s.acquire(reader(s, w), s.ns, key)
+    s.check(isinstance(g, ReadGrant), "caching", f"acquire refused: {g}")
+    s.sleep_ms(g.term_ms * 0.5)
+    r = s.renew(g)
+    s.check(isinstance(r, ReadGrant), "RenewalNeverRevives", f"renewal of a live lease answered {r}")
+    # Past the first deadline, well before the renewed one.
+    s.sleep_ms(g.term_ms * 0.5 + s.skew_ms + 5)
+    got = s.read(r)
+    s.check(got == data, "caching", f"a read under a renewed lease answered {got!r:.60}")
+    s.release(r)
+
+
+# -- invalidation ----------------------------------------------------------------------------------
+
+
+def invalidate_with_holders(s: Session) -> None:
+    w = s.nodes[0]
+    key = chain(s, 1)[0]
+    data = put(s, w, key, None)
+    holders = []
+    for n in s.nodes:
+        g = s.acquire(n, s.ns, key)
+        s.check(isinstance(g, ReadGrant), "caching", f"acquire refused: {g}")
+        got = s.read(g)
+        s.check(got == data, "caching", f"a leased read answered {got!r:.60}")
+        holders.append(g)
+    t0 = time.monotonic_ns()
+    ticket = s.invalidate(w, s.ns, "key", key)
+    s.check(ticket.keys in (0, 1), "invalidate", f"a one-key invalidation covers {ticket.keys} keys")
+    a = s.acquire(w, s.ns, key)
+    s.check(isinstance(a, Refused), "LeasesGrantedOnlyOnCommitted", f"acquire during invalidation answered {a}")
+    wait_done(s, ticket, [key])
+    done_ns = time.monotonic_ns()
+    if done_ns - t0 < min(g.term_ms for g in holders) * 1_000_000 - s.skew_ms * 1_000_000:
+        s.audit.invalidations_by_ack += 1
+    for g in holders:
+        got = s.read(g)  # the session FAILs the test if bytes come back
+        s.check(isinstance(got, Refused), "NoStaleRead", "a read after the invalidation completed was served")
+    a = s.acquire(reader(s, w), s.ns, key)
+    s.check(isinstance(a, Refused), "NoStaleRead", f"acquire after the invalidation answered {a}")
+    s.check(s.lookup(w, s.ns, [key]) == 0, "NoStaleRead", "lookup finds an invalidated block")
+    new = put(s, reader(s, w), key, None)
+    g = s.acquire(w, s.ns, key)
+    s.check(isinstance(g, ReadGrant), "caching", f"acquire of the rewritten block refused: {g}")
+    s.check(g.gen > holders[0].gen, "NoStaleRead", f"rewritten generation {g.gen} not above {holders[0].gen}")
+    got = s.read(g)
+    s.check(got == new, "caching", f"a read of the rewritten block answered {got!r:.60}")
+    s.release(g)
+
+
+def cascade(s: Session) -> None:
+    w = s.nodes[0]
+    keys = chain(s, 3)
+    put_chain(s, w, keys)
+    wait_done(s, s.invalidate(w, s.ns, "key", keys[0]), keys)
+    s.check(s.lookup(reader(s, w), s.ns, keys) == 0, "PrefixClosed", "lookup finds blocks of an invalidated chain")
+    for key in keys:
+        a = s.acquire(reader(s, w), s.ns, key)
+        s.check(isinstance(a, Refused), "PrefixClosed", f"acquire of an invalidated descendant answered {a}")
+    g = s.begin_write(w, s.ns, keys[1], keys[0])
+    s.check(isinstance(g, Refused), "PrefixClosed", f"begin_write under an invalidated parent answered {g}")
+    put_chain(s, w, keys)
+    s.check(s.lookup(w, s.ns, keys) == 3, "PrefixClosed", "the rewritten chain is not found")
+
+
+def prefix_scope(s: Session) -> None:
+    w = s.nodes[0]
+    keys = chain(s, 4)
+    put_chain(s, w, keys)
+    wait_done(s, s.invalidate(w, s.ns, "prefix", keys[2]), keys[2:])
+    n = s.lookup(reader(s, w), s.ns, keys)
+    s.check(n == 2, "PrefixClosed", f"after invalidating the subtree under block 3, lookup counted {n}")
+
+
+def namespace_scope(s: Session) -> None:
+    w = s.nodes[0]
+    a, b = s.namespaces[0], s.namespaces[1]
+    ka, kb = chain(s, 2, a), chain(s, 2, b)
+    put_chain(s, w, ka, a)
+    put_chain(s, w, kb, b)
+    wait_done(s, s.invalidate(w, a, "namespace", None), ka)
+    s.check(s.lookup(w, a, ka) == 0, "NoStaleRead", "lookup finds blocks of an invalidated namespace")
+    s.check(s.lookup(w, b, kb) == 2, "NamespaceIsolation", "invalidating one namespace voided another")
+
+
+def empty_invalidation(s: Session) -> None:
+    w = s.nodes[0]
+    key = chain(s, 1)[0]
+    ticket = s.invalidate(w, s.ns, "key", key)
+    s.check(ticket.keys == 0, "invalidate", f"an invalidation of an unwritten key covers {ticket.keys} keys")
+    wait_done(s, ticket, [key])
+    s.check(s.lookup(w, s.ns, [key]) == 0, "invalidate", "an empty invalidation created a block")
+    put(s, w, key, None)
+
+
+# -- tiering ---------------------------------------------------------------------------------------
+
+
+def leaves_first(s: Session) -> None:
+    w = s.nodes[0]
+    parent, child = chain(s, 2)
+    put_chain(s, w, [parent, child])
+    e = s.evict(w, s.ns, parent)
+    s.check(isinstance(e, Refused) and e.reason == "has_children", "PrefixClosed", f"evicting a parent first answered {e}")
+    e = s.evict(w, s.ns, child)
+    s.check(isinstance(e, Evicted), "eviction", f"evicting an unleased leaf answered {e}")
+    e = s.evict(w, s.ns, parent)
+    s.check(isinstance(e, Evicted), "eviction", f"evicting the parent after its leaf answered {e}")
+    s.check(s.lookup(w, s.ns, [parent, child]) == 0, "DirectoryDataAgreement", "lookup finds evicted blocks")
+
+
+def rewrite_after_evict(s: Session) -> None:
+    w = s.nodes[0]
+    key = chain(s, 1)[0]
+    put(s, w, key, None)
+    e = s.evict(w, s.ns, key)
+    s.check(isinstance(e, Evicted), "eviction", f"evicting an unleased block answered {e}")
+    data = put(s, w, key, None)
+    g = s.acquire(reader(s, w), s.ns, key)
+    s.check(isinstance(g, ReadGrant), "caching", f"acquire of the rewritten block refused: {g}")
+    got = s.read(g)
+    s.check(got == data, "caching", f"a read of the rewritten block answered {got!r:.60}")
+    s.release(g)
+
+
+def evict_absent(s: Session) -> None:
+    w = s.nodes[0]
+    keys = chain(s, 2)
+    put(s, w, keys[0], None)
+    e = s.evict(w, s.ns, keys[1])
+    s.check(isinstance(e, Refused), "DirectoryDataAgreement", f"evicting a never-written key answered {e}")
+    if len(s.nodes) > 1:
+        e = s.evict(reader(s, w), s.ns, keys[0])
+        s.check(isinstance(e, Refused), "DirectoryDataAgreement", f"evicting another node's copy answered {e}")
+    s.check(s.lookup(w, s.ns, keys) == 1, "DirectoryDataAgreement", "a refused eviction changed lookup")
+
+
+# -- faults ----------------------------------------------------------------------------------------
+
+
+def paused_holder(s: Session) -> None:
+    w = s.nodes[0]
+    h = reader(s, w)
+    key = chain(s, 1)[0]
+    data = put(s, w, key, None)
+    g = s.acquire(h, s.ns, key)
+    s.check(isinstance(g, ReadGrant), "caching", f"acquire refused: {g}")
+    got = s.read(g)
+    s.check(got == data or isinstance(got, Refused), "CommittedBytesIntact", "wrong bytes")
+    s.fault("pause", h)
+    try:
+        ticket = s.invalidate(w, s.ns, "key", key)
+        done = s.wait_invalidation(ticket, INVALIDATION_SLACK * s.term_s + 1, voids=[key])
+        done_ns = time.monotonic_ns()
+    finally:
+        s.fault("resume", h)
+    s.check(done, "InvalidationCompletesInTime", "the invalidation did not complete after the holder's lease expired")
+    holder_deadline_ns = g.requested_at_ns + (g.term_ms - 2 * s.skew_ms) * 1_000_000
+    s.check(done_ns >= holder_deadline_ns, "NoStaleRead",
+            f"the invalidation completed {(holder_deadline_ns - done_ns) / 1e6:.0f} ms before a paused holder's lease could expire")  # fmt: skip
+    s.audit.invalidations_by_expiry += 1
+    got = s.read(g)
+    s.check(isinstance(got, Refused), "NoStaleRead", "the resumed holder read the invalidated generation")
+
+
+def crash_handoff(s: Session) -> None:
+    if len(s.nodes) < 2:
+        raise _not_applicable("needs two nodes")
+    w, r = s.nodes[0], s.nodes[1]
+    key = chain(s, 1)[0]
+    put(s, w, key, None)
+    s.fault("kill", w)
+    g = s.acquire(r, s.ns, key)
+    if isinstance(g, ReadGrant):
+        got = s.read(g)  # exact bytes or a refusal: the session checks
+        s.release(g)
+    s.fault("restart", w)
+    deadline = time.monotonic() + INVALIDATION_SLACK * s.term_s + 1
+    while True:
+        g2 = s.begin_write(r, s.ns, key, None)
+        if isinstance(g2, WriteGrant):
+            break
+        s.check(time.monotonic() < deadline, "OwnershipHandoffAfterCrash", f"the crashed owner's key stayed unwritable: {g2}")
+        s.sleep_ms(s.lease_term_ms / 10)
+    data = s.payload()
+    s.check(isinstance(s.write_bytes(g2, data), Stored), "write", "write_bytes refused")
+    s.check(isinstance(s.commit(g2), Committed), "write", "commit refused")
+    g = s.acquire(w, s.ns, key)
+    s.check(isinstance(g, ReadGrant), "caching", f"acquire after the handoff refused: {g}")
+    got = s.read(g)
+    s.check(got == data, "caching", f"a read after the handoff answered {got!r:.60}")
+    s.release(g)
+    del got
+
+
+def directory_restart(s: Session) -> None:
+    w = s.nodes[0]
+    keys = chain(s, 2)
+    put_chain(s, w, keys)
+    held = []
+    for n in s.nodes:
+        g = s.acquire(n, s.ns, keys[0])
+        s.check(isinstance(g, ReadGrant), "caching", f"acquire refused: {g}")
+        held.append(g)
+    s.fault("restart_directory")
+    # Leases of the old incarnation may still be trusted: an invalidation must not complete
+    # before they could have expired, and new ids must be fresh (the session checks ids).
+    t0 = time.monotonic_ns()
+    ticket = s.invalidate(w, s.ns, "key", keys[1])
+    wait_done(s, ticket, keys[1:])
+    for n in s.nodes:
+        g = s.acquire(n, s.ns, keys[0])
+        if isinstance(g, ReadGrant):
+            s.release(g)
+    fresh = chain(s, 1)[0]
+    put(s, w, fresh, None)
+    del t0
+
+
+def clock_skew(s: Session) -> None:
+    w = s.nodes[0]
+    h = reader(s, w)
+    key = chain(s, 1)[0]
+    data = put(s, w, key, None)
+    s.fault("skew_clock", h, -s.skew_ms)
+    try:
+        g = s.acquire(h, s.ns, key)
+        s.check(isinstance(g, ReadGrant), "caching", f"acquire refused: {g}")
+        got = s.read(g)
+        s.check(got == data or isinstance(got, Refused), "CommittedBytesIntact", "wrong bytes")
+        s.sleep_ms(g.term_ms + 2 * s.skew_ms + 5)
+        got = s.read(g)
+        s.check(isinstance(got, Refused), "holder_deadline", "a skewed holder read after its deadline")
+    finally:
+        s.fault("skew_clock", h, 0)
+
+
+def _not_applicable(why: str) -> Exception:
+    from .contract import NotSupported
+
+    return NotSupported(why)
+
+
+# -- load ------------------------------------------------------------------------------------------
+
+
+def mixed_load(s: Session) -> None:
+    errors: list[BaseException] = []
+    seeds = [s.rng.randrange(1 << 30) for _ in range(CONCURRENT_THREADS)]
+    stop_at = time.monotonic() + LOAD_DURATION_TERMS * s.term_s
+    # A small shared pool of prefixes so that threads contend on keys.
+    pool = [chain(s, 3) for _ in range(4)]
+
+    def worker(i: int) -> None:
+        rng = random.Random(seeds[i])
+        try:
+            while time.monotonic() < stop_at and not s.stopped.is_set():
+                keys = rng.choice(pool)
+                node = rng.choice(s.nodes)
+                op = rng.random()
+                if op < 0.3:
+                    depth = s.lookup(node, s.ns, keys)
+                    if depth < len(keys):
+                        g = s.begin_write(node, s.ns, keys[depth], keys[depth - 1] if depth else None)
+                        if isinstance(g, WriteGrant) and isinstance(s.write_bytes(g, s.payload()), Stored):
+                            s.commit(g)
+                elif op < 0.8:
+                    key = rng.choice(keys)
+                    g = s.acquire(node, s.ns, key)
+                    if isinstance(g, ReadGrant):
+                        s.read(g)
+                        if rng.random() < 0.3:
+                            # Counted for the audit only: a concurrent invalidation may have
+                            # revoked this lease, so an eviction here may be legitimate.
+                            s.evict(g.location if g.location in s.nodes else node, s.ns, key, leased=True)
+                        s.release(g)
+                elif op < 0.9:
+                    key = rng.choice(keys)
+                    t = s.invalidate(node, s.ns, "key", key)
+                    s.wait_invalidation(t, INVALIDATION_SLACK * s.term_s + 1, voids=keys[keys.index(key):])
+                else:
+                    key = keys[-1] if rng.random() < 0.5 else rng.choice(keys)
+                    s.evict(node, s.ns, key)
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread
+            errors.append(e)
+
+    run_threads(worker, CONCURRENT_THREADS)
+    if errors:
+        raise errors[0]
+
+
+def audit(s: Session) -> None:  # pragma: no cover - audits are evaluated by the runner
+    raise AssertionError("audits run no workload")
+
+
+BODIES: dict[str, Callable[[Session], None]] = {
+    name: fn for name, fn in globals().items() if callable(fn) and getattr(fn, "__module__", None) == __name__
+    and not name.startswith("_") and name not in ("chain", "put", "put_chain", "wait_done", "reader", "run_threads")
+}  # fmt: skip
