@@ -32,7 +32,8 @@ from kvcc.reference.directory import (
     StoreFailed,
 )
 from kvcc.reference.directory.etcd_store import read_records, watch_records
-from kvcc.reference.etcd_client import EtcdKV
+from kvcc.bench.directory_store import bench_store
+from kvcc.reference.etcd_client import EtcdIndeterminate
 from kvcc.spec.keys import BlockKey, Namespace, chain_keys
 from kvcc.spec.rules import ABSENT, COMMITTED, INVALIDATING, WRITING
 from test_directory_core import _NS_A, A0, A1, A1X, A2, B0, CFG, NS_A, Directory, authorize, of
@@ -250,6 +251,14 @@ def test_kill_9_while_committing_loses_nothing_reported(directory_store_factory)
     assert max(leases) < loaded.next_lease_id, "a lease id at or above the durable mark"
 
 
+def test_bench_store_commits_what_it_times(directory_store_factory):
+    store = directory_store_factory.open()
+    store.load()
+    assert bench_store(store, 20) > 0
+    loaded = directory_store_factory.open().load()
+    assert [r.phase for r in loaded.records].count(COMMITTED) == 10  # 10 writes, 2 commits each
+
+
 # ------------------------------------------------------------------------------------------ etcd only
 
 
@@ -296,6 +305,42 @@ def test_a_second_store_deposes_the_first(etcd_factory):
         third.commit([ReserveLeaseIds(10**6)])
     standby = f.open(take_over=False)
     assert standby.load().records == loaded.records
+
+
+@pytestmark_etcd
+@pytest.mark.parametrize("applied", [True, False], ids=["lost-answer", "lost-request"])
+def test_a_commit_whose_outcome_is_unknown_applies_exactly_once(etcd_factory, monkeypatch, applied):
+    f = etcd_factory
+    store = f.open()
+    store.load()
+    _, start = store.read_records()  # (the session cluster's older revisions may be compacted)
+    d = attach(store)
+    d.write(A0)
+    real, calls = store._kv.txn, []
+
+    def flaky(compare, success, failure):
+        calls.append(len(success))
+        if len(calls) == 1:  # the first commit attempt: its answer (or the request itself) is lost
+            if applied:
+                real(compare, success, failure)
+            raise EtcdIndeterminate("simulated lost answer", "test")
+        return real(compare, success, failure)
+
+    monkeypatch.setattr(store._kv, "txn", flaky)
+    d.write(A1)  # BeginWrite's commit: sent twice, applied once
+    assert store.unknown_outcomes == 1 and len(calls) >= 3
+    monkeypatch.undo()
+    d.write(A2)  # later commits still fenced on the right revision
+    with f.kv() as kv:
+        history = []
+        w = watch_records(kv, f.spec["prefix"], start_revision=start + 1)
+        try:
+            while (c := w.get(1.0)) is not None:
+                history.append((c.key, c.record.phase))
+        finally:
+            w.cancel()
+    assert history == [(k, p) for k in (A0, A1, A2) for p in (WRITING, COMMITTED)]  # each change once
+    assert_same_log(f.open().load(), d.core)
 
 
 @pytestmark_etcd
@@ -504,5 +549,6 @@ def test_three_members_kill_one_mid_stream(etcd3):
         ]  # fmt: skip
         loaded = f.open().load()
         assert {r.key: r for r in loaded.records} == d.core.records
+        print(f"member killed mid-stream: {store.unknown_outcomes} commits sent again after a lost answer")
     finally:
         f.close_all()

@@ -375,6 +375,7 @@ class EtcdDirectoryStore:
         self._lease_bucket_ms = lease_bucket_ms
         self._commit_retry_s = commit_retry_s
         self._failure: Exception | None = None  # once set, every call raises it (Deposed / StoreFailed)
+        self.unknown_outcomes = 0  # transactions whose answer was lost and that were sent again
         self._closed = False
         self._mirror_until = 0.0  # time.monotonic() until which the newest bucket lease surely lives
         self._owner_value = b""
@@ -574,6 +575,7 @@ class EtcdDirectoryStore:
                 r = self._kv.txn(compare, success, failure)
             except EtcdIndeterminate as e:
                 unknown += 1
+                self.unknown_outcomes += 1
                 if time.monotonic() > deadline:
                     self._failure = StoreFailed(f"{self.prefix}: outcome unknown after {unknown} attempts: {e}")
                     raise self._failure from e
