@@ -257,7 +257,7 @@ def ticket_from_row(row: Mapping[str, Any], where: str = "ticket") -> Ticket:
         raise StoreCorrupt(f"{where}: not a ticket row", where=where)
     ok = (
         _int(row["ticket"], FIRST_TICKET)
-        and all(_int(row[n], -ROW_INT_LIMIT) for n in ("started_at_ms",))
+        and _int(row["started_at_ms"], -ROW_INT_LIMIT)
         and (row["completed_at_ms"] is None or _int(row["completed_at_ms"], -ROW_INT_LIMIT))
         and all(_int(row[n]) for n in ("acked", "expired", "restarts"))
     )

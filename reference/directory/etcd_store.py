@@ -118,7 +118,7 @@ from ..etcd_client import (
     Watch,
     WatchEvent,
 )
-from .core import FIRST_LEASE_ID, FIRST_TICKET, Effect, ForgetTicket, Persist, PersistTicket, Record
+from .core import FIRST_LEASE_ID, FIRST_TICKET, Effect, ForgetTicket, Persist, PersistTicket, Record, Ticket
 from .durable import (
     Deposed,
     DurableEffect,
@@ -421,10 +421,14 @@ class EtcdDirectoryStore:
         kvs, _ = self._kv.range_prefix(self._keys.root)
         state = {item.key: item for item in kvs}
         k = self._keys
-        records, tickets, markers, orphans = [], [], [], False
+        records: list[Record] = []
+        tickets: list[Ticket] = []
+        markers: list[KeyValue] = []
+        orphans = False
         for key, item in state.items():
             if key.startswith(k.rec):
                 _, rec = _record_at(k, key, item.value)
+                assert rec is not None  # a range returns values
                 records.append(rec)
             elif key.startswith(k.ticket):
                 where = key.decode("utf-8", "replace")
@@ -646,7 +650,7 @@ class EtcdDirectoryStore:
     def _commit_record(self, journal: int, jid: str) -> bytes:
         return _enc({"incarnation": self._incarnation, "seq": self._seq, "journal": journal, "jid": jid})
 
-    def _groups(self, items: list[tuple[bytes, bytes | None]], reserve_ops: int) -> Iterator[list]:
+    def _groups(self, items: Sequence[tuple[bytes, bytes | None]], reserve_ops: int) -> Iterator[list]:
         """``items`` cut into runs that fit one transaction beside ``reserve_ops`` more operations."""
         run: list = []
         size = 0
