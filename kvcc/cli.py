@@ -558,6 +558,10 @@ def build_parser() -> argparse.ArgumentParser:
     from kvcc.cli_runtime import add_parsers as add_runtime_parsers
 
     add_runtime_parsers(sub)
+
+    from kvcc.conformance.command import add_parsers as add_conformance_parsers
+
+    add_conformance_parsers(sub)  # kvcc conform, kvcc certify verify
     return parser
 
 
