@@ -70,6 +70,7 @@ from kvcc.conformance.contract import (
 )
 from kvcc.reference import wire
 from kvcc.reference.directory.core import (
+    WRITING,
     CompleteTicket,
     DirectoryConfig,
     DirectoryCore,
@@ -88,6 +89,7 @@ DIRECTORY_LOG = "directory"
 TIMER_MAX_SLEEP_S = 0.05  # the timer thread re-reads the core's next deadline at least this often
 STORE_LEASE_MS = 1000  # the store's own object lease; irrelevant here (frees are forced)
 WAIT_POLL_S = 0.05
+CLOCK_GRAIN_MS = 1  # the directory clock's resolution
 
 VALUE_MAGIC = b"KVCC"
 _HEADER = struct.Struct(">4s32sQQQ32s")  # magic, key, gen, epoch, data length, sha256(data)
@@ -130,6 +132,9 @@ class _Held:
 class _Writing:
     grant: WriteGrant
     stored: bool = False
+    fenced: bool = False
+    started: bool = False  # start_writing logged: the bytes count as sent
+    zombie: bool = False  # given up by the client; its bytes may still land (or be fenced)
 
 
 class MooncakeKvccAdapter(MooncakeDeployment):
@@ -145,6 +150,7 @@ class MooncakeKvccAdapter(MooncakeDeployment):
         self._t0_ns = 0
         self._held: dict[tuple[str, BlockKey], _Held] = {}
         self._writing: dict[int, _Writing] = {}
+        self._write_in_progress: set[tuple[str, BlockKey]] = set()  # (writer, key): one at a time
         self._fence: dict[tuple[str, BlockKey], int] = {}  # (location, key) -> highest epoch landed
         self._objects: dict[tuple[str, BlockKey], set[tuple[int, int]]] = {}  # (loc, key) -> {(gen, epoch)}
         self._skew_ns: dict[str, int] = {}
@@ -178,7 +184,9 @@ class MooncakeKvccAdapter(MooncakeDeployment):
     def start(self, ctx) -> None:
         allowed = frozenset(ns.digest() for ns in ctx.namespaces)
         self._core = DirectoryCore(
-            DirectoryConfig(lease_term_ms=ctx.lease_term_ms, skew_ms=ctx.skew_ms),
+            # One millisecond more than epsilon: the core's clock is whole milliseconds (rounded
+            # down), so a lease it grants would otherwise end up to 1 ms before grant + term + eps.
+            DirectoryConfig(lease_term_ms=ctx.lease_term_ms, skew_ms=ctx.skew_ms + CLOCK_GRAIN_MS),
             lambda tenant, digest: tenant == TENANT and bytes(digest) in allowed,
             place_write=lambda node, key: LocationId(node),
         )
@@ -312,14 +320,24 @@ class MooncakeKvccAdapter(MooncakeDeployment):
     def begin_write(self, node: str, ns: Namespace, key: BlockKey, parent: BlockKey | None) -> WriteGrant | Refused:
         self._node_up(node)
         with self._lock:
+            if (node, key) in self._write_in_progress and not self._abandon_dead_write(node, key):
+                # A client has one write of a key in progress at a time (as the spec's writer):
+                # a second request of the same node is answered by the client itself.
+                return Refused("not_absent", "this node's client already has a write of the key in progress")
+            self._write_in_progress.add((node, key))
             sent = time.monotonic_ns()
             request = self.next_id()
             self.logs.emit(node, "begin_write", key=key, writer=node)
             try:
                 reply, effects = self._handle(wire.BeginWrite(NodeId(node), key, ns.digest(), parent, request))
             except PeerViolation as e:
+                self._write_in_progress.discard((node, key))
+                self.logs.emit(node, "abort", key=key, writer=node)
                 return Refused("key_identity", str(e))
             if isinstance(reply, wire.LeaseRefused):
+                # The writer gives up the write it asked for (spec: abort from "requested").
+                self._write_in_progress.discard((node, key))
+                self.logs.emit(node, "abort", key=key, writer=node)
                 out: WriteGrant | Refused = Refused(reply.reason)
             else:
                 assert isinstance(reply, wire.WriteLeaseGranted)
@@ -331,6 +349,26 @@ class MooncakeKvccAdapter(MooncakeDeployment):
         self._carry_out(effects)
         return out
 
+    def _abandon_dead_write(self, node: str, key: BlockKey) -> bool:
+        """(Lock held.) The node's write of ``key`` in progress is dead at the directory (voided by
+        an invalidation, or its write lease expired): the client gives it up, its bytes counted as
+        sent (``start_writing``) so that, when they come, the location judges them by their epoch
+        -- a zombie write. False if that write is still alive."""
+        rec = self.core.records.get(key)
+        mine = [(lease, w) for lease, w in self._writing.items() if w.grant.node == node and w.grant.key == key]
+        for lease, w in mine:
+            if rec is not None and rec.phase == WRITING and rec.write_lease == lease:
+                return False
+        for lease, w in mine:
+            g = w.grant
+            if not w.started:
+                self.logs.emit(node, "start_writing", key=key, gen=g.gen, epoch=g.epoch, lease=lease, writer=node, location=g.location)
+            if not w.stored and not w.fenced:
+                self.logs.emit(node, "abort", key=key, gen=g.gen, epoch=g.epoch, lease=lease, writer=node)
+            self._writing[lease] = attrs.evolve(w, started=True, zombie=True)
+        self._write_in_progress.discard((node, key))
+        return True
+
     def write_bytes(self, grant: WriteGrant, data: bytes) -> Stored | Refused:
         self._node_up(grant.node)
         loc = grant.location
@@ -338,11 +376,16 @@ class MooncakeKvccAdapter(MooncakeDeployment):
             w = self._writing.get(grant.lease)
             if w is None or w.grant != grant:
                 return Refused(REASON_UNKNOWN_LEASE, "no such write in this client")
-            self.logs.emit(grant.node, "start_writing", key=grant.key, gen=grant.gen, epoch=grant.epoch, lease=grant.lease, writer=grant.node, location=loc)
+            if not w.started:
+                self.logs.emit(grant.node, "start_writing", key=grant.key, gen=grant.gen, epoch=grant.epoch, lease=grant.lease, writer=grant.node, location=loc)
+                w = self._writing[grant.lease] = attrs.evolve(w, started=True)
             if loc in self._down:
                 return Refused(REASON_MISS, f"location {loc} is down")
             if grant.epoch < self._fence.get((loc, grant.key), 0):
-                self.logs.emit(loc, "fence_stale_write", key=grant.key, gen=grant.gen, epoch=grant.epoch, writer=grant.node, location=loc)
+                self.logs.emit(loc, "fence_stale_write", key=grant.key, gen=grant.gen, epoch=grant.epoch, lease=grant.lease, writer=grant.node, location=loc)
+                self._writing[grant.lease] = attrs.evolve(w, fenced=True)
+                if not w.zombie:
+                    self._write_in_progress.discard((grant.node, grant.key))
                 return Refused("fenced", f"location {loc} has seen epoch {self._fence[(loc, grant.key)]}")
         value = encode_value(grant.key, grant.gen, grant.epoch, bytes(data))
         segment = self.segment(loc) if loc in self.nodes() else ""
@@ -352,7 +395,12 @@ class MooncakeKvccAdapter(MooncakeDeployment):
         with self._lock:
             if grant.epoch < self._fence.get((loc, grant.key), 0):
                 # A higher epoch landed while ours was in flight: ours is fenced after all.
-                self.logs.emit(loc, "fence_stale_write", key=grant.key, gen=grant.gen, epoch=grant.epoch, writer=grant.node, location=loc)
+                self.logs.emit(loc, "fence_stale_write", key=grant.key, gen=grant.gen, epoch=grant.epoch, lease=grant.lease, writer=grant.node, location=loc)
+                w = self._writing.get(grant.lease)
+                if w is not None:
+                    self._writing[grant.lease] = attrs.evolve(w, fenced=True)
+                if not w.zombie:
+                    self._write_in_progress.discard((grant.node, grant.key))
                 return Refused("fenced", "a higher epoch landed first")
             self._fence[(loc, grant.key)] = grant.epoch
             self._objects.setdefault((loc, grant.key), set()).add((grant.gen, grant.epoch))
@@ -360,6 +408,8 @@ class MooncakeKvccAdapter(MooncakeDeployment):
             w = self._writing.get(grant.lease)
             if w is not None:
                 self._writing[grant.lease] = attrs.evolve(w, stored=True)
+                if not w.zombie:
+                    self._write_in_progress.discard((grant.node, grant.key))
         return Stored()
 
     def commit(self, grant: WriteGrant) -> Committed | Refused:
@@ -385,7 +435,11 @@ class MooncakeKvccAdapter(MooncakeDeployment):
             w = self._writing.pop(grant.lease, None)
             if w is None:
                 return
-            self.logs.emit(grant.node, "abort", key=grant.key, gen=grant.gen, epoch=grant.epoch, lease=grant.lease, writer=grant.node)
+            if not w.zombie:
+                self._write_in_progress.discard((grant.node, grant.key))
+            if not w.stored and not w.fenced and not w.zombie:
+                # Once its bytes landed (or were fenced) the writer has nothing left to give up.
+                self.logs.emit(grant.node, "abort", key=grant.key, gen=grant.gen, epoch=grant.epoch, lease=grant.lease, writer=grant.node)
         # The write lease expires on its own (the directory has no abort message); the bytes,
         # under a name no reader will ever ask for, are removed now.
         if w.stored and grant.node not in self._down:
@@ -562,12 +616,10 @@ class MooncakeKvccAdapter(MooncakeDeployment):
         self._carry_out(effects)
         if isinstance(reply, wire.EvictRefused):
             return Refused(reply.reason)
+        # The directory's evict step empties the slot (no Free message in the spec): the node
+        # drops the bytes now.
         for gen, ep in victims:
             self._remove_object(node, key, gen, ep)
-        with self._lock:
-            if victims:
-                gen, ep = victims[-1]
-                self.logs.emit(node, "free_slot", key=key, gen=gen, epoch=ep, location=node)
         return Evicted()
 
     # ------------------------------------------------------------------ faults
@@ -580,6 +632,7 @@ class MooncakeKvccAdapter(MooncakeDeployment):
                 del self._held[k]
             for lease in [lease for lease, w in self._writing.items() if w.grant.node == node]:
                 del self._writing[lease]
+            self._write_in_progress = {(n, k) for n, k in self._write_in_progress if n != node}
             self.logs.emit(node, "crash")
 
     def _on_restarted(self, node: str) -> None:
