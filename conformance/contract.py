@@ -400,7 +400,9 @@ class Adapter(abc.ABC):
     @abc.abstractmethod
     def abort(self, grant: WriteGrant) -> None:
         """Give up a write lease: the key returns to ABSENT, at once or when the write lease
-        expires. Idempotent; never raises for an already expired or unknown grant."""
+        expires. Idempotent; never raises for an already expired or unknown grant. The suite
+        may still call ``write_bytes`` with an aborted grant: bytes that were in flight when
+        the writer gave up, which the location must judge by their epoch."""
 
     # -- data plane: reads -------------------------------------------------------------------
 

@@ -283,7 +283,7 @@ class CoreAdapter(Adapter):
         """One request to the directory, its effects applied in order, then the messages they
         caused delivered (after, so that the logs keep the causal order)."""
         reply, effects = self._core.handle(msg, self._now_ms(), TENANT)
-        self._apply(effects)
+        self._apply(_invalidate_first(effects))
         self._drain()
         return reply
 
@@ -589,7 +589,7 @@ class CoreAdapter(Adapter):
             n = self._nodes[node] = self._new_node(node, old.incarnation + 1)
             fences, effects = self._core.node_rejoined(node, [node], self._now_ms(), [node])
             n.tier.restore_fences({k.digest: e for k, e in fences.items()})
-            self._apply(effects)
+            self._apply(_invalidate_first(effects))
             self._drain()
 
     def pause(self, node: str) -> None:
@@ -635,6 +635,20 @@ class CoreAdapter(Adapter):
 
     def _restart_lease_id(self) -> int:
         return self._durable_lease_limit
+
+
+def _invalidate_first(effects: list[Any]) -> list[Any]:
+    """The core emits ``invalidate`` (and ``restart_node``) after the completions an invalidation
+    with no live lease causes in the same call; the spec's order is the cause first. Move it."""
+    starts = [i for i, e in enumerate(effects)
+              if isinstance(e, Emit) and e.event in ("invalidate", "invalidate_namespace", "restart_node")]  # fmt: skip
+    firsts = [i for i, e in enumerate(effects) if isinstance(e, Emit) and e.event == "complete_invalidation"]
+    if not starts or not firsts or firsts[0] > starts[0]:
+        return effects
+    out = list(effects)
+    start = out.pop(starts[0])
+    out.insert(firsts[0], start)
+    return out
 
 
 # -- known-bad adapters: each breaks one rule ------------------------------------------------------------
