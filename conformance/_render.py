@@ -251,6 +251,43 @@ class _Renderer:
             raise AssertionError(f"no rendering for spec action {label!r}")
 
 
+class ScriptError(ValueError):
+    """A scripted step that no successor of the current state matches."""
+
+
+def scripted_walk(m: Model, script: Sequence[tuple]) -> list[tuple[str, tuple, bytes, bytes]]:
+    """Follow ``script``: each entry ``(label, params)`` or ``(label, params, pick)`` takes the
+    successor with that label, those params (``None``: any) and, if given, ``pick(pre, post)``
+    true. ``("tick", n)`` takes ``n`` ticks."""
+    s = m.init_states()[0]
+    out = []
+    for entry in script:
+        label, params = entry[0], entry[1]
+        pick = entry[2] if len(entry) > 2 else None
+        repeat = params if label == "tick" else 1
+        for _ in range(repeat):
+            for lab, p, s2 in m.successors(s):
+                if lab == label and (label == "tick" or params is None or p == params) and (pick is None or pick(s, s2)):
+                    out.append((lab, p, s, s2))
+                    s = s2
+                    break
+            else:
+                raise ScriptError(f"step {len(out)}: no successor {label}{params} from this state")
+    return out
+
+
+def render(m: Model, walk: Sequence[tuple[str, tuple, bytes, bytes]], seed: int = 0, tick_ms: int = 100) -> RenderedWalk:
+    """Render a walk (``spec_walk`` or ``scripted_walk``) of ``m`` as the processes' logs."""
+    r = _Renderer(m, seed, tick_ms)
+    for label, p, s, s2 in walk:
+        r.render(label, p, s, s2)
+    cfg = m.cfg
+    return RenderedWalk(
+        config=cfg, steps=tuple((lab, p) for lab, p, _, _ in walk), events=tuple(r.events), locations=dict(r.hosts),
+        tick_ms=tick_ms, lease_term_ms=cfg.lease_term_ticks * tick_ms, skew_ms=cfg.skew_ticks * tick_ms,
+    )  # fmt: skip
+
+
 def events_from_spec_walk(
     cfg: ModelConfig | str, seed: int, steps: int = 60, *, tick_ms: int = 100, bugs: Sequence[str] = ()
 ) -> RenderedWalk:
@@ -260,11 +297,4 @@ def events_from_spec_walk(
     if isinstance(cfg, str):
         cfg = get_config(cfg)
     m = Model(cfg, bugs)
-    walk = spec_walk(m, seed, steps)
-    r = _Renderer(m, seed, tick_ms)
-    for label, p, s, s2 in walk:
-        r.render(label, p, s, s2)
-    return RenderedWalk(
-        config=cfg, steps=tuple((lab, p) for lab, p, _, _ in walk), events=tuple(r.events), locations=dict(r.hosts),
-        tick_ms=tick_ms, lease_term_ms=cfg.lease_term_ticks * tick_ms, skew_ms=cfg.skew_ticks * tick_ms,
-    )  # fmt: skip
+    return render(m, spec_walk(m, seed, steps), seed, tick_ms)

@@ -38,12 +38,24 @@ explores, in plain Python.
    true time in ticks since the first event, how far each log of the projection was consumed,
    and the lease binding. One level consumes one event: from each element, each *eligible* next
    event (the head of a log, no more than ``reorder_window_ms`` later in wall time than the
-   earliest head -- the caller's order is one such linearisation; ``reorder=False`` keeps to
-   it), after any silent environment steps, must be matched by a spec step with the event's
-   name and fields. Elements are deduplicated; more than ``max_frontier`` is INCONCLUSIVE.
+   earliest head -- the caller's order is one such linearisation), after any silent
+   environment steps, must be matched by a spec step with the event's name and fields.
+   ``reorder="lazy"`` (the default) leaves the caller's order only where an element is stuck on
+   the caller's next event (a receive logged before its send, clocks within epsilon);
+   ``"full"`` tries every eligible event from every element (complete within the window, and
+   exponential in the number of concurrent events); ``"none"`` keeps the caller's order. Lazy
+   reordering can miss an order in which the caller's next event was possible but wrong (say a
+   crash logged before a grant it truly followed); re-check such a rejection with ``"full"``.
+   Elements are deduplicated; more than ``max_frontier`` is INCONCLUSIVE.
 
 4. **Silent steps and time.** Between two events, the environment may let time pass (``tick``)
-   and step clocks (``clock_forward``, ``clock_back``), within the spec's own bounds. Messages are
+   and step clocks (``clock_forward``, ``clock_back``), within the spec's own bounds. Clock steps
+   multiply the frontier (each clock, stepped at each moment, leaves different timers), so they
+   are taken only at the ticks an event may happen at; and an
+   event's true time is already an interval of epsilon around its own clock's reading, which
+   absorbs any constant offset; so by default (``clock_steps="on_reject"``) a projection is first
+   replayed without them and, only if that rejects it, replayed again with them: leaving steps
+   out can only reject more, so the second pass decides. Messages are
    never dropped by the validator: a message that is never delivered explains everything a lost
    one does, as long as the network has room (``max_messages``; filling it is INCONCLUSIVE, not
    REJECTED). Duplication is allowed up to ``max_duplications`` per projection. A delivery the
@@ -145,7 +157,7 @@ from kvcc.spec.layout import (
 from kvcc.spec.model import Model
 from kvcc.spec.properties import INVARIANTS, TRANSITION_PROPERTIES
 
-from ._render import RenderedWalk, events_from_spec_walk, spec_walk  # noqa: F401 (re-exported)
+from ._render import RenderedWalk, ScriptError, events_from_spec_walk, render, scripted_walk, spec_walk  # noqa: F401 (re-exported)
 
 ACCEPTED, REJECTED, INCONCLUSIVE = "ACCEPTED", "REJECTED", "INCONCLUSIVE"
 REJECT_CODES = (
@@ -295,15 +307,17 @@ class TraceParams:
     lease_term_ms: int = field(validator=_positive_ms)
     skew_ms: int
     tick_ms: int | None = None
-    max_frontier: int = 4096
+    max_frontier: int = 20_000
     max_env_steps: int = 8  # clock steps and duplications between two events of one projection
     max_duplications: int = 0
     max_messages: int = 32
     locations: Mapping[str, str | None] | None = None
-    reorder: bool = True
+    reorder: str | bool = "lazy"  # "lazy", "full" or "none" (True: "lazy", False: "none")
     reorder_window_ms: int | None = None
     check_invariants: bool = True
     diff_states: int = 3
+    drift_ppm: int = 200  # how far a monotonic clock's rate may be off true time
+    clock_steps: str = "on_reject"  # "never", "on_reject" (re-check a rejection with them), "always"
 
     def __attrs_post_init__(self) -> None:
         if type(self.skew_ms) is not int or not 0 <= self.skew_ms < self.lease_term_ms:
@@ -313,6 +327,10 @@ class TraceParams:
             raise ValueError(f"tick_ms {tick} must divide lease_term_ms and skew_ms")
         if (self.lease_term_ms + 2 * self.skew_ms) // tick > MAX_TERM_TICKS:
             raise ValueError(f"lease term + 2 epsilon is over {MAX_TERM_TICKS} ticks of {tick} ms: pass a larger tick_ms")
+        if self.reorder_mode not in ("lazy", "full", "none"):
+            raise ValueError("reorder is 'lazy', 'full' or 'none'")
+        if self.clock_steps not in ("never", "on_reject", "always"):
+            raise ValueError("clock_steps is 'never', 'on_reject' or 'always'")
         for name in ("max_frontier", "max_messages"):
             if type(getattr(self, name)) is not int or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an int >= 1")
@@ -324,6 +342,14 @@ class TraceParams:
                 raise ValueError("tick_ms must be an int >= 1")
             return self.tick_ms
         return math.gcd(self.lease_term_ms, self.skew_ms) if self.skew_ms else self.lease_term_ms
+
+    @property
+    def reorder_mode(self) -> str:
+        if self.reorder is True:
+            return "lazy"
+        if self.reorder is False:
+            return "none"
+        return self.reorder
 
     @property
     def window_ms(self) -> int:
@@ -579,13 +605,17 @@ class _PEvent:
     lo: int  # tick interval of the event's true time
     hi: int
     wall: int
+    local: int
 
 
 class _Replay:
     """The frontier search over one key's projection."""
 
-    def __init__(self, key: str, pevents: list[_PEvent], roles: _Roles, params: TraceParams, counts: dict) -> None:
+    def __init__(
+        self, key: str, pevents: list[_PEvent], roles: _Roles, params: TraceParams, counts: dict, clock_steps: bool
+    ) -> None:
         self.key, self.roles, self.params = key, roles, params
+        self.clock_steps = clock_steps
         tick = params.effective_tick_ms
         nodes = len(roles.nodes)
         for name, value in counts.items():
@@ -629,10 +659,14 @@ class _Replay:
         fixed = s[: L.fixed]
         net = [s[i : i + MESSAGE_WIDTH] for i in range(L.fixed, len(s), MESSAGE_WIDTH)]
         self.model._time(s, fixed, net, out)
+        if not self.clock_steps:
+            out = [st for st in out if st[0] == "tick"]
         return out
 
     def _env_closure(self, states: set[bytes]) -> set[bytes]:
         """Clock steps (and duplications, within budget) from ``states``, time standing still."""
+        if not self.clock_steps and not self.params.max_duplications:
+            return states
         seen = set(states)
         todo = list(states)
         rounds = 0
@@ -652,12 +686,14 @@ class _Replay:
 
     def _closure(self, s: bytes, T: int, lo: int, hi: int) -> list[tuple[bytes, int]]:
         """Every (state, tick) the environment can reach from ``(s, T)`` with the tick in ``[lo, hi]``."""
+        # Clock steps are taken only at the moments events may happen (ticks in ``[lo, hi]``),
+        # not at every tick of the gap: fewer behaviours, each one the spec's.
         out: list[tuple[bytes, int]] = []
-        layer = self._env_closure({s})
+        layer = {s}
         t = T
         while True:
             if t >= lo:
-                out.extend((x, t) for x in layer)
+                out.extend((x, t) for x in self._env_closure(layer))
             if t >= hi:
                 break
             nxt: set[bytes] = set()
@@ -667,7 +703,6 @@ class _Replay:
                         nxt.add(x2)
             if not nxt:
                 break  # a directory timer is due: time cannot pass until its step is taken
-            nxt = self._env_closure(nxt)
             self.states_explored += len(nxt)
             if nxt == layer and t + 1 < lo:
                 t = lo  # nothing runs any more: jump to the interval
@@ -874,11 +909,25 @@ class _Replay:
 
     # -- the search ----------------------------------------------------------------------------
 
+    def _window(self, pe: _PEvent, j: int, pos: tuple[int, ...], last: tuple[int, ...]) -> tuple[int, int]:
+        """The ticks ``pe`` may happen at: its wall-clock interval, narrowed by its own process's
+        monotonic clock since that log's previous event (true time passes at the clock's rate,
+        up to ``drift_ppm``): ``Δlocal`` crosses ``floor`` or ``ceil(Δlocal / tick)`` ticks."""
+        lo, hi = pe.lo, pe.hi
+        if pos[j] > 0:
+            prev = self.logs[j][pos[j] - 1]
+            d = pe.local - prev.local
+            slack = d * self.params.drift_ppm // 1_000_000
+            tick_ns = self.params.effective_tick_ms * 1_000_000
+            lo = max(lo, last[j] + (d - slack) // tick_ns)
+            hi = min(hi, last[j] - (-(d + slack) // tick_ns))
+        return lo, hi
+
     def _eligible(self, pos: tuple[int, ...]) -> list[int]:
         heads = [(self.logs[j][pos[j]], j) for j in range(len(self.logs)) if pos[j] < len(self.logs[j])]
         if not heads:
             return []
-        if not self.params.reorder:
+        if self.params.reorder_mode == "none":
             return [min(heads, key=lambda h: h[0].index)[1]]
         earliest = min(h[0].wall for h in heads)
         window = self.params.window_ms * 1_000_000
@@ -888,18 +937,25 @@ class _Replay:
 
     def run(self) -> None:
         init = self.model.init_states()[0]
-        frontier: dict[tuple, None] = {(init, 0, (0,) * len(self.logs), ()): None}
+        # (state, tick, events consumed per log, lease binding, tick of each log's last event)
+        frontier: dict[tuple, None] = {(init, 0, (0,) * len(self.logs), (), (-1,) * len(self.logs)): None}
         for _level in range(self.total):
             nxt: dict[tuple, None] = {}
             broke: str | None = None
             full = False
-            for s, T, pos, binding in frontier:
-                for j in self._eligible(pos):
+            lazy = self.params.reorder_mode == "lazy"
+            for s, T, pos, binding, last in frontier:
+                before = len(nxt)
+                for n_choice, j in enumerate(self._eligible(pos)):
+                    if lazy and n_choice > 0 and len(nxt) > before:
+                        break  # the caller's next event could be taken: keep the caller's order
                     pe = self.logs[j][pos[j]]
-                    if pe.hi < T:
+                    lo, hi = self._window(pe, j, pos, last)
+                    if hi < max(lo, T):
                         continue
                     pos2 = pos[:j] + (pos[j] + 1,) + pos[j + 1 :]
-                    for x, t in self._closure(s, T, max(pe.lo, T), pe.hi):
+                    for x, t in self._closure(s, T, max(lo, T), hi):
+                        last2 = last[:j] + (t,) + last[j + 1 :]
                         for post, b2, lab, p, pre in self._match(pe, x, binding):
                             if len(post) >= self.L.fixed + MESSAGE_WIDTH * self.cfg.max_messages:
                                 full = True
@@ -908,7 +964,7 @@ class _Replay:
                                 if bad is not None:
                                     broke = bad
                                     continue
-                            nxt[(post, t, pos2, b2)] = None
+                            nxt[(post, t, pos2, b2, last2)] = None
                     if len(nxt) > self.params.max_frontier:
                         raise _inconclusive(pe.index, pe.ev, "frontier_limit", f"key {self.key[:16]}…: more than {self.params.max_frontier} possible states at event {pe.index}")
             if not nxt:
@@ -919,7 +975,7 @@ class _Replay:
     def _fail(self, frontier: dict, broke: str | None, full: bool) -> None:
         # The event to blame: the earliest (caller's order) that some element could have taken.
         best: _PEvent | None = None
-        for _, _, pos, _ in frontier:
+        for _, _, pos, _, _ in frontier:
             for j in self._eligible(pos):
                 pe = self.logs[j][pos[j]]
                 if best is None or pe.index < best.index:
@@ -950,7 +1006,7 @@ class _Replay:
             return any(f"l{loc}," in name for loc in locs)
 
         closest = []
-        for s, T, pos, binding in list(frontier)[: self.params.diff_states]:
+        for s, T, pos, binding, _ in list(frontier)[: self.params.diff_states]:
             reach = self._closure(s, T, max(pe.lo, T), pe.hi) or [(s, T)]
             x, t = reach[-1]
             vars_ = {k: v for k, v in L.variables(x).items() if relevant(k)}
@@ -1021,12 +1077,12 @@ def _validate(events: Sequence[dict], params: TraceParams) -> Verdict:
             extra = {"_cascade": True} if name == "restart_node" else {}
             for k in keys:
                 e = dict(ev, **extra) if (extra and k in cascade) else ev
-                per_key[k].append(_PEvent(i, e, "global", lo, hi, ev["t_wall_ns"]))
+                per_key[k].append(_PEvent(i, e, "global", lo, hi, ev["t_wall_ns"], ev["t_local_ns"]))
                 counts[k]["crashes" if name != "restart_directory" else "restarts"] += 1
             continue
         own = ev.get("key") if name != "invalidate_namespace" else None
         if own is not None:
-            per_key[own].append(_PEvent(i, ev, "own", lo, hi, ev["t_wall_ns"]))
+            per_key[own].append(_PEvent(i, ev, "own", lo, hi, ev["t_wall_ns"], ev["t_local_ns"]))
             c = counts[own]
             if name in ("grant_write_lease", "start_transfer"):
                 c["epochs"] += 1
@@ -1039,22 +1095,26 @@ def _validate(events: Sequence[dict], params: TraceParams) -> Verdict:
                 c["transfers"] += 1
         for k in cascade:
             if k != own and k in per_key:
-                per_key[k].append(_PEvent(i, ev, "cascade", lo, hi, ev["t_wall_ns"]))
+                per_key[k].append(_PEvent(i, ev, "cascade", lo, hi, ev["t_wall_ns"], ev["t_local_ns"]))
     explored, fmax = 0, 1
     verdicts: list[Verdict] = []
+    passes = {"never": (False,), "on_reject": (False, True), "always": (True,)}[params.clock_steps]
     for k in keys:
-        replay = None
-        try:
-            replay = _Replay(k, per_key[k], roles, params, counts[k])
-            replay.run()
-        except _Stop as stop:
-            v = stop.verdict
+        for clock_steps in passes:
+            replay = None
+            try:
+                replay = _Replay(k, per_key[k], roles, params, counts[k], clock_steps)
+                replay.run()
+                verdict = None
+            except _Stop as stop:
+                verdict = stop.verdict
             if replay is not None:
-                v = _with_stats(v, replay.frontier_max, replay.states_explored)
-            verdicts.append(v)
-        if replay is not None:
-            explored += replay.states_explored
-            fmax = max(fmax, replay.frontier_max)
+                explored += replay.states_explored
+                fmax = max(fmax, replay.frontier_max)
+            if verdict is None or verdict.status != REJECTED or verdict.code not in ("no_spec_step", "invariant"):
+                break  # accepted, inconclusive, or rejected for a reason clocks cannot change
+        if verdict is not None:
+            verdicts.append(verdict)
     rejected = [v for v in verdicts if v.status == REJECTED]
     if rejected:
         first = min(rejected, key=lambda v: -1 if v.event_index is None else v.event_index)
@@ -1097,11 +1157,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--lease-term-ms", type=int, required=True)
     ap.add_argument("--skew-ms", type=int, required=True)
     ap.add_argument("--tick-ms", type=int, default=None)
-    ap.add_argument("--max-frontier", type=int, default=4096)
-    ap.add_argument("--no-reorder", action="store_true")
+    ap.add_argument("--max-frontier", type=int, default=20_000)
+    ap.add_argument("--reorder", choices=("lazy", "full", "none"), default="lazy")
     args = ap.parse_args(argv)
     params = TraceParams(
-        args.lease_term_ms, args.skew_ms, tick_ms=args.tick_ms, max_frontier=args.max_frontier, reorder=not args.no_reorder
+        args.lease_term_ms, args.skew_ms, tick_ms=args.tick_ms, max_frontier=args.max_frontier, reorder=args.reorder
     )
     verdict = validate_file(args.trace, params)
     json.dump(verdict.to_json(), sys.stdout, indent=2, default=str)
