@@ -14,7 +14,11 @@ out is dropped with a reason (``Client.stats["stale_replies"]``): late answers a
 weather, and the protocol's request numbers already make them harmless.
 
 *Server.* ``handler(tenant, msg) -> reply`` is awaited for every request, with the connection's
-authenticated tenant. Limits, all named and units last: ``max_connections`` (beyond it a
+authenticated tenant. A server whose requests mostly complete without waiting (the directory)
+may also pass ``handler_now(tenant, msg) -> reply | DEFER``: it is called first, in the read
+loop, and a reply it returns is sent at once -- no task, no timer -- while ``DEFER`` hands the
+request to ``handler`` as above (for a request that must wait: a ``WaitTicket``). It must never
+block; it sees ``current_connection`` and raises as ``handler`` does, with the same outcome. Limits, all named and units last: ``max_connections`` (beyond it a
 connection gets a final ``Error("busy")``), ``request_timeout_ms`` (a handler still running then
 is cancelled and the request answered with ``Error("timeout")``; handlers must therefore be
 cancellation-safe), ``idle_timeout_ms`` (a connection with nothing received and nothing in flight
@@ -90,6 +94,17 @@ assert MAX_WAIT_TICKET_MS < SERVER_REQUEST_TIMEOUT_MS_DEFAULT < CLIENT_REQUEST_T
 assert CONNECT_TIMEOUT_MS_DEFAULT < CLIENT_REQUEST_TIMEOUT_MS_DEFAULT
 
 Handler = Callable[[str, Any], Awaitable[Any]]
+ImmediateHandler = Callable[[str, Any], Any]
+
+
+class _Defer:
+    """``handler_now``'s answer for "not now: await ``handler`` for this one"."""
+
+    def __repr__(self) -> str:
+        return "DEFER"
+
+
+DEFER: Any = _Defer()
 
 
 async def _close_writer(writer: asyncio.StreamWriter) -> None:
@@ -169,7 +184,7 @@ class _ServerConnection:
                     log.info("peer violation from %s: %s", self.peer, violation)
                     self.fail(violation.code, violation.detail)
                     continue
-                pinged = False
+                answered = False  # replies written from this loop: drain once below
                 for r in received:
                     if r.final:
                         log.info("peer %s closed with %s: %s", self.peer, r.msg.code, r.msg.text)
@@ -177,8 +192,16 @@ class _ServerConnection:
                     server.stats["requests"] += 1
                     if server.answer_ping and type(r.msg) is Ping:
                         self.reply(Pong(r.msg.nonce), r.seq)
-                        pinged = True
+                        answered = True
                         continue
+                    if server.handler_now is not None:
+                        reply = self.handle_now(r)
+                        if self.closing:
+                            break  # the handler found a violation: nothing after it is processed
+                        if reply is not DEFER:
+                            self.reply(reply, r.seq)
+                            answered = True
+                            continue
                     await self.slots.acquire()  # back-pressure: stop reading while full
                     if self.closing:
                         self.slots.release()
@@ -186,7 +209,7 @@ class _ServerConnection:
                     task = asyncio.create_task(self.handle(r))
                     self.handlers.add(task)
                     task.add_done_callback(self.handlers.discard)
-                if pinged:
+                if answered:
                     await self.writer.drain()  # a peer that never reads cannot grow our buffer
         except (ConnectionError, OSError) as e:
             log.info("connection from %s lost: %s", self.peer, e)
@@ -227,6 +250,25 @@ class _ServerConnection:
             frame = self.session.send(Error(ERROR_INTERNAL, "the server built an invalid reply"), re=re)
         # send() and write() with no await between: frames leave in seq order.
         self.writer.write(frame)
+
+    def handle_now(self, r: Received) -> Any:
+        """``server.handler_now`` on one request: its reply, ``DEFER``, or (after a violation,
+        the connection failing) ``DEFER`` with ``closing`` set. Outcomes as in ``handle``."""
+        server = self.server
+        token = current_connection.set(self)
+        try:
+            return server.handler_now(self.session.tenant, r.msg)
+        except PeerViolation as violation:
+            server.stats["peer_violations"] += 1
+            log.info("handler found a peer violation from %s: %s", self.peer, violation)
+            self.fail(violation.code, violation.detail)
+            return DEFER
+        except Exception:
+            log.exception("handler failed on %s", kind_of(r.msg))
+            server.stats["handler_errors"] += 1
+            return Error(ERROR_INTERNAL, f"the server failed on {kind_of(r.msg)}")
+        finally:
+            current_connection.reset(token)
 
     async def handle(self, r: Received) -> None:
         server = self.server
@@ -282,10 +324,12 @@ class Server:
         max_frame_bytes: int = MAX_FRAME_BYTES,
         max_in_flight_per_connection: int = MAX_IN_FLIGHT_PER_CONNECTION_DEFAULT,
         answer_ping: bool = True,
+        handler_now: ImmediateHandler | None = None,
     ) -> None:
         assert max_connections > 0 and request_timeout_ms > 0 and idle_timeout_ms > 0
         assert 0 < max_frame_bytes <= MAX_FRAME_BYTES and max_in_flight_per_connection > 0
         self.handler = handler
+        self.handler_now = handler_now
         self.tenants = tenants if isinstance(tenants, Tenants) else Tenants(tenants)
         self.host = host
         self._port = port

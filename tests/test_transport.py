@@ -240,6 +240,50 @@ def test_handler_errors():
     run(main())
 
 
+def test_handler_now_answers_from_the_read_loop_and_defers_the_rest():
+    """``handler_now``: its replies go out with no task (the async handler never runs for them),
+    ``DEFER`` hands the request to the async handler, and errors end as the async handler's do."""
+    from kvcc.reference.transport import DEFER, current_connection
+
+    seen: list[str] = []
+
+    def now(tenant: str, msg):
+        seen.append(type(msg).__name__)
+        assert current_connection.get() is not None, "the connection is known, as in a handler"
+        if type(msg) is WaitTicket:
+            return DEFER
+        if type(msg) is Acquire:
+            return ReadLeaseGranted(node=msg.node, key=msg.key, lease=99, location="n1/gpu", gen=1, epoch=1,
+                                    term_ms=1000, request=msg.request)  # fmt: skip
+        return run_sync(directory_like(tenant, msg))
+
+    def run_sync(coro):
+        try:
+            coro.send(None)
+        except StopIteration as stop:
+            return stop.value
+        raise AssertionError("directory_like waited")
+
+    async def main():
+        async with Server(directory_like, TENANTS, handler_now=now) as server, \
+                Client("127.0.0.1", server.port, "alpha", TOKEN) as client:  # fmt: skip
+            reply = await client.request(_acquire(7))
+            assert type(reply) is ReadLeaseGranted and reply.lease == 99 and reply.request == 7
+            assert await client.request(WaitTicket(2, 100)) == InvalidationCompleted(2)  # deferred
+            assert (await client.request(_evict("crash"))).code == "internal"
+            assert (await client.request(_evict("bad_reply"))).code == "internal"
+            assert server.stats["handler_errors"] == 2 and client.stats["connects"] == 1
+            with pytest.raises(ConnectionFailed) as info:
+                await client.request(_evict("raise"))
+            assert info.value.code == "unauthorized"
+            assert server.stats["peer_violations"] == 1
+            assert await client.request(Ping(3)) == Pong(3)  # the transport's own, never handler_now
+            assert client.stats["connects"] == 2
+        assert seen == ["Acquire", "WaitTicket", "Evict", "Evict", "Evict"]
+
+    run(main())
+
+
 def test_connect_failures_are_typed():
     async def main():
         with socket.socket() as s:

@@ -7,7 +7,9 @@ docstring requires:
 
 1. Every request is one ``core.handle(msg, now_ms, tenant)`` call on the event loop's thread --
    the core is never entered twice at once, and nothing awaits between the call and carrying out
-   its effects, so effects leave in the order they were produced.
+   its effects, so effects leave in the order they were produced. Every request but
+   ``WaitTicket`` is answered straight from the transport's read loop (``handler_now``): no task
+   per request.
 2. Durable effects (``Persist``, ``PersistTicket``, ``ForgetTicket``, ``ReserveLeaseIds``) are
    committed to the store in one transaction *before* the reply or any directive leaves. A store
    that fails raises, the request is answered ``Error("internal")``, and this directory stops
@@ -50,7 +52,7 @@ from kvcc.spec.keys import BlockKey, LocationId, NodeId
 
 from ..errors import PeerViolation
 from ..events import EventLog
-from ..transport import Server, current_connection
+from ..transport import DEFER, Server, current_connection
 from ..wire import (
     MAX_CONTROL_FRAME_BYTES,
     MAX_LOOKUP_KEYS,
@@ -170,7 +172,8 @@ class DirectoryServer:
         self._members: dict[NodeId, _Member] = {}
         self.core = DirectoryCore(config, tenants.allows, rendezvous_placement(self._locations_by_node))
         kwargs = {} if request_timeout_ms is None else {"request_timeout_ms": request_timeout_ms}
-        self._server = Server(self._handle, tenants, host=host, port=port, max_frame_bytes=MAX_CONTROL_FRAME_BYTES, **kwargs)
+        self._server = Server(self._handle, tenants, host=host, port=port, max_frame_bytes=MAX_CONTROL_FRAME_BYTES,
+                              handler_now=self._handle_now, **kwargs)  # fmt: skip
         self._ticket_events: dict[int, asyncio.Event] = {}
         self._timer_task: asyncio.Task | None = None
         self._wake = asyncio.Event()
@@ -234,6 +237,18 @@ class DirectoryServer:
     # ------------------------------------------------------------------ requests
 
     async def _handle(self, tenant: str, msg: Any) -> Any:
+        if type(msg) is WaitTicket:
+            if self.fatal is not None:
+                raise RuntimeError(f"the directory stopped serving: its store failed ({self.fatal})")
+            self.stats["requests"] += 1
+            return await self._wait_ticket(tenant, msg)
+        return self._handle_now(tenant, msg)
+
+    def _handle_now(self, tenant: str, msg: Any) -> Any:
+        """Every request but ``WaitTicket`` completes without waiting: the transport calls this
+        in its read loop (``handler_now``), with no task per request."""
+        if type(msg) is WaitTicket:
+            return DEFER
         if self.fatal is not None:
             raise RuntimeError(f"the directory stopped serving: its store failed ({self.fatal})")
         self.stats["requests"] += 1
@@ -245,8 +260,6 @@ class DirectoryServer:
                 return NodeList(tuple(nodes), tuple(self._members[n].address for n in nodes))
             case Transfer():
                 return self._transfer(tenant, msg)
-            case WaitTicket():
-                return await self._wait_ticket(tenant, msg)
             case Free():
                 raise PeerViolation("Free is a directive, not a request", code="unexpected_message")
         reply, effects = self.core.handle(msg, self.now_ms(), tenant)
