@@ -733,7 +733,6 @@ class _Replay:
             # it acts on this key.
             assert name in ("invalidate", "invalidate_namespace"), name
             return [(self._void(s), binding, "invalidate", (0,), s)]
-        lease = ev.get("lease")
 
         def bound(b: tuple | None, real: Any, spec: int) -> tuple | None:
             if b is None:
