@@ -315,11 +315,12 @@ def _run_one(factory, caps, test, seed, workroot, lease_term_ms, skew_ms, nodes,
     if timed_out:
         if session_box:
             session_box[0].stopped.set()
-        state["status"] = ERROR
-        state["message"] = f"timed out after {limit:g} s"
     _call_with_timeout(adapter.stop, STOP_GRACE_S)
     if timed_out:
         worker.join(STOP_GRACE_S)
+        after = state.get("message", "")
+        state["status"] = ERROR
+        state["message"] = f"timed out after {limit:g} s" + (f"; after stop(): {after}" if after else "")
         if worker.is_alive():
             state["message"] += "; the workload did not return after stop()"
     session = session_box[0] if session_box else None

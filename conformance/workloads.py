@@ -356,11 +356,13 @@ def invalidate_with_holders(s: Session) -> None:
     for g in holders:
         got = s.read(g)  # the session FAILs the test if bytes come back
         s.check(isinstance(got, Refused), "NoStaleRead", "a read after the invalidation completed was served")
-    a = s.acquire(reader(s, w), s.ns, key)
+    # Refused acquires on distinct nodes, the last grant on a third (the spec models no refusal
+    # reply: a refused holder's request stays pending until its budget runs out).
+    a = s.acquire(s.nodes[1 % len(s.nodes)], s.ns, key)
     s.check(isinstance(a, Refused), "NoStaleRead", f"acquire after the invalidation answered {a}")
     s.check(s.lookup(w, s.ns, [key]) == 0, "NoStaleRead", "lookup finds an invalidated block")
-    new = put(s, reader(s, w), key, None)
-    g = s.acquire(w, s.ns, key)
+    new = put(s, s.nodes[1 % len(s.nodes)], key, None)
+    g = s.acquire(s.nodes[2 % len(s.nodes)], s.ns, key)
     s.check(isinstance(g, ReadGrant), "caching", f"acquire of the rewritten block refused: {g}")
     s.check(g.gen > holders[0].gen, "NoStaleRead", f"rewritten generation {g.gen} not above {holders[0].gen}")
     got = s.read(g)
