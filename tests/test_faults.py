@@ -38,7 +38,8 @@ from kvcc.reference.wire import Committed
 from kvcc.spec.keys import Namespace, chain_keys
 from kvcc.spec.rules import REASON_NOT_ABSENT, REASON_NOT_COMMITTED
 
-for _k, _v in {"DO_NOT_TRACK": "1", "VLLM_NO_USAGE_STATS": "1", "LMCACHE_TRACK_USAGE": "false", "HF_HUB_OFFLINE": "1"}.items():
+QUIET_ENV = {"DO_NOT_TRACK": "1", "VLLM_NO_USAGE_STATS": "1", "LMCACHE_TRACK_USAGE": "false", "HF_HUB_OFFLINE": "1"}
+for _k, _v in QUIET_ENV.items():
     os.environ.setdefault(_k, _v)
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -85,10 +86,7 @@ def no_process_left_behind():
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(PYTHONSAFEPATH="1", DO_NOT_TRACK="1", VLLM_NO_USAGE_STATS="1", LMCACHE_TRACK_USAGE="false",
-               HF_HUB_OFFLINE="1")  # fmt: skip
-    return env
+    return {**os.environ, "PYTHONSAFEPATH": "1", **QUIET_ENV}
 
 
 class Helper:
@@ -189,7 +187,9 @@ def nodes_registered(c, names) -> bool:
 BIG_BLOCK_BYTES = 4 << 20
 KILLED_WRITES = 3  # killed writes in which the kill came before the reply (at most KILL_TRIES tries)
 KILL_TRIES = 6
-FIRST_KILL_FRACTION = 0.5  # of an uninterrupted write_bytes round trip, measured first; halved after a kill that came too late
+# When to kill, as a fraction of an uninterrupted write_bytes round trip (measured first); halved
+# after a kill that came after the reply.
+FIRST_KILL_FRACTION = 0.5
 
 
 def test_node_killed_mid_write_never_exposes_a_partial_block(tmp_path):
