@@ -90,6 +90,7 @@ TIMER_MAX_SLEEP_S = 0.05  # the timer thread re-reads the core's next deadline a
 STORE_LEASE_MS = 1000  # the store's own object lease; irrelevant here (frees are forced)
 WAIT_POLL_S = 0.05
 CLOCK_GRAIN_MS = 1  # the directory clock's resolution
+_INVALIDATE_EVENTS = frozenset({"invalidate", "invalidate_namespace"})
 
 VALUE_MAGIC = b"KVCC"
 _HEADER = struct.Struct(">4s32sQQQ32s")  # magic, key, gen, epoch, data length, sha256(data)
@@ -240,6 +241,10 @@ class MooncakeKvccAdapter(MooncakeDeployment):
         return reply, self._log_emits(effects)
 
     def _log_emits(self, effects: list) -> list:
+        # The core emits an invalidation's own step after the steps it caused (a key completed at
+        # once because no lease was on it); the spec's order is the invalidation first.
+        first = [e for e in effects if isinstance(e, Emit) and e.event in _INVALIDATE_EVENTS]
+        effects = first + [e for e in effects if not (isinstance(e, Emit) and e.event in _INVALIDATE_EVENTS)]
         rest = []
         for e in effects:
             if isinstance(e, Emit):
@@ -376,7 +381,7 @@ class MooncakeKvccAdapter(MooncakeDeployment):
             w = self._writing.get(grant.lease)
             if w is None or w.grant != grant:
                 return Refused(REASON_UNKNOWN_LEASE, "no such write in this client")
-            if not w.started:
+            if not w.started and not w.zombie:
                 self.logs.emit(grant.node, "start_writing", key=grant.key, gen=grant.gen, epoch=grant.epoch, lease=grant.lease, writer=grant.node, location=loc)
                 w = self._writing[grant.lease] = attrs.evolve(w, started=True)
             if loc in self._down:
@@ -432,25 +437,21 @@ class MooncakeKvccAdapter(MooncakeDeployment):
 
     def abort(self, grant: WriteGrant) -> None:
         with self._lock:
-            w = self._writing.pop(grant.lease, None)
-            if w is None:
+            w = self._writing.get(grant.lease)
+            if w is None or w.grant != grant or w.zombie:
                 return
-            if not w.zombie:
-                self._write_in_progress.discard((grant.node, grant.key))
-            if not w.stored and not w.fenced and not w.zombie:
+            self._write_in_progress.discard((grant.node, grant.key))
+            if not w.stored and not w.fenced:
                 # Once its bytes landed (or were fenced) the writer has nothing left to give up.
+                # Bytes the caller may still send under this grant count as sent now (the spec
+                # can only fence bytes in flight), then the writer gives up.
+                if not w.started:
+                    self.logs.emit(grant.node, "start_writing", key=grant.key, gen=grant.gen, epoch=grant.epoch, lease=grant.lease, writer=grant.node, location=grant.location)
                 self.logs.emit(grant.node, "abort", key=grant.key, gen=grant.gen, epoch=grant.epoch, lease=grant.lease, writer=grant.node)
-        # The write lease expires on its own (the directory has no abort message); the bytes,
-        # under a name no reader will ever ask for, are removed now.
-        if w.stored and grant.node not in self._down:
-            try:
-                self._remove_object(grant.location, grant.key, grant.gen, grant.epoch)
-            except AdapterError:
-                pass
-            with self._lock:
-                objs = self._objects.get((grant.location, grant.key))
-                if objs is not None:
-                    objs.discard((grant.gen, grant.epoch))
+            # The write lease expires on its own (the directory has no abort message). The grant
+            # stays known as a zombie: bytes sent under it later are judged by the location's
+            # fence, as bytes in flight would be.
+            self._writing[grant.lease] = attrs.evolve(w, zombie=True, started=True)
 
     # ------------------------------------------------------------------ reads
     def acquire(self, node: str, ns: Namespace, key: BlockKey) -> ReadGrant | Refused:
