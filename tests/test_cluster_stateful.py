@@ -52,7 +52,7 @@ from kvcc.reference.errors import ConnectionFailed, TimeoutError_
 from kvcc.reference.events import EventLog, events_from_text
 from kvcc.reference.node import CacheNode
 from kvcc.reference.tiers.dram import DramTier
-from kvcc.spec.keys import Namespace, chain_keys
+from kvcc.spec.keys import BlockKey, Namespace, chain_keys
 from kvcc.spec.rules import ABSENT, COMMITTED, INVALIDATING, WRITING, holder_budget
 
 import specmap
@@ -465,8 +465,11 @@ class InProcessMachine(RuleBasedStateMachine):
         if await c.wait(ticket, WAIT_TICKET_S):
             SEEN["ticket_completed"] += 1
 
-    @rule(data=st.data(), client=st.sampled_from(CLIENTS), scope=st.sampled_from((wire.SCOPE_KEY, wire.SCOPE_PREFIX)))
-    def invalidate(self, data, client, scope):
+    @rule(data=st.data(), client=st.sampled_from(CLIENTS), scope=st.sampled_from((wire.SCOPE_KEY, wire.SCOPE_PREFIX)),
+          rarely=st.integers(0, 2))
+    def invalidate(self, data, client, scope, rarely):
+        if rarely:
+            return
         key = self._key_for(data, client, lambda k: self._phase(k) in (COMMITTED, WRITING))
         self.run(self._invalidate(client, NAMESPACE[key], scope, key))
 
@@ -477,8 +480,10 @@ class InProcessMachine(RuleBasedStateMachine):
         _, key = data.draw(st.sampled_from(self._held()))
         self.run(self._invalidate("c0", NAMESPACE[key], scope, key))
 
-    @rule(client=st.sampled_from(CLIENTS), namespace=st.sampled_from((NS_A, NS_B)))
-    def invalidate_namespace(self, client, namespace):
+    @rule(client=st.sampled_from(CLIENTS), namespace=st.sampled_from((NS_A, NS_B)), rarely=st.integers(0, 5))
+    def invalidate_namespace(self, client, namespace, rarely):
+        if rarely:
+            return
         self.run(self._invalidate(client, namespace, wire.SCOPE_NAMESPACE, None))
 
     @rule(data=st.data(), client=st.sampled_from(CLIENTS))
@@ -499,6 +504,23 @@ class InProcessMachine(RuleBasedStateMachine):
 
         self.run(go())
 
+    @precondition(lambda self: self._held())
+    @rule(data=st.data(), client=st.sampled_from(CLIENTS))
+    def evict_a_leased_copy(self, data, client):
+        """DESIGN 5: no eviction of a copy under a live lease (if the holder still trusts it, the
+        directory's view of it is live too)."""
+        holder, key = data.draw(st.sampled_from(self._held()))
+        lease = self.clients[holder].lease_of(key)
+        trusted = self.clients[holder].trusted(lease)
+
+        async def go():
+            out = await self.clients[client].evict(key, lease.location)
+            SEEN["evict_leased_" + ("evicted" if not isinstance(out, Refused) else out.reason)] += 1
+            if trusted and NAMESPACE[key] in REACH[TENANT_OF[client]]:
+                assert isinstance(out, Refused), f"evicted a copy {holder} trusts a lease on (DESIGN 5)"
+
+        self.run(go())
+
     # -- failures and time ------------------------------------------------------------------------
 
     @rule(node=st.sampled_from(NODES), rarely=st.integers(0, 3))
@@ -511,7 +533,7 @@ class InProcessMachine(RuleBasedStateMachine):
             old = self.nodes.pop(node)
             for tier_name, tier in old.tiers.items():
                 for b in tier.blocks():
-                    self.lost.add((f"{node}/{tier_name}", b.key))
+                    self.lost.add((f"{node}/{tier_name}", BlockKey(b.key)))
             await old.close()
             for tier in old.tiers.values():
                 tier.close()
@@ -609,8 +631,9 @@ class InProcessMachine(RuleBasedStateMachine):
         self.run(self._settle())
         events = self._read_events()
         for e in events:
-            if e["event"] == "drop_and_ack":
-                self.acks.add((e["node"], next(k for k in KEYS if k.hex == e["key"]), e["lease"]))
+            # An acknowledgement sent (the holder's log) or received (the directory's).
+            if e["event"] in ("drop_and_ack", "revoke_acked") and e.get("holder", e["node"]) in CLIENTS:
+                self.acks.add((e.get("holder", e["node"]), next(k for k in KEYS if k.hex == e["key"]), e["lease"]))
         snap = self.snapshot()
         bad = SPEC.violations(snap)
         assert not bad, f"spec invariants violated: {bad}\n{SPEC.explain(snap)}"
@@ -637,6 +660,48 @@ def test_in_process_cluster_state_machine():
     SEEN.clear()
     run_state_machine_as_test(
         InProcessMachine,
-        settings=settings(max_examples=4, stateful_step_count=30, derandomize=True, **MACHINE_SETTINGS),
+        settings=settings(max_examples=20, stateful_step_count=30, derandomize=True, **MACHINE_SETTINGS),
     )
     print(dict(SEEN))
+    for name in ("commit", "lease", "read_ok", "read_remote", "renewed", "ticket_completed",
+                 "zombie_fenced", "paused_writer_fenced", "stale_commit_refused", "crash_node", "restart_directory",
+                 "read_refused_lease_expired", "events_revoke_acked", "events_expire_write_lease",
+                 "events_restart_node"):  # fmt: skip
+        assert SEEN[name] > 0, (name, dict(SEEN))
+    assert SEEN["evict_leased_leased"] + SEEN["evict_refused_leased"] > 0, dict(SEEN)
+
+
+def _node_skips_the_fence(monkeypatch) -> None:
+    """Bug: the node stores a writer's bytes under the tier's own fence when the writer's epoch is
+    below it -- a stale writer's bytes land over a newer owner's (spec mutant ``no_fencing``)."""
+    original = CacheNode._store
+
+    async def store(self, tier, location, key, gen, epoch, data, **kw):
+        return await original(self, tier, location, key, gen, max(epoch, tier.fence(key.digest)), data, **kw)
+
+    monkeypatch.setattr(CacheNode, "_store", store)
+
+
+def _client_ignores_revoke(monkeypatch) -> None:
+    """Bug: the client acknowledges a Revoke but keeps trusting the lease (spec mutant
+    ``ack_before_drop`` taken further: it never drops)."""
+
+    def on_push(self, msg):
+        if type(msg) is wire.Revoke:
+            task = asyncio.create_task(self._ack(msg))
+            self._acks.add(task)
+            task.add_done_callback(self._acks.discard)
+
+    monkeypatch.setattr(KvccClient, "_on_push", on_push)
+
+
+@pytest.mark.parametrize("bug", [_node_skips_the_fence, _client_ignores_revoke], ids=lambda f: f.__name__.strip("_"))
+def test_in_process_machine_catches_a_bug(monkeypatch, bug):
+    """The same machine on the same seed, with a deliberate bug: it must fail."""
+    bug(monkeypatch)
+    with pytest.raises(AssertionError) as failure:
+        run_state_machine_as_test(
+            InProcessMachine,
+            settings=settings(max_examples=20, stateful_step_count=30, derandomize=True, **MACHINE_SETTINGS),
+        )
+    print(str(failure.value).splitlines()[0])
