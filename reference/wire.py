@@ -777,22 +777,134 @@ def check_message(msg: Any) -> None:
         raise ProtocolViolation(f"{kind}: {problem}")
 
 
+# -- the codec's fast paths -------------------------------------------------------------------------
+#
+# Every frame is a flat map (the envelope) holding a flat map (the message): the generic canonical
+# codec of ``kvcc.spec.keys`` is exact but walks them item by item. These produce the same bytes
+# and the same values for what they take, and hand anything else to the generic codec, which then
+# decides (tests compare the two on valid, mutated and random input).
+#
+# Encoding: a message's map keys are fixed per class, so their canonical order (by their
+# encodings) is computed once: a plan of (encoded key, field name or None for "kind", to_wire).
+_ENCODE_PLANS: dict[type, tuple[bytes, tuple[tuple[bytes, str | None, Any], ...]]] = {}
+for _cls, _fields in _SCHEMA.items():
+    _plan = [(cbor_encode("kind"), None, cbor_encode(_cls.__name__))]
+    _plan += [(cbor_encode(_name), _name, _to_wire) for _name, _, _to_wire, _ in _fields]
+    _plan.sort(key=lambda e: e[0])
+    assert len({e[0] for e in _plan}) == len(_plan)
+    _ENCODE_PLANS[_cls] = (cbor_head(5, len(_plan)), tuple(_plan))
+del _cls, _fields, _plan
+
+
+def _value_cbor(v: Any) -> bytes:
+    """``cbor_encode(v)``, with the scalar cases a message field holds done inline."""
+    t = type(v)
+    if t is int and 0 <= v <= MAX_WIRE_INT:
+        return cbor_head(0, v)
+    if t is bytes:
+        return cbor_head(2, len(v)) + v
+    if t is str and v.isascii():
+        return cbor_head(3, len(v)) + v.encode("ascii")
+    if v is None:
+        return b"\xf6"
+    return cbor_encode(v)
+
+
 def encode(msg: Any) -> bytes:
     """Canonical CBOR of ``{"kind": ..., fields...}``. An invalid message is our bug:
     ``ProtocolViolation``."""
     check_message(msg)
-    body: dict[str, Any] = {"kind": type(msg).__name__}
-    for name, _, to_wire, _ in _SCHEMA[type(msg)]:
-        body[name] = to_wire(getattr(msg, name))
-    return cbor_encode(body)
+    head, plan = _ENCODE_PLANS[type(msg)]
+    parts = [head]
+    for key, name, to_wire in plan:
+        parts.append(key)
+        parts.append(to_wire if name is None else _value_cbor(to_wire(getattr(msg, name))))
+    return b"".join(parts)
+
+
+_WIDTHS = {24: (1, 24), 25: (2, 0x100), 26: (4, 0x10000), 27: (8, 0x100000000)}  # shortest forms only
+
+
+def _flat_scalar(data: bytes, i: int, end: int, arrays: bool) -> tuple[Any, int]:
+    """One value at ``i``: an unsigned int, a byte or text string, null, true, false -- or, with
+    ``arrays``, an array of those. ``(None, -1)`` for anything else (the generic decoder decides)."""
+    if i >= end:
+        return None, -1
+    ib = data[i]
+    major, ai = ib >> 5, ib & 0x1F
+    if major == 7:
+        return (False, i + 1) if ai == 20 else (True, i + 1) if ai == 21 else (None, i + 1 if ai == 22 else -1)
+    if ai < 24:
+        arg, j = ai, i + 1
+    elif ai <= 27:
+        width, smallest = _WIDTHS[ai]
+        j = i + 1 + width
+        if j > end:
+            return None, -1
+        arg = int.from_bytes(data[i + 1 : j], "big")
+        if arg < smallest:
+            return None, -1
+    else:
+        return None, -1
+    if major == 0:
+        return arg, j
+    if major == 2 or major == 3:
+        if arg > MAX_BLOCK_BYTES or j + arg > end:
+            return None, -1
+        raw = data[j : j + arg]
+        if major == 2:
+            return raw, j + arg
+        try:
+            return raw.decode("utf-8"), j + arg
+        except UnicodeDecodeError:
+            return None, -1
+    if major == 4 and arrays and arg <= MAX_LOOKUP_KEYS and arg <= end - j:
+        items = []
+        for _ in range(arg):
+            value, j = _flat_scalar(data, j, end, False)
+            if j < 0:
+                return None, -1
+            items.append(value)
+        return items, j
+    return None, -1
+
+
+def _flat_map(data: bytes, max_entries: int, arrays: bool) -> dict[str, Any] | None:
+    """``cbor_decode(data)`` of a canonical map with short text keys and ``_flat_scalar`` values
+    (at most ``max_entries``), or ``None``: not that shape, the generic decoder decides."""
+    end = len(data)
+    if not end or data[0] >> 5 != 5 or (data[0] & 0x1F) > min(23, max_entries):
+        return None
+    out: dict[str, Any] = {}
+    previous = b""
+    i = 1
+    for _ in range(data[0] & 0x1F):
+        if i >= end or data[i] >> 5 != 3 or (data[i] & 0x1F) >= 24:
+            return None
+        k_end = i + 1 + (data[i] & 0x1F)
+        encoded_key = data[i:k_end]
+        if k_end > end or encoded_key <= previous:  # canonical: strictly ascending encoded keys
+            return None
+        previous = encoded_key
+        try:
+            key = data[i + 1 : k_end].decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+        value, i = _flat_scalar(data, k_end, end, arrays)
+        if i < 0:
+            return None
+        out[key] = value
+    return out if i == end else None
 
 
 def decode(data: bytes) -> Any:
     """The message encoded in ``data``; anything else raises ``Malformed`` (and only that)."""
-    try:
-        body = cbor_decode(data, max_depth=2, max_items=MAX_LOOKUP_KEYS, max_string_bytes=MAX_BLOCK_BYTES)
-    except CborError as e:
-        raise Malformed(f"message body: {e}") from None
+    body = _flat_map(data, MAX_MESSAGE_FIELDS, True) if type(data) is bytes else None
+    if body is None:
+        try:
+            body = cbor_decode(data, max_depth=2, max_items=MAX_LOOKUP_KEYS, max_string_bytes=MAX_BLOCK_BYTES)
+        except CborError as e:
+            raise Malformed(f"message body: {e}") from None
     if type(body) is not dict:
         raise Malformed("message body is not a map")
     kind = body.get("kind")
@@ -1160,10 +1272,12 @@ class Session:
             raise
 
     def _open(self, payload: bytes) -> Received:
-        try:
-            env = cbor_decode(payload, max_depth=1, max_items=len(_ENVELOPE_FIELDS), max_string_bytes=len(payload))
-        except CborError as e:
-            raise Malformed(f"envelope: {e}") from None
+        env = _flat_map(payload, len(_ENVELOPE_FIELDS), False) if type(payload) is bytes else None
+        if env is None:
+            try:
+                env = cbor_decode(payload, max_depth=1, max_items=len(_ENVELOPE_FIELDS), max_string_bytes=len(payload))
+            except CborError as e:
+                raise Malformed(f"envelope: {e}") from None
         if type(env) is not dict or env.keys() != _ENVELOPE_FIELDS:
             raise Malformed(f"an envelope is a map of exactly {sorted(_ENVELOPE_FIELDS)}")
         tenant, seq, re, mac, body = env["tenant"], env["seq"], env["re"], env["mac"], env["body"]

@@ -41,7 +41,7 @@ from kvcc.reference.wire import (
     decode,
     encode,
 )
-from kvcc.spec.keys import BlockKey, cbor_encode
+from kvcc.spec.keys import BlockKey, CborError, cbor_decode, cbor_encode
 from kvcc.spec.layout import MESSAGE_NAMES
 
 TOKEN_A = b"a" * 32
@@ -138,6 +138,96 @@ def test_body_is_canonical_cbor_of_kind_and_fields():
     msg = Acquire(node="n1", key=KEY, namespace=NS, request=7)
     expected = cbor_encode({"kind": "Acquire", "node": "n1", "key": KEY.digest, "namespace": NS, "request": 7})
     assert encode(msg) == expected
+
+
+def _generic_body(msg) -> dict:
+    body = {"kind": type(msg).__name__}
+    for name, _, to_wire, _ in wire._SCHEMA[type(msg)]:
+        body[name] = to_wire(getattr(msg, name))
+    return body
+
+
+def _generic_outcome(data: bytes, **limits):
+    try:
+        return ("ok", cbor_decode(data, **limits))
+    except CborError:
+        return ("error", None)
+
+
+def _mutate(data: bytes, draw) -> bytes:
+    b = bytearray(data)
+    i = draw(st.integers(0, max(0, len(b) - 1)))
+    how = draw(st.sampled_from(["flip", "insert", "delete", "truncate"]))
+    if how == "flip" and b:
+        b[i] ^= draw(st.integers(1, 255))
+    elif how == "insert":
+        b[i:i] = draw(st.binary(min_size=1, max_size=4))
+    elif how == "delete":
+        del b[i : i + draw(st.integers(1, 4))]
+    else:
+        del b[i:]
+    return bytes(b)
+
+
+@settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow])
+@given(any_message, st.data())
+def test_fast_codec_paths_agree_with_the_generic_codec(msg, data):
+    """``encode`` and the flat-map decoder (messages and envelopes) are fast paths of the generic
+    canonical codec: the same bytes out; on any input, valid, mutated or random, either the
+    generic decoder's value or None (then the generic decoder decides)."""
+    body = encode(msg)
+    assert body == cbor_encode(_generic_body(msg))
+    env = wire.encode_envelope("alpha", 3, 2, b"m" * 32, body)
+    cases = [(body, wire.MAX_MESSAGE_FIELDS, True, dict(max_depth=2, max_items=wire.MAX_LOOKUP_KEYS,
+                                                         max_string_bytes=wire.MAX_BLOCK_BYTES)),
+             (env, 5, False, dict(max_depth=1, max_items=5, max_string_bytes=len(env)))]  # fmt: skip
+    for valid, entries, arrays, limits in cases:
+        for sample in (valid, _mutate(valid, data.draw), data.draw(st.binary(max_size=80))):
+            fast = wire._flat_map(sample, entries, arrays)
+            kind, value = _generic_outcome(sample, **limits)
+            if sample is valid:
+                assert fast is not None and fast == value  # the fast path takes every valid frame
+            elif fast is not None:
+                assert kind == "ok" and fast == value, sample.hex()
+                assert [type(v) for v in fast.values()] == [type(v) for v in value.values()]
+    mutated = _mutate(body, data.draw)
+    try:
+        got = ("ok", decode(mutated))
+    except Malformed:
+        got = ("malformed", None)
+    generic = _generic_outcome(mutated, max_depth=2, max_items=wire.MAX_LOOKUP_KEYS,
+                               max_string_bytes=wire.MAX_BLOCK_BYTES)  # fmt: skip
+    if generic[0] == "error":
+        assert got[0] == "malformed"
+
+
+@pytest.mark.parametrize(
+    "data, entries, arrays",
+    [
+        (b"\xa2\x64kind\x64Ping\x65nonce\x18\x01", 16, True),  # int not in its shortest form
+        (b"\xa2\x64kind\x64Ping\x65nonce\x19\x00\x01", 16, True),
+        (b"\xa2\x64kind\x64Ping\x65nonce\x1a\x00\x00\x00\x01", 16, True),
+        (b"\xa2\x64kind\x64Ping\x65nonce\x1b" + bytes(7) + b"\x01", 16, True),
+        (b"\xa2\x64kind\x78\x04Ping\x65nonce\x01", 16, True),  # a length not in its shortest form
+        (b"\xa2\x65nonce\x01\x64kind\x64Ping", 16, True),  # keys out of canonical order
+        (b"\xa2\x64kind\x64Ping\x64kind\x64Ping", 16, True),  # a duplicate key
+        (b"\xa2\x64kind\x62\xff\xfe\x65nonce\x01", 16, True),  # text that is not UTF-8
+        (b"\xa1\x64keys\x81\x81\x01", 16, True),  # an array in an array: deeper than allowed
+        (b"\xa1\x62re\x81\x01", 5, False),  # an array in an envelope
+        (b"\xa6" + b"".join(bytes((0x61, c, 0)) for c in b"abcdef"), 5, False),  # six envelope entries
+        (b"\xa1\x61a\xf7", 16, True),  # undefined
+        (b"\xa1\x61a\xf8\x20", 16, True),  # a one-byte simple value
+        (b"\xa1\x61a\xf9\x00\x00", 16, True),  # a float
+        (b"\xa1\x61a\x20", 16, True),  # a negative int (no field holds one)
+        (b"\xa1\x61a\xc2\x41\x01", 16, True),  # a tag
+        (b"\xa1\x61a\x01\x00", 16, True),  # a trailing byte
+        (b"\xa1\x61a\x42\x01", 16, True),  # a truncated string
+        (b"\xa1\x61a\x83\x01\x02", 16, True),  # a truncated array
+        (b"\xbf\x61a\x01\xff", 16, True),  # an indefinite-length map
+    ],
+)
+def test_fast_map_leaves_non_canonical_and_odd_input_to_the_generic_decoder(data, entries, arrays):
+    assert wire._flat_map(data, entries, arrays) is None
 
 
 def _body(**fields) -> bytes:
