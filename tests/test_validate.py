@@ -413,7 +413,6 @@ def test_a_trace_of_the_reference_directory_is_accepted():
     assert check(early, params).status == REJECTED
 
 
-@pytest.mark.xfail(strict=True, reason="reference core: an invalidation with no lease logs complete_invalidation before invalidate")
 def test_reference_logs_invalidate_before_its_immediate_completion():
     run = Run()
     run.write(A0)

@@ -803,16 +803,33 @@ class DirectoryCore:
             # A key, or the last key of a prefix chain: either way the key and its prefix subtree.
             assert msg.key is not None
             rec = self.records.get(msg.key)
-            keys = self.subtree(msg.key) if rec is not None and rec.namespace == msg.namespace else []
+            ok = rec is not None and rec.namespace == msg.namespace
+            keys = self.subtree(msg.key) if ok else []
             event = "invalidate"
-        ticket = self._start_invalidation(keys, effects)
-        self._emit(effects, event, None, key=msg.key, ticket=ticket.ticket, keys=len(keys), scope=msg.scope,
-                   namespace=msg.namespace)  # fmt: skip
+        # The spec's invalidate (and invalidate_namespace) voids something COMMITTED: a root being
+        # written has no subtree yet (children need a COMMITTED parent) and nothing readable, so
+        # its write goes on and commits *after* this invalidation. Without anything COMMITTED,
+        # the ticket only waits for what is INVALIDATING already (an invalidation under way).
+        voids = any(self.phase_of(k) == COMMITTED for k in keys[:1] if msg.scope != SCOPE_NAMESPACE) or (
+            msg.scope == SCOPE_NAMESPACE and any(self.phase_of(k) == COMMITTED for k in keys)
+        )
+        if not voids:
+            keys = [k for k in keys if self.phase_of(k) == INVALIDATING]
+
+        def announce(ticket: int) -> None:
+            self._emit(effects, event if voids else "ignore_invalidation_under_way", None, key=msg.key,
+                       ticket=ticket, keys=len(keys), scope=msg.scope, namespace=msg.namespace)  # fmt: skip
+
+        ticket = self._start_invalidation(keys, effects, announce)
         return InvalidationStarted(ticket.ticket, len(ticket.keys))
 
-    def _start_invalidation(self, keys: Iterable[BlockKey], effects: list[Effect]) -> Ticket:
+    def _start_invalidation(
+        self, keys: Iterable[BlockKey], effects: list[Effect], announce: Callable[[int], None] | None = None
+    ) -> Ticket:
         """Void every key of ``keys``: COMMITTED ones go INVALIDATING (their leases revoked), writes
-        in progress are aborted; a ticket waits for the keys that are now INVALIDATING."""
+        in progress are aborted; a ticket waits for the keys that are now INVALIDATING.
+        ``announce(ticket)`` logs the step that voided them (the spec's ``invalidate``, or
+        ``restart_node``) *before* any completion it allows at once: completion is a later step."""
         voided, pending = [], set()
         for key in keys:
             rec = self.records[key]
@@ -834,6 +851,8 @@ class DirectoryCore:
         for key in pending:
             self._tickets_on_key.setdefault(key, set()).add(ticket.ticket)
         effects.append(PersistTicket(ticket))
+        if announce is not None:
+            announce(ticket.ticket)
         for key in sorted(pending):
             self._maybe_complete(key, effects)
         if not ticket.pending:
@@ -977,26 +996,30 @@ class DirectoryCore:
         self._advance(now_ms, effects)
         lost = frozenset(lost_locations)
         mine = frozenset(locations) | lost
-        for lease in sorted(self._leases_of_node.get(node, ())):
-            self._drop_lease(self.read_leases[lease], "forgotten", effects)
-        self._leases_of_node.pop(node, None)
+        # What the restart voids is decided on the records as they stand; the event comes first,
+        # since what follows from it (completions of invalidations that waited on this node's
+        # leases) are later steps of the spec.
         voided: list[BlockKey] = []
         seen: set[BlockKey] = set()
         for key in sorted(self.records):
             rec = self.records[key]
-            if rec.moving_to is not None and rec.moving_to in mine:
-                rec = self._put(attrs.evolve(rec, moving_to=None), effects)  # the copy died with the node
             if rec.owner in mine and lost_copy_invalidates(rec.phase, True, rec.owner in lost):
                 for k in self.subtree(key):
                     if k not in seen:
                         seen.add(k)
                         voided.append(k)
-        ticket = self._start_invalidation(voided, effects) if voided else None
+        self._emit(effects, "restart_node", None, rejoined=node, lost=sorted(lost), voided=len(voided),
+                   ticket=self.next_ticket if voided else None)  # fmt: skip
+        for key in sorted(self.records):
+            rec = self.records[key]
+            if rec.moving_to is not None and rec.moving_to in mine:
+                self._put(attrs.evolve(rec, moving_to=None), effects)  # the copy died with the node
+        for lease in sorted(self._leases_of_node.get(node, ())):
+            self._drop_lease(self.read_leases[lease], "forgotten", effects)
+        self._leases_of_node.pop(node, None)
+        if voided:
+            self._start_invalidation(voided, effects)
         fences = {key: rec.epoch for key, rec in self.records.items() if rec.epoch > 0}
-        self._emit(
-            effects, "restart_node", None, rejoined=node, lost=sorted(lost), voided=len(voided),
-            ticket=None if ticket is None else ticket.ticket,
-        )  # fmt: skip
         assert node not in self._leases_of_node or not self._leases_of_node[node]
         self._check_effects(effects)
         return fences, effects
