@@ -340,6 +340,16 @@ def test_mac_and_envelope_are_the_documented_formulas():
     assert payload == cbor_encode(env)
 
 
+@pytest.mark.parametrize("size", [0, 100, 1 << 20])
+def test_mac_is_the_documented_formula_for_every_frame_of_a_session(size):
+    body = bytes(range(256)) * (size // 256) + b"x" * (size % 256)
+    key = wire._MacKey(TOKEN_A)
+    for direction, seq, re in (("c2s", 1, 0), ("s2c", 2**40, 7), ("c2s", 3, 2)):  # the prefix is reused
+        expected = hmac.new(TOKEN_A, cbor_encode([direction, "alpha", seq, re, body]), hashlib.sha256).digest()
+        assert key.mac(direction, "alpha", seq, re, body) == expected
+        assert wire.frame_mac(TOKEN_A, direction, "alpha", seq, re, body) == expected
+
+
 def test_large_block_bytes_travel():
     client, server = _pair()
     data = random.Random(1).randbytes(3 << 20)
