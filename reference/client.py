@@ -275,6 +275,23 @@ class KvccClient:
             client = self._peers[address] = Client(host, int(port), self.tenant, self.token, max_frame_bytes=MAX_FRAME_BYTES, **kwargs)
         return client
 
+    async def _to_peer(self, location: LocationId, msg: Any) -> Any:
+        """Send ``msg`` to the node serving ``location``. A node that restarted listens on a new
+        port: when its old address refuses, learn the addresses again and try once more (the
+        requests are idempotent at the node: a write is fenced by epoch, a read or evict is a
+        question)."""
+        peer = await self._peer(location)
+        try:
+            return await peer.request(msg)
+        except ConnectionFailed as e:
+            if e.code not in ("refused", "eof", "reset"):
+                raise
+            stale = self._peers.pop(f"{peer.host}:{peer.port}", None)
+            if stale is not None:
+                await stale.close()
+            await self.refresh_nodes()
+            return await (await self._peer(location)).request(msg)
+
     def _on_push(self, msg: Any) -> None:
         if type(msg) is not Revoke:
             log.warning("%s ignores a pushed %s", self.client_id, type(msg).__name__)
@@ -372,8 +389,8 @@ class KvccClient:
                 return Refused(REASON_LEASE_EXPIRED)
             return Refused(REASON_REVOKED, "the lease is no longer held")
         held = self._leases[lease.key]
-        peer = await self._peer(held.location)
-        reply = await peer.request(ReadBytes(self.client_id, held.key, held.lease, held.location, held.gen))
+        reply = await self._to_peer(held.location, ReadBytes(self.client_id, held.key, held.lease, held.location,
+                                                             held.gen))  # fmt: skip
         if type(reply) is not BytesRead or reply.gen != held.gen or reply.key != held.key:
             self.stats["misses"] += 1
             reason = reply.reason if type(reply) is ReadRefused else REASON_MISS
@@ -406,8 +423,8 @@ class KvccClient:
     async def write_bytes(self, wl: WriteLease, data: Any) -> None | Refused:
         payload = data if type(data) is bytes else bytes(source_bytes(data))
         self._emit("start_writing", key=wl.key, gen=wl.gen, epoch=wl.epoch, lease=wl.lease, location=wl.location)
-        peer = await self._peer(wl.location)
-        reply = await peer.request(WriteBytes(self.client_id, wl.key, wl.lease, wl.location, wl.gen, wl.epoch, payload))
+        reply = await self._to_peer(wl.location, WriteBytes(self.client_id, wl.key, wl.lease, wl.location, wl.gen,
+                                                             wl.epoch, payload))  # fmt: skip
         if type(reply) is BytesStored:
             return None
         if type(reply) is Fenced:
@@ -461,8 +478,7 @@ class KvccClient:
 
     async def evict(self, key: BlockKey, location: LocationId) -> Evicted | Refused:
         """Ask the node serving ``location`` to evict its copy of ``key`` (the directory decides)."""
-        peer = await self._peer(location)
-        reply = await peer.request(Evict(self.client_id, key, location))
+        reply = await self._to_peer(location, Evict(self.client_id, key, location))
         if type(reply) is EvictRefused:
             return Refused(reply.reason)
         if type(reply) is Error:

@@ -328,14 +328,19 @@ class CacheNode:
             return EvictRefused(msg.node, msg.key, msg.location, "not_here")
         token = self.tenants.token(tenant)
         assert token is not None
+        fence = tier.fence(msg.key.digest)  # before asking: see _drop_evicted
         async with Client(self._dir.host, self._dir.port, tenant, token) as dir_as_tenant:
             reply = await dir_as_tenant.request(Evict(self.node_id, msg.key, location))
         if type(reply) is Evicted:
-            await self._drop_evicted(tier, location, msg.key)
+            await self._drop_evicted(tier, location, msg.key, fence)
         return reply
 
-    async def _drop_evicted(self, tier: Tier, location: LocationId, key: BlockKey) -> None:
-        outcome = await asyncio.to_thread(tier.free, key.digest, tier.fence(key.digest))
+    async def _drop_evicted(self, tier: Tier, location: LocationId, key: BlockKey, fence: int) -> None:
+        """Free the copy the directory let go of. ``fence`` is the key's fence read *before*
+        asking: once the directory said Evicted the key is ABSENT, a new write may be granted
+        here at once and land before this free runs; its higher epoch fences this free, so the
+        new block stays (freeing with the fence read now would drop it)."""
+        outcome = await asyncio.to_thread(tier.free, key.digest, fence)
         self.stats["evicted"] += 1
         log.debug("%s evicted %s from %s: %s", self.node_id, key.hex[:12], location, type(outcome).__name__)
 
@@ -348,13 +353,14 @@ class CacheNode:
                 if tier.capacity_bytes - tier.used_bytes >= nbytes:
                     return
                 key = BlockKey(raw)
+                fence = tier.fence(raw)
                 try:
                     reply = await self._to_directory(Evict(self.node_id, key, location))
                 except (ConnectionFailed, TimeoutError_) as e:
                     log.warning("%s: cannot make room, directory unreachable: %s", self.node_id, e)
                     return
                 if type(reply) is Evicted:
-                    await self._drop_evicted(tier, location, key)
+                    await self._drop_evicted(tier, location, key, fence)
                 else:
                     self.stats["evict_refused"] += 1
 
