@@ -342,3 +342,21 @@ def test_raw_adapter_maps_the_store_directly(raw_adapter):
     r = a.acquire("n1", NS, keys[0])
     time.sleep(TERM_MS / 1000 + 0.1)
     assert a.read(r) == b"again"
+
+
+@needs_mooncake
+@pytest.mark.parametrize("adapter", ["mooncake", "mooncake-raw"])
+def test_core_conformance_run_writes_a_complete_bundle(adapter, tmp_path):
+    from kvcc.conformance.registry import resolve
+    from kvcc.conformance.runner import run_conformance
+
+    report = run_conformance(resolve(adapter), profiles=["core"], seed=1, out=tmp_path / "bundle")
+    for name in ("report.json", "junit.xml", "run_info.json", "MANIFEST.sha256"):
+        assert (tmp_path / "bundle" / name).stat().st_size > 0, name
+    results = json.loads((tmp_path / "bundle" / "report.json").read_text())
+    assert results  # completeness, not PASS: the raw store is not expected to certify
+    assert not harness.live_pids()
+    if adapter == "mooncake":
+        assert all(r.status == "PASS" for r in report.results if r.profile == "core"), [
+            (r.id, r.status, r.message) for r in report.results if r.status != "PASS"
+        ]
