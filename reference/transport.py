@@ -127,8 +127,9 @@ class _ServerConnection:
         self.slots = asyncio.Semaphore(server.max_in_flight_per_connection)
         self.handlers: set[asyncio.Task] = set()
         self.closing = False
-        self.linger_deadline = 0.0
         self.linger_timer: asyncio.TimerHandle | None = None
+        self.last_input = 0.0  # loop time of the last bytes received
+        self.idle_timer: asyncio.TimerHandle | None = None
         self.peer = writer.get_extra_info("peername")
         self.on_close: list[Callable[[_ServerConnection], None]] = []
 
@@ -156,25 +157,19 @@ class _ServerConnection:
     async def run(self) -> None:
         server = self.server
         loop = asyncio.get_running_loop()
+        self.last_input = loop.time()
+        # One timer per connection, moved lazily (``_idle_check``), not a timeout per read.
+        self.idle_timer = loop.call_at(self.last_input + server.idle_timeout_ms / 1000, self._idle_check)
         try:
             while True:
                 # While closing, keep reading (and discarding) until the peer closes or the
-                # linger time is up: closing a socket with unread input sends a reset, which can
-                # destroy our final Error before the peer reads it (a "lingering close").
-                wait_s = self.linger_deadline - loop.time() if self.closing else server.idle_timeout_ms / 1000
-                if wait_s <= 0:
-                    return
-                try:
-                    async with asyncio.timeout(wait_s):
-                        data = await self.reader.read(READ_CHUNK_BYTES)
-                except TimeoutError:
-                    if self.closing:
-                        return
-                    if not self.handlers:
-                        self.fail(ERROR_IDLE, f"nothing received for {server.idle_timeout_ms} ms")
-                    continue  # busy, not idle
+                # linger timer aborts the transport (``fail``): closing a socket with unread
+                # input sends a reset, which can destroy our final Error before the peer reads
+                # it (a "lingering close").
+                data = await self.reader.read(READ_CHUNK_BYTES)
                 if not data:
-                    return  # the peer closed
+                    return  # the peer closed, or the linger time is up
+                self.last_input = loop.time()
                 if self.closing:
                     continue  # discarded: nothing after a final Error is processed
                 try:
@@ -220,9 +215,27 @@ class _ServerConnection:
                     callback(self)
                 except Exception:
                     log.exception("on_close callback failed")
+            if self.idle_timer is not None:
+                self.idle_timer.cancel()
             await _close_writer(self.writer)
             if self.linger_timer is not None:
                 self.linger_timer.cancel()
+
+    def _idle_check(self) -> None:
+        """The idle timer: nothing received and nothing in flight for ``idle_timeout_ms`` ends the
+        connection with ``Error("idle")``; input since moves the timer on, and a connection still
+        busy with a request is looked at again a full period later."""
+        if self.closing:
+            return
+        loop = asyncio.get_running_loop()
+        idle_s = self.server.idle_timeout_ms / 1000
+        now = loop.time()
+        if now < self.last_input + idle_s:
+            self.idle_timer = loop.call_at(self.last_input + idle_s, self._idle_check)
+        elif self.handlers:
+            self.idle_timer = loop.call_at(now + idle_s, self._idle_check)  # busy, not idle
+        else:
+            self.fail(ERROR_IDLE, f"nothing received for {self.server.idle_timeout_ms} ms")
 
     def fail(self, code: str, detail: str) -> None:
         """Send a final Error and half-close; ``run`` then discards input until the peer closes
@@ -231,7 +244,6 @@ class _ServerConnection:
             return
         self.closing = True
         loop = asyncio.get_running_loop()
-        self.linger_deadline = loop.time() + CLOSE_TIMEOUT_MS / 1000
         with contextlib.suppress(ProtocolViolation, ConnectionError, OSError, RuntimeError):
             self.writer.write(self.session.send_error(code, detail))
             if self.writer.can_write_eof():

@@ -308,6 +308,13 @@ def test_idle_timeout_and_reconnect():
                 assert client._conn.failure.code == "idle"
                 assert await client.request(Ping(2)) == Pong(2)
                 assert client.stats["connects"] == 2
+                # Busy is not idle: a request running three idle periods keeps its connection,
+                # and input keeps moving the idle deadline on.
+                assert await client.request(Pong(300)) == Pong(300)
+                for n in range(6):
+                    await asyncio.sleep(0.05)
+                    assert await client.request(Ping(n)) == Pong(n)
+                assert client.stats["connects"] == 2 and client.connected
 
     run(main())
 
