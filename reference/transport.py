@@ -267,9 +267,11 @@ class _ServerConnection:
         """``server.handler_now`` on one request: its reply, ``DEFER``, or (after a violation,
         the connection failing) ``DEFER`` with ``closing`` set. Outcomes as in ``handle``."""
         server = self.server
+        handler_now = server.handler_now
+        assert handler_now is not None and self.session.tenant is not None
         token = current_connection.set(self)
         try:
-            return server.handler_now(self.session.tenant, r.msg)
+            return handler_now(self.session.tenant, r.msg)
         except PeerViolation as violation:
             server.stats["peer_violations"] += 1
             log.info("handler found a peer violation from %s: %s", self.peer, violation)

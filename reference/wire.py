@@ -788,13 +788,13 @@ def check_message(msg: Any) -> None:
 # Encoding: a message's map keys are fixed per class, so their canonical order (by their
 # encodings) is computed once: a plan of (encoded key, field name or None for "kind", to_wire).
 _ENCODE_PLANS: dict[type, tuple[bytes, tuple[tuple[bytes, str | None, Any], ...]]] = {}
-for _cls, _fields in _SCHEMA.items():
-    _plan = [(cbor_encode("kind"), None, cbor_encode(_cls.__name__))]
-    _plan += [(cbor_encode(_name), _name, _to_wire) for _name, _, _to_wire, _ in _fields]
+for _message_cls, _schema in _SCHEMA.items():
+    _plan: list[tuple[bytes, str | None, Any]] = [(cbor_encode("kind"), None, cbor_encode(_message_cls.__name__))]
+    _plan += [(cbor_encode(_name), _name, _to_wire) for _name, _, _to_wire, _ in _schema]
     _plan.sort(key=lambda e: e[0])
     assert len({e[0] for e in _plan}) == len(_plan)
-    _ENCODE_PLANS[_cls] = (cbor_head(5, len(_plan)), tuple(_plan))
-del _cls, _fields, _plan
+    _ENCODE_PLANS[_message_cls] = (cbor_head(5, len(_plan)), tuple(_plan))
+del _message_cls, _schema, _plan
 
 
 def _value_cbor(v: Any) -> bytes:
