@@ -73,6 +73,7 @@ class ReferenceAdapter(Adapter):
         self._clients: dict[str, Any] = {}
         self._incarnation: dict[str, int] = {}
         self._frozen: dict[str, threading.Event] = {}
+        self._logs: dict[str, Any] = {}
         self._writes: dict[tuple[str, bytes, int], Any] = {}
         self._reads: dict[tuple[str, bytes, int], Any] = {}
         self._lock = threading.Lock()
@@ -125,13 +126,18 @@ class ReferenceAdapter(Adapter):
             raise _infra(e) from e
 
     def _new_client(self, node: str) -> Any:
+        """The client co-located with ``node``. It keeps one identity and one event log for the
+        whole run: to the directory and to the spec it is part of ``node`` (``"<node>.engine"``),
+        so a crash of the node is its crash too, and the node's rejoin forgets its leases."""
         from kvcc.reference.client import SyncClient
         from kvcc.reference.cluster import ENGINE_TENANT
         from kvcc.reference.events import EventLog
 
         cid = f"{node}{CLIENT_SUFFIX}"
-        inc = self._incarnation[node]
-        ev = EventLog(self._cluster.workdir / "events" / f"{cid}.ndjson", cid, inc)
+        inc = 1
+        ev = self._logs.get(node)
+        if ev is None:
+            ev = self._logs[node] = EventLog(self._cluster.workdir / "events" / f"{cid}.ndjson", cid, inc)
         assert self._ctx is not None
         return SyncClient(self._cluster.directory_address, ENGINE_TENANT, self._cluster.engine_token, client_id=cid,
                           skew_ms=self._ctx.skew_ms, events=ev, incarnation=inc, timeout_ms=OP_TIMEOUT_MS)  # fmt: skip
@@ -146,6 +152,9 @@ class ReferenceAdapter(Adapter):
             except Exception:
                 pass
         self._clients.clear()
+        for ev in self._logs.values():
+            ev.close()
+        self._logs.clear()
         if self._cluster is not None:
             try:
                 self._cluster.stop()
@@ -233,8 +242,8 @@ class ReferenceAdapter(Adapter):
         return self._refused(out) if isinstance(out, R) else Committed(out.gen, out.epoch)
 
     def abort(self, grant: WriteGrant) -> None:
-        with self._lock:
-            wl = self._writes.pop((grant.node, grant.key.digest, grant.lease), None)
+        with self._lock:  # kept: bytes of an aborted grant may still be sent (and are fenced)
+            wl = self._writes.get((grant.node, grant.key.digest, grant.lease))
         c = self._clients.get(grant.node)
         if wl is not None and c is not None:
             c.abort(wl)
@@ -321,8 +330,7 @@ class ReferenceAdapter(Adapter):
     def kill(self, node: str) -> None:
         self._cluster.kill(node)
         c = self._clients.pop(node, None)
-        if c is not None:
-            self._cluster.note_crash(f"{node}{CLIENT_SUFFIX}")
+        if c is not None:  # its memory goes with it (its log stays: the node's crash is logged)
             self._thaw(node)
             try:
                 c.close()
@@ -336,7 +344,6 @@ class ReferenceAdapter(Adapter):
             self._cluster.restart(node)
         except Exception as e:
             raise _infra(e) from e
-        self._incarnation[node] += 1
         self._clients[node] = self._new_client(node)
 
     def pause(self, node: str) -> None:

@@ -153,7 +153,7 @@ class _Renderer:
             return
         if label in _SILENT:
             return
-        if label in ("acquire", "begin_write", "abort"):
+        if label in ("acquire", "begin_write", "abort", "abandon"):
             self.emit(N[p[0]], label, p[1])
         elif label in ("renew", "release"):
             n, k = p

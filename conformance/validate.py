@@ -87,6 +87,7 @@ event                    required (non-null)                                 [ch
 =======================  ============================================================================
 acquire                  key                                     (node = the holder)
 renew                    key, lease
+abandon                  key                                     (the holder gives up its request)
 read                     key, lease, location                    [gen; result "ok" = bytes returned]
 release                  key, lease
 trust_read_lease         key, lease, location, gen
@@ -160,6 +161,8 @@ from kvcc.spec.properties import INVARIANTS, TRANSITION_PROPERTIES
 from ._render import RenderedWalk, ScriptError, events_from_spec_walk, render, scripted_walk, spec_walk  # noqa: F401 (re-exported)
 
 ACCEPTED, REJECTED, INCONCLUSIVE = "ACCEPTED", "REJECTED", "INCONCLUSIVE"
+COLOCATED_SEPARATOR = "."  # "<host>.<name>" logs as part of spec node <host> (see _Roles)
+LOCATION_SEPARATOR = "/"  # a location "<host>/<tier>" is a tier of node <host> unless said otherwise
 REJECT_CODES = (
     "malformed",  # not an object, a standard field missing or of the wrong type
     "unknown_event",  # an event name that is not a spec action a process logs
@@ -189,7 +192,8 @@ DIRECTORY_EVENTS = frozenset({
     "revoke_acked", "complete_invalidation", "evict", "evict_refused", "start_transfer",
     "finish_transfer", "free_drained", "cancel_transfer", "restart_node", "restart_directory",
 })  # fmt: skip
-HOLDER_EVENTS = frozenset({"acquire", "renew", "read", "release", "trust_read_lease", "trust_renewal", "drop_and_ack"})
+HOLDER_EVENTS = frozenset({"acquire", "renew", "abandon", "read", "release", "trust_read_lease", "trust_renewal",
+                           "drop_and_ack"})  # fmt: skip
 WRITER_EVENTS = frozenset({"begin_write", "abort", "start_writing"})
 LOCATION_EVENTS = frozenset({"store_bytes", "fence_stale_write", "store_copy", "free_slot", "fence_stale_free"})
 FAILURE_EVENTS = frozenset({"crash", "restart_node", "restart_directory"})
@@ -198,6 +202,7 @@ assert DIRECTORY_EVENTS | HOLDER_EVENTS | WRITER_EVENTS | LOCATION_EVENTS | FAIL
 REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
     "acquire": ("key",),
     "renew": ("key", "lease"),
+    "abandon": ("key",),
     "read": ("key", "lease", "location"),
     "release": ("key", "lease"),
     "trust_read_lease": ("key", "lease", "location", "gen"),
@@ -241,6 +246,7 @@ assert set(REQUIRED_FIELDS) == set(EVENTS)
 # What each event needs of the spec state, for the reader of a rejection.
 NEEDS: dict[str, str] = {
     "acquire": "the holder up, no request pending on the key, room in the network",
+    "abandon": "the holder up with a request pending on the key",
     "renew": "the holder trusting this lease, no request pending",
     "read": "the holder trusting this lease on this location (not expired on its clock)",
     "release": "the holder trusting this lease",
@@ -524,8 +530,19 @@ class _Roles:
 
     def __init__(self, events: Sequence[dict], params: TraceParams) -> None:
         nodes: list[str] = []
+        # Co-located processes: a process named "<host>.<name>" (an engine's client next to cache
+        # node <host>, which also logs under its own name) is the same spec node as <host>: the
+        # spec's node is holder, writer and locations in one.
+        # A location "<host>/<tier>" names its host likewise (LOCATION_SEPARATOR).
+        hosts_named = {ev["node"] for ev in events} | {
+            str(ev["location"]).split(LOCATION_SEPARATOR, 1)[0]
+            for ev in events if isinstance(ev.get("location"), str) and LOCATION_SEPARATOR in ev["location"]
+        }  # fmt: skip
+        self._alias = {p: p.split(COLOCATED_SEPARATOR, 1)[0] for p in {ev["node"] for ev in events}
+                       if COLOCATED_SEPARATOR in p and p.split(COLOCATED_SEPARATOR, 1)[0] in hosts_named}  # fmt: skip
 
         def node(name: Any) -> None:
+            name = self._alias.get(name, name)
             if isinstance(name, str) and name and name not in nodes:
                 nodes.append(name)
 
@@ -560,10 +577,12 @@ class _Roles:
             if ev["event"] in LOCATION_EVENTS and ev.get("location") is not None:
                 loc = str(ev["location"])
                 if loc not in hosts:
-                    hosts[loc] = ev["node"] if ev["node"] in self.node_index else None
+                    host = self._alias.get(ev["node"], ev["node"])
+                    hosts[loc] = host if host in self.node_index else None
         for loc in seen:
             if loc not in hosts:
-                hosts[loc] = loc if loc in self.node_index else None
+                named = loc.split(LOCATION_SEPARATOR, 1)[0]
+                hosts[loc] = loc if loc in self.node_index else (named if named in self.node_index else None)
         pools = [loc for loc in seen if hosts.get(loc) is None]
         if len(pools) > 1:
             raise _reject(None, None, "unknown_location", f"the spec has one shared pool; these locations are on no node: {pools}")
@@ -588,7 +607,7 @@ class _Roles:
             self.node_index["-"] = 0
 
     def n(self, name: Any) -> int | None:
-        return self.node_index.get(name) if isinstance(name, str) else None
+        return self.node_index.get(self._alias.get(name, name)) if isinstance(name, str) else None
 
     def loc(self, name: Any) -> int | None:
         return None if name is None else self.location_index.get(str(name))

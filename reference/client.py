@@ -62,6 +62,7 @@ from .wire import (
     MAX_FRAME_BYTES,
     MAX_WAIT_TICKET_MS,
     SCOPE_KEY,
+    REASON_UNKNOWN_LEASE,
     SCOPES,
     Acquire,
     BeginWrite,
@@ -105,6 +106,9 @@ REASON_REVOKED = "revoked"
 REASON_MISS = "miss"
 REASON_FENCED = "fenced"
 REASON_NO_SPACE = "no_space"
+REASON_UNREACHABLE = "unreachable"
+REASON_NOT_FOUND = "not_found"
+_GRANTED, _STORED, _ABORTED = "granted", "stored", "aborted"  # a write lease's progress here
 SYNC_CALL_TIMEOUT_S = 120.0  # SyncClient: longest any one call may take (WaitTicket included)
 
 
@@ -197,6 +201,7 @@ class KvccClient:
         self._leases: dict[BlockKey, ReadLease] = {}
         self._pending: dict[BlockKey, int] = {}  # key -> request id of an acquire in flight
         self._cancelled: set[int] = set()  # acquires a Revoke overtook
+        self._writes: dict[tuple[BlockKey, int], str] = {}  # (key, write lease) -> progress
         self._nodes: dict[str, str] = {}
         self._peers: dict[str, Client] = {}
         self._acks: set[asyncio.Task] = set()
@@ -327,8 +332,7 @@ class KvccClient:
         return self._leases.get(key)
 
     async def acquire(self, ns: Namespace | bytes, key: BlockKey) -> ReadLease | Refused:
-        if key in self._leases:
-            return self._leases[key]
+        """A new read lease (the directory refuses a holder a second one on the same key)."""
         request = next(self._requests)
         sent = self._now_ns()
         self._pending[key] = request
@@ -339,6 +343,7 @@ class KvccClient:
             if self._pending.get(key) == request:
                 del self._pending[key]
         if type(reply) is LeaseRefused:
+            self._emit("abandon", key=key, request=request, result=reply.reason)  # nothing to wait for
             return Refused(reply.reason)
         assert type(reply) is ReadLeaseGranted and reply.request == request
         if request in self._cancelled:
@@ -352,13 +357,21 @@ class KvccClient:
         return lease
 
     async def renew(self, lease: ReadLease) -> ReadLease | Refused:
-        if self._leases.get(lease.key) != lease:
+        held = self._leases.get(lease.key)
+        if held is None or held.lease != lease.lease:
             return Refused(REASON_REVOKED, "not held")
+        if not self.trusted(held):
+            # Past its own deadline the holder trusts nothing: a renewal would revive a lease
+            # the directory may already have let go of (DESIGN 8). Forget it; acquire anew.
+            del self._leases[lease.key]
+            return Refused(REASON_LEASE_EXPIRED, "the holder's budget ran out")
+        lease = held
         request = next(self._requests)
         sent = self._now_ns()
         self._emit("renew", key=lease.key, gen=lease.gen, lease=lease.lease, request=request)
         reply = await self._ask(Renew(self.client_id, lease.key, lease.lease, lease.location, request))
         if type(reply) is LeaseRefused:
+            self._emit("abandon", key=lease.key, lease=lease.lease, request=request, result=reply.reason)
             return Refused(reply.reason)
         assert type(reply) is LeaseRenewed
         if self._leases.get(lease.key) is None or self._leases[lease.key].lease != lease.lease:
@@ -370,13 +383,20 @@ class KvccClient:
         return renewed
 
     async def release(self, lease: ReadLease) -> None:
-        if self._leases.get(lease.key) is not None and self._leases[lease.key].lease == lease.lease:
-            del self._leases[lease.key]  # stop trusting first, then tell the directory
-            self._emit("release", key=lease.key, gen=lease.gen, lease=lease.lease)
+        """Stop trusting ``lease``, then tell the directory -- only if it was still trusted: a
+        lease past the holder's own deadline, revoked or released is already gone here, and the
+        directory lets it expire."""
+        held = self._leases.get(lease.key)
+        if held is None or held.lease != lease.lease:
+            return
+        del self._leases[lease.key]
+        if not self.trusted(held, assume_held=True):
+            return
+        self._emit("release", key=lease.key, gen=lease.gen, lease=lease.lease)
         await self._ask(Release(self.client_id, lease.key, lease.lease))
 
-    def trusted(self, lease: ReadLease, now_ns: int | None = None) -> bool:
-        held = self._leases.get(lease.key)
+    def trusted(self, lease: ReadLease, now_ns: int | None = None, *, assume_held: bool = False) -> bool:
+        held = lease if assume_held else self._leases.get(lease.key)
         now = self._now_ns() if now_ns is None else now_ns
         return held is not None and held.lease == lease.lease and now < held.trusted_until_ns
 
@@ -389,8 +409,12 @@ class KvccClient:
                 return Refused(REASON_LEASE_EXPIRED)
             return Refused(REASON_REVOKED, "the lease is no longer held")
         held = self._leases[lease.key]
-        reply = await self._to_peer(held.location, ReadBytes(self.client_id, held.key, held.lease, held.location,
-                                                             held.gen))  # fmt: skip
+        try:
+            reply = await self._to_peer(held.location, ReadBytes(self.client_id, held.key, held.lease, held.location,
+                                                                 held.gen))  # fmt: skip
+        except ConnectionFailed as e:  # the node is down: no bytes, and certainly no other bytes
+            self.stats["misses"] += 1
+            return Refused(REASON_MISS, f"{held.location} unreachable: {e.code}")
         if type(reply) is not BytesRead or reply.gen != held.gen or reply.key != held.key:
             self.stats["misses"] += 1
             reason = reply.reason if type(reply) is ReadRefused else REASON_MISS
@@ -415,17 +439,33 @@ class KvccClient:
         self._emit("begin_write", key=key, request=request, parent=None if parent is None else parent.hex)
         reply = await self._ask(BeginWrite(self.client_id, key, digest, parent, request))
         if type(reply) is LeaseRefused:
+            self._emit("abort", key=key, request=request, result=reply.reason)  # this writer gives up
             return Refused(reply.reason)
         assert type(reply) is WriteLeaseGranted and reply.request == request
+        # The spec's writer sends its bytes on the grant (start_writing); however late they
+        # actually leave, the epoch they carry is what the location judges them by.
+        self._emit("start_writing", key=key, gen=reply.gen, epoch=reply.epoch, lease=reply.lease,
+                   location=reply.location)  # fmt: skip
+        self._writes[(key, reply.lease)] = _GRANTED
         return WriteLease(key, digest, parent, reply.lease, reply.location, reply.gen, reply.epoch, reply.term_ms,
                           sent, sent + self._budget_ns(reply.term_ms))  # fmt: skip
 
     async def write_bytes(self, wl: WriteLease, data: Any) -> None | Refused:
+        """Send the block to its location (once; a stored block is not sent again)."""
+        state = self._writes.get((wl.key, wl.lease))
+        if state is None:
+            raise ValueError(f"write lease {wl.lease} was not granted to this client")
+        if state == _STORED:
+            return None
         payload = data if type(data) is bytes else bytes(source_bytes(data))
-        self._emit("start_writing", key=wl.key, gen=wl.gen, epoch=wl.epoch, lease=wl.lease, location=wl.location)
-        reply = await self._to_peer(wl.location, WriteBytes(self.client_id, wl.key, wl.lease, wl.location, wl.gen,
-                                                             wl.epoch, payload))  # fmt: skip
+        try:
+            reply = await self._to_peer(wl.location, WriteBytes(self.client_id, wl.key, wl.lease, wl.location, wl.gen,
+                                                                 wl.epoch, payload))  # fmt: skip
+        except ConnectionFailed as e:
+            return Refused(REASON_UNREACHABLE, f"{wl.location}: {e.code}")
         if type(reply) is BytesStored:
+            if state == _GRANTED:
+                self._writes[(wl.key, wl.lease)] = _STORED
             return None
         if type(reply) is Fenced:
             return Refused(REASON_FENCED, f"fence {reply.fence} above epoch {reply.epoch}")
@@ -434,7 +474,15 @@ class KvccClient:
         return Refused(REASON_MISS, f"unexpected {type(reply).__name__}")
 
     async def commit(self, wl: WriteLease) -> Committed | Refused:
+        """Publish what ``write_bytes`` stored. A write never stored, or given up (``abort``),
+        is not committed: refused here, without asking."""
+        state = self._writes.get((wl.key, wl.lease))
+        if state == _ABORTED:
+            return Refused(REASON_UNKNOWN_LEASE, "aborted")
+        if state != _STORED:
+            return Refused(REASON_NOT_FOUND, "no bytes stored under this write lease")
         reply = await self._ask(Commit(self.client_id, wl.key, wl.lease, wl.gen, wl.epoch))
+        self._writes.pop((wl.key, wl.lease), None)
         if type(reply) is CommitRejected:
             return Refused(reply.reason)
         assert type(reply) is Committed
@@ -443,7 +491,9 @@ class KvccClient:
     def abort(self, wl: WriteLease) -> None:
         """Give up the write: the directory expires the write lease; bytes already sent are
         never readable (the generation never commits) and a late one is fenced."""
-        self._emit("abort", key=wl.key, gen=wl.gen, epoch=wl.epoch, lease=wl.lease)
+        if self._writes.get((wl.key, wl.lease)) in (_GRANTED, _STORED):
+            self._writes[(wl.key, wl.lease)] = _ABORTED
+            self._emit("abort", key=wl.key, gen=wl.gen, epoch=wl.epoch, lease=wl.lease)
 
     async def put(self, ns: Namespace | bytes, key: BlockKey, parent: BlockKey | None, data: Any) -> Committed | Refused:
         wl = await self.begin_write(ns, key, parent)

@@ -305,7 +305,12 @@ class LocalCluster:
     def events(self) -> list[dict[str, Any]]:
         from .events import read_events
 
-        out: list[dict[str, Any]] = []
+        import heapq
+
+        logs: dict[tuple[str, int], list[dict[str, Any]]] = {}
         for path in sorted((self.workdir / "events").glob("*.ndjson")):
-            out += read_events(path, contiguous=False)
-        return out
+            for e in read_events(path, contiguous=False):
+                logs.setdefault((e["node"], e["incarnation"]), []).append(e)
+        # One order for all: by wall time, each log kept in its own (seq) order. Every process
+        # runs on this machine, so wall times agree far better than epsilon.
+        return list(heapq.merge(*logs.values(), key=lambda e: e["t_wall_ns"]))

@@ -45,7 +45,7 @@ from .errors import Malformed, ProtocolViolation
 # The spec's action names that a process can log (spec/checker.py ACTIONS minus ENVIRONMENT).
 EVENTS = (
     # holder (reader) side
-    "acquire", "renew", "read", "release", "trust_read_lease", "trust_renewal", "drop_and_ack",
+    "acquire", "renew", "abandon", "read", "release", "trust_read_lease", "trust_renewal", "drop_and_ack",
     # writer side
     "begin_write", "abort", "start_writing",
     # directory

@@ -31,7 +31,7 @@ from .properties import INVARIANTS, TRANSITION_PROPERTIES, Invariant, Transition
 # Every action label the model can produce; an action never taken is reported as uncovered.
 ACTIONS = (
     "tick", "clock_forward", "clock_back",
-    "acquire", "renew", "read", "release",
+    "acquire", "renew", "abandon", "read", "release",
     "begin_write", "abort",
     "grant_read_lease", "refuse_read_lease", "renew_lease", "refuse_renewal", "release_lease",
     "grant_write_lease", "refuse_write_lease", "commit_write", "reject_stale_commit",

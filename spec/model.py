@@ -367,6 +367,13 @@ class Model:
                 b[L.p_kind[n][k]] = P_RENEW
                 renew = message(M_RENEW, n, k, h_id, s[L.h_loc[n][k]], req)
                 out.append(("renew", (n, k), self._pack(b, net + [renew])))
+        if s[L.p_kind[n][k]] != P_NONE:
+            # The client gives up on its request (the directory refused it -- a refusal is an
+            # answer the model does not carry -- or it timed out): a grant or renewal that still
+            # comes answers a request nobody waits for and is ignored.
+            b = bytearray(fixed)
+            b[L.p_kind[n][k]] = b[L.p_id[n][k]] = b[L.p_left[n][k]] = 0
+            out.append(("abandon", (n, k), self._pack(b, net)))
         if h_id != NO_LEASE:
             # A read under a trusted lease: observes the slot (the properties judge what it sees).
             loc = s[L.h_loc[n][k]] - 1

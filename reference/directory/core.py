@@ -135,6 +135,7 @@ from ..wire import (
 )
 
 NO_LEASE = 0  # lease ids start at 1, as in the spec
+COLOCATED_SEPARATOR = "."  # a holder "<node>.<name>" is a client co-located with <node>
 FIRST_LEASE_ID = 1
 FIRST_TICKET = 1
 TICKET_PENDING = "pending"
@@ -1014,9 +1015,13 @@ class DirectoryCore:
             rec = self.records[key]
             if rec.moving_to is not None and rec.moving_to in mine:
                 self._put(attrs.evolve(rec, moving_to=None), effects)  # the copy died with the node
-        for lease in sorted(self._leases_of_node.get(node, ())):
-            self._drop_lease(self.read_leases[lease], "forgotten", effects)
-        self._leases_of_node.pop(node, None)
+        # The node's own leases, and those of the clients co-located with it ("<node>.<name>":
+        # the spec's node is holder, writer and locations in one, and a crash takes them all).
+        holders = [node, *sorted(h for h in self._leases_of_node if h.startswith(node + COLOCATED_SEPARATOR))]
+        for holder in holders:
+            for lease in sorted(self._leases_of_node.get(holder, ())):
+                self._drop_lease(self.read_leases[lease], "forgotten", effects)
+            self._leases_of_node.pop(holder, None)
         if voided:
             self._start_invalidation(voided, effects)
         fences = {key: rec.epoch for key, rec in self.records.items() if rec.epoch > 0}

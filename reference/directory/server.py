@@ -75,6 +75,7 @@ from ..wire import (
     kind_of,
 )
 from .core import (
+    COLOCATED_SEPARATOR,
     DURABLE_EFFECTS,
     TICKET_PENDING,
     CompleteTicket,
@@ -92,7 +93,7 @@ log = logging.getLogger("kvcc.directory")
 
 POOL_LOCATION = "pool"  # the shared pool's location id: every node mounts it
 LOCATION_SEPARATOR = "/"  # "<node>/<tier>"
-HOME_SEPARATOR = "."  # a client id "<node>.<name>" lives next to <node>
+HOME_SEPARATOR = COLOCATED_SEPARATOR  # a client id "<node>.<name>" lives next to <node>
 TIMER_SLACK_MS = 1  # sleep this much past a deadline: the core expires at deadline, not before
 
 

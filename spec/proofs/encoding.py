@@ -422,7 +422,7 @@ class Protocol:
         out: list[Action] = []
         for make in (
             self.tick, self.clock_forward, self.clock_back,
-            self.acquire, self.renew, self.release, self.begin_write, self.abort,
+            self.acquire, self.renew, self.abandon, self.release, self.begin_write, self.abort,
             self.expire_write_lease, self.invalidate, self.invalidate_writing,
             self.complete_invalidation, self.evict_owner, self.evict_draining,
             self.start_transfer, self.cancel_transfer, self.free_drained,
@@ -480,6 +480,11 @@ class Protocol:
 
     def renew(self, s: State) -> Action:
         return self._request(s, "renew", renew=True)
+
+    def abandon(self, s: State) -> Action:
+        n, k = fresh("n", Node), fresh("k", Key)
+        guard = z3.And(s.up[n], s.p_kind[n, k] != P_NONE)
+        return Action("abandon", ("abandon",), {"n": n, "k": k}, guard, s.update(**self._clear_pending(s, n, k)))
 
     def release(self, s: State) -> Action:
         n, k = fresh("n", Node), fresh("k", Key)
