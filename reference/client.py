@@ -209,7 +209,7 @@ class KvccClient:
         # A holder's clock may be off by up to epsilon (DESIGN: leases); tests and the
         # conformance suite's clock-skew fault set this offset on this holder's clock.
         self.clock_offset_ns = 0
-        self.stats = {"hits": 0, "misses": 0, "revoked": 0, "expired_reads": 0}
+        self.stats = {"hits": 0, "misses": 0, "revoked": 0, "expired_reads": 0, "revoked_in_flight": 0}
 
     async def start(self) -> KvccClient:
         await self._ensure_hello()
@@ -419,6 +419,12 @@ class KvccClient:
             self.stats["misses"] += 1
             reason = reply.reason if type(reply) is ReadRefused else REASON_MISS
             return Refused(reason)
+        if not self.trusted(held):
+            # Revoked (dropped and acknowledged) or expired while the bytes were on their way:
+            # serving them now would be a read after the ack (DESIGN 7), or past the holder's
+            # own deadline. The read happens -- and is logged -- only under trust.
+            self.stats["revoked_in_flight"] += 1
+            return Refused(REASON_REVOKED, "revoked or expired while the read was in flight")
         self.stats["hits"] += 1
         self._emit("read", key=held.key, gen=held.gen, epoch=held.epoch, lease=held.lease, location=held.location,
                    nbytes=len(reply.data))  # fmt: skip
