@@ -96,6 +96,11 @@ def cmd_conform(args: argparse.Namespace) -> int:
         print(json.dumps(rep.to_json(), default=str))
     else:
         _summary(rep)
+        if args.out:
+            Console(highlight=False).print(
+                f"report bundle: {args.out} (open {args.out}/report.html in a browser; "
+                f"re-check it with: kvcc certify verify {args.out})"
+            )
     return 0 if rep.certified else 1
 
 
