@@ -485,8 +485,9 @@ class KvccClient:
         state = self._writes.get((wl.key, wl.lease))
         if state == _ABORTED:
             return Refused(REASON_UNKNOWN_LEASE, "aborted")
-        if state != _STORED:
+        if state == _GRANTED:
             return Refused(REASON_NOT_FOUND, "no bytes stored under this write lease")
+        # Stored -- or a lease this client never held, which only the directory can judge.
         reply = await self._ask(Commit(self.client_id, wl.key, wl.lease, wl.gen, wl.epoch))
         self._writes.pop((wl.key, wl.lease), None)
         if type(reply) is CommitRejected:

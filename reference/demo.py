@@ -100,21 +100,29 @@ def run_demo(cluster: Any, block_bytes: int | None = None) -> list[tuple[str, st
     rows.append(("evict", "evict a leased leaf / a block with children / an unleased leaf",
                  f"{_outcome(refused_leased)} / {_outcome(refused_children)} / {_outcome(evicted)}"))
 
-    # 5. a writer that outlives its write lease is fenced where the data lives
-    key = chain_keys(ns, [7] * ns.block_tokens)[0]
+    # 5. writers that outlive their write leases: one paused before its bytes left (they are
+    # fenced where the data lives), one paused between its bytes and its commit (the directory
+    # rejects the late commit); both keys are rewritten meanwhile by engine-b, whose bytes stay.
+    key, key2 = chain_keys(ns, [7] * ns.block_tokens)[0], chain_keys(ns, [8] * ns.block_tokens)[0]
     stale = a.begin_write(ns, key, None)
-    assert not isinstance(stale, Refused), stale
+    stale2 = a.begin_write(ns, key2, None)
+    assert not isinstance(stale, Refused) and not isinstance(stale2, Refused), (stale, stale2)
+    a.write_bytes(stale2, os.urandom(size))  # landed; the commit is what is late
     time.sleep((cluster.lease_term_ms + 3 * cluster.skew_ms) / 1000)  # engine-a "pauses"
-    fresh = b.begin_write(ns, key, None)  # the key is writable again, under a higher epoch
-    assert not isinstance(fresh, Refused), fresh
-    b.write_bytes(fresh, _block(key, size))
-    stored = a.write_bytes(stale, os.urandom(size))  # the paused writer wakes up
-    committed = a.commit(stale)
-    b.commit(fresh)
-    lease = b.acquire(ns, key)
-    intact = not isinstance(lease, Refused) and b.read(lease) == _block(key, size)
-    rows.append(("fencing", f"engine-a pauses past its write lease (epoch {stale.epoch}); engine-b rewrites "
-                 f"(epoch {fresh.epoch}); engine-a wakes, writes and commits",
+    for k in (key, key2):
+        fresh = b.begin_write(ns, k, None)  # writable again, under a higher epoch
+        assert not isinstance(fresh, Refused), fresh
+        b.write_bytes(fresh, _block(k, size))
+        if k == key:
+            stored = a.write_bytes(stale, os.urandom(size))  # the paused writer wakes up
+        b.commit(fresh)
+    committed = a.commit(stale2)
+    intact = True
+    for k in (key, key2):
+        lease = b.acquire(ns, k)
+        intact &= not isinstance(lease, Refused) and b.read(lease) == _block(k, size)
+    rows.append(("fencing", f"engine-a pauses past two write leases (epoch {stale.epoch}); engine-b rewrites both "
+                 f"(epoch {fresh.epoch}); engine-a wakes, writes one and commits the other",
                  f"stale bytes: {'STORED (bug)' if stored is None else stored.reason}; stale commit: "
                  f"{_outcome(committed)}; readers see engine-b's bytes: {intact}"))  # fmt: skip
     return rows
