@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 
 import pytest
 
@@ -304,8 +305,14 @@ def test_kvcc_adapter_node_crash_voids_its_location(kvcc_adapter):
     assert isinstance(a.read(r), Refused)  # the copy is gone with the node: never wrong bytes
     a.restart("n1")
     assert a.lookup("n0", NS, [k0, k1]) == 0  # voided, with its descendant
-    events = a.events()
-    incarnations = {e["incarnation"] for e in events if e["node"] == "n1"}
+    # The frees of the voided copies reach the restarted node's location asynchronously.
+    deadline = time.monotonic() + 10
+    while True:
+        events = a.events()
+        incarnations = {e["incarnation"] for e in events if e["node"] == "n1"}
+        if incarnations == {0, 1} or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     assert incarnations == {0, 1}
     assert "restart_node" in {e["event"] for e in events}
 
