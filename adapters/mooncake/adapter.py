@@ -463,6 +463,7 @@ class MooncakeKvccAdapter(MooncakeDeployment):
             self.logs.emit(node, "acquire", key=key, holder=node)
             reply, effects = self._handle(wire.Acquire(NodeId(node), key, ns.digest(), request))
             if isinstance(reply, wire.LeaseRefused):
+                self.logs.emit(node, "abandon", key=key, result=reply.reason)  # nothing to wait for (spec: abandon)
                 out: ReadGrant | Refused = Refused(reply.reason)
             else:
                 assert isinstance(reply, wire.ReadLeaseGranted)
@@ -499,6 +500,7 @@ class MooncakeKvccAdapter(MooncakeDeployment):
             )
             if isinstance(reply, wire.LeaseRefused):
                 self._held.pop((grant.node, grant.key), None)
+                self.logs.emit(grant.node, "abandon", key=grant.key, lease=grant.lease, result=reply.reason)
                 out: ReadGrant | Refused = Refused(reply.reason)
             else:
                 assert isinstance(reply, wire.LeaseRenewed)
