@@ -258,6 +258,15 @@ class KvccClient:
     def _budget_ns(self, term_ms: int) -> int:
         return holder_budget(term_ms, self.skew_ms) * 1_000_000
 
+    def forget_everything(self) -> None:
+        """The process embedding this client crashed with its node (a co-located client,
+        ``"<node>.<name>"``): every lease it trusted, every request it waited on and every write it
+        had under way are gone. The node's rejoin makes the directory forget them too."""
+        self._leases.clear()
+        self._pending.clear()
+        self._cancelled.clear()
+        self._writes.clear()
+
     async def refresh_nodes(self) -> dict[str, str]:
         reply = await self._ask(ListNodes(0))
         assert type(reply) is NodeList

@@ -851,6 +851,9 @@ class ProcessMachine(RuleBasedStateMachine):
         if rarely:
             return
         self.cluster.kill(node)
+        for c, client in self.clients.items():
+            if PROC_HOME[c] == node:
+                client.forget_everything()  # it crashed with its node
         self.cluster.restart(node)
         for c in self.clients.values():
             c.refresh_nodes()  # the node came back on a new port
@@ -911,6 +914,9 @@ def _validate_trace(cluster) -> str | None:
     return verdict.status
 
 
+PROC_HOME = {"c0": "n1", "c1": "n2"}  # the node each client of the process machine lives next to
+
+
 @pytest.fixture
 def process_cluster(tmp_path):
     from kvcc.reference.cluster import LocalCluster
@@ -919,7 +925,9 @@ def process_cluster(tmp_path):
                            lease_term_ms=PROC_TERM_MS, skew_ms=PROC_EPS_MS,
                            namespaces=[_proc_keys(i)[0] for i in range(1, 40)])  # fmt: skip
     with cluster:
-        clients = {c: cluster.client(c, timeout_ms=PROC_TIMEOUT_MS) for c in CLIENTS}
+        # Each client is co-located with a node ("<node>.<name>": it writes to that node, and the
+        # node's crash is its crash), as the spec's nodes are holder, writer and tiers in one.
+        clients = {c: cluster.client(f"{PROC_HOME[c]}.{c}", timeout_ms=PROC_TIMEOUT_MS) for c in CLIENTS}
         yield cluster, clients
 
 
