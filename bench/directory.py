@@ -265,7 +265,9 @@ def _measure_backend(backend: str, *, clients: int, seconds: float, trials: int,
             workdir / backend, nodes=1, tiers=(f"dram={max(1, keys * BLOCK_BYTES * 2 // (1 << 20) + 1)}MiB",),
             block_bytes=BLOCK_BYTES, namespaces=[bench_namespace()], **kwargs))  # fmt: skip
         directory_pid = cluster.procs["directory"].popen.pid
-        runner = stack.enter_context(asyncio.Runner())
+        from kvcc.reference.loop import loop_factory
+
+        runner = stack.enter_context(asyncio.Runner(loop_factory=loop_factory()))
         load = _Load(cluster, clients, keys)
         try:
             progress(f"{backend}: {clients} clients, committing {keys} blocks")

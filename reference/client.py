@@ -52,7 +52,7 @@ from typing import Any
 from attrs import frozen
 
 from kvcc.spec.keys import BlockKey, LocationId, Namespace
-from kvcc.spec.rules import holder_budget
+from kvcc.spec.rules import REASON_ALREADY_LEASED, holder_budget
 
 from .errors import ConnectionFailed
 from .events import EventLog
@@ -107,6 +107,7 @@ REASON_MISS = "miss"
 REASON_FENCED = "fenced"
 REASON_NO_SPACE = "no_space"
 REASON_UNREACHABLE = "unreachable"
+REASON_BUSY = "busy"  # this client already has a request or write of that key under way
 REASON_NOT_FOUND = "not_found"
 _GRANTED, _STORED, _ABORTED = "granted", "stored", "aborted"  # a write lease's progress here
 SYNC_CALL_TIMEOUT_S = 120.0  # SyncClient: longest any one call may take (WaitTicket included)
@@ -202,6 +203,8 @@ class KvccClient:
         self._pending: dict[BlockKey, int] = {}  # key -> request id of an acquire in flight
         self._cancelled: set[int] = set()  # acquires a Revoke overtook
         self._writes: dict[tuple[BlockKey, int], str] = {}  # (key, write lease) -> progress
+        self._writing: dict[BlockKey, WriteLease | None] = {}  # writes under way: begin_write .. commit/abort
+        self._renewing: set[BlockKey] = set()
         self._nodes: dict[str, str] = {}
         self._peers: dict[str, Client] = {}
         self._acks: set[asyncio.Task] = set()
@@ -266,6 +269,8 @@ class KvccClient:
         self._pending.clear()
         self._cancelled.clear()
         self._writes.clear()
+        self._writing.clear()
+        self._renewing.clear()
 
     async def refresh_nodes(self) -> dict[str, str]:
         reply = await self._ask(ListNodes(0))
@@ -341,7 +346,15 @@ class KvccClient:
         return self._leases.get(key)
 
     async def acquire(self, ns: Namespace | bytes, key: BlockKey) -> ReadLease | Refused:
-        """A new read lease (the directory refuses a holder a second one on the same key)."""
+        """A new read lease. One request per key at a time, and none while a lease on it is
+        trusted (renew that instead): the spec's holder has one slot per key."""
+        held = self._leases.get(key)
+        if held is not None:
+            if self.trusted(held):
+                return Refused(REASON_ALREADY_LEASED, "this client holds a live lease on the key: renew it")
+            del self._leases[key]  # past the holder's own deadline: it trusts it no more
+        if key in self._pending or key in self._renewing:
+            return Refused(REASON_BUSY, "an acquire or renewal of this key is under way here")
         request = next(self._requests)
         sent = self._now_ns()
         self._pending[key] = request
@@ -374,7 +387,16 @@ class KvccClient:
             # the directory may already have let go of (DESIGN 8). Forget it; acquire anew.
             del self._leases[lease.key]
             return Refused(REASON_LEASE_EXPIRED, "the holder's budget ran out")
+        if lease.key in self._renewing:
+            return Refused(REASON_BUSY, "a renewal of this lease is under way here")
         lease = held
+        self._renewing.add(lease.key)
+        try:
+            return await self._renew(lease)
+        finally:
+            self._renewing.discard(lease.key)
+
+    async def _renew(self, lease: ReadLease) -> ReadLease | Refused:
         request = next(self._requests)
         sent = self._now_ns()
         self._emit("renew", key=lease.key, gen=lease.gen, lease=lease.lease, request=request)
@@ -448,6 +470,26 @@ class KvccClient:
     # ------------------------------------------------------------------ writes
 
     async def begin_write(self, ns: Namespace | bytes, key: BlockKey, parent: BlockKey | None) -> WriteLease | Refused:
+        """The key's write lease. One write per key at a time from this client (the spec's writer
+        has one slot per key): a second one while the first is under way is refused here."""
+        if key in self._writing:
+            earlier = self._writing[key]
+            if earlier is None or self._now_ns() < earlier.trusted_until_ns:
+                return Refused(REASON_BUSY, "a write of this key is under way here")
+            self.abort(earlier)  # its lease is over by this writer's own clock: give it up first
+        self._writing[key] = None
+        try:
+            out = await self._begin_write(ns, key, parent)
+        except BaseException:
+            self._writing.pop(key, None)
+            raise
+        if isinstance(out, Refused):
+            self._writing.pop(key, None)
+        else:
+            self._writing[key] = out
+        return out
+
+    async def _begin_write(self, ns: Namespace | bytes, key: BlockKey, parent: BlockKey | None) -> WriteLease | Refused:
         request = next(self._requests)
         sent = self._now_ns()
         digest = _digest(ns)
@@ -499,6 +541,8 @@ class KvccClient:
         # Stored -- or a lease this client never held, which only the directory can judge.
         reply = await self._ask(Commit(self.client_id, wl.key, wl.lease, wl.gen, wl.epoch))
         self._writes.pop((wl.key, wl.lease), None)
+        if self._writing.get(wl.key) == wl:
+            del self._writing[wl.key]
         if type(reply) is CommitRejected:
             return Refused(reply.reason)
         assert type(reply) is Committed
@@ -508,6 +552,8 @@ class KvccClient:
         """Give up the write: the directory expires the write lease; bytes already sent are
         never readable (the generation never commits) and a late one is fenced."""
         if self._writes.get((wl.key, wl.lease)) in (_GRANTED, _STORED):
+            if self._writing.get(wl.key) == wl:
+                del self._writing[wl.key]
             self._writes[(wl.key, wl.lease)] = _ABORTED
             self._emit("abort", key=wl.key, gen=wl.gen, epoch=wl.epoch, lease=wl.lease)
 
@@ -558,7 +604,9 @@ class SyncClient:
     method of ``KvccClient`` is available with the same arguments, blocking."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self._loop = asyncio.new_event_loop()
+        from .loop import loop_factory
+
+        self._loop = loop_factory()()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvcc-client", daemon=True)
         self._thread.start()
         self._client = self._call_sync(self._make(args, kwargs))

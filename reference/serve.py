@@ -264,6 +264,8 @@ def configure_logging(verbose: bool) -> None:
 
 
 def run(coro: Any) -> int:
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(coro)
+    from .loop import loop_factory
+
+    with contextlib.suppress(KeyboardInterrupt), asyncio.Runner(loop_factory=loop_factory()) as runner:
+        runner.run(coro)
     return 0
