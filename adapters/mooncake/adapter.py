@@ -35,8 +35,11 @@ the adapter process, and leaves the bytes to the store:
   holder and writer steps and its location's data-plane steps (log ``n<i>``, a new incarnation
   per restart).
 
-Not supported: ``restart_directory`` (the directory lives in the adapter process; its durable
-log is not wired here), scope-limited transfers (no tiering profile).
+- **Directory restart**: the directory's durable effects go to a SQLite (WAL) log in the run's
+  workdir before anything of the same step leaves; ``restart_directory`` reloads it into a fresh
+  core (a new incarnation and clock) that honours the restart grace.
+
+Not supported: transfers between tiers (no tiering profile).
 """
 
 from __future__ import annotations
@@ -166,7 +169,7 @@ class MooncakeKvccAdapter(MooncakeDeployment):
     def capabilities(self) -> Capabilities:
         return Capabilities(
             profiles=frozenset({"core", "leases", "invalidation", "faults"}),
-            faults=frozenset({"kill", "restart", "pause", "resume", "skew_clock"}),
+            faults=frozenset({"kill", "restart", "pause", "resume", "skew_clock", "restart_directory"}),
             scopes=frozenset({"key", "prefix", "namespace"}),
             events="native",
             leases="enforced",
@@ -182,15 +185,24 @@ class MooncakeKvccAdapter(MooncakeDeployment):
         return STORE_LEASE_MS
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self, ctx) -> None:
+    def _new_core(self, ctx) -> DirectoryCore:
         allowed = frozenset(ns.digest() for ns in ctx.namespaces)
-        self._core = DirectoryCore(
+        return DirectoryCore(
             # One millisecond more than epsilon: the core's clock is whole milliseconds (rounded
             # down), so a lease it grants would otherwise end up to 1 ms before grant + term + eps.
             DirectoryConfig(lease_term_ms=ctx.lease_term_ms, skew_ms=ctx.skew_ms + CLOCK_GRAIN_MS),
             lambda tenant, digest: tenant == TENANT and bytes(digest) in allowed,
             place_write=lambda node, key: LocationId(node),
         )
+
+    def start(self, ctx) -> None:
+        from kvcc.reference.directory.store import DirectoryStore
+
+        self._ctx_for_restart = ctx
+        self._store_path = ctx.workdir / "directory.db"
+        self._store = DirectoryStore(self._store_path)  # the directory's durable log (SQLite WAL)
+        self._store.load()
+        self._core = self._new_core(ctx)
         self._t0_ns = time.monotonic_ns()
         self.logs.log(DIRECTORY_LOG)
         super().start(ctx)
@@ -210,6 +222,12 @@ class MooncakeKvccAdapter(MooncakeDeployment):
             if t is not threading.current_thread():
                 t.join(timeout=5)
         self._threads = []
+        store, self._store = getattr(self, "_store", None), None
+        if store is not None:
+            try:
+                store.close()
+            except Exception:  # noqa: BLE001 - stop never raises
+                pass
         super().stop()
 
     def events(self) -> list[dict] | None:
@@ -241,6 +259,14 @@ class MooncakeKvccAdapter(MooncakeDeployment):
         return reply, self._log_emits(effects)
 
     def _log_emits(self, effects: list) -> list:
+        from kvcc.reference.directory.core import DURABLE_EFFECTS
+
+        durable = [e for e in effects if isinstance(e, DURABLE_EFFECTS)]
+        if durable and getattr(self, "_store", None) is not None:
+            self._store.commit(durable)  # before any reply or directive of this call leaves
+        return self._emit_in_order(effects)
+
+    def _emit_in_order(self, effects: list) -> list:
         # The core emits an invalidation's own step after the steps it caused (a key completed at
         # once because no lease was on it); the spec's order is the invalidation first.
         first = [e for e in effects if isinstance(e, Emit) and e.event in _INVALIDATE_EVENTS]
@@ -265,8 +291,8 @@ class MooncakeKvccAdapter(MooncakeDeployment):
                 with self._changed:
                     self._done_tickets.add(e.ticket.ticket)
                     self._changed.notify_all()
-            # Persist/PersistTicket/ForgetTicket/ReserveLeaseIds: this directory keeps no
-            # durable log (no restart_directory); CopyAt: no transfers are started.
+            # Persist/PersistTicket/ForgetTicket/ReserveLeaseIds: committed in _log_emits;
+            # CopyAt: no transfers are started.
 
     def _timer_loop(self) -> None:
         while not self._stopped.is_set():
@@ -457,6 +483,13 @@ class MooncakeKvccAdapter(MooncakeDeployment):
     def acquire(self, node: str, ns: Namespace, key: BlockKey) -> ReadGrant | Refused:
         self._node_up(node)
         with self._lock:
+            held = self._held.get((node, key))
+            authorized = any(ns.digest() == n.digest() for n in self._ctx_for_restart.namespaces)
+            if held is not None and authorized:
+                if self._node_now_ns(node) < held.trusted_until_ns:
+                    # The spec's holder has one slot per key: renew the lease it trusts instead.
+                    return Refused("already_leased", "this node holds a live lease on the key")
+                del self._held[(node, key)]  # past its own deadline: trusted no more
             sent = time.monotonic_ns()
             own_sent = self._node_now_ns(node)
             request = self.next_id()
@@ -667,7 +700,23 @@ class MooncakeKvccAdapter(MooncakeDeployment):
             self._revokes.put((node, msg))
 
     def restart_directory(self) -> None:
-        raise NotSupported("restart_directory")
+        """The directory crashes and restarts on its durable log (a new incarnation and clock):
+        records and tickets come back, the lease table does not, and for the restart grace it
+        grants nothing that could conflict with a lease it may have issued (DESIGN 12)."""
+        from kvcc.reference.directory.store import DirectoryStore
+
+        with self._lock:
+            self._store.close()
+            self._store = DirectoryStore(self._store_path)
+            loaded = self._store.load()
+            core = self._new_core(self._ctx_for_restart)
+            self._t0_ns = time.monotonic_ns()
+            self.logs.new_incarnation(DIRECTORY_LOG)
+            self._core = core
+            effects = self._log_emits(
+                core.restarted(loaded.records, loaded.next_lease_id, 0, loaded.tickets, loaded.next_ticket)
+            )
+        self._carry_out(effects)
 
 
 def factory() -> MooncakeKvccAdapter:

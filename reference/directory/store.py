@@ -96,7 +96,9 @@ class DirectoryStore:
             raise ValueError(f"synchronous must be one of {_SYNCHRONOUS}: a reply must survive power loss")
         self.path = os.fspath(path)
         # isolation_level=None: we issue BEGIN / COMMIT ourselves, one transaction per commit().
-        self._db = sqlite3.connect(self.path, isolation_level=None)
+        # check_same_thread=False: callers that share one store between threads serialise its use
+        # under their own lock (the conformance adapters do); the directory server uses one thread.
+        self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         mode = self._db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
         if mode.lower() != "wal":
             raise OSError(f"{self.path}: SQLite refused WAL mode (got {mode!r})")
