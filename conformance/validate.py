@@ -176,6 +176,7 @@ REJECT_CODES = (
     "no_spec_step",  # no frontier state can take the event
     "invariant",  # the only spec steps matching the event break a property
 )
+PROPERTY_MEMO_MAX = 200_000  # memoised property verdicts per projection (then the memo starts over)
 INCONCLUSIVE_CODES = ("frontier_limit", "network_limit", "scope_limit")
 
 # Spec steps no process logs: the environment's, and deliveries the receiver ignores (their state
@@ -635,6 +636,7 @@ class _Replay:
     ) -> None:
         self.key, self.roles, self.params = key, roles, params
         self.clock_steps = clock_steps
+        self._property_memo: dict[tuple, str | None] = {}
         tick = params.effective_tick_ms
         nodes = len(roles.nodes)
         for name, value in counts.items():
@@ -916,14 +918,28 @@ class _Replay:
         return old
 
     def _properties(self, lab: str, p: tuple, pre: bytes, post: bytes) -> str | None:
+        """The first property the step breaks, or None. The frontier meets the same steps again
+        and again (one per frontier element that can take them), so verdicts are memoised: the
+        predicates are pure functions of (pre, label, params, post)."""
+        memo = self._property_memo
+        k = (pre, lab, p, post)
+        if k in memo:
+            return memo[k]
+        if len(memo) >= PROPERTY_MEMO_MAX:
+            memo.clear()
         m = self.model
+        verdict = None
         for inv in INVARIANTS:
             if not inv.holds(m, post):
-                return inv.name
-        for tp in TRANSITION_PROPERTIES:
-            if not tp.holds(m, pre, lab, p, post):
-                return tp.name
-        return None
+                verdict = inv.name
+                break
+        else:
+            for tp in TRANSITION_PROPERTIES:
+                if not tp.holds(m, pre, lab, p, post):
+                    verdict = tp.name
+                    break
+        memo[k] = verdict
+        return verdict
 
     # -- the search ----------------------------------------------------------------------------
 
