@@ -34,6 +34,13 @@ connection is closed; a violation found by the session never reaches the handler
 after it on that connection is processed. Any other exception from the handler is our bug: it is
 logged and answered with ``Error("internal")``, and the connection stays up.
 
+*Pushes.* A server may send a message unasked on a connection (``re`` = 0, not an ``Error``):
+a handler keeps ``current_connection.get()`` and later calls its ``push(msg)`` (``False`` once
+the connection is going away: the message is lost, as the network may lose any). The directory
+pushes ``Revoke``, ``Free`` and ``Copy`` this way on the connection a node or client said
+``Hello`` on. A client given ``on_push`` has it called, in its read loop, with each pushed
+message; without one, pushes are counted as stale replies and dropped.
+
 *Client.* ``await client.request(msg, timeout_ms=...)`` connects on first use and reconnects after
 any failure (the next request opens a new connection, with a new session). It never resends a
 request by itself: when a request fails with ``ConnectionFailed`` it may or may not have been
