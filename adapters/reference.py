@@ -71,7 +71,6 @@ class ReferenceAdapter(Adapter):
         self._cluster: Any = None
         self._etcd: Any = None
         self._clients: dict[str, Any] = {}
-        self._incarnation: dict[str, int] = {}
         self._frozen: dict[str, threading.Event] = {}
         self._logs: dict[str, Any] = {}
         self._writes: dict[tuple[str, bytes, int], Any] = {}
@@ -119,7 +118,6 @@ class ReferenceAdapter(Adapter):
                 backend=self.backend, etcd_endpoints=endpoints,
             ).start()  # fmt: skip
             for node in self._cluster.node_ids:
-                self._incarnation[node] = 1
                 self._clients[node] = self._new_client(node)
         except Exception as e:
             self.stop()
