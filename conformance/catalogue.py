@@ -36,7 +36,7 @@ DEFAULT_TIME_LIMIT_S = 60.0
 
 RULES = (
     "read_after_invalidation", "fencing", "evict_under_lease", "caching", "eviction", "lease_ids",
-    "early_completion", "holder_expiry",
+    "early_completion", "holder_expiry", "trace_complete",
 )  # fmt: skip
 
 

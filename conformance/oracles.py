@@ -8,7 +8,10 @@ operation, checks that the answer is a value of the contract (anything else is
 every test whatever it does:
 
 - **exact bytes** (DESIGN 4): a read that returns bytes must return exactly what the suite wrote
-  under the grant that committed that (key, generation);
+  under the grant that committed that (key, generation). A generation is *possibly committed*
+  from the moment the suite calls ``commit`` (the directory may commit it long before the answer
+  arrives): a read overlapping the call may return its bytes, and FAILs only if the commit is
+  then refused. A (key, generation) committed under two write leases FAILs (DESIGN 1);
 - **no stale read** (DESIGN 6/7): once the suite saw an invalidation of a key complete, no read
   under a lease of an older generation may return bytes;
 - **holder deadline** (DESIGN leases): no read may return bytes when it started after the
@@ -101,7 +104,9 @@ class Session:
     history: list[dict] = field(factory=list)
     audit: Audit = field(factory=Audit)
     lock: Any = field(factory=threading.Lock)
-    committed: dict = field(factory=dict)  # (key, gen) -> (bytes, writer node)
+    committed: dict = field(factory=dict)  # (key, gen) -> (bytes, writer node, write lease)
+    committing: dict = field(factory=dict)  # (key, gen) -> {write lease: (bytes, writer node)} while commit runs
+    read_while_committing: dict = field(factory=dict)  # (key, gen, lease) -> history index of the first such read
     pending_bytes: dict = field(factory=dict)  # (key, lease) -> bytes stored
     invalidated_below: dict = field(factory=dict)  # key -> every generation below this is void
     lease_ids: dict = field(factory=dict)  # lease id -> history index of its grant
@@ -196,20 +201,44 @@ class Session:
 
     def commit(self, grant: WriteGrant) -> Committed | Refused:
         t0 = time.monotonic_ns()
-        r = self.adapter.commit(grant)
-        _expect(r, (Committed, Refused), "commit")
+        slot = (grant.key, grant.gen)
+        with self.lock:
+            # The commit may land at the directory at any moment from here on, and its answer
+            # arrive much later: a read overlapping this call may see the new generation, so its
+            # bytes are possibly-committed from the call's start (settled by the answer below).
+            data = self.pending_bytes.get((grant.key, grant.lease))
+            if data is not None and slot not in self.committed:
+                self.committing.setdefault(slot, {})[grant.lease] = (data, grant.node)
+        try:
+            r = self.adapter.commit(grant)
+            _expect(r, (Committed, Refused), "commit")
+        finally:
+            with self.lock:
+                pending = self.committing.get(slot, {})
+                pending.pop(grant.lease, None)
+                if not pending:
+                    self.committing.pop(slot, None)
         i = self._record("commit", grant.node, {"key": grant.key.hex, "lease": grant.lease}, r, t0)
+        with self.lock:
+            early = self.read_while_committing.pop((grant.key, grant.gen, grant.lease), None)
         if isinstance(r, Committed):
             with self.lock:
-                data = self.pending_bytes.get((grant.key, grant.lease))
                 if data is None:
                     raise OracleFailure("CommittedBytesIntact", "a commit was accepted for bytes never stored", i)
                 if r.gen != grant.gen:
                     raise OracleFailure("OneWriterPerGeneration", f"committed gen {r.gen}, granted {grant.gen}", i)
-                self.committed[(grant.key, r.gen)] = (data, grant.node)
-        elif r.reason in ("stale_epoch", "unknown_lease", "lease_expired", "wrong_generation", "fenced"):
-            with self.lock:
-                self.audit.stale_commits_refused += 1
+                first = self.committed.get((grant.key, r.gen))
+                if first is not None and first[2] != grant.lease:
+                    raise OracleFailure("OneWriterPerGeneration", f"generation {r.gen} of {grant.key.hex[:16]} committed "
+                                        f"twice: under lease {first[2]} and again under lease {grant.lease}", i)  # fmt: skip
+                self.committed[(grant.key, r.gen)] = (data, grant.node, grant.lease)
+        else:
+            if early is not None:
+                raise OracleFailure("NoDirtyRead", f"history #{early} read bytes of generation {grant.gen} while its "
+                                    f"commit was under way, and the commit was refused ({r.reason})", i)  # fmt: skip
+            if r.reason in ("stale_epoch", "unknown_lease", "lease_expired", "wrong_generation", "fenced"):
+                with self.lock:
+                    self.audit.stale_commits_refused += 1
         return r
 
     def abort(self, grant: WriteGrant) -> None:
@@ -266,6 +295,17 @@ class Session:
                 if void_below is not None and grant.gen < void_below:
                     raise OracleFailure("NoStaleRead", f"read of generation {grant.gen} after its invalidation completed", i)
                 expected = self.committed.get((grant.key, grant.gen))
+                if expected is None:
+                    # A commit of this generation under way: bytes equal to one of its writers'.
+                    racing = self.committing.get((grant.key, grant.gen), {})
+                    for lease, candidate in racing.items():
+                        if candidate[0] == data:
+                            self.read_while_committing.setdefault((grant.key, grant.gen, lease), i)
+                            expected = (*candidate, lease)
+                            break
+                    else:
+                        if racing:
+                            expected = (*next(iter(racing.values())), None)
                 if expected is None:
                     raise OracleFailure("NoDirtyRead", f"read returned bytes of a generation never committed: {grant.gen}", i)
                 if data != expected[0]:
@@ -345,6 +385,88 @@ class Session:
             if g.lease in self.lease_ids:
                 raise OracleFailure("LeaseIdsFresh", f"lease id {g.lease} granted again (first at history #{self.lease_ids[g.lease]})", i)
             self.lease_ids[g.lease] = i
+
+
+# -- completeness of a native trace ---------------------------------------------------------------------
+
+# Client-side events a served operation implies, one per lease: exactly as many in the trace as the
+# suite saw (a holder or writer logs only what its client did, and the suite is its only client).
+_EXACT_PER_LEASE = ("start_writing", "trust_read_lease", "trust_renewal", "read", "commit_write")
+# Events a served operation implies at least once (a duplicated message may store twice; a
+# deployment may evict on its own; failures may be logged by more than one party).
+_AT_LEAST = ("grant_write_lease", "grant_read_lease", "renew_lease", "store_bytes", "fence_stale_write", "evict",
+             "crash", "restart_node", "restart_directory")  # fmt: skip
+
+
+def _implied(h: dict) -> list[tuple]:
+    """The trace events one history entry implies: ``(event, key, lease)`` (``None`` = any)."""
+    op, res, key, lease = h.get("op"), h.get("result"), h.get("key"), h.get("lease")
+    grant = res.get("WriteGrant") or res.get("ReadGrant") if isinstance(res, dict) else None
+    out: list[tuple] = []
+    if op == "begin_write" and grant:
+        out += [("start_writing", key, grant["lease"]), ("grant_write_lease", key, grant["lease"])]
+    elif op == "acquire" and grant:
+        out += [("trust_read_lease", key, grant["lease"]), ("grant_read_lease", key, grant["lease"])]
+    elif op == "renew" and grant:
+        out += [("trust_renewal", key, lease), ("renew_lease", key, lease)]
+    elif op == "write_bytes" and res == "Stored":
+        out.append(("store_bytes", key, lease))
+    elif op == "write_bytes" and isinstance(res, dict) and res.get("refused") == "fenced":
+        out.append(("fence_stale_write", key, lease))
+    elif op == "commit" and isinstance(res, dict) and "committed" in res:
+        out.append(("commit_write", key, lease))
+    elif op == "read" and isinstance(res, dict) and "bytes" in res:
+        out.append(("read", key, lease))
+    elif op == "evict" and res == "Evicted":
+        out.append(("evict", key, None))
+    elif op == "kill":
+        out.append(("crash", None, None))
+    elif op == "restart":
+        out.append(("restart_node", None, None))
+    elif op == "restart_directory":
+        out.append(("restart_directory", None, None))
+    return out
+
+
+def completeness_problems(history: Sequence[dict], events: Sequence[dict]) -> list[str]:
+    """Cross-check the suite's own history against an adapter's native trace: what each served
+    operation implies must be logged (``_EXACT_PER_LEASE`` exactly once per time the suite saw it,
+    ``_AT_LEAST`` at least), and no client-side event may name a lease for which the suite saw no
+    such operation. An empty list when the trace is complete."""
+    from collections import Counter
+
+    wanted: Counter = Counter()
+    where: dict[tuple, int] = {}
+    for h in history:
+        for sig in _implied(h):
+            wanted[sig] += 1
+            where.setdefault(sig, h.get("i", -1))
+    seen: Counter = Counter()
+    for e in events:
+        if not isinstance(e, dict):
+            continue
+        name = e.get("event")
+        if name == "read" and e.get("result") != "ok":
+            continue  # a miss returned no bytes: the suite saw a refusal
+        if name in _EXACT_PER_LEASE:
+            seen[(name, e.get("key"), e.get("lease"))] += 1
+        elif name in ("evict",):
+            seen[(name, e.get("key"), None)] += 1
+        elif name in _AT_LEAST and name in ("crash", "restart_node", "restart_directory"):
+            seen[(name, None, None)] += 1
+        elif name in _AT_LEAST:
+            seen[(name, e.get("key"), e.get("lease"))] += 1
+    problems = []
+    for sig, n in sorted(wanted.items(), key=lambda kv: where[kv[0]]):
+        if seen[sig] < n:
+            name, key, lease = sig
+            what = name + ("" if key is None else f" of {key[:16]}") + ("" if lease is None else f" lease {lease}")
+            problems.append(f"{what}: history #{where[sig]} implies {n}, the trace has {seen[sig]}")
+    for sig, n in sorted(seen.items(), key=lambda kv: (kv[0][0], str(kv[0][1]), str(kv[0][2]))):
+        if sig[0] in _EXACT_PER_LEASE and n > wanted[sig]:
+            name, key, lease = sig
+            problems.append(f"{name} of {str(key)[:16]} lease {lease}: the trace has {n}, the suite saw {wanted[sig]}")
+    return problems
 
 
 def _expect(value: Any, types: tuple[type, ...], op: str) -> None:

@@ -774,10 +774,86 @@ class TrustsExpiredAdapter(CoreAdapter):
         return trust if trust is not None and trust.lease == grant.lease else None
 
 
+class TrustsPastSkewAdapter(CoreAdapter):
+    """Its holders ignore epsilon the wrong way (the spec's ``holder_ignores_skew``, widened to what
+    a holder that reasons from the directory's side would do): they trust a lease until the
+    directory's own bound, ``term + epsilon``, plus epsilon for their clock -- ``3 * epsilon`` past
+    their deadline (breaks DESIGN leases: a holder stops at expiry - epsilon). Only a read probed
+    inside that window catches it."""
+
+    name = "bad-trusts-past-skew"
+    BROKEN_RULE = "holder_expiry"
+
+    def _trusted(self, n, grant):
+        trust = n.trusts.get(grant.key)
+        if trust is None or trust.lease != grant.lease:
+            return None
+        if self._node_now_ns(n) >= trust.deadline_ns + 3 * self._ctx.skew_ms * 1_000_000:
+            del n.trusts[grant.key]
+            return None
+        return trust
+
+
+class SilentReadsAdapter(CoreAdapter):
+    """Serves reads correctly but leaves every ``read`` out of its log (breaks the trace
+    contract: a native trace that omits what the deployment did validates vacuously)."""
+
+    name = "bad-silent-reads"
+    BROKEN_RULE = "trace_complete"
+
+    def _read_at(self, n, grant, trust):
+        loc = self._nodes.get(trust.location)
+        data = loc.tier.read(grant.key.digest, trust.gen) if loc is not None and loc.alive else None
+        return data if data is not None else Refused("miss")
+
+
 KNOWN_BAD: tuple[type[CoreAdapter], ...] = (
     StaleReadAdapter, NoFencingAdapter, EvictsLeasedAdapter, NeverCachesAdapter, NeverEvictsAdapter,
-    ReusedLeaseIdsAdapter, EarlyCompletionAdapter, TrustsExpiredAdapter,
+    ReusedLeaseIdsAdapter, EarlyCompletionAdapter, TrustsExpiredAdapter, TrustsPastSkewAdapter,
+    SilentReadsAdapter,
 )  # fmt: skip
+
+
+# -- correct adapters the suite must not fail -----------------------------------------------------------
+
+
+class LateCommitAnswerAdapter(CoreAdapter):
+    """Correct, with a slow reply path: the directory commits at once, and the answer reaches the
+    writer only ``answer_delay_s`` later (a loaded network, a writer descheduled under load), or as
+    soon as ``answer_commits`` is set. Readers meanwhile see the new generation, as they may.
+    ``commit_landed`` is set whenever a commit has landed and its answer is held back."""
+
+    name = "late-commit-answer"
+
+    def __init__(self, *, answer_delay_s: float | None = None, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.answer_delay_s = answer_delay_s
+        self.commit_landed = threading.Event()
+        self.answer_commits = threading.Event()
+
+    def commit(self, grant):
+        r = super().commit(grant)  # landed (or refused) at the directory; the lock is released
+        self.commit_landed.set()
+        delay_s = self.answer_delay_s if self.answer_delay_s is not None else self._ctx.lease_term_ms / 4000
+        self.answer_commits.wait(delay_s)
+        return r
+
+
+class InferredCoreAdapter(CoreAdapter):
+    """``CoreAdapter`` declaring ``events="inferred"``: it returns no log, and the suite builds the
+    trace from what it saw (how most vendors start)."""
+
+    name = "core-inferred"
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self._caps = attrs.evolve(self._caps, events="inferred")
+
+    def events(self):
+        return None
+
+
+CORRECT: tuple[type[CoreAdapter], ...] = (CoreAdapter, LateCommitAnswerAdapter, InferredCoreAdapter)
 
 
 # -- adapters that break the contract itself ----------------------------------------------------------------
@@ -810,6 +886,15 @@ class GarbageAdapter(CoreAdapter):
 
     def acquire(self, node, ns, key):
         return {"lease": "yes, probably"}  # type: ignore[return-value]
+
+
+class SilentAdapter(CoreAdapter):
+    """Declares native events and logs none: ``events()`` answers ``[]`` (certifies nothing)."""
+
+    name = "bad-silent"
+
+    def events(self):
+        return []
 
 
 def core_factory() -> CoreAdapter:
