@@ -26,15 +26,22 @@ The session also counts what the audits need (``Audit``): remote leased hits, ev
 evictions refused under a live lease, stale writes fenced, invalidations completed by
 acknowledgement and by expiry.
 
-For an adapter whose events are ``"inferred"`` the session builds the trace from the history:
-the events each call implies, on the node that performed it (``inferred_events``).
+For an adapter whose events are ``"inferred"`` the session builds the trace from what it saw:
+the spec actions each call and its answer imply, on the party that performed them -- the
+holder's or writer's request, the directory's decision (``grant_*`` / ``refuse_*``,
+``commit_write``, ``evict``, ``invalidate`` ...), the location's ``store_bytes`` -- in causal
+order. What the suite cannot see is inferred from what it can: an invalidation it saw complete
+revoked every lease it still held on a voided key (``drop_and_ack`` / ``revoke_acked``, unless
+the holder's own deadline had passed: then it completed by expiry) and then completed each
+voided generation; a refusal a correct client gives without asking (a lease it no longer trusts,
+a second lease or write of a key it is busy with) implies no event at all.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from attrs import define, field
@@ -52,7 +59,10 @@ from .contract import (
     WriteGrant,
 )
 
-INFERRED_INCARNATION = 0
+INFERRED_INCARNATION = 0  # a node's first incarnation in an inferred trace (a restart takes the next)
+INFERRED_DIRECTORY = "directory"  # the node name of the directory's inferred events
+# Refusals a correct client gives on its own, without asking the directory (no event).
+LOCAL_REFUSALS = frozenset({"already_leased", "busy"})
 
 
 class OracleFailure(AssertionError):
@@ -112,8 +122,20 @@ class Session:
     lease_ids: dict = field(factory=dict)  # lease id -> history index of its grant
     deadlines_ns: dict = field(factory=dict)  # (node, lease) -> holder deadline (suite clock)
     snapshots: dict = field(factory=dict)  # ticket id -> {key: top generation committed at its start}
+    voiding: dict = field(factory=dict)  # ticket id -> {key: generation it voids}, until it completes (inference)
     inferred: list[dict] = field(factory=list)
     infer: bool = False
+    # What inference needs to know beyond the oracles' state:
+    parents: dict = field(factory=dict)  # key -> parent key (None for a root), from begin_write
+    key_ns: dict = field(factory=dict)  # key -> namespace digest
+    writing: dict = field(factory=dict)  # (key, write lease) -> the grant, until its bytes land or are fenced
+    read_grants: dict = field(factory=dict)  # (node, read lease) -> the grant, while the holder trusts it
+    copies: dict = field(factory=dict)  # key -> location of its committed copy
+    incarnations: dict = field(factory=dict)  # node -> incarnation of its inferred log
+    open_writes: dict = field(factory=dict)  # key -> its uncommitted write grant at the directory
+    completed: dict = field(factory=dict)  # key -> every generation below this completed an invalidation
+    down: set = field(factory=set)  # nodes killed and not restarted
+    seqs: dict = field(factory=dict)  # (node, incarnation) -> last seq
     stopped: Any = field(factory=threading.Event)
 
     # -- plumbing --------------------------------------------------------------------------------
@@ -137,13 +159,23 @@ class Session:
         if not self.infer:
             return
         with self.lock:
-            seq = sum(1 for e in self.inferred if e["node"] == node) + 1
-            rec = {"node": node, "incarnation": INFERRED_INCARNATION, "seq": seq, "t_local_ns": time.monotonic_ns(),
+            inc = self.incarnations.get(node, INFERRED_INCARNATION)
+            seq = self.seqs[(node, inc)] = self.seqs.get((node, inc), 0) + 1
+            rec = {"node": node, "incarnation": inc, "seq": seq, "t_local_ns": time.monotonic_ns(),
                    "t_wall_ns": time.time_ns(), "event": event, "key": None, "gen": None, "epoch": None, "lease": None,
                    "result": None, "inferred": True}  # fmt: skip
             for k, v in fields.items():
                 rec[k] = v.hex if isinstance(v, BlockKey) else v
             self.inferred.append(rec)
+
+    def _emit_dir(self, event: str, **fields: Any) -> None:
+        self._emit(INFERRED_DIRECTORY, event, **fields)
+
+    def _trusted_ns(self, node: str, lease: int, now_ns: int) -> bool:
+        """Whether a correct holder still trusts ``lease`` at ``now_ns`` (suite clock): granted,
+        not released or revoked, its own deadline not passed."""
+        deadline = self.deadlines_ns.get((node, lease))
+        return deadline is not None and (node, lease) in self.read_grants and now_ns < deadline
 
     def check(self, condition: bool, rule: str, detail: str) -> None:
         """A per-test oracle: FAIL with ``rule`` unless ``condition``."""
@@ -174,29 +206,91 @@ class Session:
 
     def begin_write(self, node: str, ns: Namespace, key: BlockKey, parent: BlockKey | None) -> WriteGrant | Refused:
         t0 = time.monotonic_ns()
-        self._emit(node, "begin_write", key=key)
+        if self.infer:
+            with self.lock:
+                self.parents.setdefault(key, parent)
+                self.key_ns.setdefault(key, ns.digest())
+        # The request is logged when it leaves, unless the answer says the client never sent it.
+        sent = self._emit_later(node, "begin_write", key=key)
         g = self.adapter.begin_write(node, ns, key, parent)
         _expect(g, (WriteGrant, Refused), "begin_write")
         i = self._record("begin_write", node, {"key": key.hex}, g, t0)
+        parent_hex = None if parent is None else parent.hex
         if isinstance(g, WriteGrant):
             self._check_grant(g, node, key, i)
+            sent()
+            self._infer_key_free(key, g)
+            self._emit_dir("grant_write_lease", key=key, gen=g.gen, epoch=g.epoch, lease=g.lease, writer=node,
+                           location=g.location, parent=parent_hex, namespace=ns.digest().hex())  # fmt: skip
             self._emit(node, "start_writing", key=key, gen=g.gen, epoch=g.epoch, lease=g.lease, location=g.location)
+            with self.lock:
+                self.writing[(key, g.lease)] = g
+        elif g.reason not in LOCAL_REFUSALS:
+            sent()
+            self._emit_dir("refuse_write_lease", key=key, writer=node, result=g.reason, parent=parent_hex)
+            self._emit(node, "abort", key=key)  # the client gives up on this write
         return g
+
+    def _infer_key_free(self, key: BlockKey, grant: WriteGrant) -> None:
+        """A new write of ``key`` was granted, so the key was ABSENT: what made it so and the
+        suite could not see happened first -- the previous write lease expired, or a committed
+        generation whose copy was lost in a crash was invalidated and completed."""
+        if not self.infer:
+            return
+        with self.lock:
+            earlier = self.open_writes.pop(key, None)
+            self.open_writes[key] = grant
+            tops = [gen for (k, gen) in self.committed if k == key and gen >= self.completed.get(key, 0)]
+            if tops:
+                self.completed[key] = max(tops) + 1
+        if earlier is not None and earlier.lease != grant.lease:
+            name = "expire_write_lease_of_crashed" if earlier.node in self.down else "expire_write_lease"
+            self._emit_dir(name, key=key, lease=earlier.lease, writer=earlier.node)
+        if tops:
+            self._emit_dir("complete_invalidation", key=key, gen=max(tops))
+
+    def _emit_later(self, node: str, event: str, **fields: Any) -> Callable[[], None]:
+        """An event of a request whose answer decides whether it was sent: call the result to log
+        it, stamped with the time it was sent (now)."""
+        if not self.infer:
+            return lambda: None
+        t_local, t_wall = time.monotonic_ns(), time.time_ns()
+
+        def emit() -> None:
+            self._emit(node, event, **fields)
+            with self.lock:
+                self.inferred[-1]["t_local_ns"] = min(self.inferred[-1]["t_local_ns"], max(t_local, self._last_local(node)))
+                self.inferred[-1]["t_wall_ns"] = t_wall
+
+        return emit
+
+    def _last_local(self, node: str) -> int:
+        """The last t_local_ns of ``node``'s current inferred log before its newest event."""
+        inc = self.incarnations.get(node, INFERRED_INCARNATION)
+        for e in reversed(self.inferred[:-1]):
+            if e["node"] == node and e["incarnation"] == inc:
+                return e["t_local_ns"]
+        return 0
 
     def write_bytes(self, grant: WriteGrant, data: bytes) -> Stored | Refused:
         t0 = time.monotonic_ns()
         r = self.adapter.write_bytes(grant, data)
         _expect(r, (Stored, Refused), "write_bytes")
         self._record("write_bytes", grant.node, {"key": grant.key.hex, "lease": grant.lease, "bytes": len(data)}, r, t0)
-        fields = dict(key=grant.key, gen=grant.gen, epoch=grant.epoch, lease=grant.lease, location=grant.location)
+        fields = dict(key=grant.key, gen=grant.gen, epoch=grant.epoch, lease=grant.lease, location=grant.location,
+                      writer=grant.node)  # fmt: skip
+        host = grant.location.partition("/")[0]  # a location "<host>/<tier>" logs as its host
         if isinstance(r, Stored):
             with self.lock:
                 self.pending_bytes[(grant.key, grant.lease)] = bytes(data)
-            self._emit(grant.location, "store_bytes", **fields)
+                landed = self.writing.pop((grant.key, grant.lease), None) is not None
+            if landed:  # the spec's writer sends its bytes once; a second store is the same bytes
+                self._emit(host, "store_bytes", **fields)
         elif r.reason == "fenced":
             with self.lock:
                 self.audit.fenced_writes += 1
-            self._emit(grant.location, "fence_stale_write", **fields)
+                self.writing.pop((grant.key, grant.lease), None)
+            self._emit(host, "fence_stale_write", **fields)
         return r
 
     def commit(self, grant: WriteGrant) -> Committed | Refused:
@@ -222,7 +316,11 @@ class Session:
         with self.lock:
             early = self.read_while_committing.pop((grant.key, grant.gen, grant.lease), None)
         if isinstance(r, Committed):
+            self._emit_dir("commit_write", key=grant.key, gen=r.gen, epoch=r.epoch, lease=grant.lease, writer=grant.node)
             with self.lock:
+                self.copies[grant.key] = grant.location
+                if self.open_writes.get(grant.key) == grant:
+                    del self.open_writes[grant.key]
                 if data is None:
                     raise OracleFailure("CommittedBytesIntact", "a commit was accepted for bytes never stored", i)
                 if r.gen != grant.gen:
@@ -233,6 +331,10 @@ class Session:
                                         f"twice: under lease {first[2]} and again under lease {grant.lease}", i)  # fmt: skip
                 self.committed[(grant.key, r.gen)] = (data, grant.node, grant.lease)
         else:
+            if data is not None and r.reason not in ("not_found", *LOCAL_REFUSALS):
+                # Stored bytes sent the spec's commit; the directory turned it down.
+                self._emit_dir("reject_stale_commit", key=grant.key, lease=grant.lease, writer=grant.node,
+                               epoch=grant.epoch, result=r.reason)  # fmt: skip
             if early is not None:
                 raise OracleFailure("NoDirtyRead", f"history #{early} read bytes of generation {grant.gen} while its "
                                     f"commit was under way, and the commit was refused ({r.reason})", i)  # fmt: skip
@@ -245,24 +347,42 @@ class Session:
         t0 = time.monotonic_ns()
         self.adapter.abort(grant)
         self._record("abort", grant.node, {"key": grant.key.hex, "lease": grant.lease}, None, t0)
-        self._emit(grant.node, "abort", key=grant.key, lease=grant.lease)
+        with self.lock:
+            under_way = self.writing.pop((grant.key, grant.lease), None) is not None
+        if under_way:  # a write whose bytes landed or were fenced is over: nothing to abort
+            self._emit(grant.node, "abort", key=grant.key, gen=grant.gen, epoch=grant.epoch, lease=grant.lease)
 
     def acquire(self, node: str, ns: Namespace, key: BlockKey) -> ReadGrant | Refused:
         t0 = time.monotonic_ns()
-        self._emit(node, "acquire", key=key)
+        sent = self._emit_later(node, "acquire", key=key)
         g = self.adapter.acquire(node, ns, key)
         _expect(g, (ReadGrant, Refused), "acquire")
         i = self._record("acquire", node, {"key": key.hex}, g, t0)
         if isinstance(g, ReadGrant):
             self._check_grant(g, node, key, i)
+            if self.infer:
+                self._infer_revoked(node, key, t0)
             with self.lock:
                 self.deadlines_ns[(node, g.lease)] = t0 + (g.term_ms - self.skew_ms) * 1_000_000
+                self.read_grants[(node, g.lease)] = g
+            sent()
+            self._emit_dir("grant_read_lease", key=key, gen=g.gen, epoch=g.epoch, lease=g.lease, holder=node,
+                           location=g.location)  # fmt: skip
             self._emit(node, "trust_read_lease", key=key, gen=g.gen, epoch=g.epoch, lease=g.lease, location=g.location)
+        elif g.reason not in LOCAL_REFUSALS:
+            if self.infer:
+                self._infer_revoked(node, key, t0)
+            sent()
+            self._emit_dir("refuse_read_lease", key=key, holder=node, result=g.reason)
+            self._emit(node, "abandon", key=key, result=g.reason)  # a refusal answers: the holder stops waiting
         return g
 
     def renew(self, grant: ReadGrant) -> ReadGrant | Refused:
         t0 = time.monotonic_ns()
-        self._emit(grant.node, "renew", key=grant.key, lease=grant.lease)
+        with self.lock:
+            # A holder that no longer trusts the lease refuses on its own, without asking.
+            asks = self._trusted_ns(grant.node, grant.lease, t0)
+        sent = self._emit_later(grant.node, "renew", key=grant.key, lease=grant.lease) if asks else (lambda: None)
         g = self.adapter.renew(grant)
         _expect(g, (ReadGrant, Refused), "renew")
         i = self._record("renew", grant.node, {"key": grant.key.hex, "lease": grant.lease}, g, t0)
@@ -274,7 +394,13 @@ class Session:
                 if old is not None and t0 > old + self.skew_ms * 1_000_000:
                     raise OracleFailure("RenewalNeverRevives", f"lease {grant.lease} renewed after its deadline", i)
                 self.deadlines_ns[(grant.node, grant.lease)] = t0 + (g.term_ms - self.skew_ms) * 1_000_000
+            sent()
+            self._emit_dir("renew_lease", key=grant.key, lease=grant.lease, holder=grant.node)
             self._emit(grant.node, "trust_renewal", key=grant.key, gen=g.gen, epoch=g.epoch, lease=g.lease)
+        elif asks and g.reason not in LOCAL_REFUSALS:
+            sent()
+            self._emit_dir("refuse_renewal", key=grant.key, lease=grant.lease, holder=grant.node, result=g.reason)
+            self._emit(grant.node, "abandon", key=grant.key, lease=grant.lease, result=g.reason)
         return g
 
     def read(self, grant: ReadGrant) -> bytes | Refused:
@@ -315,6 +441,9 @@ class Session:
                     self.audit.remote_hits += 1
             self._emit(grant.node, "read", key=grant.key, gen=grant.gen, epoch=grant.epoch, lease=grant.lease,
                        location=grant.location, result="ok")  # fmt: skip
+        elif data.reason == "miss" and self._trusted_ns(grant.node, grant.lease, t0):
+            self._emit(grant.node, "read", key=grant.key, gen=grant.gen, epoch=grant.epoch, lease=grant.lease,
+                       location=grant.location, result="miss")  # fmt: skip
         return data
 
     def release(self, grant: ReadGrant) -> None:
@@ -322,8 +451,12 @@ class Session:
         self.adapter.release(grant)
         self._record("release", grant.node, {"key": grant.key.hex, "lease": grant.lease}, None, t0)
         with self.lock:
+            trusted = self._trusted_ns(grant.node, grant.lease, t0)
             self.deadlines_ns.pop((grant.node, grant.lease), None)
-        self._emit(grant.node, "release", key=grant.key, lease=grant.lease)
+            self.read_grants.pop((grant.node, grant.lease), None)
+        if trusted:  # a lease the holder no longer trusts is let go without a message
+            self._emit(grant.node, "release", key=grant.key, gen=grant.gen, lease=grant.lease)
+            self._emit_dir("release_lease", key=grant.key, lease=grant.lease, holder=grant.node)
 
     def invalidate(self, node: str, ns: Namespace, scope: str, key: BlockKey | None) -> InvalidationTicket:
         t0 = time.monotonic_ns()
@@ -337,7 +470,33 @@ class Session:
         self._record("invalidate", node, {"scope": scope, "key": None if key is None else key.hex}, t, t0)
         with self.lock:
             self.snapshots[t.id] = snapshot
+            if self.infer:
+                subtree, self.voiding[t.id] = self._voided(ns.digest(), scope, key)
+                for k in subtree:
+                    self.open_writes.pop(k, None)  # a write under way below is aborted at once
+        if scope == "namespace":
+            self._emit_dir("invalidate_namespace", namespace=ns.digest().hex())
+        else:
+            self._emit_dir("invalidate", key=key)
         return t
+
+    def _voided(self, digest: bytes, scope: str, key: BlockKey | None) -> tuple[set, dict[BlockKey, int]]:
+        """The keys an invalidation reaches (a key's subtree, or a namespace) and the committed
+        generation of each it voids."""
+        if scope == "namespace":
+            keys = {k for k, d in self.key_ns.items() if d == digest}
+        else:
+            keys, frontier = {key}, [key]
+            while frontier:
+                k = frontier.pop()
+                children = [c for c, p in self.parents.items() if p == k and c not in keys]
+                keys.update(children)
+                frontier += children
+        out: dict[BlockKey, int] = {}
+        for k, gen in self.committed:
+            if k in keys and gen >= self.completed.get(k, 0):
+                out[k] = max(out.get(k, -1), gen)
+        return keys, out
 
     def wait_invalidation(self, ticket: InvalidationTicket, timeout_s: float, voids: Sequence[BlockKey] = ()) -> bool:
         """Wait; on completion every generation of ``voids`` committed before the invalidation
@@ -347,6 +506,8 @@ class Session:
         if type(done) is not bool:
             raise GarbageAnswer(f"wait_invalidation answered {done!r:.80}")
         self._record("wait_invalidation", None, {"ticket": ticket.id}, done, t0)
+        if done and self.infer:
+            self._infer_completion(ticket)
         if done:
             with self.lock:
                 snapshot = self.snapshots.get(ticket.id, {})
@@ -355,6 +516,42 @@ class Session:
                     if top is not None:
                         self.invalidated_below[key] = max(self.invalidated_below.get(key, 0), top + 1)
         return done
+
+    def _infer_completion(self, ticket: InvalidationTicket) -> None:
+        """The invalidation completed: every lease the suite's holders still trusted on a voided
+        key was revoked and acknowledged (a holder past its own deadline had nothing to drop: its
+        lease expired), then each voided generation completed."""
+        now = time.monotonic_ns()
+        with self.lock:
+            voided = self.voiding.pop(ticket.id, None)
+            if voided is None:
+                return  # completed before (a second wait on the ticket)
+            acks = [g for (n, lease), g in sorted(self.read_grants.items(), key=lambda kv: kv[0][1])
+                    if g.key in voided and g.gen <= voided[g.key] and self._trusted_ns(n, lease, now)]  # fmt: skip
+            for g in acks:
+                self.read_grants.pop((g.node, g.lease), None)
+            for key, gen in voided.items():
+                self.completed[key] = max(self.completed.get(key, 0), gen + 1)
+        self._emit_acks(acks)
+        for key, gen in voided.items():
+            self._emit_dir("complete_invalidation", key=key, gen=gen)
+
+    def _emit_acks(self, acks: Sequence[ReadGrant]) -> None:
+        for g in acks:
+            self._emit(g.node, "drop_and_ack", key=g.key, gen=g.gen, lease=g.lease)
+            self._emit_dir("revoke_acked", key=g.key, lease=g.lease, holder=g.node)
+
+    def _infer_revoked(self, node: str, key: BlockKey, now_ns: int) -> None:
+        """``node`` asked for a new lease on ``key`` while the suite thought it trusted one: if an
+        invalidation of the key is under way, the revocation reached it first (a holder that
+        acquires while trusting is left for the validator to reject)."""
+        with self.lock:
+            voiding = any(key in v for v in self.voiding.values())
+            acks = [g for (n, lease), g in self.read_grants.items()
+                    if n == node and g.key == key and self._trusted_ns(n, lease, now_ns)] if voiding else []  # fmt: skip
+            for g in acks:
+                self.read_grants.pop((g.node, g.lease), None)
+        self._emit_acks(acks)
 
     def evict(self, node: str, ns: Namespace, key: BlockKey, *, leased: bool = False) -> Evicted | Refused:
         """``leased``: the workload knows a live lease names this copy (for the audit)."""
@@ -367,6 +564,18 @@ class Session:
                 self.audit.evictions += 1
             elif r.reason == "leased" and leased:
                 self.audit.refused_evictions_leased += 1
+            location = self.copies.get(key, node)
+        if location.partition("/")[0] != node:
+            location = node
+        if isinstance(r, Evicted):
+            self._emit_dir("evict", key=key, location=location)
+            with self.lock:
+                if self.copies.get(key) == location:
+                    # The owner's copy went: the generation ended with it (lookup finds nothing).
+                    tops = [gen for (k, gen) in self.committed if k == key]
+                    self.completed[key] = max([self.completed.get(key, 0), *(t + 1 for t in tops)])
+        elif r.reason == "leased":
+            self._emit_dir("evict_refused", key=key, location=location)
         return r
 
     # faults: recorded, never checked here
@@ -375,8 +584,29 @@ class Session:
         t0 = time.monotonic_ns()
         getattr(self.adapter, op)(*args)
         self._record(op, args[0] if args else None, {"args": list(args)}, None, t0)
-        if op in ("kill", "restart", "restart_directory"):
-            self._emit(args[0] if args else "directory", {"kill": "crash", "restart": "restart_node"}.get(op, op))
+        if not self.infer:
+            return
+        if op == "kill":
+            node = args[0]
+            self._emit(node, "crash", lose_disk=True)
+            with self.lock:
+                # Its volatile state is gone: no trust, no write under way survives a crash.
+                for held in [h for h in self.read_grants if h[0] == node]:
+                    self.read_grants.pop(held)
+                for w in [w for w, g in self.writing.items() if g.node == node]:
+                    self.writing.pop(w)
+                self.incarnations[node] = self.incarnations.get(node, INFERRED_INCARNATION) + 1
+                self.down.add(node)
+        elif op == "restart":
+            node = args[0]
+            with self.lock:
+                self.down.discard(node)
+                lost = sorted({loc for loc in self.copies.values() if loc.partition("/")[0] == node} | {node})
+            self._emit_dir("restart_node", rejoined=node, lost=lost)
+        elif op == "restart_directory":
+            with self.lock:
+                self.incarnations[INFERRED_DIRECTORY] = self.incarnations.get(INFERRED_DIRECTORY, INFERRED_INCARNATION) + 1
+            self._emit_dir("restart_directory")
 
     def _check_grant(self, g: WriteGrant | ReadGrant, node: str, key: BlockKey, i: int) -> None:
         if g.node != node or g.key != key:
