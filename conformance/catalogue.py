@@ -243,8 +243,9 @@ def catalogue_markdown() -> str:
         "`kvcc conform --catalogue-md`; do not edit by hand.",
         "",
         "The key words MUST, MUST NOT, SHOULD and MAY are to be read as in RFC 2119. A profile is certified "
-        "when every required test of it PASSes and every trace validates (`kvcc certify verify`). Tests "
-        "numbered 9xx are audits over the counts of their profile's other tests.",
+        "when every required test of it PASSes with its trace ACCEPTED by the validator (`kvcc certify verify` "
+        "re-validates them): a trace that is missing, empty, incomplete against the suite's own history, or "
+        "INCONCLUSIVE never counts. Tests numbered 9xx are audits over the counts of their profile's other tests.",
         "",
         "| profile | tests | required |",
         "|---|---|---|",
