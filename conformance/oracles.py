@@ -268,16 +268,27 @@ class Session:
         generation whose copy was lost in a crash was invalidated and completed."""
         if not self.infer:
             return
+        acks: list[ReadGrant] = []
         with self.lock:
             earlier = self.open_writes.pop(key, None)
             self.open_writes[key] = grant
             tops = [gen for (k, gen) in self.committed if k == key and gen >= self.completed.get(key, 0)]
             if tops:
                 self.completed[key] = max(tops) + 1
+                # Its leases were revoked and acknowledged, or ran out, before it completed.
+                since = min([t for tid, t in self.voiding_since.items() if key in self.voiding.get(tid, ())],
+                            default=time.monotonic_ns())  # fmt: skip
+                acks = [g for (n, lease), g in sorted(self.read_grants.items(), key=lambda kv: kv[0][1])
+                        if g.key == key and g.gen <= max(tops) and self._live_at_directory(n, lease, since)]  # fmt: skip
+                for g in acks:
+                    self.read_grants.pop((g.node, g.lease), None)
+                for voided in self.voiding.values():
+                    voided.pop(key, None)  # completed: no longer INVALIDATING for later invalidations
         if earlier is not None and earlier.lease != grant.lease:
             name = "expire_write_lease_of_crashed" if earlier.node in self.down else "expire_write_lease"
             self._emit_dir(name, key=key, lease=earlier.lease, writer=earlier.node)
         if tops:
+            self._emit_acks(acks)
             self._emit_dir("complete_invalidation", key=key, gen=max(tops))
 
     def _emit_later(self, node: str, event: str, **fields: Any) -> Callable[[], None]:
