@@ -752,8 +752,8 @@ def completeness_problems(history: Sequence[dict], events: Sequence[dict]) -> li
         if not isinstance(e, dict):
             continue
         name = e.get("event")
-        if name == "read" and e.get("result") != "ok":
-            continue  # a miss returned no bytes: the suite saw a refusal
+        if name == "read" and e.get("result") not in ("ok", None):
+            continue  # a miss returned no bytes: the suite saw a refusal (no result: bytes returned)
         if name in _EXACT_PER_LEASE:
             seen[(name, e.get("key"), e.get("lease"))] += 1
         elif name in ("evict",):
