@@ -107,6 +107,7 @@ from .rules import (
     may_grant_read,
     may_release,
     may_renew,
+    free_retry_due,
     may_retry_free,
     may_start_transfer,
     next_epoch,
@@ -293,15 +294,23 @@ class Model:
                 return True
         return False
 
-    def free_retry_due(self, s: bytes, k: int, loc: int) -> bool:
-        """May (and so must, before time passes) the directory re-send its owed Free to ``loc``?"""
+    def free_retry_enabled(self, s: bytes, k: int, loc: int) -> bool:
+        """May the directory re-send its owed Free to ``loc`` (its retry timer fires whenever)?"""
         L = self.L
         owed = s[L.to_free[loc][k]]
         if owed == 0 or "free_not_retried" in self.bugs:
             return False
         if len(s) >= L.fixed + MESSAGE_WIDTH * self.cfg.max_messages:
             return False  # nothing can be sent into a full network; the retry waits for room
-        return may_retry_free(owed, self.location_up(s, loc), self.answer_on_its_way(s, k, loc + 1, owed))
+        return may_retry_free(owed, self.location_up(s, loc))
+
+    def free_retry_is_due(self, s: bytes, k: int, loc: int) -> bool:
+        """Must the directory re-send it before time passes (nothing of it is on its way)?"""
+        L = self.L
+        owed = s[L.to_free[loc][k]]
+        return self.free_retry_enabled(s, k, loc) and free_retry_due(
+            owed, True, self.answer_on_its_way(s, k, loc + 1, owed)
+        )
 
     def orphaned(self, s: bytes, loc: int, k: int) -> bool:
         """Ghost condition: an up location holds an ended generation's bytes, no Free it would take
@@ -357,7 +366,7 @@ class Model:
             elif phase == INVALIDATING and self.completion_enabled(s, k):
                 return True
             for loc in range(self.LOCS):
-                if s[L.to_free[loc][k]] and self.free_retry_due(s, k, loc):
+                if s[L.to_free[loc][k]] and self.free_retry_is_due(s, k, loc):
                     return True
         return False
 
@@ -565,8 +574,9 @@ class Model:
         L, cfg = self.L, self.cfg
         phase = s[L.phase[k]]
         for loc in range(self.LOCS):
-            if s[L.to_free[loc][k]] and self.free_retry_due(s, k, loc):
-                # The owed Free or its Freed was lost (or a down location swallowed it): again.
+            if s[L.to_free[loc][k]] and self.free_retry_enabled(s, k, loc):
+                # The owed Free or its Freed may have been lost (or a down location swallowed
+                # it): again. Idempotent at the location; due once nothing of it is on its way.
                 rest = list(net)
                 self._send(rest, message(M_FREE, 0, k, loc + 1, 0, 0, s[L.to_free[loc][k]]))
                 out.append(("retry_free", (k, loc), self._pack(bytearray(fixed), rest)))

@@ -68,7 +68,7 @@ MUTANTS: dict[str, Mutant] = {
                "the directory refuses a lease request without telling the requester"),
         Mutant("holder-never-times-out", ("holder_never_times_out",), "RequestEndsInTime", "tiny",
                "a holder waits for the answer to a lost request forever"),
-        Mutant("revoke-keeps-pending-acquire", ("revoke_keeps_pending_acquire",), "NoReadAfterAck", "small",
+        Mutant("revoke-keeps-pending-acquire", ("revoke_keeps_pending_acquire",), "NoReadAfterAck", "tiny",
                "a holder acks a revocation that overtook its grant, then trusts the grant when it arrives"),
         Mutant("writer-never-gives-up", ("writer_never_gives_up",), "Deadlock", "tiny",
                "a writer without a timeout waits forever for the answer to a lost BeginWrite: nothing can happen any more"),

@@ -292,11 +292,18 @@ def free_acknowledged(owed_epoch: int, freed_epoch: int) -> bool:
     return owed_epoch != 0 and freed_epoch >= owed_epoch
 
 
-def may_retry_free(owed_epoch: int, location_up: bool, answer_pending: bool) -> bool:
-    """Re-send an owed Free to a location that is up when neither the Free nor its ``Freed`` is
-    on its way (one was lost, or a down location swallowed it). The retry is the directory's timer:
-    the model fires it before time passes."""
-    return owed_epoch != 0 and location_up and not answer_pending
+def may_retry_free(owed_epoch: int, location_up: bool) -> bool:
+    """Re-send an owed Free to a location that is up. The retry is the directory's timer: it cannot
+    tell a lost Free (or Freed) from a slow one, so it may re-send either way; it must re-send
+    when neither is on its way (``free_retry_due``)."""
+    return owed_epoch != 0 and location_up
+
+
+def free_retry_due(owed_epoch: int, location_up: bool, answer_pending: bool) -> bool:
+    """The retry timer is due: a Free is owed to an up location and neither it nor its ``Freed``
+    is on its way (one was lost, or a down location swallowed it). The model fires it before time
+    passes."""
+    return may_retry_free(owed_epoch, location_up) and not answer_pending
 
 
 # -- eviction and transfer ------------------------------------------------------------------------
