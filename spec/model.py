@@ -93,7 +93,6 @@ from .rules import (
     directory_view,
     down_owner_invalidates,
     failover_deadline,
-    fence_accepts,
     free_acknowledged,
     free_takes,
     holder_budget,
