@@ -10,13 +10,22 @@ epsilon. The state stores no absolute time: every deadline is a counter of ticks
 that owns it*, so "the same situation, later" is one state (time normalisation). The model steps
 clocks only in the harmful direction (the directory's ahead, holders' behind), each by at most
 epsilon over a run: the opposite steps only shorten what holders trust, so they add states but
-no behaviour that could break safety.
+no behaviour that could break safety. A configuration with ``directory_clock_lags`` steps the
+directory's clock *behind* instead: harmless for safety, it is the direction that delays the
+directory's timers, so the bounded-response deadlines are checked under it.
 
 - ``tick`` advances true time by one: every counter runs down by one; a counter that reaches zero
   has expired (its lease is dropped, its request abandoned). A clock step moves only the counters of
   that clock. ``tick`` is disabled while an *urgent* directory action is enabled (expiring a write
-  lease whose time is up, completing an invalidation that may complete): the directory's timers fire
-  on time. That makes progress checkable as bounded response.
+  lease whose time is up, completing an invalidation that may complete, re-sending an owed Free of
+  which nothing is on its way, declaring down a node whose failure-detection time ran out): the
+  directory's timers fire on time. A tick that changes nothing (no counter or ghost runs) is not a
+  step, so a state where nothing else can happen is a deadlock the checker reports.
+- Ghost variables (``ghost.*``) record ages in true ticks and a little history; no step reads
+  them, the progress properties bound them: how long a key has been WRITING or INVALIDATING, a
+  request pending, an owner copy on a down node, a slot holding an ended generation's bytes with
+  no Free on its way; whether a message of a pending request was lost; whether a node
+  acknowledged the revocation of a key's current generation.
 - A holder counts its lease from when it *sent* the request (``pending_budget`` starts when the
   request leaves) and trusts it for ``lease_term - epsilon`` on its own clock. The directory counts
   from when it granted, and treats the lease as live for ``lease_term + epsilon`` on its clock.
@@ -27,9 +36,19 @@ no behaviour that could break safety.
   any message may be delivered (reordering), dropped (loss) or, within a budget, duplicated. A
   message sent into a full network is lost. A paused process is one whose messages sit in the
   network while time passes.
+- Deletion reaches everywhere: whenever bytes stop being wanted (an invalidation completes, a write
+  lease expires, an invalidation aborts a write, a drained copy goes, a transfer is cancelled) the
+  directory *owes* a Free per location (a durable to-free set), sends it, and re-sends it until the
+  location answers ``Freed``. A location frees bytes of the Free's epoch or older, never newer,
+  and remembers the epoch freed, so bytes of it that land late are refused.
+- Every lease request is answered: a grant, or a ``LeaseRefused`` after which the requester stops
+  waiting (``abandon``, or ``abort`` for a writer); a lost request or answer is ended by the
+  holder's timeout.
 - Failures: a node crash loses the node's volatile state and, optionally, its disk (its slots become
   LOST: reads of them fail, they never return other bytes); a restarted node re-registers and the
-  directory forgets what the node lost. A directory restart loses the lease table and timers, keeps
+  directory forgets what the node lost. A node that stays silent for ``failure_detection_ticks``
+  on the directory's clock is declared down: no leases there, and its owner copies are voided so
+  the keys become writable again. A directory restart loses the lease table and timers, keeps
   every record (they are durable), and frees nothing for a grace period as long as the longest lease
   it may have issued.
 
