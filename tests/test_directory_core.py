@@ -36,6 +36,7 @@ from kvcc.reference.directory import (
     ReserveLeaseIds,
     Send,
 )
+from kvcc.reference.directory.core import PROPOSED_EVENTS, REASON_LOCATION_DOWN
 from kvcc.reference.errors import PeerViolation, Unauthorized
 from kvcc.reference.events import EVENTS, EventLog, events_from_text
 from kvcc.spec import rules
@@ -658,6 +659,10 @@ class DirectoryMachine(RuleBasedStateMachine):
         self.writers: dict[tuple[str, BlockKey], Grant] = {}
         self.slots: dict[tuple[str, BlockKey], tuple[int, int] | str] = {}
         self.fences: dict[tuple[str, BlockKey], int] = {}
+        # Whether a slot's bytes landed where and while the directory expected them (a granted
+        # write, a transfer's copy): only those can the directory know to free. A zombie's bytes
+        # landing after their generation was freed are the spec's open case (see the report).
+        self.landed_known: dict[tuple[str, BlockKey], bool] = {}
         self.to_nodes: list[Send] = []
         self.to_directory: list[tuple[str, object]] = []
         self.to_locations: list[FreeAt | CopyAt | wire.WriteBytes] = []
@@ -752,13 +757,15 @@ class DirectoryMachine(RuleBasedStateMachine):
     def _location_up(self, loc: str) -> bool:
         return loc == POOL or self.up[NODE_OF[loc]]
 
-    def _store(self, loc: str, key: BlockKey, gen: int, epoch: int) -> bool:
+    def _store(self, loc: str, key: BlockKey, gen: int, epoch: int, known: bool) -> bool:
         fence = self.fences.get((loc, key), 0)
         if not rules.fence_accepts(epoch, fence):
             SEEN["fenced"] += 1
             return False
         assert epoch <= self.core.records[key].epoch, "EpochsBoundFences"
         self.slots[(loc, key)] = (gen, epoch)
+        self.landed_known[(loc, key)] = known
+        SEEN["known_landing" if known else "late_landing"] += 1
         self.fences[(loc, key)] = max(fence, epoch)
         return True
 
@@ -932,7 +939,9 @@ class DirectoryMachine(RuleBasedStateMachine):
     def _land(self, msg: wire.WriteBytes) -> None:
         if not self._location_up(msg.location):
             return
-        stored = self._store(msg.location, msg.key, msg.gen, msg.epoch)
+        rec = self.core.records[msg.key]
+        known = rec.phase == WRITING and rec.write_lease == msg.lease and rec.owner == msg.location
+        stored = self._store(msg.location, msg.key, msg.gen, msg.epoch, known)
         grant = self.writers.get((msg.node, msg.key))
         if grant is not None and grant.lease == msg.lease:
             if stored:
@@ -1033,11 +1042,21 @@ class DirectoryMachine(RuleBasedStateMachine):
                 self.slots.pop((e.location, e.key), None)
             else:
                 SEEN["fenced_free"] += 1
+            # Acknowledged either way (a fenced free: a later grant holds that slot), the ack
+            # back at once, delayed in the network, or lost (the directory sends the free again).
+            ack = wire.Freed(e.location, e.key, e.epoch)
+            how = data.draw(st.sampled_from(("prompt", "later", "lost")))
+            if how == "prompt":
+                self._handle(ack, "t-all")
+            elif how == "later":
+                self.to_directory.append(("location", ack))
             return
         source = self.slots.get((e.source, e.key))
         if not self._location_up(e.source) or source is None or source == LOST or source[0] != e.gen:
             return  # the copy failed; the transfer stays until cancelled
-        if self._store(e.location, e.key, e.gen, e.epoch):
+        rec = self.core.records[e.key]
+        known = rec.phase == COMMITTED and rec.moving_to == e.location and rec.epoch == e.epoch
+        if self._store(e.location, e.key, e.gen, e.epoch, known):
             self._handle(wire.Copied(e.location, e.key, e.epoch), "t-all")
 
     @rule(key=st.sampled_from(KEYS))
@@ -1083,8 +1102,31 @@ class DirectoryMachine(RuleBasedStateMachine):
         fences, effects = self.core.node_rejoined(node, lost, self.now, locations=[LOCAL[node]])
         self._apply(effects)
         for key, epoch in fences.items():
-            lk = (LOCAL[node], key)
-            self.fences[lk] = rules.restored_fence(self.fences.get(lk, 0), epoch)
+            # As the server does: fences for the keys with a copy here (owner, moving, draining).
+            rec = self.core.records[key]
+            if LOCAL[node] in (rec.owner, rec.moving_to, rec.draining):
+                lk = (LOCAL[node], key)
+                self.fences[lk] = rules.restored_fence(self.fences.get(lk, 0), epoch)
+        self._apply(self.core.locations_up([LOCAL[node]], self.now))
+
+    @rule(node=st.sampled_from(NODES))
+    def detect_down(self, node):
+        """The runtime stops hearing from a crashed node (P4): its keys are voided, no lease
+        names its location, frees to it wait for its return."""
+        if self.up[node] or LOCAL[node] in self.core.down_locations:
+            return
+        self._apply(self.core.locations_down([LOCAL[node]], self.now))
+        assert LOCAL[node] in self.core.down_locations
+
+    @rule(node=st.sampled_from(NODES), rarely=SELDOM)
+    def suspect_a_live_node(self, node, rarely):
+        """A live node whose heartbeats were late (a slow machine) is taken for down, then heard
+        again: only progress may suffer."""
+        if not rarely or not self.up[node]:
+            return
+        self._apply(self.core.locations_down([LOCAL[node]], self.now))
+        self._advance(20)
+        self._apply(self.core.locations_up([LOCAL[node]], self.now))
 
     @rule(new_base=st.integers(0, 10**6), rarely=SELDOM)
     def restart_directory(self, new_base, rarely):
@@ -1138,6 +1180,34 @@ class DirectoryMachine(RuleBasedStateMachine):
             assert fence <= self.core.records[key].epoch, "EpochsBoundFences"
 
     @invariant()
+    def ended_generations_are_being_freed(self):
+        """Deletion reaches everywhere: bytes a location holds of a generation that ended (or of
+        a copy let go) are in the directory's to-free set for that location, or sit where a later
+        grant of the key is (whose bytes replace them, or whose own end frees them)."""
+        for (loc, key), slot in self.slots.items():
+            if slot == LOST or not self.landed_known.get((loc, key)):
+                continue
+            gen, epoch = slot
+            rec = self.core.records[key]
+            if rec.phase != ABSENT and gen == rec.gen and loc in (rec.owner, rec.moving_to, rec.draining):
+                continue  # a live copy
+            pending = dict(rec.to_free).get(loc)
+            later_here = loc in (rec.owner, rec.moving_to) and rec.epoch > epoch
+            assert (pending is not None and pending >= epoch) or later_here, "DeletionReachesEverywhere"
+            SEEN["awaiting_free"] += 1
+        for key, rec in self.core.records.items():
+            for loc, _ in rec.to_free:
+                if loc in self.core.down_locations:
+                    continue
+                assert (key, loc) in self.core._free_due, "every pending free is sent again"
+
+    @invariant()
+    def no_lease_on_a_down_location(self):
+        for entry in self.core.read_leases.values():
+            rec = self.core.records[entry.key]
+            assert entry.location not in self.core.down_locations or rec.phase == INVALIDATING
+
+    @invariant()
     def invalidations_complete_in_time(self):
         for key, rec in self.core.records.items():
             if rec.phase != INVALIDATING:
@@ -1178,10 +1248,12 @@ def test_directory_state_machine_is_not_vacuous():
         "grant_read_lease", "renew_lease", "commit_write", "reject_stale_commit", "expire_write_lease",
         "complete_invalidation", "revoke_acked", "evict", "evict_refused", "restart_directory", "restart_node",
         "finish_transfer", "free_drained", "ticket_by_acks", "ticket_by_expiry", "fenced", "fenced_free",
-        "refuse_renewal", "ignore_stale_ack",
+        "refuse_renewal", "ignore_stale_ack", "retry_free", "free_acked", "mark_location_down",
+        "mark_location_up", "awaiting_free", "known_landing",
     ):  # fmt: skip
         assert SEEN[name] > 0, (name, dict(SEEN))
-    others = {"fenced", "fenced_free", "start_transfer"} | {n for n in SEEN if n.startswith(("ticket_by_", "ignore_"))}
+    others = {"fenced", "fenced_free", "start_transfer", "awaiting_free", "known_landing", "late_landing"}
+    others |= set(PROPOSED_EVENTS) | {n for n in SEEN if n.startswith(("ticket_by_", "ignore_"))}
     assert set(SEEN) - others <= set(EVENTS)
 
 

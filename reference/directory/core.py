@@ -13,7 +13,7 @@ socket, touches a disk or draws a random number. The runtime around it supplies
   first lets time pass up to ``now_ms``, a late tick only delays, never breaks, anything;
 - **messages**: ``handle(msg, now_ms, tenant)`` takes one request of ``kvcc.reference.wire`` from
   an authenticated ``tenant`` and returns ``(reply, effects)``; ``reply`` is ``None`` for the
-  one-way messages (``RevokeAcked``, ``Copied``);
+  one-way messages (``RevokeAcked``, ``Copied``, ``Freed``);
 - **effects**, attrs values to carry out *in order*, durable ones first: ``Persist`` (a record),
   ``PersistTicket``, ``ForgetTicket`` and ``ReserveLeaseIds`` must be committed to the durable log
   (``store.DirectoryStore.commit``) before the reply or any ``Send``, ``FreeAt`` or ``CopyAt`` of
@@ -105,6 +105,7 @@ from kvcc.spec.rules import (
 from ..errors import PeerViolation, Unauthorized
 from ..events import EVENTS
 from ..wire import (
+    HEARTBEAT_INTERVAL_MS,
     SCOPE_NAMESPACE,
     Acquire,
     BeginWrite,
@@ -116,6 +117,7 @@ from ..wire import (
     Evict,
     Evicted,
     EvictRefused,
+    Freed,
     Invalidate,
     InvalidationCompleted,
     InvalidationPending,
@@ -140,7 +142,23 @@ FIRST_LEASE_ID = 1
 FIRST_TICKET = 1
 TICKET_PENDING = "pending"
 TICKET_COMPLETED = "completed"
+# A lease or write refused because the location it would name is down (``location_down``): the
+# directory missed that node's heartbeats for ``node_down_after_ms``. Not a reason of
+# ``spec.rules`` yet (the spec's view of down locations is being added there); same word then.
+REASON_LOCATION_DOWN = "location_down"
+# Steps of the deletion and failure-detection protocol the spec is adding. Until ``EVENTS`` lists
+# a name, ``Emit.is_spec_action`` is false and the server does not log it (a validator could not
+# replay it); once the spec names it, it is logged with no change here.
+PROPOSED_EVENTS = ("retry_free", "free_acked", "mark_location_down", "mark_location_up")
+FREE_RETRY_FIRST_MS_DEFAULT = 250  # a Free not acknowledged by then is sent again ...
+FREE_RETRY_MAX_MS_DEFAULT = 4_000  # ... with the wait doubling up to this (DESIGN: deletion reaches everywhere)
+NODE_DOWN_AFTER_MS_DEFAULT = 3_000  # a node silent this long is down (missed heartbeats, or no connection)
+# A node's heartbeat must be missed several times over before it counts as down (a slow event
+# loop or a busy machine is not a crash).
+assert HEARTBEAT_INTERVAL_MS * 4 <= NODE_DOWN_AFTER_MS_DEFAULT
+assert FREE_RETRY_FIRST_MS_DEFAULT <= FREE_RETRY_MAX_MS_DEFAULT
 _EVENT_SET = frozenset(EVENTS)
+_EMITTABLE = _EVENT_SET | frozenset(PROPOSED_EVENTS)
 
 
 # -- configuration ----------------------------------------------------------------------------------
@@ -157,17 +175,29 @@ class DirectoryConfig:
     epsilon, the bound on the offset between any two clocks (the spec's ``skew_ticks``).
     ``lease_id_block``: lease ids reserved durably at once. ``max_completed_tickets``: completed
     invalidation tickets remembered (older ones are answered "completed" by id alone).
-    ``pool_location``: where new blocks are written by default (the shared pool), if anywhere."""
+    ``pool_location``: where new blocks are written by default (the shared pool), if anywhere.
+    ``free_retry_first_ms`` / ``free_retry_max_ms``: a ``Free`` not acknowledged (``Freed``) is
+    sent again after the first, then twice as long each time, up to the max: deletion reaches a
+    location within ``free_retry_max_ms`` of its coming back. ``node_down_after_ms``: a node
+    not heard from (heartbeats, requests) for this long is down (the runtime decides, the core
+    is told: ``locations_down``)."""
 
     lease_term_ms: int = field(default=10_000, validator=_positive)
     skew_ms: int = 500
     lease_id_block: int = field(default=1024, validator=_positive)
     max_completed_tickets: int = field(default=10_000, validator=_positive)
     pool_location: LocationId | None = None
+    free_retry_first_ms: int = field(default=FREE_RETRY_FIRST_MS_DEFAULT, validator=_positive)
+    free_retry_max_ms: int = field(default=FREE_RETRY_MAX_MS_DEFAULT, validator=_positive)
+    node_down_after_ms: int = field(default=NODE_DOWN_AFTER_MS_DEFAULT, validator=_positive)
 
     def __attrs_post_init__(self) -> None:
         if type(self.skew_ms) is not int or not 0 <= self.skew_ms < self.lease_term_ms:
             raise ValueError("skew_ms must be an int in 0 .. lease_term_ms - 1: a holder must keep a positive budget")
+        if self.free_retry_first_ms > self.free_retry_max_ms:
+            raise ValueError("free_retry_first_ms must be at most free_retry_max_ms")
+        if self.node_down_after_ms < 4 * HEARTBEAT_INTERVAL_MS:
+            raise ValueError(f"node_down_after_ms must be at least 4 heartbeats ({4 * HEARTBEAT_INTERVAL_MS} ms)")
 
     @property
     def holder_budget_ms(self) -> int:
@@ -193,7 +223,16 @@ class Record:
     """The durable entry of one key (glossary: record). ``namespace`` and ``parent`` are the key's
     identity, learnt from the first ``BeginWrite`` (a key's hash chains over both, so they never
     change). ``write_lease`` is ``NO_LEASE`` unless WRITING; ``committed_lease`` is the write lease
-    that committed the current generation (to answer a retried ``Commit`` again)."""
+    that committed the current generation (to answer a retried ``Commit`` again).
+
+    ``to_free``: the durable to-free set of this key, ``(location, epoch)`` pairs sorted by
+    location, one per location: a generation that ended (invalidation completed, write aborted
+    or expired, a drained copy let go) left bytes there, and a ``Free(location, key, epoch)`` is
+    sent until the location acknowledges it (``Freed``). One entry per location suffices: a free
+    under epoch ``e`` drops the key's block there, whatever generation it holds, unless the
+    location's fence is above ``e`` -- and every free carries the key's epoch at the time, the
+    highest ever issued, so a fence above it means a later grant at that location whose own
+    end is freed in turn (DESIGN: deletion reaches everywhere)."""
 
     key: BlockKey
     namespace: NamespaceDigest
@@ -209,6 +248,7 @@ class Record:
     write_lease: LeaseId = NO_LEASE
     write_lease_expires_at_ms: int = 0
     committed_lease: LeaseId = NO_LEASE
+    to_free: tuple[tuple[LocationId, int], ...] = ()
 
     def __attrs_post_init__(self) -> None:
         assert self.phase in PHASES
@@ -218,6 +258,15 @@ class Record:
         assert self.moving_to is None or self.phase == COMMITTED, self
         assert self.draining is None or self.phase in READABLE_PHASES, self
         assert self.moving_to is None or self.moving_to != self.owner
+        assert list(self.to_free) == sorted(set(self.to_free)), self.to_free
+        assert len({loc for loc, _ in self.to_free}) == len(self.to_free), "one entry per location"
+        assert all(0 <= e <= self.epoch for _, e in self.to_free), "a free names an epoch issued"
+
+    def freeing(self, location: LocationId, epoch: int) -> tuple[tuple[LocationId, int], ...]:
+        """``to_free`` with ``(location, epoch)`` added (the higher epoch wins at a location)."""
+        entries = dict(self.to_free)
+        entries[location] = max(epoch, entries.get(location, 0))
+        return tuple(sorted(entries.items()))
 
     @property
     def phase_name(self) -> str:
@@ -399,6 +448,17 @@ class DirectoryCore:
         self._invalidating: set[BlockKey] = set()
         self._draining: set[BlockKey] = set()
         self._write_heap: list[tuple[int, BlockKey, int]] = []  # (expires_at_ms, key, write lease)
+        # Locations the runtime reported down (volatile: a restarted directory hears from every
+        # node again, or not, and decides anew).
+        self.down_locations: set[LocationId] = set()
+        # When each pending free is next sent (volatile; the to-free set itself is in the
+        # records): a heap of (due_ms, key, location), stale entries skipped (``_free_due`` is the
+        # truth); ``_free_waits`` is the wait after the next send (doubling up to
+        # ``free_retry_max_ms``); ``_frees_at`` indexes the to-free set by location.
+        self._free_heap: list[tuple[int, BlockKey, LocationId]] = []
+        self._free_due: dict[tuple[BlockKey, LocationId], int] = {}
+        self._free_waits: dict[tuple[BlockKey, LocationId], int] = {}
+        self._frees_at: dict[LocationId, set[BlockKey]] = {}
         for rec in records:
             self._index(rec)
         # The read-lease table and its indexes (volatile: a restart loses them).
@@ -428,6 +488,13 @@ class DirectoryCore:
         self.records[rec.key] = rec
         (self._invalidating.add if rec.phase == INVALIDATING else self._invalidating.discard)(rec.key)
         (self._draining.add if rec.draining is not None else self._draining.discard)(rec.key)
+        for loc, _ in rec.to_free:
+            self._frees_at.setdefault(loc, set()).add(rec.key)
+        if old is not None:
+            for loc in {loc for loc, _ in old.to_free} - {loc for loc, _ in rec.to_free}:
+                self._frees_at[loc].discard(rec.key)
+                self._free_due.pop((rec.key, loc), None)
+                self._free_waits.pop((rec.key, loc), None)
         if rec.phase == WRITING:
             heapq.heappush(self._write_heap, (rec.write_lease_expires_at_ms, rec.key, rec.write_lease))
 
@@ -474,6 +541,8 @@ class DirectoryCore:
             times.append(self._write_heap[0][0])
         if self.grace_until_ms is not None:
             times.append(self.grace_until_ms)
+        if self._free_heap:
+            times.append(self._free_heap[0][0])
         return min(times) if times else None
 
     def lookup(self, namespace: bytes, keys: Iterable[BlockKey]) -> tuple[LocationId, ...]:
@@ -532,7 +601,9 @@ class DirectoryCore:
             live = lease_live(now_ms, rec.write_lease_expires_at_ms)
             assert write_lease_must_expire(rec.phase, live)
             self._emit(effects, "expire_write_lease", rec, lease=lease, writer=rec.writer)
-            self._end_generation(rec, effects)
+            # The writer's bytes may have landed at its location: they are freed too.
+            self._end_generation(rec, effects, frees=(rec.owner,))
+        self._retry_frees(effects)
 
     # ------------------------------------------------------------------ messages
 
@@ -556,6 +627,9 @@ class DirectoryCore:
                 reply = None  # one-way
             case Copied():
                 self._copied(msg, effects)
+                reply = None  # one-way
+            case Freed():
+                self._freed(msg, tenant, effects)
                 reply = None  # one-way
             case Evict():
                 reply = self._evict(msg, tenant, effects)
@@ -586,7 +660,10 @@ class DirectoryCore:
         # Authorised for the key's own namespace, not merely the one the request names (DESIGN 11).
         authorized = self._authorized(tenant, msg.namespace) and (rec is None or rec.namespace == msg.namespace)
         held = (msg.key, msg.node) in self._lease_of_holder
-        reason = may_grant_read(phase, authorized, held)
+        if authorized and rec is not None and rec.owner in self.down_locations:
+            reason: str | None = REASON_LOCATION_DOWN  # its copy is unreachable (P4)
+        else:
+            reason = may_grant_read(phase, authorized, held)
         if reason is not None:
             self._emit(effects, "refuse_read_lease", rec, key=msg.key, result=reason, holder=msg.node)
             return LeaseRefused(msg.node, msg.key, msg.request, reason)
@@ -722,9 +799,14 @@ class DirectoryCore:
         if reason is not None:
             self._emit(effects, "refuse_write_lease", rec, key=msg.key, result=reason, writer=msg.node)
             return LeaseRefused(msg.node, msg.key, msg.request, reason)
+        location = self._place_write(msg.node, msg.key)
+        if location in self.down_locations:
+            # Placement avoids down nodes where it can (the server's); a fixed pool location
+            # that is down cannot take the bytes.
+            self._emit(effects, "refuse_write_lease", rec, key=msg.key, result=REASON_LOCATION_DOWN, writer=msg.node)
+            return LeaseRefused(msg.node, msg.key, msg.request, REASON_LOCATION_DOWN)
         if rec is None:
             rec = Record(key=msg.key, namespace=msg.namespace, parent=msg.parent)
-        location = self._place_write(msg.node, msg.key)
         lease = self._allocate_lease_id(effects)
         rec = self._put(
             attrs.evolve(
@@ -766,6 +848,10 @@ class DirectoryCore:
         )
         if reason is None and msg.gen != rec.gen:
             reason = REASON_WRONG_GENERATION  # the right lease and epoch name one generation only
+        if reason is None and rec.owner in self.down_locations:
+            # Its bytes are on a node that is down: publishing them would point readers at a copy
+            # nobody can read. The write lease runs out and the slot is freed when it is back.
+            reason = REASON_LOCATION_DOWN
         if reason is not None:
             self._emit(effects, "reject_stale_commit", rec, lease=msg.lease, result=reason, writer=msg.node)
             return CommitRejected(msg.node, msg.key, msg.lease, reason)
@@ -782,16 +868,149 @@ class DirectoryCore:
         self._emit(effects, "commit_write", rec, lease=msg.lease, writer=msg.node, location=rec.owner)
         return Committed(msg.node, msg.key, msg.lease, rec.gen, rec.epoch)
 
-    def _end_generation(self, rec: Record, effects: list[Effect]) -> Record:
-        """Back to ABSENT with the next generation: the old one can never be read again."""
+    def _end_generation(
+        self, rec: Record, effects: list[Effect], frees: Iterable[LocationId | None] = ()
+    ) -> Record:
+        """Back to ABSENT with the next generation: the old one can never be read again. Its
+        copies at ``frees`` join the to-free set in the same durable write, and are freed."""
         assert not self._leases_on_key.get(rec.key), "a generation ends only when no lease on it is live"
-        return self._put(
+        locations = sorted({loc for loc in frees if loc is not None})
+        to_free = rec.to_free
+        for loc in locations:
+            to_free = attrs.evolve(rec, to_free=to_free).freeing(loc, rec.epoch)
+        ended = self._put(
             attrs.evolve(
                 rec, phase=ABSENT, gen=rec.gen + 1, owner=None, moving_to=None, draining=None, writer=None,
                 writer_tenant=None, write_lease=NO_LEASE, write_lease_expires_at_ms=0, committed_lease=NO_LEASE,
+                to_free=to_free,
             ),
             effects,
         )  # fmt: skip
+        for loc in locations:
+            self._send_free(ended, loc, effects, retry=False)
+        return ended
+
+    # deletion (DESIGN: deletion reaches everywhere)
+
+    def _schedule_free(self, key: BlockKey, location: LocationId, due_ms: int) -> None:
+        self._free_due[(key, location)] = due_ms
+        heapq.heappush(self._free_heap, (due_ms, key, location))
+
+    def _send_free(self, rec: Record, location: LocationId, effects: list[Effect], *, retry: bool) -> None:
+        """Send the pending free of ``rec`` at ``location`` if it may leave now, and schedule the
+        next try. Nothing leaves during restart grace (it waits for the grace to end) nor to a
+        location known to be down (it waits for ``locations_up``): either would be lost."""
+        key = rec.key
+        epoch = dict(rec.to_free)[location]
+        if not retry:
+            self._free_waits.pop((key, location), None)  # a new free starts with the shortest wait
+        if self.in_grace:
+            assert self.grace_until_ms is not None
+            self._schedule_free(key, location, self.grace_until_ms)
+            return
+        if location in self.down_locations:
+            self._free_due.pop((key, location), None)
+            return
+        wait = self._free_waits.get((key, location), self.config.free_retry_first_ms)
+        effects.append(FreeAt(location, key, epoch))
+        if retry:
+            self._emit(effects, "retry_free", rec, location=location, epoch=epoch, wait_ms=wait)
+        self._free_waits[(key, location)] = min(2 * wait, self.config.free_retry_max_ms)
+        self._schedule_free(key, location, self.now_ms + wait)
+
+    def _retry_frees(self, effects: list[Effect]) -> None:
+        """Send again every free whose wait ran out unacknowledged."""
+        heap = self._free_heap
+        while heap and heap[0][0] <= self.now_ms:
+            due, key, location = heapq.heappop(heap)
+            if self._free_due.get((key, location)) != due:
+                continue  # acknowledged, rescheduled, or waiting for its location to come back
+            del self._free_due[(key, location)]
+            self._send_free(self.records[key], location, effects, retry=True)
+
+    def _freed(self, msg: Freed, tenant: str, effects: list[Effect]) -> None:
+        """A location acknowledged a free: the entry it covers leaves the to-free set. A free
+        under epoch ``e`` covers the pending one at that location if that one's epoch is at most
+        ``e`` (the block it names is gone, or the fence showed a later grant there)."""
+        rec = self.records.get(msg.key)
+        pending = None if rec is None else dict(rec.to_free).get(msg.location)
+        if (
+            rec is None
+            or pending is None
+            or not pending <= msg.epoch <= rec.epoch
+            or not self._authorized(tenant, rec.namespace)
+        ):
+            # A duplicated or late ack (a retry crossed it), or one for a free never sent.
+            self._emit(effects, "ignore_stale_freed", rec, key=msg.key, location=msg.location, freed_epoch=msg.epoch)
+            return
+        rec = self._put(attrs.evolve(rec, to_free=tuple(e for e in rec.to_free if e[0] != msg.location)), effects)
+        assert (msg.key, msg.location) not in self._free_due
+        self._emit(effects, "free_acked", rec, location=msg.location, epoch=msg.epoch)
+
+    def pending_frees(self, location: LocationId | None = None) -> list[tuple[BlockKey, LocationId, int]]:
+        """The to-free set (of one location, or all): (key, location, epoch), sorted."""
+        out = []
+        for loc in [location] if location is not None else sorted(self._frees_at):
+            for key in sorted(self._frees_at.get(loc, ())):
+                out.append((key, loc, dict(self.records[key].to_free)[loc]))
+        return out
+
+    # failure detection (P4: a crashed owner's keys come back)
+
+    def locations_down(self, locations: Iterable[LocationId], now_ms: int) -> list[Effect]:
+        """The runtime has not heard from the node serving ``locations`` for
+        ``node_down_after_ms`` (missed heartbeats, a lost connection): no lease or write is
+        granted on them any more (``location_down``), transfers to them are cancelled, frees to
+        them wait for ``locations_up``, and every COMMITTED key owned there is voided with its
+        subtree, like a copy lost in a restart (``rules.lost_copy_invalidates``): the key becomes
+        writable again once the leases on the lost copy were acknowledged or expired -- within
+        term + epsilon of this call, never sooner than those leases allow."""
+        effects: list[Effect] = []
+        self._advance(now_ms, effects)
+        down = frozenset(locations) - self.down_locations
+        if not down:
+            return effects
+        self.down_locations |= down
+        voided: list[BlockKey] = []
+        seen: set[BlockKey] = set()
+        for key in sorted(self.records):
+            rec = self.records[key]
+            if rec.owner in down and lost_copy_invalidates(rec.phase, True, True):
+                for k in self.subtree(key):
+                    if k not in seen:
+                        seen.add(k)
+                        voided.append(k)
+        self._emit(effects, "mark_location_down", None, locations=sorted(down), voided=len(voided),
+                   ticket=self.next_ticket if voided else None)  # fmt: skip
+        for key in sorted(self.records):
+            rec = self.records[key]
+            if rec.moving_to is not None and rec.moving_to in down:
+                self._put(attrs.evolve(rec, moving_to=None), effects)  # its copy cannot land
+        for loc in down:
+            for key in self._frees_at.get(loc, ()):
+                self._free_due.pop((key, loc), None)
+        if voided:
+            self._start_invalidation(voided, effects)
+        self._check_effects(effects)
+        return effects
+
+    def locations_up(self, locations: Iterable[LocationId], now_ms: int) -> list[Effect]:
+        """The node serving ``locations`` is heard from again (it said Hello, or its heartbeat is
+        back): leases may name them again, and every pending free to them is sent at once, with
+        the shortest wait (what was sent while it was away is presumed lost)."""
+        effects: list[Effect] = []
+        self._advance(now_ms, effects)
+        up = frozenset(locations)
+        back = sorted(up & self.down_locations)
+        self.down_locations -= up
+        if back:
+            self._emit(effects, "mark_location_up", None, locations=back)
+        for loc in sorted(up):
+            for key in sorted(self._frees_at.get(loc, ())):
+                self._free_waits.pop((key, loc), None)
+                self._send_free(self.records[key], loc, effects, retry=True)
+        self._check_effects(effects)
+        return effects
 
     # invalidation (DESIGN: invalidation)
 
@@ -840,8 +1059,9 @@ class DirectoryCore:
                 for entry in self.leases_on(key):
                     effects.append(Send(entry.node, Revoke(entry.node, key, entry.lease, entry.gen)))
             elif step == INVALIDATE_ABORT_WRITE:
-                # The write in progress below a voided prefix: its commit will find the generation gone.
-                self._end_generation(rec, effects)
+                # The write in progress below a voided prefix: its commit will find the generation
+                # gone; what bytes of it landed are freed.
+                self._end_generation(rec, effects, frees=(rec.owner,))
             if step is not None or rec.phase == INVALIDATING:
                 voided.append(key)
             if rec.phase == INVALIDATING:
@@ -868,10 +1088,8 @@ class DirectoryCore:
         if not may_complete_invalidation(rec.phase, self.in_grace, live):
             return
         assert rec.owner is not None
-        copies = [loc for loc in (rec.owner, rec.draining) if loc is not None]
-        ended = self._end_generation(rec, effects)  # durable before any Free leaves
-        for loc in copies:
-            effects.append(FreeAt(loc, key, rec.epoch))
+        # The to-free set is durable (in the record) before any Free leaves.
+        ended = self._end_generation(rec, effects, frees=(rec.owner, rec.draining))
         self._emit(effects, "complete_invalidation", rec, gen=rec.gen, next_gen=ended.gen)
         for t in sorted(self._tickets_on_key.pop(key, ())):
             ticket = self.tickets[t]
@@ -974,9 +1192,9 @@ class DirectoryCore:
         if not may_free_drained(self.in_grace, self.live_lease_on(key, rec.draining)):
             return
         drained = rec.draining
-        rec = self._put(attrs.evolve(rec, draining=None), effects)
-        effects.append(FreeAt(drained, key, rec.epoch))
+        rec = self._put(attrs.evolve(rec, draining=None, to_free=rec.freeing(drained, rec.epoch)), effects)
         self._emit(effects, "free_drained", rec, location=drained)
+        self._send_free(rec, drained, effects, retry=False)
 
     # ------------------------------------------------------------------ failures
 
@@ -1050,6 +1268,10 @@ class DirectoryCore:
             recovered.append(rec)
         self._reset(recovered, next_lease_id, now_ms)
         self.grace_until_ms = now_ms + grace
+        # The to-free set survived in the records; its frees leave when the grace ends.
+        for rec in self.records.values():
+            for loc, _ in rec.to_free:
+                self._schedule_free(rec.key, loc, self.grace_until_ms)
         effects: list[Effect] = []
         for ticket in sorted(tickets, key=lambda t: t.ticket):
             if ticket.state == TICKET_PENDING:
@@ -1068,7 +1290,7 @@ class DirectoryCore:
     # ------------------------------------------------------------------ bookkeeping
 
     def _emit(self, effects: list[Effect], event: str, rec: Record | None, **fields: Any) -> None:
-        assert event in _EVENT_SET or event.startswith("ignore_"), event
+        assert event in _EMITTABLE or event.startswith("ignore_"), event
         base: dict[str, Any] = {}
         if rec is not None:
             base = {"key": rec.key, "gen": rec.gen, "epoch": rec.epoch}
@@ -1083,7 +1305,12 @@ class DirectoryCore:
         for e in effects:
             if isinstance(e, FreeAt):
                 assert not self.in_grace, "nothing is freed during restart grace"
-                assert not self.live_lease_on(e.key, e.location), "no free under a live lease"
+                assert e.location not in self.down_locations, "a free to a down location would be lost"
+                # A free of an ended generation may reach a location that holds a later one
+                # (leased): its lower epoch is fenced there. Only a free of the current epoch
+                # could drop leased bytes.
+                rec = self.records[e.key]
+                assert e.epoch < rec.epoch or not self.live_lease_on(e.key, e.location), "no free under a live lease"
         assert self.next_lease_id <= self.lease_id_limit
 
     def check_invariants(self) -> None:
@@ -1104,3 +1331,9 @@ class DirectoryCore:
                 assert rec.write_lease < self.next_lease_id, "LeaseIdsFresh"
             if rec.phase == INVALIDATING and not self.in_grace:
                 assert self._leases_on_key.get(key), "an invalidation with no lease left has completed"
+            for loc, _ in rec.to_free:
+                assert key in self._frees_at[loc]
+                assert (key, loc) in self._free_due or loc in self.down_locations, "every pending free is retried"
+            assert rec.phase == ABSENT or rec.owner not in self.down_locations or rec.phase != COMMITTED, (
+                "no COMMITTED key is owned at a down location"
+            )

@@ -54,17 +54,21 @@ from ..errors import PeerViolation
 from ..events import EventLog
 from ..transport import DEFER, Server, current_connection
 from ..wire import (
+    HEARTBEAT_INTERVAL_MS,
     MAX_CONTROL_FRAME_BYTES,
     MAX_LOOKUP_KEYS,
     MAX_WAIT_TICKET_MS,
     Copied,
     Free,
+    Freed,
     Hello,
     InvalidationCompleted,
     InvalidationPending,
     ListNodes,
     NodeList,
     Noted,
+    Ping,
+    Pong,
     RevokeAcked,
     Tenants,
     Transfer,
@@ -136,14 +140,23 @@ def rendezvous_placement(nodes: Callable[[], dict[NodeId, tuple[LocationId, ...]
 
 
 class _Member:
-    __slots__ = ("node", "incarnation", "address", "locations", "conn")
+    __slots__ = ("node", "incarnation", "address", "locations", "conn", "last_heard_ms", "down")
 
-    def __init__(self, node: NodeId, incarnation: int, address: str, locations: tuple[LocationId, ...], conn: Any):
+    def __init__(
+        self, node: NodeId, incarnation: int, address: str, locations: tuple[LocationId, ...], conn: Any, now_ms: int
+    ) -> None:
         self.node = node
         self.incarnation = incarnation
         self.address = address
         self.locations = locations
         self.conn = conn
+        self.last_heard_ms = now_ms  # the last request (a heartbeat Ping at least) on ``conn``
+        self.down = False  # told the core its locations are down; a request on ``conn`` revives it
+
+    @property
+    def own_locations(self) -> tuple[LocationId, ...]:
+        """Its tiers: the shared pool is never down with one node (any node serves it)."""
+        return tuple(loc for loc in self.locations if loc != POOL_LOCATION)
 
 
 class DirectoryServer:
@@ -173,8 +186,11 @@ class DirectoryServer:
         self._members: dict[NodeId, _Member] = {}
         self.core = DirectoryCore(config, tenants.allows, rendezvous_placement(self._locations_by_node))
         kwargs = {} if request_timeout_ms is None else {"request_timeout_ms": request_timeout_ms}
+        # Pings reach the handler: a node's heartbeat is how the directory knows it is up (P4).
         self._server = Server(self._handle, tenants, host=host, port=port, max_frame_bytes=MAX_CONTROL_FRAME_BYTES,
-                              handler_now=self._handle_now, **kwargs)  # fmt: skip
+                              handler_now=self._handle_now, answer_ping=False, **kwargs)  # fmt: skip
+        self._member_of_conn: dict[Any, NodeId] = {}
+        self._watch_task: asyncio.Task | None = None
         self._ticket_events: dict[int, asyncio.Event] = {}
         self._timer_task: asyncio.Task | None = None
         self._wake = asyncio.Event()
@@ -214,14 +230,16 @@ class DirectoryServer:
             self._apply(effects)
         await self._server.start()
         self._timer_task = asyncio.create_task(self._timer())
+        self._watch_task = asyncio.create_task(self._watch_members())
         log.info("directory incarnation %d on port %d (%s)", self.incarnation, self.port, "restarted" if self.restarted else "fresh")
         return self
 
     async def close(self) -> None:
-        if self._timer_task is not None:
-            self._timer_task.cancel()
-            with contextlib.suppress(BaseException):
-                await self._timer_task
+        for task in (self._timer_task, self._watch_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
         await self._server.close()
         for ev in self._ticket_events.values():
             ev.set()
@@ -233,7 +251,8 @@ class DirectoryServer:
         await self.close()
 
     def _locations_by_node(self) -> dict[NodeId, tuple[LocationId, ...]]:
-        return {n: tuple(loc for loc in m.locations if loc != POOL_LOCATION) for n, m in self._members.items()}
+        """Where writes may be placed: the tiers of every node not known to be down."""
+        return {n: m.own_locations for n, m in self._members.items() if not m.down}
 
     # ------------------------------------------------------------------ requests
 
@@ -253,7 +272,10 @@ class DirectoryServer:
         if self.fatal is not None:
             raise RuntimeError(f"the directory stopped serving: its store failed ({self.fatal})")
         self.stats["requests"] += 1
+        self._heard_from(current_connection.get())
         match msg:
+            case Ping():
+                return Pong(msg.nonce)
             case Hello():
                 return self._hello(tenant, msg)
             case ListNodes():
@@ -266,9 +288,22 @@ class DirectoryServer:
         reply, effects = self.core.handle(msg, self.now_ms(), tenant)
         self._apply(effects)
         if reply is None:
-            assert type(msg) in (RevokeAcked, Copied)
-            return Noted("revoke_acked" if type(msg) is RevokeAcked else "copied")
+            assert type(msg) in (RevokeAcked, Copied, Freed)
+            return Noted({RevokeAcked: "revoke_acked", Copied: "copied", Freed: "freed"}[type(msg)])
         return reply
+
+    def _heard_from(self, conn: Any) -> None:
+        """A request on a node's connection: it is alive. One that was taken for down is up again
+        (it was paused, or its heartbeats were late): what it may serve again."""
+        node = None if conn is None else self._member_of_conn.get(conn)
+        m = None if node is None else self._members.get(node)
+        if m is None or m.conn is not conn:
+            return
+        m.last_heard_ms = self.now_ms()
+        if m.down:
+            m.down = False
+            log.info("node %s is heard from again", m.node)
+            self._apply(self.core.locations_up(m.own_locations, self.now_ms()))
 
     def _hello(self, tenant: str, msg: Hello) -> Welcome:
         conn = current_connection.get()
@@ -291,13 +326,18 @@ class DirectoryServer:
                     fence_keys.append(key)
                     fence_epochs.append(epoch)
             fence_keys, fence_epochs = fence_keys[:MAX_LOOKUP_KEYS], fence_epochs[:MAX_LOOKUP_KEYS]
-        self._members[msg.node] = _Member(msg.node, msg.incarnation, msg.address, msg.locations, conn)
+        self._members[msg.node] = _Member(msg.node, msg.incarnation, msg.address, msg.locations, conn, self.now_ms())
         if conn is not None:
+            self._member_of_conn[conn] = msg.node
             conn.on_close.append(lambda c, node=msg.node: self._disconnected(node, c))
+        # Back (or new): it may be leased and placed on again, and every free pending for its
+        # locations goes out on this connection now (those sent while it was away were lost).
+        self._apply(self.core.locations_up(msg.locations, self.now_ms()))
         self._wake.set()
         return Welcome(msg.node, msg.incarnation, tuple(fence_keys), tuple(fence_epochs))
 
     def _disconnected(self, node: NodeId, conn: Any) -> None:
+        self._member_of_conn.pop(conn, None)
         m = self._members.get(node)
         if m is not None and m.conn is conn:
             m.conn = None  # directives for it are lost until it says Hello again
@@ -370,11 +410,34 @@ class DirectoryServer:
     def _push_to_location(self, location: LocationId, msg: Any) -> None:
         node = node_of(location)
         if node is None:  # the shared pool: any connected node that mounts it
-            node = next((n for n, m in sorted(self._members.items()) if location in m.locations and m.conn), None)
+            node = next(
+                (n for n, m in sorted(self._members.items()) if location in m.locations and m.conn and not m.down), None
+            )
             if node is None:
                 self.stats["lost_directives"] += 1
                 return
         self._push(node, msg)
+
+    # ------------------------------------------------------------------ failure detection
+
+    async def _watch_members(self) -> None:
+        """P4: a node not heard from for ``node_down_after_ms`` -- its heartbeats missed many
+        times over, whether its connection is gone (killed, partitioned) or open and silent
+        (stopped) -- is down: the core voids the keys it owns and grants nothing there."""
+        while True:
+            await asyncio.sleep(HEARTBEAT_INTERVAL_MS / 1000)
+            if self.fatal is not None:
+                return
+            now = self.now_ms()
+            for m in sorted(self._members.values(), key=lambda m: m.node):
+                if m.down or now - m.last_heard_ms <= self.config.node_down_after_ms:
+                    continue
+                m.down = True
+                log.warning("node %s is down: not heard from for %d ms", m.node, now - m.last_heard_ms)
+                try:
+                    self._apply(self.core.locations_down(m.own_locations, now))
+                except BaseException:
+                    return  # fatal: the store failed
 
     # ------------------------------------------------------------------ time
 
