@@ -545,6 +545,144 @@ def test_rejoin_forgets_leases_so_invalidations_can_complete(d):
     assert of(effects, CompleteTicket)[0].ticket.completed_by == "acks"
 
 
+# ------------------------------------------------------------------------------ deletion reaches everywhere
+
+FIRST_MS, MAX_MS = CFG.free_retry_first_ms, CFG.free_retry_max_ms
+
+
+def frees_at(effects, location=None):
+    return [(e.location, e.key, e.epoch) for e in of(effects, FreeAt) if location in (None, e.location)]
+
+
+def test_a_free_is_sent_again_with_backoff_until_acknowledged(d):
+    d.write(A0)
+    _, effects = d.invalidate(A0)  # no lease: completes at once
+    assert frees_at(effects) == [("pool", A0, 1)]
+    assert d.core.records[A0].to_free == (("pool", 1),)
+    # Unacknowledged (the Free, or its Freed, was lost): sent again, the wait doubling to the max.
+    sent_at, wait = d.now, FIRST_MS
+    for _ in range(8):
+        assert not frees_at(d.tick(to=sent_at + wait - 1))
+        effects = d.tick(to=sent_at + wait)
+        assert frees_at(effects) == [("pool", A0, 1)] and events(effects) == ["retry_free"]
+        sent_at, wait = sent_at + wait, min(2 * wait, MAX_MS)
+    assert wait == MAX_MS, "the wait stops doubling at the named limit"
+    # Acknowledged: the entry leaves the to-free set, durably, and nothing is sent again.
+    _, effects = d.send(wire.Freed("pool", A0, 1))
+    assert events(effects) == ["free_acked"] and of(effects, Persist)[0].record.to_free == ()
+    assert not frees_at(d.tick(dt=10 * MAX_MS)) and not d.core.pending_frees()
+    # A duplicated ack (a retry crossed it) changes nothing.
+    _, effects = d.send(wire.Freed("pool", A0, 1))
+    assert events(effects) == ["ignore_stale_freed"] and not of(effects, Persist)
+
+
+def test_an_ack_covers_the_pending_free_only_under_its_epoch_and_tenant(d):
+    d.write(A0)
+    d.invalidate(A0)
+    assert d.send(wire.Freed("pool", A0, 0))[1] and d.core.records[A0].to_free == (("pool", 1),)  # older epoch
+    assert d.send(wire.Freed("pool", A0, 2))[1] and d.core.records[A0].to_free == (("pool", 1),)  # never issued
+    assert d.send(wire.Freed("n1/nvme", A0, 1))[1] and d.core.records[A0].to_free == (("pool", 1),)  # elsewhere
+    assert d.send(wire.Freed("pool", B0, 1))[1] and d.core.records[A0].to_free == (("pool", 1),)  # another key
+    d.write(B0)
+    d.invalidate(B0)
+    _, effects = d.send(wire.Freed("pool", B0, 1), tenant="t-a")  # t-a may not touch namespace B
+    assert events(effects) == ["ignore_stale_freed"] and d.core.records[B0].to_free == (("pool", 1),)
+
+
+def test_an_expired_write_frees_its_slot(d):
+    grant, _ = d.begin_write(A0)
+    effects = d.tick(dt=VIEW_MS)
+    assert events(effects)[:1] == ["expire_write_lease"]
+    assert frees_at(effects) == [("pool", A0, grant.epoch)]
+    rec = d.core.records[A0]
+    assert rec.phase == ABSENT and rec.to_free == (("pool", grant.epoch),)
+    # The next write of the key is granted at once; the pending free is fenced there by its epoch.
+    again, _ = d.begin_write(A0)
+    assert again.epoch > grant.epoch and d.core.records[A0].to_free == (("pool", grant.epoch),)
+    d.send(wire.Freed("pool", A0, grant.epoch))
+    assert d.core.records[A0].to_free == ()
+
+
+def test_a_write_aborted_by_an_invalidation_frees_its_slot(d):
+    d.write(A0)
+    grant, _ = d.begin_write(A1)
+    _, effects = d.invalidate(A0)
+    assert ("pool", A1, grant.epoch) in frees_at(effects)
+    assert d.core.records[A1].to_free == (("pool", grant.epoch),)
+
+
+def test_a_drained_copy_joins_the_to_free_set():
+    d = Directory(place_write=lambda node, key: f"{node}/nvme")
+    d.write(A0, node="n1")
+    ok, effects = d.core.start_transfer(A0, "n1/dram", d.now)
+    assert ok
+    _, effects = d.send(wire.Copied("n1/dram", A0, 2))
+    assert events(effects) == ["finish_transfer", "free_drained"] and frees_at(effects) == [("n1/nvme", A0, 2)]
+    assert d.core.records[A0].to_free == (("n1/nvme", 2),) and d.core.records[A0].owner == "n1/dram"
+
+
+def test_the_to_free_set_survives_a_restart_and_waits_for_the_grace(dstore):
+    d = dstore
+    d.write(A0)
+    d.invalidate(A0)  # its Free is lost with the crash
+    grant, _ = d.begin_write(B0)
+    d.tick(dt=VIEW_MS)  # expired: another free
+    loaded, effects = d.restart(dt=5)
+    assert {r.key: r.to_free for r in loaded.records} == {A0: (("pool", 1),), B0: (("pool", grant.epoch),)}
+    assert not frees_at(effects)
+    restarted_at = d.now
+    assert not frees_at(d.tick(to=restarted_at + GRACE_MS - 1)), "nothing leaves during the grace"
+    effects = d.tick(to=restarted_at + GRACE_MS)
+    assert sorted(frees_at(effects)) == sorted([("pool", A0, 1), ("pool", B0, grant.epoch)])
+    d.send(wire.Freed("pool", A0, 1))
+    d.send(wire.Freed("pool", B0, grant.epoch))
+    loaded, _ = d.restart()
+    assert all(r.to_free == () for r in loaded.records)
+
+
+def test_a_down_location_gets_no_lease_no_write_and_its_keys_come_back():
+    d = Directory(place_write=lambda node, key: f"{node}/nvme")
+    d.write(A0, node="n1")
+    d.write(B0, node="n2")
+    held, _ = d.acquire(A0, node="r1")
+    effects = d.apply(d.core.locations_down(["n1/nvme"], d.now))
+    d.core.check_invariants()
+    assert events(effects)[0] == "mark_location_down"
+    # The dead owner's key is voided (its lease revoked) and leased no more; others are untouched.
+    assert d.core.records[A0].phase == INVALIDATING and d.core.records[B0].phase == COMMITTED
+    assert [(e.node, e.msg.lease) for e in of(effects, Send)] == [("r1", held.lease)]
+    assert d.acquire(A0, node="r2")[0].reason == REASON_LOCATION_DOWN
+    assert isinstance(d.acquire(B0, node="r2")[0], wire.ReadLeaseGranted)
+    # No write placed on it, nor committed there.
+    root = chain_keys(_NS_A, [7, 7])[0]
+    assert d.begin_write(root, node="n1", parent=None, namespace=NS_A)[0].reason == REASON_LOCATION_DOWN
+    # Writable again only once the lease on the lost copy ended -- its expiry, at the latest.
+    assert d.begin_write(A0, node="n2")[0].reason == rules.REASON_NOT_ABSENT
+    d.tick(dt=VIEW_MS - 1)
+    assert d.core.records[A0].phase == INVALIDATING
+    effects = d.tick(dt=1)
+    assert d.core.records[A0].phase == ABSENT and "complete_invalidation" in events(effects)
+    assert not frees_at(effects), "a free to a down location would be lost: it waits"
+    assert d.core.records[A0].to_free == (("n1/nvme", 1),)
+    grant, _ = d.begin_write(A0, node="n2")
+    assert isinstance(grant, wire.WriteLeaseGranted) and grant.location == "n2/nvme"
+    # The node is back: the pending free leaves at once.
+    effects = d.apply(d.core.locations_up(["n1/nvme"], d.now))
+    assert frees_at(effects) == [("n1/nvme", A0, 1)] and "mark_location_up" in events(effects)
+    d.core.check_invariants()
+
+
+def test_a_commit_onto_a_location_that_went_down_is_refused():
+    d = Directory(place_write=lambda node, key: f"{node}/nvme")
+    grant, _ = d.begin_write(A0, node="n1")
+    d.apply(d.core.locations_down(["n1/nvme"], d.now))
+    reply, _ = d.commit(grant, node="n1")
+    assert reply == wire.CommitRejected("n1", A0, grant.lease, REASON_LOCATION_DOWN)
+    effects = d.tick(dt=VIEW_MS)
+    assert d.core.records[A0].phase == ABSENT and d.core.records[A0].to_free == (("n1/nvme", grant.epoch),)
+    assert not frees_at(effects)
+
+
 def test_unexpected_messages_are_the_peers_violation(d):
     with pytest.raises(PeerViolation):
         d.send(wire.Ping(1))

@@ -140,7 +140,7 @@ def rendezvous_placement(nodes: Callable[[], dict[NodeId, tuple[LocationId, ...]
 
 
 class _Member:
-    __slots__ = ("node", "incarnation", "address", "locations", "conn", "last_heard_ms", "down")
+    __slots__ = ("node", "incarnation", "address", "locations", "conn", "last_heard_ms", "silent_sweeps", "down")
 
     def __init__(
         self, node: NodeId, incarnation: int, address: str, locations: tuple[LocationId, ...], conn: Any, now_ms: int
@@ -151,6 +151,7 @@ class _Member:
         self.locations = locations
         self.conn = conn
         self.last_heard_ms = now_ms  # the last request (a heartbeat Ping at least) on ``conn``
+        self.silent_sweeps = 0  # watchdog sweeps since then
         self.down = False  # told the core its locations are down; a request on ``conn`` revives it
 
     @property
@@ -300,6 +301,7 @@ class DirectoryServer:
         if m is None or m.conn is not conn:
             return
         m.last_heard_ms = self.now_ms()
+        m.silent_sweeps = 0
         if m.down:
             m.down = False
             log.info("node %s is heard from again", m.node)
@@ -423,14 +425,21 @@ class DirectoryServer:
     async def _watch_members(self) -> None:
         """P4: a node not heard from for ``node_down_after_ms`` -- its heartbeats missed many
         times over, whether its connection is gone (killed, partitioned) or open and silent
-        (stopped) -- is down: the core voids the keys it owns and grants nothing there."""
+        (stopped) -- is down: the core voids the keys it owns and grants nothing there.
+
+        Silence is measured twice, and both must exceed the bound: on the directory's clock, and
+        in sweeps of this loop (one per heartbeat interval) -- so a clock that jumps (a test's
+        manual clock) or a loop that stalled (this process paused) never takes a node for down
+        before it had the time to say something."""
+        sweeps_down = -(-self.config.node_down_after_ms // HEARTBEAT_INTERVAL_MS)
         while True:
             await asyncio.sleep(HEARTBEAT_INTERVAL_MS / 1000)
             if self.fatal is not None:
                 return
             now = self.now_ms()
             for m in sorted(self._members.values(), key=lambda m: m.node):
-                if m.down or now - m.last_heard_ms <= self.config.node_down_after_ms:
+                m.silent_sweeps += 1
+                if m.down or now - m.last_heard_ms <= self.config.node_down_after_ms or m.silent_sweeps <= sweeps_down:
                     continue
                 m.down = True
                 log.warning("node %s is down: not heard from for %d ms", m.node, now - m.last_heard_ms)
