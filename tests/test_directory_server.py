@@ -24,6 +24,7 @@ import pytest
 
 from kvcc.reference.client import REASON_LEASE_EXPIRED, KvccClient, Refused
 from kvcc.reference.directory import DirectoryConfig
+from kvcc.reference.directory.core import REASON_LOCATION_DOWN
 from kvcc.reference.directory.server import DirectoryServer
 from kvcc.reference.errors import ConnectionFailed
 from kvcc.reference.node import CacheNode
@@ -485,6 +486,68 @@ def test_restart_recovers_every_record_and_honours_leases(directory_store_factor
         await w.restart_directory()
         lease = await b.acquire(NS, ks[1])
         assert not isinstance(lease, Refused) and lease.lease > issued
+
+    world_test(directory_store_factory, body)
+
+
+# -- deletion reaches everywhere; a silent node is down ----------------------------------------------------
+
+
+async def until(what: str, condition, timeout_s: float = WAIT_S):
+    """Poll ``condition`` (every 20 ms) until it holds; fail after ``timeout_s`` (never reached
+    unless broken: nothing here asserts how long anything took)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, f"{what}: not reached within {timeout_s} s"
+        await asyncio.sleep(0.02)
+
+
+def test_frees_are_acknowledged_and_leave_the_to_free_set(directory_store_factory):
+    async def body(w: World):
+        a = await w.client("n1.a")  # co-located with n1: its writes land on n1/dram
+        ks = keys(2, salt=11)
+        await w.put_chain(a, ks)
+        tier = w.nodes[0].tiers["dram"]
+        assert all(k.digest in tier.keys() for k in ks)
+        assert await a.wait(int(await a.invalidate(NS, SCOPE_KEY, ks[0])), WAIT_S)  # and its child
+        await until("the node acknowledged both frees", lambda: not w.core.pending_frees())
+        assert not any(k.digest in tier.keys() for k in ks), "the bytes left the node"
+        # A write given up: its bytes leave the slot once the write lease expired.
+        wl = await a.begin_write(NS, ks[0], None)
+        assert not isinstance(wl, Refused) and wl.location == "n1/dram"
+        assert await a.write_bytes(wl, block(ks[0])) is None and ks[0].digest in tier.keys()
+        a.abort(wl)
+        await until("the write lease expired", lambda: w.core.records[ks[0]].phase != WRITING)
+        await until("its bytes were freed and acknowledged",
+                    lambda: ks[0].digest not in tier.keys() and not w.core.pending_frees())  # fmt: skip
+
+    world_test(directory_store_factory, body)
+
+
+def test_a_silent_node_is_down_its_keys_come_back_and_frees_reach_it_when_back(directory_store_factory):
+    async def body(w: World):
+        a, b = await w.client("n1.a"), await w.client("n2.b")
+        k = keys(1, salt=12)[0]
+        await w.put_chain(a, [k])
+        assert w.core.records[k].owner == "n1/dram"
+        n1 = w.nodes.pop(0)
+        await n1.close()  # killed: no heartbeat, no connection
+        await until("n1 is down", lambda: "n1/dram" in w.core.down_locations)
+        got = await b.acquire(NS, k)
+        assert isinstance(got, Refused) and got.reason in (REASON_LOCATION_DOWN, REASON_NOT_COMMITTED), got
+        wl = await b.begin_write(NS, k, None)  # the dead owner's key is writable again, elsewhere
+        assert not isinstance(wl, Refused) and wl.location == "n2/dram" and wl.gen == 1
+        assert await b.write_bytes(wl, block(k)) is None and isinstance(await b.commit(wl), Committed)
+        assert await read_leased(b, k) == block(k)
+        assert w.core.pending_frees("n1/dram") == [(k, "n1/dram", 1)], "the lost copy waits for n1"
+        # n1 is back (a new incarnation; its DRAM came back empty): the free reaches it, is acked.
+        node = CacheNode("n1", {"dram": DramTier(NODE_BLOCKS, BLOCK_BYTES)}, TENANTS, w.address,
+                         directory_tenant=NODES, incarnation=2, lost=("dram",))  # fmt: skip
+        w.nodes.append(await node.start())
+        await until("n1 is up and acknowledged the free", lambda: not w.core.pending_frees())
+        assert "n1/dram" not in w.core.down_locations
+        for t in n1.tiers.values():
+            t.close()
 
     world_test(directory_store_factory, body)
 
