@@ -17,8 +17,11 @@ whether a block may be dropped: the directory does (DESIGN: directory).
 - **Directory link** (``transport.Client`` with ``on_push``). The node says ``Hello`` on every
   new connection (its incarnation, data address, locations, and the locations that came back empty
   after a restart); the ``Welcome`` carries the fences to restore (spec ``restart_node``). The
-  directory pushes ``Free`` (drop a copy unless fenced: ``free_slot`` / ``fence_stale_free``) and
-  ``Copy`` (a transfer's new copy under ``epoch + 1``: ``store_copy``, then ``Copied``).
+  directory pushes ``Free`` (drop a copy unless fenced: ``free_slot`` / ``fence_stale_free``,
+  then ``Freed`` whatever the outcome: the directory sends a free until it is acknowledged) and
+  ``Copy`` (a transfer's new copy under ``epoch + 1``: ``store_copy``, then ``Copied``). It pings
+  the directory every ``HEARTBEAT_INTERVAL_MS``: a node the directory stops hearing from is
+  down (its keys voided, no lease pointed at it).
 - **Eviction** (DESIGN: eviction and tiering). When a tier is full the node walks its
   least-recently-used keys and asks the directory ``Evict`` for each; the directory refuses a copy
   under a live read lease (``leased``) or one whose children are still cached (``has_children``:

@@ -40,6 +40,27 @@ spec's state (``spec/layout.py``):
 - Tickets (``Ticket``) are not in the spec: they make an invalidation's completion observable
   (``WaitTicket``). A ticket completes when every key it voided has completed its invalidation.
 
+Deletion reaches everywhere (DESIGN: progress). Every state change that ends a generation --
+an invalidation completing, a write aborted by one, a write lease expiring -- and every drained
+copy let go puts ``(location, epoch)`` into the record's durable to-free set (``Record.to_free``)
+*in the same* ``Persist``, and sends ``FreeAt``. A free is sent again after
+``free_retry_first_ms``, the wait doubling up to ``free_retry_max_ms``, until the location
+acknowledges it (``Freed``: freed, nothing there, or fenced -- see ``Record.to_free`` for why a
+fenced free is done); nothing is sent during restart grace (the retries wait for its end) nor
+to a location known to be down (they wait for ``locations_up``). A restarted directory finds
+the set in its records. So a generation's bytes leave a location within ``free_retry_max_ms``
+(plus a message delay) of the location being reachable. (An eviction is not in the set: the
+node asked for it and drops the bytes itself.)
+
+Down locations (P4). The runtime tells the core which locations it stopped hearing from
+(``locations_down``: the server's watchdog, after ``node_down_after_ms`` of missed heartbeats)
+and which are back (``locations_up``: a Hello, or heartbeats again). Down, a location gets no
+read lease (``location_down``, before the rule's other reasons: the copy is unreachable), no
+write placed on it, no commit of bytes stored there; every COMMITTED key it owns is voided with
+its subtree exactly as a copy lost in a node restart (``rules.lost_copy_invalidates``): its
+leases are revoked and the key is ABSENT -- writable again, elsewhere -- once they were
+acknowledged or expired, within term + epsilon of the detection and never sooner.
+
 Handlers follow TigerBeetle's shape: first the message is ignored with a reason if it is stale or
 duplicated (network weather: an ``Emit`` of an ``ignore_*`` event, which is a diagnostic and not a
 spec action, and no state change); then a rule decides; then the handler asserts what must now
@@ -49,7 +70,7 @@ has no refusal to carry it (``Lookup``, ``Invalidate``), gets ``Unauthorized``. 
 goes wrong is our bug: an ``AssertionError``.
 
 Event names are the spec's action names (``kvcc.reference.events.EVENTS``), except the
-``ignore_*`` diagnostics; extra fields never shadow the log's standard ones (``holder``,
+``ignore_*`` diagnostics and the ``PROPOSED_EVENTS`` (logged once the spec names them); extra fields never shadow the log's standard ones (``holder``,
 ``writer``, ``location`` name the nodes and locations involved).
 """
 

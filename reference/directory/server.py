@@ -20,7 +20,8 @@ docstring requires:
    serving the location (location ids are ``"<node>/<tier>"``; the shared pool, which every node
    mounts, is served by any connected node that lists it). A directive for a node that is not
    connected is lost -- exactly the network loss the spec allows: a lost ``Revoke`` ends by lease
-   expiry, a lost ``Free`` leaves a copy no lease will ever point at, fenced by its epoch.
+   expiry, a lost ``Free`` is sent again by the core until the location answers ``Freed`` (and
+   at once when the node says Hello again).
 4. Timers: one task sleeps until ``core.next_deadline_ms()`` (woken early only when a request
    moved it before the deadline the task sleeps towards) and calls ``core.tick``; lease expiry,
    write-lease expiry, restart grace and the invalidations waiting on them happen there.
@@ -32,6 +33,14 @@ directory starts a new clock, which the core allows (``restarted`` re-bases writ
 
 A first start (an empty log) serves at once; a restart (a log with an earlier incarnation)
 calls ``core.restarted`` and so grants nothing conflicting for the restart grace (DESIGN 12).
+
+Failure detection (P4): every node pings the directory every ``HEARTBEAT_INTERVAL_MS`` (the
+transport answers; the connection notes the input). A watchdog sweeps the members as often: one
+not heard from for ``node_down_after_ms`` -- by the clock *and* in sweeps, so neither a clock
+jump nor a stalled loop fakes it -- is down (``core.locations_down``: no leases or writes there,
+its keys voided), whether it crashed (no connection) or stopped (an open, silent one). Heard
+again, or a Hello: ``core.locations_up``. The shared pool is never down with one node. Placement
+skips down nodes.
 
 Membership: ``Hello(node, incarnation, address, locations, lost)`` registers the connection.
 A node seen before under another incarnation, or one that lost locations, has restarted:
