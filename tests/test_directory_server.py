@@ -552,6 +552,52 @@ def test_a_silent_node_is_down_its_keys_come_back_and_frees_reach_it_when_back(d
     world_test(directory_store_factory, body)
 
 
+def test_the_to_free_set_is_durable_in_both_stores(directory_store_factory):
+    from kvcc.reference.directory import Persist, Record
+    from kvcc.spec.rules import ABSENT
+
+    store = directory_store_factory.open()
+    store.load()
+    k = keys(1, salt=13)[0]
+    rec = Record(key=k, namespace=NS.digest(), parent=None, phase=ABSENT, gen=2, epoch=3,
+                 to_free=(("n1/nvme", 3), ("pool", 2)))  # fmt: skip
+    assert store.commit([Persist(rec)]) == 1
+    store.close()
+    store = directory_store_factory.open()
+    assert {r.key: r for r in store.load().records} == {k: rec}
+    assert store.commit([Persist(attrs.evolve(rec, to_free=(("pool", 2),)))]) == 1  # one acknowledged
+    store.close()
+    assert [r.to_free for r in directory_store_factory.open().load().records] == [(("pool", 2),)]
+
+
+def test_records_from_before_the_to_free_set_load_with_an_empty_one(tmp_path):
+    import sqlite3
+
+    from kvcc.reference.directory import DirectoryStore, Persist, Record
+    from kvcc.reference.directory.durable import StoreCorrupt, record_from_row, record_row
+    from kvcc.spec.rules import ABSENT
+
+    k = keys(1, salt=14)[0]
+    rec = Record(key=k, namespace=NS.digest(), parent=None, phase=ABSENT, gen=1, epoch=1)
+    # An etcd row (a CBOR map) written before: no "to_free" field.
+    row = record_row(rec)
+    del row["to_free"]
+    assert record_from_row(row) == rec
+    with pytest.raises(StoreCorrupt):
+        record_from_row({**row, "to_free": b"junk"})
+    # An SQLite log written before: no to_free column; opening it adds one, empty.
+    path = tmp_path / "old.sqlite"
+    with DirectoryStore(path) as store:
+        store.load()
+        store.commit([Persist(rec)])
+    db = sqlite3.connect(path)
+    db.execute("ALTER TABLE records DROP COLUMN to_free")
+    db.commit()
+    db.close()
+    with DirectoryStore(path) as store:
+        assert store.load().records == (rec,)
+
+
 def test_first_start_serves_without_grace(directory_store_factory):
     async def body(w: World):
         assert not w.server.restarted and not w.core.in_grace
