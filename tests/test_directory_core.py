@@ -647,7 +647,9 @@ def test_a_down_location_gets_no_lease_no_write_and_its_keys_come_back():
     held, _ = d.acquire(A0, node="r1")
     effects = d.apply(d.core.locations_down(["n1/nvme"], d.now))
     d.core.check_invariants()
-    assert events(effects)[0] == "mark_location_down"
+    assert events(effects)[:2] == ["mark_location_down", "invalidate"]
+    (voiding,) = [e for e in of(effects, Emit) if e.event == "invalidate"]
+    assert voiding.fields["key"] == A0 and voiding.fields["cause"] == REASON_LOCATION_DOWN
     # The dead owner's key is voided (its lease revoked) and leased no more; others are untouched.
     assert d.core.records[A0].phase == INVALIDATING and d.core.records[B0].phase == COMMITTED
     assert [(e.node, e.msg.lease) for e in of(effects, Send)] == [("r1", held.lease)]
@@ -672,15 +674,15 @@ def test_a_down_location_gets_no_lease_no_write_and_its_keys_come_back():
     d.core.check_invariants()
 
 
-def test_a_commit_onto_a_location_that_went_down_is_refused():
+def test_a_commit_onto_a_location_that_went_down_is_voided_at_once():
     d = Directory(place_write=lambda node, key: f"{node}/nvme")
     grant, _ = d.begin_write(A0, node="n1")
     d.apply(d.core.locations_down(["n1/nvme"], d.now))
-    reply, _ = d.commit(grant, node="n1")
-    assert reply == wire.CommitRejected("n1", A0, grant.lease, REASON_LOCATION_DOWN)
-    effects = d.tick(dt=VIEW_MS)
+    reply, effects = d.commit(grant, node="n1")
+    assert isinstance(reply, wire.Committed)  # the writer's lease was good: the spec's commit
+    assert events(effects) == ["commit_write", "invalidate", "complete_invalidation"]
     assert d.core.records[A0].phase == ABSENT and d.core.records[A0].to_free == (("n1/nvme", grant.epoch),)
-    assert not frees_at(effects)
+    assert not frees_at(effects), "the free waits for n1"
 
 
 def test_unexpected_messages_are_the_peers_violation(d):

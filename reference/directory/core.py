@@ -55,11 +55,12 @@ node asked for it and drops the bytes itself.)
 Down locations (P4). The runtime tells the core which locations it stopped hearing from
 (``locations_down``: the server's watchdog, after ``node_down_after_ms`` of missed heartbeats)
 and which are back (``locations_up``: a Hello, or heartbeats again). Down, a location gets no
-read lease (``location_down``, before the rule's other reasons: the copy is unreachable), no
-write placed on it, no commit of bytes stored there; every COMMITTED key it owns is voided with
-its subtree exactly as a copy lost in a node restart (``rules.lost_copy_invalidates``): its
-leases are revoked and the key is ABSENT -- writable again, elsewhere -- once they were
-acknowledged or expired, within term + epsilon of the detection and never sooner.
+read lease (``location_down``, before the rule's other reasons: the copy is unreachable) and no
+write placed on it; every COMMITTED key it owns (or that commits there later) is voided with
+its subtree exactly as a copy lost in a node restart (``rules.lost_copy_invalidates``), by the
+spec's ``invalidate``: its leases are revoked and the key is ABSENT -- writable again,
+elsewhere -- once they were acknowledged or expired, within term + epsilon of the detection and
+never sooner.
 
 Handlers follow TigerBeetle's shape: first the message is ignored with a reason if it is stale or
 duplicated (network weather: an ``Emit`` of an ``ignore_*`` event, which is a diagnostic and not a
@@ -127,6 +128,7 @@ from ..errors import PeerViolation, Unauthorized
 from ..events import EVENTS
 from ..wire import (
     HEARTBEAT_INTERVAL_MS,
+    SCOPE_KEY,
     SCOPE_NAMESPACE,
     Acquire,
     BeginWrite,
@@ -171,8 +173,8 @@ REASON_LOCATION_DOWN = "location_down"
 # a name, ``Emit.is_spec_action`` is false and the server does not log it (a validator could not
 # replay it); once the spec names it, it is logged with no change here.
 PROPOSED_EVENTS = ("retry_free", "free_acked", "mark_location_down", "mark_location_up")
-FREE_RETRY_FIRST_MS_DEFAULT = 250  # a Free not acknowledged by then is sent again ...
-FREE_RETRY_MAX_MS_DEFAULT = 4_000  # ... with the wait doubling up to this (DESIGN: deletion reaches everywhere)
+FREE_RETRY_FIRST_MS_DEFAULT = 1_000  # a Free not acknowledged by then is sent again ...
+FREE_RETRY_MAX_MS_DEFAULT = 8_000  # ... with the wait doubling up to this (DESIGN: deletion reaches everywhere)
 NODE_DOWN_AFTER_MS_DEFAULT = 3_000  # a node silent this long is down (missed heartbeats, or no connection)
 # A node's heartbeat must be missed several times over before it counts as down (a slow event
 # loop or a busy machine is not a crash).
@@ -869,10 +871,6 @@ class DirectoryCore:
         )
         if reason is None and msg.gen != rec.gen:
             reason = REASON_WRONG_GENERATION  # the right lease and epoch name one generation only
-        if reason is None and rec.owner in self.down_locations:
-            # Its bytes are on a node that is down: publishing them would point readers at a copy
-            # nobody can read. The write lease runs out and the slot is freed when it is back.
-            reason = REASON_LOCATION_DOWN
         if reason is not None:
             self._emit(effects, "reject_stale_commit", rec, lease=msg.lease, result=reason, writer=msg.node)
             return CommitRejected(msg.node, msg.key, msg.lease, reason)
@@ -887,6 +885,9 @@ class DirectoryCore:
             effects,
         )  # fmt: skip
         self._emit(effects, "commit_write", rec, lease=msg.lease, writer=msg.node, location=rec.owner)
+        # Its bytes are on a node that went down since the grant: the generation is voided at
+        # once (no reader could reach it), as every key owned there was.
+        self._void_lost_copy(msg.key, effects)
         return Committed(msg.node, msg.key, msg.lease, rec.gen, rec.epoch)
 
     def _end_generation(
@@ -992,17 +993,8 @@ class DirectoryCore:
         if not down:
             return effects
         self.down_locations |= down
-        voided: list[BlockKey] = []
-        seen: set[BlockKey] = set()
-        for key in sorted(self.records):
-            rec = self.records[key]
-            if rec.owner in down and lost_copy_invalidates(rec.phase, True, True):
-                for k in self.subtree(key):
-                    if k not in seen:
-                        seen.add(k)
-                        voided.append(k)
-        self._emit(effects, "mark_location_down", None, locations=sorted(down), voided=len(voided),
-                   ticket=self.next_ticket if voided else None)  # fmt: skip
+        owned = [k for k in sorted(self.records) if self.records[k].owner in down]
+        self._emit(effects, "mark_location_down", None, locations=sorted(down), owned=len(owned))
         for key in sorted(self.records):
             rec = self.records[key]
             if rec.moving_to is not None and rec.moving_to in down:
@@ -1010,10 +1002,25 @@ class DirectoryCore:
         for loc in down:
             for key in self._frees_at.get(loc, ()):
                 self._free_due.pop((key, loc), None)
-        if voided:
-            self._start_invalidation(voided, effects)
+        for key in owned:
+            self._void_lost_copy(key, effects)
         self._check_effects(effects)
         return effects
+
+    def _void_lost_copy(self, key: BlockKey, effects: list[Effect]) -> None:
+        """Void ``key`` and its subtree if it is COMMITTED with its owner copy at a down location.
+        It is the spec's ``invalidate`` -- the directory may void a COMMITTED key at any time --
+        and is logged as one (``cause``: ``location_down``), so that a trace of it replays."""
+        rec = self.records[key]
+        if not lost_copy_invalidates(rec.phase, rec.owner in self.down_locations, True):
+            return  # voided already, with an ancestor's subtree
+
+        def announce(ticket: int) -> None:
+            self._emit(effects, "invalidate", None, key=key, ticket=ticket, keys=len(keys), scope=SCOPE_KEY,
+                       namespace=rec.namespace, cause=REASON_LOCATION_DOWN)  # fmt: skip
+
+        keys = self.subtree(key)
+        self._start_invalidation(keys, effects, announce)
 
     def locations_up(self, locations: Iterable[LocationId], now_ms: int) -> list[Effect]:
         """The node serving ``locations`` is heard from again (it said Hello, or its heartbeat is

@@ -443,6 +443,8 @@ class DirectoryServer:
             now = self.now_ms()
             loop_now_s = asyncio.get_running_loop().time()
             for m in sorted(self._members.values(), key=lambda m: m.node):
+                if not m.own_locations:
+                    continue  # a client (it says Hello too): nothing of it can be down
                 # The node's heartbeat is a Ping, which the transport answers without calling
                 # the handler (cheap, and the baseline of bench/directory.py); its connection
                 # notes when it last received anything.
