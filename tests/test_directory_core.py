@@ -621,6 +621,20 @@ def test_a_drained_copy_joins_the_to_free_set():
     assert d.core.records[A0].to_free == (("n1/nvme", 2),) and d.core.records[A0].owner == "n1/dram"
 
 
+def test_a_cancelled_or_abandoned_transfer_frees_its_destination():
+    d = Directory(place_write=lambda node, key: f"{node}/nvme")
+    d.write(A0, node="n1")
+    d.core.start_transfer(A0, "n1/dram", d.now)
+    effects = d.apply(d.core.cancel_transfer(A0, d.now))
+    assert events(effects) == ["cancel_transfer"] and frees_at(effects) == [("n1/dram", A0, 2)]
+    assert d.core.records[A0].to_free == (("n1/dram", 2),) and d.core.records[A0].moving_to is None
+    # An invalidation abandons a transfer under way the same way.
+    d.core.start_transfer(A0, "n1/gpu", d.now)
+    _, effects = d.invalidate(A0)
+    assert ("n1/gpu", A0, 3) in frees_at(effects)
+    assert dict(d.core.records[A0].to_free)["n1/gpu"] == 3
+
+
 def test_the_to_free_set_survives_a_restart_and_waits_for_the_grace(dstore):
     d = dstore
     d.write(A0)

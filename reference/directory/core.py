@@ -102,6 +102,7 @@ from kvcc.spec.rules import (
     REASON_WRONG_GENERATION,
     WRITING,
     directory_view,
+    free_acknowledged,
     holder_budget,
     invalidation_deadline,
     invalidation_step,
@@ -118,8 +119,10 @@ from kvcc.spec.rules import (
     may_grant_read,
     may_release,
     may_renew,
+    may_retry_free,
     may_start_transfer,
     next_epoch,
+    owe_free,
     restart_grace,
     write_lease_must_expire,
 )
@@ -172,7 +175,7 @@ REASON_LOCATION_DOWN = "location_down"
 # Steps of the deletion and failure-detection protocol the spec is adding. Until ``EVENTS`` lists
 # a name, ``Emit.is_spec_action`` is false and the server does not log it (a validator could not
 # replay it); once the spec names it, it is logged with no change here.
-PROPOSED_EVENTS = ("retry_free", "free_acked", "mark_location_down", "mark_location_up")
+PROPOSED_EVENTS = ("mark_location_down", "mark_location_up")
 FREE_RETRY_FIRST_MS_DEFAULT = 1_000  # a Free not acknowledged by then is sent again ...
 FREE_RETRY_MAX_MS_DEFAULT = 8_000  # ... with the wait doubling up to this (DESIGN: deletion reaches everywhere)
 NODE_DOWN_AFTER_MS_DEFAULT = 3_000  # a node silent this long is down (missed heartbeats, or no connection)
@@ -286,9 +289,10 @@ class Record:
         assert all(0 <= e <= self.epoch for _, e in self.to_free), "a free names an epoch issued"
 
     def freeing(self, location: LocationId, epoch: int) -> tuple[tuple[LocationId, int], ...]:
-        """``to_free`` with ``(location, epoch)`` added (the higher epoch wins at a location)."""
+        """``to_free`` with a Free under ``epoch`` owed to ``location`` (``rules.owe_free``: one
+        Free under the highest epoch owed covers the lower ones)."""
         entries = dict(self.to_free)
-        entries[location] = max(epoch, entries.get(location, 0))
+        entries[location] = owe_free(entries.get(location, 0), epoch)
         return tuple(sorted(entries.items()))
 
     @property
@@ -930,13 +934,15 @@ class DirectoryCore:
             assert self.grace_until_ms is not None
             self._schedule_free(key, location, self.grace_until_ms)
             return
-        if location in self.down_locations:
+        if not may_retry_free(epoch, location not in self.down_locations):
             self._free_due.pop((key, location), None)
             return
         wait = self._free_waits.get((key, location), self.config.free_retry_first_ms)
-        effects.append(FreeAt(location, key, epoch))
         if retry:
+            # The event first: the Free it sends is that step's message (a runtime that finds
+            # the location unreachable drops both: nothing was sent).
             self._emit(effects, "retry_free", rec, location=location, epoch=epoch, wait_ms=wait)
+        effects.append(FreeAt(location, key, epoch))
         self._free_waits[(key, location)] = min(2 * wait, self.config.free_retry_max_ms)
         self._schedule_free(key, location, self.now_ms + wait)
 
@@ -955,11 +961,11 @@ class DirectoryCore:
         under epoch ``e`` covers the pending one at that location if that one's epoch is at most
         ``e`` (the block it names is gone, or the fence showed a later grant there)."""
         rec = self.records.get(msg.key)
-        pending = None if rec is None else dict(rec.to_free).get(msg.location)
+        owed = 0 if rec is None else dict(rec.to_free).get(msg.location, 0)
         if (
             rec is None
-            or pending is None
-            or not pending <= msg.epoch <= rec.epoch
+            or not free_acknowledged(owed, msg.epoch)
+            or msg.epoch > rec.epoch  # answers no Free ever sent
             or not self._authorized(tenant, rec.namespace)
         ):
             # A duplicated or late ack (a retry crossed it), or one for a free never sent.
@@ -967,7 +973,7 @@ class DirectoryCore:
             return
         rec = self._put(attrs.evolve(rec, to_free=tuple(e for e in rec.to_free if e[0] != msg.location)), effects)
         assert (msg.key, msg.location) not in self._free_due
-        self._emit(effects, "free_acked", rec, location=msg.location, epoch=msg.epoch)
+        self._emit(effects, "free_acked", rec, location=msg.location, epoch=owed, freed_epoch=msg.epoch)
 
     def pending_frees(self, location: LocationId | None = None) -> list[tuple[BlockKey, LocationId, int]]:
         """The to-free set (of one location, or all): (key, location, epoch), sorted."""
@@ -998,7 +1004,7 @@ class DirectoryCore:
         for key in sorted(self.records):
             rec = self.records[key]
             if rec.moving_to is not None and rec.moving_to in down:
-                self._put(attrs.evolve(rec, moving_to=None), effects)  # its copy cannot land
+                self._abandon_transfer(rec, effects, "cancel_transfer")  # its Copied cannot come
         for loc in down:
             for key in self._frees_at.get(loc, ()):
                 self._free_due.pop((key, loc), None)
@@ -1083,7 +1089,13 @@ class DirectoryCore:
             rec = self.records[key]
             step = invalidation_step(rec.phase)
             if step == INVALIDATE_START:
-                rec = self._put(attrs.evolve(rec, phase=INVALIDATING, moving_to=None), effects)
+                moving = rec.moving_to
+                to_free = rec.to_free if moving is None else rec.freeing(moving, rec.epoch)
+                rec = self._put(attrs.evolve(rec, phase=INVALIDATING, moving_to=None, to_free=to_free), effects)
+                if moving is not None:
+                    # The abandoned transfer's copy may land after all: its destination is freed
+                    # under the transfer's epoch, which then refuses it (rules.slot_accepts).
+                    self._send_free(rec, moving, effects, retry=False)
                 for entry in self.leases_on(key):
                     effects.append(Send(entry.node, Revoke(entry.node, key, entry.lease, entry.gen)))
             elif step == INVALIDATE_ABORT_WRITE:
@@ -1199,9 +1211,20 @@ class DirectoryCore:
         self._advance(now_ms, effects)
         rec = self.records.get(key)
         if rec is not None and rec.moving_to is not None:
-            rec = self._put(attrs.evolve(rec, moving_to=None), effects)
-            self._emit(effects, "cancel_transfer", rec)
+            self._abandon_transfer(rec, effects, "cancel_transfer")
         return effects
+
+    def _abandon_transfer(self, rec: Record, effects: list[Effect], event: str | None) -> None:
+        """The transfer of ``rec`` is over without its ``Copied``: its copy may land after all (a
+        slow or paused destination), so the destination is owed a Free under the transfer's
+        epoch, which then refuses the copy too (``rules.slot_accepts``). ``event``: the spec step
+        logged (``cancel_transfer``), or ``None`` where the caller's step covers it."""
+        moving = rec.moving_to
+        assert moving is not None and rec.phase == COMMITTED
+        rec = self._put(attrs.evolve(rec, moving_to=None, to_free=rec.freeing(moving, rec.epoch)), effects)
+        if event is not None:
+            self._emit(effects, event, rec, location=moving)
+        self._send_free(rec, moving, effects, retry=False)
 
     def _copied(self, msg: Copied, effects: list[Effect]) -> None:
         rec = self.records.get(msg.key)
@@ -1260,7 +1283,8 @@ class DirectoryCore:
         for key in sorted(self.records):
             rec = self.records[key]
             if rec.moving_to is not None and rec.moving_to in mine:
-                self._put(attrs.evolve(rec, moving_to=None), effects)  # the copy died with the node
+                # The copy died with the node, or landed: the restart step frees it (spec).
+                self._abandon_transfer(rec, effects, None)
         # The node's own leases, and those of the clients co-located with it ("<node>.<name>":
         # the spec's node is holder, writer and locations in one, and a crash takes them all).
         holders = [node, *sorted(h for h in self._leases_of_node if h.startswith(node + COLOCATED_SEPARATOR))]

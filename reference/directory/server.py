@@ -389,7 +389,11 @@ class DirectoryServer:
         for e in effects:
             match e:
                 case Emit():
-                    if self.events is not None and e.is_spec_action:
+                    # A retry to a location no connected node serves is not sent (its FreeAt,
+                    # next, is lost): no step to log -- the spec retries only to a location that
+                    # is up. The core tries again later, and at once when the node is back.
+                    unsent = e.event == "retry_free" and self._serving_node(e.fields["location"]) is None
+                    if self.events is not None and e.is_spec_action and not unsent:
                         self.events.emit(e.event, **dict(e.fields))
                 case Send():
                     self._push(e.node, e.msg)
@@ -413,15 +417,21 @@ class DirectoryServer:
             return
         self.stats["pushes"] += 1
 
-    def _push_to_location(self, location: LocationId, msg: Any) -> None:
+    def _serving_node(self, location: LocationId) -> NodeId | None:
+        """The connected node a directive for ``location`` goes to, if any."""
         node = node_of(location)
         if node is None:  # the shared pool: any connected node that mounts it
-            node = next(
+            return next(
                 (n for n, m in sorted(self._members.items()) if location in m.locations and m.conn and not m.down), None
             )
-            if node is None:
-                self.stats["lost_directives"] += 1
-                return
+        m = self._members.get(node)
+        return node if m is not None and m.conn is not None else None
+
+    def _push_to_location(self, location: LocationId, msg: Any) -> None:
+        node = self._serving_node(location) or node_of(location)
+        if node is None:
+            self.stats["lost_directives"] += 1
+            return
         self._push(node, msg)
 
     # ------------------------------------------------------------------ failure detection
