@@ -667,7 +667,7 @@ def test_a_down_location_gets_no_lease_no_write_and_its_keys_come_back():
     # The dead owner's key is voided (its lease revoked) and leased no more; others are untouched.
     assert d.core.records[A0].phase == INVALIDATING and d.core.records[B0].phase == COMMITTED
     assert [(e.node, e.msg.lease) for e in of(effects, Send)] == [("r1", held.lease)]
-    assert d.acquire(A0, node="r2")[0].reason == REASON_LOCATION_DOWN
+    assert d.acquire(A0, node="r2")[0].reason == rules.REASON_INVALIDATING  # voided: the rule's reason first
     assert isinstance(d.acquire(B0, node="r2")[0], wire.ReadLeaseGranted)
     # No write placed on it, nor committed there.
     root = chain_keys(_NS_A, [7, 7])[0]

@@ -55,8 +55,7 @@ node asked for it and drops the bytes itself.)
 Down locations (P4). The runtime tells the core which locations it stopped hearing from
 (``locations_down``: the server's watchdog, after ``node_down_after_ms`` of missed heartbeats)
 and which are back (``locations_up``: a Hello, or heartbeats again). Down, a location gets no
-read lease (``location_down``, before the rule's other reasons: the copy is unreachable) and no
-write placed on it; every COMMITTED key it owns (or that commits there later) is voided with
+read lease (``location_down``, after the rule's own reasons) and no write placed on it; every COMMITTED key it owns (or that commits there later) is voided with
 its subtree exactly as a copy lost in a node restart (``rules.lost_copy_invalidates``), by the
 spec's ``invalidate``: its leases are revoked and the key is ABSENT -- writable again,
 elsewhere -- once they were acknowledged or expired, within term + epsilon of the detection and
@@ -178,7 +177,10 @@ REASON_LOCATION_DOWN = "location_down"
 PROPOSED_EVENTS = ("mark_location_down", "mark_location_up")
 FREE_RETRY_FIRST_MS_DEFAULT = 1_000  # a Free not acknowledged by then is sent again ...
 FREE_RETRY_MAX_MS_DEFAULT = 8_000  # ... with the wait doubling up to this (DESIGN: deletion reaches everywhere)
-NODE_DOWN_AFTER_MS_DEFAULT = 3_000  # a node silent this long is down (missed heartbeats, or no connection)
+# A node silent this long is down (missed heartbeats, or no connection). Long enough for a node
+# process to restart on its disk (imports, recovery scan) on a loaded machine: taking a slow
+# restart for a crash voids the keys it kept, safe but wasteful.
+NODE_DOWN_AFTER_MS_DEFAULT = 10_000
 # A node's heartbeat must be missed several times over before it counts as down (a slow event
 # loop or a busy machine is not a crash).
 assert HEARTBEAT_INTERVAL_MS * 4 <= NODE_DOWN_AFTER_MS_DEFAULT
@@ -687,10 +689,11 @@ class DirectoryCore:
         # Authorised for the key's own namespace, not merely the one the request names (DESIGN 11).
         authorized = self._authorized(tenant, msg.namespace) and (rec is None or rec.namespace == msg.namespace)
         held = (msg.key, msg.node) in self._lease_of_holder
-        if authorized and rec is not None and rec.owner in self.down_locations:
-            reason: str | None = REASON_LOCATION_DOWN  # its copy is unreachable (P4)
-        else:
-            reason = may_grant_read(phase, authorized, held)
+        reason = may_grant_read(phase, authorized, held)
+        if reason is None and rec is not None and rec.owner in self.down_locations:
+            # Its copy is unreachable (P4). The directory voids every key owned at a location it
+            # takes for down, so a reader mostly hears "invalidating": this is the guard itself.
+            reason = REASON_LOCATION_DOWN
         if reason is not None:
             self._emit(effects, "refuse_read_lease", rec, key=msg.key, result=reason, holder=msg.node)
             return LeaseRefused(msg.node, msg.key, msg.request, reason)
