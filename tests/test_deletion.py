@@ -31,11 +31,7 @@ from kvcc.reference.cluster import ENGINE_TENANT, LocalCluster
 from kvcc.reference.transport import Client
 from kvcc.reference.wire import BytesRead, Committed, ReadBytes, ReadRefused
 from kvcc.spec.keys import Namespace, chain_keys
-try:
-    from kvcc.reference.directory.core import REASON_LOCATION_DOWN
-except ImportError:  # before the fix
-    REASON_LOCATION_DOWN = "location_down"
-from kvcc.spec.rules import REASON_INVALIDATING, REASON_NOT_ABSENT, REASON_NOT_COMMITTED
+from kvcc.spec.rules import REASON_INVALIDATING, REASON_LOCATION_DOWN, REASON_NOT_ABSENT, REASON_NOT_COMMITTED
 
 QUIET_ENV = {"DO_NOT_TRACK": "1", "VLLM_NO_USAGE_STATS": "1", "LMCACHE_TRACK_USAGE": "false", "HF_HUB_OFFLINE": "1"}
 for _k, _v in QUIET_ENV.items():

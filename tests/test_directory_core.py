@@ -36,13 +36,13 @@ from kvcc.reference.directory import (
     ReserveLeaseIds,
     Send,
 )
-from kvcc.reference.directory.core import PROPOSED_EVENTS, REASON_LOCATION_DOWN
+from kvcc.reference.directory.core import PROPOSED_EVENTS
 from kvcc.reference.errors import PeerViolation, Unauthorized
 from kvcc.reference.events import EVENTS, EventLog, events_from_text
 from kvcc.spec import rules
 from kvcc.spec.keys import BlockKey, Namespace, chain_keys
 from kvcc.spec.properties import INVARIANTS, TRANSITION_PROPERTIES
-from kvcc.spec.rules import ABSENT, COMMITTED, INVALIDATING, WRITING
+from kvcc.spec.rules import ABSENT, COMMITTED, INVALIDATING, REASON_LOCATION_DOWN, WRITING
 
 TERM_MS, EPS_MS = 100, 10
 CFG = DirectoryConfig(lease_term_ms=TERM_MS, skew_ms=EPS_MS, lease_id_block=8, max_completed_tickets=4, pool_location="pool")
@@ -659,11 +659,11 @@ def test_a_down_location_gets_no_lease_no_write_and_its_keys_come_back():
     d.write(A0, node="n1")
     d.write(B0, node="n2")
     held, _ = d.acquire(A0, node="r1")
-    effects = d.apply(d.core.locations_down(["n1/nvme"], d.now))
+    effects = d.apply(d.core.node_down("n1", ["n1/nvme"], d.now))
     d.core.check_invariants()
-    assert events(effects)[:2] == ["mark_location_down", "invalidate"]
-    (voiding,) = [e for e in of(effects, Emit) if e.event == "invalidate"]
-    assert voiding.fields["key"] == A0 and voiding.fields["cause"] == REASON_LOCATION_DOWN
+    assert events(effects) == ["declare_node_down"]  # the voiding is that step (spec)
+    (declared,) = of(effects, Emit)
+    assert declared.fields["down"] == "n1" and declared.fields["voided"] == 1
     # The dead owner's key is voided (its lease revoked) and leased no more; others are untouched.
     assert d.core.records[A0].phase == INVALIDATING and d.core.records[B0].phase == COMMITTED
     assert [(e.node, e.msg.lease) for e in of(effects, Send)] == [("r1", held.lease)]
@@ -688,15 +688,15 @@ def test_a_down_location_gets_no_lease_no_write_and_its_keys_come_back():
     d.core.check_invariants()
 
 
-def test_a_commit_onto_a_location_that_went_down_is_voided_at_once():
+def test_a_commit_onto_a_node_declared_down_is_leased_by_nobody():
     d = Directory(place_write=lambda node, key: f"{node}/nvme")
     grant, _ = d.begin_write(A0, node="n1")
-    d.apply(d.core.locations_down(["n1/nvme"], d.now))
+    d.apply(d.core.node_down("n1", ["n1/nvme"], d.now))
     reply, effects = d.commit(grant, node="n1")
     assert isinstance(reply, wire.Committed)  # the writer's lease was good: the spec's commit
-    assert events(effects) == ["commit_write", "invalidate", "complete_invalidation"]
-    assert d.core.records[A0].phase == ABSENT and d.core.records[A0].to_free == (("n1/nvme", grant.epoch),)
-    assert not frees_at(effects), "the free waits for n1"
+    assert d.acquire(A0, node="r1")[0].reason == REASON_LOCATION_DOWN
+    d.apply(d.core.locations_up(["n1/nvme"], d.now))
+    assert isinstance(d.acquire(A0, node="r1")[0], wire.ReadLeaseGranted)
 
 
 def test_unexpected_messages_are_the_peers_violation(d):
@@ -1269,7 +1269,7 @@ class DirectoryMachine(RuleBasedStateMachine):
         names its location, frees to it wait for its return."""
         if self.up[node] or LOCAL[node] in self.core.down_locations:
             return
-        self._apply(self.core.locations_down([LOCAL[node]], self.now))
+        self._apply(self.core.node_down(node, [LOCAL[node]], self.now))
         assert LOCAL[node] in self.core.down_locations
 
     @rule(node=st.sampled_from(NODES), rarely=SELDOM)
@@ -1278,7 +1278,7 @@ class DirectoryMachine(RuleBasedStateMachine):
         again: only progress may suffer."""
         if not rarely or not self.up[node]:
             return
-        self._apply(self.core.locations_down([LOCAL[node]], self.now))
+        self._apply(self.core.node_down(node, [LOCAL[node]], self.now))
         self._advance(20)
         self._apply(self.core.locations_up([LOCAL[node]], self.now))
 
@@ -1402,7 +1402,7 @@ def test_directory_state_machine_is_not_vacuous():
         "grant_read_lease", "renew_lease", "commit_write", "reject_stale_commit", "expire_write_lease",
         "complete_invalidation", "revoke_acked", "evict", "evict_refused", "restart_directory", "restart_node",
         "finish_transfer", "free_drained", "ticket_by_acks", "ticket_by_expiry", "fenced", "fenced_free",
-        "refuse_renewal", "ignore_stale_ack", "retry_free", "free_acked", "mark_location_down",
+        "refuse_renewal", "ignore_stale_ack", "retry_free", "free_acked", "declare_node_down",
         "mark_location_up", "awaiting_free", "known_landing",
     ):  # fmt: skip
         assert SEEN[name] > 0, (name, dict(SEEN))

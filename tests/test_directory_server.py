@@ -24,7 +24,6 @@ import pytest
 
 from kvcc.reference.client import REASON_LEASE_EXPIRED, KvccClient, Refused
 from kvcc.reference.directory import DirectoryConfig
-from kvcc.reference.directory.core import REASON_LOCATION_DOWN
 from kvcc.reference.directory.server import DirectoryServer
 from kvcc.reference.errors import ConnectionFailed
 from kvcc.reference.node import CacheNode
@@ -56,6 +55,7 @@ from kvcc.spec.rules import (
     INVALIDATING,
     REASON_HAS_CHILDREN,
     REASON_LEASED,
+    REASON_LOCATION_DOWN,
     REASON_NOT_ABSENT,
     REASON_NOT_COMMITTED,
     REASON_NOT_FOUND,

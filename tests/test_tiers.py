@@ -218,6 +218,13 @@ def test_late_bytes_of_a_freed_epoch_are_refused(tier):
     assert tier.free(K(3), 2) == Absent()
     assert tier.write(K(3), 1, 2, b"late") == Fenced(0)
     assert tier.write(K(3), 1, 3, b"new") == Stored(3)
+    # A fence restored above a block's epoch (a node that rejoined) does not keep the block from
+    # its free: the block's own epoch decides (rules.free_takes); a newer block is never freed.
+    assert tier.write(K(5), 1, 2, b"ended") == Stored(5)
+    tier.restore_fences({K(5): 4})
+    assert tier.free(K(5), 2) == Freed()
+    assert tier.write(K(5), 2, 4, b"newer") == Stored(5)
+    assert tier.free(K(5), 3) == Fenced(4)
     # A fence restored above the mark makes the mark moot (the fence refuses all it did).
     assert tier.free(K(4), 5) == Absent()
     tier.restore_fences({K(4): 7})
@@ -232,7 +239,12 @@ def test_restore_fences(tier):
     assert tier.fence(K(1)) == 9, "restore never lowers a fence"
     assert tier.read(K(1), 1) == b"x", "restoring fences does not drop blocks"
     assert tier.write(K(1), 2, 8, b"y") == Fenced(9)
-    assert tier.free(K(1), 8) == Fenced(9)
+    if tier.name != "pool":
+        # rules.free_takes: the block's own epoch (3) decides, not the restored fence: a free
+        # under 8 drops bytes stored under 3 (an ended generation a rejoined node still held).
+        assert tier.free(K(1), 8) == Freed() and tier.fence(K(1)) == 9
+    else:
+        assert tier.free(K(1), 8) == Fenced(9)  # the pool judges by its fence file alone
     assert tier.write(K(2), 1, 3, b"y") == Fenced(4)
     assert tier.write(K(2), 1, 4, b"y") == Stored(1)
 
@@ -791,6 +803,7 @@ class TierMachine(RuleBasedStateMachine):
         self.blocks: dict[int, tuple[int, bytes]] = {}
         self.fences: dict[int, int] = {}
         self.freed: dict[int, int] = {}  # rules.slot_accepts (slot tiers, in memory)
+        self.epochs: dict[int, int] = {}  # the epoch each block was stored under
 
     def teardown(self) -> None:
         self.tier.close()
@@ -811,13 +824,18 @@ class TierMachine(RuleBasedStateMachine):
             assert got == Stored(n)
             self.blocks[k] = (gen, data)
             self.fences[k] = epoch
+            self.epochs[k] = epoch
             self.freed.pop(k, None)
 
     @rule(k=st.integers(0, 4), epoch=st.integers(0, 5))
     def free(self, k, epoch):
         got = self.tier.free(K(k), epoch)
         fence = self.fences.get(k, 0)
-        if epoch < fence:
+        if self.kind == "pool":
+            takes = rules.fence_accepts(epoch, fence)  # the pool judges by its fence file alone
+        else:
+            takes = rules.free_takes(epoch, fence, k in self.blocks, self.epochs.get(k, 0))
+        if not takes:
             assert got == Fenced(fence)
             return
         if self.kind != "pool":

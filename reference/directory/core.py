@@ -52,14 +52,14 @@ the set in its records. So a generation's bytes leave a location within ``free_r
 (plus a message delay) of the location being reachable. (An eviction is not in the set: the
 node asked for it and drops the bytes itself.)
 
-Down locations (P4). The runtime tells the core which locations it stopped hearing from
-(``locations_down``: the server's watchdog, after ``node_down_after_ms`` of missed heartbeats)
-and which are back (``locations_up``: a Hello, or heartbeats again). Down, a location gets no
-read lease (``location_down``, after the rule's own reasons) and no write placed on it; every COMMITTED key it owns (or that commits there later) is voided with
-its subtree exactly as a copy lost in a node restart (``rules.lost_copy_invalidates``), by the
-spec's ``invalidate``: its leases are revoked and the key is ABSENT -- writable again,
-elsewhere -- once they were acknowledged or expired, within term + epsilon of the detection and
-never sooner.
+Down nodes (P4). The runtime tells the core which node it stopped hearing from (``node_down``,
+the spec's ``declare_node_down``: the server's watchdog, after ``node_down_after_ms`` of missed
+heartbeats) and which locations are back (``locations_up``: a Hello, or heartbeats again). A
+down location gets no read lease (``rules.may_grant_read``: ``location_down``) and no write
+placed on it; every COMMITTED key it owns is voided with its subtree in that step
+(``rules.down_owner_invalidates``): its leases are revoked and the key is ABSENT -- writable
+again, elsewhere -- once they were acknowledged or expired, within term + epsilon of the
+declaration and never sooner.
 
 Handlers follow TigerBeetle's shape: first the message is ignored with a reason if it is stale or
 duplicated (network weather: an ``Emit`` of an ``ignore_*`` event, which is a diagnostic and not a
@@ -70,8 +70,9 @@ has no refusal to carry it (``Lookup``, ``Invalidate``), gets ``Unauthorized``. 
 goes wrong is our bug: an ``AssertionError``.
 
 Event names are the spec's action names (``kvcc.reference.events.EVENTS``), except the
-``ignore_*`` diagnostics and the ``PROPOSED_EVENTS`` (logged once the spec names them); extra fields never shadow the log's standard ones (``holder``,
-``writer``, ``location`` name the nodes and locations involved).
+``ignore_*`` diagnostics and the ``PROPOSED_EVENTS`` (logged once the spec names them); extra
+fields never shadow the log's standard ones (``holder``, ``writer``, ``location`` name the nodes
+and locations involved).
 """
 
 from __future__ import annotations
@@ -95,12 +96,14 @@ from kvcc.spec.rules import (
     PHASES,
     READABLE_PHASES,
     REASON_LEASED,
+    REASON_LOCATION_DOWN,
     REASON_NOT_FOUND,
     REASON_UNAUTHORIZED,
     REASON_UNKNOWN_LEASE,
     REASON_WRONG_GENERATION,
     WRITING,
     directory_view,
+    down_owner_invalidates,
     free_acknowledged,
     holder_budget,
     invalidation_deadline,
@@ -167,14 +170,10 @@ FIRST_LEASE_ID = 1
 FIRST_TICKET = 1
 TICKET_PENDING = "pending"
 TICKET_COMPLETED = "completed"
-# A lease or write refused because the location it would name is down (``location_down``): the
-# directory missed that node's heartbeats for ``node_down_after_ms``. Not a reason of
-# ``spec.rules`` yet (the spec's view of down locations is being added there); same word then.
-REASON_LOCATION_DOWN = "location_down"
-# Steps of the deletion and failure-detection protocol the spec is adding. Until ``EVENTS`` lists
-# a name, ``Emit.is_spec_action`` is false and the server does not log it (a validator could not
-# replay it); once the spec names it, it is logged with no change here.
-PROPOSED_EVENTS = ("mark_location_down", "mark_location_up")
+# Steps the spec does not have (yet): a node taken for down that is heard from again without a
+# restart (it was paused). Until ``EVENTS`` lists a name, ``Emit.is_spec_action`` is false and
+# the server does not log it (a validator could not replay it).
+PROPOSED_EVENTS = ("mark_location_up",)
 FREE_RETRY_FIRST_MS_DEFAULT = 1_000  # a Free not acknowledged by then is sent again ...
 FREE_RETRY_MAX_MS_DEFAULT = 8_000  # ... with the wait doubling up to this (DESIGN: deletion reaches everywhere)
 # A node silent this long is down (missed heartbeats, or no connection). Long enough for a node
@@ -208,7 +207,7 @@ class DirectoryConfig:
     sent again after the first, then twice as long each time, up to the max: deletion reaches a
     location within ``free_retry_max_ms`` of its coming back. ``node_down_after_ms``: a node
     not heard from (heartbeats, requests) for this long is down (the runtime decides, the core
-    is told: ``locations_down``)."""
+    is told: ``node_down``)."""
 
     lease_term_ms: int = field(default=10_000, validator=_positive)
     skew_ms: int = 500
@@ -689,11 +688,8 @@ class DirectoryCore:
         # Authorised for the key's own namespace, not merely the one the request names (DESIGN 11).
         authorized = self._authorized(tenant, msg.namespace) and (rec is None or rec.namespace == msg.namespace)
         held = (msg.key, msg.node) in self._lease_of_holder
-        reason = may_grant_read(phase, authorized, held)
-        if reason is None and rec is not None and rec.owner in self.down_locations:
-            # Its copy is unreachable (P4). The directory voids every key owned at a location it
-            # takes for down, so a reader mostly hears "invalidating": this is the guard itself.
-            reason = REASON_LOCATION_DOWN
+        # A copy on a node declared down is unreachable (P4): no lease there.
+        reason = may_grant_read(phase, authorized, held, rec is not None and rec.owner in self.down_locations)
         if reason is not None:
             self._emit(effects, "refuse_read_lease", rec, key=msg.key, result=reason, holder=msg.node)
             return LeaseRefused(msg.node, msg.key, msg.request, reason)
@@ -892,9 +888,8 @@ class DirectoryCore:
             effects,
         )  # fmt: skip
         self._emit(effects, "commit_write", rec, lease=msg.lease, writer=msg.node, location=rec.owner)
-        # Its bytes are on a node that went down since the grant: the generation is voided at
-        # once (no reader could reach it), as every key owned there was.
-        self._void_lost_copy(msg.key, effects)
+        # (Bytes on a node declared down since the grant: committed, the spec's step, and
+        # leased by nobody -- ``location_down`` -- until the node is back.)
         return Committed(msg.node, msg.key, msg.lease, rec.gen, rec.epoch)
 
     def _end_generation(
@@ -988,22 +983,34 @@ class DirectoryCore:
 
     # failure detection (P4: a crashed owner's keys come back)
 
-    def locations_down(self, locations: Iterable[LocationId], now_ms: int) -> list[Effect]:
-        """The runtime has not heard from the node serving ``locations`` for
-        ``node_down_after_ms`` (missed heartbeats, a lost connection): no lease or write is
-        granted on them any more (``location_down``), transfers to them are cancelled, frees to
-        them wait for ``locations_up``, and every COMMITTED key owned there is voided with its
-        subtree, like a copy lost in a restart (``rules.lost_copy_invalidates``): the key becomes
-        writable again once the leases on the lost copy were acknowledged or expired -- within
-        term + epsilon of this call, never sooner than those leases allow."""
+    def node_down(self, node: NodeId, locations: Iterable[LocationId], now_ms: int) -> list[Effect]:
+        """The spec's ``declare_node_down``: the runtime has not heard from ``node`` (serving
+        ``locations``) for ``node_down_after_ms`` -- missed heartbeats, a lost connection. No
+        lease is granted on its copies any more (``location_down``) nor a write placed there;
+        every COMMITTED key whose owner copy is there is voided with its subtree, in this same
+        step (``rules.down_owner_invalidates``): its leases are revoked, and the key is writable
+        again once they were acknowledged or expired -- within term + epsilon of this call, never
+        sooner. Transfers to it are cancelled; frees to it wait for ``locations_up``."""
         effects: list[Effect] = []
         self._advance(now_ms, effects)
         down = frozenset(locations) - self.down_locations
         if not down:
             return effects
         self.down_locations |= down
-        owned = [k for k in sorted(self.records) if self.records[k].owner in down]
-        self._emit(effects, "mark_location_down", None, locations=sorted(down), owned=len(owned))
+        voided: list[BlockKey] = []
+        seen: set[BlockKey] = set()
+        for key in sorted(self.records):
+            rec = self.records[key]
+            if key not in seen and down_owner_invalidates(rec.phase, rec.owner in down):
+                for k in self.subtree(key):
+                    if k not in seen:
+                        seen.add(k)
+                        voided.append(k)
+        # The event first: what follows from the voiding (completions) are later steps.
+        self._emit(effects, "declare_node_down", None, down=node, locations=sorted(down), voided=len(voided),
+                   ticket=self.next_ticket if voided else None)  # fmt: skip
+        if voided:
+            self._start_invalidation(voided, effects)
         for key in sorted(self.records):
             rec = self.records[key]
             if rec.moving_to is not None and rec.moving_to in down:
@@ -1011,25 +1018,8 @@ class DirectoryCore:
         for loc in down:
             for key in self._frees_at.get(loc, ()):
                 self._free_due.pop((key, loc), None)
-        for key in owned:
-            self._void_lost_copy(key, effects)
         self._check_effects(effects)
         return effects
-
-    def _void_lost_copy(self, key: BlockKey, effects: list[Effect]) -> None:
-        """Void ``key`` and its subtree if it is COMMITTED with its owner copy at a down location.
-        It is the spec's ``invalidate`` -- the directory may void a COMMITTED key at any time --
-        and is logged as one (``cause``: ``location_down``), so that a trace of it replays."""
-        rec = self.records[key]
-        if not lost_copy_invalidates(rec.phase, rec.owner in self.down_locations, True):
-            return  # voided already, with an ancestor's subtree
-
-        def announce(ticket: int) -> None:
-            self._emit(effects, "invalidate", None, key=key, ticket=ticket, keys=len(keys), scope=SCOPE_KEY,
-                       namespace=rec.namespace, cause=REASON_LOCATION_DOWN)  # fmt: skip
-
-        keys = self.subtree(key)
-        self._start_invalidation(keys, effects, announce)
 
     def locations_up(self, locations: Iterable[LocationId], now_ms: int) -> list[Effect]:
         """The node serving ``locations`` is heard from again (it said Hello, or its heartbeat is
@@ -1187,7 +1177,9 @@ class DirectoryCore:
         if is_draining:
             self._put(attrs.evolve(rec, draining=None), effects)
         else:
-            self._end_generation(rec, effects)  # the last copy is gone: ABSENT again
+            # The last copy is gone: ABSENT again. A transfer under way may still land its copy,
+            # of a generation that just ended: its destination is freed (spec: evict).
+            self._end_generation(rec, effects, frees=(rec.moving_to,))
         return Evicted(msg.node, msg.key, msg.location)
 
     # transfer (promotion / demotion)
@@ -1389,6 +1381,3 @@ class DirectoryCore:
             for loc, _ in rec.to_free:
                 assert key in self._frees_at[loc]
                 assert (key, loc) in self._free_due or loc in self.down_locations, "every pending free is retried"
-            assert rec.phase == ABSENT or rec.owner not in self.down_locations or rec.phase != COMMITTED, (
-                "no COMMITTED key is owned at a down location"
-            )

@@ -37,7 +37,7 @@ calls ``core.restarted`` and so grants nothing conflicting for the restart grace
 Failure detection (P4): every node pings the directory every ``HEARTBEAT_INTERVAL_MS`` (the
 transport answers; the connection notes the input). A watchdog sweeps the members as often: one
 not heard from for ``node_down_after_ms`` -- by the clock *and* in sweeps, so neither a clock
-jump nor a stalled loop fakes it -- is down (``core.locations_down``: no leases or writes there,
+jump nor a stalled loop fakes it -- is down (``core.node_down``: no leases or writes there,
 its keys voided), whether it crashed (no connection) or stopped (an open, silent one). Heard
 again, or a Hello: ``core.locations_up``. The shared pool is never down with one node. Placement
 skips down nodes.
@@ -466,7 +466,7 @@ class DirectoryServer:
                 m.down = True
                 log.warning("node %s is down: not heard from for %d ms", m.node, now - m.last_heard_ms)
                 try:
-                    self._apply(self.core.locations_down(m.own_locations, now))
+                    self._apply(self.core.node_down(m.node, m.own_locations, now))
                 except BaseException:
                     return  # fatal: the store failed
 

@@ -63,7 +63,7 @@ from typing import Any
 import xxhash
 from attrs import define, frozen
 
-from kvcc.spec.rules import fence_accepts, slot_accepts
+from kvcc.spec.rules import fence_accepts, free_takes, slot_accepts
 
 log = logging.getLogger("kvcc.tiers")
 
@@ -469,7 +469,8 @@ class Tier(abc.ABC):
 
     @abc.abstractmethod
     def free(self, key: bytes, epoch: int) -> FreeOutcome:
-        """Drop the key's block. ``Fenced`` (no change) when ``epoch < fence(key)``; ``Absent`` when
+        """Drop the key's block. ``Fenced`` (no change) when the block was stored under a higher
+        epoch, or, with no block, when ``epoch < fence(key)`` (``rules.free_takes``); ``Absent`` when
         there is nothing to drop; ``Freed`` once the block is gone for good (durable tiers: a crash
         after ``Freed`` must not bring it back). The fence stays. A block that readers are copying
         right now is dropped for new readers at once and its space is reused after they finish."""
@@ -720,7 +721,11 @@ class SlotTier(Tier):
             with self._mu:
                 self._check_open()
                 fence = self._fences.get(key, 0)
-                if epoch < fence:
+                entry = self._by_key.get(key)
+                # The block's own epoch decides, not only the fence (rules.free_takes): a fence
+                # raised without new bytes (restored on rejoin) must not make an ended
+                # generation's bytes undeletable; bytes of a newer epoch are never dropped.
+                if not free_takes(epoch, fence, entry is not None, 0 if entry is None else entry.epoch):
                     return Fenced(fence)
                 # Whatever happens below, bytes under this epoch are not taken here any more.
                 self._freed[key] = max(epoch, self._freed.get(key, 0))
