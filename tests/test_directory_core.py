@@ -1155,6 +1155,16 @@ class DirectoryMachine(RuleBasedStateMachine):
             if ack is not None:
                 self._handle(ack, TENANT_OF[node])
 
+    @precondition(lambda self: self.core.read_leases)
+    @rule(data=st.data())
+    def invalidate_with_silent_holders(self, data):
+        """Every revoke lost, time passing: the invalidation completes by expiry (the
+        ``sometimes`` of the expiry path, which the other rules reach only by chance)."""
+        key = data.draw(st.sampled_from(sorted({e.key for e in self.core.read_leases.values()})))
+        self._handle(wire.Invalidate(NAMESPACE[key], wire.SCOPE_KEY, key), "t-all")
+        self.to_nodes = [send for send in self.to_nodes if send.msg.key != key]
+        self._advance(VIEW_MS + EPS_MS)
+
     @rule(namespace=st.sampled_from((NS_A, NS_B)), rarely=RARELY)
     def invalidate_namespace(self, namespace, rarely):
         if not rarely:
@@ -1263,11 +1273,11 @@ class DirectoryMachine(RuleBasedStateMachine):
                 self.fences[lk] = rules.restored_fence(self.fences.get(lk, 0), epoch)
         self._apply(self.core.locations_up([LOCAL[node]], self.now))
 
-    @rule(node=st.sampled_from(NODES))
-    def detect_down(self, node):
+    @rule(node=st.sampled_from(NODES), rarely=RARELY)
+    def detect_down(self, node, rarely):
         """The runtime stops hearing from a crashed node (P4): its keys are voided, no lease
         names its location, frees to it wait for its return."""
-        if self.up[node] or LOCAL[node] in self.core.down_locations:
+        if self.up[node] or LOCAL[node] in self.core.down_locations or not rarely:
             return
         self._apply(self.core.node_down(node, [LOCAL[node]], self.now))
         assert LOCAL[node] in self.core.down_locations
