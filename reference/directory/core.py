@@ -176,9 +176,9 @@ TICKET_COMPLETED = "completed"
 PROPOSED_EVENTS = ("mark_location_up",)
 FREE_RETRY_FIRST_MS_DEFAULT = 1_000  # a Free not acknowledged by then is sent again ...
 FREE_RETRY_MAX_MS_DEFAULT = 8_000  # ... with the wait doubling up to this (DESIGN: deletion reaches everywhere)
-# A node silent this long is down (missed heartbeats, or no connection). Long enough for a node
-# process to restart on its disk (imports, recovery scan) on a loaded machine: taking a slow
-# restart for a crash voids the keys it kept, safe but wasteful.
+# A node silent this long on an open connection is down (a stopped or hung process: the spec's
+# detector declares only crashed nodes, a paused one comes back). A node whose connection is
+# gone is declared after ``DirectoryConfig.disconnect_detection_ms`` (a lease term) instead.
 NODE_DOWN_AFTER_MS_DEFAULT = 10_000
 # A node's heartbeat must be missed several times over before it counts as down (a slow event
 # loop or a busy machine is not a crash).
@@ -205,9 +205,12 @@ class DirectoryConfig:
     ``pool_location``: where new blocks are written by default (the shared pool), if anywhere.
     ``free_retry_first_ms`` / ``free_retry_max_ms``: a ``Free`` not acknowledged (``Freed``) is
     sent again after the first, then twice as long each time, up to the max: deletion reaches a
-    location within ``free_retry_max_ms`` of its coming back. ``node_down_after_ms``: a node
-    not heard from (heartbeats, requests) for this long is down (the runtime decides, the core
-    is told: ``node_down``)."""
+    location within ``free_retry_max_ms`` of its coming back. The runtime declares a node down
+    (the core is told: ``node_down``) once its connection has been gone for
+    ``disconnected_down_after_ms`` (default: the lease term, the spec's failure-detection time:
+    a node's registration is a lease of one term), or once it has been silent on an open
+    connection for ``node_down_after_ms`` (a stopped or hung process: longer, since the spec
+    declares only crashed nodes and a paused one comes back)."""
 
     lease_term_ms: int = field(default=10_000, validator=_positive)
     skew_ms: int = 500
@@ -217,6 +220,7 @@ class DirectoryConfig:
     free_retry_first_ms: int = field(default=FREE_RETRY_FIRST_MS_DEFAULT, validator=_positive)
     free_retry_max_ms: int = field(default=FREE_RETRY_MAX_MS_DEFAULT, validator=_positive)
     node_down_after_ms: int = field(default=NODE_DOWN_AFTER_MS_DEFAULT, validator=_positive)
+    disconnected_down_after_ms: int | None = None
 
     def __attrs_post_init__(self) -> None:
         if type(self.skew_ms) is not int or not 0 <= self.skew_ms < self.lease_term_ms:
@@ -225,6 +229,16 @@ class DirectoryConfig:
             raise ValueError("free_retry_first_ms must be at most free_retry_max_ms")
         if self.node_down_after_ms < 4 * HEARTBEAT_INTERVAL_MS:
             raise ValueError(f"node_down_after_ms must be at least 4 heartbeats ({4 * HEARTBEAT_INTERVAL_MS} ms)")
+        gone = self.disconnected_down_after_ms
+        if gone is not None and (type(gone) is not int or gone < 1):
+            raise ValueError(f"disconnected_down_after_ms must be an int >= 1 or None, got {gone!r}")
+
+    @property
+    def disconnect_detection_ms(self) -> int:
+        """How long a node may be without a connection before it is declared down."""
+        if self.disconnected_down_after_ms is not None:
+            return self.disconnected_down_after_ms
+        return self.lease_term_ms
 
     @property
     def holder_budget_ms(self) -> int:

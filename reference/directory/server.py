@@ -34,13 +34,17 @@ directory starts a new clock, which the core allows (``restarted`` re-bases writ
 A first start (an empty log) serves at once; a restart (a log with an earlier incarnation)
 calls ``core.restarted`` and so grants nothing conflicting for the restart grace (DESIGN 12).
 
-Failure detection (P4): every node pings the directory every ``HEARTBEAT_INTERVAL_MS`` (the
-transport answers; the connection notes the input). A watchdog sweeps the members as often: one
-not heard from for ``node_down_after_ms`` -- by the clock *and* in sweeps, so neither a clock
-jump nor a stalled loop fakes it -- is down (``core.node_down``: no leases or writes there,
-its keys voided), whether it crashed (no connection) or stopped (an open, silent one). Heard
-again, or a Hello: ``core.locations_up``. The shared pool is never down with one node. Placement
-skips down nodes.
+Failure detection (P4, the spec's ``declare_node_down``). A node whose connection is gone -- a
+kill -9 closes it at once, so the loss dates the crash -- is declared down
+``config.disconnect_detection_ms`` later (default: a lease term, the spec's failure-detection
+time) unless it said Hello again by then. A node whose connection stays open but silent -- every
+node pings the directory every ``HEARTBEAT_INTERVAL_MS``, which the transport answers and the
+connection notes -- is declared down after ``config.node_down_after_ms`` (longer: a stopped
+process comes back, and the spec declares only crashed nodes), measured by the clock *and* in
+sweeps of the watchdog, so neither a clock jump nor a stalled loop fakes it. Down:
+``core.node_down`` (no leases or writes there, its owner copies voided). Heard again, or a
+Hello: ``core.locations_up``. The shared pool is never down with one node. Placement skips down
+nodes.
 
 Membership: ``Hello(node, incarnation, address, locations, lost)`` registers the connection.
 A node seen before under another incarnation, or one that lost locations, has restarted:
@@ -198,6 +202,8 @@ class DirectoryServer:
                               handler_now=self._handle_now, **kwargs)  # fmt: skip
         self._member_of_conn: dict[Any, NodeId] = {}
         self._watch_task: asyncio.Task | None = None
+        self._gone_timers: set[asyncio.TimerHandle] = set()
+        self._closing = False
         self._ticket_events: dict[int, asyncio.Event] = {}
         self._timer_task: asyncio.Task | None = None
         self._wake = asyncio.Event()
@@ -242,6 +248,9 @@ class DirectoryServer:
         return self
 
     async def close(self) -> None:
+        self._closing = True
+        for handle in self._gone_timers:
+            handle.cancel()
         for task in (self._timer_task, self._watch_task):
             if task is not None:
                 task.cancel()
@@ -347,6 +356,22 @@ class DirectoryServer:
         m = self._members.get(node)
         if m is not None and m.conn is conn:
             m.conn = None  # directives for it are lost until it says Hello again
+            if m.own_locations and not self._closing:
+                # A kill -9 closes the connection at once: the loss dates the crash, and the spec
+                # declares a crashed node down one registration term later, unless it is back.
+                loop = asyncio.get_running_loop()
+                delay_s = self.config.disconnect_detection_ms / 1000 + TIMER_SLACK_MS / 1000
+                self._gone_timers = {h for h in self._gone_timers if h.when() > loop.time()}  # fired ones
+                self._gone_timers.add(loop.call_later(delay_s, self._gone_too_long, m))
+
+    def _gone_too_long(self, m: _Member) -> None:
+        """A member's connection has been gone for ``disconnect_detection_ms``: unless it said
+        Hello since (a new ``_Member``) or is declared already, it is down."""
+        if self.fatal is not None or self._members.get(m.node) is not m or m.conn is not None or m.down:
+            return
+        m.down = True
+        log.warning("node %s is down: its connection has been gone for %d ms", m.node, self.config.disconnect_detection_ms)
+        self._apply(self.core.node_down(m.node, m.own_locations, self.now_ms()))
 
     def _transfer(self, tenant: str, msg: Transfer) -> Any:
         rec = self.core.records.get(msg.key)
@@ -437,9 +462,9 @@ class DirectoryServer:
     # ------------------------------------------------------------------ failure detection
 
     async def _watch_members(self) -> None:
-        """P4: a node not heard from for ``node_down_after_ms`` -- its heartbeats missed many
-        times over, whether its connection is gone (killed, partitioned) or open and silent
-        (stopped) -- is down: the core voids the keys it owns and grants nothing there.
+        """P4: a node silent on its open connection for ``node_down_after_ms`` -- its heartbeats
+        missed many times over (stopped, hung) -- is down: the core voids the keys it owns and
+        grants nothing there. (One whose connection is gone: ``_gone_too_long``.)
 
         Silence is measured twice, and both must exceed the bound: on the directory's clock, and
         in sweeps of this loop (one per heartbeat interval) -- so a clock that jumps (a test's
@@ -453,8 +478,8 @@ class DirectoryServer:
             now = self.now_ms()
             loop_now_s = asyncio.get_running_loop().time()
             for m in sorted(self._members.values(), key=lambda m: m.node):
-                if not m.own_locations:
-                    continue  # a client (it says Hello too): nothing of it can be down
+                if not m.own_locations or m.conn is None:
+                    continue  # a client (nothing of it can be down), or gone: ``_gone_too_long``
                 # The node's heartbeat is a Ping, which the transport answers without calling
                 # the handler (cheap, and the baseline of bench/directory.py); its connection
                 # notes when it last received anything.
