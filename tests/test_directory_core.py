@@ -688,15 +688,17 @@ def test_a_down_location_gets_no_lease_no_write_and_its_keys_come_back():
     d.core.check_invariants()
 
 
-def test_a_commit_onto_a_node_declared_down_is_leased_by_nobody():
+def test_no_commit_or_transfer_onto_a_node_declared_down():
     d = Directory(place_write=lambda node, key: f"{node}/nvme")
     grant, _ = d.begin_write(A0, node="n1")
     d.apply(d.core.node_down("n1", ["n1/nvme"], d.now))
-    reply, effects = d.commit(grant, node="n1")
-    assert isinstance(reply, wire.Committed)  # the writer's lease was good: the spec's commit
-    assert d.acquire(A0, node="r1")[0].reason == REASON_LOCATION_DOWN
-    d.apply(d.core.locations_up(["n1/nvme"], d.now))
-    assert isinstance(d.acquire(A0, node="r1")[0], wire.ReadLeaseGranted)
+    reply, _ = d.commit(grant, node="n1")
+    assert reply == wire.CommitRejected("n1", A0, grant.lease, REASON_LOCATION_DOWN)  # rules.may_commit
+    effects = d.tick(dt=VIEW_MS)
+    assert d.core.records[A0].phase == ABSENT and d.core.records[A0].to_free == (("n1/nvme", grant.epoch),)
+    assert not frees_at(effects), "the free waits for n1"
+    d.write(B0, node="n2")
+    assert d.core.start_transfer(B0, "n1/nvme", d.now)[0] is False
 
 
 def test_unexpected_messages_are_the_peers_violation(d):

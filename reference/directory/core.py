@@ -885,6 +885,9 @@ class DirectoryCore:
             rec.epoch,
             msg.epoch,
             lease_live(self.now_ms, rec.write_lease_expires_at_ms),
+            # Bytes on a node declared down since the grant: published, nobody could read them
+            # and no failover would void them; the write lease expires and the slot is freed.
+            rec.owner in self.down_locations,
         )
         if reason is None and msg.gen != rec.gen:
             reason = REASON_WRONG_GENERATION  # the right lease and epoch name one generation only
@@ -902,8 +905,6 @@ class DirectoryCore:
             effects,
         )  # fmt: skip
         self._emit(effects, "commit_write", rec, lease=msg.lease, writer=msg.node, location=rec.owner)
-        # (Bytes on a node declared down since the grant: committed, the spec's step, and
-        # leased by nobody -- ``location_down`` -- until the node is back.)
         return Committed(msg.node, msg.key, msg.lease, rec.gen, rec.epoch)
 
     def _end_generation(
@@ -1204,8 +1205,8 @@ class DirectoryCore:
         effects: list[Effect] = []
         self._advance(now_ms, effects)
         rec = self.records.get(key)
-        if rec is None or dest == rec.owner:
-            return False, effects
+        if rec is None or dest == rec.owner or dest in self.down_locations:
+            return False, effects  # (no transfer onto a node declared down: its copy could not land)
         if not may_start_transfer(rec.phase, rec.moving_to is not None, rec.draining is not None):
             return False, effects
         assert rec.owner is not None
@@ -1237,7 +1238,9 @@ class DirectoryCore:
 
     def _copied(self, msg: Copied, effects: list[Effect]) -> None:
         rec = self.records.get(msg.key)
-        if rec is None or not may_finish_transfer(rec.phase, rec.moving_to, msg.location, rec.epoch, msg.epoch):
+        if rec is None or not may_finish_transfer(
+            rec.phase, rec.moving_to, msg.location, rec.epoch, msg.epoch, msg.location in self.down_locations
+        ):
             self._emit(effects, "ignore_stale_copied", rec, key=msg.key, location=msg.location)
             return
         assert rec.owner is not None and rec.draining is None
