@@ -17,8 +17,11 @@ whether a block may be dropped: the directory does (DESIGN: directory).
 - **Directory link** (``transport.Client`` with ``on_push``). The node says ``Hello`` on every
   new connection (its incarnation, data address, locations, and the locations that came back empty
   after a restart); the ``Welcome`` carries the fences to restore (spec ``restart_node``). The
-  directory pushes ``Free`` (drop a copy unless fenced: ``free_slot`` / ``fence_stale_free``) and
-  ``Copy`` (a transfer's new copy under ``epoch + 1``: ``store_copy``, then ``Copied``).
+  directory pushes ``Free`` (drop a copy unless fenced: ``free_slot`` / ``fence_stale_free``,
+  then ``Freed`` whatever the outcome: the directory sends a free until it is acknowledged) and
+  ``Copy`` (a transfer's new copy under ``epoch + 1``: ``store_copy``, then ``Copied``). It pings
+  the directory every ``HEARTBEAT_INTERVAL_MS``: a node the directory stops hearing from is
+  down (its keys voided, no lease pointed at it).
 - **Eviction** (DESIGN: eviction and tiering). When a tier is full the node walks its
   least-recently-used keys and asks the directory ``Evict`` for each; the directory refuses a copy
   under a live read lease (``leased``) or one whose children are still cached (``has_children``:
@@ -52,6 +55,7 @@ from .tiers import Freed as TierFreed
 from .tiers import Hit, NoSpace, Stored, Tier
 from .transport import Client, Server
 from .wire import (
+    HEARTBEAT_INTERVAL_MS,
     MAX_FRAME_BYTES,
     BytesRead,
     BytesStored,
@@ -64,6 +68,7 @@ from .wire import (
     EvictRefused,
     Fenced,
     Free,
+    Freed,
     Hello,
     ReadBytes,
     ReadRefused,
@@ -82,6 +87,7 @@ DEMOTE_INTERVAL_MS = 200
 DEMOTE_WATERMARK_DEFAULT = 0.9
 DEMOTE_BATCH = 8
 DIRECTORY_RETRY_MS = 200
+HEARTBEAT_TIMEOUT_MS = 4 * HEARTBEAT_INTERVAL_MS  # one Ping waits this long (the next one follows anyway)
 REASON_MISS = "miss"
 REASON_NO_SPACE = "no_space"
 
@@ -135,6 +141,7 @@ class CacheNode:
         self._server = Server(self._handle, tenants, host=host, port=port, max_frame_bytes=MAX_FRAME_BYTES)
         self._tasks: set[asyncio.Task] = set()
         self._demoter: asyncio.Task | None = None
+        self._heart: asyncio.Task | None = None
         self._evict_lock = asyncio.Lock()
         self.stats = {"stored": 0, "fenced": 0, "reads": 0, "misses": 0, "freed": 0, "evicted": 0,
                       "evict_refused": 0, "copies": 0, "demotions": 0}  # fmt: skip
@@ -157,13 +164,15 @@ class CacheNode:
         await self._server.start()
         await self._ensure_hello()
         self._demoter = asyncio.create_task(self._demote_loop())
+        self._heart = asyncio.create_task(self._heartbeat_loop())
         return self
 
     async def close(self) -> None:
-        if self._demoter is not None:
-            self._demoter.cancel()
-            with contextlib.suppress(BaseException):
-                await self._demoter
+        for task in (self._demoter, self._heart):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -226,18 +235,27 @@ class CacheNode:
             self.events.emit(event, key=key, **fields)
 
     async def _free(self, msg: Free) -> None:
+        """Free the key's block at ``msg.location`` under the fence rule, then acknowledge
+        (``Freed``) whatever the outcome: freed, absent (nothing there: an earlier try freed it,
+        or the bytes never landed) or fenced. A fenced free is acknowledged too: the directory
+        frees under the key's highest epoch, so a fence above it means a later grant here, whose
+        bytes replaced the old ones or whose own end is freed in turn; holding the ack back would
+        only make the directory send it forever. The directory sends a free again until it hears
+        ``Freed``, so an ack lost on the way costs one more free, nothing else."""
         tier = self._tier(msg.location)
         if tier is None:
             log.warning("%s: Free for a location it does not serve: %s", self.node_id, msg.location)
-            return
+            return  # not acknowledged: the directory tries again (the pool: maybe another node)
         outcome = await asyncio.to_thread(tier.free, msg.key.digest, msg.epoch)
         if isinstance(outcome, TierFenced):
             self._emit("fence_stale_free", msg.key, epoch=msg.epoch, result="fenced", location=msg.location,
                        fence=outcome.fence)  # fmt: skip
-            return
-        self.stats["freed"] += isinstance(outcome, TierFreed)
-        self._emit("free_slot", msg.key, epoch=msg.epoch, result="ok" if isinstance(outcome, TierFreed) else "absent",
-                   location=msg.location)  # fmt: skip
+        else:
+            self.stats["freed"] += isinstance(outcome, TierFreed)
+            self._emit("free_slot", msg.key, epoch=msg.epoch,
+                       result="ok" if isinstance(outcome, TierFreed) else "absent", location=msg.location)  # fmt: skip
+        with contextlib.suppress(ConnectionFailed, TimeoutError_):
+            await self._to_directory(Freed(msg.location, msg.key, msg.epoch))
 
     async def _copy(self, msg: Copy) -> None:
         dest, src = self._tier(msg.location), self._tier(msg.source)
@@ -363,6 +381,17 @@ class CacheNode:
                     await self._drop_evicted(tier, location, key, fence)
                 else:
                     self.stats["evict_refused"] += 1
+
+    async def _heartbeat_loop(self) -> None:
+        """Ping the directory every ``HEARTBEAT_INTERVAL_MS`` (saying Hello first on a new
+        connection): a node it stops hearing from is down (P4), its keys voided, no lease
+        pointed at it; a node that reconnects after a directory restart or a dropped connection
+        gets the frees it missed at once."""
+        while True:
+            await asyncio.sleep(HEARTBEAT_INTERVAL_MS / 1000)
+            with contextlib.suppress(ConnectionFailed, TimeoutError_, OSError):
+                await self._ensure_hello()
+                await self._dir.ping(timeout_ms=HEARTBEAT_TIMEOUT_MS)
 
     async def _demote_loop(self) -> None:
         names = list(self.tiers)

@@ -101,6 +101,7 @@ MAX_TEXT_BYTES = 4096  # Error.text (UTF-8)
 MAX_LOOKUP_KEYS = 16384  # keys in one Lookup, locations in one PrefixFound
 MAX_MESSAGE_FIELDS = 16  # entries of one message map, kind included
 MAX_WAIT_TICKET_MS = 30_000  # longest WaitTicket.timeout_ms; servers' request timeouts exceed it
+HEARTBEAT_INTERVAL_MS = 250  # a node pings the directory this often: silence means it is down
 MIN_TOKEN_BYTES = 16  # a tenant token shorter than 128 bits is refused at configuration
 MAC_BYTES = 32  # HMAC-SHA256
 
@@ -311,6 +312,9 @@ class RevokeAcked:
 # The data plane at a location (M_FREE, M_COPY, M_COPIED) and remote reads.
 @frozen
 class Free:
+    """Directory -> location: drop the key's block unless the location's fence is above
+    ``epoch``; then acknowledge with ``Freed``. Sent again until acknowledged."""
+
     location: LocationId
     key: BlockKey
     epoch: Epoch
@@ -318,6 +322,10 @@ class Free:
 
 @frozen
 class Freed:
+    """Location -> directory (one-way, answered ``Noted``): the ``Free`` under ``epoch`` was
+    carried out -- the block is gone, was not there, or the fence showed a later epoch there
+    (whose bytes are not this free's to drop)."""
+
     location: LocationId
     key: BlockKey
     epoch: Epoch

@@ -36,12 +36,13 @@ from kvcc.reference.directory import (
     ReserveLeaseIds,
     Send,
 )
+from kvcc.reference.directory.core import PROPOSED_EVENTS
 from kvcc.reference.errors import PeerViolation, Unauthorized
 from kvcc.reference.events import EVENTS, EventLog, events_from_text
 from kvcc.spec import rules
 from kvcc.spec.keys import BlockKey, Namespace, chain_keys
 from kvcc.spec.properties import INVARIANTS, TRANSITION_PROPERTIES
-from kvcc.spec.rules import ABSENT, COMMITTED, INVALIDATING, WRITING
+from kvcc.spec.rules import ABSENT, COMMITTED, INVALIDATING, REASON_LOCATION_DOWN, WRITING
 
 TERM_MS, EPS_MS = 100, 10
 CFG = DirectoryConfig(lease_term_ms=TERM_MS, skew_ms=EPS_MS, lease_id_block=8, max_completed_tickets=4, pool_location="pool")
@@ -544,6 +545,162 @@ def test_rejoin_forgets_leases_so_invalidations_can_complete(d):
     assert of(effects, CompleteTicket)[0].ticket.completed_by == "acks"
 
 
+# ------------------------------------------------------------------------------ deletion reaches everywhere
+
+FIRST_MS, MAX_MS = CFG.free_retry_first_ms, CFG.free_retry_max_ms
+
+
+def frees_at(effects, location=None):
+    return [(e.location, e.key, e.epoch) for e in of(effects, FreeAt) if location in (None, e.location)]
+
+
+def test_a_free_is_sent_again_with_backoff_until_acknowledged(d):
+    d.write(A0)
+    _, effects = d.invalidate(A0)  # no lease: completes at once
+    assert frees_at(effects) == [("pool", A0, 1)]
+    assert d.core.records[A0].to_free == (("pool", 1),)
+    # Unacknowledged (the Free, or its Freed, was lost): sent again, the wait doubling to the max.
+    sent_at, wait = d.now, FIRST_MS
+    for _ in range(8):
+        assert not frees_at(d.tick(to=sent_at + wait - 1))
+        effects = d.tick(to=sent_at + wait)
+        assert frees_at(effects) == [("pool", A0, 1)] and events(effects) == ["retry_free"]
+        sent_at, wait = sent_at + wait, min(2 * wait, MAX_MS)
+    assert wait == MAX_MS, "the wait stops doubling at the named limit"
+    # Acknowledged: the entry leaves the to-free set, durably, and nothing is sent again.
+    _, effects = d.send(wire.Freed("pool", A0, 1))
+    assert events(effects) == ["free_acked"] and of(effects, Persist)[0].record.to_free == ()
+    assert not frees_at(d.tick(dt=10 * MAX_MS)) and not d.core.pending_frees()
+    # A duplicated ack (a retry crossed it) changes nothing.
+    _, effects = d.send(wire.Freed("pool", A0, 1))
+    assert events(effects) == ["ignore_stale_freed"] and not of(effects, Persist)
+
+
+def test_an_ack_covers_the_pending_free_only_under_its_epoch_and_tenant(d):
+    d.write(A0)
+    d.invalidate(A0)
+    assert d.send(wire.Freed("pool", A0, 0))[1] and d.core.records[A0].to_free == (("pool", 1),)  # older epoch
+    assert d.send(wire.Freed("pool", A0, 2))[1] and d.core.records[A0].to_free == (("pool", 1),)  # never issued
+    assert d.send(wire.Freed("n1/nvme", A0, 1))[1] and d.core.records[A0].to_free == (("pool", 1),)  # elsewhere
+    assert d.send(wire.Freed("pool", B0, 1))[1] and d.core.records[A0].to_free == (("pool", 1),)  # another key
+    d.write(B0)
+    d.invalidate(B0)
+    _, effects = d.send(wire.Freed("pool", B0, 1), tenant="t-a")  # t-a may not touch namespace B
+    assert events(effects) == ["ignore_stale_freed"] and d.core.records[B0].to_free == (("pool", 1),)
+
+
+def test_an_expired_write_frees_its_slot(d):
+    grant, _ = d.begin_write(A0)
+    effects = d.tick(dt=VIEW_MS)
+    assert events(effects)[:1] == ["expire_write_lease"]
+    assert frees_at(effects) == [("pool", A0, grant.epoch)]
+    rec = d.core.records[A0]
+    assert rec.phase == ABSENT and rec.to_free == (("pool", grant.epoch),)
+    # The next write of the key is granted at once; the pending free is fenced there by its epoch.
+    again, _ = d.begin_write(A0)
+    assert again.epoch > grant.epoch and d.core.records[A0].to_free == (("pool", grant.epoch),)
+    d.send(wire.Freed("pool", A0, grant.epoch))
+    assert d.core.records[A0].to_free == ()
+
+
+def test_a_write_aborted_by_an_invalidation_frees_its_slot(d):
+    d.write(A0)
+    grant, _ = d.begin_write(A1)
+    _, effects = d.invalidate(A0)
+    assert ("pool", A1, grant.epoch) in frees_at(effects)
+    assert d.core.records[A1].to_free == (("pool", grant.epoch),)
+
+
+def test_a_drained_copy_joins_the_to_free_set():
+    d = Directory(place_write=lambda node, key: f"{node}/nvme")
+    d.write(A0, node="n1")
+    ok, effects = d.core.start_transfer(A0, "n1/dram", d.now)
+    assert ok
+    _, effects = d.send(wire.Copied("n1/dram", A0, 2))
+    assert events(effects) == ["finish_transfer", "free_drained"] and frees_at(effects) == [("n1/nvme", A0, 2)]
+    assert d.core.records[A0].to_free == (("n1/nvme", 2),) and d.core.records[A0].owner == "n1/dram"
+
+
+def test_a_cancelled_or_abandoned_transfer_frees_its_destination():
+    d = Directory(place_write=lambda node, key: f"{node}/nvme")
+    d.write(A0, node="n1")
+    d.core.start_transfer(A0, "n1/dram", d.now)
+    effects = d.apply(d.core.cancel_transfer(A0, d.now))
+    assert events(effects) == ["cancel_transfer"] and frees_at(effects) == [("n1/dram", A0, 2)]
+    assert d.core.records[A0].to_free == (("n1/dram", 2),) and d.core.records[A0].moving_to is None
+    # An invalidation abandons a transfer under way the same way.
+    d.core.start_transfer(A0, "n1/gpu", d.now)
+    _, effects = d.invalidate(A0)
+    assert ("n1/gpu", A0, 3) in frees_at(effects)
+    assert dict(d.core.records[A0].to_free)["n1/gpu"] == 3
+
+
+def test_the_to_free_set_survives_a_restart_and_waits_for_the_grace(dstore):
+    d = dstore
+    d.write(A0)
+    d.invalidate(A0)  # its Free is lost with the crash
+    grant, _ = d.begin_write(B0)
+    d.tick(dt=VIEW_MS)  # expired: another free
+    loaded, effects = d.restart(dt=5)
+    assert {r.key: r.to_free for r in loaded.records} == {A0: (("pool", 1),), B0: (("pool", grant.epoch),)}
+    assert not frees_at(effects)
+    restarted_at = d.now
+    assert not frees_at(d.tick(to=restarted_at + GRACE_MS - 1)), "nothing leaves during the grace"
+    effects = d.tick(to=restarted_at + GRACE_MS)
+    assert sorted(frees_at(effects)) == sorted([("pool", A0, 1), ("pool", B0, grant.epoch)])
+    d.send(wire.Freed("pool", A0, 1))
+    d.send(wire.Freed("pool", B0, grant.epoch))
+    loaded, _ = d.restart()
+    assert all(r.to_free == () for r in loaded.records)
+
+
+def test_a_down_location_gets_no_lease_no_write_and_its_keys_come_back():
+    d = Directory(place_write=lambda node, key: f"{node}/nvme")
+    d.write(A0, node="n1")
+    d.write(B0, node="n2")
+    held, _ = d.acquire(A0, node="r1")
+    effects = d.apply(d.core.node_down("n1", ["n1/nvme"], d.now))
+    d.core.check_invariants()
+    assert events(effects) == ["declare_node_down"]  # the voiding is that step (spec)
+    (declared,) = of(effects, Emit)
+    assert declared.fields["down"] == "n1" and declared.fields["voided"] == 1
+    # The dead owner's key is voided (its lease revoked) and leased no more; others are untouched.
+    assert d.core.records[A0].phase == INVALIDATING and d.core.records[B0].phase == COMMITTED
+    assert [(e.node, e.msg.lease) for e in of(effects, Send)] == [("r1", held.lease)]
+    assert d.acquire(A0, node="r2")[0].reason == rules.REASON_INVALIDATING  # voided: the rule's reason first
+    assert isinstance(d.acquire(B0, node="r2")[0], wire.ReadLeaseGranted)
+    # No write placed on it, nor committed there.
+    root = chain_keys(_NS_A, [7, 7])[0]
+    assert d.begin_write(root, node="n1", parent=None, namespace=NS_A)[0].reason == REASON_LOCATION_DOWN
+    # Writable again only once the lease on the lost copy ended -- its expiry, at the latest.
+    assert d.begin_write(A0, node="n2")[0].reason == rules.REASON_NOT_ABSENT
+    d.tick(dt=VIEW_MS - 1)
+    assert d.core.records[A0].phase == INVALIDATING
+    effects = d.tick(dt=1)
+    assert d.core.records[A0].phase == ABSENT and "complete_invalidation" in events(effects)
+    assert not frees_at(effects), "a free to a down location would be lost: it waits"
+    assert d.core.records[A0].to_free == (("n1/nvme", 1),)
+    grant, _ = d.begin_write(A0, node="n2")
+    assert isinstance(grant, wire.WriteLeaseGranted) and grant.location == "n2/nvme"
+    # The node is back: the pending free leaves at once.
+    effects = d.apply(d.core.locations_up(["n1/nvme"], d.now))
+    assert frees_at(effects) == [("n1/nvme", A0, 1)] and "mark_location_up" in events(effects)
+    d.core.check_invariants()
+
+
+def test_no_commit_or_transfer_onto_a_node_declared_down():
+    d = Directory(place_write=lambda node, key: f"{node}/nvme")
+    grant, _ = d.begin_write(A0, node="n1")
+    d.apply(d.core.node_down("n1", ["n1/nvme"], d.now))
+    reply, _ = d.commit(grant, node="n1")
+    assert reply == wire.CommitRejected("n1", A0, grant.lease, REASON_LOCATION_DOWN)  # rules.may_commit
+    effects = d.tick(dt=VIEW_MS)
+    assert d.core.records[A0].phase == ABSENT and d.core.records[A0].to_free == (("n1/nvme", grant.epoch),)
+    assert not frees_at(effects), "the free waits for n1"
+    d.write(B0, node="n2")
+    assert d.core.start_transfer(B0, "n1/nvme", d.now)[0] is False
+
+
 def test_unexpected_messages_are_the_peers_violation(d):
     with pytest.raises(PeerViolation):
         d.send(wire.Ping(1))
@@ -658,6 +815,10 @@ class DirectoryMachine(RuleBasedStateMachine):
         self.writers: dict[tuple[str, BlockKey], Grant] = {}
         self.slots: dict[tuple[str, BlockKey], tuple[int, int] | str] = {}
         self.fences: dict[tuple[str, BlockKey], int] = {}
+        # Whether a slot's bytes landed where and while the directory expected them (a granted
+        # write, a transfer's copy): only those can the directory know to free. A zombie's bytes
+        # landing after their generation was freed are the spec's open case (see the report).
+        self.landed_known: dict[tuple[str, BlockKey], bool] = {}
         self.to_nodes: list[Send] = []
         self.to_directory: list[tuple[str, object]] = []
         self.to_locations: list[FreeAt | CopyAt | wire.WriteBytes] = []
@@ -752,13 +913,15 @@ class DirectoryMachine(RuleBasedStateMachine):
     def _location_up(self, loc: str) -> bool:
         return loc == POOL or self.up[NODE_OF[loc]]
 
-    def _store(self, loc: str, key: BlockKey, gen: int, epoch: int) -> bool:
+    def _store(self, loc: str, key: BlockKey, gen: int, epoch: int, known: bool) -> bool:
         fence = self.fences.get((loc, key), 0)
         if not rules.fence_accepts(epoch, fence):
             SEEN["fenced"] += 1
             return False
         assert epoch <= self.core.records[key].epoch, "EpochsBoundFences"
         self.slots[(loc, key)] = (gen, epoch)
+        self.landed_known[(loc, key)] = known
+        SEEN["known_landing" if known else "late_landing"] += 1
         self.fences[(loc, key)] = max(fence, epoch)
         return True
 
@@ -932,7 +1095,9 @@ class DirectoryMachine(RuleBasedStateMachine):
     def _land(self, msg: wire.WriteBytes) -> None:
         if not self._location_up(msg.location):
             return
-        stored = self._store(msg.location, msg.key, msg.gen, msg.epoch)
+        rec = self.core.records[msg.key]
+        known = rec.phase == WRITING and rec.write_lease == msg.lease and rec.owner == msg.location
+        stored = self._store(msg.location, msg.key, msg.gen, msg.epoch, known)
         grant = self.writers.get((msg.node, msg.key))
         if grant is not None and grant.lease == msg.lease:
             if stored:
@@ -992,6 +1157,16 @@ class DirectoryMachine(RuleBasedStateMachine):
             if ack is not None:
                 self._handle(ack, TENANT_OF[node])
 
+    @precondition(lambda self: self.core.read_leases)
+    @rule(data=st.data())
+    def invalidate_with_silent_holders(self, data):
+        """Every revoke lost, time passing: the invalidation completes by expiry (the
+        ``sometimes`` of the expiry path, which the other rules reach only by chance)."""
+        key = data.draw(st.sampled_from(sorted({e.key for e in self.core.read_leases.values()})))
+        self._handle(wire.Invalidate(NAMESPACE[key], wire.SCOPE_KEY, key), "t-all")
+        self.to_nodes = [send for send in self.to_nodes if send.msg.key != key]
+        self._advance(VIEW_MS + EPS_MS)
+
     @rule(namespace=st.sampled_from((NS_A, NS_B)), rarely=RARELY)
     def invalidate_namespace(self, namespace, rarely):
         if not rarely:
@@ -1033,11 +1208,21 @@ class DirectoryMachine(RuleBasedStateMachine):
                 self.slots.pop((e.location, e.key), None)
             else:
                 SEEN["fenced_free"] += 1
+            # Acknowledged either way (a fenced free: a later grant holds that slot), the ack
+            # back at once, delayed in the network, or lost (the directory sends the free again).
+            ack = wire.Freed(e.location, e.key, e.epoch)
+            how = data.draw(st.sampled_from(("prompt", "later", "lost")))
+            if how == "prompt":
+                self._handle(ack, "t-all")
+            elif how == "later":
+                self.to_directory.append(("location", ack))
             return
         source = self.slots.get((e.source, e.key))
         if not self._location_up(e.source) or source is None or source == LOST or source[0] != e.gen:
             return  # the copy failed; the transfer stays until cancelled
-        if self._store(e.location, e.key, e.gen, e.epoch):
+        rec = self.core.records[e.key]
+        known = rec.phase == COMMITTED and rec.moving_to == e.location and rec.epoch == e.epoch
+        if self._store(e.location, e.key, e.gen, e.epoch, known):
             self._handle(wire.Copied(e.location, e.key, e.epoch), "t-all")
 
     @rule(key=st.sampled_from(KEYS))
@@ -1083,8 +1268,31 @@ class DirectoryMachine(RuleBasedStateMachine):
         fences, effects = self.core.node_rejoined(node, lost, self.now, locations=[LOCAL[node]])
         self._apply(effects)
         for key, epoch in fences.items():
-            lk = (LOCAL[node], key)
-            self.fences[lk] = rules.restored_fence(self.fences.get(lk, 0), epoch)
+            # As the server does: fences for the keys with a copy here (owner, moving, draining).
+            rec = self.core.records[key]
+            if LOCAL[node] in (rec.owner, rec.moving_to, rec.draining):
+                lk = (LOCAL[node], key)
+                self.fences[lk] = rules.restored_fence(self.fences.get(lk, 0), epoch)
+        self._apply(self.core.locations_up([LOCAL[node]], self.now))
+
+    @rule(node=st.sampled_from(NODES), rarely=RARELY)
+    def detect_down(self, node, rarely):
+        """The runtime stops hearing from a crashed node (P4): its keys are voided, no lease
+        names its location, frees to it wait for its return."""
+        if self.up[node] or LOCAL[node] in self.core.down_locations or not rarely:
+            return
+        self._apply(self.core.node_down(node, [LOCAL[node]], self.now))
+        assert LOCAL[node] in self.core.down_locations
+
+    @rule(node=st.sampled_from(NODES), rarely=SELDOM)
+    def suspect_a_live_node(self, node, rarely):
+        """A live node whose heartbeats were late (a slow machine) is taken for down, then heard
+        again: only progress may suffer."""
+        if not rarely or not self.up[node]:
+            return
+        self._apply(self.core.node_down(node, [LOCAL[node]], self.now))
+        self._advance(20)
+        self._apply(self.core.locations_up([LOCAL[node]], self.now))
 
     @rule(new_base=st.integers(0, 10**6), rarely=SELDOM)
     def restart_directory(self, new_base, rarely):
@@ -1138,6 +1346,34 @@ class DirectoryMachine(RuleBasedStateMachine):
             assert fence <= self.core.records[key].epoch, "EpochsBoundFences"
 
     @invariant()
+    def ended_generations_are_being_freed(self):
+        """Deletion reaches everywhere: bytes a location holds of a generation that ended (or of
+        a copy let go) are in the directory's to-free set for that location, or sit where a later
+        grant of the key is (whose bytes replace them, or whose own end frees them)."""
+        for (loc, key), slot in self.slots.items():
+            if slot == LOST or not self.landed_known.get((loc, key)):
+                continue
+            gen, epoch = slot
+            rec = self.core.records[key]
+            if rec.phase != ABSENT and gen == rec.gen and loc in (rec.owner, rec.moving_to, rec.draining):
+                continue  # a live copy
+            pending = dict(rec.to_free).get(loc)
+            later_here = loc in (rec.owner, rec.moving_to) and rec.epoch > epoch
+            assert (pending is not None and pending >= epoch) or later_here, "DeletionReachesEverywhere"
+            SEEN["awaiting_free"] += 1
+        for key, rec in self.core.records.items():
+            for loc, _ in rec.to_free:
+                if loc in self.core.down_locations:
+                    continue
+                assert (key, loc) in self.core._free_due, "every pending free is sent again"
+
+    @invariant()
+    def no_lease_on_a_down_location(self):
+        for entry in self.core.read_leases.values():
+            rec = self.core.records[entry.key]
+            assert entry.location not in self.core.down_locations or rec.phase == INVALIDATING
+
+    @invariant()
     def invalidations_complete_in_time(self):
         for key, rec in self.core.records.items():
             if rec.phase != INVALIDATING:
@@ -1178,10 +1414,12 @@ def test_directory_state_machine_is_not_vacuous():
         "grant_read_lease", "renew_lease", "commit_write", "reject_stale_commit", "expire_write_lease",
         "complete_invalidation", "revoke_acked", "evict", "evict_refused", "restart_directory", "restart_node",
         "finish_transfer", "free_drained", "ticket_by_acks", "ticket_by_expiry", "fenced", "fenced_free",
-        "refuse_renewal", "ignore_stale_ack",
+        "refuse_renewal", "ignore_stale_ack", "retry_free", "free_acked", "declare_node_down",
+        "mark_location_up", "awaiting_free", "known_landing",
     ):  # fmt: skip
         assert SEEN[name] > 0, (name, dict(SEEN))
-    others = {"fenced", "fenced_free", "start_transfer"} | {n for n in SEEN if n.startswith(("ticket_by_", "ignore_"))}
+    others = {"fenced", "fenced_free", "start_transfer", "awaiting_free", "known_landing", "late_landing"}
+    others |= set(PROPOSED_EVENTS) | {n for n in SEEN if n.startswith(("ticket_by_", "ignore_"))}
     assert set(SEEN) - others <= set(EVENTS)
 
 

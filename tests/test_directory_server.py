@@ -55,6 +55,7 @@ from kvcc.spec.rules import (
     INVALIDATING,
     REASON_HAS_CHILDREN,
     REASON_LEASED,
+    REASON_LOCATION_DOWN,
     REASON_NOT_ABSENT,
     REASON_NOT_COMMITTED,
     REASON_NOT_FOUND,
@@ -487,6 +488,114 @@ def test_restart_recovers_every_record_and_honours_leases(directory_store_factor
         assert not isinstance(lease, Refused) and lease.lease > issued
 
     world_test(directory_store_factory, body)
+
+
+# -- deletion reaches everywhere; a silent node is down ----------------------------------------------------
+
+
+async def until(what: str, condition, timeout_s: float = WAIT_S):
+    """Poll ``condition`` (every 20 ms) until it holds; fail after ``timeout_s`` (never reached
+    unless broken: nothing here asserts how long anything took)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, f"{what}: not reached within {timeout_s} s"
+        await asyncio.sleep(0.02)
+
+
+def test_frees_are_acknowledged_and_leave_the_to_free_set(directory_store_factory):
+    async def body(w: World):
+        a = await w.client("n1.a")  # co-located with n1: its writes land on n1/dram
+        ks = keys(2, salt=11)
+        await w.put_chain(a, ks)
+        tier = w.nodes[0].tiers["dram"]
+        assert all(k.digest in tier.keys() for k in ks)
+        assert await a.wait(int(await a.invalidate(NS, SCOPE_KEY, ks[0])), WAIT_S)  # and its child
+        await until("the node acknowledged both frees", lambda: not w.core.pending_frees())
+        assert not any(k.digest in tier.keys() for k in ks), "the bytes left the node"
+        # A write given up: its bytes leave the slot once the write lease expired.
+        wl = await a.begin_write(NS, ks[0], None)
+        assert not isinstance(wl, Refused) and wl.location == "n1/dram"
+        assert await a.write_bytes(wl, block(ks[0])) is None and ks[0].digest in tier.keys()
+        a.abort(wl)
+        await until("the write lease expired", lambda: w.core.records[ks[0]].phase != WRITING)
+        await until("its bytes were freed and acknowledged",
+                    lambda: ks[0].digest not in tier.keys() and not w.core.pending_frees())  # fmt: skip
+
+    world_test(directory_store_factory, body)
+
+
+def test_a_silent_node_is_down_its_keys_come_back_and_frees_reach_it_when_back(directory_store_factory):
+    async def body(w: World):
+        a, b = await w.client("n1.a"), await w.client("n2.b")
+        k = keys(1, salt=12)[0]
+        await w.put_chain(a, [k])
+        assert w.core.records[k].owner == "n1/dram"
+        n1 = w.nodes.pop(0)
+        await n1.close()  # killed: no heartbeat, no connection
+        await until("n1 is down", lambda: "n1/dram" in w.core.down_locations)
+        got = await b.acquire(NS, k)
+        assert isinstance(got, Refused) and got.reason in (REASON_LOCATION_DOWN, REASON_NOT_COMMITTED), got
+        wl = await b.begin_write(NS, k, None)  # the dead owner's key is writable again, elsewhere
+        assert not isinstance(wl, Refused) and wl.location == "n2/dram" and wl.gen == 1
+        assert await b.write_bytes(wl, block(k)) is None and isinstance(await b.commit(wl), Committed)
+        assert await read_leased(b, k) == block(k)
+        assert w.core.pending_frees("n1/dram") == [(k, "n1/dram", 1)], "the lost copy waits for n1"
+        # n1 is back (a new incarnation; its DRAM came back empty): the free reaches it, is acked.
+        node = CacheNode("n1", {"dram": DramTier(NODE_BLOCKS, BLOCK_BYTES)}, TENANTS, w.address,
+                         directory_tenant=NODES, incarnation=2, lost=("dram",))  # fmt: skip
+        w.nodes.append(await node.start())
+        await until("n1 is up and acknowledged the free", lambda: not w.core.pending_frees())
+        assert "n1/dram" not in w.core.down_locations
+        for t in n1.tiers.values():
+            t.close()
+
+    world_test(directory_store_factory, body)
+
+
+def test_the_to_free_set_is_durable_in_both_stores(directory_store_factory):
+    from kvcc.reference.directory import Persist, Record
+    from kvcc.spec.rules import ABSENT
+
+    store = directory_store_factory.open()
+    store.load()
+    k = keys(1, salt=13)[0]
+    rec = Record(key=k, namespace=NS.digest(), parent=None, phase=ABSENT, gen=2, epoch=3,
+                 to_free=(("n1/nvme", 3), ("pool", 2)))  # fmt: skip
+    assert store.commit([Persist(rec)]) == 1
+    store.close()
+    store = directory_store_factory.open()
+    assert {r.key: r for r in store.load().records} == {k: rec}
+    assert store.commit([Persist(attrs.evolve(rec, to_free=(("pool", 2),)))]) == 1  # one acknowledged
+    store.close()
+    assert [r.to_free for r in directory_store_factory.open().load().records] == [(("pool", 2),)]
+
+
+def test_records_from_before_the_to_free_set_load_with_an_empty_one(tmp_path):
+    import sqlite3
+
+    from kvcc.reference.directory import DirectoryStore, Persist, Record
+    from kvcc.reference.directory.durable import StoreCorrupt, record_from_row, record_row
+    from kvcc.spec.rules import ABSENT
+
+    k = keys(1, salt=14)[0]
+    rec = Record(key=k, namespace=NS.digest(), parent=None, phase=ABSENT, gen=1, epoch=1)
+    # An etcd row (a CBOR map) written before: no "to_free" field.
+    row = record_row(rec)
+    del row["to_free"]
+    assert record_from_row(row) == rec
+    with pytest.raises(StoreCorrupt):
+        record_from_row({**row, "to_free": b"junk"})
+    # An SQLite log written before: no to_free column; opening it adds one, empty.
+    path = tmp_path / "old.sqlite"
+    with DirectoryStore(path) as store:
+        store.load()
+        store.commit([Persist(rec)])
+    db = sqlite3.connect(path)
+    db.execute("ALTER TABLE records DROP COLUMN to_free")
+    db.commit()
+    db.close()
+    with DirectoryStore(path) as store:
+        assert store.load().records == (rec,)
 
 
 def test_first_start_serves_without_grace(directory_store_factory):

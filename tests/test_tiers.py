@@ -27,6 +27,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from kvcc.spec import rules
 from kvcc.reference.tiers import (
     Absent,
     CorruptFence,
@@ -191,11 +192,43 @@ def test_fence_survives_free(tier):
     assert tier.fence(K(1)) == 5
     assert tier.write(K(1), 2, 4, b"zombie") == Fenced(5)  # a stale writer after the free
     assert tier.read(K(1), 2) is None
-    assert tier.write(K(1), 2, 5, b"owner") == Stored(5)
+    if tier.name != "pool":  # rules.slot_accepts: the freed epoch's late bytes are refused too
+        assert tier.write(K(1), 2, 5, b"owner") == Fenced(5)
+    else:
+        assert tier.write(K(1), 2, 5, b"owner") == Stored(5)
     assert tier.write(K(1), 3, 7, b"later") == Stored(5)
     assert tier.fence(K(1)) == 7
     assert tier.free(K(2), 0) == Absent()
     assert tier.fence(K(2)) == 0
+
+
+def test_late_bytes_of_a_freed_epoch_are_refused(tier):
+    """rules.slot_accepts: a free under epoch e refuses later writes under e (a paused writer's
+    bytes landing after its generation was deleted), not the next grant's."""
+    if tier.name == "pool":
+        pytest.skip("the shared pool keeps no freed-epoch mark (its fence files only)")
+    assert tier.write(K(2), 1, 3, b"abandoned") == Stored(9)
+    assert tier.free(K(2), 3) == Freed()
+    assert tier.write(K(2), 1, 3, b"abandoned") == Fenced(3), "late bytes of the freed epoch"
+    assert tier.read_into(K(2), 1, bytearray(9)) == Miss(MissReason.ABSENT)
+    assert tier.free(K(2), 3) == Absent()  # a retried free is still taken (and answered)
+    assert tier.write(K(2), 2, 4, b"next") == Stored(4)  # the next grant's epoch is
+    assert tier.free(K(2), 3) == Fenced(4)
+    # A free of a key never written here marks it too (the write may still be in flight).
+    assert tier.free(K(3), 2) == Absent()
+    assert tier.write(K(3), 1, 2, b"late") == Fenced(0)
+    assert tier.write(K(3), 1, 3, b"new") == Stored(3)
+    # A fence restored above a block's epoch (a node that rejoined) does not keep the block from
+    # its free: the block's own epoch decides (rules.free_takes); a newer block is never freed.
+    assert tier.write(K(5), 1, 2, b"ended") == Stored(5)
+    tier.restore_fences({K(5): 4})
+    assert tier.free(K(5), 2) == Freed()
+    assert tier.write(K(5), 2, 4, b"newer") == Stored(5)
+    assert tier.free(K(5), 3) == Fenced(4)
+    # A fence restored above the mark makes the mark moot (the fence refuses all it did).
+    assert tier.free(K(4), 5) == Absent()
+    tier.restore_fences({K(4): 7})
+    assert tier.write(K(4), 1, 7, b"owner") == Stored(5)
 
 
 def test_restore_fences(tier):
@@ -206,7 +239,12 @@ def test_restore_fences(tier):
     assert tier.fence(K(1)) == 9, "restore never lowers a fence"
     assert tier.read(K(1), 1) == b"x", "restoring fences does not drop blocks"
     assert tier.write(K(1), 2, 8, b"y") == Fenced(9)
-    assert tier.free(K(1), 8) == Fenced(9)
+    if tier.name != "pool":
+        # rules.free_takes: the block's own epoch (3) decides, not the restored fence: a free
+        # under 8 drops bytes stored under 3 (an ended generation a rejoined node still held).
+        assert tier.free(K(1), 8) == Freed() and tier.fence(K(1)) == 9
+    else:
+        assert tier.free(K(1), 8) == Fenced(9)  # the pool judges by its fence file alone
     assert tier.write(K(2), 1, 3, b"y") == Fenced(4)
     assert tier.write(K(2), 1, 4, b"y") == Stored(1)
 
@@ -764,6 +802,8 @@ class TierMachine(RuleBasedStateMachine):
         self.tier = make(self.kind, self.dir, slots=self.slots if self.kind != "pool" else 8, block=8192)
         self.blocks: dict[int, tuple[int, bytes]] = {}
         self.fences: dict[int, int] = {}
+        self.freed: dict[int, int] = {}  # rules.slot_accepts (slot tiers, in memory)
+        self.epochs: dict[int, int] = {}  # the epoch each block was stored under
 
     def teardown(self) -> None:
         self.tier.close()
@@ -775,7 +815,8 @@ class TierMachine(RuleBasedStateMachine):
         data = payload(K(k), gen, n, salt)
         got = self.tier.write(K(k), gen, epoch, data)
         fence = self.fences.get(k, 0)
-        if epoch < fence:
+        freed = self.freed.get(k)
+        if not (rules.fence_accepts(epoch, fence) if freed is None else rules.slot_accepts(epoch, fence, freed)):
             assert got == Fenced(fence)
         elif self.kind != "pool" and len(self.blocks) == self.slots:
             assert got == NoSpace(n)
@@ -783,14 +824,23 @@ class TierMachine(RuleBasedStateMachine):
             assert got == Stored(n)
             self.blocks[k] = (gen, data)
             self.fences[k] = epoch
+            self.epochs[k] = epoch
+            self.freed.pop(k, None)
 
     @rule(k=st.integers(0, 4), epoch=st.integers(0, 5))
     def free(self, k, epoch):
         got = self.tier.free(K(k), epoch)
         fence = self.fences.get(k, 0)
-        if epoch < fence:
+        if self.kind == "pool":
+            takes = rules.fence_accepts(epoch, fence)  # the pool judges by its fence file alone
+        else:
+            takes = rules.free_takes(epoch, fence, k in self.blocks, self.epochs.get(k, 0))
+        if not takes:
             assert got == Fenced(fence)
-        elif k in self.blocks:
+            return
+        if self.kind != "pool":
+            self.freed[k] = max(epoch, self.freed.get(k, 0))
+        if k in self.blocks:
             assert got == Freed()
             del self.blocks[k]
         else:
@@ -812,11 +862,14 @@ class TierMachine(RuleBasedStateMachine):
     def restore(self, k, epoch):
         self.tier.restore_fences({K(k): epoch})
         self.fences[k] = max(self.fences.get(k, 0), epoch)
+        if self.fences[k] > self.freed.get(k, 0):
+            self.freed.pop(k, None)
 
     @rule()
     def reopen(self):
         if self.kind in DURABLE:
             self.tier = reopen(self.kind, self.tier, self.dir)
+            self.freed.clear()  # the marks are volatile; the fences are not
             r = self.tier.recovery
             assert (r.dropped_corrupt, r.dropped_truncated, r.dropped_uncommitted, r.lost) == (0, 0, 0, ())
 

@@ -13,7 +13,7 @@ socket, touches a disk or draws a random number. The runtime around it supplies
   first lets time pass up to ``now_ms``, a late tick only delays, never breaks, anything;
 - **messages**: ``handle(msg, now_ms, tenant)`` takes one request of ``kvcc.reference.wire`` from
   an authenticated ``tenant`` and returns ``(reply, effects)``; ``reply`` is ``None`` for the
-  one-way messages (``RevokeAcked``, ``Copied``);
+  one-way messages (``RevokeAcked``, ``Copied``, ``Freed``);
 - **effects**, attrs values to carry out *in order*, durable ones first: ``Persist`` (a record),
   ``PersistTicket``, ``ForgetTicket`` and ``ReserveLeaseIds`` must be committed to the durable log
   (``store.DirectoryStore.commit``) before the reply or any ``Send``, ``FreeAt`` or ``CopyAt`` of
@@ -40,6 +40,27 @@ spec's state (``spec/layout.py``):
 - Tickets (``Ticket``) are not in the spec: they make an invalidation's completion observable
   (``WaitTicket``). A ticket completes when every key it voided has completed its invalidation.
 
+Deletion reaches everywhere (DESIGN: progress). Every state change that ends a generation --
+an invalidation completing, a write aborted by one, a write lease expiring -- and every drained
+copy let go puts ``(location, epoch)`` into the record's durable to-free set (``Record.to_free``)
+*in the same* ``Persist``, and sends ``FreeAt``. A free is sent again after
+``free_retry_first_ms``, the wait doubling up to ``free_retry_max_ms``, until the location
+acknowledges it (``Freed``: freed, nothing there, or fenced -- see ``Record.to_free`` for why a
+fenced free is done); nothing is sent during restart grace (the retries wait for its end) nor
+to a location known to be down (they wait for ``locations_up``). A restarted directory finds
+the set in its records. So a generation's bytes leave a location within ``free_retry_max_ms``
+(plus a message delay) of the location being reachable. (An eviction is not in the set: the
+node asked for it and drops the bytes itself.)
+
+Down nodes (P4). The runtime tells the core which node it stopped hearing from (``node_down``,
+the spec's ``declare_node_down``: the server's watchdog, after ``node_down_after_ms`` of missed
+heartbeats) and which locations are back (``locations_up``: a Hello, or heartbeats again). A
+down location gets no read lease (``rules.may_grant_read``: ``location_down``) and no write
+placed on it; every COMMITTED key it owns is voided with its subtree in that step
+(``rules.down_owner_invalidates``): its leases are revoked and the key is ABSENT -- writable
+again, elsewhere -- once they were acknowledged or expired, within term + epsilon of the
+declaration and never sooner.
+
 Handlers follow TigerBeetle's shape: first the message is ignored with a reason if it is stale or
 duplicated (network weather: an ``Emit`` of an ``ignore_*`` event, which is a diagnostic and not a
 spec action, and no state change); then a rule decides; then the handler asserts what must now
@@ -49,8 +70,9 @@ has no refusal to carry it (``Lookup``, ``Invalidate``), gets ``Unauthorized``. 
 goes wrong is our bug: an ``AssertionError``.
 
 Event names are the spec's action names (``kvcc.reference.events.EVENTS``), except the
-``ignore_*`` diagnostics; extra fields never shadow the log's standard ones (``holder``,
-``writer``, ``location`` name the nodes and locations involved).
+``ignore_*`` diagnostics and the ``PROPOSED_EVENTS`` (logged once the spec names them); extra
+fields never shadow the log's standard ones (``holder``, ``writer``, ``location`` name the nodes
+and locations involved).
 """
 
 from __future__ import annotations
@@ -74,12 +96,15 @@ from kvcc.spec.rules import (
     PHASES,
     READABLE_PHASES,
     REASON_LEASED,
+    REASON_LOCATION_DOWN,
     REASON_NOT_FOUND,
     REASON_UNAUTHORIZED,
     REASON_UNKNOWN_LEASE,
     REASON_WRONG_GENERATION,
     WRITING,
     directory_view,
+    down_owner_invalidates,
+    free_acknowledged,
     holder_budget,
     invalidation_deadline,
     invalidation_step,
@@ -96,8 +121,10 @@ from kvcc.spec.rules import (
     may_grant_read,
     may_release,
     may_renew,
+    may_retry_free,
     may_start_transfer,
     next_epoch,
+    owe_free,
     restart_grace,
     write_lease_must_expire,
 )
@@ -105,6 +132,8 @@ from kvcc.spec.rules import (
 from ..errors import PeerViolation, Unauthorized
 from ..events import EVENTS
 from ..wire import (
+    HEARTBEAT_INTERVAL_MS,
+    SCOPE_KEY,
     SCOPE_NAMESPACE,
     Acquire,
     BeginWrite,
@@ -116,6 +145,7 @@ from ..wire import (
     Evict,
     Evicted,
     EvictRefused,
+    Freed,
     Invalidate,
     InvalidationCompleted,
     InvalidationPending,
@@ -140,7 +170,22 @@ FIRST_LEASE_ID = 1
 FIRST_TICKET = 1
 TICKET_PENDING = "pending"
 TICKET_COMPLETED = "completed"
+# Steps the spec does not have (yet): a node taken for down that is heard from again without a
+# restart (it was paused). Until ``EVENTS`` lists a name, ``Emit.is_spec_action`` is false and
+# the server does not log it (a validator could not replay it).
+PROPOSED_EVENTS = ("mark_location_up",)
+FREE_RETRY_FIRST_MS_DEFAULT = 1_000  # a Free not acknowledged by then is sent again ...
+FREE_RETRY_MAX_MS_DEFAULT = 8_000  # ... with the wait doubling up to this (DESIGN: deletion reaches everywhere)
+# A node silent this long on an open connection is down (a stopped or hung process: the spec's
+# detector declares only crashed nodes, a paused one comes back). A node whose connection is
+# gone is declared after ``DirectoryConfig.disconnect_detection_ms`` (a lease term) instead.
+NODE_DOWN_AFTER_MS_DEFAULT = 10_000
+# A node's heartbeat must be missed several times over before it counts as down (a slow event
+# loop or a busy machine is not a crash).
+assert HEARTBEAT_INTERVAL_MS * 4 <= NODE_DOWN_AFTER_MS_DEFAULT
+assert FREE_RETRY_FIRST_MS_DEFAULT <= FREE_RETRY_MAX_MS_DEFAULT
 _EVENT_SET = frozenset(EVENTS)
+_EMITTABLE = _EVENT_SET | frozenset(PROPOSED_EVENTS)
 
 
 # -- configuration ----------------------------------------------------------------------------------
@@ -157,17 +202,43 @@ class DirectoryConfig:
     epsilon, the bound on the offset between any two clocks (the spec's ``skew_ticks``).
     ``lease_id_block``: lease ids reserved durably at once. ``max_completed_tickets``: completed
     invalidation tickets remembered (older ones are answered "completed" by id alone).
-    ``pool_location``: where new blocks are written by default (the shared pool), if anywhere."""
+    ``pool_location``: where new blocks are written by default (the shared pool), if anywhere.
+    ``free_retry_first_ms`` / ``free_retry_max_ms``: a ``Free`` not acknowledged (``Freed``) is
+    sent again after the first, then twice as long each time, up to the max: deletion reaches a
+    location within ``free_retry_max_ms`` of its coming back. The runtime declares a node down
+    (the core is told: ``node_down``) once its connection has been gone for
+    ``disconnected_down_after_ms`` (default: the lease term, the spec's failure-detection time:
+    a node's registration is a lease of one term), or once it has been silent on an open
+    connection for ``node_down_after_ms`` (a stopped or hung process: longer, since the spec
+    declares only crashed nodes and a paused one comes back)."""
 
     lease_term_ms: int = field(default=10_000, validator=_positive)
     skew_ms: int = 500
     lease_id_block: int = field(default=1024, validator=_positive)
     max_completed_tickets: int = field(default=10_000, validator=_positive)
     pool_location: LocationId | None = None
+    free_retry_first_ms: int = field(default=FREE_RETRY_FIRST_MS_DEFAULT, validator=_positive)
+    free_retry_max_ms: int = field(default=FREE_RETRY_MAX_MS_DEFAULT, validator=_positive)
+    node_down_after_ms: int = field(default=NODE_DOWN_AFTER_MS_DEFAULT, validator=_positive)
+    disconnected_down_after_ms: int | None = None
 
     def __attrs_post_init__(self) -> None:
         if type(self.skew_ms) is not int or not 0 <= self.skew_ms < self.lease_term_ms:
             raise ValueError("skew_ms must be an int in 0 .. lease_term_ms - 1: a holder must keep a positive budget")
+        if self.free_retry_first_ms > self.free_retry_max_ms:
+            raise ValueError("free_retry_first_ms must be at most free_retry_max_ms")
+        if self.node_down_after_ms < 4 * HEARTBEAT_INTERVAL_MS:
+            raise ValueError(f"node_down_after_ms must be at least 4 heartbeats ({4 * HEARTBEAT_INTERVAL_MS} ms)")
+        gone = self.disconnected_down_after_ms
+        if gone is not None and (type(gone) is not int or gone < 1):
+            raise ValueError(f"disconnected_down_after_ms must be an int >= 1 or None, got {gone!r}")
+
+    @property
+    def disconnect_detection_ms(self) -> int:
+        """How long a node may be without a connection before it is declared down."""
+        if self.disconnected_down_after_ms is not None:
+            return self.disconnected_down_after_ms
+        return self.lease_term_ms
 
     @property
     def holder_budget_ms(self) -> int:
@@ -193,7 +264,16 @@ class Record:
     """The durable entry of one key (glossary: record). ``namespace`` and ``parent`` are the key's
     identity, learnt from the first ``BeginWrite`` (a key's hash chains over both, so they never
     change). ``write_lease`` is ``NO_LEASE`` unless WRITING; ``committed_lease`` is the write lease
-    that committed the current generation (to answer a retried ``Commit`` again)."""
+    that committed the current generation (to answer a retried ``Commit`` again).
+
+    ``to_free``: the durable to-free set of this key, ``(location, epoch)`` pairs sorted by
+    location, one per location: a generation that ended (invalidation completed, write aborted
+    or expired, a drained copy let go) left bytes there, and a ``Free(location, key, epoch)`` is
+    sent until the location acknowledges it (``Freed``). One entry per location suffices: a free
+    under epoch ``e`` drops the key's block there, whatever generation it holds, unless the
+    location's fence is above ``e`` -- and every free carries the key's epoch at the time, the
+    highest ever issued, so a fence above it means a later grant at that location whose own
+    end is freed in turn (DESIGN: deletion reaches everywhere)."""
 
     key: BlockKey
     namespace: NamespaceDigest
@@ -209,6 +289,7 @@ class Record:
     write_lease: LeaseId = NO_LEASE
     write_lease_expires_at_ms: int = 0
     committed_lease: LeaseId = NO_LEASE
+    to_free: tuple[tuple[LocationId, int], ...] = ()
 
     def __attrs_post_init__(self) -> None:
         assert self.phase in PHASES
@@ -218,6 +299,16 @@ class Record:
         assert self.moving_to is None or self.phase == COMMITTED, self
         assert self.draining is None or self.phase in READABLE_PHASES, self
         assert self.moving_to is None or self.moving_to != self.owner
+        assert list(self.to_free) == sorted(set(self.to_free)), self.to_free
+        assert len({loc for loc, _ in self.to_free}) == len(self.to_free), "one entry per location"
+        assert all(0 <= e <= self.epoch for _, e in self.to_free), "a free names an epoch issued"
+
+    def freeing(self, location: LocationId, epoch: int) -> tuple[tuple[LocationId, int], ...]:
+        """``to_free`` with a Free under ``epoch`` owed to ``location`` (``rules.owe_free``: one
+        Free under the highest epoch owed covers the lower ones)."""
+        entries = dict(self.to_free)
+        entries[location] = owe_free(entries.get(location, 0), epoch)
+        return tuple(sorted(entries.items()))
 
     @property
     def phase_name(self) -> str:
@@ -399,6 +490,17 @@ class DirectoryCore:
         self._invalidating: set[BlockKey] = set()
         self._draining: set[BlockKey] = set()
         self._write_heap: list[tuple[int, BlockKey, int]] = []  # (expires_at_ms, key, write lease)
+        # Locations the runtime reported down (volatile: a restarted directory hears from every
+        # node again, or not, and decides anew).
+        self.down_locations: set[LocationId] = set()
+        # When each pending free is next sent (volatile; the to-free set itself is in the
+        # records): a heap of (due_ms, key, location), stale entries skipped (``_free_due`` is the
+        # truth); ``_free_waits`` is the wait after the next send (doubling up to
+        # ``free_retry_max_ms``); ``_frees_at`` indexes the to-free set by location.
+        self._free_heap: list[tuple[int, BlockKey, LocationId]] = []
+        self._free_due: dict[tuple[BlockKey, LocationId], int] = {}
+        self._free_waits: dict[tuple[BlockKey, LocationId], int] = {}
+        self._frees_at: dict[LocationId, set[BlockKey]] = {}
         for rec in records:
             self._index(rec)
         # The read-lease table and its indexes (volatile: a restart loses them).
@@ -428,6 +530,13 @@ class DirectoryCore:
         self.records[rec.key] = rec
         (self._invalidating.add if rec.phase == INVALIDATING else self._invalidating.discard)(rec.key)
         (self._draining.add if rec.draining is not None else self._draining.discard)(rec.key)
+        for loc, _ in rec.to_free:
+            self._frees_at.setdefault(loc, set()).add(rec.key)
+        if old is not None:
+            for loc in {loc for loc, _ in old.to_free} - {loc for loc, _ in rec.to_free}:
+                self._frees_at[loc].discard(rec.key)
+                self._free_due.pop((rec.key, loc), None)
+                self._free_waits.pop((rec.key, loc), None)
         if rec.phase == WRITING:
             heapq.heappush(self._write_heap, (rec.write_lease_expires_at_ms, rec.key, rec.write_lease))
 
@@ -474,6 +583,8 @@ class DirectoryCore:
             times.append(self._write_heap[0][0])
         if self.grace_until_ms is not None:
             times.append(self.grace_until_ms)
+        if self._free_heap:
+            times.append(self._free_heap[0][0])
         return min(times) if times else None
 
     def lookup(self, namespace: bytes, keys: Iterable[BlockKey]) -> tuple[LocationId, ...]:
@@ -532,7 +643,9 @@ class DirectoryCore:
             live = lease_live(now_ms, rec.write_lease_expires_at_ms)
             assert write_lease_must_expire(rec.phase, live)
             self._emit(effects, "expire_write_lease", rec, lease=lease, writer=rec.writer)
-            self._end_generation(rec, effects)
+            # The writer's bytes may have landed at its location: they are freed too.
+            self._end_generation(rec, effects, frees=(rec.owner,))
+        self._retry_frees(effects)
 
     # ------------------------------------------------------------------ messages
 
@@ -556,6 +669,9 @@ class DirectoryCore:
                 reply = None  # one-way
             case Copied():
                 self._copied(msg, effects)
+                reply = None  # one-way
+            case Freed():
+                self._freed(msg, tenant, effects)
                 reply = None  # one-way
             case Evict():
                 reply = self._evict(msg, tenant, effects)
@@ -586,7 +702,8 @@ class DirectoryCore:
         # Authorised for the key's own namespace, not merely the one the request names (DESIGN 11).
         authorized = self._authorized(tenant, msg.namespace) and (rec is None or rec.namespace == msg.namespace)
         held = (msg.key, msg.node) in self._lease_of_holder
-        reason = may_grant_read(phase, authorized, held)
+        # A copy on a node declared down is unreachable (P4): no lease there.
+        reason = may_grant_read(phase, authorized, held, rec is not None and rec.owner in self.down_locations)
         if reason is not None:
             self._emit(effects, "refuse_read_lease", rec, key=msg.key, result=reason, holder=msg.node)
             return LeaseRefused(msg.node, msg.key, msg.request, reason)
@@ -722,9 +839,14 @@ class DirectoryCore:
         if reason is not None:
             self._emit(effects, "refuse_write_lease", rec, key=msg.key, result=reason, writer=msg.node)
             return LeaseRefused(msg.node, msg.key, msg.request, reason)
+        location = self._place_write(msg.node, msg.key)
+        if location in self.down_locations:
+            # Placement avoids down nodes where it can (the server's); a fixed pool location
+            # that is down cannot take the bytes.
+            self._emit(effects, "refuse_write_lease", rec, key=msg.key, result=REASON_LOCATION_DOWN, writer=msg.node)
+            return LeaseRefused(msg.node, msg.key, msg.request, REASON_LOCATION_DOWN)
         if rec is None:
             rec = Record(key=msg.key, namespace=msg.namespace, parent=msg.parent)
-        location = self._place_write(msg.node, msg.key)
         lease = self._allocate_lease_id(effects)
         rec = self._put(
             attrs.evolve(
@@ -763,6 +885,9 @@ class DirectoryCore:
             rec.epoch,
             msg.epoch,
             lease_live(self.now_ms, rec.write_lease_expires_at_ms),
+            # Bytes on a node declared down since the grant: published, nobody could read them
+            # and no failover would void them; the write lease expires and the slot is freed.
+            rec.owner in self.down_locations,
         )
         if reason is None and msg.gen != rec.gen:
             reason = REASON_WRONG_GENERATION  # the right lease and epoch name one generation only
@@ -782,16 +907,152 @@ class DirectoryCore:
         self._emit(effects, "commit_write", rec, lease=msg.lease, writer=msg.node, location=rec.owner)
         return Committed(msg.node, msg.key, msg.lease, rec.gen, rec.epoch)
 
-    def _end_generation(self, rec: Record, effects: list[Effect]) -> Record:
-        """Back to ABSENT with the next generation: the old one can never be read again."""
+    def _end_generation(
+        self, rec: Record, effects: list[Effect], frees: Iterable[LocationId | None] = ()
+    ) -> Record:
+        """Back to ABSENT with the next generation: the old one can never be read again. Its
+        copies at ``frees`` join the to-free set in the same durable write, and are freed."""
         assert not self._leases_on_key.get(rec.key), "a generation ends only when no lease on it is live"
-        return self._put(
+        locations = sorted({loc for loc in frees if loc is not None})
+        to_free = rec.to_free
+        for loc in locations:
+            to_free = attrs.evolve(rec, to_free=to_free).freeing(loc, rec.epoch)
+        ended = self._put(
             attrs.evolve(
                 rec, phase=ABSENT, gen=rec.gen + 1, owner=None, moving_to=None, draining=None, writer=None,
                 writer_tenant=None, write_lease=NO_LEASE, write_lease_expires_at_ms=0, committed_lease=NO_LEASE,
+                to_free=to_free,
             ),
             effects,
         )  # fmt: skip
+        for loc in locations:
+            self._send_free(ended, loc, effects, retry=False)
+        return ended
+
+    # deletion (DESIGN: deletion reaches everywhere)
+
+    def _schedule_free(self, key: BlockKey, location: LocationId, due_ms: int) -> None:
+        self._free_due[(key, location)] = due_ms
+        heapq.heappush(self._free_heap, (due_ms, key, location))
+
+    def _send_free(self, rec: Record, location: LocationId, effects: list[Effect], *, retry: bool) -> None:
+        """Send the pending free of ``rec`` at ``location`` if it may leave now, and schedule the
+        next try. Nothing leaves during restart grace (it waits for the grace to end) nor to a
+        location known to be down (it waits for ``locations_up``): either would be lost."""
+        key = rec.key
+        epoch = dict(rec.to_free)[location]
+        if not retry:
+            self._free_waits.pop((key, location), None)  # a new free starts with the shortest wait
+        if self.in_grace:
+            assert self.grace_until_ms is not None
+            self._schedule_free(key, location, self.grace_until_ms)
+            return
+        if not may_retry_free(epoch, location not in self.down_locations):
+            self._free_due.pop((key, location), None)
+            return
+        wait = self._free_waits.get((key, location), self.config.free_retry_first_ms)
+        if retry:
+            # The event first: the Free it sends is that step's message (a runtime that finds
+            # the location unreachable drops both: nothing was sent).
+            self._emit(effects, "retry_free", rec, location=location, epoch=epoch, wait_ms=wait)
+        effects.append(FreeAt(location, key, epoch))
+        self._free_waits[(key, location)] = min(2 * wait, self.config.free_retry_max_ms)
+        self._schedule_free(key, location, self.now_ms + wait)
+
+    def _retry_frees(self, effects: list[Effect]) -> None:
+        """Send again every free whose wait ran out unacknowledged."""
+        heap = self._free_heap
+        while heap and heap[0][0] <= self.now_ms:
+            due, key, location = heapq.heappop(heap)
+            if self._free_due.get((key, location)) != due:
+                continue  # acknowledged, rescheduled, or waiting for its location to come back
+            del self._free_due[(key, location)]
+            self._send_free(self.records[key], location, effects, retry=True)
+
+    def _freed(self, msg: Freed, tenant: str, effects: list[Effect]) -> None:
+        """A location acknowledged a free: the entry it covers leaves the to-free set. A free
+        under epoch ``e`` covers the pending one at that location if that one's epoch is at most
+        ``e`` (the block it names is gone, or the fence showed a later grant there)."""
+        rec = self.records.get(msg.key)
+        owed = 0 if rec is None else dict(rec.to_free).get(msg.location, 0)
+        if (
+            rec is None
+            or not free_acknowledged(owed, msg.epoch)
+            or msg.epoch > rec.epoch  # answers no Free ever sent
+            or not self._authorized(tenant, rec.namespace)
+        ):
+            # A duplicated or late ack (a retry crossed it), or one for a free never sent.
+            self._emit(effects, "ignore_stale_freed", rec, key=msg.key, location=msg.location, freed_epoch=msg.epoch)
+            return
+        rec = self._put(attrs.evolve(rec, to_free=tuple(e for e in rec.to_free if e[0] != msg.location)), effects)
+        assert (msg.key, msg.location) not in self._free_due
+        self._emit(effects, "free_acked", rec, location=msg.location, epoch=owed, freed_epoch=msg.epoch)
+
+    def pending_frees(self, location: LocationId | None = None) -> list[tuple[BlockKey, LocationId, int]]:
+        """The to-free set (of one location, or all): (key, location, epoch), sorted."""
+        out = []
+        for loc in [location] if location is not None else sorted(self._frees_at):
+            for key in sorted(self._frees_at.get(loc, ())):
+                out.append((key, loc, dict(self.records[key].to_free)[loc]))
+        return out
+
+    # failure detection (P4: a crashed owner's keys come back)
+
+    def node_down(self, node: NodeId, locations: Iterable[LocationId], now_ms: int) -> list[Effect]:
+        """The spec's ``declare_node_down``: the runtime has not heard from ``node`` (serving
+        ``locations``) for ``node_down_after_ms`` -- missed heartbeats, a lost connection. No
+        lease is granted on its copies any more (``location_down``) nor a write placed there;
+        every COMMITTED key whose owner copy is there is voided with its subtree, in this same
+        step (``rules.down_owner_invalidates``): its leases are revoked, and the key is writable
+        again once they were acknowledged or expired -- within term + epsilon of this call, never
+        sooner. Transfers to it are cancelled; frees to it wait for ``locations_up``."""
+        effects: list[Effect] = []
+        self._advance(now_ms, effects)
+        down = frozenset(locations) - self.down_locations
+        if not down:
+            return effects
+        self.down_locations |= down
+        voided: list[BlockKey] = []
+        seen: set[BlockKey] = set()
+        for key in sorted(self.records):
+            rec = self.records[key]
+            if key not in seen and down_owner_invalidates(rec.phase, rec.owner in down):
+                for k in self.subtree(key):
+                    if k not in seen:
+                        seen.add(k)
+                        voided.append(k)
+        # The event first: what follows from the voiding (completions) are later steps.
+        self._emit(effects, "declare_node_down", None, down=node, locations=sorted(down), voided=len(voided),
+                   ticket=self.next_ticket if voided else None)  # fmt: skip
+        if voided:
+            self._start_invalidation(voided, effects)
+        for key in sorted(self.records):
+            rec = self.records[key]
+            if rec.moving_to is not None and rec.moving_to in down:
+                self._abandon_transfer(rec, effects, "cancel_transfer")  # its Copied cannot come
+        for loc in down:
+            for key in self._frees_at.get(loc, ()):
+                self._free_due.pop((key, loc), None)
+        self._check_effects(effects)
+        return effects
+
+    def locations_up(self, locations: Iterable[LocationId], now_ms: int) -> list[Effect]:
+        """The node serving ``locations`` is heard from again (it said Hello, or its heartbeat is
+        back): leases may name them again, and every pending free to them is sent at once, with
+        the shortest wait (what was sent while it was away is presumed lost)."""
+        effects: list[Effect] = []
+        self._advance(now_ms, effects)
+        up = frozenset(locations)
+        back = sorted(up & self.down_locations)
+        self.down_locations -= up
+        if back:
+            self._emit(effects, "mark_location_up", None, locations=back)
+        for loc in sorted(up):
+            for key in sorted(self._frees_at.get(loc, ())):
+                self._free_waits.pop((key, loc), None)
+                self._send_free(self.records[key], loc, effects, retry=True)
+        self._check_effects(effects)
+        return effects
 
     # invalidation (DESIGN: invalidation)
 
@@ -836,12 +1097,19 @@ class DirectoryCore:
             rec = self.records[key]
             step = invalidation_step(rec.phase)
             if step == INVALIDATE_START:
-                rec = self._put(attrs.evolve(rec, phase=INVALIDATING, moving_to=None), effects)
+                moving = rec.moving_to
+                to_free = rec.to_free if moving is None else rec.freeing(moving, rec.epoch)
+                rec = self._put(attrs.evolve(rec, phase=INVALIDATING, moving_to=None, to_free=to_free), effects)
+                if moving is not None:
+                    # The abandoned transfer's copy may land after all: its destination is freed
+                    # under the transfer's epoch, which then refuses it (rules.slot_accepts).
+                    self._send_free(rec, moving, effects, retry=False)
                 for entry in self.leases_on(key):
                     effects.append(Send(entry.node, Revoke(entry.node, key, entry.lease, entry.gen)))
             elif step == INVALIDATE_ABORT_WRITE:
-                # The write in progress below a voided prefix: its commit will find the generation gone.
-                self._end_generation(rec, effects)
+                # The write in progress below a voided prefix: its commit will find the generation
+                # gone; what bytes of it landed are freed.
+                self._end_generation(rec, effects, frees=(rec.owner,))
             if step is not None or rec.phase == INVALIDATING:
                 voided.append(key)
             if rec.phase == INVALIDATING:
@@ -868,10 +1136,8 @@ class DirectoryCore:
         if not may_complete_invalidation(rec.phase, self.in_grace, live):
             return
         assert rec.owner is not None
-        copies = [loc for loc in (rec.owner, rec.draining) if loc is not None]
-        ended = self._end_generation(rec, effects)  # durable before any Free leaves
-        for loc in copies:
-            effects.append(FreeAt(loc, key, rec.epoch))
+        # The to-free set is durable (in the record) before any Free leaves.
+        ended = self._end_generation(rec, effects, frees=(rec.owner, rec.draining))
         self._emit(effects, "complete_invalidation", rec, gen=rec.gen, next_gen=ended.gen)
         for t in sorted(self._tickets_on_key.pop(key, ())):
             ticket = self.tickets[t]
@@ -926,7 +1192,9 @@ class DirectoryCore:
         if is_draining:
             self._put(attrs.evolve(rec, draining=None), effects)
         else:
-            self._end_generation(rec, effects)  # the last copy is gone: ABSENT again
+            # The last copy is gone: ABSENT again. A transfer under way may still land its copy,
+            # of a generation that just ended: its destination is freed (spec: evict).
+            self._end_generation(rec, effects, frees=(rec.moving_to,))
         return Evicted(msg.node, msg.key, msg.location)
 
     # transfer (promotion / demotion)
@@ -937,8 +1205,8 @@ class DirectoryCore:
         effects: list[Effect] = []
         self._advance(now_ms, effects)
         rec = self.records.get(key)
-        if rec is None or dest == rec.owner:
-            return False, effects
+        if rec is None or dest == rec.owner or dest in self.down_locations:
+            return False, effects  # (no transfer onto a node declared down: its copy could not land)
         if not may_start_transfer(rec.phase, rec.moving_to is not None, rec.draining is not None):
             return False, effects
         assert rec.owner is not None
@@ -953,13 +1221,26 @@ class DirectoryCore:
         self._advance(now_ms, effects)
         rec = self.records.get(key)
         if rec is not None and rec.moving_to is not None:
-            rec = self._put(attrs.evolve(rec, moving_to=None), effects)
-            self._emit(effects, "cancel_transfer", rec)
+            self._abandon_transfer(rec, effects, "cancel_transfer")
         return effects
+
+    def _abandon_transfer(self, rec: Record, effects: list[Effect], event: str | None) -> None:
+        """The transfer of ``rec`` is over without its ``Copied``: its copy may land after all (a
+        slow or paused destination), so the destination is owed a Free under the transfer's
+        epoch, which then refuses the copy too (``rules.slot_accepts``). ``event``: the spec step
+        logged (``cancel_transfer``), or ``None`` where the caller's step covers it."""
+        moving = rec.moving_to
+        assert moving is not None and rec.phase == COMMITTED
+        rec = self._put(attrs.evolve(rec, moving_to=None, to_free=rec.freeing(moving, rec.epoch)), effects)
+        if event is not None:
+            self._emit(effects, event, rec, location=moving)
+        self._send_free(rec, moving, effects, retry=False)
 
     def _copied(self, msg: Copied, effects: list[Effect]) -> None:
         rec = self.records.get(msg.key)
-        if rec is None or not may_finish_transfer(rec.phase, rec.moving_to, msg.location, rec.epoch, msg.epoch):
+        if rec is None or not may_finish_transfer(
+            rec.phase, rec.moving_to, msg.location, rec.epoch, msg.epoch, msg.location in self.down_locations
+        ):
             self._emit(effects, "ignore_stale_copied", rec, key=msg.key, location=msg.location)
             return
         assert rec.owner is not None and rec.draining is None
@@ -974,9 +1255,9 @@ class DirectoryCore:
         if not may_free_drained(self.in_grace, self.live_lease_on(key, rec.draining)):
             return
         drained = rec.draining
-        rec = self._put(attrs.evolve(rec, draining=None), effects)
-        effects.append(FreeAt(drained, key, rec.epoch))
+        rec = self._put(attrs.evolve(rec, draining=None, to_free=rec.freeing(drained, rec.epoch)), effects)
         self._emit(effects, "free_drained", rec, location=drained)
+        self._send_free(rec, drained, effects, retry=False)
 
     # ------------------------------------------------------------------ failures
 
@@ -1014,7 +1295,8 @@ class DirectoryCore:
         for key in sorted(self.records):
             rec = self.records[key]
             if rec.moving_to is not None and rec.moving_to in mine:
-                self._put(attrs.evolve(rec, moving_to=None), effects)  # the copy died with the node
+                # The copy died with the node, or landed: the restart step frees it (spec).
+                self._abandon_transfer(rec, effects, None)
         # The node's own leases, and those of the clients co-located with it ("<node>.<name>":
         # the spec's node is holder, writer and locations in one, and a crash takes them all).
         holders = [node, *sorted(h for h in self._leases_of_node if h.startswith(node + COLOCATED_SEPARATOR))]
@@ -1050,6 +1332,10 @@ class DirectoryCore:
             recovered.append(rec)
         self._reset(recovered, next_lease_id, now_ms)
         self.grace_until_ms = now_ms + grace
+        # The to-free set survived in the records; its frees leave when the grace ends.
+        for rec in self.records.values():
+            for loc, _ in rec.to_free:
+                self._schedule_free(rec.key, loc, self.grace_until_ms)
         effects: list[Effect] = []
         for ticket in sorted(tickets, key=lambda t: t.ticket):
             if ticket.state == TICKET_PENDING:
@@ -1068,7 +1354,7 @@ class DirectoryCore:
     # ------------------------------------------------------------------ bookkeeping
 
     def _emit(self, effects: list[Effect], event: str, rec: Record | None, **fields: Any) -> None:
-        assert event in _EVENT_SET or event.startswith("ignore_"), event
+        assert event in _EMITTABLE or event.startswith("ignore_"), event
         base: dict[str, Any] = {}
         if rec is not None:
             base = {"key": rec.key, "gen": rec.gen, "epoch": rec.epoch}
@@ -1083,7 +1369,12 @@ class DirectoryCore:
         for e in effects:
             if isinstance(e, FreeAt):
                 assert not self.in_grace, "nothing is freed during restart grace"
-                assert not self.live_lease_on(e.key, e.location), "no free under a live lease"
+                assert e.location not in self.down_locations, "a free to a down location would be lost"
+                # A free of an ended generation may reach a location that holds a later one
+                # (leased): its lower epoch is fenced there. Only a free of the current epoch
+                # could drop leased bytes.
+                rec = self.records[e.key]
+                assert e.epoch < rec.epoch or not self.live_lease_on(e.key, e.location), "no free under a live lease"
         assert self.next_lease_id <= self.lease_id_limit
 
     def check_invariants(self) -> None:
@@ -1104,3 +1395,6 @@ class DirectoryCore:
                 assert rec.write_lease < self.next_lease_id, "LeaseIdsFresh"
             if rec.phase == INVALIDATING and not self.in_grace:
                 assert self._leases_on_key.get(key), "an invalidation with no lease left has completed"
+            for loc, _ in rec.to_free:
+                assert key in self._frees_at[loc]
+                assert (key, loc) in self._free_due or loc in self.down_locations, "every pending free is retried"

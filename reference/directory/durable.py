@@ -31,7 +31,7 @@ from typing import Any, ClassVar, Union
 
 from attrs import frozen
 
-from kvcc.spec.keys import DIGEST_BYTES, BlockKey, LocationId, NamespaceDigest, NodeId
+from kvcc.spec.keys import DIGEST_BYTES, BlockKey, CborError, LocationId, NamespaceDigest, NodeId, cbor_decode, cbor_encode
 from kvcc.spec.rules import PHASES
 
 from ..errors import KvccError
@@ -75,8 +75,10 @@ __all__ = [
 
 RECORD_FIELDS = (
     "key", "namespace", "parent", "phase", "gen", "epoch", "owner", "moving_to", "draining", "writer",
-    "writer_tenant", "write_lease", "write_lease_expires_at_ms", "committed_lease",
+    "writer_tenant", "write_lease", "write_lease_expires_at_ms", "committed_lease", "to_free",
 )  # fmt: skip
+# Fields a row written by an earlier version may lack, and what they then hold.
+RECORD_FIELD_DEFAULTS = {"to_free": b""}
 TICKET_FIELDS = ("ticket", "keys", "pending", "started_at_ms", "completed_at_ms", "acked", "expired", "restarts")
 ROW_INT_LIMIT = 2**63  # exclusive: SQLite's INTEGER and etcd's int64 both hold less
 _ALL_EFFECTS = (Send, FreeAt, CopyAt, Persist, PersistTicket, ForgetTicket, ReserveLeaseIds, Emit, CompleteTicket)
@@ -159,6 +161,29 @@ def keys_from_blob(blob: bytes) -> tuple[BlockKey, ...]:
     return tuple(BlockKey(blob[i : i + DIGEST_BYTES]) for i in range(0, len(blob), DIGEST_BYTES))
 
 
+def frees_blob(to_free: Iterable[tuple[str, int]]) -> bytes:
+    """A record's to-free set as canonical CBOR ``[[location, epoch], ...]``; empty: ``b""``
+    (what a row from before the to-free set holds)."""
+    entries = [[loc, epoch] for loc, epoch in to_free]
+    return cbor_encode(entries) if entries else b""
+
+
+def frees_from_blob(blob: Any) -> tuple[tuple[LocationId, int], ...]:
+    if type(blob) is not bytes:
+        raise ValueError("a to-free set is bytes")
+    if not blob:
+        return ()
+    try:
+        entries = cbor_decode(blob)
+    except CborError as e:
+        raise ValueError(f"a to-free set is not canonical CBOR: {e}") from None
+    if type(entries) is not list or not all(
+        type(e) is list and len(e) == 2 and type(e[0]) is str and _int(e[1]) for e in entries
+    ):
+        raise ValueError("a to-free set is a list of [location, epoch]")
+    return tuple((LocationId(loc), epoch) for loc, epoch in entries)
+
+
 def _int(v: Any, low: int = 0) -> bool:
     return type(v) is int and low <= v < ROW_INT_LIMIT
 
@@ -188,11 +213,12 @@ def record_row(r: Record) -> dict[str, Any]:
         "write_lease": r.write_lease,
         "write_lease_expires_at_ms": r.write_lease_expires_at_ms,
         "committed_lease": r.committed_lease,
+        "to_free": frees_blob(r.to_free),
     }
 
 
 def _row_problem(row: Mapping[str, Any]) -> str | None:
-    if set(row) != set(RECORD_FIELDS):
+    if not set(RECORD_FIELDS) - set(RECORD_FIELD_DEFAULTS) <= set(row) <= set(RECORD_FIELDS):
         return f"fields {sorted(row)}"
     if not _digest(row["key"]) or not _digest(row["namespace"]):
         return "key or namespace is not a digest"
@@ -215,6 +241,11 @@ def record_from_row(row: Mapping[str, Any], where: str = "record") -> Record:
         raise StoreCorrupt(f"{where}: not a row: {type(row).__name__}", where=where)
     problem = _row_problem(row)
     if problem is None:
+        row = {**RECORD_FIELD_DEFAULTS, **row}
+        try:
+            to_free = frees_from_blob(row["to_free"])
+        except ValueError as e:
+            raise StoreCorrupt(f"{where}: {e}", where=where) from None
         try:
             return Record(
                 key=BlockKey(row["key"]),
@@ -231,6 +262,7 @@ def record_from_row(row: Mapping[str, Any], where: str = "record") -> Record:
                 write_lease=row["write_lease"],
                 write_lease_expires_at_ms=row["write_lease_expires_at_ms"],
                 committed_lease=row["committed_lease"],
+                to_free=to_free,
             )
         except AssertionError as e:  # Record's own invariants: data from outside this process
             problem = f"violates a record invariant ({e})"

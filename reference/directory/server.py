@@ -20,7 +20,8 @@ docstring requires:
    serving the location (location ids are ``"<node>/<tier>"``; the shared pool, which every node
    mounts, is served by any connected node that lists it). A directive for a node that is not
    connected is lost -- exactly the network loss the spec allows: a lost ``Revoke`` ends by lease
-   expiry, a lost ``Free`` leaves a copy no lease will ever point at, fenced by its epoch.
+   expiry, a lost ``Free`` is sent again by the core until the location answers ``Freed`` (and
+   at once when the node says Hello again).
 4. Timers: one task sleeps until ``core.next_deadline_ms()`` (woken early only when a request
    moved it before the deadline the task sleeps towards) and calls ``core.tick``; lease expiry,
    write-lease expiry, restart grace and the invalidations waiting on them happen there.
@@ -32,6 +33,18 @@ directory starts a new clock, which the core allows (``restarted`` re-bases writ
 
 A first start (an empty log) serves at once; a restart (a log with an earlier incarnation)
 calls ``core.restarted`` and so grants nothing conflicting for the restart grace (DESIGN 12).
+
+Failure detection (P4, the spec's ``declare_node_down``). A node whose connection is gone -- a
+kill -9 closes it at once, so the loss dates the crash -- is declared down
+``config.disconnect_detection_ms`` later (default: a lease term, the spec's failure-detection
+time) unless it said Hello again by then. A node whose connection stays open but silent -- every
+node pings the directory every ``HEARTBEAT_INTERVAL_MS``, which the transport answers and the
+connection notes -- is declared down after ``config.node_down_after_ms`` (longer: a stopped
+process comes back, and the spec declares only crashed nodes), measured by the clock *and* in
+sweeps of the watchdog, so neither a clock jump nor a stalled loop fakes it. Down:
+``core.node_down`` (no leases or writes there, its owner copies voided). Heard again, or a
+Hello: ``core.locations_up``. The shared pool is never down with one node. Placement skips down
+nodes.
 
 Membership: ``Hello(node, incarnation, address, locations, lost)`` registers the connection.
 A node seen before under another incarnation, or one that lost locations, has restarted:
@@ -54,11 +67,13 @@ from ..errors import PeerViolation
 from ..events import EventLog
 from ..transport import DEFER, Server, current_connection
 from ..wire import (
+    HEARTBEAT_INTERVAL_MS,
     MAX_CONTROL_FRAME_BYTES,
     MAX_LOOKUP_KEYS,
     MAX_WAIT_TICKET_MS,
     Copied,
     Free,
+    Freed,
     Hello,
     InvalidationCompleted,
     InvalidationPending,
@@ -136,14 +151,24 @@ def rendezvous_placement(nodes: Callable[[], dict[NodeId, tuple[LocationId, ...]
 
 
 class _Member:
-    __slots__ = ("node", "incarnation", "address", "locations", "conn")
+    __slots__ = ("node", "incarnation", "address", "locations", "conn", "last_heard_ms", "silent_sweeps", "down")
 
-    def __init__(self, node: NodeId, incarnation: int, address: str, locations: tuple[LocationId, ...], conn: Any):
+    def __init__(
+        self, node: NodeId, incarnation: int, address: str, locations: tuple[LocationId, ...], conn: Any, now_ms: int
+    ) -> None:
         self.node = node
         self.incarnation = incarnation
         self.address = address
         self.locations = locations
         self.conn = conn
+        self.last_heard_ms = now_ms  # the last request (a heartbeat Ping at least) on ``conn``
+        self.silent_sweeps = 0  # watchdog sweeps since then
+        self.down = False  # told the core its locations are down; a request on ``conn`` revives it
+
+    @property
+    def own_locations(self) -> tuple[LocationId, ...]:
+        """Its tiers: the shared pool is never down with one node (any node serves it)."""
+        return tuple(loc for loc in self.locations if loc != POOL_LOCATION)
 
 
 class DirectoryServer:
@@ -175,6 +200,10 @@ class DirectoryServer:
         kwargs = {} if request_timeout_ms is None else {"request_timeout_ms": request_timeout_ms}
         self._server = Server(self._handle, tenants, host=host, port=port, max_frame_bytes=MAX_CONTROL_FRAME_BYTES,
                               handler_now=self._handle_now, **kwargs)  # fmt: skip
+        self._member_of_conn: dict[Any, NodeId] = {}
+        self._watch_task: asyncio.Task | None = None
+        self._gone_timers: set[asyncio.TimerHandle] = set()
+        self._closing = False
         self._ticket_events: dict[int, asyncio.Event] = {}
         self._timer_task: asyncio.Task | None = None
         self._wake = asyncio.Event()
@@ -214,14 +243,19 @@ class DirectoryServer:
             self._apply(effects)
         await self._server.start()
         self._timer_task = asyncio.create_task(self._timer())
+        self._watch_task = asyncio.create_task(self._watch_members())
         log.info("directory incarnation %d on port %d (%s)", self.incarnation, self.port, "restarted" if self.restarted else "fresh")
         return self
 
     async def close(self) -> None:
-        if self._timer_task is not None:
-            self._timer_task.cancel()
-            with contextlib.suppress(BaseException):
-                await self._timer_task
+        self._closing = True
+        for handle in self._gone_timers:
+            handle.cancel()
+        for task in (self._timer_task, self._watch_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
         await self._server.close()
         for ev in self._ticket_events.values():
             ev.set()
@@ -233,7 +267,8 @@ class DirectoryServer:
         await self.close()
 
     def _locations_by_node(self) -> dict[NodeId, tuple[LocationId, ...]]:
-        return {n: tuple(loc for loc in m.locations if loc != POOL_LOCATION) for n, m in self._members.items()}
+        """Where writes may be placed: the tiers of every node not known to be down."""
+        return {n: m.own_locations for n, m in self._members.items() if not m.down}
 
     # ------------------------------------------------------------------ requests
 
@@ -253,6 +288,7 @@ class DirectoryServer:
         if self.fatal is not None:
             raise RuntimeError(f"the directory stopped serving: its store failed ({self.fatal})")
         self.stats["requests"] += 1
+        self._heard_from(current_connection.get())  # a request is a sign of life, as a Ping is
         match msg:
             case Hello():
                 return self._hello(tenant, msg)
@@ -266,9 +302,23 @@ class DirectoryServer:
         reply, effects = self.core.handle(msg, self.now_ms(), tenant)
         self._apply(effects)
         if reply is None:
-            assert type(msg) in (RevokeAcked, Copied)
-            return Noted("revoke_acked" if type(msg) is RevokeAcked else "copied")
+            assert type(msg) in (RevokeAcked, Copied, Freed)
+            return Noted({RevokeAcked: "revoke_acked", Copied: "copied", Freed: "freed"}[type(msg)])
         return reply
+
+    def _heard_from(self, conn: Any) -> None:
+        """A request on a node's connection: it is alive. One that was taken for down is up again
+        (it was paused, or its heartbeats were late): what it may serve again."""
+        node = None if conn is None else self._member_of_conn.get(conn)
+        m = None if node is None else self._members.get(node)
+        if m is None or m.conn is not conn:
+            return
+        m.last_heard_ms = self.now_ms()
+        m.silent_sweeps = 0
+        if m.down:
+            m.down = False
+            log.info("node %s is heard from again", m.node)
+            self._apply(self.core.locations_up(m.own_locations, self.now_ms()))
 
     def _hello(self, tenant: str, msg: Hello) -> Welcome:
         conn = current_connection.get()
@@ -291,16 +341,37 @@ class DirectoryServer:
                     fence_keys.append(key)
                     fence_epochs.append(epoch)
             fence_keys, fence_epochs = fence_keys[:MAX_LOOKUP_KEYS], fence_epochs[:MAX_LOOKUP_KEYS]
-        self._members[msg.node] = _Member(msg.node, msg.incarnation, msg.address, msg.locations, conn)
+        self._members[msg.node] = _Member(msg.node, msg.incarnation, msg.address, msg.locations, conn, self.now_ms())
         if conn is not None:
+            self._member_of_conn[conn] = msg.node
             conn.on_close.append(lambda c, node=msg.node: self._disconnected(node, c))
+        # Back (or new): it may be leased and placed on again, and every free pending for its
+        # locations goes out on this connection now (those sent while it was away were lost).
+        self._apply(self.core.locations_up(msg.locations, self.now_ms()))
         self._wake.set()
         return Welcome(msg.node, msg.incarnation, tuple(fence_keys), tuple(fence_epochs))
 
     def _disconnected(self, node: NodeId, conn: Any) -> None:
+        self._member_of_conn.pop(conn, None)
         m = self._members.get(node)
         if m is not None and m.conn is conn:
             m.conn = None  # directives for it are lost until it says Hello again
+            if m.own_locations and not self._closing:
+                # A kill -9 closes the connection at once: the loss dates the crash, and the spec
+                # declares a crashed node down one registration term later, unless it is back.
+                loop = asyncio.get_running_loop()
+                delay_s = self.config.disconnect_detection_ms / 1000 + TIMER_SLACK_MS / 1000
+                self._gone_timers = {h for h in self._gone_timers if h.when() > loop.time()}  # fired ones
+                self._gone_timers.add(loop.call_later(delay_s, self._gone_too_long, m))
+
+    def _gone_too_long(self, m: _Member) -> None:
+        """A member's connection has been gone for ``disconnect_detection_ms``: unless it said
+        Hello since (a new ``_Member``) or is declared already, it is down."""
+        if self.fatal is not None or self._members.get(m.node) is not m or m.conn is not None or m.down:
+            return
+        m.down = True
+        log.warning("node %s is down: its connection has been gone for %d ms", m.node, self.config.disconnect_detection_ms)
+        self._apply(self.core.node_down(m.node, m.own_locations, self.now_ms()))
 
     def _transfer(self, tenant: str, msg: Transfer) -> Any:
         rec = self.core.records.get(msg.key)
@@ -343,7 +414,11 @@ class DirectoryServer:
         for e in effects:
             match e:
                 case Emit():
-                    if self.events is not None and e.is_spec_action:
+                    # A retry to a location no connected node serves is not sent (its FreeAt,
+                    # next, is lost): no step to log -- the spec retries only to a location that
+                    # is up. The core tries again later, and at once when the node is back.
+                    unsent = e.event == "retry_free" and self._serving_node(e.fields["location"]) is None
+                    if self.events is not None and e.is_spec_action and not unsent:
                         self.events.emit(e.event, **dict(e.fields))
                 case Send():
                     self._push(e.node, e.msg)
@@ -367,14 +442,58 @@ class DirectoryServer:
             return
         self.stats["pushes"] += 1
 
-    def _push_to_location(self, location: LocationId, msg: Any) -> None:
+    def _serving_node(self, location: LocationId) -> NodeId | None:
+        """The connected node a directive for ``location`` goes to, if any."""
         node = node_of(location)
         if node is None:  # the shared pool: any connected node that mounts it
-            node = next((n for n, m in sorted(self._members.items()) if location in m.locations and m.conn), None)
-            if node is None:
-                self.stats["lost_directives"] += 1
-                return
+            return next(
+                (n for n, m in sorted(self._members.items()) if location in m.locations and m.conn and not m.down), None
+            )
+        m = self._members.get(node)
+        return node if m is not None and m.conn is not None else None
+
+    def _push_to_location(self, location: LocationId, msg: Any) -> None:
+        node = self._serving_node(location) or node_of(location)
+        if node is None:
+            self.stats["lost_directives"] += 1
+            return
         self._push(node, msg)
+
+    # ------------------------------------------------------------------ failure detection
+
+    async def _watch_members(self) -> None:
+        """P4: a node silent on its open connection for ``node_down_after_ms`` -- its heartbeats
+        missed many times over (stopped, hung) -- is down: the core voids the keys it owns and
+        grants nothing there. (One whose connection is gone: ``_gone_too_long``.)
+
+        Silence is measured twice, and both must exceed the bound: on the directory's clock, and
+        in sweeps of this loop (one per heartbeat interval) -- so a clock that jumps (a test's
+        manual clock) or a loop that stalled (this process paused) never takes a node for down
+        before it had the time to say something."""
+        sweeps_down = -(-self.config.node_down_after_ms // HEARTBEAT_INTERVAL_MS)
+        while True:
+            await asyncio.sleep(HEARTBEAT_INTERVAL_MS / 1000)
+            if self.fatal is not None:
+                return
+            now = self.now_ms()
+            loop_now_s = asyncio.get_running_loop().time()
+            for m in sorted(self._members.values(), key=lambda m: m.node):
+                if not m.own_locations or m.conn is None:
+                    continue  # a client (nothing of it can be down), or gone: ``_gone_too_long``
+                # The node's heartbeat is a Ping, which the transport answers without calling
+                # the handler (cheap, and the baseline of bench/directory.py); its connection
+                # notes when it last received anything.
+                if m.conn is not None and loop_now_s - m.conn.last_input < HEARTBEAT_INTERVAL_MS * 2 / 1000:
+                    self._heard_from(m.conn)
+                m.silent_sweeps += 1
+                if m.down or now - m.last_heard_ms <= self.config.node_down_after_ms or m.silent_sweeps <= sweeps_down:
+                    continue
+                m.down = True
+                log.warning("node %s is down: not heard from for %d ms", m.node, now - m.last_heard_ms)
+                try:
+                    self._apply(self.core.node_down(m.node, m.own_locations, now))
+                except BaseException:
+                    return  # fatal: the store failed
 
     # ------------------------------------------------------------------ time
 

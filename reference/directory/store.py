@@ -11,7 +11,9 @@ before loses the whole call, reply included -- nobody was told anything the log 
 
 Tables:
 
-- ``records``: one row per key (primary key: the key's 32 bytes), the ``core.Record`` fields;
+- ``records``: one row per key (primary key: the key's 32 bytes), the ``core.Record`` fields
+  (``to_free``, the key's to-free set, as a CBOR blob: a log from before it gets the column,
+  empty, when opened);
 - ``tickets``: one row per remembered invalidation ticket (keys as concatenated digests);
 - ``meta``: ``lease_id_limit`` (every lease id below it may have been handed out: written
   *before* any of them is used, so a restart never reuses one), ``ticket_high_water`` (one above
@@ -65,7 +67,8 @@ CREATE TABLE IF NOT EXISTS records (
     writer_tenant TEXT,
     write_lease INTEGER NOT NULL,
     write_lease_expires_at_ms INTEGER NOT NULL,
-    committed_lease INTEGER NOT NULL
+    committed_lease INTEGER NOT NULL,
+    to_free BLOB NOT NULL DEFAULT x''
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS tickets (
     ticket INTEGER PRIMARY KEY,
@@ -104,6 +107,10 @@ class DirectoryStore:
             raise OSError(f"{self.path}: SQLite refused WAL mode (got {mode!r})")
         self._db.execute(f"PRAGMA synchronous={synchronous}")
         self._db.executescript(_SCHEMA)
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(records)")}
+        if "to_free" not in columns:
+            # A log from before the to-free set: every record's set is empty.
+            self._db.execute("ALTER TABLE records ADD COLUMN to_free BLOB NOT NULL DEFAULT x''")
         version = self._meta("schema_version")
         if version is None:
             self._db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (SCHEMA_VERSION,))

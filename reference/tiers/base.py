@@ -12,8 +12,12 @@ ownership grant that allowed the write.
   ``free`` carrying a lower epoch are refused with ``Fenced`` and change nothing; an equal epoch is
   accepted (a retried or duplicated message of the current owner). A stored write raises the fence
   to its epoch; a free leaves it where it is; the fence outlives the block (a freed key keeps its
-  fence), so a zombie writer cannot land bytes after a free. A node that lost its disk lost its
-  fences too, and takes them back from the directory with ``restore_fences``.
+  fence). A free also remembers the epoch it freed (``rules.slot_accepts``): a write (or copy)
+  under that epoch or below is refused like a fenced one, so the bytes of a generation already
+  deleted here that land late (a paused writer, a slow copy) cannot bring it back. (SlotTiers
+  keep that mark in memory: a restarted node keeps its fences but not its freed epochs.) A node
+  that lost its disk lost its fences too, and takes them back from the directory with
+  ``restore_fences``.
 - **Atomic publish.** A block becomes visible all at once, after all of its bytes are in place (and,
   for the durable tiers, on disk). Replacing a key's block (a new generation, or the same one again)
   writes the new block elsewhere and then switches over; a reader sees the old block or the new
@@ -58,6 +62,8 @@ from typing import Any
 
 import xxhash
 from attrs import define, frozen
+
+from kvcc.spec.rules import fence_accepts, free_takes, slot_accepts
 
 log = logging.getLogger("kvcc.tiers")
 
@@ -114,7 +120,8 @@ class Stored:
 
 @frozen
 class Fenced:
-    """Refused: the request's epoch is below the key's fence. Nothing changed."""
+    """Refused: the request's epoch is below the key's fence -- or, for a write, at or below the
+    epoch last freed there (``rules.slot_accepts``). Nothing changed."""
 
     fence: int
 
@@ -462,7 +469,8 @@ class Tier(abc.ABC):
 
     @abc.abstractmethod
     def free(self, key: bytes, epoch: int) -> FreeOutcome:
-        """Drop the key's block. ``Fenced`` (no change) when ``epoch < fence(key)``; ``Absent`` when
+        """Drop the key's block. ``Fenced`` (no change) when the block was stored under a higher
+        epoch, or, with no block, when ``epoch < fence(key)`` (``rules.free_takes``); ``Absent`` when
         there is nothing to drop; ``Freed`` once the block is gone for good (durable tiers: a crash
         after ``Freed`` must not bring it back). The fence stays. A block that readers are copying
         right now is dropped for new readers at once and its space is reused after they finish."""
@@ -569,6 +577,10 @@ class SlotTier(Tier):
         self._by_key: dict[bytes, _Entry] = {}
         self._lru: OrderedDict[bytes, None] = OrderedDict()
         self._fences: dict[bytes, int] = {}
+        # key -> the highest epoch freed here since the last store (``rules.slot_accepts``): bytes
+        # under it that land late (a paused writer, a slow copy) are refused, or a deletion would
+        # not stay done. Volatile: a restarted node keeps its fences, not these.
+        self._freed: dict[bytes, int] = {}
         self._lost: dict[bytes, int] = {}  # key -> generation whose copy was lost
         self._seq = 0
         self._closed = False
@@ -633,8 +645,11 @@ class SlotTier(Tier):
             with self._mu:
                 self._check_open()
                 fence = self._fences.get(key, 0)
-                if epoch < fence:
-                    return Fenced(fence)  # a stale writer, refused where the data lives
+                freed = self._freed.get(key)
+                if not (fence_accepts(epoch, fence) if freed is None else slot_accepts(epoch, fence, freed)):
+                    # A stale writer, refused where the data lives; or bytes of a generation
+                    # already freed here, landing late (then ``epoch`` may equal the fence).
+                    return Fenced(fence)
                 if not self._free:
                     return NoSpace(n)
                 slot = self._free.popleft()
@@ -659,6 +674,7 @@ class SlotTier(Tier):
                 self._lru[key] = None
                 self._lru.move_to_end(key)
                 self._fences[key] = max(fence, epoch)
+                self._freed.pop(key, None)  # the fence (>= epoch > freed) refuses all it did
                 self._lost.pop(key, None)
                 if old is not None:
                     old.live = False
@@ -705,8 +721,14 @@ class SlotTier(Tier):
             with self._mu:
                 self._check_open()
                 fence = self._fences.get(key, 0)
-                if epoch < fence:
+                entry = self._by_key.get(key)
+                # The block's own epoch decides, not only the fence (rules.free_takes): a fence
+                # raised without new bytes (restored on rejoin) must not make an ended
+                # generation's bytes undeletable; bytes of a newer epoch are never dropped.
+                if not free_takes(epoch, fence, entry is not None, 0 if entry is None else entry.epoch):
                     return Fenced(fence)
+                # Whatever happens below, bytes under this epoch are not taken here any more.
+                self._freed[key] = max(epoch, self._freed.get(key, 0))
                 entry = self._by_key.pop(key, None)
                 if entry is None:
                     return Freed() if self._lost.pop(key, None) is not None else Absent()
@@ -744,6 +766,8 @@ class SlotTier(Tier):
                 with self._mu:
                     for k, e in raised:
                         self._fences[k] = max(e, self._fences.get(k, 0))
+                        if self._fences[k] > self._freed.get(k, 0):
+                            self._freed.pop(k, None)  # the fence refuses all it did
         finally:
             for _, lock in reversed(stripes):
                 lock.release()
