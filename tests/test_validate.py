@@ -485,3 +485,39 @@ def test_any_single_mutation_gives_a_typed_verdict(seed, pick, how):
     assume(events)
     v = check(_mutate(events, how, pick % len(events)), params_for_walk(walk))
     assert isinstance(v, Verdict)
+
+
+# ----------------------------------------------------------------------------------- Model.apply
+
+
+@pytest.mark.parametrize("name", ["small", "restart", "renewal", "chain", "tenants", "tiering"])
+def test_model_apply_is_successors_one_action_at_a_time(name):
+    """``Model.apply`` (what the validator replays each event with) gives, for every
+    (label, params) of a state's successors, exactly the successors with that label and
+    params, and with a parameter left as ``None``, those of any value: over the first states
+    of a breadth-first exploration of each configuration."""
+    from collections import deque
+
+    from kvcc.spec.config import CONFIGS
+
+    model = Model(CONFIGS[name])
+    seen = set(model.init_states())
+    todo = deque(seen)
+    checked = 0
+    while todo and checked < 400:
+        s = todo.popleft()
+        checked += 1
+        succ = model.successors(s)
+        for lab, p in {(lab, p) for lab, p, _ in succ}:
+            want = sorted(st for st in succ if st[0] == lab and st[1] == p)
+            assert sorted(model.apply(lab, p, s)) == want, (lab, p)
+            if p:
+                loose = (None,) + p[1:] if lab not in ("acquire", "renew", "abandon", "read", "release", "begin_write", "abort") else p[:-1] + (None,)
+                want_loose = sorted(st for st in succ if st[0] == lab and all(a is None or a == b for a, b in zip(loose, st[1])))
+                assert sorted(model.apply(lab, loose, s)) == want_loose, (lab, loose)
+        assert model.apply("teleport", (), s) == []
+        for _, _, s2 in succ:
+            if s2 not in seen:
+                seen.add(s2)
+                todo.append(s2)
+    assert checked == 400
