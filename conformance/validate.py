@@ -177,6 +177,7 @@ REJECT_CODES = (
     "invariant",  # the only spec steps matching the event break a property
 )
 PROPERTY_MEMO_MAX = 200_000  # memoised property verdicts per projection (then the memo starts over)
+ADVANCE_MEMO_MAX = 100_000  # memoised time jumps per projection (then the memo starts over)
 INCONCLUSIVE_CODES = ("frontier_limit", "network_limit", "scope_limit")
 
 # Spec steps no process logs: the environment's, and deliveries the receiver ignores (their state
@@ -659,6 +660,10 @@ class _Replay:
         self.logs = list(logs.values())
         self.total = len(pevents)
         self._succ: dict[bytes, list] = {}
+        self._advance_memo: dict[tuple[bytes, int], bytes | None] = {}
+        self._invariant_memo: dict[bytes, str | None] = {}
+        m = self.model
+        self._counters = [c for c, _ in self.L.directory_timers] + [c for timers in m.node_timers for c, _ in timers]
         self.states_explored = 0
         self.frontier_max = 1
 
@@ -705,8 +710,64 @@ class _Replay:
             todo = nxt
         return seen
 
+    def _advance(self, s: bytes, d: int) -> bytes | None:
+        """``s`` after ``d`` ticks of true time and no step, or ``None`` if a directory timer
+        falls due first (time cannot pass an urgent step). Between two expiries a tick only
+        runs every counter down by one, so the ticks are taken in jumps, each to the next
+        counter that reaches zero: the same states as ``tick`` after ``tick``, in a few
+        steps however long the gap."""
+        if d == 0:
+            return s
+        memo = self._advance_memo
+        key = (s, d)
+        got = memo.get(key, False)
+        if got is not False:
+            return got
+        m, L = self.model, self.L
+        x: bytes | None = s
+        left = d
+        while left > 0:
+            assert x is not None
+            if m.urgent(x):
+                x = None
+                break
+            jump = left
+            for c in self._counters:
+                v = x[c]
+                if v and v < jump:
+                    jump = v
+            b = bytearray(x[: L.fixed])
+            m._run_down(b, m._directory_timers(x), jump)
+            for timers in m.node_timers:
+                m._run_down(b, timers, jump)
+            for k in range(m.K):
+                age = L.inval_age[k]
+                if x[L.phase[k]] == INVALIDATING and b[age] <= m.deadline:
+                    b[age] = min(b[age] + jump, m.deadline + 1)
+            x = bytes(b) + x[L.fixed :]
+            left -= jump
+        if len(memo) >= ADVANCE_MEMO_MAX:
+            memo.clear()
+        memo[key] = x
+        return x
+
     def _closure(self, s: bytes, T: int, lo: int, hi: int) -> list[tuple[bytes, int]]:
         """Every (state, tick) the environment can reach from ``(s, T)`` with the tick in ``[lo, hi]``."""
+        if self.clock_steps or self.params.max_duplications:
+            return self._closure_stepwise(s, T, lo, hi)
+        out: list[tuple[bytes, int]] = []
+        t = max(lo, T)
+        x = self._advance(s, t - T)
+        while x is not None:
+            out.append((x, t))
+            if t >= hi:
+                break
+            x = self._advance(x, 1)
+            t += 1
+        return out
+
+    def _closure_stepwise(self, s: bytes, T: int, lo: int, hi: int) -> list[tuple[bytes, int]]:
+        """``_closure`` with clock steps or duplications between ticks: one tick at a time."""
         # Clock steps are taken only at the moments events may happen (ticks in ``[lo, hi]``),
         # not at every tick of the gap: fewer behaviours, each one the spec's.
         out: list[tuple[bytes, int]] = []
@@ -762,46 +823,76 @@ class _Replay:
                 return b
             return self._bind(b, real, spec)
 
+        m = self.model
         if name == "restart_node":
             n = R.n(ev["rejoined"])
             starts = [s]
             if s[L.up[n]]:
                 # kill -9 is logged by no one: a rejoin implies the crash before it.
                 lose = 1 if ev["lost"] else 0
-                starts = [s2 for lab, p, s2 in self.successors(s) if lab == "crash" and p == (n, lose)]
+                starts = [s2 for _, _, s2 in m.apply("crash", (n, lose), s)]
                 if not starts and lose == 1:
-                    starts = [s2 for lab, p, s2 in self.successors(s) if lab == "crash" and p == (n, 0)]
+                    starts = [s2 for _, _, s2 in m.apply("crash", (n, 0), s)]
             for s1 in starts:
-                for lab, p, s2 in self.successors(s1):
-                    if lab == "restart_node" and p == (n,):
-                        if ev.get("_cascade"):
-                            s2 = self._void(s2)
-                        out.append((s2, binding, lab, p, s1))
+                for lab, p, s2 in m.apply("restart_node", (n,), s1):
+                    if ev.get("_cascade"):
+                        s2 = self._void(s2)
+                    out.append((s2, binding, lab, p, s1))
             return out
         if name == "invalidate":
             if s[L.phase[0]] != COMMITTED and s[L.phase[0]] != WRITING:
                 return [(s, binding, "invalidate", (0,), s)]  # nothing to void: no step
-            labels = ("invalidate",)
+            labels: tuple[str, ...] = ("invalidate",)
         elif name == "invalidate_namespace":
             return [(self._void(s), binding, "invalidate", (0,), s)]
         elif name in ("expire_write_lease", "expire_write_lease_of_crashed"):
             labels = ("expire_write_lease", "expire_write_lease_of_crashed")
         else:
             labels = (name,)
-        for lab, p, s2 in self.successors(s):
-            if lab not in labels:
-                if lab == "drop" and name in ("refuse_read_lease", "refuse_write_lease"):
-                    # A refusal for a reason outside the one-key model (tenant, parent): the
-                    # request is consumed and nothing else changes.
-                    kind = M_ACQUIRE if name == "refuse_read_lease" else M_BEGIN_WRITE
-                    who = R.n(ev["holder"] if name == "refuse_read_lease" else ev["writer"])
-                    if p[0] == kind and p[1] == who and ev.get("result") in ("unauthorized", "parent_not_committed"):
-                        out.append((s2, binding, lab, p, s))
-                continue
-            b = self._check(pe, lab, p, s, s2, binding, bound)
-            if b is not None:
-                out.append((s2, b, lab, p, s))
+        given = self._step_params(pe)
+        for lab in labels:
+            steps = m.apply(lab, given, s)
+            self.states_explored += len(steps)
+            for _, p, s2 in steps:
+                b = self._check(pe, lab, p, s, s2, binding, bound)
+                if b is not None:
+                    out.append((s2, b, lab, p, s))
+        if name in ("refuse_read_lease", "refuse_write_lease") and ev.get("result") in ("unauthorized", "parent_not_committed"):
+            # A refusal for a reason outside the one-key model (tenant, parent): the request
+            # is consumed and nothing else changes.
+            kind = M_ACQUIRE if name == "refuse_read_lease" else M_BEGIN_WRITE
+            who = R.n(ev["holder"] if name == "refuse_read_lease" else ev["writer"])
+            for lab, p, s2 in m.apply("drop", (kind, who), s):
+                out.append((s2, binding, lab, p, s))
         return out
+
+    def _step_params(self, pe: _PEvent) -> tuple:
+        """The spec step's parameters as far as the event names them (``None``: any): the
+        acting node, the key (always 0 in a projection), the location. Lease ids are left
+        open: ``_check`` matches them through the binding."""
+        ev, R = pe.ev, self.roles
+        name = ev["event"]
+        if name in HOLDER_EVENTS or name in WRITER_EVENTS:
+            if name == "read":
+                return (R.n(ev["node"]), 0, R.loc(ev["location"]))
+            return (R.n(ev["node"]), 0)
+        if name in ("grant_read_lease", "refuse_read_lease", "renew_lease", "refuse_renewal", "release_lease", "revoke_acked"):
+            return (R.n(ev["holder"]), 0)
+        if name in ("grant_write_lease", "refuse_write_lease", "commit_write", "reject_stale_commit"):
+            w = R.n(ev.get("writer"))
+            if name == "grant_write_lease":
+                return (w, 0, R.loc(ev["location"]))
+            return (w, 0)
+        if name in ("store_bytes", "fence_stale_write"):
+            return (R.n(ev["writer"]), 0, R.loc(ev["location"]))
+        if name in ("store_copy", "free_slot", "fence_stale_free", "evict", "evict_refused", "start_transfer", "finish_transfer"):
+            return (0, R.loc(ev["location"]))
+        if name == "crash":
+            lose = ev.get("lose_disk")
+            return (R.n(ev.get("crashed") or ev["node"]), None if lose is None else int(bool(lose)))
+        if name == "restart_directory":
+            return ()
+        return (0,)  # the directory's own steps on the key
 
     def _void(self, s: bytes) -> bytes:
         m, L = self.model, self.L
@@ -921,23 +1012,30 @@ class _Replay:
         """The first property the step breaks, or None. The frontier meets the same steps again
         and again (one per frontier element that can take them), so verdicts are memoised: the
         predicates are pure functions of (pre, label, params, post)."""
+        m = self.model
+        inv_memo = self._invariant_memo
+        verdict = inv_memo.get(post, False)
+        if verdict is False:
+            verdict = None
+            for inv in INVARIANTS:
+                if not inv.holds(m, post):
+                    verdict = inv.name
+                    break
+            if len(inv_memo) >= PROPERTY_MEMO_MAX:
+                inv_memo.clear()
+            inv_memo[post] = verdict
+        if verdict is not None:
+            return verdict
         memo = self._property_memo
         k = (pre, lab, p, post)
         if k in memo:
             return memo[k]
         if len(memo) >= PROPERTY_MEMO_MAX:
             memo.clear()
-        m = self.model
-        verdict = None
-        for inv in INVARIANTS:
-            if not inv.holds(m, post):
-                verdict = inv.name
+        for tp in TRANSITION_PROPERTIES:
+            if not tp.holds(m, pre, lab, p, post):
+                verdict = tp.name
                 break
-        else:
-            for tp in TRANSITION_PROPERTIES:
-                if not tp.holds(m, pre, lab, p, post):
-                    verdict = tp.name
-                    break
         memo[k] = verdict
         return verdict
 
