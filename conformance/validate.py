@@ -633,10 +633,14 @@ class _Replay:
     """The frontier search over one key's projection."""
 
     def __init__(
-        self, key: str, pevents: list[_PEvent], roles: _Roles, params: TraceParams, counts: dict, clock_steps: bool
+        self, key: str, pevents: list[_PEvent], roles: _Roles, params: TraceParams, counts: dict, clock_steps: bool,
+        narrow: bool = False,
     ) -> None:
         self.key, self.roles, self.params = key, roles, params
         self.clock_steps = clock_steps
+        self.narrow = narrow
+        self._tick_ns = params.effective_tick_ms * 1_000_000
+        self._eligible_memo: dict[tuple[int, ...], list[int]] = {}
         self._property_memo: dict[tuple, str | None] = {}
         tick = params.effective_tick_ms
         nodes = len(roles.nodes)
@@ -658,6 +662,9 @@ class _Replay:
         for pe in pevents:
             logs.setdefault((pe.ev["node"], pe.ev["incarnation"]), []).append(pe)
         self.logs = list(logs.values())
+        # The logs of the same process's earlier incarnations, for each log.
+        names = list(logs)
+        self._earlier = [[e for e, (p2, i2) in enumerate(names) if p2 == p and i2 < i] for p, i in names]
         self.total = len(pevents)
         self._succ: dict[bytes, list] = {}
         self._advance_memo: dict[tuple[bytes, int], bytes | None] = {}
@@ -1041,73 +1048,112 @@ class _Replay:
 
     # -- the search ----------------------------------------------------------------------------
 
-    def _window(self, pe: _PEvent, j: int, pos: tuple[int, ...], last: tuple[int, ...]) -> tuple[int, int]:
+    def _window(self, pe: _PEvent, j: int, pos: tuple[int, ...], last_lo: tuple[int, ...], last_hi: tuple[int, ...]) -> tuple[int, int]:
         """The ticks ``pe`` may happen at: its wall-clock interval, narrowed by its own process's
         monotonic clock since that log's previous event (true time passes at the clock's rate,
-        up to ``drift_ppm``): ``Δlocal`` crosses ``floor`` or ``ceil(Δlocal / tick)`` ticks."""
+        up to ``drift_ppm``): ``Δlocal`` crosses ``floor`` or ``ceil(Δlocal / tick)`` ticks.
+        The previous event's tick is an interval: elements that differ only in it are one
+        element (``run``), whose narrowing is the union of theirs -- looser than any one of
+        them, never looser than the wall-clock interval that the clock bound gives."""
         lo, hi = pe.lo, pe.hi
         if pos[j] > 0:
             prev = self.logs[j][pos[j] - 1]
             d = pe.local - prev.local
             slack = d * self.params.drift_ppm // 1_000_000
-            tick_ns = self.params.effective_tick_ms * 1_000_000
-            lo = max(lo, last[j] + (d - slack) // tick_ns)
-            hi = min(hi, last[j] - (-(d + slack) // tick_ns))
+            lo = max(lo, last_lo[j] + (d - slack) // self._tick_ns)
+            hi = min(hi, last_hi[j] - (-(d + slack) // self._tick_ns))
         return lo, hi
 
     def _eligible(self, pos: tuple[int, ...]) -> list[int]:
-        heads = [(self.logs[j][pos[j]], j) for j in range(len(self.logs)) if pos[j] < len(self.logs[j])]
+        got = self._eligible_memo.get(pos)
+        if got is not None:
+            return got
+        logs = self.logs
+        heads = [
+            (logs[j][pos[j]], j) for j in range(len(logs))
+            if pos[j] < len(logs[j]) and all(pos[e] == len(logs[e]) for e in self._earlier[j])
+        ]  # fmt: skip
+        # A process's new incarnation starts after its previous one ended: its events are not
+        # candidates while an earlier incarnation's are pending (a restarted directory that lost
+        # state must not be read as acting before it lost it).
         if not heads:
-            return []
-        if self.params.reorder_mode == "none":
-            return [min(heads, key=lambda h: h[0].index)[1]]
-        earliest = min(h[0].wall for h in heads)
-        window = self.params.window_ms * 1_000_000
-        heads.sort(key=lambda h: h[0].index)
-        # The caller's next event is always a candidate; others within the clock window too.
-        return [j for n, (pe, j) in enumerate(heads) if n == 0 or pe.wall <= earliest + window]
+            out: list[int] = []
+        elif self.params.reorder_mode == "none":
+            out = [min(heads, key=lambda h: h[0].index)[1]]
+        else:
+            earliest = min(h[0].wall for h in heads)
+            window = self.params.window_ms * 1_000_000
+            heads.sort(key=lambda h: h[0].index)
+            # The caller's next event is always a candidate; others within the clock window too.
+            out = [j for n, (pe, j) in enumerate(heads) if n == 0 or pe.wall <= earliest + window]
+        if len(self._eligible_memo) >= ADVANCE_MEMO_MAX:
+            self._eligible_memo.clear()
+        self._eligible_memo[pos] = out
+        return out
 
     def run(self) -> None:
         init = self.model.init_states()[0]
-        # (state, tick, events consumed per log, lease binding, tick of each log's last event)
-        frontier: dict[tuple, None] = {(init, 0, (0,) * len(self.logs), (), (-1,) * len(self.logs)): None}
+        # (state, tick, events consumed per log, lease binding) -> the interval of ticks of each
+        # log's last event (lowest, highest).
+        none = (-1,) * len(self.logs)
+        frontier: dict[tuple, tuple] = {(init, 0, (0,) * len(self.logs), ()): (none, none)}
+        lazy = self.params.reorder_mode == "lazy"
         for _level in range(self.total):
-            nxt: dict[tuple, None] = {}
-            broke: str | None = None
-            full = False
-            lazy = self.params.reorder_mode == "lazy"
-            for s, T, pos, binding, last in frontier:
-                before = len(nxt)
-                for n_choice, j in enumerate(self._eligible(pos)):
-                    if lazy and n_choice > 0 and len(nxt) > before:
-                        break  # the caller's next event could be taken: keep the caller's order
-                    pe = self.logs[j][pos[j]]
-                    lo, hi = self._window(pe, j, pos, last)
-                    if hi < max(lo, T):
-                        continue
-                    pos2 = pos[:j] + (pos[j] + 1,) + pos[j + 1 :]
-                    for x, t in self._closure(s, T, max(lo, T), hi):
-                        last2 = last[:j] + (t,) + last[j + 1 :]
-                        for post, b2, lab, p, pre in self._match(pe, x, binding):
-                            if len(post) >= self.L.fixed + MESSAGE_WIDTH * self.cfg.max_messages:
-                                full = True
-                            if self.params.check_invariants:
-                                bad = self._properties(lab, p, pre, post)
-                                if bad is not None:
-                                    broke = bad
-                                    continue
-                            nxt[(post, t, pos2, b2, last2)] = None
-                    if len(nxt) > self.params.max_frontier:
-                        raise _inconclusive(pe.index, pe.ev, "frontier_limit", f"key {self.key[:16]}…: more than {self.params.max_frontier} possible states at event {pe.index}")
+            # Every element first tries the caller's next event of its own cut ("narrow"); only if
+            # no element can does any element try another order.
+            nxt, broke, full = self._level(frontier, "first" if (lazy and self.narrow) else ("lazy" if lazy else "all"))
+            if not nxt and lazy and self.narrow:
+                nxt, broke2, full2 = self._level(frontier, "lazy")
+                broke, full = broke or broke2, full or full2
             if not nxt:
                 self._fail(frontier, broke, full)
             self.frontier_max = max(self.frontier_max, len(nxt))
             frontier = nxt
 
+    def _level(self, frontier: dict, how: str) -> tuple[dict, str | None, bool]:
+        """One event further from every element: ``how`` is "first" (the caller's next event
+        only), "lazy" (others only if that one cannot be taken) or "all"."""
+        nxt: dict[tuple, tuple] = {}
+        broke: str | None = None
+        full = False
+        limit = self.L.fixed + MESSAGE_WIDTH * self.cfg.max_messages
+        check = self.params.check_invariants
+        logs = self.logs
+        for (s, T, pos, binding), (last_lo, last_hi) in frontier.items():
+            before = len(nxt)
+            for n_choice, j in enumerate(self._eligible(pos)):
+                if n_choice > 0 and (how == "first" or (how == "lazy" and len(nxt) > before)):
+                    break  # the caller's next event could be taken: keep the caller's order
+                pe = logs[j][pos[j]]
+                lo, hi = self._window(pe, j, pos, last_lo, last_hi)
+                if hi < max(lo, T):
+                    continue
+                pos2 = pos[:j] + (pos[j] + 1,) + pos[j + 1 :]
+                for x, t in self._closure(s, T, max(lo, T), hi):
+                    for post, b2, lab, p, pre in self._match(pe, x, binding):
+                        if len(post) >= limit:
+                            full = True
+                        if check:
+                            bad = self._properties(lab, p, pre, post)
+                            if bad is not None:
+                                broke = bad
+                                continue
+                        key = (post, t, pos2, b2)
+                        had = nxt.get(key)
+                        if had is None:
+                            nxt[key] = (last_lo[:j] + (t,) + last_lo[j + 1 :], last_hi[:j] + (t,) + last_hi[j + 1 :])
+                        else:
+                            lo_, hi_ = had
+                            nxt[key] = (tuple(map(min, lo_, last_lo[:j] + (t,) + last_lo[j + 1 :])),
+                                        tuple(map(max, hi_, last_hi[:j] + (t,) + last_hi[j + 1 :])))  # fmt: skip
+                if len(nxt) > self.params.max_frontier:
+                    raise _inconclusive(pe.index, pe.ev, "frontier_limit", f"key {self.key[:16]}…: more than {self.params.max_frontier} possible states at event {pe.index}")
+        return nxt, broke, full
+
     def _fail(self, frontier: dict, broke: str | None, full: bool) -> None:
         # The event to blame: the earliest (caller's order) that some element could have taken.
         best: _PEvent | None = None
-        for _, _, pos, _, _ in frontier:
+        for _, _, pos, _ in frontier:
             for j in self._eligible(pos):
                 pe = self.logs[j][pos[j]]
                 if best is None or pe.index < best.index:
@@ -1138,7 +1184,7 @@ class _Replay:
             return any(f"l{loc}," in name for loc in locs)
 
         closest = []
-        for s, T, pos, binding, _ in list(frontier)[: self.params.diff_states]:
+        for s, T, pos, binding in list(frontier)[: self.params.diff_states]:
             reach = self._closure(s, T, max(pe.lo, T), pe.hi) or [(s, T)]
             x, t = reach[-1]
             vars_ = {k: v for k, v in L.variables(x).items() if relevant(k)}
@@ -1230,12 +1276,20 @@ def _validate(events: Sequence[dict], params: TraceParams) -> Verdict:
                 per_key[k].append(_PEvent(i, ev, "cascade", lo, hi, ev["t_wall_ns"], ev["t_local_ns"]))
     explored, fmax = 0, 1
     verdicts: list[Verdict] = []
-    passes = {"never": (False,), "on_reject": (False, True), "always": (True,)}[params.clock_steps]
+    # Passes, each run only if the one before rejected the projection: the narrow search (every
+    # element keeps the caller's order unless none can), the lazy one (each element leaves it
+    # where it is stuck), then with clock steps. Each later pass explores a superset of the
+    # behaviours of the one before, so the last pass run decides.
+    passes = {
+        "never": ((True, False), (False, False)),
+        "on_reject": ((True, False), (False, False), (False, True)),
+        "always": ((True, True), (False, True)),
+    }[params.clock_steps]
     for k in keys:
-        for clock_steps in passes:
+        for narrow, clock_steps in passes:
             replay = None
             try:
-                replay = _Replay(k, per_key[k], roles, params, counts[k], clock_steps)
+                replay = _Replay(k, per_key[k], roles, params, counts[k], clock_steps, narrow)
                 replay.run()
                 verdict = None
             except _Stop as stop:
