@@ -641,6 +641,9 @@ class _Replay:
         self.narrow = narrow
         self._tick_ns = params.effective_tick_ms * 1_000_000
         self._eligible_memo: dict[tuple[int, ...], list[int]] = {}
+        # An event's tick interval is at most this wide: elements further apart in time are
+        # never compared for subsumption.
+        self._subsume_ticks = 2 * params.skew_ms // params.effective_tick_ms + 2
         self._property_memo: dict[tuple, str | None] = {}
         tick = params.effective_tick_ms
         nodes = len(roles.nodes)
@@ -1119,6 +1122,7 @@ class _Replay:
         limit = self.L.fixed + MESSAGE_WIDTH * self.cfg.max_messages
         check = self.params.check_invariants
         logs = self.logs
+        memo: dict[tuple, list] = {}
         for (s, T, pos, binding), (last_lo, last_hi) in frontier.items():
             before = len(nxt)
             for n_choice, j in enumerate(self._eligible(pos)):
@@ -1130,14 +1134,22 @@ class _Replay:
                     continue
                 pos2 = pos[:j] + (pos[j] + 1,) + pos[j + 1 :]
                 for x, t in self._closure(s, T, max(lo, T), hi):
-                    for post, b2, lab, p, pre in self._match(pe, x, binding):
+                    # Elements that differ only in when their timers were set meet the same
+                    # states again at other ticks: each (event, state, binding) is matched once.
+                    mkey = (pe.index, x, binding)
+                    matched = memo.get(mkey)
+                    if matched is None:
+                        matched = []
+                        for post, b2, lab, p, pre in self._match(pe, x, binding):
+                            bad = self._properties(lab, p, pre, post) if check else None
+                            matched.append((post, b2, bad))
+                        memo[mkey] = matched
+                    for post, b2, bad in matched:
                         if len(post) >= limit:
                             full = True
-                        if check:
-                            bad = self._properties(lab, p, pre, post)
-                            if bad is not None:
-                                broke = bad
-                                continue
+                        if bad is not None:
+                            broke = bad
+                            continue
                         key = (post, t, pos2, b2)
                         had = nxt.get(key)
                         if had is None:
@@ -1148,7 +1160,38 @@ class _Replay:
                                         tuple(map(max, hi_, last_hi[:j] + (t,) + last_hi[j + 1 :])))  # fmt: skip
                 if len(nxt) > self.params.max_frontier:
                     raise _inconclusive(pe.index, pe.ev, "frontier_limit", f"key {self.key[:16]}…: more than {self.params.max_frontier} possible states at event {pe.index}")
+        if not self.clock_steps and not self.params.max_duplications:
+            nxt = self._subsume(nxt)
         return nxt, broke, full
+
+    def _subsume(self, nxt: dict) -> dict:
+        """Drop every element that another one becomes by time passing alone: ``(s', T')`` with
+        ``s' = advance(s, T' - T)`` for an element ``(s, T)`` of the same cut and binding. All
+        that can follow ``(s', T')`` can follow ``(s, T)``, which may wait until ``T'``; its
+        logs' last ticks take the union of both (see ``_window``). Most events set no timer,
+        so the ticks an event may have happened at otherwise multiply the frontier."""
+        if len(nxt) < 2:
+            return nxt
+        out: dict[tuple, tuple] = {}
+        gone: set[tuple] = set()
+        horizon = self._subsume_ticks
+        for key in sorted(nxt, key=lambda e: e[1]):
+            if key in gone:
+                continue
+            s, T, pos, b = key
+            lo, hi = nxt[key]
+            for d in range(1, horizon + 1):
+                a = self._advance(s, d)
+                if a is None:
+                    break
+                later = (a, T + d, pos, b)
+                hull = nxt.get(later)
+                if hull is not None and later not in gone:
+                    gone.add(later)
+                    lo = tuple(map(min, lo, hull[0]))
+                    hi = tuple(map(max, hi, hull[1]))
+            out[key] = (lo, hi)
+        return out
 
     def _fail(self, frontier: dict, broke: str | None, full: bool) -> None:
         # The event to blame: the earliest (caller's order) that some element could have taken.
