@@ -1172,25 +1172,31 @@ class _Replay:
         so the ticks an event may have happened at otherwise multiply the frontier."""
         if len(nxt) < 2:
             return nxt
+        groups: dict[tuple, list[tuple]] = {}
+        for key in nxt:
+            groups.setdefault((key[2], key[3]), []).append(key)
         out: dict[tuple, tuple] = {}
-        gone: set[tuple] = set()
-        horizon = self._subsume_ticks
-        for key in sorted(nxt, key=lambda e: e[1]):
-            if key in gone:
+        for members in groups.values():
+            if len(members) == 1:
+                out[members[0]] = nxt[members[0]]
                 continue
-            s, T, pos, b = key
-            lo, hi = nxt[key]
-            for d in range(1, horizon + 1):
-                a = self._advance(s, d)
-                if a is None:
-                    break
-                later = (a, T + d, pos, b)
-                hull = nxt.get(later)
-                if hull is not None and later not in gone:
-                    gone.add(later)
-                    lo = tuple(map(min, lo, hull[0]))
-                    hi = tuple(map(max, hi, hull[1]))
-            out[key] = (lo, hi)
+            members.sort(key=lambda e: e[1])
+            gone: set[tuple] = set()
+            for i, key in enumerate(members):
+                if key in gone:
+                    continue
+                s, T, pos, b = key
+                lo, hi = nxt[key]
+                for later in members[i + 1 :]:
+                    d = later[1] - T
+                    if d == 0 or later in gone or d > self._subsume_ticks:
+                        continue
+                    if self._advance(s, d) == later[0]:
+                        gone.add(later)
+                        hull = nxt[later]
+                        lo = tuple(map(min, lo, hull[0]))
+                        hi = tuple(map(max, hi, hull[1]))
+                out[key] = (lo, hi)
         return out
 
     def _fail(self, frontier: dict, broke: str | None, full: bool) -> None:
