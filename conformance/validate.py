@@ -138,7 +138,8 @@ import json
 import math
 import os
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from array import array
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from attrs import field, frozen
@@ -408,8 +409,10 @@ def _inconclusive(index: int | None, event: Any, code: str, reason: str) -> _Sto
 # ------------------------------------------------------------------------------- checks, shadow
 
 
-def _check_shapes(events: Sequence[Any]) -> None:
+def _check_shapes(events: Iterable[Any]) -> int | None:
+    """Check every event's shape; the earliest wall time, or ``None`` for no events."""
     last: dict[tuple[str, int], tuple[int, int]] = {}
+    w0: int | None = None
     for i, ev in enumerate(events):
         if type(ev) is not dict:
             raise _reject(i, None, "malformed", f"event {i} is not a JSON object")
@@ -442,6 +445,9 @@ def _check_shapes(events: Sequence[Any]) -> None:
         if ev["t_local_ns"] < prev_t:
             raise _reject(i, ev, "clock_back", f"event {i}: t_local_ns went back within {log[0]!r} incarnation {log[1]}")
         last[log] = (ev["seq"], ev["t_local_ns"])
+        if w0 is None or ev["t_wall_ns"] < w0:
+            w0 = ev["t_wall_ns"]
+    return w0
 
 
 class _Shadow:
@@ -530,35 +536,56 @@ class _Shadow:
 class _Roles:
     """Spec indices for real names: nodes, locations, the directory."""
 
-    def __init__(self, events: Sequence[dict], params: TraceParams) -> None:
-        nodes: list[str] = []
+    def __init__(self, events: Iterable[dict], params: TraceParams) -> None:
+        # One pass over the events (a trace may be a file read line by line), keeping only the
+        # names; then the same placement as if each question were asked of the whole trace.
+        processes: set[str] = set()
+        named_hosts: set[str] = set()
+        raw_nodes: dict[str, None] = {}  # in order of first appearance, before aliasing
+        directories: set[str] = set()
+        seen: dict[str, None] = {}
+        logged_by: dict[str, str] = {}  # location -> the first process logging its data plane
+        for ev in events:
+            name = ev["event"]
+            processes.add(ev["node"])
+            loc = ev.get("location")
+            if isinstance(loc, str) and LOCATION_SEPARATOR in loc:
+                named_hosts.add(loc.split(LOCATION_SEPARATOR, 1)[0])
+            if name in HOLDER_EVENTS or name in WRITER_EVENTS:
+                raw_nodes.setdefault(ev["node"])
+            if name in DIRECTORY_EVENTS:
+                directories.add(ev["node"])
+            for f in ("holder", "writer", "rejoined"):
+                v = ev.get(f)
+                if isinstance(v, str) and v:
+                    raw_nodes.setdefault(v)
+            if name == "crash":
+                v = ev.get("crashed") or ev["node"]
+                if isinstance(v, str) and v:
+                    raw_nodes.setdefault(v)
+            if loc is not None:
+                seen.setdefault(str(loc))
+            if name == "restart_node":
+                for lost in ev.get("lost") or ():
+                    seen.setdefault(str(lost))
+            if name in LOCATION_EVENTS and loc is not None:
+                logged_by.setdefault(str(loc), ev["node"])
         # Co-located processes: a process named "<host>.<name>" (an engine's client next to cache
         # node <host>, which also logs under its own name) is the same spec node as <host>: the
         # spec's node is holder, writer and locations in one.
         # A location "<host>/<tier>" names its host likewise (LOCATION_SEPARATOR).
-        hosts_named = {ev["node"] for ev in events} | {
-            str(ev["location"]).split(LOCATION_SEPARATOR, 1)[0]
-            for ev in events if isinstance(ev.get("location"), str) and LOCATION_SEPARATOR in ev["location"]
-        }  # fmt: skip
-        self._alias = {p: p.split(COLOCATED_SEPARATOR, 1)[0] for p in {ev["node"] for ev in events}
+        hosts_named = processes | named_hosts
+        self._alias = {p: p.split(COLOCATED_SEPARATOR, 1)[0] for p in processes
                        if COLOCATED_SEPARATOR in p and p.split(COLOCATED_SEPARATOR, 1)[0] in hosts_named}  # fmt: skip
+        nodes: list[str] = []
 
         def node(name: Any) -> None:
             name = self._alias.get(name, name)
             if isinstance(name, str) and name and name not in nodes:
                 nodes.append(name)
 
-        directories: set[str] = set()
-        for ev in events:
-            name = ev["event"]
-            if name in HOLDER_EVENTS or name in WRITER_EVENTS:
-                node(ev["node"])
-            if name in DIRECTORY_EVENTS:
-                directories.add(ev["node"])
-            for f in ("holder", "writer", "rejoined"):
-                node(ev.get(f))
-            if name == "crash":
-                node(ev.get("crashed") or ev["node"])
+        for raw in raw_nodes:
+            node(raw)
         self.nodes = nodes
         self.node_index = {n: i for i, n in enumerate(nodes)}
         self.directories = directories
@@ -567,20 +594,10 @@ class _Roles:
         hosts: dict[str, str | None] = {}
         if params.locations:
             hosts.update({str(k): v for k, v in params.locations.items()})
-        seen: list[str] = []
-        for ev in events:
-            for f in ("location",):
-                loc = ev.get(f)
-                if loc is not None and str(loc) not in seen:
-                    seen.append(str(loc))
-            for loc in ev.get("lost") or () if ev["event"] == "restart_node" else ():
-                if str(loc) not in seen:
-                    seen.append(str(loc))
-            if ev["event"] in LOCATION_EVENTS and ev.get("location") is not None:
-                loc = str(ev["location"])
-                if loc not in hosts:
-                    host = self._alias.get(ev["node"], ev["node"])
-                    hosts[loc] = host if host in self.node_index else None
+        for loc, process in logged_by.items():
+            if loc not in hosts:
+                host = self._alias.get(process, process)
+                hosts[loc] = host if host in self.node_index else None
         for loc in seen:
             if loc not in hosts:
                 named = loc.split(LOCATION_SEPARATOR, 1)[0]
@@ -1272,44 +1289,59 @@ def validate_trace(events: Sequence[dict], params: TraceParams) -> Verdict:
         return stop.verdict
 
 
+# How an event enters a key's projection (``_validate``): packed with its index as ``i * 4 + mode``.
+_OWN, _CASCADE, _GLOBAL, _GLOBAL_CASCADE = 0, 1, 2, 3
+_MODE_NAMES = ("own", "cascade", "global", "global")
+
+
 def _validate(events: Sequence[dict], params: TraceParams) -> Verdict:
-    _check_shapes(events)
-    if not events:
+    # Three passes over the events, none holding more than names, counters and one int per
+    # event: shapes (and the earliest wall time), roles, then the shadow and each key's
+    # projection as indices. Each key's events are fetched again only for its replay, so a
+    # trace read from a file (``validate_file``) is never in memory as a whole.
+    w0 = _check_shapes(events)
+    if w0 is None:
         return Verdict(ACCEPTED, reason="an empty trace", frontier_max=1)
     roles = _Roles(events, params)
+    shadow = _Shadow()
+    per_key: dict[str, array] = {}
+    counts: dict[str, dict[str, int]] = {}
+    failures: list[int] = []  # indices of the global events so far
+    requests: dict[tuple[str, str], int] = {}
+
+    def projection(k: str) -> array:
+        got = per_key.get(k)
+        if got is None:
+            # A key first seen now still lived through every failure before it.
+            got = per_key[k] = array("q", (i * 4 + _GLOBAL for i in failures))
+            counts[k] = {"epochs": 0, "leases": 0, "requests": 0, "transfers": 0, "crashes": 0, "restarts": 0}
+            for i in failures:
+                counts[k]["restarts" if events[i]["event"] == "restart_directory" else "crashes"] += 1
+        return got
+
     for i, ev in enumerate(events):
-        for f in ("location",):
-            if ev.get(f) is not None and roles.loc(ev[f]) is None:
-                raise _reject(i, ev, "unknown_location", f"event {i}: location {ev[f]!r} is on no node and not the pool")
+        loc = ev.get("location")
+        if loc is not None and roles.loc(loc) is None:
+            raise _reject(i, ev, "unknown_location", f"event {i}: location {loc!r} is on no node and not the pool")
         for f in ("holder", "writer", "rejoined"):
             if ev.get(f) is not None and roles.n(ev[f]) is None:
                 raise _reject(i, ev, "malformed", f"event {i}: {f} {ev[f]!r} is not a node name")
-    shadow = _Shadow()
-    w0 = min(ev["t_wall_ns"] for ev in events)
-    keys: list[str] = []
-    for ev in events:
-        k = ev.get("key")
-        if k is not None and ev["event"] != "invalidate_namespace" and k not in keys:
-            keys.append(k)
-    per_key: dict[str, list[_PEvent]] = {k: [] for k in keys}
-    counts = {k: {"epochs": 0, "leases": 0, "requests": 0, "transfers": 0, "crashes": 0, "restarts": 0} for k in keys}
-    requests: dict[tuple[str, str], int] = {}
-    for i, ev in enumerate(events):
         name = ev["event"]
-        lo, hi = _interval(ev["t_wall_ns"], w0, params)
+        own = ev.get("key") if name != "invalidate_namespace" else None
+        if own is not None:
+            projection(own)
         cascade: list[str] = []
         if name in DIRECTORY_EVENTS:
             cascade = shadow.step(i, ev)
         if name in FAILURE_EVENTS:
-            extra = {"_cascade": True} if name == "restart_node" else {}
-            for k in keys:
-                e = dict(ev, **extra) if (extra and k in cascade) else ev
-                per_key[k].append(_PEvent(i, e, "global", lo, hi, ev["t_wall_ns"], ev["t_local_ns"]))
+            voided = set(cascade) if name == "restart_node" else set()
+            for k, idx in per_key.items():
+                idx.append(i * 4 + (_GLOBAL_CASCADE if k in voided else _GLOBAL))
                 counts[k]["crashes" if name != "restart_directory" else "restarts"] += 1
+            failures.append(i)
             continue
-        own = ev.get("key") if name != "invalidate_namespace" else None
         if own is not None:
-            per_key[own].append(_PEvent(i, ev, "own", lo, hi, ev["t_wall_ns"], ev["t_local_ns"]))
+            per_key[own].append(i * 4 + _OWN)
             c = counts[own]
             if name in ("grant_write_lease", "start_transfer"):
                 c["epochs"] += 1
@@ -1322,7 +1354,20 @@ def _validate(events: Sequence[dict], params: TraceParams) -> Verdict:
                 c["transfers"] += 1
         for k in cascade:
             if k != own and k in per_key:
-                per_key[k].append(_PEvent(i, ev, "cascade", lo, hi, ev["t_wall_ns"], ev["t_local_ns"]))
+                per_key[k].append(i * 4 + _CASCADE)
+    keys = list(per_key)
+
+    def pevents(k: str) -> list[_PEvent]:
+        out = []
+        for packed in per_key[k]:
+            i, mode = divmod(packed, 4)
+            ev = events[i]
+            if mode == _GLOBAL_CASCADE:
+                ev = dict(ev, _cascade=True)
+            lo, hi = _interval(ev["t_wall_ns"], w0, params)
+            out.append(_PEvent(i, ev, _MODE_NAMES[mode], lo, hi, ev["t_wall_ns"], ev["t_local_ns"]))
+        return out
+
     explored, fmax = 0, 1
     verdicts: list[Verdict] = []
     # Passes, each run only if the one before rejected the projection: the narrow search (every
@@ -1338,7 +1383,7 @@ def _validate(events: Sequence[dict], params: TraceParams) -> Verdict:
         for narrow, clock_steps in passes:
             replay = None
             try:
-                replay = _Replay(k, per_key[k], roles, params, counts[k], clock_steps, narrow)
+                replay = _Replay(k, pevents(k), roles, params, counts[k], clock_steps, narrow)
                 replay.run()
                 verdict = None
             except _Stop as stop:
@@ -1359,6 +1404,46 @@ def _validate(events: Sequence[dict], params: TraceParams) -> Verdict:
     return Verdict(ACCEPTED, reason=f"{len(events)} events, {len(keys)} keys", frontier_max=fmax, states_explored=explored)
 
 
+class _FileEvents(Sequence):
+    """An NDJSON trace as a sequence of events, read from the file each time it is iterated or
+    indexed: only each line's offset is kept (8 bytes an event)."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self._file = open(path, "rb")  # noqa: SIM115 (closed in close())
+        self._offsets = array("q")
+        self._lines = array("q")
+        at = 0
+        for number, line in enumerate(self._file, start=1):
+            if line.strip():
+                self._offsets.append(at)
+                self._lines.append(number)
+            at += len(line)
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __len__(self) -> int:
+        return len(self._offsets)
+
+    def _parse(self, i: int, line: bytes) -> Any:
+        try:
+            return json.loads(line)
+        except ValueError as e:
+            raise _reject(i, None, "malformed", f"line {self._lines[i]}: not JSON ({e})") from None
+
+    def __getitem__(self, i: int) -> Any:  # type: ignore[override]
+        self._file.seek(self._offsets[i])
+        return self._parse(i, self._file.readline())
+
+    def __iter__(self) -> Iterator[Any]:
+        self._file.seek(0)
+        i = 0
+        for line in self._file:
+            if line.strip():
+                yield self._parse(i, line)
+                i += 1
+
+
 def _with_stats(v: Verdict, fmax: int, explored: int) -> Verdict:
     return Verdict(v.status, v.event_index, v.event, v.reason, v.diff, fmax, explored, v.code)
 
@@ -1371,17 +1456,13 @@ def params_for_walk(walk: RenderedWalk, **overrides: Any) -> TraceParams:
 
 
 def validate_file(path: str | os.PathLike[str], params: TraceParams) -> Verdict:
-    """Validate an NDJSON trace file (the merged log, in the order to replay)."""
-    events: list[Any] = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                events.append(json.loads(line))
-            except ValueError as e:
-                return Verdict(REJECTED, len(events), None, f"line {number}: not JSON ({e})", code="malformed")
-    return validate_trace(events, params)
+    """Validate an NDJSON trace file (the merged log, in the order to replay), reading it line
+    by line: memory grows with the longest key projection, not with the file."""
+    events = _FileEvents(path)
+    try:
+        return validate_trace(events, params)
+    finally:
+        events.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
