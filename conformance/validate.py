@@ -176,6 +176,7 @@ REJECT_CODES = (
     "unknown_location",  # a location that cannot be placed on a node or the pool
     "no_spec_step",  # no frontier state can take the event
     "invariant",  # the only spec steps matching the event break a property
+    "shared_event_time",  # a failure or cascade each projection explains only at other times
 )
 PROPERTY_MEMO_MAX = 200_000  # memoised property verdicts per projection (then the memo starts over)
 ADVANCE_MEMO_MAX = 100_000  # memoised time jumps per projection (then the memo starts over)
@@ -651,9 +652,19 @@ class _Replay:
 
     def __init__(
         self, key: str, pevents: list[_PEvent], roles: _Roles, params: TraceParams, counts: dict, clock_steps: bool,
-        narrow: bool = False,
+        narrow: bool = False, shared: frozenset[int] = frozenset(), cascades: frozenset[int] = frozenset(),
     ) -> None:
         self.key, self.roles, self.params = key, roles, params
+        # Events in other projections too (failures, cascades): the ticks each accepted
+        # behaviour gave them, settled (one tick in every behaviour) or per behaviour.
+        self.shared = shared
+        # Cascades (an invalidation of an ancestor or a namespace, in each key's projection):
+        # the ticks any element took each at. Carrying them in the elements as the failures are
+        # would keep apart elements that never meet again, for every invalidation of a prefix.
+        self.cascades = cascades
+        self.cascade_ticks: dict[int, set[int]] = {}
+        self.settled: dict[int, int] = {}
+        self.shared_ticks: set[tuple] = set()
         self.clock_steps = clock_steps
         self.narrow = narrow
         self._tick_ns = params.effective_tick_ms * 1_000_000
@@ -1116,7 +1127,9 @@ class _Replay:
         # (state, tick, events consumed per log, lease binding) -> the interval of ticks of each
         # log's last event (lowest, highest).
         none = (-1,) * len(self.logs)
-        frontier: dict[tuple, tuple] = {(init, 0, (0,) * len(self.logs), ()): (none, none)}
+        # The last part of an element is the ticks it gave the events shared with other
+        # projections, (index, tick) in order: one time for one event, across projections.
+        frontier: dict[tuple, tuple] = {(init, 0, (0,) * len(self.logs), (), ()): (none, none)}
         lazy = self.params.reorder_mode == "lazy"
         for _level in range(self.total):
             # Every element first tries the caller's next event of its own cut ("narrow"); only if
@@ -1128,7 +1141,8 @@ class _Replay:
             if not nxt:
                 self._fail(frontier, broke, full)
             self.frontier_max = max(self.frontier_max, len(nxt))
-            frontier = nxt
+            frontier = self._settle(nxt)
+        self.shared_ticks = {key[4] for key in frontier}
 
     def _level(self, frontier: dict, how: str) -> tuple[dict, str | None, bool]:
         """One event further from every element: ``how`` is "first" (the caller's next event
@@ -1140,7 +1154,8 @@ class _Replay:
         check = self.params.check_invariants
         logs = self.logs
         memo: dict[tuple, list] = {}
-        for (s, T, pos, binding), (last_lo, last_hi) in frontier.items():
+        shared = self.shared
+        for (s, T, pos, binding, gt), (last_lo, last_hi) in frontier.items():
             before = len(nxt)
             for n_choice, j in enumerate(self._eligible(pos)):
                 if n_choice > 0 and (how == "first" or (how == "lazy" and len(nxt) > before)):
@@ -1150,6 +1165,8 @@ class _Replay:
                 if hi < max(lo, T):
                     continue
                 pos2 = pos[:j] + (pos[j] + 1,) + pos[j + 1 :]
+                is_shared = pe.index in shared
+                cascade_ticks = self.cascade_ticks.setdefault(pe.index, set()) if pe.index in self.cascades else None
                 for x, t in self._closure(s, T, max(lo, T), hi):
                     # Elements that differ only in when their timers were set meet the same
                     # states again at other ticks: each (event, state, binding) is matched once.
@@ -1167,7 +1184,9 @@ class _Replay:
                         if bad is not None:
                             broke = bad
                             continue
-                        key = (post, t, pos2, b2)
+                        key = (post, t, pos2, b2, gt + ((pe.index, t),) if is_shared else gt)
+                        if cascade_ticks is not None:
+                            cascade_ticks.add(t)
                         had = nxt.get(key)
                         if had is None:
                             nxt[key] = (last_lo[:j] + (t,) + last_lo[j + 1 :], last_hi[:j] + (t,) + last_hi[j + 1 :])
@@ -1191,7 +1210,7 @@ class _Replay:
             return nxt
         groups: dict[tuple, list[tuple]] = {}
         for key in nxt:
-            groups.setdefault((key[2], key[3]), []).append(key)
+            groups.setdefault((key[2], key[3], key[4]), []).append(key)
         out: dict[tuple, tuple] = {}
         for members in groups.values():
             if len(members) == 1:
@@ -1202,13 +1221,13 @@ class _Replay:
             for i, key in enumerate(members):
                 if key in gone:
                     continue
-                s, T, pos, b = key
+                s, T = key[0], key[1]
                 lo, hi = nxt[key]
                 for later in members[i + 1 :]:
                     d = later[1] - T
                     if d == 0 or later in gone or d > self._subsume_ticks:
                         continue
-                    if self._advance(s, d) == later[0]:
+                    if self._advance(s, d) == later[0]:  # same cut, binding and shared ticks
                         gone.add(later)
                         hull = nxt[later]
                         lo = tuple(map(min, lo, hull[0]))
@@ -1216,10 +1235,31 @@ class _Replay:
                 out[key] = (lo, hi)
         return out
 
+    def _settle(self, frontier: dict) -> dict:
+        """Move the oldest shared ticks that every element agrees on out of the elements (into
+        ``settled``): they no longer tell elements apart, and the tuples stay short."""
+        settled = self.settled
+        while True:
+            first = None
+            for key in frontier:
+                gt = key[4]
+                if not gt or (first is not None and gt[0] != first):
+                    return frontier
+                first = gt[0]
+            if first is None:
+                return frontier
+            settled[first[0]] = first[1]
+            merged: dict[tuple, tuple] = {}
+            for key, (lo, hi) in frontier.items():
+                key = key[:4] + (key[4][1:],)
+                had = merged.get(key)
+                merged[key] = (lo, hi) if had is None else (tuple(map(min, lo, had[0])), tuple(map(max, hi, had[1])))
+            frontier = merged
+
     def _fail(self, frontier: dict, broke: str | None, full: bool) -> None:
         # The event to blame: the earliest (caller's order) that some element could have taken.
         best: _PEvent | None = None
-        for _, _, pos, _ in frontier:
+        for _, _, pos, _, _ in frontier:
             for j in self._eligible(pos):
                 pe = self.logs[j][pos[j]]
                 if best is None or pe.index < best.index:
@@ -1250,7 +1290,7 @@ class _Replay:
             return any(f"l{loc}," in name for loc in locs)
 
         closest = []
-        for s, T, pos, binding in list(frontier)[: self.params.diff_states]:
+        for s, T, pos, binding, _ in list(frontier)[: self.params.diff_states]:
             reach = self._closure(s, T, max(pe.lo, T), pe.hi) or [(s, T)]
             x, t = reach[-1]
             vars_ = {k: v for k, v in L.variables(x).items() if relevant(k)}
@@ -1307,6 +1347,7 @@ def _validate(events: Sequence[dict], params: TraceParams) -> Verdict:
     per_key: dict[str, array] = {}
     counts: dict[str, dict[str, int]] = {}
     failures: list[int] = []  # indices of the global events so far
+    cascades: set[int] = set()  # indices of invalidations in more than one projection
     requests: dict[tuple[str, str], int] = {}
 
     def projection(k: str) -> array:
@@ -1355,6 +1396,7 @@ def _validate(events: Sequence[dict], params: TraceParams) -> Verdict:
         for k in cascade:
             if k != own and k in per_key:
                 per_key[k].append(i * 4 + _CASCADE)
+                cascades.add(i)
     keys = list(per_key)
 
     def pevents(k: str) -> list[_PEvent]:
@@ -1370,6 +1412,8 @@ def _validate(events: Sequence[dict], params: TraceParams) -> Verdict:
 
     explored, fmax = 0, 1
     verdicts: list[Verdict] = []
+    timings: list[tuple[dict[int, int], set[tuple], dict[int, set[int]]]] = []
+    frozen_shared, frozen_cascades = frozenset(failures), frozenset(cascades)
     # Passes, each run only if the one before rejected the projection: the narrow search (every
     # element keeps the caller's order unless none can), the lazy one (each element leaves it
     # where it is stuck), then with clock steps. Each later pass explores a superset of the
@@ -1383,7 +1427,7 @@ def _validate(events: Sequence[dict], params: TraceParams) -> Verdict:
         for narrow, clock_steps in passes:
             replay = None
             try:
-                replay = _Replay(k, pevents(k), roles, params, counts[k], clock_steps, narrow)
+                replay = _Replay(k, pevents(k), roles, params, counts[k], clock_steps, narrow, frozen_shared, frozen_cascades)
                 replay.run()
                 verdict = None
             except _Stop as stop:
@@ -1395,7 +1439,15 @@ def _validate(events: Sequence[dict], params: TraceParams) -> Verdict:
                 break  # accepted, inconclusive, or rejected for a reason clocks cannot change
         if verdict is not None:
             verdicts.append(verdict)
+        elif replay is not None and (frozen_shared or frozen_cascades):
+            timings.append((replay.settled, replay.shared_ticks, replay.cascade_ticks))
     rejected = [v for v in verdicts if v.status == REJECTED]
+    conflict = _shared_time_conflict(timings, failures)
+    if conflict is not None:
+        rejected.append(Verdict(
+            REJECTED, conflict, events[conflict], f"event {conflict} ({events[conflict]['event']}) is in several key "
+            "projections, and no one time of it (and of the failures before it) explains them all", code="shared_event_time",
+        ))  # fmt: skip
     if rejected:
         first = min(rejected, key=lambda v: -1 if v.event_index is None else v.event_index)
         return _with_stats(first, fmax, explored)
@@ -1442,6 +1494,35 @@ class _FileEvents(Sequence):
             if line.strip():
                 yield self._parse(i, line)
                 i += 1
+
+
+def _shared_time_conflict(timings: list[tuple[dict[int, int], set[tuple], dict[int, set[int]]]], failures: list[int]) -> int | None:
+    """The first event shared by projections that no single tick explains in all of them, or
+    ``None``. Failures are in every projection: some assignment of ticks to all of them must be
+    one that every projection accepted (joint). A cascade is in its subtree's projections: some
+    one tick of it must be one each of them took it at (per event; the ticks any element took,
+    surviving or not: weaker than the failures' check)."""
+    if not timings:
+        return None
+    joint: list[set[tuple]] = []  # per projection: its accepted ticks of the failures, in order
+    cascade_ticks: dict[int, set[int]] = {}
+    for settled, tuples, ticks in timings:
+        assigns: set[tuple] = set()
+        for gt in tuples or {()}:
+            full = dict(settled)
+            full.update(gt)
+            assigns.add(tuple(full[i] for i in failures if i in full))
+        joint.append(assigns)
+        for i, ts in ticks.items():
+            cascade_ticks[i] = set(ts) if i not in cascade_ticks else cascade_ticks[i] & ts
+    for m in range(1, len(failures) + 1):
+        common = {a[:m] for a in joint[0]}
+        for assigns in joint[1:]:
+            common &= {a[:m] for a in assigns}
+        if not common:
+            return failures[m - 1]
+    empty = sorted(i for i, ts in cascade_ticks.items() if not ts)
+    return empty[0] if empty else None
 
 
 def _with_stats(v: Verdict, fmax: int, explored: int) -> Verdict:
