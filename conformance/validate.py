@@ -150,8 +150,17 @@ from kvcc.spec.layout import (
     COMMITTED,
     FULL,
     INVALIDATING,
+    M_ACK,
     M_ACQUIRE,
     M_BEGIN_WRITE,
+    M_COMMIT,
+    M_GRANT_READ,
+    M_GRANT_WRITE,
+    M_RELEASE,
+    M_RENEW,
+    M_RENEWED,
+    M_REVOKE,
+    M_WRITE_BYTES,
     MESSAGE_WIDTH,
     WRITING,
     ABSENT,
@@ -293,7 +302,18 @@ NEEDS: dict[str, str] = {
 assert set(NEEDS) == set(EVENTS)
 
 MAX_TERM_TICKS = 100  # the model's counters are bytes: term + 2 epsilon must stay well below 256
-MAX_PROJECTION_COUNT = STATE_VALUE_LIMIT - 6  # lease ids, epochs, requests per key projection
+MAX_PROJECTION_COUNT = STATE_VALUE_LIMIT - 6  # epochs (and lease ids, requests before renumbering) per projection
+RENUMBER_AT = 200  # spec lease ids and request numbers past this are renumbered (``_Replay._renumber``)
+RENUMBERED = ("leases", "requests")
+assert RENUMBER_AT + 32 < MAX_PROJECTION_COUNT  # room for the ids one level can add before renumbering
+
+
+# Messages that carry a lease id (at field a, index 3), and where a request number sits in those
+# that carry one (the model's ``message(kind, node, key, a, b, c, d)``).
+_CARRIES_LEASE = frozenset(
+    (M_RENEW, M_GRANT_READ, M_RENEWED, M_RELEASE, M_GRANT_WRITE, M_WRITE_BYTES, M_COMMIT, M_REVOKE, M_ACK)
+)
+_REQUEST_FIELD = {M_ACQUIRE: 3, M_RENEW: 5, M_GRANT_READ: 6, M_RENEWED: 6}
 
 
 # -------------------------------------------------------------------------------------- values
@@ -676,6 +696,8 @@ class _Replay:
         tick = params.effective_tick_ms
         nodes = len(roles.nodes)
         for name, value in counts.items():
+            if name in RENUMBERED:
+                continue  # renumbered as the replay goes (``_renumber``): no bound
             if value + 2 > MAX_PROJECTION_COUNT:
                 raise _inconclusive(None, None, "scope_limit", f"key {key[:16]}…: {value} {name} in one projection, over the model's {MAX_PROJECTION_COUNT}")
         self.cfg = ModelConfig(
@@ -683,7 +705,8 @@ class _Replay:
             authorized=tuple(frozenset({0}) for _ in range(nodes)), tiers_per_node=roles.tiers_per_node,
             shared_pool=True, tiering=counts["transfers"] > 0,
             lease_term_ticks=params.lease_term_ms // tick, skew_ticks=params.skew_ms // tick,
-            max_epoch=counts["epochs"] + 1, max_lease_id=counts["leases"] + 1, max_requests=counts["requests"] + 1,
+            max_epoch=counts["epochs"] + 1, max_lease_id=min(counts["leases"] + 1, MAX_PROJECTION_COUNT),
+            max_requests=min(counts["requests"] + 1, MAX_PROJECTION_COUNT),
             max_messages=params.max_messages, max_duplications=params.max_duplications,
             max_node_crashes=counts["crashes"], max_directory_restarts=counts["restarts"],
         )  # fmt: skip
@@ -932,6 +955,49 @@ class _Replay:
             return ()
         return (0,)  # the directory's own steps on the key
 
+    def _renumber(self, s: bytes, binding: tuple) -> tuple[bytes, tuple]:
+        """The same state with the spec's lease ids (and each node's request numbers) renumbered
+        1, 2, ... in their order, keeping only those in use anywhere (directory, holders,
+        writers, messages), and the lease binding to match. The properties compare ids only for
+        equality and against the directory's counter, which order-preserving renumbering keeps;
+        real ids stay checked for reuse by the shadow. So a projection may hold any number of
+        leases and requests, where the state's bytes hold 250."""
+        L = self.L
+        fixed = bytearray(s[: L.fixed])
+        net = [bytearray(s[i : i + MESSAGE_WIDTH]) for i in range(L.fixed, len(s), MESSAGE_WIDTH)]
+        if s[L.next_id] > RENUMBER_AT:
+            used: set[int] = set()
+            for blk in L.lease_id_blocks:
+                used.update(v for v in s[blk] if v)
+            used.update(m[3] for m in net if m[0] in _CARRIES_LEASE and m[3])
+            new = {v: i + 1 for i, v in enumerate(sorted(used))}
+            for blk in L.lease_id_blocks:
+                for i in range(blk.start, blk.stop):
+                    if fixed[i]:
+                        fixed[i] = new[fixed[i]]
+            for m in net:
+                if m[0] in _CARRIES_LEASE and m[3]:
+                    m[3] = new[m[3]]
+            fixed[L.next_id] = len(new) + 1
+            binding = tuple(sorted((r, new[sp]) for r, sp in binding if sp in new))
+        for n in range(self.model.N):
+            if s[L.req[n]] <= RENUMBER_AT:
+                continue
+            # Where node n's request numbers sit: its pending requests, its acquires and renews,
+            # and the grants and renewals answering them.
+            slots = [(m, _REQUEST_FIELD[m[0]]) for m in net if m[0] in _REQUEST_FIELD and m[1] == n]
+            used = {fixed[L.p_id[n][k]] for k in range(self.model.K)} | {m[f] for m, f in slots}
+            used.discard(0)
+            new = {v: i + 1 for i, v in enumerate(sorted(used))}
+            for k in range(self.model.K):
+                if fixed[L.p_id[n][k]]:
+                    fixed[L.p_id[n][k]] = new[fixed[L.p_id[n][k]]]
+            for m, f in slots:
+                if m[f]:
+                    m[f] = new[m[f]]
+            fixed[L.req[n]] = len(new)
+        return self.model._pack(fixed, [bytes(m) for m in net]), binding
+
     def _void(self, s: bytes) -> bytes:
         m, L = self.model, self.L
         b = bytearray(s[: L.fixed])
@@ -1154,6 +1220,7 @@ class _Replay:
         check = self.params.check_invariants
         logs = self.logs
         memo: dict[tuple, list] = {}
+        next_id, reqs = self.L.next_id, self.L.req
         shared = self.shared
         for (s, T, pos, binding, gt), (last_lo, last_hi) in frontier.items():
             before = len(nxt)
@@ -1184,6 +1251,8 @@ class _Replay:
                         if bad is not None:
                             broke = bad
                             continue
+                        if post[next_id] > RENUMBER_AT or any(post[r] > RENUMBER_AT for r in reqs):
+                            post, b2 = self._renumber(post, b2)
                         key = (post, t, pos2, b2, gt + ((pe.index, t),) if is_shared else gt)
                         if cascade_ticks is not None:
                             cascade_ticks.add(t)
