@@ -1493,6 +1493,9 @@ def _validate(events: Sequence[dict], params: TraceParams) -> Verdict:
         "always": ((True, True), (False, True)),
     }[params.clock_steps]
     for k in keys:
+        first = [v.event_index for v in verdicts if v.status == REJECTED and v.event_index is not None]
+        if first and per_key[k][0] // 4 > min(first):
+            break  # this key's events, and every later key's, all come after a rejection
         for narrow, clock_steps in passes:
             replay = None
             try:
