@@ -521,3 +521,111 @@ def test_model_apply_is_successors_one_action_at_a_time(name):
                 seen.add(s2)
                 todo.append(s2)
     assert checked == 400
+
+
+# ------------------------------------------------------------------------- incarnations, scale
+
+
+def _restarted_directory_that_forgot_the_commit(gap_ms):
+    """The directory commits A0 (incarnation 1), restarts ``gap_ms`` later (incarnation 2) and
+    then refuses a read as ``not_committed``: it lost the commit, which its durable log must
+    keep (spec: restart_directory keeps every record). With ``gap_ms`` negative the restarted
+    directory's wall clock reads earlier than the commit's (by less than epsilon): merged by
+    wall time, its events come first in the caller's order."""
+    run = Run()
+    run.write(A0)
+    committed = len(run.events()) - 1
+    run.now_ms += gap_ms
+    clock = lambda: run.now_ms * 1_000_000  # noqa: E731
+    run.logs["dir"] = EventLog(run.buf, "dir", 2, monotonic_ns=clock, wall_ns=clock)
+    run.log("dir", "restart_directory", records=1, grace_ms=TERM_MS + 2 * EPS_MS)
+    run.log("r1", "acquire", key=A0)
+    run.log("dir", "refuse_read_lease", key=A0, holder="r1", result="not_committed")
+    run.log("r1", "abandon", key=A0)
+    events = run.events()
+    assert events[committed]["event"] == "commit_write"
+    return sorted(events, key=lambda e: e["t_wall_ns"]) if gap_ms < 0 else events
+
+
+def test_a_new_incarnation_never_acts_before_the_old_one_ended():
+    """Issue 9, "restarts are not ordered": a restarted directory whose wall clock reads a little
+    behind logged its refusal before (in wall time) its old incarnation's commit; taking the
+    order from the clocks explained a directory that lost the commit. The old validator
+    accepted that, and rejected the same run with the restart 200 ms later."""
+    from kvcc.conformance import validate_reference as old
+
+    soon = _restarted_directory_that_forgot_the_commit(gap_ms=-5)
+    late = _restarted_directory_that_forgot_the_commit(gap_ms=200)
+    assert index_of(soon, "refuse_read_lease") < index_of(soon, "commit_write")
+    params = TraceParams(TERM_MS, EPS_MS)
+    rejected_at(soon, params, index_of(soon, "refuse_read_lease"))
+    rejected_at(late, params, index_of(late, "refuse_read_lease"))
+    # The defect, kept visible: the old validator's verdict depended on the gap.
+    old_params = old.TraceParams(TERM_MS, EPS_MS)
+    assert old.validate_trace(soon, old_params).status == ACCEPTED
+    assert old.validate_trace(late, old_params).status == REJECTED
+    # The same runs with a restarted directory that kept the commit (it grants) are ACCEPTED.
+    for events in (soon, late):
+        ok = [dict(e) for e in events]
+        i = index_of(ok, "refuse_read_lease")
+        ok[i].update(event="grant_read_lease", result="ok", lease=99, gen=0, epoch=1, location="pool")
+        j = index_of(ok, "abandon")
+        ok[j].update(event="trust_read_lease", lease=99, gen=0, location="pool")
+        accepted(ok, params)
+
+
+def test_a_projection_with_more_leases_than_a_state_byte_holds_gets_a_verdict():
+    """Spec lease ids and request numbers are renumbered as the replay goes: 300 leases on one
+    key (the model's bytes hold 250) get a real verdict, and a read after release in the middle
+    of them is still REJECTED there."""
+    run = Run()
+    run.write(A0)
+    for _ in range(300):
+        g = run.lease("r1", A0)
+        run.log("r1", "release", key=A0, lease=g.lease)
+        run.send(wire.Release("r1", A0, g.lease), dt=1)
+    events = run.events()
+    assert sum(e["event"] == "grant_read_lease" for e in events) == 300
+    params = TraceParams(TERM_MS, EPS_MS)
+    accepted(events, params)
+    releases = [i for i, e in enumerate(events) if e["event"] == "release"]
+    i = releases[260]
+    read = dict(next(e for e in events[:i] if e["event"] == "read" and e["lease"] == events[i]["lease"]))
+    bad = resequence(events[: i + 1] + [read] + events[i + 1 :])
+    rejected_at(bad, params, i + 1)
+
+
+def test_shared_event_times_must_agree_across_projections():
+    from kvcc.conformance.validate import _shared_time_conflict
+
+    # Two failures (events 3 and 9): each projection's accepted assignments of ticks to them.
+    agree = [({}, {((3, 5), (9, 8)), ((3, 6), (9, 8))}, {}), ({3: 6}, {((9, 8),)}, {})]
+    assert _shared_time_conflict(agree, [3, 9]) is None
+    # Each tick of each failure is accepted by both, but no assignment of both is.
+    apart = [({}, {((3, 5), (9, 8)), ((3, 6), (9, 9))}, {}), ({}, {((3, 5), (9, 9)), ((3, 6), (9, 8))}, {})]
+    assert _shared_time_conflict(apart, [3, 9]) == 9
+    assert _shared_time_conflict([({3: 5}, set(), {}), ({3: 6}, set(), {})], [3]) == 3
+    # A cascade (event 4) must have one tick every projection of its subtree took it at.
+    assert _shared_time_conflict([({}, set(), {4: {1, 2}}), ({}, set(), {4: {2, 3}})], []) is None
+    assert _shared_time_conflict([({}, set(), {4: {1, 2}}), ({}, set(), {4: {3}})], []) == 4
+
+
+def test_bench_replicates_a_trace_into_one_the_spec_accepts_and_mutates_it(tmp_path):
+    from kvcc.bench.validator import mutate_read_after_release, replicate
+
+    script = WRITE + READ + [("release", (1, 0)), ("release_lease", (1, 0, 2))] + INVALIDATE[:1] + INVALIDATE[3:]
+    events, params = scenario(script)
+    accepted(events, params)
+    path = tmp_path / "copies.ndjson"
+    with open(path, "w") as f:
+        n = replicate(events, 4, f, lease_term_ms=params.lease_term_ms, skew_ms=params.skew_ms)
+    assert n == 4 * len(events)
+    copies = events_from_text(path.read_text())  # contiguous seq per log, standard fields
+    assert len({e["key"] for e in copies}) == 4
+    assert validate_file(path, params).status == ACCEPTED
+    mutated, at = mutate_read_after_release(events)
+    assert mutated[at]["event"] == "read" and mutated[at - 1]["event"] == "release"
+    with open(path, "w") as f:
+        replicate(events, 4, f, lease_term_ms=params.lease_term_ms, skew_ms=params.skew_ms, mutated=mutated, mutated_copy=2)
+    v = validate_file(path, params)
+    assert (v.status, v.event_index) == (REJECTED, 2 * len(events) + at), v
