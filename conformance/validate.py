@@ -689,9 +689,6 @@ class _Replay:
         self.narrow = narrow
         self._tick_ns = params.effective_tick_ms * 1_000_000
         self._eligible_memo: dict[tuple[int, ...], list[int]] = {}
-        # An event's tick interval is at most this wide: elements further apart in time are
-        # never compared for subsumption.
-        self._subsume_ticks = 2 * params.skew_ms // params.effective_tick_ms + 2
         self._property_memo: dict[tuple, str | None] = {}
         tick = params.effective_tick_ms
         nodes = len(roles.nodes)
@@ -1265,44 +1262,7 @@ class _Replay:
                                         tuple(map(max, hi_, last_hi[:j] + (t,) + last_hi[j + 1 :])))  # fmt: skip
                 if len(nxt) > self.params.max_frontier:
                     raise _inconclusive(pe.index, pe.ev, "frontier_limit", f"key {self.key[:16]}…: more than {self.params.max_frontier} possible states at event {pe.index}")
-        if not self.clock_steps and not self.params.max_duplications:
-            nxt = self._subsume(nxt)
         return nxt, broke, full
-
-    def _subsume(self, nxt: dict) -> dict:
-        """Drop every element that another one becomes by time passing alone: ``(s', T')`` with
-        ``s' = advance(s, T' - T)`` for an element ``(s, T)`` of the same cut and binding. All
-        that can follow ``(s', T')`` can follow ``(s, T)``, which may wait until ``T'``; its
-        logs' last ticks take the union of both (see ``_window``). Most events set no timer,
-        so the ticks an event may have happened at otherwise multiply the frontier."""
-        if len(nxt) < 2:
-            return nxt
-        groups: dict[tuple, list[tuple]] = {}
-        for key in nxt:
-            groups.setdefault((key[2], key[3], key[4]), []).append(key)
-        out: dict[tuple, tuple] = {}
-        for members in groups.values():
-            if len(members) == 1:
-                out[members[0]] = nxt[members[0]]
-                continue
-            members.sort(key=lambda e: e[1])
-            gone: set[tuple] = set()
-            for i, key in enumerate(members):
-                if key in gone:
-                    continue
-                s, T = key[0], key[1]
-                lo, hi = nxt[key]
-                for later in members[i + 1 :]:
-                    d = later[1] - T
-                    if d == 0 or later in gone or d > self._subsume_ticks:
-                        continue
-                    if self._advance(s, d) == later[0]:  # same cut, binding and shared ticks
-                        gone.add(later)
-                        hull = nxt[later]
-                        lo = tuple(map(min, lo, hull[0]))
-                        hi = tuple(map(max, hi, hull[1]))
-                out[key] = (lo, hi)
-        return out
 
     def _settle(self, frontier: dict) -> dict:
         """Move the oldest shared ticks that every element agrees on out of the elements (into
