@@ -629,3 +629,51 @@ def test_bench_replicates_a_trace_into_one_the_spec_accepts_and_mutates_it(tmp_p
         replicate(events, 4, f, lease_term_ms=params.lease_term_ms, skew_ms=params.skew_ms, mutated=mutated, mutated_copy=2)
     v = validate_file(path, params)
     assert (v.status, v.event_index) == (REJECTED, 2 * len(events) + at), v
+
+
+# ------------------------------------------------------------------------------------ the corpus
+
+
+CORPUS = os.path.join(os.path.dirname(__file__), "corpus", "validate")
+
+
+def _corpus_cases():
+    with open(os.path.join(CORPUS, "manifest.json")) as f:
+        return json.load(f)["cases"]
+
+
+def _corpus_verdict(module, case):
+    with open(os.path.join(CORPUS, case["file"])) as f:
+        events = [json.loads(line) for line in f if line.strip()]
+    v = module.validate_trace(events, module.TraceParams(case["lease_term_ms"], case["skew_ms"]))
+    return {"status": v.status, "code": v.code, "event_index": v.event_index}
+
+
+def test_the_corpus_covers_real_runs_and_every_mutation():
+    cases = _corpus_cases()
+    statuses = {c["expected"]["status"] for c in cases}
+    assert statuses == {ACCEPTED, REJECTED}
+    origins = " ".join(c["origin"] for c in cases)
+    for mutation in ("read_after_ack", "lease_id_reused", "commit_after_fencing", "time_warp"):
+        assert f"mutated: {mutation}" in origins, mutation
+    assert all(c["expected"]["status"] == REJECTED for c in cases if "mutated:" in c["origin"])
+    # Where the two validators differ, the manifest says which one is wrong and why.
+    with open(os.path.join(CORPUS, "manifest.json")) as f:
+        assert all(d["why"] and d["why"] != "TODO" for d in json.load(f).get("disagreements", []))
+
+
+@pytest.mark.parametrize("case", _corpus_cases(), ids=lambda c: c["file"])
+def test_corpus_verdicts(case):
+    from kvcc.conformance import validate
+
+    assert _corpus_verdict(validate, case) == case["expected"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", _corpus_cases(), ids=lambda c: c["file"])
+def test_corpus_verdicts_of_the_old_validator(case):
+    """The validator this one replaced (kept as ``validate_reference``) gives the verdicts the
+    manifest recorded for it: the same as the new one's except where ``disagreements`` says."""
+    from kvcc.conformance import validate_reference
+
+    assert _corpus_verdict(validate_reference, case) == case["reference"]
