@@ -188,7 +188,7 @@ REJECT_CODES = (
     "shared_event_time",  # a failure or cascade each projection explains only at other times
 )
 PROPERTY_MEMO_MAX = 200_000  # memoised property verdicts per projection (then the memo starts over)
-ADVANCE_MEMO_MAX = 100_000  # memoised time jumps per projection (then the memo starts over)
+ADVANCE_MEMO_MAX = 100_000  # memoised ticks per projection (then the memo starts over)
 INCONCLUSIVE_CODES = ("frontier_limit", "network_limit", "scope_limit")
 
 # Spec steps no process logs: the environment's, and deliveries the receiver ignores (their state
@@ -718,10 +718,8 @@ class _Replay:
         self._earlier = [[e for e, (p2, i2) in enumerate(names) if p2 == p and i2 < i] for p, i in names]
         self.total = len(pevents)
         self._succ: dict[bytes, list] = {}
-        self._advance_memo: dict[tuple[bytes, int], bytes | None] = {}
+        self._tick_memo: dict[bytes, bytes | None] = {}
         self._invariant_memo: dict[bytes, str | None] = {}
-        m = self.model
-        self._counters = [c for c, _ in self.L.directory_timers] + [c for timers in m.node_timers for c, _ in timers]
         self.states_explored = 0
         self.frontier_max = 1
 
@@ -770,43 +768,24 @@ class _Replay:
 
     def _advance(self, s: bytes, d: int) -> bytes | None:
         """``s`` after ``d`` ticks of true time and no step, or ``None`` if a directory timer
-        falls due first (time cannot pass an urgent step). Between two expiries a tick only
-        runs every counter down by one, so the ticks are taken in jumps, each to the next
-        counter that reaches zero: the same states as ``tick`` after ``tick``, in a few
-        steps however long the gap."""
-        if d == 0:
-            return s
-        memo = self._advance_memo
-        key = (s, d)
-        got = memo.get(key, False)
-        if got is not False:
-            return got
-        m, L = self.model, self.L
+        falls due first (time cannot pass an urgent step). Each tick is the model's own
+        (``Model.apply("tick", ...)``), memoised; once a tick changes nothing, none after it
+        does (nothing is counting down), so the rest of the gap is skipped."""
         x: bytes | None = s
-        left = d
-        while left > 0:
+        memo = self._tick_memo
+        apply = self.model.apply
+        for _ in range(d):
             assert x is not None
-            if m.urgent(x):
-                x = None
-                break
-            jump = left
-            for c in self._counters:
-                v = x[c]
-                if v and v < jump:
-                    jump = v
-            b = bytearray(x[: L.fixed])
-            m._run_down(b, m._directory_timers(x), jump)
-            for timers in m.node_timers:
-                m._run_down(b, timers, jump)
-            for k in range(m.K):
-                age = L.inval_age[k]
-                if x[L.phase[k]] == INVALIDATING and b[age] <= m.deadline:
-                    b[age] = min(b[age] + jump, m.deadline + 1)
-            x = bytes(b) + x[L.fixed :]
-            left -= jump
-        if len(memo) >= ADVANCE_MEMO_MAX:
-            memo.clear()
-        memo[key] = x
+            nxt = memo.get(x, False)
+            if nxt is False:
+                steps = apply("tick", (), x)
+                nxt = steps[0][2] if steps else None
+                if len(memo) >= ADVANCE_MEMO_MAX:
+                    memo.clear()
+                memo[x] = nxt
+            if nxt is None or nxt == x:
+                return nxt
+            x = nxt
         return x
 
     def _closure(self, s: bytes, T: int, lo: int, hi: int) -> list[tuple[bytes, int]]:
