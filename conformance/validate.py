@@ -115,6 +115,8 @@ evict, evict_refused     key, location
 start_transfer           key, location (the destination), epoch
 finish_transfer          key, location
 free_drained             key, location
+retry_free, free_acked   key, location                           [epoch: the Free owed]
+declare_node_down        down (the node declared down)           (node = the directory)
 cancel_transfer          key
 store_bytes              key, location, writer, lease, gen, epoch  (node = the location's host)
 fence_stale_write        key, location, writer, lease, epoch
@@ -150,22 +152,15 @@ from kvcc.spec.layout import (
     COMMITTED,
     FULL,
     INVALIDATING,
-    M_ACK,
     M_ACQUIRE,
     M_BEGIN_WRITE,
-    M_COMMIT,
-    M_GRANT_READ,
-    M_GRANT_WRITE,
-    M_RELEASE,
-    M_RENEW,
-    M_RENEWED,
-    M_REVOKE,
-    M_WRITE_BYTES,
     MESSAGE_WIDTH,
     WRITING,
     ABSENT,
 )
-from kvcc.spec.model import Model
+from kvcc.spec import model as model_module
+from kvcc.spec import properties
+from kvcc.spec.model import SILENT_ACTIONS, Model
 from kvcc.spec.properties import INVARIANTS, TRANSITION_PROPERTIES
 
 from ._render import RenderedWalk, ScriptError, events_from_spec_walk, render, scripted_walk, spec_walk  # noqa: F401 (re-exported)
@@ -192,24 +187,23 @@ ADVANCE_MEMO_MAX = 100_000  # memoised ticks per projection (then the memo start
 INCONCLUSIVE_CODES = ("frontier_limit", "network_limit", "scope_limit")
 
 # Spec steps no process logs: the environment's, and deliveries the receiver ignores (their state
-# is the network without the message, the same as a loss, which the validator never needs).
-SILENT_ACTIONS = frozenset(ENVIRONMENT_ACTIONS) | {
-    "ignore_stale_grant", "ignore_stale_renewal", "ignore_stale_write_grant", "ignore_stale_copied",
-    "write_to_down_location", "free_at_down_location", "copy_failed", "fence_stale_copy",
-}  # fmt: skip
+# is the network without the message, the same as a loss, which the validator never needs). One
+# list, the spec's (``kvcc.spec.model.SILENT_ACTIONS``).
+assert set(ENVIRONMENT_ACTIONS) <= SILENT_ACTIONS and not SILENT_ACTIONS & set(EVENTS)
 
 DIRECTORY_EVENTS = frozenset({
     "grant_read_lease", "refuse_read_lease", "renew_lease", "refuse_renewal", "release_lease",
     "grant_write_lease", "refuse_write_lease", "commit_write", "reject_stale_commit",
     "expire_write_lease", "expire_write_lease_of_crashed", "invalidate", "invalidate_namespace",
     "revoke_acked", "complete_invalidation", "evict", "evict_refused", "start_transfer",
-    "finish_transfer", "free_drained", "cancel_transfer", "restart_node", "restart_directory",
+    "finish_transfer", "free_drained", "cancel_transfer", "retry_free", "free_acked", "declare_node_down",
+    "restart_node", "restart_directory",
 })  # fmt: skip
 HOLDER_EVENTS = frozenset({"acquire", "renew", "abandon", "read", "release", "trust_read_lease", "trust_renewal",
                            "drop_and_ack"})  # fmt: skip
 WRITER_EVENTS = frozenset({"begin_write", "abort", "start_writing"})
 LOCATION_EVENTS = frozenset({"store_bytes", "fence_stale_write", "store_copy", "free_slot", "fence_stale_free"})
-FAILURE_EVENTS = frozenset({"crash", "restart_node", "restart_directory"})
+FAILURE_EVENTS = frozenset({"crash", "restart_node", "restart_directory", "declare_node_down"})
 assert DIRECTORY_EVENTS | HOLDER_EVENTS | WRITER_EVENTS | LOCATION_EVENTS | FAILURE_EVENTS == set(EVENTS)
 
 REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
@@ -244,6 +238,9 @@ REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
     "start_transfer": ("key", "location", "epoch"),
     "finish_transfer": ("key", "location"),
     "free_drained": ("key", "location"),
+    "retry_free": ("key", "location"),
+    "free_acked": ("key", "location"),
+    "declare_node_down": ("down",),
     "cancel_transfer": ("key",),
     "store_bytes": ("key", "location", "writer", "lease", "gen", "epoch"),
     "fence_stale_write": ("key", "location", "writer", "lease", "epoch"),
@@ -289,6 +286,9 @@ NEEDS: dict[str, str] = {
     "start_transfer": "the key COMMITTED with no transfer or draining copy",
     "finish_transfer": "a copied notice in flight for the transfer under way",
     "free_drained": "a draining copy with no live lease on it, outside restart grace",
+    "retry_free": "a Free owed to an up location, neither it nor its Freed in flight",
+    "free_acked": "a Freed in flight answering the Free owed (epoch at least the owed one)",
+    "declare_node_down": "the node down, undeclared, its failure-detection time run out",
     "cancel_transfer": "a transfer under way",
     "store_bytes": "the writer's bytes in flight to an up location, epoch at least the slot's fence",
     "fence_stale_write": "bytes in flight under an epoch below the slot's fence",
@@ -309,11 +309,9 @@ assert RENUMBER_AT + 32 < MAX_PROJECTION_COUNT  # room for the ids one level can
 
 
 # Messages that carry a lease id (at field a, index 3), and where a request number sits in those
-# that carry one (the model's ``message(kind, node, key, a, b, c, d)``).
-_CARRIES_LEASE = frozenset(
-    (M_RENEW, M_GRANT_READ, M_RENEWED, M_RELEASE, M_GRANT_WRITE, M_WRITE_BYTES, M_COMMIT, M_REVOKE, M_ACK)
-)
-_REQUEST_FIELD = {M_ACQUIRE: 3, M_RENEW: 5, M_GRANT_READ: 6, M_RENEWED: 6}
+# that carry one: the spec's own tables (its properties and its lost-message ghost read them).
+_CARRIES_LEASE = properties._CARRIES_LEASE
+_REQUEST_FIELD = model_module._READ_EXCHANGE_REQUEST
 
 
 # -------------------------------------------------------------------------------------- values
@@ -576,7 +574,7 @@ class _Roles:
                 raw_nodes.setdefault(ev["node"])
             if name in DIRECTORY_EVENTS:
                 directories.add(ev["node"])
-            for f in ("holder", "writer", "rejoined"):
+            for f in ("holder", "writer", "rejoined", "down"):
                 v = ev.get(f)
                 if isinstance(v, str) and v:
                     raw_nodes.setdefault(v)
@@ -922,8 +920,11 @@ class _Replay:
             return (w, 0)
         if name in ("store_bytes", "fence_stale_write"):
             return (R.n(ev["writer"]), 0, R.loc(ev["location"]))
-        if name in ("store_copy", "free_slot", "fence_stale_free", "evict", "evict_refused", "start_transfer", "finish_transfer"):
+        if name in ("store_copy", "free_slot", "fence_stale_free", "evict", "evict_refused", "start_transfer",
+                    "finish_transfer", "retry_free", "free_acked"):
             return (0, R.loc(ev["location"]))
+        if name == "declare_node_down":
+            return (R.n(ev["down"]),)
         if name == "crash":
             lose = ev.get("lose_disk")
             return (R.n(ev.get("crashed") or ev["node"]), None if lose is None else int(bool(lose)))
@@ -1068,8 +1069,15 @@ class _Replay:
             return binding
         if name == "free_drained":
             return binding if s[L.draining[0]] - 1 == loc else None
+        if name in ("retry_free", "free_acked"):
+            if p[1] != loc:
+                return None
+            owed = s[L.to_free[loc][0]]
+            return binding if ev.get("epoch") is None or ev["epoch"] == owed else None
         if name == "complete_invalidation":
             return binding if ev["gen"] == s[L.gen[0]] else None
+        if name == "declare_node_down":
+            return binding if p[0] == R.n(ev["down"]) else None
         if name == "crash":
             n = R.n(ev.get("crashed") or ev["node"])
             lose = ev.get("lose_disk")
@@ -1365,7 +1373,9 @@ def _validate(events: Sequence[dict], params: TraceParams) -> Verdict:
             got = per_key[k] = array("q", (i * 4 + _GLOBAL for i in failures))
             counts[k] = {"epochs": 0, "leases": 0, "requests": 0, "transfers": 0, "crashes": 0, "restarts": 0}
             for i in failures:
-                counts[k]["restarts" if events[i]["event"] == "restart_directory" else "crashes"] += 1
+                name = events[i]["event"]
+                if name != "declare_node_down":
+                    counts[k]["restarts" if name == "restart_directory" else "crashes"] += 1
         return got
 
     for i, ev in enumerate(events):
@@ -1386,7 +1396,8 @@ def _validate(events: Sequence[dict], params: TraceParams) -> Verdict:
             voided = set(cascade) if name == "restart_node" else set()
             for k, idx in per_key.items():
                 idx.append(i * 4 + (_GLOBAL_CASCADE if k in voided else _GLOBAL))
-                counts[k]["crashes" if name != "restart_directory" else "restarts"] += 1
+                if name != "declare_node_down":
+                    counts[k]["crashes" if name != "restart_directory" else "restarts"] += 1
             failures.append(i)
             continue
         if own is not None:

@@ -10,13 +10,22 @@ epsilon. The state stores no absolute time: every deadline is a counter of ticks
 that owns it*, so "the same situation, later" is one state (time normalisation). The model steps
 clocks only in the harmful direction (the directory's ahead, holders' behind), each by at most
 epsilon over a run: the opposite steps only shorten what holders trust, so they add states but
-no behaviour that could break safety.
+no behaviour that could break safety. A configuration with ``directory_clock_lags`` steps the
+directory's clock *behind* instead: harmless for safety, it is the direction that delays the
+directory's timers, so the bounded-response deadlines are checked under it.
 
 - ``tick`` advances true time by one: every counter runs down by one; a counter that reaches zero
   has expired (its lease is dropped, its request abandoned). A clock step moves only the counters of
   that clock. ``tick`` is disabled while an *urgent* directory action is enabled (expiring a write
-  lease whose time is up, completing an invalidation that may complete): the directory's timers fire
-  on time. That makes progress checkable as bounded response.
+  lease whose time is up, completing an invalidation that may complete, re-sending an owed Free of
+  which nothing is on its way, declaring down a node whose failure-detection time ran out): the
+  directory's timers fire on time. A tick that changes nothing (no counter or ghost runs) is not a
+  step, so a state where nothing else can happen is a deadlock the checker reports.
+- Ghost variables (``ghost.*``) record ages in true ticks and a little history; no step reads
+  them, the progress properties bound them: how long a key has been WRITING or INVALIDATING, a
+  request pending, an owner copy on a down node, a slot holding an ended generation's bytes with
+  no Free on its way; whether a message of a pending request was lost; whether a node
+  acknowledged the revocation of a key's current generation.
 - A holder counts its lease from when it *sent* the request (``pending_budget`` starts when the
   request leaves) and trusts it for ``lease_term - epsilon`` on its own clock. The directory counts
   from when it granted, and treats the lease as live for ``lease_term + epsilon`` on its clock.
@@ -27,9 +36,19 @@ no behaviour that could break safety.
   any message may be delivered (reordering), dropped (loss) or, within a budget, duplicated. A
   message sent into a full network is lost. A paused process is one whose messages sit in the
   network while time passes.
+- Deletion reaches everywhere: whenever bytes stop being wanted (an invalidation completes, a write
+  lease expires, an invalidation aborts a write, a drained copy goes, a transfer is cancelled) the
+  directory *owes* a Free per location (a durable to-free set), sends it, and re-sends it until the
+  location answers ``Freed``. A location frees bytes of the Free's epoch or older, never newer,
+  and remembers the epoch freed, so bytes of it that land late are refused.
+- Every lease request is answered: a grant, or a ``LeaseRefused`` after which the requester stops
+  waiting (``abandon``, or ``abort`` for a writer); a lost request or answer is ended by the
+  holder's timeout.
 - Failures: a node crash loses the node's volatile state and, optionally, its disk (its slots become
   LOST: reads of them fail, they never return other bytes); a restarted node re-registers and the
-  directory forgets what the node lost. A directory restart loses the lease table and timers, keeps
+  directory forgets what the node lost. A node that stays silent for ``failure_detection_ticks``
+  on the directory's clock is declared down: no leases there, and its owner copies are voided so
+  the keys become writable again. A directory restart loses the lease table and timers, keeps
   every record (they are durable), and frees nothing for a grace period as long as the longest lease
   it may have issued.
 
@@ -58,11 +77,13 @@ from .layout import (
     M_COPIED,
     M_COPY,
     M_FREE,
+    M_FREED,
     M_GRANT_READ,
     M_GRANT_WRITE,
     M_RELEASE,
     M_RENEW,
     M_RENEWED,
+    M_REFUSE,
     M_REVOKE,
     M_WRITE_BYTES,
     MESSAGE_WIDTH,
@@ -72,6 +93,8 @@ from .layout import (
     P_ACQUIRE,
     P_NONE,
     P_RENEW,
+    REFUSED_READ,
+    REFUSED_WRITE,
     W_BYTES_SENT,
     W_NONE,
     W_REQUESTED,
@@ -87,7 +110,10 @@ from .rules import (
     REASON_LEASED,
     WRITING,
     directory_view,
-    fence_accepts,
+    down_owner_invalidates,
+    failover_deadline,
+    free_acknowledged,
+    free_takes,
     holder_budget,
     invalidation_deadline,
     invalidation_step,
@@ -102,10 +128,17 @@ from .rules import (
     may_grant_read,
     may_release,
     may_renew,
+    free_retry_due,
+    may_retry_free,
     may_start_transfer,
     next_epoch,
+    owe_free,
+    request_deadline,
     restart_grace,
     restored_fence,
+    restored_freed_epoch,
+    slot_accepts,
+    write_lease_deadline,
     write_lease_must_expire,
 )
 
@@ -133,8 +166,34 @@ MUTANT_FLAGS = frozenset(
         "invalidation_waits_for_acks",
         "no_namespace_check",
         "write_lease_never_expires",
+        # progress and deletion (issue 8, section 3)
+        "deadline_ignores_lag",
+        "free_not_retried",
+        "ended_write_not_freed",
+        "late_bytes_after_free",
+        "silent_refusal",
+        "holder_never_times_out",
+        "revoke_keeps_pending_acquire",
+        "writer_never_gives_up",
+        "no_failure_detector",
     }
 )
+
+# Steps no process logs, so trace validation takes them silently: the environment's (time, clock
+# steps, loss, duplication) and deliveries the receiver ignores (their state is the network without
+# the message, the same as a loss). Every other label is an event (``kvcc.reference.events``).
+SILENT_ACTIONS = frozenset(
+    {
+        "tick", "clock_forward", "clock_back", "drop", "duplicate",
+        "ignore_stale_grant", "ignore_stale_renewal", "ignore_stale_write_grant", "ignore_stale_copied",
+        "ignore_stale_refusal", "ignore_stale_freed",
+        "write_to_down_location", "free_at_down_location", "copy_failed", "fence_stale_copy",
+    }
+)  # fmt: skip
+
+
+# Where a message of a holder's request exchange carries the request number it belongs to.
+_READ_EXCHANGE_REQUEST = {M_ACQUIRE: 3, M_RENEW: 5, M_GRANT_READ: 6, M_RENEWED: 6, M_REFUSE: 3}
 
 
 class Model:
@@ -158,16 +217,40 @@ class Model:
         self.directory_view = directory_view(term, eps)
         self.restart_grace = restart_grace(term, eps)
         self.deadline = invalidation_deadline(term, eps, cfg_.max_directory_restarts)
+        self.write_deadline = write_lease_deadline(term, eps, cfg_.max_directory_restarts)
+        self.request_deadline = request_deadline(term, eps)
+        self.deletion_deadline = cfg_.deletion_deadline_ticks
+        self.detection = cfg_.failure_detection_ticks
+        self.failover_deadline = failover_deadline(term, eps, cfg_.max_directory_restarts, self.detection)
+        assert cfg_.failover_deadline_ticks == self.failover_deadline
         # ``ModelConfig`` spells the same limits out for reports; they must be these.
         assert cfg_.holder_budget_ticks == holder_budget(term, eps)
         assert cfg_.directory_lease_ticks == self.directory_view
         assert cfg_.restart_grace_ticks == self.restart_grace
         assert cfg_.invalidation_deadline_ticks == self.deadline
+        assert cfg_.write_lease_deadline_ticks == self.write_deadline
+        assert cfg_.request_deadline_ticks == self.request_deadline
+        if "deadline_ignores_lag" in self.bugs:
+            # Bug: the bound argued with the directory's clock running ahead (the direction that
+            # matters for safety), where a lease ends within the directory's view of it.
+            self.deadline = self.directory_view + cfg_.max_directory_restarts * self.restart_grace
+        # Ghost ages saturate one past their bound: enough to see it broken, and finite.
+        self.phase_age_cap = max(self.deadline, self.write_deadline) + 1
+        self.request_age_cap = self.request_deadline + 1
+        self.orphan_age_cap = self.deletion_deadline + 1
+        self.owner_down_cap = self.failover_deadline + 1
+        assert self.phase_age_cap < 256 and self.request_age_cap < 256 and self.owner_down_cap < 256
         self.node_timers = self.L.node_timers
+        if "holder_never_times_out" in self.bugs:
+            # Bug: the budget runs out but the holder keeps waiting for its answer.
+            self.node_timers = [
+                [(c, ()) if c in set(self.L.p_left[n]) else (c, cl) for c, cl in timers]
+                for n, timers in enumerate(self.L.node_timers)
+            ]
         if "holder_counts_from_receipt" in self.bugs:
             # Bug: nothing runs on the holder's clock until the grant arrives.
             pending = {self.L.p_left[n][k] for n in range(cfg_.nodes) for k in range(cfg_.keys)}
-            self.node_timers = [[t for t in timers if t[0] not in pending] for timers in self.L.node_timers]
+            self.node_timers = [[t for t in timers if t[0] not in pending] for timers in self.node_timers]
         # Which (node, key) pairs a tenant may touch (DESIGN property 11).
         self.allowed = [[cfg_.namespaces[k] in cfg_.authorized[n] for k in range(cfg_.keys)] for n in range(cfg_.nodes)]
         self.loc_node = [cfg_.location_node(loc) for loc in range(cfg_.locations)]
@@ -201,6 +284,74 @@ class Model:
         """Put a message on the wire; a full network loses it (message loss is a fault we allow)."""
         if len(net) < self.cfg.max_messages:
             net.append(msg)
+
+    def _reply(self, b: bytearray, net: list[bytes], msg: bytes) -> None:
+        """Answer a node's request; an answer lost to a full network is a lost exchange (ghost)."""
+        if len(net) < self.cfg.max_messages:
+            net.append(msg)
+        else:
+            self._mark_lost(b, msg)
+
+    def _mark_lost(self, b: bytearray, msg: bytes) -> None:
+        """Ghost: a message of a node's pending request exchange was lost."""
+        L = self.L
+        kind, n, k = msg[0], msg[1], msg[2]
+        req = _READ_EXCHANGE_REQUEST.get(kind)
+        if kind == M_REFUSE and msg[4] == REFUSED_WRITE:
+            req = None
+        if req is not None:
+            if b[L.p_kind[n][k]] != P_NONE and b[L.p_id[n][k]] == msg[req]:
+                b[L.read_lost[n][k]] = 1
+        elif kind in (M_BEGIN_WRITE, M_GRANT_WRITE, M_REFUSE):
+            if b[L.w_stage[n][k]] == W_REQUESTED:
+                b[L.write_lost[n][k]] = 1
+
+    def _end_pending(self, b: bytearray, n: int, k: int) -> None:
+        """The holder's request is over (answered, refused, given up, cancelled)."""
+        L = self.L
+        b[L.p_kind[n][k]] = b[L.p_id[n][k]] = b[L.p_left[n][k]] = 0
+        b[L.p_age[n][k]] = b[L.read_lost[n][k]] = 0
+
+    def answer_on_its_way(self, s: bytes, k: int, loc1: int, owed: int) -> bool:
+        """Is a Free for ``(k, loc)`` covering ``owed``, or its ``Freed``, in flight?"""
+        L = self.L
+        for i in range(L.fixed, len(s), MESSAGE_WIDTH):
+            kind = s[i]
+            if (kind == M_FREE or kind == M_FREED) and s[i + 2] == k and s[i + 3] == loc1 and s[i + 6] >= owed:
+                return True
+        return False
+
+    def free_retry_enabled(self, s: bytes, k: int, loc: int) -> bool:
+        """May the directory re-send its owed Free to ``loc`` (its retry timer fires whenever)?"""
+        L = self.L
+        owed = s[L.to_free[loc][k]]
+        if owed == 0 or "free_not_retried" in self.bugs:
+            return False
+        if len(s) >= L.fixed + MESSAGE_WIDTH * self.cfg.max_messages:
+            return False  # nothing can be sent into a full network; the retry waits for room
+        return may_retry_free(owed, self.location_up(s, loc))
+
+    def free_retry_is_due(self, s: bytes, k: int, loc: int) -> bool:
+        """Must the directory re-send it before time passes (nothing of it is on its way)?"""
+        L = self.L
+        owed = s[L.to_free[loc][k]]
+        return self.free_retry_enabled(s, k, loc) and free_retry_due(
+            owed, True, self.answer_on_its_way(s, k, loc + 1, owed)
+        )
+
+    def orphaned(self, s: bytes, loc: int, k: int) -> bool:
+        """Ghost condition: an up location holds an ended generation's bytes, no Free it would take
+        is on its way, and the directory could send one (the network has room)."""
+        L = self.L
+        if s[L.s_status[loc][k]] != FULL or s[L.s_gen[loc][k]] >= s[L.gen[k]] or not self.location_up(s, loc):
+            return False
+        if len(s) >= L.fixed + MESSAGE_WIDTH * self.cfg.max_messages:
+            return False
+        slot_epoch = s[L.s_epoch[loc][k]]
+        for i in range(L.fixed, len(s), MESSAGE_WIDTH):
+            if s[i] == M_FREE and s[i + 2] == k and s[i + 3] == loc + 1 and s[i + 6] >= slot_epoch:
+                return False  # a Free that will take it is on its way
+        return True
 
     def live_lease_on(self, s: bytes, k: int, loc_plus_1: int) -> bool:
         L = self.L
@@ -241,7 +392,27 @@ class Model:
                     return True
             elif phase == INVALIDATING and self.completion_enabled(s, k):
                 return True
+            for loc in range(self.LOCS):
+                if s[L.to_free[loc][k]] and self.free_retry_is_due(s, k, loc):
+                    return True
+        for n in range(self.N):
+            if self.down_declaration_due(s, n):
+                return True
         return False
+
+    def down_declaration_due(self, s: bytes, n: int) -> bool:
+        """Has the failure detector's time for the crashed node ``n`` run out?"""
+        L = self.L
+        if s[L.up[n]] or s[L.known_down[n]] or s[L.detect_left[n]] or "no_failure_detector" in self.bugs:
+            return False
+        return True
+
+    def owner_declared_down(self, s: bytes, k: int) -> bool:
+        loc1 = s[self.L.owner[k]]
+        if loc1 == NO_LOCATION:
+            return False
+        node = self.loc_node[loc1 - 1]
+        return node >= 0 and s[self.L.known_down[node]] == 1
 
     # ------------------------------------------------------------------ successors
 
@@ -252,6 +423,10 @@ class Model:
         net = [s[i : i + MESSAGE_WIDTH] for i in range(L.fixed, len(s), MESSAGE_WIDTH)]
 
         self._time(s, fixed, net, out)
+        if out and out[0][0] == "tick" and out[0][2] == s:
+            # Time passing where nothing counts changes nothing: a stutter, not a step. Without
+            # it, a state where nothing else can happen is a deadlock the checker reports.
+            del out[0]
         for n in range(self.N):
             if s[L.up[n]]:
                 for k in range(self.K):
@@ -272,7 +447,9 @@ class Model:
             rest = net[:i] + net[i + 1 :]
             delivered = len(out)
             self._deliver(s, fixed, rest, msg, out)
-            dropped = self._pack(bytearray(fixed), rest)
+            lossy = bytearray(fixed)
+            self._mark_lost(lossy, msg)
+            dropped = self._pack(lossy, rest)
             # A delivery the receiver ignores (a refusal, a stale reply) is the same step as
             # losing the message: keep the step that says why.
             if all(step[2] != dropped for step in out[delivered:]):
@@ -294,24 +471,26 @@ class Model:
         not bound yet); ``params`` may be shorter than the step's. Only the generator that can
         produce ``label`` runs (``_APPLY_SOURCES``): the holder's or writer's actions of one
         (node, key), the directory's of one key, the deliveries of the messages that handler
-        takes, time, or failures; a label without an entry falls back to ``successors``, so
-        an action added later is still found, only not faster. ``tests/test_validate.py``
+        takes, time, or failures (some labels have two: a holder abandons on its own or on a
+        refusal); a label without an entry falls back to ``successors``, so an action added
+        later is still found, only not faster. ``tests/test_validate.py``
         checks that the union over every (label, params) of a state's successors is the
         successors."""
         L = self.L
-        source = _APPLY_SOURCES.get(label)
+        sources = _APPLY_SOURCES.get(label)
         out: list[Step] = []
-        if source is None:
+        if sources is None:
             out = self.successors(s)
-        else:
-            fixed = s[: L.fixed]
-            net = [s[i : i + MESSAGE_WIDTH] for i in range(L.fixed, len(s), MESSAGE_WIDTH)]
+            sources = ()
+        fixed = s[: L.fixed]
+        net = [s[i : i + MESSAGE_WIDTH] for i in range(L.fixed, len(s), MESSAGE_WIDTH)]
+        for source in sources:
             kind = source[0]
             if kind == "holder" or kind == "writer":
                 n, k = params[0], params[1]
                 if n is None or k is None:
-                    out = self.successors(s)
-                elif s[L.up[n]]:
+                    return [st for st in self.successors(s) if st[0] == label and _params_match(params, st[1])]
+                if s[L.up[n]]:
                     if kind == "holder" and self.reads[n]:
                         self._holder_actions(s, fixed, net, n, k, out)
                     elif kind == "writer" and self.writes[n]:
@@ -348,6 +527,32 @@ class Model:
             else:
                 b[counter] = v
 
+    def _age_ghosts(self, s: bytes, b: bytearray) -> None:
+        """One true tick passes: every ghost age that runs counts it, saturating one past its bound."""
+        L = self.L
+        for k in range(self.K):
+            phase = s[L.phase[k]]
+            if phase in (WRITING, INVALIDATING) and b[L.phase_age[k]] < self.phase_age_cap:
+                b[L.phase_age[k]] += 1
+            owner = s[L.owner[k]]
+            if phase in (COMMITTED, INVALIDATING) and owner != NO_LOCATION and not self.location_up(s, owner - 1):
+                if b[L.owner_down_age[k]] < self.owner_down_cap:
+                    b[L.owner_down_age[k]] += 1
+            else:
+                b[L.owner_down_age[k]] = 0
+            for loc in range(self.LOCS):
+                i = L.orphan_age[loc][k]
+                if self.orphaned(s, loc, k):
+                    if b[i] < self.orphan_age_cap:
+                        b[i] += 1
+                else:
+                    b[i] = 0
+        for n in range(self.N):
+            for k in range(self.K):
+                # A request given up by its timeout on this tick is over: its ghosts were cleared.
+                if b[L.p_kind[n][k]] != P_NONE and b[L.p_age[n][k]] < self.request_age_cap:
+                    b[L.p_age[n][k]] += 1
+
     def _directory_timers(self, s: bytes) -> list[tuple[int, tuple[int, ...]]]:
         timers = self.L.directory_timers
         if "invalidation_waits_for_acks" in self.bugs:
@@ -370,9 +575,7 @@ class Model:
             self._run_down(b, self._directory_timers(s), 1)
             for n in range(self.N):
                 self._run_down(b, self.node_timers[n], 1)
-            for k in range(self.K):
-                if s[L.phase[k]] == INVALIDATING and b[L.inval_age[k]] <= self.deadline:
-                    b[L.inval_age[k]] += 1
+            self._age_ghosts(s, b)
             out.append(("tick", (), bytes(b) + tail))
         # Clock steps, in the direction that can hurt (Gray & Cheriton: a fast server clock or a
         # slow holder clock breaks leases; the opposite errors only delay): the directory's clock
@@ -384,8 +587,14 @@ class Model:
         if s[L.dir_off] < eps and any(s[c] for c, _ in L.directory_timers):
             b = bytearray(fixed)
             b[L.dir_off] += 1
-            self._run_down(b, self._directory_timers(s), 1)
-            out.append(("clock_forward", (-1,), bytes(b) + tail))
+            if cfg.directory_clock_lags:
+                # The directory's clock falls behind: its leases and grace last longer in true
+                # time (harmless for safety, harmful for the bounded-response deadlines).
+                self._run_down(b, self._directory_timers(s), -1)
+                out.append(("clock_back", (-1,), bytes(b) + tail))
+            else:
+                self._run_down(b, self._directory_timers(s), 1)
+                out.append(("clock_forward", (-1,), bytes(b) + tail))
         for n in range(self.N):
             if s[L.up[n]] and s[L.off[n]] < eps and any(s[c] for c, _ in self.node_timers[n]):
                 b = bytearray(fixed)
@@ -416,11 +625,11 @@ class Model:
                 renew = message(M_RENEW, n, k, h_id, s[L.h_loc[n][k]], req)
                 out.append(("renew", (n, k), self._pack(b, net + [renew])))
         if s[L.p_kind[n][k]] != P_NONE:
-            # The client gives up on its request (the directory refused it -- a refusal is an
-            # answer the model does not carry -- or it timed out): a grant or renewal that still
-            # comes answers a request nobody waits for and is ignored.
+            # The client gives up on its request before its answer or its timeout (a caller that
+            # cancels): a grant or renewal that still comes answers a request nobody waits for
+            # and is ignored. (A refusal that arrives ends the request the same way: ``_on_refuse``.)
             b = bytearray(fixed)
-            b[L.p_kind[n][k]] = b[L.p_id[n][k]] = b[L.p_left[n][k]] = 0
+            self._end_pending(b, n, k)
             out.append(("abandon", (n, k), self._pack(b, net)))
         if h_id != NO_LEASE:
             # A read under a trusted lease: observes the slot (the properties judge what it sees).
@@ -430,7 +639,7 @@ class Model:
             b = bytearray(fixed)
             b[L.h_id[n][k]] = b[L.h_loc[n][k]] = b[L.h_gen[n][k]] = b[L.h_left[n][k]] = 0
             if s[L.p_kind[n][k]] == P_RENEW:
-                b[L.p_kind[n][k]] = b[L.p_id[n][k]] = b[L.p_left[n][k]] = 0
+                self._end_pending(b, n, k)
             rest = list(net)
             self._send(rest, message(M_RELEASE, n, k, h_id))
             out.append(("release", (n, k), self._pack(b, rest)))
@@ -444,9 +653,10 @@ class Model:
             if len(net) < self.cfg.max_messages:
                 b = bytearray(fixed)
                 b[L.w_stage[n][k]] = W_REQUESTED
+                b[L.write_lost[n][k]] = 0
                 out.append(("begin_write", (n, k), self._pack(b, net + [message(M_BEGIN_WRITE, n, k)])))
             return
-        if stage in (W_REQUESTED, W_BYTES_SENT):
+        if stage in (W_REQUESTED, W_BYTES_SENT) and "writer_never_gives_up" not in self.bugs:
             # The client gives up (a timeout): a late grant finds nobody waiting, bytes still in
             # flight land or are fenced, and the write lease expires.
             b = bytearray(fixed)
@@ -457,21 +667,31 @@ class Model:
         L = self.L
         b[L.w_stage[n][k]] = W_NONE
         b[L.wr_id[n][k]] = b[L.wr_gen[n][k]] = b[L.wr_epoch[n][k]] = b[L.wr_loc[n][k]] = 0
+        b[L.write_lost[n][k]] = 0
 
     # -- directory internal actions -----------------------------------------------------------
 
     def _directory_actions(self, s: bytes, fixed: bytes, net: list[bytes], k: int, out: list[Step]) -> None:
         L, cfg = self.L, self.cfg
         phase = s[L.phase[k]]
+        for loc in range(self.LOCS):
+            if s[L.to_free[loc][k]] and self.free_retry_enabled(s, k, loc):
+                # The owed Free or its Freed may have been lost (or a down location swallowed
+                # it): again. Idempotent at the location; due once nothing of it is on its way.
+                rest = list(net)
+                self._send(rest, message(M_FREE, 0, k, loc + 1, 0, 0, s[L.to_free[loc][k]]))
+                out.append(("retry_free", (k, loc), self._pack(bytearray(fixed), rest)))
         if phase == WRITING:
             if write_lease_must_expire(phase, s[L.w_left[k]] > 0) and "write_lease_never_expires" not in self.bugs:
                 # The write lease expired: the key is writable again, the late writer is fenced
-                # by the next grant's higher epoch.
+                # by the next grant's higher epoch, and whatever it stored is freed.
                 writer = s[L.writer[k]] - 1
                 b = bytearray(fixed)
+                rest = list(net)
+                self._free_ended_write(s, b, rest, k)
                 self._end_generation(b, k)
                 name = "expire_write_lease_of_crashed" if not s[L.up[writer]] else "expire_write_lease"
-                out.append((name, (k,), self._pack(b, net)))
+                out.append((name, (k,), self._pack(b, rest)))
         elif phase == COMMITTED:
             self._invalidate_actions(s, fixed, net, k, out)
             self._evict_actions(s, fixed, net, k, out)
@@ -493,14 +713,30 @@ class Model:
         b[L.owner[k]] = b[L.moving[k]] = b[L.draining[k]] = NO_LOCATION
         b[L.writer[k]] = NO_NODE
         b[L.w_id[k]] = b[L.w_left[k]] = 0
-        b[L.inval_age[k]] = 0
+        b[L.phase_age[k]] = 0
+        for n in range(self.N):
+            b[L.acked[n][k]] = 0  # acks were of the generation that just ended
+
+    def _owe_free(self, b: bytearray, net: list[bytes], k: int, loc1: int, epoch: int) -> None:
+        """Free ``k`` at ``loc`` under ``epoch``, and keep owing it until a ``Freed`` says so."""
+        L = self.L
+        i = L.to_free[loc1 - 1][k]
+        b[i] = owe_free(b[i], epoch)
+        self._send(net, message(M_FREE, 0, k, loc1, 0, 0, epoch))
 
     def _free_copies(self, s: bytes, b: bytearray, net: list[bytes], k: int) -> None:
         L = self.L
         for idx in (L.owner[k], L.draining[k]):
             loc = s[idx]
             if loc != NO_LOCATION:
-                self._send(net, message(M_FREE, 0, k, loc, 0, 0, s[L.epoch[k]]))
+                self._owe_free(b, net, k, loc, s[L.epoch[k]])
+
+    def _free_ended_write(self, s: bytes, b: bytearray, net: list[bytes], k: int) -> None:
+        """A write that ends without a commit (its lease expired, an invalidation aborted it) may
+        have stored bytes at its location: they belong to a generation that is over."""
+        L = self.L
+        if "ended_write_not_freed" not in self.bugs and s[L.owner[k]] != NO_LOCATION:
+            self._owe_free(b, net, k, s[L.owner[k]], s[L.epoch[k]])
 
     def _invalidate_actions(self, s: bytes, fixed: bytes, net: list[bytes], k: int, out: list[Step]) -> None:
         """invalidate(key) voids the key and its whole prefix subtree (DESIGN: invalidation)."""
@@ -520,15 +756,19 @@ class Model:
             step = invalidation_step(s[L.phase[j]])
             if step == INVALIDATE_START:
                 b[L.phase[j]] = INVALIDATING
-                b[L.inval_age[j]] = 0
-                b[L.moving[j]] = NO_LOCATION  # an unfinished transfer is abandoned
+                b[L.phase_age[j]] = 0
+                if s[L.moving[j]] != NO_LOCATION:
+                    # An unfinished transfer is abandoned, its destination freed.
+                    b[L.moving[j]] = NO_LOCATION
+                    self._owe_free(b, net, j, s[L.moving[j]], s[L.epoch[j]])
                 for n in range(self.N):
                     lease = b[L.r_id[j][n]]
                     if lease != NO_LEASE:
-                        self._send(net, message(M_REVOKE, n, j, lease))
+                        self._send(net, message(M_REVOKE, n, j, lease, 0, s[L.gen[j]]))
             elif step == INVALIDATE_ABORT_WRITE:
                 # A write in progress below an invalidated prefix is aborted; its commit will
-                # find the generation gone.
+                # find the generation gone, and whatever it stored is freed.
+                self._free_ended_write(s, b, net, j)
                 self._end_generation(b, j)
 
     def _evict_actions(self, s: bytes, fixed: bytes, net: list[bytes], k: int, out: list[Step]) -> None:
@@ -555,11 +795,17 @@ class Model:
             loc = loc1 - 1
             b[L.s_status[loc][k]] = EMPTY  # the node drops the bytes once the directory agreed
             b[L.s_gen[loc][k]] = b[L.s_epoch[loc][k]] = 0
+            rest = net
             if idx == L.draining[k]:
                 b[L.draining[k]] = NO_LOCATION
             else:
+                if s[L.moving[k]] != NO_LOCATION:
+                    # A transfer was under way: its copy may land, and belongs to a generation
+                    # that is ending. (Found by the checker: DeletionReachesEverywhere.)
+                    rest = list(net)
+                    self._owe_free(b, rest, k, s[L.moving[k]], s[L.epoch[k]])
                 self._end_generation(b, k)  # the last copy is gone: the key is ABSENT again
-            out.append(("evict", (k, loc), self._pack(b, net)))
+            out.append(("evict", (k, loc), self._pack(b, rest)))
 
     def _transfer_actions(self, s: bytes, fixed: bytes, net: list[bytes], k: int, out: list[Step]) -> None:
         """Promotion / demotion: move the owner copy to another location as an ownership transfer."""
@@ -572,13 +818,17 @@ class Model:
                     # The old copy's leases drained: free it.
                     b = bytearray(fixed)
                     rest = list(net)
-                    self._send(rest, message(M_FREE, 0, k, draining, 0, 0, s[L.epoch[k]]))
+                    self._owe_free(b, rest, k, draining, s[L.epoch[k]])
                     b[L.draining[k]] = NO_LOCATION
                     out.append(("free_drained", (k,), self._pack(b, rest)))
             if moving != NO_LOCATION:
+                # The copy may land after all: its destination is freed under the transfer's
+                # epoch, which then refuses it.
                 b = bytearray(fixed)
+                rest = list(net)
                 b[L.moving[k]] = NO_LOCATION
-                out.append(("cancel_transfer", (k,), self._pack(b, net)))
+                self._owe_free(b, rest, k, moving, s[L.epoch[k]])
+                out.append(("cancel_transfer", (k,), self._pack(b, rest)))
             return
         if s[L.epoch[k]] >= cfg.max_epoch or len(net) >= cfg.max_messages:
             return
@@ -608,9 +858,12 @@ class Model:
         if phase == INVALIDATING and "grant_during_invalidation" in self.bugs:
             phase = COMMITTED  # bug: an invalidating key looks grantable
         authorized = self.allowed[n][k] or "no_namespace_check" in self.bugs
-        refusal = may_grant_read(phase, authorized, s[L.r_id[k][n]] != NO_LEASE)
+        refusal = may_grant_read(phase, authorized, s[L.r_id[k][n]] != NO_LEASE, self.owner_declared_down(s, k))
         if refusal is not None or s[L.next_id] > cfg.max_lease_id:
-            out.append(("refuse_read_lease", (n, k), self._pack(bytearray(fixed), net)))
+            b = bytearray(fixed)
+            rest = list(net)
+            self._refuse(b, rest, message(M_REFUSE, n, k, req, REFUSED_READ))
+            out.append(("refuse_read_lease", (n, k), self._pack(b, rest)))
             return
         b = bytearray(fixed)
         lease = s[L.next_id]
@@ -620,7 +873,7 @@ class Model:
         b[L.r_loc[k][n]] = loc1
         b[L.r_left[k][n]] = self.directory_view
         rest = list(net)
-        self._send(rest, message(M_GRANT_READ, n, k, lease, loc1, s[L.gen[k]], req))
+        self._reply(b, rest, message(M_GRANT_READ, n, k, lease, loc1, s[L.gen[k]], req))
         out.append(("grant_read_lease", (n, k, lease), self._pack(b, rest)))
 
     def _on_renew(self, s, fixed, net, msg, out):
@@ -640,10 +893,13 @@ class Model:
             b[L.r_loc[k][n]] = loc1
             b[L.r_left[k][n]] = self.directory_view
             rest = list(net)
-            self._send(rest, message(M_RENEWED, n, k, lease, 0, 0, req))
+            self._reply(b, rest, message(M_RENEWED, n, k, lease, 0, 0, req))
             out.append(("renew_lease", (n, k, lease), self._pack(b, rest)))
         else:
-            out.append(("refuse_renewal", (n, k, lease), self._pack(bytearray(fixed), net)))
+            b = bytearray(fixed)
+            rest = list(net)
+            self._refuse(b, rest, message(M_REFUSE, n, k, req, REFUSED_READ))
+            out.append(("refuse_renewal", (n, k, lease), self._pack(b, rest)))
 
     def _on_release(self, s, fixed, net, msg, out):
         L = self.L
@@ -664,7 +920,10 @@ class Model:
         )
         # The epoch and lease-id budgets are scope bounds of the model, not protocol rules.
         if refusal is not None or s[L.epoch[k]] >= cfg.max_epoch or s[L.next_id] > cfg.max_lease_id:
-            out.append(("refuse_write_lease", (n, k), self._pack(bytearray(fixed), net)))
+            b = bytearray(fixed)
+            rest = list(net)
+            self._refuse(b, rest, message(M_REFUSE, n, k, 0, REFUSED_WRITE))
+            out.append(("refuse_write_lease", (n, k), self._pack(b, rest)))
             return
         lease = s[L.next_id]
         epoch = next_epoch(s[L.epoch[k]])  # every ownership change takes a new epoch: the fencing token
@@ -680,7 +939,7 @@ class Model:
             b[L.w_id[k]] = lease
             b[L.w_left[k]] = self.directory_view
             rest = list(net)
-            self._send(rest, message(M_GRANT_WRITE, n, k, lease, loc + 1, s[L.gen[k]], epoch))
+            self._reply(b, rest, message(M_GRANT_WRITE, n, k, lease, loc + 1, s[L.gen[k]], epoch))
             out.append(("grant_write_lease", (n, k, loc), self._pack(b, rest)))
 
     def _on_commit(self, s, fixed, net, msg, out):
@@ -695,6 +954,7 @@ class Model:
             b[L.phase[k]] = COMMITTED
             b[L.writer[k]] = NO_NODE
             b[L.w_id[k]] = b[L.w_left[k]] = 0
+            b[L.phase_age[k]] = 0
             out.append(("commit_write", (n, k, lease), self._pack(b, net)))
         else:
             out.append(("reject_stale_commit", (n, k, lease), self._pack(b, net)))
@@ -739,7 +999,7 @@ class Model:
             b[L.h_loc[n][k]] = loc1
             b[L.h_gen[n][k]] = gen
             b[L.h_left[n][k]] = budget
-            b[L.p_kind[n][k]] = b[L.p_id[n][k]] = b[L.p_left[n][k]] = 0
+            self._end_pending(b, n, k)
             out.append(("trust_read_lease", (n, k, lease), self._pack(b, net)))
         else:
             out.append(("ignore_stale_grant", (n, k, lease), self._pack(b, net)))
@@ -755,7 +1015,7 @@ class Model:
             and s[L.h_id[n][k]] == lease
         ):
             b[L.h_left[n][k]] = s[L.p_left[n][k]]  # counted from when the renewal was sent
-            b[L.p_kind[n][k]] = b[L.p_id[n][k]] = b[L.p_left[n][k]] = 0
+            self._end_pending(b, n, k)
             out.append(("trust_renewal", (n, k, lease), self._pack(b, net)))
         else:
             out.append(("ignore_stale_renewal", (n, k, lease), self._pack(b, net)))
@@ -769,6 +1029,7 @@ class Model:
             # token). However long they take to land -- a pause, a slow network -- the tag is
             # what the location judges them by.
             b[L.w_stage[n][k]] = W_BYTES_SENT
+            b[L.write_lost[n][k]] = 0  # the request was answered
             b[L.wr_id[n][k]] = lease
             b[L.wr_gen[n][k]] = gen
             b[L.wr_epoch[n][k]] = epoch
@@ -781,18 +1042,20 @@ class Model:
 
     def _on_revoke(self, s, fixed, net, msg, out):
         L = self.L
-        _, n, k, lease, *_ = msg
+        _, n, k, lease, _, gen, _ = msg
         b = bytearray(fixed)
         rest = list(net)
         if s[L.up[n]]:
             if s[L.h_id[n][k]] == lease and "ack_before_drop" not in self.bugs:
                 # Drop the copy first, then acknowledge (Chubby's flush-then-ack).
                 b[L.h_id[n][k]] = b[L.h_loc[n][k]] = b[L.h_gen[n][k]] = b[L.h_left[n][k]] = 0
-            if s[L.p_kind[n][k]] != P_NONE:
+            if s[L.p_kind[n][k]] != P_NONE and "revoke_keeps_pending_acquire" not in self.bugs:
                 # The revocation may overtake the grant it revokes: an acquire still waiting for
                 # its grant is cancelled too, or the holder would trust a lease the directory is
                 # about to forget on this very ack. (Found by the checker: NoReadAfterAck.)
-                b[L.p_kind[n][k]] = b[L.p_id[n][k]] = b[L.p_left[n][k]] = 0
+                self._end_pending(b, n, k)
+            if gen == s[L.gen[k]]:
+                b[L.acked[n][k]] = 1  # ghost: this node acknowledged the current generation's end
             self._send(rest, message(M_ACK, n, k, lease))
         out.append(("drop_and_ack", (n, k, lease), self._pack(b, rest)))
 
@@ -807,7 +1070,7 @@ class Model:
             out.append(("write_to_down_location", (n, k, loc), self._pack(b, net)))
             return
         writer_waiting = s[L.up[n]] and s[L.w_stage[n][k]] == W_BYTES_SENT and s[L.wr_id[n][k]] == lease
-        if not fence_accepts(epoch, s[L.fence[loc][k]]) and "no_fencing" not in self.bugs:
+        if not self._slot_accepts(s, loc, k, epoch):
             # A stale writer (paused past its lease, or a zombie) is refused where the data lives.
             if writer_waiting:
                 self._clear_writer(b, n, k)
@@ -817,6 +1080,7 @@ class Model:
         b[L.s_gen[loc][k]] = gen
         b[L.s_epoch[loc][k]] = epoch
         b[L.fence[loc][k]] = max(epoch, s[L.fence[loc][k]])
+        b[L.freed[loc][k]] = 0  # the fence now refuses all it did (states that agree are one)
         rest = net
         if writer_waiting:
             # Published (written, synced, then made visible): the writer asks to commit.
@@ -825,6 +1089,14 @@ class Model:
             self._send(rest, message(M_COMMIT, n, k, lease, 0, 0, epoch))
         out.append(("store_bytes", (n, k, loc), self._pack(b, rest)))
 
+    def _slot_accepts(self, s: bytes, loc: int, k: int, epoch: int) -> bool:
+        """Does the slot take bytes (a write or a copy) under ``epoch``?"""
+        L = self.L
+        if "no_fencing" in self.bugs:
+            return True
+        freed = s[L.freed[loc][k]] if "late_bytes_after_free" not in self.bugs else 0
+        return slot_accepts(epoch, s[L.fence[loc][k]], freed)
+
     def _on_free(self, s, fixed, net, msg, out):
         L = self.L
         _, _, k, loc1, _, _, epoch = msg
@@ -832,12 +1104,53 @@ class Model:
         b = bytearray(fixed)
         if not self.location_up(s, loc):
             out.append(("free_at_down_location", (k, loc), self._pack(b, net)))
-        elif not fence_accepts(epoch, s[L.fence[loc][k]]) and "no_fencing" not in self.bugs:
-            out.append(("fence_stale_free", (k, loc), self._pack(b, net)))
+            return
+        rest = list(net)
+        full = s[L.s_status[loc][k]] == FULL
+        if not free_takes(epoch, s[L.fence[loc][k]], full, s[L.s_epoch[loc][k]]) and "no_fencing" not in self.bugs:
+            # Newer bytes are here (or a newer epoch was seen by an empty slot): whatever that
+            # Free was for is gone already.
+            self._send(rest, message(M_FREED, 0, k, loc1, 0, 0, epoch))
+            out.append(("fence_stale_free", (k, loc), self._pack(b, rest)))
         else:
             b[L.s_status[loc][k]] = EMPTY
             b[L.s_gen[loc][k]] = b[L.s_epoch[loc][k]] = 0
-            out.append(("free_slot", (k, loc), self._pack(b, net)))
+            b[L.freed[loc][k]] = max(epoch, s[L.freed[loc][k]])
+            if b[L.fence[loc][k]] > b[L.freed[loc][k]]:
+                b[L.freed[loc][k]] = 0  # the fence refuses all it did
+            self._send(rest, message(M_FREED, 0, k, loc1, 0, 0, epoch))
+            out.append(("free_slot", (k, loc), self._pack(b, rest)))
+
+    def _on_freed(self, s, fixed, net, msg, out):
+        L = self.L
+        _, _, k, loc1, _, _, epoch = msg
+        b = bytearray(fixed)
+        i = L.to_free[loc1 - 1][k]
+        if free_acknowledged(s[i], epoch):
+            b[i] = 0
+            out.append(("free_acked", (k, loc1 - 1), self._pack(b, net)))
+        else:
+            out.append(("ignore_stale_freed", (k, loc1 - 1), self._pack(b, net)))
+
+    def _refuse(self, b: bytearray, net: list[bytes], msg: bytes) -> None:
+        """Answer a request with a refusal (DESIGN progress: every lease request is answered)."""
+        if "silent_refusal" not in self.bugs:
+            self._reply(b, net, msg)
+
+    def _on_refuse(self, s, fixed, net, msg, out):
+        L = self.L
+        _, n, k, req, what, _, _ = msg
+        b = bytearray(fixed)
+        if what == REFUSED_WRITE:
+            if s[L.up[n]] and s[L.w_stage[n][k]] == W_REQUESTED:
+                self._clear_writer(b, n, k)  # the writer gives up: nothing to wait for
+                out.append(("abort", (n, k), self._pack(b, net)))
+                return
+        elif s[L.up[n]] and s[L.p_kind[n][k]] != P_NONE and s[L.p_id[n][k]] == req:
+            self._end_pending(b, n, k)  # the holder gives up its request: nothing to wait for
+            out.append(("abandon", (n, k), self._pack(b, net)))
+            return
+        out.append(("ignore_stale_refusal", (n, k), self._pack(b, net)))
 
     def _on_copy(self, s, fixed, net, msg, out):
         L = self.L
@@ -852,13 +1165,14 @@ class Model:
         if not self.location_up(s, dest) or not source_ok:
             out.append(("copy_failed", (k, dest), self._pack(b, net)))
             return
-        if not fence_accepts(epoch, s[L.fence[dest][k]]) and "no_fencing" not in self.bugs:
+        if not self._slot_accepts(s, dest, k, epoch):
             out.append(("fence_stale_copy", (k, dest), self._pack(b, net)))
             return
         b[L.s_status[dest][k]] = FULL
         b[L.s_gen[dest][k]] = gen
         b[L.s_epoch[dest][k]] = epoch
         b[L.fence[dest][k]] = max(epoch, s[L.fence[dest][k]])
+        b[L.freed[dest][k]] = 0  # the fence now refuses all it did
         rest = list(net)
         self._send(rest, message(M_COPIED, 0, k, dest1, 0, 0, epoch))
         out.append(("store_copy", (k, dest), self._pack(b, rest)))
@@ -878,6 +1192,8 @@ class Model:
         M_WRITE_BYTES: _on_write_bytes,
         M_FREE: _on_free,
         M_COPY: _on_copy,
+        M_REFUSE: _on_refuse,
+        M_FREED: _on_freed,
     }
 
     # -- failures -----------------------------------------------------------------------------
@@ -894,6 +1210,8 @@ class Model:
                         out.append(("crash", (n, 1), self._pack(lost, net)))
             else:
                 out.append(("restart_node", (n,), self._restart_node(s, fixed, net, n)))
+                if self.down_declaration_due(s, n):
+                    out.append(("declare_node_down", (n,), self._declare_down(s, fixed, net, n)))
         if s[L.restarts_left] > 0:
             out.append(("restart_directory", (), self._pack(self._restart_directory(s, fixed), net)))
 
@@ -903,9 +1221,11 @@ class Model:
         b = bytearray(fixed)
         b[L.up[n]] = 0
         b[L.crashes_left] -= 1
+        b[L.detect_left[n]] = self.detection  # the node's registration runs out on the directory
         for k in range(self.K):
-            for idx in (L.h_id, L.h_loc, L.h_gen, L.h_left, L.p_kind, L.p_id, L.p_left):
+            for idx in (L.h_id, L.h_loc, L.h_gen, L.h_left):
                 b[idx[n][k]] = 0
+            self._end_pending(b, n, k)
             self._clear_writer(b, n, k)
         if lose_disk:
             for loc in range(self.LOCS):
@@ -915,6 +1235,7 @@ class Model:
                     if b[L.s_status[loc][k]] == FULL:
                         b[L.s_status[loc][k]] = LOST  # a read fails; it never returns other bytes
                     b[L.fence[loc][k]] = 0  # the fence was on that disk too
+                    b[L.freed[loc][k]] = 0
         return b
 
     def _restart_node(self, s: bytes, fixed: bytes, net: list[bytes], n: int) -> bytes:
@@ -926,6 +1247,7 @@ class Model:
         b = bytearray(fixed)
         rest = list(net)
         b[L.up[n]] = 1
+        b[L.known_down[n]] = b[L.detect_left[n]] = 0  # registered again
         for k in range(self.K):
             b[L.r_id[k][n]] = b[L.r_loc[k][n]] = b[L.r_left[k][n]] = 0
             # A node that lost its disk lost its fences too: it takes them back from the
@@ -935,15 +1257,43 @@ class Model:
             for loc in range(self.LOCS):
                 if self.loc_node[loc] == n:
                     b[L.fence[loc][k]] = restored_fence(b[L.fence[loc][k]], s[L.epoch[k]])
+                    # Likewise what it freed: bytes the directory does not want may still be on
+                    # their way (a paused writer's, a cancelled transfer's).
+                    wanted = loc + 1 in (s[L.owner[k]], s[L.draining[k]], s[L.moving[k]])
+                    b[L.freed[loc][k]] = restored_freed_epoch(b[L.freed[loc][k]], wanted, s[L.epoch[k]])
+                    if b[L.fence[loc][k]] > b[L.freed[loc][k]]:
+                        b[L.freed[loc][k]] = 0  # the fence refuses all it did
         for k in range(self.K):
             for idx in (L.owner[k], L.draining[k], L.moving[k]):
                 loc1 = s[idx]
                 if loc1 == NO_LOCATION or self.loc_node[loc1 - 1] != n:
                     continue
                 if idx == L.moving[k]:
-                    b[idx] = NO_LOCATION  # the copy in progress died with the node
+                    b[idx] = NO_LOCATION  # the copy in progress died with the node (or landed):
+                    self._owe_free(b, rest, k, loc1, s[L.epoch[k]])
                 elif lost_copy_invalidates(b[L.phase[k]], idx == L.owner[k], s[L.s_status[loc1 - 1][k]] == LOST):
                     self._invalidate_into(s, b, rest, self.subtree[k])
+        return self._pack(b, rest)
+
+    def _declare_down(self, s: bytes, fixed: bytes, net: list[bytes], n: int) -> bytes:
+        """The failure detector declares the silent node ``n`` down (its registration ran out). The
+        directory leases nothing there any more, and voids every COMMITTED key whose owner copy is
+        there, with its subtree: the leases on it are revoked and expire, and the key is writable
+        again within the failover deadline (P4). The copies themselves are freed when the
+        invalidation completes, and reach the node when it is back (DESIGN: deletion).
+
+        Why a detector with a bound and not the crash itself: the directory cannot see a kill -9;
+        it sees a node stop renewing its registration (a lease of one term). A node that comes back
+        before that (``restart_node``) re-registers, and the directory forgets what it lost."""
+        L = self.L
+        b = bytearray(fixed)
+        rest = list(net)
+        b[L.known_down[n]] = 1
+        for k in range(self.K):
+            loc1 = s[L.owner[k]]
+            on_n = loc1 != NO_LOCATION and self.loc_node[loc1 - 1] == n
+            if down_owner_invalidates(b[L.phase[k]], on_n):
+                self._invalidate_into(s, b, rest, self.subtree[k])
         return self._pack(b, rest)
 
     def _restart_directory(self, s: bytes, fixed: bytes) -> bytearray:
@@ -973,27 +1323,31 @@ def _params_match(given: tuple, step: tuple) -> bool:
 
 # Which generator of ``successors`` produces each label (``Model.apply``). Deliveries name the
 # message kinds whose handler may answer with the label.
-_APPLY_SOURCES: dict[str, tuple] = {
-    **{a: ("holder",) for a in ("acquire", "renew", "abandon", "read", "release")},
-    **{a: ("writer",) for a in ("begin_write", "abort")},
-    **{a: ("directory",) for a in (
+_APPLY_SOURCES: dict[str, tuple[tuple, ...]] = {
+    **{a: (("holder",),) for a in ("acquire", "renew", "read", "release")},
+    "abandon": (("holder",), ("deliver", (M_REFUSE,))),
+    "begin_write": (("writer",),),
+    "abort": (("writer",), ("deliver", (M_REFUSE,))),
+    **{a: (("directory",),) for a in (
         "expire_write_lease", "expire_write_lease_of_crashed", "invalidate", "complete_invalidation", "evict",
-        "evict_refused", "start_transfer", "free_drained", "cancel_transfer",
+        "evict_refused", "start_transfer", "free_drained", "cancel_transfer", "retry_free",
     )},  # fmt: skip
-    **{a: ("deliver", (M_ACQUIRE,)) for a in ("grant_read_lease", "refuse_read_lease")},
-    **{a: ("deliver", (M_RENEW,)) for a in ("renew_lease", "refuse_renewal")},
-    "release_lease": ("deliver", (M_RELEASE,)),
-    **{a: ("deliver", (M_BEGIN_WRITE,)) for a in ("grant_write_lease", "refuse_write_lease")},
-    **{a: ("deliver", (M_COMMIT,)) for a in ("commit_write", "reject_stale_commit")},
-    "revoke_acked": ("deliver", (M_ACK,)),
-    **{a: ("deliver", (M_COPIED,)) for a in ("finish_transfer", "ignore_stale_copied")},
-    **{a: ("deliver", (M_GRANT_READ,)) for a in ("trust_read_lease", "ignore_stale_grant")},
-    **{a: ("deliver", (M_RENEWED,)) for a in ("trust_renewal", "ignore_stale_renewal")},
-    **{a: ("deliver", (M_GRANT_WRITE,)) for a in ("start_writing", "ignore_stale_write_grant")},
-    "drop_and_ack": ("deliver", (M_REVOKE,)),
-    **{a: ("deliver", (M_WRITE_BYTES,)) for a in ("store_bytes", "fence_stale_write", "write_to_down_location")},
-    **{a: ("deliver", (M_FREE,)) for a in ("free_slot", "fence_stale_free", "free_at_down_location")},
-    **{a: ("deliver", (M_COPY,)) for a in ("store_copy", "copy_failed", "fence_stale_copy")},
-    **{a: ("time",) for a in ("tick", "clock_forward", "clock_back")},
-    **{a: ("failures",) for a in ("crash", "restart_node", "restart_directory")},
+    **{a: (("deliver", (M_ACQUIRE,)),) for a in ("grant_read_lease", "refuse_read_lease")},
+    **{a: (("deliver", (M_RENEW,)),) for a in ("renew_lease", "refuse_renewal")},
+    "release_lease": (("deliver", (M_RELEASE,)),),
+    **{a: (("deliver", (M_BEGIN_WRITE,)),) for a in ("grant_write_lease", "refuse_write_lease")},
+    **{a: (("deliver", (M_COMMIT,)),) for a in ("commit_write", "reject_stale_commit")},
+    "revoke_acked": (("deliver", (M_ACK,)),),
+    **{a: (("deliver", (M_COPIED,)),) for a in ("finish_transfer", "ignore_stale_copied")},
+    **{a: (("deliver", (M_GRANT_READ,)),) for a in ("trust_read_lease", "ignore_stale_grant")},
+    **{a: (("deliver", (M_RENEWED,)),) for a in ("trust_renewal", "ignore_stale_renewal")},
+    **{a: (("deliver", (M_GRANT_WRITE,)),) for a in ("start_writing", "ignore_stale_write_grant")},
+    "drop_and_ack": (("deliver", (M_REVOKE,)),),
+    **{a: (("deliver", (M_WRITE_BYTES,)),) for a in ("store_bytes", "fence_stale_write", "write_to_down_location")},
+    **{a: (("deliver", (M_FREE,)),) for a in ("free_slot", "fence_stale_free", "free_at_down_location")},
+    **{a: (("deliver", (M_COPY,)),) for a in ("store_copy", "copy_failed", "fence_stale_copy")},
+    "ignore_stale_refusal": (("deliver", (M_REFUSE,)),),
+    **{a: (("deliver", (M_FREED,)),) for a in ("free_acked", "ignore_stale_freed")},
+    **{a: (("time",),) for a in ("tick", "clock_forward", "clock_back")},
+    **{a: (("failures",),) for a in ("crash", "restart_node", "restart_directory", "declare_node_down")},
 }
