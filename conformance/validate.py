@@ -154,7 +154,12 @@ from kvcc.spec.layout import (
     INVALIDATING,
     M_ACQUIRE,
     M_BEGIN_WRITE,
+    M_GRANT_READ,
+    M_REFUSE,
+    M_RENEWED,
     MESSAGE_WIDTH,
+    P_NONE,
+    REFUSED_READ,
     WRITING,
     ABSENT,
 )
@@ -312,6 +317,8 @@ assert RENUMBER_AT + 32 < MAX_PROJECTION_COUNT  # room for the ids one level can
 # that carry one: the spec's own tables (its properties and its lost-message ghost read them).
 _CARRIES_LEASE = properties._CARRIES_LEASE
 _REQUEST_FIELD = model_module._READ_EXCHANGE_REQUEST
+# Replies to a holder's request, and where they carry the request number.
+_READ_REPLY = {kind: f for kind, f in _REQUEST_FIELD.items() if kind in (M_GRANT_READ, M_RENEWED, M_REFUSE)}
 
 
 # -------------------------------------------------------------------------------------- values
@@ -651,6 +658,25 @@ class _Roles:
         return None if name is None else self.location_index.get(str(name))
 
 
+GHOST_AGES = ("phase_age", "owner_down_age", "orphan_age", "p_age")  # Layout fields; see _Replay
+
+
+def ghost_age_indices(L: Any) -> list[int]:
+    """The state indices of the ghost ages (``GHOST_AGES``) this layout has."""
+    out: list[int] = []
+
+    def walk(v: Any) -> None:
+        if isinstance(v, int):
+            out.append(v)
+        else:
+            for x in v:
+                walk(x)
+
+    for name in GHOST_AGES:
+        walk(getattr(L, name, ()))
+    return sorted(out)
+
+
 # ----------------------------------------------------------------------------------- projection
 
 
@@ -671,6 +697,7 @@ class _Replay:
     def __init__(
         self, key: str, pevents: list[_PEvent], roles: _Roles, params: TraceParams, counts: dict, clock_steps: bool,
         narrow: bool = False, shared: frozenset[int] = frozenset(), cascades: frozenset[int] = frozenset(),
+        merge_ages: bool = True,
     ) -> None:
         self.key, self.roles, self.params = key, roles, params
         # Events in other projections too (failures, cascades): the ticks each accepted
@@ -707,6 +734,14 @@ class _Replay:
         )  # fmt: skip
         self.model = Model(self.cfg)
         self.L = self.model.L
+        # The ghost ages (true ticks since a phase began, a request left, an owner went down, bytes
+        # were orphaned) only the progress properties read, each as "age <= its bound"; no guard
+        # reads them (``tests/test_validate.py`` checks that on the model). Elements that differ
+        # only in them behave alike: merged into one with the oldest age of each, which breaks
+        # a bound whenever one of them does. So a merged element that survives stands for
+        # behaviours that all survive (sound); a rejection it causes may be one of the merge's
+        # (re-checked by a pass without merging).
+        self._age_index = [i for i in ghost_age_indices(self.L)] if merge_ages else []
         logs: dict[tuple[str, int], list[_PEvent]] = {}
         for pe in pevents:
             logs.setdefault((pe.ev["node"], pe.ev["incarnation"]), []).append(pe)
@@ -931,6 +966,55 @@ class _Replay:
         if name == "restart_directory":
             return ()
         return (0,)  # the directory's own steps on the key
+
+    def _drop_stale(self, s: bytes) -> bytes:
+        """``s`` without the replies of a holder's request exchange (grant, renewal, refusal)
+        that answer a request other than the one pending: request numbers only grow, so their
+        delivery is ignored now and ever after. Losing them is a spec step (``drop``; no lost
+        request ghost, which marks only the pending exchange's), and a state that kept them
+        can do nothing more than one without: kept, they only tell apart elements that
+        explain the trace alike (an ``abandon`` on a refusal, or on a timeout with the refusal
+        still coming)."""
+        L = self.L
+        fixed = L.fixed
+        if len(s) == fixed:
+            return s
+        net = [s[i : i + MESSAGE_WIDTH] for i in range(fixed, len(s), MESSAGE_WIDTH)]
+        keep = []
+        for m in net:
+            kind = m[0]
+            if kind in _READ_REPLY:
+                if kind == M_REFUSE and m[4] != REFUSED_READ:
+                    keep.append(m)
+                    continue
+                n, k, req = m[1], m[2], m[_READ_REPLY[kind]]
+                if s[L.p_kind[n][k]] == P_NONE or s[L.p_id[n][k]] != req:
+                    continue  # answers a request no longer pending: ignored for ever
+            keep.append(m)
+        if len(keep) == len(net):
+            return s
+        return s[:fixed] + b"".join(keep)  # still sorted: a subsequence of a sorted network
+
+    def _split_ages(self, s: bytes) -> tuple[bytes, tuple[int, ...]]:
+        """``s`` with its ghost ages zeroed, and the ages."""
+        idx = self._age_index
+        if not idx:
+            return s, ()
+        ages = tuple(s[i] for i in idx)
+        if not any(ages):
+            return s, ages
+        b = bytearray(s)
+        for i in idx:
+            b[i] = 0
+        return bytes(b), ages
+
+    def _with_ages(self, s: bytes, ages: tuple[int, ...]) -> bytes:
+        if not any(ages):
+            return s
+        b = bytearray(s)
+        for i, v in zip(self._age_index, ages):
+            b[i] = v
+        return bytes(b)
 
     def _renumber(self, s: bytes, binding: tuple) -> tuple[bytes, tuple]:
         """The same state with the spec's lease ids (and each node's request numbers) renumbered
@@ -1179,7 +1263,8 @@ class _Replay:
         none = (-1,) * len(self.logs)
         # The last part of an element is the ticks it gave the events shared with other
         # projections, (index, tick) in order: one time for one event, across projections.
-        frontier: dict[tuple, tuple] = {(init, 0, (0,) * len(self.logs), (), ()): (none, none)}
+        init_q, init_ages = self._split_ages(init)
+        frontier: dict[tuple, tuple] = {(init_q, 0, (0,) * len(self.logs), (), ()): (none, none, init_ages)}
         lazy = self.params.reorder_mode == "lazy"
         for _level in range(self.total):
             # Every element first tries the caller's next event of its own cut ("narrow"); only if
@@ -1206,7 +1291,9 @@ class _Replay:
         memo: dict[tuple, list] = {}
         next_id, reqs = self.L.next_id, self.L.req
         shared = self.shared
-        for (s, T, pos, binding, gt), (last_lo, last_hi) in frontier.items():
+        for (s, T, pos, binding, gt), (last_lo, last_hi, ages) in frontier.items():
+            if ages:
+                s = self._with_ages(s, ages)
             before = len(nxt)
             for n_choice, j in enumerate(self._eligible(pos)):
                 if n_choice > 0 and (how == "first" or (how == "lazy" and len(nxt) > before)):
@@ -1237,16 +1324,19 @@ class _Replay:
                             continue
                         if post[next_id] > RENUMBER_AT or any(post[r] > RENUMBER_AT for r in reqs):
                             post, b2 = self._renumber(post, b2)
+                        post = self._drop_stale(post)
+                        post, post_ages = self._split_ages(post)
                         key = (post, t, pos2, b2, gt + ((pe.index, t),) if is_shared else gt)
                         if cascade_ticks is not None:
                             cascade_ticks.add(t)
                         had = nxt.get(key)
                         if had is None:
-                            nxt[key] = (last_lo[:j] + (t,) + last_lo[j + 1 :], last_hi[:j] + (t,) + last_hi[j + 1 :])
+                            nxt[key] = (last_lo[:j] + (t,) + last_lo[j + 1 :], last_hi[:j] + (t,) + last_hi[j + 1 :], post_ages)
                         else:
-                            lo_, hi_ = had
+                            lo_, hi_, ages_ = had
                             nxt[key] = (tuple(map(min, lo_, last_lo[:j] + (t,) + last_lo[j + 1 :])),
-                                        tuple(map(max, hi_, last_hi[:j] + (t,) + last_hi[j + 1 :])))  # fmt: skip
+                                        tuple(map(max, hi_, last_hi[:j] + (t,) + last_hi[j + 1 :])),
+                                        tuple(map(max, ages_, post_ages)))  # fmt: skip
                 if len(nxt) > self.params.max_frontier:
                     raise _inconclusive(pe.index, pe.ev, "frontier_limit", f"key {self.key[:16]}…: more than {self.params.max_frontier} possible states at event {pe.index}")
         return nxt, broke, full
@@ -1266,10 +1356,11 @@ class _Replay:
                 return frontier
             settled[first[0]] = first[1]
             merged: dict[tuple, tuple] = {}
-            for key, (lo, hi) in frontier.items():
+            for key, (lo, hi, ages) in frontier.items():
                 key = key[:4] + (key[4][1:],)
                 had = merged.get(key)
-                merged[key] = (lo, hi) if had is None else (tuple(map(min, lo, had[0])), tuple(map(max, hi, had[1])))
+                merged[key] = (lo, hi, ages) if had is None else (
+                    tuple(map(min, lo, had[0])), tuple(map(max, hi, had[1])), tuple(map(max, ages, had[2])))
             frontier = merged
 
     def _fail(self, frontier: dict, broke: str | None, full: bool) -> None:
@@ -1306,7 +1397,8 @@ class _Replay:
             return any(f"l{loc}," in name for loc in locs)
 
         closest = []
-        for s, T, pos, binding, _ in list(frontier)[: self.params.diff_states]:
+        for (s, T, pos, binding, _), (_, _, ages) in list(frontier.items())[: self.params.diff_states]:
+            s = self._with_ages(s, ages) if ages else s
             reach = self._closure(s, T, max(pe.lo, T), pe.hi) or [(s, T)]
             x, t = reach[-1]
             vars_ = {k: v for k, v in L.variables(x).items() if relevant(k)}
@@ -1435,21 +1527,23 @@ def _validate(events: Sequence[dict], params: TraceParams) -> Verdict:
     frozen_shared, frozen_cascades = frozenset(failures), frozenset(cascades)
     # Passes, each run only if the one before rejected the projection: the narrow search (every
     # element keeps the caller's order unless none can), the lazy one (each element leaves it
-    # where it is stuck), then with clock steps. Each later pass explores a superset of the
-    # behaviours of the one before, so the last pass run decides.
+    # where it is stuck), the lazy one without merging ghost ages, then with clock steps. Each
+    # later pass explores a superset of the behaviours of the one before, so the last pass run
+    # decides.
     passes = {
-        "never": ((True, False), (False, False)),
-        "on_reject": ((True, False), (False, False), (False, True)),
-        "always": ((True, True), (False, True)),
+        "never": ((True, False, True), (False, False, True), (False, False, False)),
+        "on_reject": ((True, False, True), (False, False, True), (False, False, False), (False, True, False)),
+        "always": ((True, True, True), (False, True, True), (False, True, False)),
     }[params.clock_steps]
     for k in keys:
         first = [v.event_index for v in verdicts if v.status == REJECTED and v.event_index is not None]
         if first and per_key[k][0] // 4 > min(first):
             break  # this key's events, and every later key's, all come after a rejection
-        for narrow, clock_steps in passes:
+        for narrow, clock_steps, merge_ages in passes:
             replay = None
             try:
-                replay = _Replay(k, pevents(k), roles, params, counts[k], clock_steps, narrow, frozen_shared, frozen_cascades)
+                replay = _Replay(k, pevents(k), roles, params, counts[k], clock_steps, narrow, frozen_shared, frozen_cascades,
+                                 merge_ages)
                 replay.run()
                 verdict = None
             except _Stop as stop:
