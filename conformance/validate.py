@@ -6,8 +6,8 @@ An implementation logs one NDJSON line per spec action it performed (``kvcc.refe
 This module answers whether *some* behaviour of the spec (``kvcc.spec.model``) explains the whole
 merged log -- ACCEPTED --, or names the first event no spec state could take -- REJECTED, with a
 diff --, or gives up within named bounds -- INCONCLUSIVE. It is TLC's trace validation (a
-frontier of possible states, time as intervals) over the same ``Model.successors`` the checker
-explores, in plain Python.
+frontier of possible states, time as intervals) over the same transitions the checker explores
+(``Model.apply``, the successors of one action), in plain Python.
 
 1. **Checks before replay** (typed reasons, never exceptions): every line is an object with the
    standard fields, a known event name (``EVENTS``) and the fields the event needs
@@ -34,33 +34,57 @@ explores, in plain Python.
    checked, one-to-one); generations and epochs by value (both start at 0 for a fresh key, which
    is why a trace must start from a fresh directory).
 
-3. **Frontier search.** A frontier element is ``(state, T, positions, binding)``: the spec state,
-   true time in ticks since the first event, how far each log of the projection was consumed,
-   and the lease binding. One level consumes one event: from each element, each *eligible* next
-   event (the head of a log, no more than ``reorder_window_ms`` later in wall time than the
-   earliest head -- the caller's order is one such linearisation), after any silent
-   environment steps, must be matched by a spec step with the event's name and fields.
-   ``reorder="lazy"`` (the default) leaves the caller's order only where an element is stuck on
-   the caller's next event (a receive logged before its send, clocks within epsilon);
-   ``"full"`` tries every eligible event from every element (complete within the window, and
-   exponential in the number of concurrent events); ``"none"`` keeps the caller's order. Lazy
-   reordering can miss an order in which the caller's next event was possible but wrong (say a
-   crash logged before a grant it truly followed); re-check such a rejection with ``"full"``.
-   Elements are deduplicated; more than ``max_frontier`` is INCONCLUSIVE.
+3. **Frontier search.** A frontier element is ``(state, T, positions, binding, shared ticks)``:
+   the spec state, true time in ticks since the first event, how far each log of the projection
+   was consumed, the lease binding, and the ticks it gave the failures (below). One level
+   consumes one event: each event is replayed as its own action with its own parameters
+   (``Model.apply(label, params, state)``: the one generator of the spec that can produce it,
+   never the whole successor set), after time has passed, and must agree with the event's
+   fields. *Eligible* next events are log heads no more than ``reorder_window_ms`` later in
+   wall time than the earliest head, and never the events of a process's incarnation while an
+   earlier incarnation of it has events left (a restarted process acts after its old
+   incarnation ended, whatever the clocks say). ``reorder="lazy"`` (the default) searches in
+   passes, each run only if the one before rejected the projection: *narrow* (every element
+   takes the caller's next event of its own cut; only if no element can, an element tries the
+   others), *lazy* (each element leaves the caller's order where it alone is stuck), the same
+   without merging ghost ages (below), then with clock steps (4). Each pass explores a superset
+   of the one before, so the last pass run decides. ``"full"`` tries every eligible event from
+   every element; ``"none"`` keeps the caller's order. Lazy reordering can miss an order in
+   which the caller's next event was possible but wrong; re-check such a rejection with
+   ``"full"``. Elements are deduplicated; more than ``max_frontier`` is INCONCLUSIVE.
 
-4. **Silent steps and time.** Between two events, the environment may let time pass (``tick``)
-   and step clocks (``clock_forward``, ``clock_back``), within the spec's own bounds. Clock steps
+   What keeps the frontier small: elements that differ only in the ticks of their logs' last
+   events are one element (the monotonic-clock narrowing of ``_window`` then uses the union:
+   looser than any one of them, never looser than the wall-clock interval); elements that
+   differ only in *ghost ages* (true ticks since a phase began, a request left, ...; read only
+   by the progress properties, as ``age <= bound``, and by no guard) are one element with the
+   oldest age of each, so that a merged survivor stands for survivors (sound), and a rejection
+   it causes is re-checked without merging; replies to a holder's request that is no longer
+   pending are dropped (request numbers only grow: they are ignored for ever; the spec may lose
+   any message); each (event, state, binding) is matched once per level. Spec lease ids and
+   request numbers in use are renumbered in order past ``RENUMBER_AT``, so a projection may hold
+   any number of leases and requests.
+
+   One time for shared events. A failure is in every projection, a cascade in each of its
+   subtree's: each accepted behaviour of a projection carries the ticks it gave the failures
+   (settled out of the elements once all agree), and the projections must share one assignment
+   of ticks to all failures; each cascade needs one tick every projection of its subtree took
+   it at (``shared_event_time``).
+
+4. **Silent steps and time.** Between two events, the environment may let time pass (``tick``,
+   the model's own, memoised; a gap in which a tick changes nothing is skipped at once) and step
+   clocks (``clock_forward``, ``clock_back``), within the spec's own bounds. Clock steps
    multiply the frontier (each clock, stepped at each moment, leaves different timers), so they
    are taken only at the ticks an event may happen at; and an
    event's true time is already an interval of epsilon around its own clock's reading, which
    absorbs any constant offset; so by default (``clock_steps="on_reject"``) a projection is first
    replayed without them and, only if that rejects it, replayed again with them: leaving steps
-   out can only reject more, so the second pass decides. Messages are
-   never dropped by the validator: a message that is never delivered explains everything a lost
-   one does, as long as the network has room (``max_messages``; filling it is INCONCLUSIVE, not
-   REJECTED). Duplication is allowed up to ``max_duplications`` per projection. A delivery the
-   receiver ignores (a stale grant, a write to a down location, ...) changes nothing but the
-   network and is likewise never needed.
+   out can only reject more, so the last pass decides. Messages are
+   never dropped by the validator but for the stale replies above: a message that is never
+   delivered explains everything a lost one does, as long as the network has room
+   (``max_messages``; filling it is INCONCLUSIVE, not REJECTED). Duplication is allowed up to
+   ``max_duplications`` per projection. A delivery the receiver ignores (a stale grant, a write
+   to a down location, ...) changes nothing but the network and is likewise never needed.
 
    Time: tick ``T`` covers true times ``[T, T+1) * tick_ms`` after the first event. An event with
    wall time ``w`` happened at a true time within ``skew_ms`` of ``w`` (the spec's clock
@@ -72,6 +96,11 @@ explores, in plain Python.
    allowed. Directory timers are urgent in the spec (``tick`` is disabled while a write lease's
    time is up or an invalidation may complete), so a directory that logs such a step later
    than epsilon after it was due is REJECTED.
+
+   Memory: three streaming passes (shapes, roles, then the shadow and each key's projection as
+   packed indices), and each key's events fetched again only for its replay; ``validate_file``
+   keeps 8 bytes of offset per line, not the events. The verdict stops early once no key left
+   can be rejected before a rejection found.
 
 5. **Verdicts.** ``Verdict.status`` is ACCEPTED, REJECTED (``event_index``, ``event``, a
    ``code`` among ``REJECT_CODES``, ``reason``, and ``diff``: the event, what it needed, and the
