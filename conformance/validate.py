@@ -82,7 +82,9 @@ frontier of possible states, time as intervals) over the same transitions the ch
    out can only reject more, so the last pass decides. Messages are
    never dropped by the validator but for the stale replies above: a message that is never
    delivered explains everything a lost one does, as long as the network has room
-   (``max_messages``; filling it is INCONCLUSIVE, not REJECTED). Duplication is allowed up to
+   (``max_messages`` per projection: the spec's network bound is the checker's scope, not a real
+   network's, and it is not summed over projections; once a projection's network has filled --
+   a send into it lost -- a rejection of it is INCONCLUSIVE, not REJECTED, at whatever event). Duplication is allowed up to
    ``max_duplications`` per projection. A delivery the receiver ignores (a stale grant, a write
    to a down location, ...) changes nothing but the network and is likewise never needed.
 
@@ -374,7 +376,7 @@ class TraceParams:
     max_frontier: int = 20_000
     max_env_steps: int = 8  # clock steps and duplications between two events of one projection
     max_duplications: int = 0
-    max_messages: int = 32
+    max_messages: int = 64
     locations: Mapping[str, str | None] | None = None
     reorder: str | bool = "lazy"  # "lazy", "full" or "none" (True: "lazy", False: "none")
     reorder_window_ms: int | None = None
@@ -784,6 +786,10 @@ class _Replay:
         self._invariant_memo: dict[bytes, str | None] = {}
         self.states_explored = 0
         self.frontier_max = 1
+        # Whether any element's network ever filled (a send into it was lost): the spec's
+        # network bound is the checker's scope, not the real network's, so a rejection after
+        # it is INCONCLUSIVE (an acceptance stands: a loss is a step the spec always allows).
+        self.network_filled = False
 
     # -- spec access --------------------------------------------------------------------------
 
@@ -1302,8 +1308,9 @@ class _Replay:
             if not nxt and lazy and self.narrow:
                 nxt, broke2, full2 = self._level(frontier, "lazy")
                 broke, full = broke or broke2, full or full2
+            self.network_filled = self.network_filled or full
             if not nxt:
-                self._fail(frontier, broke, full)
+                self._fail(frontier, broke, self.network_filled)
             self.frontier_max = max(self.frontier_max, len(nxt))
             frontier = self._settle(nxt)
         self.shared_ticks = {key[4] for key in frontier}

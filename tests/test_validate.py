@@ -719,3 +719,26 @@ def test_no_guard_reads_a_ghost_age(name):
                 seen.add(s2)
                 todo.append(s2)
     assert aged > 100  # the check met states with ages running
+
+
+def test_a_projection_whose_network_filled_is_never_rejected_for_it():
+    """The spec's network bound is the checker's scope: a projection whose network filled (a
+    send into it lost) gets INCONCLUSIVE where it cannot go on, not REJECTED; with room, the
+    same trace is ACCEPTED."""
+    import attrs
+
+    run = Run()
+    run.write(A0)
+    run.log("r1", "acquire", key=A0)
+    run.log("r2", "acquire", key=A0)  # two requests in flight at once
+    run.req += 1
+    g1, _ = run.send(wire.Acquire("r1", A0, _NS.digest(), run.req))
+    run.req += 1
+    g2, _ = run.send(wire.Acquire("r2", A0, _NS.digest(), run.req))
+    run.log("r1", "trust_read_lease", key=A0, lease=g1.lease, gen=g1.gen, location=g1.location)
+    run.log("r2", "trust_read_lease", key=A0, lease=g2.lease, gen=g2.gen, location=g2.location)
+    events = run.events()
+    params = TraceParams(TERM_MS, EPS_MS, reorder=False)  # the caller's order: both acquires first
+    accepted(events, params)
+    v = check(events, attrs.evolve(params, max_messages=1))
+    assert (v.status, v.code) == (INCONCLUSIVE, "network_limit"), v
