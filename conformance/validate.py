@@ -191,6 +191,7 @@ from kvcc.spec.layout import (
     MESSAGE_WIDTH,
     P_NONE,
     REFUSED_READ,
+    W_REQUESTED,
     WRITING,
     ABSENT,
 )
@@ -1009,7 +1010,8 @@ class _Replay:
         request ghost, which marks only the pending exchange's), and a state that kept them
         can do nothing more than one without: kept, they only tell apart elements that
         explain the trace alike (an ``abandon`` on a refusal, or on a timeout with the refusal
-        still coming)."""
+        still coming). Likewise a write refusal while its writer is not waiting for a grant:
+        delivered later, it would only abort the writer as the writer itself may."""
         L = self.L
         fixed = L.fixed
         if len(s) == fixed:
@@ -1020,6 +1022,10 @@ class _Replay:
             kind = m[0]
             if kind in _READ_REPLY:
                 if kind == M_REFUSE and m[4] != REFUSED_READ:
+                    # A write refusal carries no request number; while its writer waits for no
+                    # grant it only ever does, delivered, what the writer's own abort does.
+                    if s[L.w_stage[m[1]][m[2]]] != W_REQUESTED:
+                        continue
                     keep.append(m)
                     continue
                 n, k, req = m[1], m[2], m[_READ_REPLY[kind]]
