@@ -6,8 +6,8 @@ An implementation logs one NDJSON line per spec action it performed (``kvcc.refe
 This module answers whether *some* behaviour of the spec (``kvcc.spec.model``) explains the whole
 merged log -- ACCEPTED --, or names the first event no spec state could take -- REJECTED, with a
 diff --, or gives up within named bounds -- INCONCLUSIVE. It is TLC's trace validation (a
-frontier of possible states, time as intervals) over the same ``Model.successors`` the checker
-explores, in plain Python.
+frontier of possible states, time as intervals) over the same transitions the checker explores
+(``Model.apply``, the successors of one action), in plain Python.
 
 1. **Checks before replay** (typed reasons, never exceptions): every line is an object with the
    standard fields, a known event name (``EVENTS``) and the fields the event needs
@@ -34,33 +34,59 @@ explores, in plain Python.
    checked, one-to-one); generations and epochs by value (both start at 0 for a fresh key, which
    is why a trace must start from a fresh directory).
 
-3. **Frontier search.** A frontier element is ``(state, T, positions, binding)``: the spec state,
-   true time in ticks since the first event, how far each log of the projection was consumed,
-   and the lease binding. One level consumes one event: from each element, each *eligible* next
-   event (the head of a log, no more than ``reorder_window_ms`` later in wall time than the
-   earliest head -- the caller's order is one such linearisation), after any silent
-   environment steps, must be matched by a spec step with the event's name and fields.
-   ``reorder="lazy"`` (the default) leaves the caller's order only where an element is stuck on
-   the caller's next event (a receive logged before its send, clocks within epsilon);
-   ``"full"`` tries every eligible event from every element (complete within the window, and
-   exponential in the number of concurrent events); ``"none"`` keeps the caller's order. Lazy
-   reordering can miss an order in which the caller's next event was possible but wrong (say a
-   crash logged before a grant it truly followed); re-check such a rejection with ``"full"``.
-   Elements are deduplicated; more than ``max_frontier`` is INCONCLUSIVE.
+3. **Frontier search.** A frontier element is ``(state, T, positions, binding, shared ticks)``:
+   the spec state, true time in ticks since the first event, how far each log of the projection
+   was consumed, the lease binding, and the ticks it gave the failures (below). One level
+   consumes one event: each event is replayed as its own action with its own parameters
+   (``Model.apply(label, params, state)``: the one generator of the spec that can produce it,
+   never the whole successor set), after time has passed, and must agree with the event's
+   fields. *Eligible* next events are log heads no more than ``reorder_window_ms`` later in
+   wall time than the earliest head, and never the events of a process's incarnation while an
+   earlier incarnation of it has events left (a restarted process acts after its old
+   incarnation ended, whatever the clocks say). ``reorder="lazy"`` (the default) searches in
+   passes, each run only if the one before rejected the projection: *narrow* (every element
+   takes the caller's next event of its own cut; only if no element can, an element tries the
+   others), *lazy* (each element leaves the caller's order where it alone is stuck), the same
+   without merging ghost ages (below), then with clock steps (4). Each pass explores a superset
+   of the one before, so the last pass run decides. ``"full"`` tries every eligible event from
+   every element; ``"none"`` keeps the caller's order. Lazy reordering can miss an order in
+   which the caller's next event was possible but wrong; re-check such a rejection with
+   ``"full"``. Elements are deduplicated; more than ``max_frontier`` is INCONCLUSIVE.
 
-4. **Silent steps and time.** Between two events, the environment may let time pass (``tick``)
-   and step clocks (``clock_forward``, ``clock_back``), within the spec's own bounds. Clock steps
+   What keeps the frontier small: elements that differ only in the ticks of their logs' last
+   events are one element (the monotonic-clock narrowing of ``_window`` then uses the union:
+   looser than any one of them, never looser than the wall-clock interval); elements that
+   differ only in *ghost ages* (true ticks since a phase began, a request left, ...; read only
+   by the progress properties, as ``age <= bound``, and by no guard) are one element with the
+   oldest age of each, so that a merged survivor stands for survivors (sound), and a rejection
+   it causes is re-checked without merging; replies to a holder's request that is no longer
+   pending are dropped (request numbers only grow: they are ignored for ever; the spec may lose
+   any message); each (event, state, binding) is matched once per level. Spec lease ids and
+   request numbers in use are renumbered in order past ``RENUMBER_AT``, so a projection may hold
+   any number of leases and requests.
+
+   One time for shared events. A failure is in every projection, a cascade in each of its
+   subtree's: each accepted behaviour of a projection carries the ticks it gave the failures
+   (settled out of the elements once all agree), and the projections must share one assignment
+   of ticks to all failures; each cascade needs one tick every projection of its subtree took
+   it at (``shared_event_time``).
+
+4. **Silent steps and time.** Between two events, the environment may let time pass (``tick``,
+   the model's own, memoised; a gap in which a tick changes nothing is skipped at once) and step
+   clocks (``clock_forward``, ``clock_back``), within the spec's own bounds. Clock steps
    multiply the frontier (each clock, stepped at each moment, leaves different timers), so they
    are taken only at the ticks an event may happen at; and an
    event's true time is already an interval of epsilon around its own clock's reading, which
    absorbs any constant offset; so by default (``clock_steps="on_reject"``) a projection is first
    replayed without them and, only if that rejects it, replayed again with them: leaving steps
-   out can only reject more, so the second pass decides. Messages are
-   never dropped by the validator: a message that is never delivered explains everything a lost
-   one does, as long as the network has room (``max_messages``; filling it is INCONCLUSIVE, not
-   REJECTED). Duplication is allowed up to ``max_duplications`` per projection. A delivery the
-   receiver ignores (a stale grant, a write to a down location, ...) changes nothing but the
-   network and is likewise never needed.
+   out can only reject more, so the last pass decides. Messages are
+   never dropped by the validator but for the stale replies above: a message that is never
+   delivered explains everything a lost one does, as long as the network has room
+   (``max_messages`` per projection: the spec's network bound is the checker's scope, not a real
+   network's, and it is not summed over projections; once a projection's network has filled --
+   a send into it lost -- a rejection of it is INCONCLUSIVE, not REJECTED, at whatever event). Duplication is allowed up to
+   ``max_duplications`` per projection. A delivery the receiver ignores (a stale grant, a write
+   to a down location, ...) changes nothing but the network and is likewise never needed.
 
    Time: tick ``T`` covers true times ``[T, T+1) * tick_ms`` after the first event. An event with
    wall time ``w`` happened at a true time within ``skew_ms`` of ``w`` (the spec's clock
@@ -72,6 +98,11 @@ explores, in plain Python.
    allowed. Directory timers are urgent in the spec (``tick`` is disabled while a write lease's
    time is up or an invalidation may complete), so a directory that logs such a step later
    than epsilon after it was due is REJECTED.
+
+   Memory: three streaming passes (shapes, roles, then the shadow and each key's projection as
+   packed indices), and each key's events fetched again only for its replay; ``validate_file``
+   keeps 8 bytes of offset per line, not the events. The verdict stops early once no key left
+   can be rejected before a rejection found.
 
 5. **Verdicts.** ``Verdict.status`` is ACCEPTED, REJECTED (``event_index``, ``event``, a
    ``code`` among ``REJECT_CODES``, ``reason``, and ``diff``: the event, what it needed, and the
@@ -140,7 +171,8 @@ import json
 import math
 import os
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from array import array
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from attrs import field, frozen
@@ -153,10 +185,18 @@ from kvcc.spec.layout import (
     INVALIDATING,
     M_ACQUIRE,
     M_BEGIN_WRITE,
+    M_GRANT_READ,
+    M_REFUSE,
+    M_RENEWED,
     MESSAGE_WIDTH,
+    P_NONE,
+    REFUSED_READ,
+    W_REQUESTED,
     WRITING,
     ABSENT,
 )
+from kvcc.spec import model as model_module
+from kvcc.spec import properties
 from kvcc.spec.model import SILENT_ACTIONS, Model
 from kvcc.spec.properties import INVARIANTS, TRANSITION_PROPERTIES
 
@@ -177,8 +217,10 @@ REJECT_CODES = (
     "unknown_location",  # a location that cannot be placed on a node or the pool
     "no_spec_step",  # no frontier state can take the event
     "invariant",  # the only spec steps matching the event break a property
+    "shared_event_time",  # a failure or cascade each projection explains only at other times
 )
 PROPERTY_MEMO_MAX = 200_000  # memoised property verdicts per projection (then the memo starts over)
+ADVANCE_MEMO_MAX = 100_000  # memoised ticks per projection (then the memo starts over)
 INCONCLUSIVE_CODES = ("frontier_limit", "network_limit", "scope_limit")
 
 # Spec steps no process logs: the environment's, and deliveries the receiver ignores (their state
@@ -297,7 +339,18 @@ NEEDS: dict[str, str] = {
 assert set(NEEDS) == set(EVENTS)
 
 MAX_TERM_TICKS = 100  # the model's counters are bytes: term + 2 epsilon must stay well below 256
-MAX_PROJECTION_COUNT = STATE_VALUE_LIMIT - 6  # lease ids, epochs, requests per key projection
+MAX_PROJECTION_COUNT = STATE_VALUE_LIMIT - 6  # epochs (and lease ids, requests before renumbering) per projection
+RENUMBER_AT = 200  # spec lease ids and request numbers past this are renumbered (``_Replay._renumber``)
+RENUMBERED = ("leases", "requests")
+assert RENUMBER_AT + 32 < MAX_PROJECTION_COUNT  # room for the ids one level can add before renumbering
+
+
+# Messages that carry a lease id (at field a, index 3), and where a request number sits in those
+# that carry one: the spec's own tables (its properties and its lost-message ghost read them).
+_CARRIES_LEASE = properties._CARRIES_LEASE
+_REQUEST_FIELD = model_module._READ_EXCHANGE_REQUEST
+# Replies to a holder's request, and where they carry the request number.
+_READ_REPLY = {kind: f for kind, f in _REQUEST_FIELD.items() if kind in (M_GRANT_READ, M_RENEWED, M_REFUSE)}
 
 
 # -------------------------------------------------------------------------------------- values
@@ -324,7 +377,7 @@ class TraceParams:
     max_frontier: int = 20_000
     max_env_steps: int = 8  # clock steps and duplications between two events of one projection
     max_duplications: int = 0
-    max_messages: int = 32
+    max_messages: int = 64
     locations: Mapping[str, str | None] | None = None
     reorder: str | bool = "lazy"  # "lazy", "full" or "none" (True: "lazy", False: "none")
     reorder_window_ms: int | None = None
@@ -414,8 +467,10 @@ def _inconclusive(index: int | None, event: Any, code: str, reason: str) -> _Sto
 # ------------------------------------------------------------------------------- checks, shadow
 
 
-def _check_shapes(events: Sequence[Any]) -> None:
+def _check_shapes(events: Iterable[Any]) -> int | None:
+    """Check every event's shape; the earliest wall time, or ``None`` for no events."""
     last: dict[tuple[str, int], tuple[int, int]] = {}
+    w0: int | None = None
     for i, ev in enumerate(events):
         if type(ev) is not dict:
             raise _reject(i, None, "malformed", f"event {i} is not a JSON object")
@@ -448,6 +503,9 @@ def _check_shapes(events: Sequence[Any]) -> None:
         if ev["t_local_ns"] < prev_t:
             raise _reject(i, ev, "clock_back", f"event {i}: t_local_ns went back within {log[0]!r} incarnation {log[1]}")
         last[log] = (ev["seq"], ev["t_local_ns"])
+        if w0 is None or ev["t_wall_ns"] < w0:
+            w0 = ev["t_wall_ns"]
+    return w0
 
 
 class _Shadow:
@@ -536,35 +594,56 @@ class _Shadow:
 class _Roles:
     """Spec indices for real names: nodes, locations, the directory."""
 
-    def __init__(self, events: Sequence[dict], params: TraceParams) -> None:
-        nodes: list[str] = []
+    def __init__(self, events: Iterable[dict], params: TraceParams) -> None:
+        # One pass over the events (a trace may be a file read line by line), keeping only the
+        # names; then the same placement as if each question were asked of the whole trace.
+        processes: set[str] = set()
+        named_hosts: set[str] = set()
+        raw_nodes: dict[str, None] = {}  # in order of first appearance, before aliasing
+        directories: set[str] = set()
+        seen: dict[str, None] = {}
+        logged_by: dict[str, str] = {}  # location -> the first process logging its data plane
+        for ev in events:
+            name = ev["event"]
+            processes.add(ev["node"])
+            loc = ev.get("location")
+            if isinstance(loc, str) and LOCATION_SEPARATOR in loc:
+                named_hosts.add(loc.split(LOCATION_SEPARATOR, 1)[0])
+            if name in HOLDER_EVENTS or name in WRITER_EVENTS:
+                raw_nodes.setdefault(ev["node"])
+            if name in DIRECTORY_EVENTS:
+                directories.add(ev["node"])
+            for f in ("holder", "writer", "rejoined", "down"):
+                v = ev.get(f)
+                if isinstance(v, str) and v:
+                    raw_nodes.setdefault(v)
+            if name == "crash":
+                v = ev.get("crashed") or ev["node"]
+                if isinstance(v, str) and v:
+                    raw_nodes.setdefault(v)
+            if loc is not None:
+                seen.setdefault(str(loc))
+            if name == "restart_node":
+                for lost in ev.get("lost") or ():
+                    seen.setdefault(str(lost))
+            if name in LOCATION_EVENTS and loc is not None:
+                logged_by.setdefault(str(loc), ev["node"])
         # Co-located processes: a process named "<host>.<name>" (an engine's client next to cache
         # node <host>, which also logs under its own name) is the same spec node as <host>: the
         # spec's node is holder, writer and locations in one.
         # A location "<host>/<tier>" names its host likewise (LOCATION_SEPARATOR).
-        hosts_named = {ev["node"] for ev in events} | {
-            str(ev["location"]).split(LOCATION_SEPARATOR, 1)[0]
-            for ev in events if isinstance(ev.get("location"), str) and LOCATION_SEPARATOR in ev["location"]
-        }  # fmt: skip
-        self._alias = {p: p.split(COLOCATED_SEPARATOR, 1)[0] for p in {ev["node"] for ev in events}
+        hosts_named = processes | named_hosts
+        self._alias = {p: p.split(COLOCATED_SEPARATOR, 1)[0] for p in processes
                        if COLOCATED_SEPARATOR in p and p.split(COLOCATED_SEPARATOR, 1)[0] in hosts_named}  # fmt: skip
+        nodes: list[str] = []
 
         def node(name: Any) -> None:
             name = self._alias.get(name, name)
             if isinstance(name, str) and name and name not in nodes:
                 nodes.append(name)
 
-        directories: set[str] = set()
-        for ev in events:
-            name = ev["event"]
-            if name in HOLDER_EVENTS or name in WRITER_EVENTS:
-                node(ev["node"])
-            if name in DIRECTORY_EVENTS:
-                directories.add(ev["node"])
-            for f in ("holder", "writer", "rejoined", "down"):
-                node(ev.get(f))
-            if name == "crash":
-                node(ev.get("crashed") or ev["node"])
+        for raw in raw_nodes:
+            node(raw)
         self.nodes = nodes
         self.node_index = {n: i for i, n in enumerate(nodes)}
         self.directories = directories
@@ -573,20 +652,10 @@ class _Roles:
         hosts: dict[str, str | None] = {}
         if params.locations:
             hosts.update({str(k): v for k, v in params.locations.items()})
-        seen: list[str] = []
-        for ev in events:
-            for f in ("location",):
-                loc = ev.get(f)
-                if loc is not None and str(loc) not in seen:
-                    seen.append(str(loc))
-            for loc in ev.get("lost") or () if ev["event"] == "restart_node" else ():
-                if str(loc) not in seen:
-                    seen.append(str(loc))
-            if ev["event"] in LOCATION_EVENTS and ev.get("location") is not None:
-                loc = str(ev["location"])
-                if loc not in hosts:
-                    host = self._alias.get(ev["node"], ev["node"])
-                    hosts[loc] = host if host in self.node_index else None
+        for loc, process in logged_by.items():
+            if loc not in hosts:
+                host = self._alias.get(process, process)
+                hosts[loc] = host if host in self.node_index else None
         for loc in seen:
             if loc not in hosts:
                 named = loc.split(LOCATION_SEPARATOR, 1)[0]
@@ -621,6 +690,25 @@ class _Roles:
         return None if name is None else self.location_index.get(str(name))
 
 
+GHOST_AGES = ("phase_age", "owner_down_age", "orphan_age", "p_age")  # Layout fields; see _Replay
+
+
+def ghost_age_indices(L: Any) -> list[int]:
+    """The state indices of the ghost ages (``GHOST_AGES``) this layout has."""
+    out: list[int] = []
+
+    def walk(v: Any) -> None:
+        if isinstance(v, int):
+            out.append(v)
+        else:
+            for x in v:
+                walk(x)
+
+    for name in GHOST_AGES:
+        walk(getattr(L, name, ()))
+    return sorted(out)
+
+
 # ----------------------------------------------------------------------------------- projection
 
 
@@ -639,14 +727,31 @@ class _Replay:
     """The frontier search over one key's projection."""
 
     def __init__(
-        self, key: str, pevents: list[_PEvent], roles: _Roles, params: TraceParams, counts: dict, clock_steps: bool
+        self, key: str, pevents: list[_PEvent], roles: _Roles, params: TraceParams, counts: dict, clock_steps: bool,
+        narrow: bool = False, shared: frozenset[int] = frozenset(), cascades: frozenset[int] = frozenset(),
+        merge_ages: bool = True,
     ) -> None:
         self.key, self.roles, self.params = key, roles, params
+        # Events in other projections too (failures, cascades): the ticks each accepted
+        # behaviour gave them, settled (one tick in every behaviour) or per behaviour.
+        self.shared = shared
+        # Cascades (an invalidation of an ancestor or a namespace, in each key's projection):
+        # the ticks any element took each at. Carrying them in the elements as the failures are
+        # would keep apart elements that never meet again, for every invalidation of a prefix.
+        self.cascades = cascades
+        self.cascade_ticks: dict[int, set[int]] = {}
+        self.settled: dict[int, int] = {}
+        self.shared_ticks: set[tuple] = set()
         self.clock_steps = clock_steps
+        self.narrow = narrow
+        self._tick_ns = params.effective_tick_ms * 1_000_000
+        self._eligible_memo: dict[tuple[int, ...], list[int]] = {}
         self._property_memo: dict[tuple, str | None] = {}
         tick = params.effective_tick_ms
         nodes = len(roles.nodes)
         for name, value in counts.items():
+            if name in RENUMBERED:
+                continue  # renumbered as the replay goes (``_renumber``): no bound
             if value + 2 > MAX_PROJECTION_COUNT:
                 raise _inconclusive(None, None, "scope_limit", f"key {key[:16]}…: {value} {name} in one projection, over the model's {MAX_PROJECTION_COUNT}")
         self.cfg = ModelConfig(
@@ -654,20 +759,38 @@ class _Replay:
             authorized=tuple(frozenset({0}) for _ in range(nodes)), tiers_per_node=roles.tiers_per_node,
             shared_pool=True, tiering=counts["transfers"] > 0,
             lease_term_ticks=params.lease_term_ms // tick, skew_ticks=params.skew_ms // tick,
-            max_epoch=counts["epochs"] + 1, max_lease_id=counts["leases"] + 1, max_requests=counts["requests"] + 1,
+            max_epoch=counts["epochs"] + 1, max_lease_id=min(counts["leases"] + 1, MAX_PROJECTION_COUNT),
+            max_requests=min(counts["requests"] + 1, MAX_PROJECTION_COUNT),
             max_messages=params.max_messages, max_duplications=params.max_duplications,
             max_node_crashes=counts["crashes"], max_directory_restarts=counts["restarts"],
         )  # fmt: skip
         self.model = Model(self.cfg)
         self.L = self.model.L
+        # The ghost ages (true ticks since a phase began, a request left, an owner went down, bytes
+        # were orphaned) only the progress properties read, each as "age <= its bound"; no guard
+        # reads them (``tests/test_validate.py`` checks that on the model). Elements that differ
+        # only in them behave alike: merged into one with the oldest age of each, which breaks
+        # a bound whenever one of them does. So a merged element that survives stands for
+        # behaviours that all survive (sound); a rejection it causes may be one of the merge's
+        # (re-checked by a pass without merging).
+        self._age_index = [i for i in ghost_age_indices(self.L)] if merge_ages else []
         logs: dict[tuple[str, int], list[_PEvent]] = {}
         for pe in pevents:
             logs.setdefault((pe.ev["node"], pe.ev["incarnation"]), []).append(pe)
         self.logs = list(logs.values())
+        # The logs of the same process's earlier incarnations, for each log.
+        names = list(logs)
+        self._earlier = [[e for e, (p2, i2) in enumerate(names) if p2 == p and i2 < i] for p, i in names]
         self.total = len(pevents)
         self._succ: dict[bytes, list] = {}
+        self._tick_memo: dict[bytes, bytes | None] = {}
+        self._invariant_memo: dict[bytes, str | None] = {}
         self.states_explored = 0
         self.frontier_max = 1
+        # Whether any element's network ever filled (a send into it was lost): the spec's
+        # network bound is the checker's scope, not the real network's, so a rejection after
+        # it is INCONCLUSIVE (an acceptance stands: a loss is a step the spec always allows).
+        self.network_filled = False
 
     # -- spec access --------------------------------------------------------------------------
 
@@ -712,8 +835,45 @@ class _Replay:
             todo = nxt
         return seen
 
+    def _advance(self, s: bytes, d: int) -> bytes | None:
+        """``s`` after ``d`` ticks of true time and no step, or ``None`` if a directory timer
+        falls due first (time cannot pass an urgent step). Each tick is the model's own
+        (``Model.apply("tick", ...)``), memoised; once a tick changes nothing, none after it
+        does (nothing is counting down), so the rest of the gap is skipped."""
+        x: bytes | None = s
+        memo = self._tick_memo
+        apply = self.model.apply
+        for _ in range(d):
+            assert x is not None
+            nxt = memo.get(x, False)
+            if nxt is False:
+                steps = apply("tick", (), x)
+                nxt = steps[0][2] if steps else None
+                if len(memo) >= ADVANCE_MEMO_MAX:
+                    memo.clear()
+                memo[x] = nxt
+            if nxt is None or nxt == x:
+                return nxt
+            x = nxt
+        return x
+
     def _closure(self, s: bytes, T: int, lo: int, hi: int) -> list[tuple[bytes, int]]:
         """Every (state, tick) the environment can reach from ``(s, T)`` with the tick in ``[lo, hi]``."""
+        if self.clock_steps or self.params.max_duplications:
+            return self._closure_stepwise(s, T, lo, hi)
+        out: list[tuple[bytes, int]] = []
+        t = max(lo, T)
+        x = self._advance(s, t - T)
+        while x is not None:
+            out.append((x, t))
+            if t >= hi:
+                break
+            x = self._advance(x, 1)
+            t += 1
+        return out
+
+    def _closure_stepwise(self, s: bytes, T: int, lo: int, hi: int) -> list[tuple[bytes, int]]:
+        """``_closure`` with clock steps or duplications between ticks: one tick at a time."""
         # Clock steps are taken only at the moments events may happen (ticks in ``[lo, hi]``),
         # not at every tick of the gap: fewer behaviours, each one the spec's.
         out: list[tuple[bytes, int]] = []
@@ -769,46 +929,176 @@ class _Replay:
                 return b
             return self._bind(b, real, spec)
 
+        m = self.model
         if name == "restart_node":
             n = R.n(ev["rejoined"])
             starts = [s]
             if s[L.up[n]]:
                 # kill -9 is logged by no one: a rejoin implies the crash before it.
                 lose = 1 if ev["lost"] else 0
-                starts = [s2 for lab, p, s2 in self.successors(s) if lab == "crash" and p == (n, lose)]
+                starts = [s2 for _, _, s2 in m.apply("crash", (n, lose), s)]
                 if not starts and lose == 1:
-                    starts = [s2 for lab, p, s2 in self.successors(s) if lab == "crash" and p == (n, 0)]
+                    starts = [s2 for _, _, s2 in m.apply("crash", (n, 0), s)]
             for s1 in starts:
-                for lab, p, s2 in self.successors(s1):
-                    if lab == "restart_node" and p == (n,):
-                        if ev.get("_cascade"):
-                            s2 = self._void(s2)
-                        out.append((s2, binding, lab, p, s1))
+                for lab, p, s2 in m.apply("restart_node", (n,), s1):
+                    if ev.get("_cascade"):
+                        s2 = self._void(s2)
+                    out.append((s2, binding, lab, p, s1))
             return out
         if name == "invalidate":
             if s[L.phase[0]] != COMMITTED and s[L.phase[0]] != WRITING:
                 return [(s, binding, "invalidate", (0,), s)]  # nothing to void: no step
-            labels = ("invalidate",)
+            labels: tuple[str, ...] = ("invalidate",)
         elif name == "invalidate_namespace":
             return [(self._void(s), binding, "invalidate", (0,), s)]
         elif name in ("expire_write_lease", "expire_write_lease_of_crashed"):
             labels = ("expire_write_lease", "expire_write_lease_of_crashed")
         else:
             labels = (name,)
-        for lab, p, s2 in self.successors(s):
-            if lab not in labels:
-                if lab == "drop" and name in ("refuse_read_lease", "refuse_write_lease"):
-                    # A refusal for a reason outside the one-key model (tenant, parent): the
-                    # request is consumed and nothing else changes.
-                    kind = M_ACQUIRE if name == "refuse_read_lease" else M_BEGIN_WRITE
-                    who = R.n(ev["holder"] if name == "refuse_read_lease" else ev["writer"])
-                    if p[0] == kind and p[1] == who and ev.get("result") in ("unauthorized", "parent_not_committed"):
-                        out.append((s2, binding, lab, p, s))
-                continue
-            b = self._check(pe, lab, p, s, s2, binding, bound)
-            if b is not None:
-                out.append((s2, b, lab, p, s))
+        given = self._step_params(pe)
+        for lab in labels:
+            steps = m.apply(lab, given, s)
+            self.states_explored += len(steps)
+            for _, p, s2 in steps:
+                b = self._check(pe, lab, p, s, s2, binding, bound)
+                if b is not None:
+                    out.append((s2, b, lab, p, s))
+        if name in ("refuse_read_lease", "refuse_write_lease") and ev.get("result") in ("unauthorized", "parent_not_committed"):
+            # A refusal for a reason outside the one-key model (tenant, parent): the request
+            # is consumed and nothing else changes.
+            kind = M_ACQUIRE if name == "refuse_read_lease" else M_BEGIN_WRITE
+            who = R.n(ev["holder"] if name == "refuse_read_lease" else ev["writer"])
+            for lab, p, s2 in m.apply("drop", (kind, who), s):
+                out.append((s2, binding, lab, p, s))
         return out
+
+    def _step_params(self, pe: _PEvent) -> tuple:
+        """The spec step's parameters as far as the event names them (``None``: any): the
+        acting node, the key (always 0 in a projection), the location. Lease ids are left
+        open: ``_check`` matches them through the binding."""
+        ev, R = pe.ev, self.roles
+        name = ev["event"]
+        if name in HOLDER_EVENTS or name in WRITER_EVENTS:
+            if name == "read":
+                return (R.n(ev["node"]), 0, R.loc(ev["location"]))
+            return (R.n(ev["node"]), 0)
+        if name in ("grant_read_lease", "refuse_read_lease", "renew_lease", "refuse_renewal", "release_lease", "revoke_acked"):
+            return (R.n(ev["holder"]), 0)
+        if name in ("grant_write_lease", "refuse_write_lease", "commit_write", "reject_stale_commit"):
+            w = R.n(ev.get("writer"))
+            if name == "grant_write_lease":
+                return (w, 0, R.loc(ev["location"]))
+            return (w, 0)
+        if name in ("store_bytes", "fence_stale_write"):
+            return (R.n(ev["writer"]), 0, R.loc(ev["location"]))
+        if name in ("store_copy", "free_slot", "fence_stale_free", "evict", "evict_refused", "start_transfer",
+                    "finish_transfer", "retry_free", "free_acked"):
+            return (0, R.loc(ev["location"]))
+        if name == "declare_node_down":
+            return (R.n(ev["down"]),)
+        if name == "crash":
+            lose = ev.get("lose_disk")
+            return (R.n(ev.get("crashed") or ev["node"]), None if lose is None else int(bool(lose)))
+        if name == "restart_directory":
+            return ()
+        return (0,)  # the directory's own steps on the key
+
+    def _drop_stale(self, s: bytes) -> bytes:
+        """``s`` without the replies of a holder's request exchange (grant, renewal, refusal)
+        that answer a request other than the one pending: request numbers only grow, so their
+        delivery is ignored now and ever after. Losing them is a spec step (``drop``; no lost
+        request ghost, which marks only the pending exchange's), and a state that kept them
+        can do nothing more than one without: kept, they only tell apart elements that
+        explain the trace alike (an ``abandon`` on a refusal, or on a timeout with the refusal
+        still coming). Likewise a write refusal while its writer is not waiting for a grant:
+        delivered later, it would only abort the writer as the writer itself may."""
+        L = self.L
+        fixed = L.fixed
+        if len(s) == fixed:
+            return s
+        net = [s[i : i + MESSAGE_WIDTH] for i in range(fixed, len(s), MESSAGE_WIDTH)]
+        keep = []
+        for m in net:
+            kind = m[0]
+            if kind in _READ_REPLY:
+                if kind == M_REFUSE and m[4] != REFUSED_READ:
+                    # A write refusal carries no request number; while its writer waits for no
+                    # grant it only ever does, delivered, what the writer's own abort does.
+                    if s[L.w_stage[m[1]][m[2]]] != W_REQUESTED:
+                        continue
+                    keep.append(m)
+                    continue
+                n, k, req = m[1], m[2], m[_READ_REPLY[kind]]
+                if s[L.p_kind[n][k]] == P_NONE or s[L.p_id[n][k]] != req:
+                    continue  # answers a request no longer pending: ignored for ever
+            keep.append(m)
+        if len(keep) == len(net):
+            return s
+        return s[:fixed] + b"".join(keep)  # still sorted: a subsequence of a sorted network
+
+    def _split_ages(self, s: bytes) -> tuple[bytes, tuple[int, ...]]:
+        """``s`` with its ghost ages zeroed, and the ages."""
+        idx = self._age_index
+        if not idx:
+            return s, ()
+        ages = tuple(s[i] for i in idx)
+        if not any(ages):
+            return s, ages
+        b = bytearray(s)
+        for i in idx:
+            b[i] = 0
+        return bytes(b), ages
+
+    def _with_ages(self, s: bytes, ages: tuple[int, ...]) -> bytes:
+        if not any(ages):
+            return s
+        b = bytearray(s)
+        for i, v in zip(self._age_index, ages):
+            b[i] = v
+        return bytes(b)
+
+    def _renumber(self, s: bytes, binding: tuple) -> tuple[bytes, tuple]:
+        """The same state with the spec's lease ids (and each node's request numbers) renumbered
+        1, 2, ... in their order, keeping only those in use anywhere (directory, holders,
+        writers, messages), and the lease binding to match. The properties compare ids only for
+        equality and against the directory's counter, which order-preserving renumbering keeps;
+        real ids stay checked for reuse by the shadow. So a projection may hold any number of
+        leases and requests, where the state's bytes hold 250."""
+        L = self.L
+        fixed = bytearray(s[: L.fixed])
+        net = [bytearray(s[i : i + MESSAGE_WIDTH]) for i in range(L.fixed, len(s), MESSAGE_WIDTH)]
+        if s[L.next_id] > RENUMBER_AT:
+            used: set[int] = set()
+            for blk in L.lease_id_blocks:
+                used.update(v for v in s[blk] if v)
+            used.update(m[3] for m in net if m[0] in _CARRIES_LEASE and m[3])
+            new = {v: i + 1 for i, v in enumerate(sorted(used))}
+            for blk in L.lease_id_blocks:
+                for i in range(blk.start, blk.stop):
+                    if fixed[i]:
+                        fixed[i] = new[fixed[i]]
+            for m in net:
+                if m[0] in _CARRIES_LEASE and m[3]:
+                    m[3] = new[m[3]]
+            fixed[L.next_id] = len(new) + 1
+            binding = tuple(sorted((r, new[sp]) for r, sp in binding if sp in new))
+        for n in range(self.model.N):
+            if s[L.req[n]] <= RENUMBER_AT:
+                continue
+            # Where node n's request numbers sit: its pending requests, its acquires and renews,
+            # and the grants and renewals answering them.
+            slots = [(m, _REQUEST_FIELD[m[0]]) for m in net if m[0] in _REQUEST_FIELD and m[1] == n]
+            used = {fixed[L.p_id[n][k]] for k in range(self.model.K)} | {m[f] for m, f in slots}
+            used.discard(0)
+            new = {v: i + 1 for i, v in enumerate(sorted(used))}
+            for k in range(self.model.K):
+                if fixed[L.p_id[n][k]]:
+                    fixed[L.p_id[n][k]] = new[fixed[L.p_id[n][k]]]
+            for m, f in slots:
+                if m[f]:
+                    m[f] = new[m[f]]
+            fixed[L.req[n]] = len(new)
+        return self.model._pack(fixed, [bytes(m) for m in net]), binding
 
     def _void(self, s: bytes) -> bytes:
         m, L = self.model, self.L
@@ -935,90 +1225,185 @@ class _Replay:
         """The first property the step breaks, or None. The frontier meets the same steps again
         and again (one per frontier element that can take them), so verdicts are memoised: the
         predicates are pure functions of (pre, label, params, post)."""
+        m = self.model
+        inv_memo = self._invariant_memo
+        verdict = inv_memo.get(post, False)
+        if verdict is False:
+            verdict = None
+            for inv in INVARIANTS:
+                if not inv.holds(m, post):
+                    verdict = inv.name
+                    break
+            if len(inv_memo) >= PROPERTY_MEMO_MAX:
+                inv_memo.clear()
+            inv_memo[post] = verdict
+        if verdict is not None:
+            return verdict
         memo = self._property_memo
         k = (pre, lab, p, post)
         if k in memo:
             return memo[k]
         if len(memo) >= PROPERTY_MEMO_MAX:
             memo.clear()
-        m = self.model
-        verdict = None
-        for inv in INVARIANTS:
-            if not inv.holds(m, post):
-                verdict = inv.name
+        for tp in TRANSITION_PROPERTIES:
+            if not tp.holds(m, pre, lab, p, post):
+                verdict = tp.name
                 break
-        else:
-            for tp in TRANSITION_PROPERTIES:
-                if not tp.holds(m, pre, lab, p, post):
-                    verdict = tp.name
-                    break
         memo[k] = verdict
         return verdict
 
     # -- the search ----------------------------------------------------------------------------
 
-    def _window(self, pe: _PEvent, j: int, pos: tuple[int, ...], last: tuple[int, ...]) -> tuple[int, int]:
+    def _window(self, pe: _PEvent, j: int, pos: tuple[int, ...], last_lo: tuple[int, ...], last_hi: tuple[int, ...]) -> tuple[int, int]:
         """The ticks ``pe`` may happen at: its wall-clock interval, narrowed by its own process's
         monotonic clock since that log's previous event (true time passes at the clock's rate,
-        up to ``drift_ppm``): ``Δlocal`` crosses ``floor`` or ``ceil(Δlocal / tick)`` ticks."""
+        up to ``drift_ppm``): ``Δlocal`` crosses ``floor`` or ``ceil(Δlocal / tick)`` ticks.
+        The previous event's tick is an interval: elements that differ only in it are one
+        element (``run``), whose narrowing is the union of theirs -- looser than any one of
+        them, never looser than the wall-clock interval that the clock bound gives."""
         lo, hi = pe.lo, pe.hi
         if pos[j] > 0:
             prev = self.logs[j][pos[j] - 1]
             d = pe.local - prev.local
             slack = d * self.params.drift_ppm // 1_000_000
-            tick_ns = self.params.effective_tick_ms * 1_000_000
-            lo = max(lo, last[j] + (d - slack) // tick_ns)
-            hi = min(hi, last[j] - (-(d + slack) // tick_ns))
+            lo = max(lo, last_lo[j] + (d - slack) // self._tick_ns)
+            hi = min(hi, last_hi[j] - (-(d + slack) // self._tick_ns))
         return lo, hi
 
     def _eligible(self, pos: tuple[int, ...]) -> list[int]:
-        heads = [(self.logs[j][pos[j]], j) for j in range(len(self.logs)) if pos[j] < len(self.logs[j])]
+        got = self._eligible_memo.get(pos)
+        if got is not None:
+            return got
+        logs = self.logs
+        heads = [
+            (logs[j][pos[j]], j) for j in range(len(logs))
+            if pos[j] < len(logs[j]) and all(pos[e] == len(logs[e]) for e in self._earlier[j])
+        ]  # fmt: skip
+        # A process's new incarnation starts after its previous one ended: its events are not
+        # candidates while an earlier incarnation's are pending (a restarted directory that lost
+        # state must not be read as acting before it lost it).
         if not heads:
-            return []
-        if self.params.reorder_mode == "none":
-            return [min(heads, key=lambda h: h[0].index)[1]]
-        earliest = min(h[0].wall for h in heads)
-        window = self.params.window_ms * 1_000_000
-        heads.sort(key=lambda h: h[0].index)
-        # The caller's next event is always a candidate; others within the clock window too.
-        return [j for n, (pe, j) in enumerate(heads) if n == 0 or pe.wall <= earliest + window]
+            out: list[int] = []
+        elif self.params.reorder_mode == "none":
+            out = [min(heads, key=lambda h: h[0].index)[1]]
+        else:
+            earliest = min(h[0].wall for h in heads)
+            window = self.params.window_ms * 1_000_000
+            heads.sort(key=lambda h: h[0].index)
+            # The caller's next event is always a candidate; others within the clock window too.
+            out = [j for n, (pe, j) in enumerate(heads) if n == 0 or pe.wall <= earliest + window]
+        if len(self._eligible_memo) >= ADVANCE_MEMO_MAX:
+            self._eligible_memo.clear()
+        self._eligible_memo[pos] = out
+        return out
 
     def run(self) -> None:
         init = self.model.init_states()[0]
-        # (state, tick, events consumed per log, lease binding, tick of each log's last event)
-        frontier: dict[tuple, None] = {(init, 0, (0,) * len(self.logs), (), (-1,) * len(self.logs)): None}
+        # (state, tick, events consumed per log, lease binding) -> the interval of ticks of each
+        # log's last event (lowest, highest).
+        none = (-1,) * len(self.logs)
+        # The last part of an element is the ticks it gave the events shared with other
+        # projections, (index, tick) in order: one time for one event, across projections.
+        init_q, init_ages = self._split_ages(init)
+        frontier: dict[tuple, tuple] = {(init_q, 0, (0,) * len(self.logs), (), ()): (none, none, init_ages)}
+        lazy = self.params.reorder_mode == "lazy"
         for _level in range(self.total):
-            nxt: dict[tuple, None] = {}
-            broke: str | None = None
-            full = False
-            lazy = self.params.reorder_mode == "lazy"
-            for s, T, pos, binding, last in frontier:
-                before = len(nxt)
-                for n_choice, j in enumerate(self._eligible(pos)):
-                    if lazy and n_choice > 0 and len(nxt) > before:
-                        break  # the caller's next event could be taken: keep the caller's order
-                    pe = self.logs[j][pos[j]]
-                    lo, hi = self._window(pe, j, pos, last)
-                    if hi < max(lo, T):
-                        continue
-                    pos2 = pos[:j] + (pos[j] + 1,) + pos[j + 1 :]
-                    for x, t in self._closure(s, T, max(lo, T), hi):
-                        last2 = last[:j] + (t,) + last[j + 1 :]
-                        for post, b2, lab, p, pre in self._match(pe, x, binding):
-                            if len(post) >= self.L.fixed + MESSAGE_WIDTH * self.cfg.max_messages:
-                                full = True
-                            if self.params.check_invariants:
-                                bad = self._properties(lab, p, pre, post)
-                                if bad is not None:
-                                    broke = bad
-                                    continue
-                            nxt[(post, t, pos2, b2, last2)] = None
-                    if len(nxt) > self.params.max_frontier:
-                        raise _inconclusive(pe.index, pe.ev, "frontier_limit", f"key {self.key[:16]}…: more than {self.params.max_frontier} possible states at event {pe.index}")
+            # Every element first tries the caller's next event of its own cut ("narrow"); only if
+            # no element can does any element try another order.
+            nxt, broke, full = self._level(frontier, "first" if (lazy and self.narrow) else ("lazy" if lazy else "all"))
+            if not nxt and lazy and self.narrow:
+                nxt, broke2, full2 = self._level(frontier, "lazy")
+                broke, full = broke or broke2, full or full2
+            self.network_filled = self.network_filled or full
             if not nxt:
-                self._fail(frontier, broke, full)
+                self._fail(frontier, broke, self.network_filled)
             self.frontier_max = max(self.frontier_max, len(nxt))
-            frontier = nxt
+            frontier = self._settle(nxt)
+        self.shared_ticks = {key[4] for key in frontier}
+
+    def _level(self, frontier: dict, how: str) -> tuple[dict, str | None, bool]:
+        """One event further from every element: ``how`` is "first" (the caller's next event
+        only), "lazy" (others only if that one cannot be taken) or "all"."""
+        nxt: dict[tuple, tuple] = {}
+        broke: str | None = None
+        full = False
+        limit = self.L.fixed + MESSAGE_WIDTH * self.cfg.max_messages
+        check = self.params.check_invariants
+        logs = self.logs
+        memo: dict[tuple, list] = {}
+        next_id, reqs = self.L.next_id, self.L.req
+        shared = self.shared
+        for (s, T, pos, binding, gt), (last_lo, last_hi, ages) in frontier.items():
+            if ages:
+                s = self._with_ages(s, ages)
+            before = len(nxt)
+            for n_choice, j in enumerate(self._eligible(pos)):
+                if n_choice > 0 and (how == "first" or (how == "lazy" and len(nxt) > before)):
+                    break  # the caller's next event could be taken: keep the caller's order
+                pe = logs[j][pos[j]]
+                lo, hi = self._window(pe, j, pos, last_lo, last_hi)
+                if hi < max(lo, T):
+                    continue
+                pos2 = pos[:j] + (pos[j] + 1,) + pos[j + 1 :]
+                is_shared = pe.index in shared
+                cascade_ticks = self.cascade_ticks.setdefault(pe.index, set()) if pe.index in self.cascades else None
+                for x, t in self._closure(s, T, max(lo, T), hi):
+                    # Elements that differ only in when their timers were set meet the same
+                    # states again at other ticks: each (event, state, binding) is matched once.
+                    mkey = (pe.index, x, binding)
+                    matched = memo.get(mkey)
+                    if matched is None:
+                        matched = []
+                        for post, b2, lab, p, pre in self._match(pe, x, binding):
+                            bad = self._properties(lab, p, pre, post) if check else None
+                            matched.append((post, b2, bad))
+                        memo[mkey] = matched
+                    for post, b2, bad in matched:
+                        if len(post) >= limit:
+                            full = True
+                        if bad is not None:
+                            broke = bad
+                            continue
+                        if post[next_id] > RENUMBER_AT or any(post[r] > RENUMBER_AT for r in reqs):
+                            post, b2 = self._renumber(post, b2)
+                        post = self._drop_stale(post)
+                        post, post_ages = self._split_ages(post)
+                        key = (post, t, pos2, b2, gt + ((pe.index, t),) if is_shared else gt)
+                        if cascade_ticks is not None:
+                            cascade_ticks.add(t)
+                        had = nxt.get(key)
+                        if had is None:
+                            nxt[key] = (last_lo[:j] + (t,) + last_lo[j + 1 :], last_hi[:j] + (t,) + last_hi[j + 1 :], post_ages)
+                        else:
+                            lo_, hi_, ages_ = had
+                            nxt[key] = (tuple(map(min, lo_, last_lo[:j] + (t,) + last_lo[j + 1 :])),
+                                        tuple(map(max, hi_, last_hi[:j] + (t,) + last_hi[j + 1 :])),
+                                        tuple(map(max, ages_, post_ages)))  # fmt: skip
+                if len(nxt) > self.params.max_frontier:
+                    raise _inconclusive(pe.index, pe.ev, "frontier_limit", f"key {self.key[:16]}…: more than {self.params.max_frontier} possible states at event {pe.index}")
+        return nxt, broke, full
+
+    def _settle(self, frontier: dict) -> dict:
+        """Move the oldest shared ticks that every element agrees on out of the elements (into
+        ``settled``): they no longer tell elements apart, and the tuples stay short."""
+        settled = self.settled
+        while True:
+            first = None
+            for key in frontier:
+                gt = key[4]
+                if not gt or (first is not None and gt[0] != first):
+                    return frontier
+                first = gt[0]
+            if first is None:
+                return frontier
+            settled[first[0]] = first[1]
+            merged: dict[tuple, tuple] = {}
+            for key, (lo, hi, ages) in frontier.items():
+                key = key[:4] + (key[4][1:],)
+                had = merged.get(key)
+                merged[key] = (lo, hi, ages) if had is None else (
+                    tuple(map(min, lo, had[0])), tuple(map(max, hi, had[1])), tuple(map(max, ages, had[2])))
+            frontier = merged
 
     def _fail(self, frontier: dict, broke: str | None, full: bool) -> None:
         # The event to blame: the earliest (caller's order) that some element could have taken.
@@ -1054,7 +1439,8 @@ class _Replay:
             return any(f"l{loc}," in name for loc in locs)
 
         closest = []
-        for s, T, pos, binding, _ in list(frontier)[: self.params.diff_states]:
+        for (s, T, pos, binding, _), (_, _, ages) in list(frontier.items())[: self.params.diff_states]:
+            s = self._with_ages(s, ages) if ages else s
             reach = self._closure(s, T, max(pe.lo, T), pe.hi) or [(s, T)]
             x, t = reach[-1]
             vars_ = {k: v for k, v in L.variables(x).items() if relevant(k)}
@@ -1093,45 +1479,63 @@ def validate_trace(events: Sequence[dict], params: TraceParams) -> Verdict:
         return stop.verdict
 
 
+# How an event enters a key's projection (``_validate``): packed with its index as ``i * 4 + mode``.
+_OWN, _CASCADE, _GLOBAL, _GLOBAL_CASCADE = 0, 1, 2, 3
+_MODE_NAMES = ("own", "cascade", "global", "global")
+
+
 def _validate(events: Sequence[dict], params: TraceParams) -> Verdict:
-    _check_shapes(events)
-    if not events:
+    # Three passes over the events, none holding more than names, counters and one int per
+    # event: shapes (and the earliest wall time), roles, then the shadow and each key's
+    # projection as indices. Each key's events are fetched again only for its replay, so a
+    # trace read from a file (``validate_file``) is never in memory as a whole.
+    w0 = _check_shapes(events)
+    if w0 is None:
         return Verdict(ACCEPTED, reason="an empty trace", frontier_max=1)
     roles = _Roles(events, params)
+    shadow = _Shadow()
+    per_key: dict[str, array] = {}
+    counts: dict[str, dict[str, int]] = {}
+    failures: list[int] = []  # indices of the global events so far
+    cascades: set[int] = set()  # indices of invalidations in more than one projection
+    requests: dict[tuple[str, str], int] = {}
+
+    def projection(k: str) -> array:
+        got = per_key.get(k)
+        if got is None:
+            # A key first seen now still lived through every failure before it.
+            got = per_key[k] = array("q", (i * 4 + _GLOBAL for i in failures))
+            counts[k] = {"epochs": 0, "leases": 0, "requests": 0, "transfers": 0, "crashes": 0, "restarts": 0}
+            for i in failures:
+                name = events[i]["event"]
+                if name != "declare_node_down":
+                    counts[k]["restarts" if name == "restart_directory" else "crashes"] += 1
+        return got
+
     for i, ev in enumerate(events):
-        for f in ("location",):
-            if ev.get(f) is not None and roles.loc(ev[f]) is None:
-                raise _reject(i, ev, "unknown_location", f"event {i}: location {ev[f]!r} is on no node and not the pool")
+        loc = ev.get("location")
+        if loc is not None and roles.loc(loc) is None:
+            raise _reject(i, ev, "unknown_location", f"event {i}: location {loc!r} is on no node and not the pool")
         for f in ("holder", "writer", "rejoined"):
             if ev.get(f) is not None and roles.n(ev[f]) is None:
                 raise _reject(i, ev, "malformed", f"event {i}: {f} {ev[f]!r} is not a node name")
-    shadow = _Shadow()
-    w0 = min(ev["t_wall_ns"] for ev in events)
-    keys: list[str] = []
-    for ev in events:
-        k = ev.get("key")
-        if k is not None and ev["event"] != "invalidate_namespace" and k not in keys:
-            keys.append(k)
-    per_key: dict[str, list[_PEvent]] = {k: [] for k in keys}
-    counts = {k: {"epochs": 0, "leases": 0, "requests": 0, "transfers": 0, "crashes": 0, "restarts": 0} for k in keys}
-    requests: dict[tuple[str, str], int] = {}
-    for i, ev in enumerate(events):
         name = ev["event"]
-        lo, hi = _interval(ev["t_wall_ns"], w0, params)
+        own = ev.get("key") if name != "invalidate_namespace" else None
+        if own is not None:
+            projection(own)
         cascade: list[str] = []
         if name in DIRECTORY_EVENTS:
             cascade = shadow.step(i, ev)
         if name in FAILURE_EVENTS:
-            extra = {"_cascade": True} if name == "restart_node" else {}
-            for k in keys:
-                e = dict(ev, **extra) if (extra and k in cascade) else ev
-                per_key[k].append(_PEvent(i, e, "global", lo, hi, ev["t_wall_ns"], ev["t_local_ns"]))
+            voided = set(cascade) if name == "restart_node" else set()
+            for k, idx in per_key.items():
+                idx.append(i * 4 + (_GLOBAL_CASCADE if k in voided else _GLOBAL))
                 if name != "declare_node_down":
                     counts[k]["crashes" if name != "restart_directory" else "restarts"] += 1
+            failures.append(i)
             continue
-        own = ev.get("key") if name != "invalidate_namespace" else None
         if own is not None:
-            per_key[own].append(_PEvent(i, ev, "own", lo, hi, ev["t_wall_ns"], ev["t_local_ns"]))
+            per_key[own].append(i * 4 + _OWN)
             c = counts[own]
             if name in ("grant_write_lease", "start_transfer"):
                 c["epochs"] += 1
@@ -1144,15 +1548,44 @@ def _validate(events: Sequence[dict], params: TraceParams) -> Verdict:
                 c["transfers"] += 1
         for k in cascade:
             if k != own and k in per_key:
-                per_key[k].append(_PEvent(i, ev, "cascade", lo, hi, ev["t_wall_ns"], ev["t_local_ns"]))
+                per_key[k].append(i * 4 + _CASCADE)
+                cascades.add(i)
+    keys = list(per_key)
+
+    def pevents(k: str) -> list[_PEvent]:
+        out = []
+        for packed in per_key[k]:
+            i, mode = divmod(packed, 4)
+            ev = events[i]
+            if mode == _GLOBAL_CASCADE:
+                ev = dict(ev, _cascade=True)
+            lo, hi = _interval(ev["t_wall_ns"], w0, params)
+            out.append(_PEvent(i, ev, _MODE_NAMES[mode], lo, hi, ev["t_wall_ns"], ev["t_local_ns"]))
+        return out
+
     explored, fmax = 0, 1
     verdicts: list[Verdict] = []
-    passes = {"never": (False,), "on_reject": (False, True), "always": (True,)}[params.clock_steps]
+    timings: list[tuple[dict[int, int], set[tuple], dict[int, set[int]]]] = []
+    frozen_shared, frozen_cascades = frozenset(failures), frozenset(cascades)
+    # Passes, each run only if the one before rejected the projection: the narrow search (every
+    # element keeps the caller's order unless none can), the lazy one (each element leaves it
+    # where it is stuck), the lazy one without merging ghost ages, then with clock steps. Each
+    # later pass explores a superset of the behaviours of the one before, so the last pass run
+    # decides.
+    passes = {
+        "never": ((True, False, True), (False, False, True), (False, False, False)),
+        "on_reject": ((True, False, True), (False, False, True), (False, False, False), (False, True, False)),
+        "always": ((True, True, True), (False, True, True), (False, True, False)),
+    }[params.clock_steps]
     for k in keys:
-        for clock_steps in passes:
+        first = [v.event_index for v in verdicts if v.status == REJECTED and v.event_index is not None]
+        if first and per_key[k][0] // 4 > min(first):
+            break  # this key's events, and every later key's, all come after a rejection
+        for narrow, clock_steps, merge_ages in passes:
             replay = None
             try:
-                replay = _Replay(k, per_key[k], roles, params, counts[k], clock_steps)
+                replay = _Replay(k, pevents(k), roles, params, counts[k], clock_steps, narrow, frozen_shared, frozen_cascades,
+                                 merge_ages)
                 replay.run()
                 verdict = None
             except _Stop as stop:
@@ -1164,13 +1597,90 @@ def _validate(events: Sequence[dict], params: TraceParams) -> Verdict:
                 break  # accepted, inconclusive, or rejected for a reason clocks cannot change
         if verdict is not None:
             verdicts.append(verdict)
+        elif replay is not None and (frozen_shared or frozen_cascades):
+            timings.append((replay.settled, replay.shared_ticks, replay.cascade_ticks))
     rejected = [v for v in verdicts if v.status == REJECTED]
+    conflict = _shared_time_conflict(timings, failures)
+    if conflict is not None:
+        rejected.append(Verdict(
+            REJECTED, conflict, events[conflict], f"event {conflict} ({events[conflict]['event']}) is in several key "
+            "projections, and no one time of it (and of the failures before it) explains them all", code="shared_event_time",
+        ))  # fmt: skip
     if rejected:
         first = min(rejected, key=lambda v: -1 if v.event_index is None else v.event_index)
         return _with_stats(first, fmax, explored)
     if verdicts:
         return _with_stats(verdicts[0], fmax, explored)
     return Verdict(ACCEPTED, reason=f"{len(events)} events, {len(keys)} keys", frontier_max=fmax, states_explored=explored)
+
+
+class _FileEvents(Sequence):
+    """An NDJSON trace as a sequence of events, read from the file each time it is iterated or
+    indexed: only each line's offset is kept (8 bytes an event)."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self._file = open(path, "rb")  # noqa: SIM115 (closed in close())
+        self._offsets = array("q")
+        self._lines = array("q")
+        at = 0
+        for number, line in enumerate(self._file, start=1):
+            if line.strip():
+                self._offsets.append(at)
+                self._lines.append(number)
+            at += len(line)
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __len__(self) -> int:
+        return len(self._offsets)
+
+    def _parse(self, i: int, line: bytes) -> Any:
+        try:
+            return json.loads(line)
+        except ValueError as e:
+            raise _reject(i, None, "malformed", f"line {self._lines[i]}: not JSON ({e})") from None
+
+    def __getitem__(self, i: int) -> Any:  # type: ignore[override]
+        self._file.seek(self._offsets[i])
+        return self._parse(i, self._file.readline())
+
+    def __iter__(self) -> Iterator[Any]:
+        self._file.seek(0)
+        i = 0
+        for line in self._file:
+            if line.strip():
+                yield self._parse(i, line)
+                i += 1
+
+
+def _shared_time_conflict(timings: list[tuple[dict[int, int], set[tuple], dict[int, set[int]]]], failures: list[int]) -> int | None:
+    """The first event shared by projections that no single tick explains in all of them, or
+    ``None``. Failures are in every projection: some assignment of ticks to all of them must be
+    one that every projection accepted (joint). A cascade is in its subtree's projections: some
+    one tick of it must be one each of them took it at (per event; the ticks any element took,
+    surviving or not: weaker than the failures' check)."""
+    if not timings:
+        return None
+    joint: list[set[tuple]] = []  # per projection: its accepted ticks of the failures, in order
+    cascade_ticks: dict[int, set[int]] = {}
+    for settled, tuples, ticks in timings:
+        assigns: set[tuple] = set()
+        for gt in tuples or {()}:
+            full = dict(settled)
+            full.update(gt)
+            assigns.add(tuple(full[i] for i in failures if i in full))
+        joint.append(assigns)
+        for i, ts in ticks.items():
+            cascade_ticks[i] = set(ts) if i not in cascade_ticks else cascade_ticks[i] & ts
+    for m in range(1, len(failures) + 1):
+        common = {a[:m] for a in joint[0]}
+        for assigns in joint[1:]:
+            common &= {a[:m] for a in assigns}
+        if not common:
+            return failures[m - 1]
+    empty = sorted(i for i, ts in cascade_ticks.items() if not ts)
+    return empty[0] if empty else None
 
 
 def _with_stats(v: Verdict, fmax: int, explored: int) -> Verdict:
@@ -1185,17 +1695,13 @@ def params_for_walk(walk: RenderedWalk, **overrides: Any) -> TraceParams:
 
 
 def validate_file(path: str | os.PathLike[str], params: TraceParams) -> Verdict:
-    """Validate an NDJSON trace file (the merged log, in the order to replay)."""
-    events: list[Any] = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                events.append(json.loads(line))
-            except ValueError as e:
-                return Verdict(REJECTED, len(events), None, f"line {number}: not JSON ({e})", code="malformed")
-    return validate_trace(events, params)
+    """Validate an NDJSON trace file (the merged log, in the order to replay), reading it line
+    by line: memory grows with the longest key projection, not with the file."""
+    events = _FileEvents(path)
+    try:
+        return validate_trace(events, params)
+    finally:
+        events.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

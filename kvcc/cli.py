@@ -1,4 +1,4 @@
-"""kvcc's command line: ``kvcc check | mutants | prove | verify | bench checker | bench tiers | bench directory``.
+"""kvcc's command line: ``kvcc check | mutants | prove | verify | bench checker | bench tiers | bench directory | bench validator``.
 
 Exit codes: 0 when everything asked for holds, 1 when something fails (a violation, an unreached
 ``sometimes``, a manifest mismatch, a mutant not caught by its property, an unproved obligation),
@@ -489,6 +489,12 @@ def cmd_bench_directory(args: argparse.Namespace) -> int:
     return bench_directory.cli(args)
 
 
+def cmd_bench_validator(args: argparse.Namespace) -> int:
+    from kvcc.bench import validator as bench_validator
+
+    return bench_validator.cli(args)
+
+
 # ---------------------------------------------------------------------------------------- parser
 
 
@@ -554,6 +560,14 @@ def build_parser() -> argparse.ArgumentParser:
                                     "each beside a raw baseline from the same run (Ping round trips; raw etcd puts).")
     add_directory_arguments(b)
     b.set_defaults(func=cmd_bench_directory)
+    from kvcc.bench.validator import add_arguments as add_validator_arguments
+
+    b = bsub.add_parser("validator", help="trace validator throughput and memory, on a load trace and a generated one",
+                        description="Events per second and peak RSS of the trace validator on the load profile's trace "
+                                    "of a real run and on a trace of at least a million events made from it; a mutated "
+                                    "copy must be REJECTED.")
+    add_validator_arguments(b)
+    b.set_defaults(func=cmd_bench_validator)
 
     from kvcc.cli_runtime import add_parsers as add_runtime_parsers
 

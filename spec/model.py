@@ -466,6 +466,56 @@ class Model:
         self._failures(s, fixed, net, out)
         return out
 
+    # -- one action ---------------------------------------------------------------------------
+
+    def apply(self, label: str, params: tuple, s: bytes) -> list[Step]:
+        """The steps of ``successors(s)`` named ``label`` whose parameters match ``params``,
+        computed without generating the others. Trace validation replays each logged action with
+        its parameters; building every successor to keep the one that matches is what made it
+        slow. A parameter given as ``None`` matches any value (a spec lease id the replay has
+        not bound yet); ``params`` may be shorter than the step's. Only the generator that can
+        produce ``label`` runs (``_APPLY_SOURCES``): the holder's or writer's actions of one
+        (node, key), the directory's of one key, the deliveries of the messages that handler
+        takes, time, or failures (some labels have two: a holder abandons on its own or on a
+        refusal); a label without an entry falls back to ``successors``, so an action added
+        later is still found, only not faster. ``tests/test_validate.py``
+        checks that the union over every (label, params) of a state's successors is the
+        successors."""
+        L = self.L
+        sources = _APPLY_SOURCES.get(label)
+        out: list[Step] = []
+        if sources is None:
+            out = self.successors(s)
+            sources = ()
+        fixed = s[: L.fixed]
+        net = [s[i : i + MESSAGE_WIDTH] for i in range(L.fixed, len(s), MESSAGE_WIDTH)]
+        for source in sources:
+            kind = source[0]
+            if kind == "holder" or kind == "writer":
+                n, k = params[0], params[1]
+                if n is None or k is None:
+                    return [st for st in self.successors(s) if st[0] == label and _params_match(params, st[1])]
+                if s[L.up[n]]:
+                    if kind == "holder" and self.reads[n]:
+                        self._holder_actions(s, fixed, net, n, k, out)
+                    elif kind == "writer" and self.writes[n]:
+                        self._writer_actions(s, fixed, net, n, k, out)
+            elif kind == "directory":
+                keys = range(self.K) if params[0] is None else (params[0],)
+                for k in keys:
+                    self._directory_actions(s, fixed, net, k, out)
+            elif kind == "deliver":
+                kinds = source[1]
+                for i, msg in enumerate(net):
+                    if msg[0] in kinds and msg not in net[:i]:
+                        self._deliver(s, fixed, net[:i] + net[i + 1 :], msg, out)
+            elif kind == "time":
+                self._time(s, fixed, net, out)
+            else:
+                assert kind == "failures", kind
+                self._failures(s, fixed, net, out)
+        return [st for st in out if st[0] == label and _params_match(params, st[1])]
+
     # -- time ---------------------------------------------------------------------------------
 
     def _run_down(self, b: bytearray, timers: list[tuple[int, tuple[int, ...]]], delta: int) -> None:
@@ -1268,3 +1318,42 @@ class Model:
         if "lease_id_reuse_after_restart" in self.bugs:
             b[L.next_id] = 1  # the counter was not in the durable log
         return b
+
+
+def _params_match(given: tuple, step: tuple) -> bool:
+    for g, v in zip(given, step):
+        if g is not None and g != v:
+            return False
+    return True
+
+
+# Which generator of ``successors`` produces each label (``Model.apply``). Deliveries name the
+# message kinds whose handler may answer with the label.
+_APPLY_SOURCES: dict[str, tuple[tuple, ...]] = {
+    **{a: (("holder",),) for a in ("acquire", "renew", "read", "release")},
+    "abandon": (("holder",), ("deliver", (M_REFUSE,))),
+    "begin_write": (("writer",),),
+    "abort": (("writer",), ("deliver", (M_REFUSE,))),
+    **{a: (("directory",),) for a in (
+        "expire_write_lease", "expire_write_lease_of_crashed", "invalidate", "complete_invalidation", "evict",
+        "evict_refused", "start_transfer", "free_drained", "cancel_transfer", "retry_free",
+    )},  # fmt: skip
+    **{a: (("deliver", (M_ACQUIRE,)),) for a in ("grant_read_lease", "refuse_read_lease")},
+    **{a: (("deliver", (M_RENEW,)),) for a in ("renew_lease", "refuse_renewal")},
+    "release_lease": (("deliver", (M_RELEASE,)),),
+    **{a: (("deliver", (M_BEGIN_WRITE,)),) for a in ("grant_write_lease", "refuse_write_lease")},
+    **{a: (("deliver", (M_COMMIT,)),) for a in ("commit_write", "reject_stale_commit")},
+    "revoke_acked": (("deliver", (M_ACK,)),),
+    **{a: (("deliver", (M_COPIED,)),) for a in ("finish_transfer", "ignore_stale_copied")},
+    **{a: (("deliver", (M_GRANT_READ,)),) for a in ("trust_read_lease", "ignore_stale_grant")},
+    **{a: (("deliver", (M_RENEWED,)),) for a in ("trust_renewal", "ignore_stale_renewal")},
+    **{a: (("deliver", (M_GRANT_WRITE,)),) for a in ("start_writing", "ignore_stale_write_grant")},
+    "drop_and_ack": (("deliver", (M_REVOKE,)),),
+    **{a: (("deliver", (M_WRITE_BYTES,)),) for a in ("store_bytes", "fence_stale_write", "write_to_down_location")},
+    **{a: (("deliver", (M_FREE,)),) for a in ("free_slot", "fence_stale_free", "free_at_down_location")},
+    **{a: (("deliver", (M_COPY,)),) for a in ("store_copy", "copy_failed", "fence_stale_copy")},
+    "ignore_stale_refusal": (("deliver", (M_REFUSE,)),),
+    **{a: (("deliver", (M_FREED,)),) for a in ("free_acked", "ignore_stale_freed")},
+    **{a: (("time",),) for a in ("tick", "clock_forward", "clock_back")},
+    **{a: (("failures",),) for a in ("crash", "restart_node", "restart_directory", "declare_node_down")},
+}
