@@ -25,7 +25,8 @@ Vocabulary (same names as ``layout.Layout``, same index order):
   functions of the element (``kind``, ``m_node``, ``m_key``, ``m_lease``, ``m_loc``, ``m_src``,
   ``m_gen``, ``m_epoch``, ``m_req``); sending asserts a fresh element with the right fields.
 - rigid topology: ``NOLOC`` (the model's ``NO_LOCATION``), ``is_pool(l)``, ``locnode(l)``;
-  ``allowed(n, k)`` (the tenant's namespaces).
+  ``allowed(n, k)`` (the tenant's namespaces); the prefix tree: ``has_parent(k)`` and ``parent(k)``
+  (any relation at all: the proofs hold for every forest, and for structures that are none).
 
 Time is exactly the model's: there is no absolute clock, every deadline is a counter of ticks left on
 the clock that owns it. ``tick`` runs every counter down by one; a counter that reaches zero expires
@@ -44,12 +45,15 @@ Abstractions (each an over-approximation, so a proof here covers ``model.py``):
   down location or node) is therefore ``drop``.
 - Scope budgets are dropped: ``max_epoch``, ``max_lease_id``, ``max_requests``, ``max_messages``,
   crash/restart/duplication budgets, the ``readers``/``writers`` roles, ``writes_to_pool_only``.
-- The prefix tree is dropped: the guards "parent committed" (begin write) and "leaves first"
-  (evict) are not checked, and an invalidation of a subtree (or a namespace, or the lost-owner
-  invalidation in ``restart_node``) is a sequence of single-key steps ``invalidate(k)`` /
-  ``invalidate_writing(k)``, each enabled whenever the key is COMMITTED (resp. WRITING). The
-  properties proved here are per key, so the sequence reaches the model's successor through
-  states the invariant also covers. (``PrefixClosed`` is therefore not proved here.)
+- An invalidation of a subtree (or a namespace, or the lost-owner invalidation in
+  ``restart_node``) is a sequence of single-key steps ``invalidate(k)`` / ``invalidate_writing(k)``,
+  children first: ``invalidate(k)`` is enabled when the key is COMMITTED and none of its children
+  is WRITING or COMMITTED any more (``invalidate_writing(k)`` whenever the key is WRITING). Every
+  subtree and every namespace (chains stay in one) can be voided in that order, so the sequence
+  reaches the model's successor, through states the invariant also covers (``refinement`` checks
+  that it does, step by step). The other prefix guards are the model's: a write is granted only
+  under a COMMITTED parent (``may_begin_write``), a copy is evicted only when every child is ABSENT
+  (``may_evict``). With them ``PrefixClosed`` (DESIGN 10) is proved like any other property.
 - ``tick`` is enabled even when a directory timer is due (the model's urgency rule only serves
   bounded response).
 - ``restart_node(n)`` is the model's restart without its invalidation part (see above).
@@ -98,6 +102,8 @@ NOLOC = z3.Const("NOLOC", Loc)
 is_pool = z3.Function("is_pool", Loc, BOOL)
 locnode = z3.Function("locnode", Loc, Node)
 allowed = z3.Function("allowed", Node, Key, BOOL)
+has_parent = z3.Function("has_parent", Key, BOOL)
+parent = z3.Function("parent", Key, Key)
 
 kind = z3.Function("kind", Msg, Kind)
 m_node = z3.Function("m_node", Msg, Node)
@@ -148,6 +154,8 @@ SUPPORTED_BUGS = frozenset(
         "no_namespace_check",
         "invalidation_waits_for_acks",
         "write_lease_never_expires",
+        "evict_parent_first",
+        "invalidate_without_cascade",
     }
 )
 
@@ -177,6 +185,24 @@ def holder_budget(bugs: frozenset[str]) -> z3.ArithRef:
 def loc_up(s: "State", loc: z3.ExprRef) -> z3.BoolRef:
     """``Model.location_up``: the shared pool never goes down; a node's tier is up with its node."""
     return z3.Or(is_pool(loc), s.up[locnode(loc)])
+
+
+def children_not_live(s: "State", k: z3.ExprRef) -> z3.BoolRef:
+    """No child of ``k`` is WRITING or COMMITTED: ``k`` may be voided without orphaning one."""
+    c = z3.Const("ch_c", Key)
+    return z3.ForAll([c], z3.Implies(z3.And(has_parent(c), parent(c) == k),
+                                     z3.And(s.phase[c] != WRITING, s.phase[c] != COMMITTED)))
+
+
+def children_absent(s: "State", k: z3.ExprRef) -> z3.BoolRef:
+    """Every child of ``k`` is ABSENT (``may_evict``: leaves before their ancestors, DESIGN 10)."""
+    c = z3.Const("ch_c", Key)
+    return z3.ForAll([c], z3.Implies(z3.And(has_parent(c), parent(c) == k), s.phase[c] == ABSENT))
+
+
+def parent_committed(s: "State", k: z3.ExprRef) -> z3.BoolRef:
+    """A root, or a key whose parent is COMMITTED (``may_begin_write``, DESIGN 10)."""
+    return z3.Implies(has_parent(k), s.phase[parent(k)] == COMMITTED)
 
 
 def on_node(loc: z3.ExprRef, n: z3.ExprRef) -> z3.BoolRef:
@@ -536,8 +562,10 @@ class Protocol:
             moving=z3.Store(s.moving, k, NOLOC),
             inflight=z3.Lambda([m], z3.Or(s.inflight[m], revoke)),
         )
-        return Action("invalidate", ("invalidate", "invalidate_namespace", "restart_node"), {"k": k},
-                      s.phase[k] == COMMITTED, post)
+        guard = s.phase[k] == COMMITTED
+        if not self.bug("invalidate_without_cascade"):
+            guard = z3.And(guard, children_not_live(s, k))  # children first (module docstring)
+        return Action("invalidate", ("invalidate", "invalidate_namespace", "restart_node"), {"k": k}, guard, post)
 
     def invalidate_writing(self, s: State) -> Action:
         """A WRITING key below an invalidated prefix: the write is aborted (end of generation)."""
@@ -573,6 +601,8 @@ class Protocol:
         conj = [s.phase[k] == COMMITTED, loc != NOLOC, loc_up(s, loc)]
         if not self.bug("restart_without_grace"):
             conj.append(s.grace == 0)
+        if not self.bug("evict_parent_first"):
+            conj.append(children_absent(s, k))
         if not self.bug("evict_under_lease"):
             conj.append(z3.Not(self.live_lease_on(s, k, loc)))
         if which == "owner":
@@ -680,7 +710,8 @@ class Protocol:
         m, inflight = self._delivery(s, "BEGIN_WRITE")
         n, k = m_node(m), m_key(m)
         loc = fresh("loc", Loc)  # one of ``write_targets(n)`` that is up
-        conj = [inflight, s.phase[k] == ABSENT, loc != NOLOC, z3.Or(is_pool(loc), locnode(loc) == n), loc_up(s, loc)]
+        conj = [inflight, s.phase[k] == ABSENT, parent_committed(s, k), loc != NOLOC,
+                z3.Or(is_pool(loc), locnode(loc) == n), loc_up(s, loc)]
         if not self.bug("no_namespace_check"):
             conj.append(allowed(n, k))
         lease, epoch = s.next_id, s.epoch[k] + 1

@@ -69,6 +69,8 @@ MUTANT_OBLIGATIONS: dict[str, str] = {
     "lease_id_reuse_after_restart": "LeaseIdsFresh",
     "grant_during_invalidation": "LeasesGrantedOnlyOnCommitted",
     "no_namespace_check": "NamespaceIsolation",
+    "evict_parent_first": "PrefixClosed",
+    "invalidate_without_cascade": "PrefixClosed",
 }
 
 # Where each mutant's CTI for its mapped invariant appears: the actions whose obligation fails.
@@ -85,6 +87,8 @@ MUTANT_CTI_ACTIONS: dict[str, tuple[str, ...]] = {
     "lease_id_reuse_after_restart": ("restart_directory",),
     "grant_during_invalidation": ("grant_read_lease",),
     "no_namespace_check": ("grant_read_lease",),
+    "evict_parent_first": ("evict_owner",),
+    "invalidate_without_cascade": ("invalidate",),
 }
 
 MUTANT_NOTES: dict[str, str] = {

@@ -20,7 +20,7 @@ phases), a message element a pair ``(fields, tag)`` where ``fields`` is
 ``(KIND, node, key, lease, loc, src, gen, epoch, req)`` with the fields a kind does not carry at 0,
 and ``tag`` tells elements with equal fields apart (the n-th copy in flight, the message an action
 sent, a spare element). An array is a Python function of its indices; ``Store`` and ``Lambda``
-build new functions. ``is_pool``, ``locnode`` and ``allowed`` are the configuration's topology;
+build new functions. ``is_pool``, ``locnode``, ``allowed``, ``has_parent`` and ``parent`` are the configuration's topology;
 reading a cell the encoding leaves unconstrained (the slot at ``NOLOC``, the node of the pool)
 raises ``DontCare``: the action's outcome then depends on a value z3 may choose, which the check
 reports rather than guesses.
@@ -53,31 +53,34 @@ one post-state (up to the names of fresh message elements), and comparing it wit
 whole question; the bindings themselves are enumerated over the configuration.
 
 Scope: ``check_config`` explores a configuration breadth first from its initial state with the
-model's own successor function. Every step of every state expanded is checked. A configuration
-whose reachable states fit in ``state_budget`` is checked exhaustively; a larger one is checked on
-its first ``state_budget`` states in breadth-first order (deterministic: the order of
-``Model.successors``), and then on deterministic seeded walks that always take a step of the label
-compared least so far, until every label of ``REACHABLE_LABELS[config]`` (the labels the model
-checker reaches in it, pinned) has been compared ``label_quota`` times or ``walk_steps`` are spent.
+model's own successor function (deterministic: the order of ``Model.successors``). Every step of
+the first ``state_budget`` states is compared; a configuration with no more reachable states is
+checked exhaustively. Past the budget, breadth first goes on (generating states is cheap, comparing
+steps is not) and compares only the steps of labels compared fewer than ``label_quota`` times, until
+every label of ``reachable_labels.json`` for the configuration (the labels an exhaustive
+exploration reaches there, pinned) has had its quota, or ``cover_budget`` states were expanded.
 Every report lists per label the steps compared; ``check_all`` fails if a label a configuration
-reaches was never compared there, or a label of ``model.py`` was compared in no configuration.
+reaches was never compared there, or a label of ``model.py`` was compared in no scope. Labels no
+configuration of ``CONFIGS`` reaches (``duplicate``: no configuration duplicates messages; a copy
+fenced as stale needs a third epoch) are compared on ``SUPPLEMENTS``, scopes derived from one
+configuration for this check only.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
-import random
 import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from importlib import resources
 
+import attrs
 import z3
 
 from .. import layout as LY
-from ..config import CONFIGS, ModelConfig
+from ..config import CONFIGS, ModelConfig, load_manifest
 from ..model import Model
 from .encoding import (
     BOOL, EPS, INT, KIND_FIELDS, KIND_NAMES, NOLOC, STATE_VARS, T, Action, Key, Loc, Msg, Node, Pending, Phase,
@@ -192,6 +195,7 @@ class _Topology:
     locations: int
     loc_node: list[int]  # per location code - 1: its node, or -1 for the pool
     allowed: list[list[bool]]
+    parents: tuple[int, ...]
     term: int
     eps: int
 
@@ -347,6 +351,18 @@ class _Compiler:
         if name == "allowed":
             n, k = args
             return lambda ctx, bound: ctx.topo.allowed[n(ctx, bound)][k(ctx, bound)]
+        if name == "has_parent":
+            (k,) = args
+            return lambda ctx, bound: ctx.topo.parents[k(ctx, bound)] >= 0
+        if name == "parent":
+            (k,) = args
+
+            def parent_of(ctx, bound):
+                p = ctx.topo.parents[k(ctx, bound)]
+                if p < 0:
+                    raise DontCare("the parent of a root")
+                return p
+            return parent_of
         raise NotImplementedError(f"function {name}")
 
 
@@ -464,7 +480,8 @@ class Refinement:
         cfg = model.cfg
         L = model.L
         self.topo = _Topology(cfg.nodes, cfg.keys, cfg.locations, list(model.loc_node),
-                              [list(row) for row in model.allowed], cfg.lease_term_ticks, cfg.skew_ticks)
+                              [list(row) for row in model.allowed], cfg.parents, cfg.lease_term_ticks,
+                              cfg.skew_ticks)
         self.protocol = protocol if protocol is not None else Protocol()
         pre = State.fresh(_PREFIX)
         self.actions: list[_Compiled] = []
@@ -670,36 +687,55 @@ def _reader(s: bytes, pos, idx, dec):
 
 # ------------------------------------------------------------------------------ configurations
 
-# Per configuration: how many states are expanded breadth first (every step of each is compared),
-# then how many steps of seeded least-compared-label walks may be taken to reach the labels the
-# breadth-first part missed. Sized so that every configuration together fits in CI (a few minutes).
-STATE_BUDGET = 4_000
-WALK_STEPS = 20_000
+# How many states are expanded breadth first with every step compared; how many in all may be
+# expanded to give every label its quota of compared steps. Sized so that every configuration
+# together fits in CI (a few minutes).
+STATE_BUDGET = 10_000
+COVER_BUDGET = 150_000
 LABEL_QUOTA = 20
-WALK_DEPTH = 60
+# A configuration with at most this many reachable states (``manifest.json``) is checked exhaustively.
+EXHAUSTIVE_UP_TO_STATES = 32_000
+
+# Scopes derived for this check only, each for the labels no configuration of CONFIGS reaches.
+SUPPLEMENTS: dict[str, tuple[ModelConfig, tuple[str, ...], str]] = {
+    "tiny+duplicates": (
+        attrs.evolve(CONFIGS["tiny"], name="tiny+duplicates", max_duplications=1), ("duplicate",),
+        "no configuration duplicates messages (max_duplications = 0 everywhere): duplicate is reached nowhere else",
+    ),
+    "tiering+epochs": (
+        attrs.evolve(CONFIGS["tiering"], name="tiering+epochs", max_epoch=3, max_node_crashes=0),
+        ("fence_stale_copy",),
+        "a copy fenced as stale (fence_stale_copy) needs a third epoch: a transfer, then one overtaking it",
+    ),
+}
 
 
 @dataclass
 class ConfigReport:
     config: str
     exhaustive: bool  # every reachable state was expanded
-    states: int  # states whose every step was compared
+    states: int  # states expanded: every step of the first ``state_budget`` compared, then rare labels
     steps: int  # steps compared
     labels: dict[str, int]  # label -> steps compared
     expected: list[str]  # labels the model checker reaches in this configuration (pinned)
     missing: list[str]  # expected labels never compared
     failures: list[dict] = field(default_factory=list)
     seconds: float = 0.0
+    # The inductive invariant's Python forms (properties and strengthenings), evaluated on every
+    # state expanded: a strengthening false in a reachable state is wrong, whatever z3 says.
+    invariant_states: int = 0
+    invariant_violations: list[dict] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return not self.failures and not self.missing
+        return not self.failures and not self.missing and not self.invariant_violations
 
     def to_json(self) -> dict:
         return {
             "config": self.config, "ok": self.ok, "exhaustive": self.exhaustive, "states": self.states,
             "steps": self.steps, "labels": dict(sorted(self.labels.items())), "missing": self.missing,
             "failures": self.failures[:5], "failure_count": len(self.failures), "seconds": round(self.seconds, 2),
+            "invariant_states": self.invariant_states, "invariant_violations": self.invariant_violations[:5],
         }
 
 
@@ -710,18 +746,21 @@ def reachable_labels() -> dict[str, list[str]]:
 
 
 def check_config(model: Model, protocol: Protocol | None = None, state_budget: int = STATE_BUDGET,
-                 walk_steps: int = WALK_STEPS, label_quota: int = LABEL_QUOTA, seed: int = 0,
+                 cover_budget: int = COVER_BUDGET, label_quota: int = LABEL_QUOTA,
                  expected: list[str] | None = None, max_failures: int = 20,
-                 stop_on_failure: bool = False) -> ConfigReport:
-    """Compare every step of the first ``state_budget`` states (breadth first), then steps on
-    least-compared-label walks; see the module docstring."""
+                 stop_on_failure: bool = False, invariants: tuple | None = None) -> ConfigReport:
+    """Compare every step of the first ``state_budget`` states (breadth first), then the steps of
+    labels below their quota; see the module docstring."""
     started = time.perf_counter()
     ref = Refinement(model, protocol)
     cfg = model.cfg
     if expected is None:
         expected = reachable_labels().get(cfg.name, [])
+    if invariants is None:
+        from .invariants import STATE_INVARIANTS as invariants
     labels: Counter = Counter()
     failures: list[dict] = []
+    violations: list[dict] = []
     steps = 0
 
     def compare(s: bytes, succ, only_rare: bool) -> None:
@@ -740,53 +779,73 @@ def check_config(model: Model, protocol: Protocol | None = None, state_budget: i
     seen = set(init)
     frontier = deque(init)
     expanded = 0
-    while frontier and expanded < state_budget and not (stop_on_failure and failures):
+    while frontier and not (stop_on_failure and failures):
+        if expanded >= state_budget:
+            # Past the budget, breadth first goes on (generating is cheap) but compares only the
+            # steps of labels compared fewer than ``label_quota`` times, until every label the
+            # configuration reaches has had its quota.
+            if expanded >= cover_budget or all(labels[x] >= label_quota for x in expected):
+                break
         s = frontier.popleft()
         succ = model.successors(s)
+        compare(s, succ, only_rare=expanded >= state_budget)
         expanded += 1
-        compare(s, succ, only_rare=False)
+        for inv in invariants:
+            if not inv.python(model, s) and len(violations) < max_failures:
+                violations.append({"invariant": inv.name, "state": s.hex(), "variables": {
+                    k: v for k, v in model.L.variables(s).items() if v not in ("0", "-", "EMPTY", "NONE", "ABSENT")}})
         for _, _, t in succ:
             if t not in seen:
                 seen.add(t)
                 frontier.append(t)
     exhaustive = not frontier
-    if not exhaustive:
-        # Walks from the initial state that always move by the label compared least so far (ties
-        # broken by the seeded generator): they reach the deep actions breadth first does not.
-        rng = random.Random(seed)
-        budget = walk_steps
-        while budget > 0 and any(labels[x] < label_quota for x in expected) and not (stop_on_failure and failures):
-            s = init[0]
-            for _ in range(WALK_DEPTH):
-                succ = model.successors(s)
-                if not succ:
-                    break
-                compare(s, succ, only_rare=True)
-                budget -= 1
-                rarest = min(labels[label] for label, _, _ in succ)
-                s = rng.choice([t for label, _, t in succ if labels[label] == rarest])
-                if budget <= 0:
-                    break
     missing = [x for x in expected if labels[x] == 0]
     return ConfigReport(cfg.name, exhaustive, expanded, steps, dict(labels), list(expected), missing, failures,
-                        time.perf_counter() - started)
+                        time.perf_counter() - started, expanded, violations)
 
 
-def check_all(configs: dict[str, ModelConfig] | None = None, protocol: Protocol | None = None, **kw) -> dict:
-    """Every configuration; fails (``ok`` false) on a step not refined, a label a configuration
-    reaches but never compared there, or a label of ``model.py`` compared in no configuration."""
-    configs = CONFIGS if configs is None else configs
+def state_budget_for(cfg: ModelConfig) -> int:
+    """Exhaustive (no budget) for a configuration small enough, ``STATE_BUDGET`` otherwise."""
+    pinned = load_manifest().get(cfg.name, {}).get("distinct_states")
+    if pinned is not None and pinned <= EXHAUSTIVE_UP_TO_STATES:
+        return EXHAUSTIVE_UP_TO_STATES
+    return STATE_BUDGET
+
+
+def scopes(configs: dict[str, ModelConfig] | None = None) -> dict[str, ModelConfig]:
+    """Every configuration of ``CONFIGS`` (or those given), then the supplements."""
+    out = dict(CONFIGS if configs is None else configs)
+    if configs is None:
+        out.update({name: cfg for name, (cfg, _, _) in SUPPLEMENTS.items()})
+    return out
+
+
+def check_all(configs: dict[str, ModelConfig] | None = None, protocol: Protocol | None = None,
+              progress: Callable[[ConfigReport], None] | None = None, **kw) -> dict:
+    """Every configuration and supplement; fails (``ok`` false) on a step not refined, a label a
+    configuration reaches but never compared there, or a label of ``model.py`` compared nowhere."""
     started = time.perf_counter()
-    reports = [check_config(Model(cfg), protocol, **kw) for cfg in configs.values()]
-    compared = Counter()
+    reports = []
+    fixed_budget = kw.pop("state_budget", None)
+    for name, cfg in scopes(configs).items():
+        budget = fixed_budget or state_budget_for(cfg)
+        expected = list(SUPPLEMENTS[name][1]) if name in SUPPLEMENTS else None
+        r = check_config(Model(cfg), protocol, state_budget=budget, expected=expected, **kw)
+        reports.append(r)
+        if progress is not None:
+            progress(r)
+    compared: Counter = Counter()
     for r in reports:
         compared.update(r.labels)
     never = [x for x in MODEL_LABELS if compared[x] == 0]
+    unknown = sorted(set(compared) - set(MODEL_LABELS))
     return {
-        "ok": all(r.ok for r in reports) and not never,
+        "ok": all(r.ok for r in reports) and not never and not unknown,
         "configs": {r.config: r.to_json() for r in reports},
         "labels": {x: compared[x] for x in MODEL_LABELS},
         "never_compared": never,
+        "unknown_labels": unknown,
+        "supplements": {name: {"labels": list(labels), "why": why} for name, (_, labels, why) in SUPPLEMENTS.items()},
         "steps": sum(r.steps for r in reports),
         "seconds": round(time.perf_counter() - started, 2),
     }

@@ -31,7 +31,7 @@ from ..model import Model
 from .bounded import closure, ground
 from .encoding import (
     EPS, INT, KIND_NAMES, K_, Key, Loc, Msg, NOLOC, Node, Pending, Phase, STATE_VARS, SlotStatus, Stage, T,
-    Action, Protocol, State, allowed, config_axioms, is_pool, kind, locnode, m_epoch, m_gen, m_key, m_lease, m_loc,
+    Action, Protocol, State, allowed, config_axioms, has_parent, is_pool, kind, locnode, parent, m_epoch, m_gen, m_key, m_lease, m_loc,
     m_node, m_req, m_src,
 )
 
@@ -205,6 +205,11 @@ class Simulator:
         for i, n in enumerate(self.nodes):
             for j, k in enumerate(self.keys):
                 s.add(allowed(n, k) == bool(m.allowed[i][j]))
+        for j, k in enumerate(self.keys):
+            p = cfg.parents[j]
+            s.add(has_parent(k) == (p >= 0))
+            if p >= 0:
+                s.add(parent(k) == self.keys[p])
         # Closed world for nodes, keys and locations; messages: the ones named.
         s.add(closure(elements, states, [e for e in extra if e.sort() != Msg]))
         s.add(self.state_constraints(self.pre, pre_bytes))
