@@ -24,7 +24,7 @@ from itertools import permutations
 from attrs import define, field
 
 from .config import ModelConfig
-from .layout import MESSAGE_WIDTH, M_COPIED, M_COPY, M_FREE, M_GRANT_READ, M_GRANT_WRITE, M_RENEW, M_WRITE_BYTES
+from .layout import LOCATION_MESSAGES, MESSAGE_WIDTH, M_COPY, M_GRANT_READ, M_GRANT_WRITE, M_RENEW, M_WRITE_BYTES
 from .model import Model
 from .properties import INVARIANTS, TRANSITION_PROPERTIES, Invariant, TransitionProperty, applicable_sometimes
 
@@ -41,6 +41,7 @@ ACTIONS = (
     "start_transfer", "store_copy", "finish_transfer", "free_drained", "cancel_transfer",
     "trust_read_lease", "trust_renewal", "start_writing",
     "store_bytes", "fence_stale_write", "free_slot", "fence_stale_free",
+    "retry_free", "free_acked",
     "drop", "duplicate", "crash", "restart_node", "restart_directory",
 )
 
@@ -125,6 +126,7 @@ class Symmetry:
             for n in range(cfg.nodes):
                 m = perm[n]
                 for grid in (L.h_id, L.h_loc, L.h_gen, L.h_left, L.p_kind, L.p_id, L.p_left,
+                             L.p_age, L.read_lost, L.write_lost, L.acked,
                              L.w_stage, L.wr_id, L.wr_gen, L.wr_epoch, L.wr_loc):
                     for k in range(cfg.keys):
                         gather[grid[m][k]] = grid[n][k]
@@ -136,7 +138,7 @@ class Symmetry:
                         gather[grid[k][m]] = grid[k][n]
             for loc in range(cfg.locations):
                 lp = loc_perm[loc]
-                for grid in (L.s_status, L.s_gen, L.s_epoch, L.fence):
+                for grid in (L.s_status, L.s_gen, L.s_epoch, L.fence, L.freed, L.orphan_age, L.to_free):
                     for k in range(cfg.keys):
                         gather[grid[lp][k]] = grid[loc][k]
             remap: list[tuple[int, bytes]] = []
@@ -156,7 +158,7 @@ class Symmetry:
         for j in range(self.fixed, len(s), MESSAGE_WIDTH):
             m = bytearray(s[j : j + MESSAGE_WIDTH])
             kind = m[0]
-            if kind in (M_FREE, M_COPY, M_COPIED):
+            if kind in LOCATION_MESSAGES:
                 m[3] = loc_map[m[3]]
                 if kind == M_COPY:
                     m[4] = loc_map[m[4]]
