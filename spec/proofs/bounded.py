@@ -26,7 +26,7 @@ import z3
 
 from .encoding import (
     INT, STATE_VARS, Action, Key, Loc, Msg, Node, State, allowed, has_parent, is_pool, locnode, m_key, m_loc,
-    m_node, m_src, NOLOC, EPS, T, m_epoch, m_gen, m_lease, m_req, parent,
+    m_node, m_src, NOLOC, EPS, T, m_epoch, m_gen, m_lease, m_req, m_what, parent,
 )
 
 SORTS = (Node, Key, Loc, Msg)
@@ -129,7 +129,7 @@ def forest(elements: dict) -> list:
 def integer_cells(states: list[State], elements: dict) -> list[z3.ArithRef]:
     cells = [t for st in states for sort, t in _state_cells(st, elements) if sort == INT]
     for m in elements[Msg]:
-        cells += [m_lease(m), m_gen(m), m_epoch(m), m_req(m)]
+        cells += [m_lease(m), m_gen(m), m_epoch(m), m_req(m), m_what(m)]
     return cells + [T, EPS]
 
 

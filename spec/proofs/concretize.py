@@ -26,7 +26,7 @@ from ..model import Model
 from .encoding import (
     EPS, INT, KIND_NAMES, Kind, Loc, Msg, NOLOC, Node, Key, Pending, Phase, STATE_VARS, SlotStatus, Stage, T,
     Action, State, allowed, has_parent, is_pool, kind, locnode, m_epoch, m_gen, m_key, m_lease, m_loc, m_node, m_req,
-    m_src, parent,
+    m_src, m_what, parent,
 )
 
 _ENUMS = {Phase: 4, SlotStatus: 3, Stage: 3, Pending: 3}
@@ -188,7 +188,7 @@ def step_in_model(model: Model, pre: bytes, label: str, post: bytes) -> bool:
 
 def _message(zmodel, m, nodes, keys, loc_code) -> bytes:
     name = KIND_NAMES[_enum_index_kind(zmodel, m)]
-    node = _index_of(zmodel, nodes, m_node(m)) if name not in ("FREE", "COPY", "COPIED") else 0
+    node = _index_of(zmodel, nodes, m_node(m)) if name not in ("FREE", "COPY", "COPIED", "FREED") else 0
     key = _index_of(zmodel, keys, m_key(m))
     lease, gen, epoch, req = (_int(zmodel, f(m)) for f in (m_lease, m_gen, m_epoch, m_req))
     code = _PY_KIND[name]
@@ -202,11 +202,13 @@ def _message(zmodel, m, nodes, keys, loc_code) -> bytes:
         "GRANT_WRITE": (lease, loc_code(m_loc(m)), gen, epoch),
         "WRITE_BYTES": (lease, loc_code(m_loc(m)), gen, epoch),
         "COMMIT": (lease, 0, 0, epoch),
-        "REVOKE": (lease, 0, 0, 0),
+        "REVOKE": (lease, 0, gen, 0),
         "ACK": (lease, 0, 0, 0),
         "FREE": (loc_code(m_loc(m)), 0, 0, epoch),
         "COPY": (loc_code(m_loc(m)), loc_code(m_src(m)), gen, epoch),
         "COPIED": (loc_code(m_loc(m)), 0, 0, epoch),
+        "REFUSE": (req, _int(zmodel, m_what(m)), 0, 0),
+        "FREED": (loc_code(m_loc(m)), 0, 0, epoch),
     }[name]
     for v in fields:
         if not 0 <= v < 256:

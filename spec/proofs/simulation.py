@@ -32,7 +32,7 @@ from .bounded import closure, ground
 from .encoding import (
     EPS, INT, KIND_NAMES, K_, Key, Loc, Msg, NOLOC, Node, Pending, Phase, STATE_VARS, SlotStatus, Stage, T,
     Action, Protocol, State, allowed, config_axioms, has_parent, is_pool, kind, locnode, parent, m_epoch, m_gen, m_key, m_lease, m_loc,
-    m_node, m_req, m_src,
+    m_node, m_req, m_src, m_what,
 )
 
 _ENUM_SORTS = (Phase, SlotStatus, Stage, Pending)
@@ -110,14 +110,14 @@ class Simulator:
         code, n, k, a, b, c, d = msg
         name = _CODE_TO_KIND[code]
         conj = [kind(e) == K_[name], m_key(e) == self.keys[k]]
-        if name not in ("FREE", "COPY", "COPIED"):
+        if name not in ("FREE", "COPY", "COPIED", "FREED"):
             conj.append(m_node(e) == self.nodes[n])
         f = {
             "ACQUIRE": dict(req=a),
             "RENEW": dict(lease=a, loc=b, req=c),
             "GRANT_READ": dict(lease=a, loc=b, gen=c, req=d),
             "RENEWED": dict(lease=a, req=d),
-            "RELEASE": dict(lease=a), "REVOKE": dict(lease=a), "ACK": dict(lease=a),
+            "RELEASE": dict(lease=a), "REVOKE": dict(lease=a, gen=c), "ACK": dict(lease=a),
             "BEGIN_WRITE": {},
             "GRANT_WRITE": dict(lease=a, loc=b, gen=c, epoch=d),
             "WRITE_BYTES": dict(lease=a, loc=b, gen=c, epoch=d),
@@ -125,8 +125,10 @@ class Simulator:
             "FREE": dict(loc=a, epoch=d),
             "COPY": dict(loc=a, src=b, gen=c, epoch=d),
             "COPIED": dict(loc=a, epoch=d),
+            "REFUSE": dict(req=a, what=b),
+            "FREED": dict(loc=a, epoch=d),
         }[name]
-        funs = dict(lease=m_lease, loc=m_loc, src=m_src, gen=m_gen, epoch=m_epoch, req=m_req)
+        funs = dict(lease=m_lease, loc=m_loc, src=m_src, gen=m_gen, epoch=m_epoch, req=m_req, what=m_what)
         for field, v in f.items():
             conj.append(funs[field](e) == (self._loc(v) if field in ("loc", "src") else v))
         return z3.And(conj)
