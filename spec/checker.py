@@ -41,7 +41,7 @@ ACTIONS = (
     "start_transfer", "store_copy", "finish_transfer", "free_drained", "cancel_transfer",
     "trust_read_lease", "trust_renewal", "start_writing",
     "store_bytes", "fence_stale_write", "free_slot", "fence_stale_free",
-    "retry_free", "free_acked",
+    "retry_free", "free_acked", "declare_node_down",
     "drop", "duplicate", "crash", "restart_node", "restart_directory",
 )
 

@@ -360,6 +360,13 @@ def request_answered(m: Model, s: bytes) -> bool:
     return all(w in in_flight for w in waiting)
 
 
+def crashed_owner_writable_in_time(m: Model, s: bytes) -> bool:
+    """Bounded response (P4): a committed key whose owner copy is on a crashed node is writable
+    again (ABSENT) within the failover deadline: detection, then invalidation (ghost age)."""
+    L = m.L
+    return all(s[L.owner_down_age[k]] <= m.failover_deadline for k in range(m.K))
+
+
 def deletion_reaches_everywhere(m: Model, s: bytes) -> bool:
     """Deletion reaches everywhere: no location that is up holds an ended generation's bytes for
     longer than the deletion deadline with no Free on its way (ghost age, true ticks). A lost
@@ -565,6 +572,13 @@ def _late_bytes_refused(m: Model, pre: bytes, action: str, params: tuple, post: 
     return False
 
 
+def _owner_declared_down(m: Model, pre: bytes, action: str, params: tuple, post: bytes) -> bool:
+    L = m.L
+    return action == "declare_node_down" and any(
+        pre[L.phase[k]] == COMMITTED and post[L.phase[k]] == INVALIDATING for k in range(m.K)
+    )
+
+
 def _lagging_completion(m: Model, pre: bytes, action: str, params: tuple, post: bytes) -> bool:
     return action == "complete_invalidation" and pre[m.L.dir_off] > 0
 
@@ -587,6 +601,7 @@ INVARIANTS: tuple[Invariant, ...] = (
     Invariant("WriteLeaseEndsInTime", "progress", "a write lease ends (commit, abort, expiry) within its deadline", write_lease_ended_in_time, kind="progress", reads=('directory', 'records')),
     Invariant("RequestEndsInTime", "progress", "a lease request ends (granted, refused, timed out) within its deadline", request_ends_in_time, kind="progress", reads=('holders',)),
     Invariant("RequestAnswered", "progress", "a waiting request or its answer is in flight unless one was lost", request_answered, kind="progress", reads=('nodes', 'holders', 'writers', 'messages')),
+    Invariant("CrashedOwnerWritableInTime", "progress", "a crashed owner's keys are writable again within the failover deadline", crashed_owner_writable_in_time, kind="progress", reads=('directory',)),
     Invariant("DeletionReachesEverywhere", "progress", "no up location keeps an ended generation's bytes with no Free on its way", deletion_reaches_everywhere, kind="progress", reads=('directory',)),
 )
 
@@ -637,6 +652,8 @@ SOMETIMES: tuple[Sometimes, ...] = (
               on_actions=('fence_stale_write',)),
     Sometimes("InvalidationCompletedOnLaggingClock", "an invalidation completes after the directory's clock fell behind",
               reached_step=_lagging_completion, companion_of=("InvalidationCompletesInTime",), on_actions=('complete_invalidation',)),
+    Sometimes("CrashedOwnerDeclaredDown", "the failure detector declares a crashed owner's node down and its keys are voided",
+              reached_step=_owner_declared_down, companion_of=("CrashedOwnerWritableInTime",), on_actions=('declare_node_down',)),
     Sometimes("UnauthorisedRequestRefused", "a request outside the tenant's namespaces is refused", reached_step=_unauthorised_refused,
               companion_of=("NamespaceIsolation",), on_actions=('refuse_read_lease', 'refuse_write_lease')),
 )
@@ -666,6 +683,8 @@ def applicable_sometimes(cfg) -> tuple[Sometimes, ...]:
         if sm.name == "StaleCommitRejected" and cfg.max_epoch < 2:
             continue
         if sm.name == "InvalidationCompletedOnLaggingClock" and not cfg.directory_clock_lags:
+            continue
+        if sm.name == "CrashedOwnerDeclaredDown" and (cfg.max_node_crashes == 0 or (cfg.writes_to_pool_only and not cfg.tiering)):
             continue
         chosen.append(sm)
     return tuple(chosen)
