@@ -611,14 +611,16 @@ class Protocol:
         guard = s.phase[k] == COMMITTED
         if not self.bug("invalidate_without_cascade"):
             guard = z3.And(guard, children_not_live(s, k))  # children first (module docstring)
-        return Action("invalidate", ("invalidate", "invalidate_namespace", "restart_node"), {"k": k}, guard, post,
+        return Action("invalidate", ("invalidate", "invalidate_namespace", "restart_node", "declare_node_down"), {"k": k},
+                      guard, post,
                       side, sent)
 
     def invalidate_writing(self, s: State) -> Action:
         """A WRITING key below an invalidated prefix: the write is aborted (end of generation)."""
         k = fresh("k", Key)
         upd, sent, side = self._free_ended_write(s, k)
-        return Action("invalidate_writing", ("invalidate", "invalidate_namespace", "restart_node"), {"k": k},
+        return Action("invalidate_writing", ("invalidate", "invalidate_namespace", "restart_node", "declare_node_down"),
+                      {"k": k},
                       s.phase[k] == WRITING, s.update(**upd), side, sent)
 
     def completion_enabled(self, s: State, k) -> z3.BoolRef:
@@ -658,11 +660,15 @@ class Protocol:
             s_gen=z3.Store(s.s_gen, loc, k, 0),
             s_epoch=z3.Store(s.s_epoch, loc, k, 0),
         )
+        sent, side = {}, []
         if which == "owner":
             upd.update(self._end_generation(s, k))
+            # A transfer under way: its copy may land, and belongs to a generation that ends.
+            upd["to_free"], upd["inflight"] = self._owe_free(s, s.to_free, s.inflight, sent, side, "free_moving", k,
+                                                             s.moving[k], s.epoch[k], when=s.moving[k] != NOLOC)
         else:
             upd["draining"] = z3.Store(s.draining, k, NOLOC)
-        return Action(f"evict_{which}", ("evict",), {"k": k}, z3.And(conj), s.update(**upd))
+        return Action(f"evict_{which}", ("evict",), {"k": k}, z3.And(conj), s.update(**upd), side, sent)
 
     def evict_owner(self, s: State) -> Action:
         return self._evict(s, "owner")
@@ -907,31 +913,36 @@ class Protocol:
         upd = {name: z3.If(waiting, t, getattr(s, name)) for name, t in self._clear_writer(s, n, k).items()}
         return Action("fence_stale_write", ("fence_stale_write",), {"m": m}, guard, s.update(**upd), delivered=m)
 
+    def free_takes(self, s: State, loc, k, epoch) -> z3.BoolRef:
+        """``rules.free_takes``: a Free deletes bytes of its epoch or older, never newer ones; an
+        empty slot takes it (to remember the epoch freed) only if its fence would."""
+        if self.bug("no_fencing"):
+            return z3.BoolVal(True)
+        return z3.If(s.s_status[loc, k] == FULL, s.s_epoch[loc, k] <= epoch, epoch >= s.fence[loc, k])
+
     def free_slot(self, s: State) -> Action:
         m, inflight = self._delivery(s, "FREE")
         k, loc = m_key(m), m_loc(m)
-        conj = [inflight, loc_up(s, loc)]
-        if not self.bug("no_fencing"):
-            conj.append(m_epoch(m) >= s.fence[loc, k])
+        conj = [inflight, loc_up(s, loc), self.free_takes(s, loc, k, m_epoch(m))]
         epoch = m_epoch(m)
+        freed = z3.If(epoch > s.freed[loc, k], epoch, s.freed[loc, k])
         side, sent = [], {}
         infl, _ = self._send(s, sent, side, "freed", "FREED", key=k, loc=loc, epoch=epoch)
         upd = dict(
             s_status=z3.Store(s.s_status, loc, k, EMPTY),
             s_gen=z3.Store(s.s_gen, loc, k, 0),
             s_epoch=z3.Store(s.s_epoch, loc, k, 0),
-            freed=z3.Store(s.freed, loc, k, z3.If(epoch > s.freed[loc, k], epoch, s.freed[loc, k])),
+            # The epoch freed, unless the fence already refuses all it would.
+            freed=z3.Store(s.freed, loc, k, z3.If(s.fence[loc, k] > freed, 0, freed)),
             inflight=infl,
         )
         return Action("free_slot", ("free_slot",), {"m": m}, z3.And(conj), s.update(**upd), side, sent, m)
 
     def fence_stale_free(self, s: State) -> Action:
-        """A Free under an epoch below the fence: nothing freed, but answered (``Freed``)."""
+        """A Free that takes nothing (newer bytes are there): nothing freed, but answered (``Freed``)."""
         m, inflight = self._delivery(s, "FREE")
         k, loc, epoch = m_key(m), m_loc(m), m_epoch(m)
-        guard = z3.And(inflight, loc_up(s, loc), epoch < s.fence[loc, k])
-        if self.bug("no_fencing"):
-            guard = z3.BoolVal(False)
+        guard = z3.And(inflight, loc_up(s, loc), z3.Not(self.free_takes(s, loc, k, epoch)))
         side, sent = [], {}
         infl, _ = self._send(s, sent, side, "freed", "FREED", key=k, loc=loc, epoch=epoch)
         return Action("fence_stale_free", ("fence_stale_free",), {"m": m}, guard, s.update(inflight=infl), side,
@@ -1028,6 +1039,10 @@ class Protocol:
         mine = nn == n
         restore = z3.And(on_node(ll, n), s.fence[ll, kk] < s.epoch[kk])
         fence = z3.If(restore, s.epoch[kk], s.fence[ll, kk])
+        # ``rules.restored_freed_epoch``: where the directory wants no bytes of the key, the key's
+        # epoch counts as freed (bytes that land late there are refused).
+        wanted = z3.Or(ll == s.owner[kk], ll == s.draining[kk], ll == s.moving[kk])
+        restored_freed = z3.If(z3.And(z3.Not(wanted), s.epoch[kk] > s.freed[ll, kk]), s.epoch[kk], s.freed[ll, kk])
         moving_lost = z3.And(s.moving[kk] != NOLOC, on_node(s.moving[kk], n))
         # The copy in progress died with the node (or landed): its destination is freed.
         m = z3.Const("rn_m", Msg)
@@ -1038,7 +1053,8 @@ class Protocol:
         post = s.update(
             to_free=z3.Lambda([ll, kk], z3.If(z3.And(moving_lost, ll == s.moving[kk]), owed, s.to_free[ll, kk])),
             inflight=z3.Lambda([m], z3.Or(s.inflight[m], free_moving)),
-            freed=z3.Lambda([ll, kk], z3.If(z3.And(on_node(ll, n), fence > s.freed[ll, kk]), 0, s.freed[ll, kk])),
+            freed=z3.Lambda([ll, kk], z3.If(on_node(ll, n), z3.If(fence > restored_freed, 0, restored_freed),
+                                            s.freed[ll, kk])),
             up=z3.Store(s.up, n, True),
             r_id=z3.Lambda([kk, nn], z3.If(mine, 0, s.r_id[kk, nn])),
             r_loc=z3.Lambda([kk, nn], z3.If(mine, NOLOC, s.r_loc[kk, nn])),

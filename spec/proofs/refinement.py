@@ -105,7 +105,7 @@ MODEL_LABELS = (
     "write_to_down_location", "free_at_down_location",
     "store_bytes", "fence_stale_write", "free_slot", "fence_stale_free",
     "retry_free", "free_acked", "ignore_stale_refusal", "ignore_stale_freed",
-    "drop", "duplicate", "crash", "restart_node", "restart_directory",
+    "drop", "duplicate", "crash", "restart_node", "restart_directory", "declare_node_down",
 )
 
 # Model labels whose step only consumes the delivered message (the encoding: ``drop``), when the
@@ -120,7 +120,7 @@ CONSUMING = frozenset({
 # refuses, a duplicate adds a second copy of a message to what is, for the encoding, a set.
 UNCHANGED = frozenset({"read", "evict_refused", "duplicate"})
 # Model labels that may touch several keys in one step (a subtree, a namespace, a lost owner).
-MULTI_KEY = frozenset({"invalidate", "invalidate_namespace", "restart_node"})
+MULTI_KEY = frozenset({"invalidate", "invalidate_namespace", "restart_node", "declare_node_down"})
 
 # Bytes of the model state that are not variables of the encoding, and why that is sound.
 PROJECTED_AWAY: dict[str, str] = {
@@ -129,6 +129,11 @@ PROJECTED_AWAY: dict[str, str] = {
     "p_age": "ghost age of bounded response (RequestEndsInTime)",
     "read_lost": "ghost of progress (RequestAnswered): a message of a read request's exchange was lost",
     "write_lost": "ghost of progress (RequestAnswered): a message of a write request's exchange was lost",
+    "owner_down_age": "ghost age of bounded response (CrashedOwnerWritableInTime)",
+    "detect_left": "the failure detector's timer: it only decides when a down node's keys are voided, which "
+                   "the encoding allows at any time (invalidate)",
+    "known_down": "the failure detector's verdict: it only refuses leases (the encoding may grant them) and "
+                  "voids keys (the encoding may at any time)",
     "crashes_left": "scope budget (max_node_crashes): the encoding allows any number of crashes",
     "restarts_left": "scope budget (max_directory_restarts): the encoding allows any number of restarts",
     "dups_left": "scope budget (max_duplications): the encoding's network is a set that keeps delivered messages",
@@ -601,9 +606,10 @@ class Refinement:
         candidates = list(self.by_label.get(label, ()))
         if label in CONSUMING:
             candidates += self.drop
-        if label in UNCHANGED or s == t:
-            if self._same(s, t, self.compared) and self._related(arrays, msgs, t, want, (), ()):
-                return "identity"
+        # A step that changes nothing the encoding has is a stutter: the identity refines it (a read,
+        # a refused eviction, a duplicate, a step of projected-away variables only).
+        if self._same(s, t, self.compared) and self._related(arrays, msgs, t, want, (), ()):
+            return "identity"
         multi = label in MULTI_KEY
         posts = []
         for c in candidates:
@@ -622,7 +628,9 @@ class Refinement:
                     return c.name
         # Several keys at once: the labelled action, then single-key invalidations.
         if multi:
-            frontier = [(name, post) for name, post in posts]
+            # The first invalidation may come after a step of projected-away variables only (the
+            # failure detector's verdict at ``declare_node_down``).
+            frontier = [(name, post) for name, post in posts] + [("identity", arrays)]
             for _ in range(self.topo.keys):
                 nxt = []
                 for path, post in frontier:
