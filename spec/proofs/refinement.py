@@ -713,7 +713,7 @@ def _reader(s: bytes, pos, idx, dec):
 # expanded to give every label its quota of compared steps. Sized so that every configuration
 # together fits in CI (a few minutes).
 STATE_BUDGET = 5_000
-COVER_BUDGET = 60_000
+COVER_BUDGET = 120_000
 LABEL_QUOTA = 20
 # A configuration with at most this many reachable states (``reachable_labels.json``) is checked
 # exhaustively.
