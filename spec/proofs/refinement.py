@@ -59,7 +59,7 @@ checked exhaustively. Past the budget, breadth first goes on (generating states 
 steps is not) and compares only the steps of labels compared fewer than ``label_quota`` times, until
 every label generated so far, and every label of ``reachable_labels.json`` for the configuration (the labels an exhaustive
 exploration reaches there, pinned with its state count; ``tiering`` and ``medium``, millions of
-states since the deletion protocol, are not pinned: their labels are reported, not required) has had
+states since the deletion protocol, are not pinned: every label they generate is compared there) has had
 its quota, or ``cover_budget`` states were expanded.
 Every report lists per label the steps compared; ``check_all`` fails if a label a configuration
 reaches was never compared there, or a label of ``model.py`` was compared in no scope. Labels no
