@@ -77,11 +77,6 @@ def test_the_design_proves():
     # The core safety properties are among those proved.
     assert CORE_PROPERTIES <= {r.invariant for r in design}
 
-    # Every result says how it was proved: by a query whose unsat core names the invariants it used,
-    # or by the frame rule (the action writes nothing the invariant reads).
-    assert {r.method for r in design} <= {"z3", "frame"}
-    assert all(r.hypotheses for r in design if r.method == "z3" and r.action not in ("init", "identity"))
-
     # Results serialise; the summary agrees.
     data = json.loads(results_to_json(design))
     assert data[0].keys() >= {"action", "invariant", "proved", "seconds", "counterexample"}

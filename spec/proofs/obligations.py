@@ -92,6 +92,11 @@ MUTANT_CTI_ACTIONS: dict[str, tuple[str, ...]] = {
 }
 
 MUTANT_NOTES: dict[str, str] = {
+    "holder_counts_from_receipt": (
+        "mutants.py names RequestEndsInTime, a progress property the proofs leave to the model checker (a "
+        "holder whose clock does not run while it waits never times out). The safety property the bug breaks "
+        "is LeaseKnownToDirectory: trust counted from receipt can outlive the directory's view of the lease."
+    ),
     "holder_ignores_skew": (
         "mutants.py names LeaseKnownToDirectory. A holder budget of the full term breaks that property only "
         "after three more steps (grant, trust, then the directory's clock ahead and the holder's behind), and "
