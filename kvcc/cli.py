@@ -327,8 +327,20 @@ def _obligation_json(o: Any) -> dict[str, Any]:
     return d
 
 
-def run_prove(mutant: str | None) -> dict[str, Any]:
-    """Raises ``ProofsUnavailable`` until ``kvcc.spec.proofs.prove_all`` exists."""
+def run_refinement() -> dict[str, Any]:
+    """Does the z3 encoding refine model.py? Every step of every configuration's reachable states
+    (a covering subset for the large ones), per configuration and label (``spec.proofs.refinement``)."""
+    try:
+        from kvcc.spec.proofs.refinement import check_all
+    except ImportError as exc:
+        raise ProofsUnavailable(f"the refinement check is not available: {exc}") from None
+    return check_all()
+
+
+def run_prove(mutant: str | None, refinement: bool = True) -> dict[str, Any]:
+    """The obligations and, for the design (no mutant), the refinement check of the encoding
+    against model.py: ``ok`` only if every obligation is proved and every model step refined.
+    Raises ``ProofsUnavailable`` until ``kvcc.spec.proofs.prove_all`` exists."""
     prove_all = _load_prove_all()
     bugs: frozenset[str] = frozenset()
     if mutant is not None:
@@ -338,14 +350,22 @@ def run_prove(mutant: str | None) -> dict[str, Any]:
     started = time.perf_counter()
     obligations = [_obligation_json(o) for o in prove_all(bugs=bugs)]
     proved = sum(1 for o in obligations if o["proved"])
-    return {
+    obligations_seconds = round(time.perf_counter() - started, 3)
+    payload: dict[str, Any] = {
         "ok": bool(obligations) and proved == len(obligations),
         "mutant": mutant,
         "proved": proved,
         "total": len(obligations),
-        "seconds": round(time.perf_counter() - started, 3),
+        "obligations_seconds": obligations_seconds,
         "obligations": obligations,
     }
+    if refinement and mutant is None:
+        # A proof about the encoding is about model.py only if the encoding refines it.
+        ref = run_refinement()
+        payload["refinement"] = ref
+        payload["ok"] = payload["ok"] and bool(ref.get("ok"))
+    payload["seconds"] = round(time.perf_counter() - started, 3)
+    return payload
 
 
 def cmd_prove(args: argparse.Namespace) -> int:
@@ -354,11 +374,12 @@ def cmd_prove(args: argparse.Namespace) -> int:
     except UsageError as exc:
         return _usage_error("prove", str(exc))
     try:
+        refine = not args.no_refinement
         if args.json:
-            payload = run_prove(mutant)
+            payload = run_prove(mutant, refine)
         else:
             with stderr_console().status("proving ..." if mutant is None else f"proving with mutant {mutant} ..."):
-                payload = run_prove(mutant)
+                payload = run_prove(mutant, refine)
     except ProofsUnavailable as exc:
         if args.json:
             print_json({"ok": False, "mutant": mutant, "error": str(exc), "obligations": []})
@@ -372,9 +393,34 @@ def cmd_prove(args: argparse.Namespace) -> int:
         if not o["proved"]:
             report.render_counterexample(out, f"counterexample: {o.get('action')} breaks {o.get('invariant')}",
                                          o.get("counterexample"))
+    if "refinement" in payload:
+        out.print(refinement_table(payload["refinement"]))
+        for name, c in payload["refinement"].get("configs", {}).items():
+            for f in c.get("failures", []):
+                report.render_counterexample(out, f"{name}: model step {f['label']} {tuple(f['params'])} "
+                                                  "is no step of the encoding", f.get("diff"))
     out.print(report.verdict_line(payload["ok"], "prove" + (f" (mutant {mutant})" if mutant else ""),
                                   prove_detail(payload)), soft_wrap=True)
     return 0 if payload["ok"] else 1
+
+
+def refinement_table(ref: Mapping[str, Any]):
+    """Per configuration: how it was covered, the steps compared, the labels compared least."""
+    from rich import box
+    from rich.table import Table
+
+    t = Table(title="Refinement: model.py steps that are steps of the z3 encoding", box=box.SIMPLE,
+              title_justify="left")
+    for col in ("configuration", "coverage", "states", "steps", "labels", "fewest", "verdict"):
+        t.add_column(col, justify="right" if col in ("states", "steps", "labels") else "left")
+    for name, c in ref.get("configs", {}).items():
+        labels = c.get("labels", {})
+        fewest = ", ".join(f"{k} {v}" for k, v in sorted(labels.items(), key=lambda kv: kv[1])[:2])
+        ok = bool(c.get("ok"))
+        verdict = "refined" if ok else f"FAILED ({c.get('failure_count', 0)} steps, missing {c.get('missing')})"
+        t.add_row(name, "exhaustive" if c.get("exhaustive") else "covering subset", str(c.get("states")),
+                  str(c.get("steps")), str(len(labels)), fewest, Text(verdict, style="green" if ok else "bold red"))
+    return t
 
 
 def prove_detail(payload: Mapping[str, Any]) -> str:
@@ -382,6 +428,12 @@ def prove_detail(payload: Mapping[str, Any]) -> str:
     failed = [f"{o.get('action')}/{o.get('invariant')}" for o in payload["obligations"] if not o["proved"]]
     if failed:
         text += "; failed: " + ", ".join(failed[:5]) + (" ..." if len(failed) > 5 else "")
+    ref = payload.get("refinement")
+    if ref is not None:
+        text += (f"; refinement: {ref.get('steps')} model steps in {len(ref.get('configs', {}))} scopes "
+                 + ("refined" if ref.get("ok") else "NOT refined"))
+        if ref.get("never_compared"):
+            text += f", never compared: {', '.join(ref['never_compared'])}"
     return text
 
 
@@ -526,8 +578,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_mutants)
 
     p = sub.add_parser("prove", help="discharge the z3 proof obligations",
-                       description="Prove every (action, invariant) obligation with z3.")
+                       description="Prove every (action, invariant) obligation with z3, and check that the "
+                                   "encoding refines model.py on every configuration's reachable steps.")
     p.add_argument("--mutant", metavar="NAME", help="prove with one mutant's bugs switched on (expected to fail)")
+    p.add_argument("--no-refinement", action="store_true",
+                   help="skip the refinement check of the encoding against model.py (run without --mutant)")
     p.add_argument("--json", action="store_true", help="print one JSON object and nothing else")
     p.set_defaults(func=cmd_prove)
 

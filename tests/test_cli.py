@@ -272,6 +272,7 @@ def test_prove_with_stub(monkeypatch, capsys):
                 _Obligation("store_bytes", "CommittedBytesIntact", not broken, cex)]
 
     monkeypatch.setattr(kvcc.spec.proofs, "prove_all", prove_all, raising=False)
+    monkeypatch.setattr(cli, "run_refinement", lambda: {"ok": True, "configs": {}, "steps": 0})  # minutes for real
     assert cli.main(["prove", "--json"]) == 0
     payload = _one_json(capsys.readouterr().out)
     assert payload["ok"] is True and len(payload["obligations"]) == 2

@@ -25,8 +25,8 @@ import itertools
 import z3
 
 from .encoding import (
-    INT, STATE_VARS, Action, Key, Loc, Msg, Node, State, is_pool, locnode, m_key, m_loc, m_node, m_src, NOLOC,
-    EPS, T, m_epoch, m_gen, m_lease, m_req,
+    INT, STATE_VARS, Action, Key, Loc, Msg, Node, State, allowed, has_parent, is_pool, locnode, m_key, m_loc,
+    m_node, m_src, NOLOC, EPS, T, m_epoch, m_gen, m_lease, m_req, m_what, parent,
 )
 
 SORTS = (Node, Key, Loc, Msg)
@@ -100,6 +100,8 @@ def closure(elements: dict, states: list[State], extra: list[z3.ExprRef]) -> lis
         terms += [m_node(m), m_key(m), m_loc(m), m_src(m)]
     for l in elements[Loc]:
         terms.append(locnode(l))
+    for k in elements[Key]:
+        terms.append(parent(k))
     for st in states:
         terms += [t for sort, t in _state_cells(st, elements) if _is_uninterpreted_sort(sort)]
     terms += extra + [NOLOC]
@@ -113,10 +115,21 @@ def closure(elements: dict, states: list[State], extra: list[z3.ExprRef]) -> lis
     return out
 
 
+def forest(elements: dict) -> list:
+    """The prefix tree of a ``ModelConfig``: parents come before their children (so it is a
+    forest), and a chain stays in one namespace (a node authorised for a key is for its parent)."""
+    keys, out = elements[Key], []
+    for i, k in enumerate(keys):
+        out.append(z3.Implies(has_parent(k), z3.Or([parent(k) == j for j in keys[:i]]) if i else z3.BoolVal(False)))
+        for n in elements[Node]:
+            out.append(z3.Implies(has_parent(k), allowed(n, k) == allowed(n, parent(k))))
+    return out
+
+
 def integer_cells(states: list[State], elements: dict) -> list[z3.ArithRef]:
     cells = [t for st in states for sort, t in _state_cells(st, elements) if sort == INT]
     for m in elements[Msg]:
-        cells += [m_lease(m), m_gen(m), m_epoch(m), m_req(m)]
+        cells += [m_lease(m), m_gen(m), m_epoch(m), m_req(m), m_what(m)]
     return cells + [T, EPS]
 
 
@@ -172,6 +185,7 @@ def find_model_states(assertions: list[z3.BoolRef], states: list[State], extra: 
         for i, a in enumerate(locs):  # the model has at most one shared pool
             for b in locs[i + 1:]:
                 solver.add(z3.Not(z3.And(a != NOLOC, b != NOLOC, is_pool(a), is_pool(b))))
+        solver.add(forest(elements))
         if solver.check() != z3.sat:
             continue
         cells = integer_cells(states, elements)
@@ -201,6 +215,7 @@ def tidy_model(solver: z3.Solver, pre: State, elements: dict) -> None:
     """Greedily reset pre-state cells to their initial values, and drop messages from the network,
     keeping each reset that leaves the query satisfiable: what is left is what the CTI needs."""
     candidates = [z3.And(T == 2, EPS == 1), z3.And(T == 3, EPS == 1)]
+    candidates += [z3.Not(has_parent(k)) for k in elements[Key]]
     candidates += [z3.Not(pre.inflight[m]) for m in elements[Msg]]
     for n in elements[Node]:
         candidates.append(pre.up[n])

@@ -3,8 +3,8 @@
 A counterexample to induction (CTI) is a finite model of ``hypothesis(pre) and action(pre, post) and
 not invariant(post)``, found by ``bounded.find_model`` over a few named elements per sort with every
 integer bounded to a byte. It is read off element by element into a ``ModelConfig`` sized to it
-(nodes and keys as found, each node's locations as its tiers, one shared pool, every key its own
-namespace so that any authorisation relation is expressible) and ``bytes`` states laid out by
+(nodes and keys as found, each node's locations as its tiers, one shared pool, the prefix tree as
+found, every chain its own namespace so that any authorisation relation is expressible) and ``bytes`` states laid out by
 ``Layout``, with the messages in flight as sorted 7-byte records built with ``layout.message``.
 
 The Python predicates are then evaluated on those bytes (``obligations._recheck``): a CTI is
@@ -25,7 +25,8 @@ from ..config import ModelConfig
 from ..model import Model
 from .encoding import (
     EPS, INT, KIND_NAMES, Kind, Loc, Msg, NOLOC, Node, Key, Pending, Phase, STATE_VARS, SlotStatus, Stage, T,
-    Action, State, allowed, is_pool, kind, locnode, m_epoch, m_gen, m_key, m_lease, m_loc, m_node, m_req, m_src,
+    Action, State, allowed, has_parent, is_pool, kind, locnode, m_epoch, m_gen, m_key, m_lease, m_loc, m_node, m_req,
+    m_src, m_what, parent,
 )
 
 _ENUMS = {Phase: 4, SlotStatus: 3, Stage: 3, Pending: 3}
@@ -89,11 +90,17 @@ def concretize_states(zmodel: z3.ModelRef, states: list[State], elements, bugs=f
         loc_of += row
     loc_of.append(pool[0] if pool else None)
     term, eps = _int(zmodel, T), _int(zmodel, EPS)
+    # The prefix tree (``bounded.forest`` keeps parents before children); a key's namespace is its
+    # chain's root, and a node is authorised for a namespace as for the keys of the chain.
+    parents = tuple(_index_of(zmodel, keys, parent(k)) if _bool(zmodel, has_parent(k)) else -1 for k in keys)
+    roots = []
+    for i, p in enumerate(parents):
+        roots.append(i if p < 0 else roots[p])
     authorized = tuple(
-        frozenset(j for j, k in enumerate(keys) if _bool(zmodel, allowed(n, k))) for n in nodes
+        frozenset(roots[j] for j, k in enumerate(keys) if _bool(zmodel, allowed(n, k))) for n in nodes
     )
     cfg = ModelConfig(
-        name="cti", nodes=len(nodes), parents=(-1,) * len(keys), namespaces=tuple(range(len(keys))),
+        name="cti", nodes=len(nodes), parents=parents, namespaces=tuple(roots),
         authorized=authorized, tiers_per_node=tiers, shared_pool=True, tiering=True,
         lease_term_ticks=term, skew_ticks=eps, max_epoch=200, max_lease_id=200, max_requests=250,
         max_messages=250, max_duplications=0, max_node_crashes=1, max_directory_restarts=1,
@@ -181,7 +188,7 @@ def step_in_model(model: Model, pre: bytes, label: str, post: bytes) -> bool:
 
 def _message(zmodel, m, nodes, keys, loc_code) -> bytes:
     name = KIND_NAMES[_enum_index_kind(zmodel, m)]
-    node = _index_of(zmodel, nodes, m_node(m)) if name not in ("FREE", "COPY", "COPIED") else 0
+    node = _index_of(zmodel, nodes, m_node(m)) if name not in ("FREE", "COPY", "COPIED", "FREED") else 0
     key = _index_of(zmodel, keys, m_key(m))
     lease, gen, epoch, req = (_int(zmodel, f(m)) for f in (m_lease, m_gen, m_epoch, m_req))
     code = _PY_KIND[name]
@@ -195,11 +202,13 @@ def _message(zmodel, m, nodes, keys, loc_code) -> bytes:
         "GRANT_WRITE": (lease, loc_code(m_loc(m)), gen, epoch),
         "WRITE_BYTES": (lease, loc_code(m_loc(m)), gen, epoch),
         "COMMIT": (lease, 0, 0, epoch),
-        "REVOKE": (lease, 0, 0, 0),
+        "REVOKE": (lease, 0, gen, 0),
         "ACK": (lease, 0, 0, 0),
         "FREE": (loc_code(m_loc(m)), 0, 0, epoch),
         "COPY": (loc_code(m_loc(m)), loc_code(m_src(m)), gen, epoch),
         "COPIED": (loc_code(m_loc(m)), 0, 0, epoch),
+        "REFUSE": (req, _int(zmodel, m_what(m)), 0, 0),
+        "FREED": (loc_code(m_loc(m)), 0, 0, epoch),
     }[name]
     for v in fields:
         if not 0 <= v < 256:

@@ -25,7 +25,8 @@ Vocabulary (same names as ``layout.Layout``, same index order):
   functions of the element (``kind``, ``m_node``, ``m_key``, ``m_lease``, ``m_loc``, ``m_src``,
   ``m_gen``, ``m_epoch``, ``m_req``); sending asserts a fresh element with the right fields.
 - rigid topology: ``NOLOC`` (the model's ``NO_LOCATION``), ``is_pool(l)``, ``locnode(l)``;
-  ``allowed(n, k)`` (the tenant's namespaces).
+  ``allowed(n, k)`` (the tenant's namespaces); the prefix tree: ``has_parent(k)`` and ``parent(k)``
+  (any relation at all: the proofs hold for every forest, and for structures that are none).
 
 Time is exactly the model's: there is no absolute clock, every deadline is a counter of ticks left on
 the clock that owns it. ``tick`` runs every counter down by one; a counter that reaches zero expires
@@ -40,20 +41,31 @@ Abstractions (each an over-approximation, so a proof here covers ``model.py``):
 - The network is a set, not a bounded multiset. A sent message is always added; a delivered message
   *stays* in flight (it may be delivered again: duplication), and ``drop`` removes any message
   (loss, including the model's "network full" loss on send). Every handler outcome that only
-  consumes its message (a refusal, ``ignore_stale_*``, a fenced free, a failed copy, a message to a
-  down location or node) is therefore ``drop``.
+  consumes its message (``ignore_stale_*``, a fenced copy, a failed copy, a message to a down
+  location or node) is therefore ``drop``.
+- Any request may be refused (``refuse_*`` answer with a ``LeaseRefused``): the model refuses by its
+  rules and by its scope budgets, the encoding at any time.
 - Scope budgets are dropped: ``max_epoch``, ``max_lease_id``, ``max_requests``, ``max_messages``,
   crash/restart/duplication budgets, the ``readers``/``writers`` roles, ``writes_to_pool_only``.
-- The prefix tree is dropped: the guards "parent committed" (begin write) and "leaves first"
-  (evict) are not checked, and an invalidation of a subtree (or a namespace, or the lost-owner
-  invalidation in ``restart_node``) is a sequence of single-key steps ``invalidate(k)`` /
-  ``invalidate_writing(k)``, each enabled whenever the key is COMMITTED (resp. WRITING). The
-  properties proved here are per key, so the sequence reaches the model's successor through
-  states the invariant also covers. (``PrefixClosed`` is therefore not proved here.)
+- An invalidation of a subtree (or a namespace, or the lost-owner invalidation in
+  ``restart_node``) is a sequence of single-key steps ``invalidate(k)`` / ``invalidate_writing(k)``,
+  children first: ``invalidate(k)`` is enabled when the key is COMMITTED and none of its children
+  is WRITING or COMMITTED any more (``invalidate_writing(k)`` whenever the key is WRITING). Every
+  subtree and every namespace (chains stay in one) can be voided in that order, so the sequence
+  reaches the model's successor, through states the invariant also covers (``refinement`` checks
+  that it does, step by step). The other prefix guards are the model's: a write is granted only
+  under a COMMITTED parent (``may_begin_write``), a copy is evicted only when every child is ABSENT
+  (``may_evict``). With them ``PrefixClosed`` (DESIGN 10) is proved like any other property.
 - ``tick`` is enabled even when a directory timer is due (the model's urgency rule only serves
   bounded response).
 - ``restart_node(n)`` is the model's restart without its invalidation part (see above).
-- ``read`` changes nothing and is omitted; ``evict_refused`` likewise.
+- The directory's failure detector (``detect_left``, ``known_down``) is not encoded: it decides only
+  when a down node's keys are voided (``declare_node_down``: here, invalidations, allowed at any
+  time) and refuses leases on a copy declared down (here, granted).
+- Ghost variables of the progress properties (ages, lost-exchange flags) are not encoded; the
+  ``acked`` ghost is, because ``NoReadAfterAck`` (a safety property, on history) reads it.
+- ``read`` changes nothing and is omitted; ``evict_refused`` likewise. ``refinement`` checks every
+  one of these claims on the model's reachable steps and lists what it projects away.
 
 Mutant flags of ``mutants.py`` are honoured at the same lines as in ``model.py``
 (``SUPPORTED_BUGS``).
@@ -84,12 +96,12 @@ Pending, (P_NONE, P_ACQUIRE, P_RENEW) = z3.EnumSort("Pending", ("P_NONE", "ACQUI
 
 KIND_NAMES = (
     "ACQUIRE", "RENEW", "GRANT_READ", "RENEWED", "RELEASE", "BEGIN_WRITE", "GRANT_WRITE",
-    "WRITE_BYTES", "COMMIT", "REVOKE", "ACK", "FREE", "COPY", "COPIED",
+    "WRITE_BYTES", "COMMIT", "REVOKE", "ACK", "FREE", "COPY", "COPIED", "REFUSE", "FREED",
 )
 Kind, _kinds = z3.EnumSort("Kind", KIND_NAMES)
 K_ = dict(zip(KIND_NAMES, _kinds))
 (M_ACQUIRE, M_RENEW, M_GRANT_READ, M_RENEWED, M_RELEASE, M_BEGIN_WRITE, M_GRANT_WRITE,
- M_WRITE_BYTES, M_COMMIT, M_REVOKE, M_ACK, M_FREE, M_COPY, M_COPIED) = _kinds
+ M_WRITE_BYTES, M_COMMIT, M_REVOKE, M_ACK, M_FREE, M_COPY, M_COPIED, M_REFUSE, M_FREED) = _kinds
 
 # Rigid symbols: configuration, topology, message fields.
 T = z3.Int("lease_term")
@@ -98,6 +110,8 @@ NOLOC = z3.Const("NOLOC", Loc)
 is_pool = z3.Function("is_pool", Loc, BOOL)
 locnode = z3.Function("locnode", Loc, Node)
 allowed = z3.Function("allowed", Node, Key, BOOL)
+has_parent = z3.Function("has_parent", Key, BOOL)
+parent = z3.Function("parent", Key, Key)
 
 kind = z3.Function("kind", Msg, Kind)
 m_node = z3.Function("m_node", Msg, Node)
@@ -108,6 +122,8 @@ m_src = z3.Function("m_src", Msg, Loc)  # a copy's source
 m_gen = z3.Function("m_gen", Msg, INT)
 m_epoch = z3.Function("m_epoch", Msg, INT)
 m_req = z3.Function("m_req", Msg, INT)
+m_what = z3.Function("m_what", Msg, INT)  # what a refusal answers: REFUSED_READ (0) or REFUSED_WRITE (1)
+REFUSED_READ, REFUSED_WRITE = 0, 1
 
 # Which fields each kind uses (the others are don't-cares), in the model's message vocabulary.
 KIND_FIELDS: dict[str, tuple[str, ...]] = {
@@ -120,15 +136,17 @@ KIND_FIELDS: dict[str, tuple[str, ...]] = {
     "GRANT_WRITE": ("node", "key", "lease", "loc", "gen", "epoch"),
     "WRITE_BYTES": ("node", "key", "lease", "loc", "gen", "epoch"),
     "COMMIT": ("node", "key", "lease", "epoch"),
-    "REVOKE": ("node", "key", "lease"),
+    "REVOKE": ("node", "key", "lease", "gen"),
     "ACK": ("node", "key", "lease"),
     "FREE": ("key", "loc", "epoch"),
     "COPY": ("key", "loc", "src", "gen", "epoch"),
     "COPIED": ("key", "loc", "epoch"),
+    "REFUSE": ("node", "key", "req", "what"),
+    "FREED": ("key", "loc", "epoch"),
 }
 FIELD_FUNS = {
     "node": m_node, "key": m_key, "lease": m_lease, "loc": m_loc, "src": m_src,
-    "gen": m_gen, "epoch": m_epoch, "req": m_req,
+    "gen": m_gen, "epoch": m_epoch, "req": m_req, "what": m_what,
 }
 
 # Mutant flags (names as in model.MUTANT_FLAGS) this encoding implements.
@@ -148,6 +166,8 @@ SUPPORTED_BUGS = frozenset(
         "no_namespace_check",
         "invalidation_waits_for_acks",
         "write_lease_never_expires",
+        "evict_parent_first",
+        "invalidate_without_cascade",
     }
 )
 
@@ -179,6 +199,24 @@ def loc_up(s: "State", loc: z3.ExprRef) -> z3.BoolRef:
     return z3.Or(is_pool(loc), s.up[locnode(loc)])
 
 
+def children_not_live(s: "State", k: z3.ExprRef) -> z3.BoolRef:
+    """No child of ``k`` is WRITING or COMMITTED: ``k`` may be voided without orphaning one."""
+    c = z3.Const("ch_c", Key)
+    return z3.ForAll([c], z3.Implies(z3.And(has_parent(c), parent(c) == k),
+                                     z3.And(s.phase[c] != WRITING, s.phase[c] != COMMITTED)))
+
+
+def children_absent(s: "State", k: z3.ExprRef) -> z3.BoolRef:
+    """Every child of ``k`` is ABSENT (``may_evict``: leaves before their ancestors, DESIGN 10)."""
+    c = z3.Const("ch_c", Key)
+    return z3.ForAll([c], z3.Implies(z3.And(has_parent(c), parent(c) == k), s.phase[c] == ABSENT))
+
+
+def parent_committed(s: "State", k: z3.ExprRef) -> z3.BoolRef:
+    """A root, or a key whose parent is COMMITTED (``may_begin_write``, DESIGN 10)."""
+    return z3.Implies(has_parent(k), s.phase[parent(k)] == COMMITTED)
+
+
 def on_node(loc: z3.ExprRef, n: z3.ExprRef) -> z3.BoolRef:
     """``loc_node[loc] == n`` for a real location."""
     return z3.And(loc != NOLOC, z3.Not(is_pool(loc)), locnode(loc) == n)
@@ -197,6 +235,7 @@ STATE_VARS: dict[str, tuple[tuple[z3.SortRef, ...], z3.SortRef]] = {
     "writer": ((Key,), Node),
     "w_id": ((Key,), INT),
     "w_left": ((Key,), INT),
+    "to_free": ((Loc, Key), INT),
     "r_id": ((Key, Node), INT),
     "r_loc": ((Key, Node), Loc),
     "r_left": ((Key, Node), INT),
@@ -222,6 +261,8 @@ STATE_VARS: dict[str, tuple[tuple[z3.SortRef, ...], z3.SortRef]] = {
     "s_gen": ((Loc, Key), INT),
     "s_epoch": ((Loc, Key), INT),
     "fence": ((Loc, Key), INT),
+    "freed": ((Loc, Key), INT),
+    "acked": ((Node, Key), BOOL),
     "inflight": ((Msg,), BOOL),
 }
 
@@ -325,8 +366,11 @@ class Protocol:
         return z3.Store(s.inflight, m, True), m
 
     def _end_generation(self, s: State, k) -> dict:
-        """``Model._end_generation``: back to ABSENT with the next generation."""
+        """``Model._end_generation``: back to ABSENT with the next generation (acks were of the one
+        that ended)."""
+        nn, kk = z3.Const("eg_n", Node), z3.Const("eg_k", Key)
         return dict(
+            acked=z3.Lambda([nn, kk], z3.If(kk == k, False, s.acked[nn, kk])),
             phase=z3.Store(s.phase, k, ABSENT),
             gen=z3.Store(s.gen, k, s.gen[k] + 1),
             owner=z3.Store(s.owner, k, NOLOC),
@@ -366,6 +410,18 @@ class Protocol:
             p_id=z3.Store(s.p_id, n, k, 0),
             p_left=z3.Store(s.p_left, n, k, 0),
         )
+
+    def _owe_free(self, s: State, to_free, infl, sent: dict, side: list, label: str, k, loc, epoch, when=None):
+        """``Model._owe_free``: record the Free as owed (the highest epoch owed covers the lower
+        ones) and send it; ``when``: only if that holds (the location may be ``NOLOC``)."""
+        m = fresh(f"sent_{label}", Msg)
+        side.append(fields_are(m, "FREE", key=k, loc=loc, epoch=epoch))
+        sent[label] = m
+        owed = z3.Store(to_free, loc, k, z3.If(epoch > to_free[loc, k], epoch, to_free[loc, k]))
+        infl2 = z3.Store(infl, m, True)
+        if when is None:
+            return owed, infl2
+        return z3.If(when, owed, to_free), z3.If(when, infl2, infl)
 
     def live_lease_on(self, s: State, k, loc) -> z3.BoolRef:
         n = z3.Const("lo_n", Node)
@@ -431,6 +487,8 @@ class Protocol:
             self.trust_read_lease, self.trust_renewal, self.start_writing, self.drop_and_ack,
             self.store_bytes, self.fence_stale_write, self.free_slot, self.store_copy,
             self.crash, self.crash_lose_disk, self.restart_node, self.restart_directory, self.drop,
+            self.clock_lag, self.refuse_read_lease, self.refuse_renewal, self.refuse_write_lease,
+            self.retry_free, self.free_acked, self.fence_stale_free,
         ):
             out.append(make(s))
         return out
@@ -446,6 +504,12 @@ class Protocol:
         upd = self._directory_timers(s, 1)
         upd["dir_off"] = s.dir_off + 1
         return Action("clock_forward", ("clock_forward",), {}, s.dir_off < EPS, s.update(**upd))
+
+    def clock_lag(self, s: State) -> Action:
+        """A directory clock that falls behind (``directory_clock_lags``): its counters run up."""
+        upd = self._directory_timers(s, -1)
+        upd["dir_off"] = s.dir_off + 1
+        return Action("clock_lag", ("clock_back",), {}, s.dir_off < EPS, s.update(**upd))
 
     def clock_back(self, s: State) -> Action:
         n = fresh("n", Node)
@@ -521,29 +585,51 @@ class Protocol:
         guard = z3.And(s.phase[k] == WRITING, s.w_left[k] == 0)
         if self.bug("write_lease_never_expires"):
             guard = z3.BoolVal(False)
+        upd, sent, side = self._free_ended_write(s, k)
         return Action("expire_write_lease", ("expire_write_lease", "expire_write_lease_of_crashed"),
-                      {"k": k}, guard, s.update(**self._end_generation(s, k)))
+                      {"k": k}, guard, s.update(**upd), side, sent)
+
+    def _free_ended_write(self, s: State, k) -> tuple[dict, dict, list]:
+        """End the generation of a write that never committed, and free what it may have stored."""
+        sent, side = {}, []
+        to_free, infl = self._owe_free(s, s.to_free, s.inflight, sent, side, "free_write", k, s.owner[k], s.epoch[k],
+                                       when=s.owner[k] != NOLOC)
+        upd = self._end_generation(s, k)
+        upd.update(to_free=to_free, inflight=infl)
+        return upd, sent, side
 
     def invalidate(self, s: State) -> Action:
         """One COMMITTED key of an invalidated subtree / namespace / lost owner: revoke its leases."""
         k = fresh("k", Key)
         m = z3.Const("inv_m", Msg)
         revoke = z3.And(
-            kind(m) == M_REVOKE, m_key(m) == k, s.r_id[k, m_node(m)] != 0, m_lease(m) == s.r_id[k, m_node(m)]
+            kind(m) == M_REVOKE, m_key(m) == k, s.r_id[k, m_node(m)] != 0, m_lease(m) == s.r_id[k, m_node(m)],
+            m_gen(m) == s.gen[k],
         )
+        sent, side = {}, []
+        # An unfinished transfer is abandoned, its destination freed.
+        to_free, infl = self._owe_free(s, s.to_free, z3.Lambda([m], z3.Or(s.inflight[m], revoke)), sent, side,
+                                       "free_moving", k, s.moving[k], s.epoch[k], when=s.moving[k] != NOLOC)
         post = s.update(
             phase=z3.Store(s.phase, k, INVALIDATING),
             moving=z3.Store(s.moving, k, NOLOC),
-            inflight=z3.Lambda([m], z3.Or(s.inflight[m], revoke)),
+            inflight=infl,
+            to_free=to_free,
         )
-        return Action("invalidate", ("invalidate", "invalidate_namespace", "restart_node"), {"k": k},
-                      s.phase[k] == COMMITTED, post)
+        guard = s.phase[k] == COMMITTED
+        if not self.bug("invalidate_without_cascade"):
+            guard = z3.And(guard, children_not_live(s, k))  # children first (module docstring)
+        return Action("invalidate", ("invalidate", "invalidate_namespace", "restart_node", "declare_node_down"), {"k": k},
+                      guard, post,
+                      side, sent)
 
     def invalidate_writing(self, s: State) -> Action:
         """A WRITING key below an invalidated prefix: the write is aborted (end of generation)."""
         k = fresh("k", Key)
-        return Action("invalidate_writing", ("invalidate", "invalidate_namespace", "restart_node"), {"k": k},
-                      s.phase[k] == WRITING, s.update(**self._end_generation(s, k)))
+        upd, sent, side = self._free_ended_write(s, k)
+        return Action("invalidate_writing", ("invalidate", "invalidate_namespace", "restart_node", "declare_node_down"),
+                      {"k": k},
+                      s.phase[k] == WRITING, s.update(**upd), side, sent)
 
     def completion_enabled(self, s: State, k) -> z3.BoolRef:
         conj = [s.phase[k] == INVALIDATING]
@@ -556,14 +642,12 @@ class Protocol:
     def complete_invalidation(self, s: State) -> Action:
         k = fresh("k", Key)
         side, sent = [], {}
-        infl = s.inflight
+        infl, to_free = s.inflight, s.to_free
         for label, loc in (("free_owner", s.owner[k]), ("free_draining", s.draining[k])):
-            m = fresh(f"sent_{label}", Msg)
-            side.append(fields_are(m, "FREE", key=k, loc=loc, epoch=s.epoch[k]))
-            sent[label] = m
-            infl = z3.If(loc != NOLOC, z3.Store(infl, m, True), infl)
+            to_free, infl = self._owe_free(s, to_free, infl, sent, side, label, k, loc, s.epoch[k], when=loc != NOLOC)
         upd = self._end_generation(s, k)
         upd["inflight"] = infl
+        upd["to_free"] = to_free
         return Action("complete_invalidation", ("complete_invalidation",), {"k": k},
                       self.completion_enabled(s, k), s.update(**upd), side, sent)
 
@@ -573,6 +657,8 @@ class Protocol:
         conj = [s.phase[k] == COMMITTED, loc != NOLOC, loc_up(s, loc)]
         if not self.bug("restart_without_grace"):
             conj.append(s.grace == 0)
+        if not self.bug("evict_parent_first"):
+            conj.append(children_absent(s, k))
         if not self.bug("evict_under_lease"):
             conj.append(z3.Not(self.live_lease_on(s, k, loc)))
         if which == "owner":
@@ -582,11 +668,15 @@ class Protocol:
             s_gen=z3.Store(s.s_gen, loc, k, 0),
             s_epoch=z3.Store(s.s_epoch, loc, k, 0),
         )
+        sent, side = {}, []
         if which == "owner":
             upd.update(self._end_generation(s, k))
+            # A transfer under way: its copy may land, and belongs to a generation that ends.
+            upd["to_free"], upd["inflight"] = self._owe_free(s, s.to_free, s.inflight, sent, side, "free_moving", k,
+                                                             s.moving[k], s.epoch[k], when=s.moving[k] != NOLOC)
         else:
             upd["draining"] = z3.Store(s.draining, k, NOLOC)
-        return Action(f"evict_{which}", ("evict",), {"k": k}, z3.And(conj), s.update(**upd))
+        return Action(f"evict_{which}", ("evict",), {"k": k}, z3.And(conj), s.update(**upd), side, sent)
 
     def evict_owner(self, s: State) -> Action:
         return self._evict(s, "owner")
@@ -609,8 +699,12 @@ class Protocol:
     def cancel_transfer(self, s: State) -> Action:
         k = fresh("k", Key)
         guard = z3.And(s.phase[k] == COMMITTED, s.moving[k] != NOLOC)
+        sent, side = {}, []
+        # The copy may land after all: its destination is freed under the transfer's epoch.
+        to_free, infl = self._owe_free(s, s.to_free, s.inflight, sent, side, "free_moving", k, s.moving[k],
+                                       s.epoch[k])
         return Action("cancel_transfer", ("cancel_transfer",), {"k": k}, guard,
-                      s.update(moving=z3.Store(s.moving, k, NOLOC)))
+                      s.update(moving=z3.Store(s.moving, k, NOLOC), to_free=to_free, inflight=infl), side, sent)
 
     def free_drained(self, s: State) -> Action:
         k = fresh("k", Key)
@@ -618,8 +712,8 @@ class Protocol:
         if not self.bug("restart_without_grace"):
             conj.append(s.grace == 0)
         side, sent = [], {}
-        infl, _ = self._send(s, sent, side, "free", "FREE", key=k, loc=s.draining[k], epoch=s.epoch[k])
-        post = s.update(draining=z3.Store(s.draining, k, NOLOC), inflight=infl)
+        to_free, infl = self._owe_free(s, s.to_free, s.inflight, sent, side, "free", k, s.draining[k], s.epoch[k])
+        post = s.update(draining=z3.Store(s.draining, k, NOLOC), inflight=infl, to_free=to_free)
         return Action("free_drained", ("free_drained",), {"k": k}, z3.And(conj), post, side, sent)
 
     # directory-bound messages
@@ -680,7 +774,8 @@ class Protocol:
         m, inflight = self._delivery(s, "BEGIN_WRITE")
         n, k = m_node(m), m_key(m)
         loc = fresh("loc", Loc)  # one of ``write_targets(n)`` that is up
-        conj = [inflight, s.phase[k] == ABSENT, loc != NOLOC, z3.Or(is_pool(loc), locnode(loc) == n), loc_up(s, loc)]
+        conj = [inflight, s.phase[k] == ABSENT, parent_committed(s, k), loc != NOLOC,
+                z3.Or(is_pool(loc), locnode(loc) == n), loc_up(s, loc)]
         if not self.bug("no_namespace_check"):
             conj.append(allowed(n, k))
         lease, epoch = s.next_id, s.epoch[k] + 1
@@ -779,6 +874,8 @@ class Protocol:
             drop = s.h_id[n, k] == lease
             upd.update({name: z3.If(drop, t, getattr(s, name)) for name, t in self._clear_holder(s, n, k).items()})
         upd.update(self._clear_pending(s, n, k))  # clearing an empty pending request changes nothing
+        # Ghost (NoReadAfterAck on history): this node acknowledged the current generation's end.
+        upd["acked"] = z3.Store(s.acked, n, k, z3.Or(s.acked[n, k], m_gen(m) == s.gen[k]))
         side, sent = [], {}
         infl, _ = self._send(s, sent, side, "ack", "ACK", node=n, key=k, lease=lease)
         upd["inflight"] = infl
@@ -791,12 +888,16 @@ class Protocol:
         n, k = m_node(m), m_key(m)
         return z3.And(s.up[n], s.w_stage[n, k] == W_BYTES_SENT, s.wr_id[n, k] == m_lease(m))
 
+    def slot_accepts(self, s: State, loc, k, epoch) -> z3.BoolRef:
+        """``rules.slot_accepts``: at least the fence, above the highest epoch freed there."""
+        if self.bug("no_fencing"):
+            return epoch > s.freed[loc, k]  # the bug drops the fence, not the freed epoch
+        return z3.And(epoch >= s.fence[loc, k], epoch > s.freed[loc, k])
+
     def store_bytes(self, s: State) -> Action:
         m, inflight = self._delivery(s, "WRITE_BYTES")
         n, k, loc, epoch = m_node(m), m_key(m), m_loc(m), m_epoch(m)
-        conj = [inflight, loc_up(s, loc)]
-        if not self.bug("no_fencing"):
-            conj.append(epoch >= s.fence[loc, k])
+        conj = [inflight, loc_up(s, loc), self.slot_accepts(s, loc, k, epoch)]
         waiting = self._writer_waiting(s, m)
         side, sent = [], {}
         infl, _ = self._send(s, sent, side, "commit", "COMMIT", node=n, key=k, lease=m_lease(m), epoch=epoch)
@@ -805,6 +906,7 @@ class Protocol:
             s_gen=z3.Store(s.s_gen, loc, k, m_gen(m)),
             s_epoch=z3.Store(s.s_epoch, loc, k, epoch),
             fence=z3.Store(s.fence, loc, k, z3.If(epoch > s.fence[loc, k], epoch, s.fence[loc, k])),
+            freed=z3.Store(s.freed, loc, k, 0),  # the fence now refuses all the freed epoch did
             inflight=z3.If(waiting, infl, s.inflight),
         )
         for name, t in self._clear_writer(s, n, k).items():
@@ -814,34 +916,87 @@ class Protocol:
     def fence_stale_write(self, s: State) -> Action:
         m, inflight = self._delivery(s, "WRITE_BYTES")
         n, k, loc = m_node(m), m_key(m), m_loc(m)
-        guard = z3.And(inflight, loc_up(s, loc), m_epoch(m) < s.fence[loc, k])
-        if self.bug("no_fencing"):
-            guard = z3.BoolVal(False)
+        guard = z3.And(inflight, loc_up(s, loc), z3.Not(self.slot_accepts(s, loc, k, m_epoch(m))))
         waiting = self._writer_waiting(s, m)
         upd = {name: z3.If(waiting, t, getattr(s, name)) for name, t in self._clear_writer(s, n, k).items()}
         return Action("fence_stale_write", ("fence_stale_write",), {"m": m}, guard, s.update(**upd), delivered=m)
 
+    def free_takes(self, s: State, loc, k, epoch) -> z3.BoolRef:
+        """``rules.free_takes``: a Free deletes bytes of its epoch or older, never newer ones; an
+        empty slot takes it (to remember the epoch freed) only if its fence would."""
+        if self.bug("no_fencing"):
+            return z3.BoolVal(True)
+        return z3.If(s.s_status[loc, k] == FULL, s.s_epoch[loc, k] <= epoch, epoch >= s.fence[loc, k])
+
     def free_slot(self, s: State) -> Action:
         m, inflight = self._delivery(s, "FREE")
         k, loc = m_key(m), m_loc(m)
-        conj = [inflight, loc_up(s, loc)]
-        if not self.bug("no_fencing"):
-            conj.append(m_epoch(m) >= s.fence[loc, k])
+        conj = [inflight, loc_up(s, loc), self.free_takes(s, loc, k, m_epoch(m))]
+        epoch = m_epoch(m)
+        freed = z3.If(epoch > s.freed[loc, k], epoch, s.freed[loc, k])
+        side, sent = [], {}
+        infl, _ = self._send(s, sent, side, "freed", "FREED", key=k, loc=loc, epoch=epoch)
         upd = dict(
             s_status=z3.Store(s.s_status, loc, k, EMPTY),
             s_gen=z3.Store(s.s_gen, loc, k, 0),
             s_epoch=z3.Store(s.s_epoch, loc, k, 0),
+            # The epoch freed, unless the fence already refuses all it would.
+            freed=z3.Store(s.freed, loc, k, z3.If(s.fence[loc, k] > freed, 0, freed)),
+            inflight=infl,
         )
-        return Action("free_slot", ("free_slot",), {"m": m}, z3.And(conj), s.update(**upd), delivered=m)
+        return Action("free_slot", ("free_slot",), {"m": m}, z3.And(conj), s.update(**upd), side, sent, m)
+
+    def fence_stale_free(self, s: State) -> Action:
+        """A Free that takes nothing (newer bytes are there): nothing freed, but answered (``Freed``)."""
+        m, inflight = self._delivery(s, "FREE")
+        k, loc, epoch = m_key(m), m_loc(m), m_epoch(m)
+        guard = z3.And(inflight, loc_up(s, loc), z3.Not(self.free_takes(s, loc, k, epoch)))
+        side, sent = [], {}
+        infl, _ = self._send(s, sent, side, "freed", "FREED", key=k, loc=loc, epoch=epoch)
+        return Action("fence_stale_free", ("fence_stale_free",), {"m": m}, guard, s.update(inflight=infl), side,
+                      sent, m)
+
+    def free_acked(self, s: State) -> Action:
+        """A ``Freed`` at least as recent as the Free owed settles it (``rules.free_acknowledged``)."""
+        m, inflight = self._delivery(s, "FREED")
+        k, loc = m_key(m), m_loc(m)
+        guard = z3.And(inflight, s.to_free[loc, k] != 0, m_epoch(m) >= s.to_free[loc, k])
+        return Action("free_acked", ("free_acked",), {"m": m}, guard,
+                      s.update(to_free=z3.Store(s.to_free, loc, k, 0)), delivered=m)
+
+    def retry_free(self, s: State) -> Action:
+        """The directory re-sends an owed Free to a location that is up (``rules.may_retry_free``)."""
+        k, loc = fresh("k", Key), fresh("loc", Loc)
+        guard = z3.And(loc != NOLOC, s.to_free[loc, k] != 0, loc_up(s, loc))
+        side, sent = [], {}
+        infl, _ = self._send(s, sent, side, "free", "FREE", key=k, loc=loc, epoch=s.to_free[loc, k])
+        return Action("retry_free", ("retry_free",), {"k": k, "loc": loc}, guard, s.update(inflight=infl), side, sent)
+
+    def _refuse(self, s: State, name: str, kind_name: str, what: int) -> Action:
+        """A request answered with a refusal. Any request may be: the model refuses for its rules
+        and for its scope budgets, which the encoding does not have."""
+        m, inflight = self._delivery(s, kind_name)
+        req = m_req(m) if what == REFUSED_READ else z3.IntVal(0)
+        side, sent = [], {}
+        infl, _ = self._send(s, sent, side, "refusal", "REFUSE", node=m_node(m), key=m_key(m), req=req, what=what)
+        return Action(name, (name,), {"m": m}, inflight, s.update(inflight=infl), side, sent, m)
+
+    def refuse_read_lease(self, s: State) -> Action:
+        return self._refuse(s, "refuse_read_lease", "ACQUIRE", REFUSED_READ)
+
+    def refuse_renewal(self, s: State) -> Action:
+        return self._refuse(s, "refuse_renewal", "RENEW", REFUSED_READ)
+
+    def refuse_write_lease(self, s: State) -> Action:
+        return self._refuse(s, "refuse_write_lease", "BEGIN_WRITE", REFUSED_WRITE)
 
     def store_copy(self, s: State) -> Action:
         m, inflight = self._delivery(s, "COPY")
         k, dest, src, gen, epoch = m_key(m), m_loc(m), m_src(m), m_gen(m), m_epoch(m)
         conj = [
             inflight, loc_up(s, src), s.s_status[src, k] == FULL, s.s_gen[src, k] == gen, loc_up(s, dest),
+            self.slot_accepts(s, dest, k, epoch),
         ]
-        if not self.bug("no_fencing"):
-            conj.append(epoch >= s.fence[dest, k])
         side, sent = [], {}
         infl, _ = self._send(s, sent, side, "copied", "COPIED", key=k, loc=dest, epoch=epoch)
         upd = dict(
@@ -849,6 +1004,7 @@ class Protocol:
             s_gen=z3.Store(s.s_gen, dest, k, gen),
             s_epoch=z3.Store(s.s_epoch, dest, k, epoch),
             fence=z3.Store(s.fence, dest, k, z3.If(epoch > s.fence[dest, k], epoch, s.fence[dest, k])),
+            freed=z3.Store(s.freed, dest, k, 0),
             inflight=infl,
         )
         return Action("store_copy", ("store_copy",), {"m": m}, z3.And(conj), s.update(**upd), side, sent, m)
@@ -875,6 +1031,7 @@ class Protocol:
                 [ll, kk], z3.If(z3.And(lost, s.s_status[ll, kk] == FULL), LOST, s.s_status[ll, kk])
             )
             upd["fence"] = z3.Lambda([ll, kk], z3.If(lost, 0, s.fence[ll, kk]))
+            upd["freed"] = z3.Lambda([ll, kk], z3.If(lost, 0, s.freed[ll, kk]))
         name = "crash_lose_disk" if lose_disk else "crash"
         return Action(name, ("crash",), {"n": n}, s.up[n], s.update(**upd), lose_disk=lose_disk)
 
@@ -889,13 +1046,28 @@ class Protocol:
         kk, nn, ll = z3.Const("rn_k", Key), z3.Const("rn_n", Node), z3.Const("rn_l", Loc)
         mine = nn == n
         restore = z3.And(on_node(ll, n), s.fence[ll, kk] < s.epoch[kk])
+        fence = z3.If(restore, s.epoch[kk], s.fence[ll, kk])
+        # ``rules.restored_freed_epoch``: where the directory wants no bytes of the key, the key's
+        # epoch counts as freed (bytes that land late there are refused).
+        wanted = z3.Or(ll == s.owner[kk], ll == s.draining[kk], ll == s.moving[kk])
+        restored_freed = z3.If(z3.And(z3.Not(wanted), s.epoch[kk] > s.freed[ll, kk]), s.epoch[kk], s.freed[ll, kk])
         moving_lost = z3.And(s.moving[kk] != NOLOC, on_node(s.moving[kk], n))
+        # The copy in progress died with the node (or landed): its destination is freed.
+        m = z3.Const("rn_m", Msg)
+        mk = m_key(m)
+        free_moving = z3.And(kind(m) == M_FREE, z3.substitute(moving_lost, (kk, mk)), m_loc(m) == s.moving[mk],
+                             m_epoch(m) == s.epoch[mk])
+        owed = z3.If(s.epoch[kk] > s.to_free[ll, kk], s.epoch[kk], s.to_free[ll, kk])
         post = s.update(
+            to_free=z3.Lambda([ll, kk], z3.If(z3.And(moving_lost, ll == s.moving[kk]), owed, s.to_free[ll, kk])),
+            inflight=z3.Lambda([m], z3.Or(s.inflight[m], free_moving)),
+            freed=z3.Lambda([ll, kk], z3.If(on_node(ll, n), z3.If(fence > restored_freed, 0, restored_freed),
+                                            s.freed[ll, kk])),
             up=z3.Store(s.up, n, True),
             r_id=z3.Lambda([kk, nn], z3.If(mine, 0, s.r_id[kk, nn])),
             r_loc=z3.Lambda([kk, nn], z3.If(mine, NOLOC, s.r_loc[kk, nn])),
             r_left=z3.Lambda([kk, nn], z3.If(mine, 0, s.r_left[kk, nn])),
-            fence=z3.Lambda([ll, kk], z3.If(restore, s.epoch[kk], s.fence[ll, kk])),
+            fence=z3.Lambda([ll, kk], fence),
             moving=z3.Lambda([kk], z3.If(moving_lost, NOLOC, s.moving[kk])),
         )
         return Action("restart_node", ("restart_node",), {"n": n}, z3.Not(s.up[n]), post)
@@ -929,6 +1101,8 @@ def initial(s: State) -> z3.BoolRef:
             s.phase[k] == ABSENT, s.gen[k] == 0, s.epoch[k] == 0, s.owner[k] == NOLOC, s.moving[k] == NOLOC,
             s.draining[k] == NOLOC, s.w_id[k] == 0, s.w_left[k] == 0,
         )),
+        z3.ForAll([l, k], z3.And(s.to_free[l, k] == 0, s.freed[l, k] == 0)),
+        z3.ForAll([n, k], z3.Not(s.acked[n, k])),
         z3.ForAll([k, n], z3.And(s.r_id[k, n] == 0, s.r_loc[k, n] == NOLOC, s.r_left[k, n] == 0)),
         z3.ForAll([n], z3.And(s.up[n], s.off[n] == 0, s.req[n] == 0)),
         z3.ForAll([n, k], z3.And(

@@ -41,6 +41,7 @@ from ..layout import (
     M_COMMIT as PY_M_COMMIT,
     M_COPIED as PY_M_COPIED,
     M_COPY as PY_M_COPY,
+    M_FREED as PY_M_FREED,
     M_FREE as PY_M_FREE,
     M_GRANT_READ as PY_M_GRANT_READ,
     M_GRANT_WRITE as PY_M_GRANT_WRITE,
@@ -60,7 +61,8 @@ from ..layout import (
 from ..model import Model
 from .encoding import (
     ABSENT, COMMITTED, EMPTY, EPS, FULL, INVALIDATING, LOST, NOLOC, P_ACQUIRE, P_NONE, P_RENEW, T,
-    W_BYTES_SENT, W_NONE, WRITING, Action, FIELD_FUNS, KIND_FIELDS, Key, Loc, Msg, Node, State, allowed, kind, loc_up, m_epoch,
+    W_BYTES_SENT, W_NONE, WRITING, Action, FIELD_FUNS, KIND_FIELDS, Key, Loc, Msg, Node, State, allowed, has_parent,
+    kind, loc_up, m_epoch, parent,
     m_gen, m_key, m_lease, m_loc, m_node, m_req, m_src, K_,
 )
 
@@ -406,7 +408,11 @@ def z_no_stale_read(s: State) -> z3.BoolRef:
 
 def z_no_read_after_ack(s: State) -> z3.BoolRef:
     m = bv("na_m", Msg)
-    return z3.ForAll([m], z3.Implies(msg_is(s, m, "ACK"), s.h_id[m_node(m), m_key(m)] != m_lease(m)))
+    n, k = bv("na_n", Node), bv("na_k", Key)
+    return z3.And(
+        z3.ForAll([n, k], z3.Implies(z3.And(s.h_id[n, k] != 0, s.acked[n, k]), s.h_gen[n, k] != s.gen[k])),
+        z3.ForAll([m], z3.Implies(msg_is(s, m, "ACK"), s.h_id[m_node(m), m_key(m)] != m_lease(m))),
+    )
 
 
 _LEASE_KINDS = ("RENEW", "GRANT_READ", "RENEWED", "RELEASE", "GRANT_WRITE", "WRITE_BYTES", "COMMIT", "REVOKE", "ACK")
@@ -434,6 +440,12 @@ def z_directory_data_agreement(s: State) -> z3.BoolRef:
     k, n = bv("dd_k", Key), bv("dd_n", Node)
     return z3.ForAll([k, n], z3.Implies(s.r_id[k, n] != 0, z3.And(
         s.r_loc[k, n] != NOLOC, slot_holds(s, s.r_loc[k, n], k, s.gen[k]))))
+
+
+def z_prefix_closed(s: State) -> z3.BoolRef:
+    k = bv("pf_k", Key)
+    return z3.ForAll([k], z3.Implies(z3.And(has_parent(k), in_phase(s, k, WRITING, COMMITTED)),
+                                     s.phase[parent(k)] == COMMITTED))
 
 
 def z_namespace_isolation(s: State) -> z3.BoolRef:
@@ -468,6 +480,7 @@ def z_record_shape(s: State) -> z3.BoolRef:
                                         s.w_id[k] == 0, s.w_left[k] == 0)),
         z3.Implies(ph == WRITING, z3.And(s.owner[k] != NOLOC, s.moving[k] == NOLOC, s.draining[k] == NOLOC,
                                          s.w_id[k] >= 1)),
+        z3.Implies(ph != ABSENT, s.epoch[k] >= 1),  # a write grant took an epoch (bytes are under epochs from 1)
         z3.Implies(in_phase(s, k, COMMITTED, INVALIDATING), z3.And(s.owner[k] != NOLOC, s.w_id[k] == 0,
                                                                    s.w_left[k] == 0)),
         z3.Implies(ph == INVALIDATING, s.moving[k] == NOLOC),
@@ -484,6 +497,8 @@ def py_record_shape(m: Model, s: bytes) -> bool:
         if ph == PY_ABSENT and (owner or moving or draining or w_id or w_left):
             return False
         if ph == PY_WRITING and (not owner or moving or draining or not w_id):
+            return False
+        if ph != PY_ABSENT and s[L.epoch[k]] < 1:
             return False
         if ph in (PY_COMMITTED, PY_INVALIDATING) and (not owner or w_id or w_left):
             return False
@@ -584,7 +599,7 @@ def py_writer_shape(m: Model, s: bytes) -> bool:
 def z_slot_shape(s: State) -> z3.BoolRef:
     l, k = bv("ss_l", Loc), bv("ss_k", Key)
     return z3.ForAll([l, k], z3.Implies(l != NOLOC, z3.And(
-        s.s_gen[l, k] >= 0, s.s_epoch[l, k] >= 0, s.fence[l, k] >= 0,
+        s.s_gen[l, k] >= 0, s.s_epoch[l, k] >= 0, s.fence[l, k] >= 0, s.freed[l, k] >= 0, s.to_free[l, k] >= 0,
         z3.Implies(s.s_status[l, k] == EMPTY, z3.And(s.s_gen[l, k] == 0, s.s_epoch[l, k] == 0)),
     )))
 
@@ -618,6 +633,8 @@ def _z_msg_shape(s: State, m) -> z3.BoolRef:
         "FREE": z3.And(m_loc(m) != NOLOC, m_epoch(m) >= 0),
         "COPY": z3.And(m_loc(m) != NOLOC, m_src(m) != NOLOC, m_gen(m) >= 0, m_epoch(m) >= 1),
         "COPIED": z3.And(m_loc(m) != NOLOC, m_epoch(m) >= 1),
+        "REFUSE": z3.BoolVal(True),
+        "FREED": m_loc(m) != NOLOC,
     }
     return z3.And([z3.Implies(kind(m) == K_[name], body) for name, body in cases.items()])
 
@@ -650,6 +667,8 @@ def py_message_shape(m: Model, s: bytes) -> bool:
         if kind_ == PY_M_COPY and not (a and b and d >= 1):
             return False
         if kind_ == PY_M_COPIED and not (a and d >= 1):
+            return False
+        if kind_ == PY_M_FREED and not a:
             return False
     return True
 
@@ -838,13 +857,20 @@ def z_items_behind_record(s: State) -> z3.BoolRef:
 
     m = bv("ir_m", Msg)
     k = m_key(m)
+    # An owed Free (the directory re-sends it as it is) is behind the record like one in flight.
+    ol, ok_ = bv("ir_l", Loc), bv("ir_k", Key)
+    owed = s.to_free[ol, ok_]
+    owed_behind = z3.ForAll([ol, ok_], z3.Implies(owed != 0, z3.And(
+        owed <= s.epoch[ok_],
+        z3.Implies(z3.Or(s.phase[ok_] == WRITING, s.moving[ok_] != NOLOC), owed < s.epoch[ok_]),
+    )))
     other = z3.ForAll([m], z3.Implies(s.inflight[m], z3.And(
         z3.Implies(z3.Or(kind(m) == K_["COMMIT"], kind(m) == K_["COPIED"], kind(m) == K_["FREE"]),
                    m_epoch(m) <= s.epoch[k]),
         z3.Implies(z3.And(kind(m) == K_["FREE"], z3.Or(s.phase[k] == WRITING, s.moving[k] != NOLOC)),
                    m_epoch(m) < s.epoch[k]),
     )))
-    return z3.And(each(epoch_items(s), body), other)
+    return z3.And(each(epoch_items(s), body), other, owed_behind)
 
 
 def py_items_behind_record(m: Model, s: bytes) -> bool:
@@ -868,6 +894,13 @@ def py_items_behind_record(m: Model, s: bytes) -> bool:
             return False
         if kind_ == PY_M_FREE and (s[L.phase[k]] == PY_WRITING or s[L.moving[k]]) and d >= s[L.epoch[k]]:
             return False
+    for loc in range(m.cfg.locations):
+        for k in range(m.cfg.keys):
+            owed = s[L.to_free[loc][k]]
+            if owed and owed > s[L.epoch[k]]:
+                return False
+            if owed and (s[L.phase[k]] == PY_WRITING or s[L.moving[k]]) and owed >= s[L.epoch[k]]:
+                return False
     return True
 
 
@@ -1003,8 +1036,13 @@ def py_protected_copies_current(m: Model, s: bytes) -> bool:
 def z_frees_fenced(s: State) -> z3.BoolRef:
     f = bv("ff_m", Msg)
     k, loc = m_key(f), m_loc(f)
-    return z3.ForAll([f], z3.Implies(z3.And(msg_is(s, f, "FREE"), protected(s, loc, k)),
-                                     m_epoch(f) < s.s_epoch[loc, k]))
+    ol, ok_ = bv("ff_l", Loc), bv("ff_k", Key)
+    return z3.And(
+        z3.ForAll([f], z3.Implies(z3.And(msg_is(s, f, "FREE"), protected(s, loc, k)), m_epoch(f) < s.s_epoch[loc, k])),
+        # An owed Free is one the directory may send again.
+        z3.ForAll([ol, ok_], z3.Implies(z3.And(ol != NOLOC, s.to_free[ol, ok_] != 0, protected(s, ol, ok_)),
+                                        s.to_free[ol, ok_] < s.s_epoch[ol, ok_])),
+    )
 
 
 def py_frees_fenced(m: Model, s: bytes) -> bool:
@@ -1013,6 +1051,11 @@ def py_frees_fenced(m: Model, s: bytes) -> bool:
         kind_, n, k, a, b, c, d = msg
         if kind_ == PY_M_FREE and _py_protected(m, s, a, k) and d >= s[L.s_epoch[a - 1][k]]:
             return False
+    for loc in range(m.cfg.locations):
+        for k in range(m.cfg.keys):
+            owed = s[L.to_free[loc][k]]
+            if owed and _py_protected(m, s, loc + 1, k) and owed >= s[L.s_epoch[loc][k]]:
+                return False
     return True
 
 
@@ -1027,6 +1070,37 @@ def py_grants_authorised(m: Model, s: bytes) -> bool:
     return all(
         m.allowed[msg[1]][msg[2]] for msg in _msgs(m, s) if msg[0] in (PY_M_GRANT_READ, PY_M_GRANT_WRITE)
     )
+
+
+def z_acks_close_the_generation(s: State) -> z3.BoolRef:
+    n, k, r, g = bv("ac_n", Node), bv("ac_k", Key), bv("ac_r", Msg), bv("ac_g", Msg)
+    return z3.And(
+        # A revocation of the current generation is sent when its invalidation starts, and the
+        # generation ends with the invalidation: so it is INVALIDATING while such a one is about ...
+        z3.ForAll([r], z3.Implies(msg_is(s, r, "REVOKE"), z3.And(
+            m_gen(r) <= s.gen[m_key(r)],
+            z3.Implies(m_gen(r) == s.gen[m_key(r)], s.phase[m_key(r)] == INVALIDATING)))),
+        # ... and while a node's acknowledgement of it stands (it is cleared when the generation ends);
+        z3.ForAll([n, k], z3.Implies(s.acked[n, k], s.phase[k] == INVALIDATING)),
+        # no grant of that generation is about to be trusted by a node that acknowledged its end.
+        z3.ForAll([g], z3.Implies(z3.And(matched_grant(s, g), s.acked[m_node(g), m_key(g)]),
+                                  m_gen(g) != s.gen[m_key(g)])),
+    )
+
+
+def py_acks_close_the_generation(m: Model, s: bytes) -> bool:
+    L = m.L
+    for msg in _msgs(m, s):
+        kind_, n, k, a, b, c, d = msg
+        if kind_ == PY_M_REVOKE and (c > s[L.gen[k]] or (c == s[L.gen[k]] and s[L.phase[k]] != PY_INVALIDATING)):
+            return False
+        if _py_matched_grant(m, s, msg) and s[L.acked[n][k]] and c == s[L.gen[k]]:
+            return False
+    for n in range(m.cfg.nodes):
+        for k in range(m.cfg.keys):
+            if s[L.acked[n][k]] and s[L.phase[k]] != PY_INVALIDATING:
+                return False
+    return True
 
 
 def _prop(name: str, z) -> StateInvariant:
@@ -1050,6 +1124,7 @@ PROPERTIES: tuple[StateInvariant, ...] = (
     _prop("LeaseIdsFresh", z_lease_ids_fresh),
     _prop("LeaseKnownToDirectory", z_lease_known_to_directory),
     _prop("DirectoryDataAgreement", z_directory_data_agreement),
+    _prop("PrefixClosed", z_prefix_closed),
     _prop("NamespaceIsolation", z_namespace_isolation),
 )
 
@@ -1098,8 +1173,12 @@ STRENGTHENINGS: tuple[StateInvariant, ...] = (
          z_fences_cover_slots, py_fences_cover_slots),
     _str("ProtectedCopiesCurrent", "a committed key's owner and draining copies hold (or lost) its generation",
          z_protected_copies_current, py_protected_copies_current),
-    _str("FreesFenced", "a free in flight carries an epoch below that of any protected copy it names",
+    _str("FreesFenced", "a free in flight or owed carries an epoch below that of any protected copy it names",
          z_frees_fenced, py_frees_fenced),
+    _str("AcksCloseTheGeneration",
+         "a node that acknowledged the end of the current generation is never granted it again: the key "
+         "is INVALIDATING while such an acknowledgement (or its revocation) stands",
+         z_acks_close_the_generation, py_acks_close_the_generation),
     _str("GrantsAuthorised", "grants go only to nodes authorised for the key's namespace",
          z_grants_authorised, py_grants_authorised),
 )
@@ -1128,7 +1207,7 @@ def t_fencing_holds(pre: State, act: Action) -> z3.BoolRef:
 
 
 def t_leases_granted_only_on_committed(pre: State, act: Action) -> z3.BoolRef:
-    if act.python[0] in ("tick", "clock_forward"):
+    if act.python[0] in ("tick", "clock_forward", "clock_back"):
         return z3.BoolVal(True)  # as the predicate: a clock step grants nothing
     post = act.post
     k, n = bv("lg_k", Key), bv("lg_n", Node)
@@ -1155,10 +1234,18 @@ STEP_INVARIANTS: tuple[StepInvariant, ...] = (
 )
 
 # What these proofs leave to the model checker (with why).
+_PROGRESS = (
+    "progress (bounded response on a ghost age, with the urgency rule): the encoding projects ghost ages "
+    "away and lets time pass a due timer; the model checker checks it on every configuration"
+)
 NOT_COVERED = {
-    "PrefixClosed": "the prefix tree is abstracted away (invalidation is per key)",
-    "InvalidationCompletesInTime": "progress (bounded response), a ghost timer with the urgency rule",
-    "WriteLeaseEndsInTime": "progress (bounded response)",
+    "InvalidationCompletesInTime": _PROGRESS,
+    "WriteLeaseEndsInTime": _PROGRESS,
+    "RequestEndsInTime": _PROGRESS,
+    "CrashedOwnerWritableInTime": _PROGRESS,
+    "DeletionReachesEverywhere": _PROGRESS,
+    "RequestAnswered": "progress (every request is answered unless a message of it was lost): read off the "
+                       "lost-exchange ghosts, which the encoding projects away; the model checker checks it",
 }
 
 

@@ -31,20 +31,16 @@ from ..model import Model
 from .bounded import closure, ground
 from .encoding import (
     EPS, INT, KIND_NAMES, K_, Key, Loc, Msg, NOLOC, Node, Pending, Phase, STATE_VARS, SlotStatus, Stage, T,
-    Action, Protocol, State, allowed, config_axioms, is_pool, kind, locnode, m_epoch, m_gen, m_key, m_lease, m_loc,
-    m_node, m_req, m_src,
+    Action, Protocol, State, allowed, config_axioms, has_parent, is_pool, kind, locnode, parent, m_epoch, m_gen, m_key, m_lease, m_loc,
+    m_node, m_req, m_src, m_what,
 )
 
 _ENUM_SORTS = (Phase, SlotStatus, Stage, Pending)
 _CODE_TO_KIND = {getattr(LY, "M_" + name): name for name in KIND_NAMES}
-# Model labels whose step only consumes the delivered message.
-CONSUMING = {
-    "refuse_read_lease", "refuse_write_lease", "refuse_renewal", "ignore_stale_grant", "ignore_stale_renewal",
-    "ignore_stale_write_grant", "reject_stale_commit", "fence_stale_free", "fence_stale_copy", "copy_failed",
-    "write_to_down_location", "free_at_down_location", "ignore_stale_copied", "drop", "drop_and_ack",
-    "release_lease", "revoke_acked",
-}
-UNCHANGED = {"read", "evict_refused", "duplicate"}
+# Model labels whose step only consumes the delivered message, or changes nothing the encoding has:
+# the same lists as ``refinement``'s.
+from .refinement import CONSUMING, UNCHANGED  # noqa: E402
+
 
 
 class Simulator:
@@ -110,14 +106,14 @@ class Simulator:
         code, n, k, a, b, c, d = msg
         name = _CODE_TO_KIND[code]
         conj = [kind(e) == K_[name], m_key(e) == self.keys[k]]
-        if name not in ("FREE", "COPY", "COPIED"):
+        if name not in ("FREE", "COPY", "COPIED", "FREED"):
             conj.append(m_node(e) == self.nodes[n])
         f = {
             "ACQUIRE": dict(req=a),
             "RENEW": dict(lease=a, loc=b, req=c),
             "GRANT_READ": dict(lease=a, loc=b, gen=c, req=d),
             "RENEWED": dict(lease=a, req=d),
-            "RELEASE": dict(lease=a), "REVOKE": dict(lease=a), "ACK": dict(lease=a),
+            "RELEASE": dict(lease=a), "REVOKE": dict(lease=a, gen=c), "ACK": dict(lease=a),
             "BEGIN_WRITE": {},
             "GRANT_WRITE": dict(lease=a, loc=b, gen=c, epoch=d),
             "WRITE_BYTES": dict(lease=a, loc=b, gen=c, epoch=d),
@@ -125,8 +121,10 @@ class Simulator:
             "FREE": dict(loc=a, epoch=d),
             "COPY": dict(loc=a, src=b, gen=c, epoch=d),
             "COPIED": dict(loc=a, epoch=d),
+            "REFUSE": dict(req=a, what=b),
+            "FREED": dict(loc=a, epoch=d),
         }[name]
-        funs = dict(lease=m_lease, loc=m_loc, src=m_src, gen=m_gen, epoch=m_epoch, req=m_req)
+        funs = dict(lease=m_lease, loc=m_loc, src=m_src, gen=m_gen, epoch=m_epoch, req=m_req, what=m_what)
         for field, v in f.items():
             conj.append(funs[field](e) == (self._loc(v) if field in ("loc", "src") else v))
         return z3.And(conj)
@@ -138,8 +136,7 @@ class Simulator:
         candidates = list(self.by_label.get(label, []))
         if label in CONSUMING:
             candidates += self.by_label["drop"]
-        if label in UNCHANGED or pre_bytes == post_bytes:
-            candidates.append(None)  # the identity
+        candidates.append(None)  # the identity: a stutter, when nothing the encoding has changed
         for act in candidates:
             if self._check([act], pre_bytes, post_bytes):
                 return "identity" if act is None else act.name
@@ -205,6 +202,11 @@ class Simulator:
         for i, n in enumerate(self.nodes):
             for j, k in enumerate(self.keys):
                 s.add(allowed(n, k) == bool(m.allowed[i][j]))
+        for j, k in enumerate(self.keys):
+            p = cfg.parents[j]
+            s.add(has_parent(k) == (p >= 0))
+            if p >= 0:
+                s.add(parent(k) == self.keys[p])
         # Closed world for nodes, keys and locations; messages: the ones named.
         s.add(closure(elements, states, [e for e in extra if e.sort() != Msg]))
         s.add(self.state_constraints(self.pre, pre_bytes))
