@@ -1050,6 +1050,7 @@ class _Replay:
             })  # fmt: skip
         return {
             "event": {k: v for k, v in ev.items() if not str(k).startswith("_")},
+            "key": self.key,  # the projection's k0 (kvcc.conformance.names)
             "needed": NEEDS[ev["event"]],
             "tick_interval": [pe.lo, pe.hi],
             "nodes": {n: R.nodes[n] for n in sorted(nodes)},
@@ -1160,6 +1161,20 @@ def _validate(events: Sequence[dict], params: TraceParams) -> Verdict:
 
 def _with_stats(v: Verdict, fmax: int, explored: int) -> Verdict:
     return Verdict(v.status, v.event_index, v.event, v.reason, v.diff, fmax, explored, v.code)
+
+
+def model_names(events: Sequence[dict], params: TraceParams) -> dict[str, str]:
+    """The trace's real names by the spec ids a rejection's diff uses: ``n<i>`` for nodes and
+    ``l<i>`` for locations (the shared pool last), as ``validate_trace`` assigns them; empty for
+    a trace whose shapes it rejects. ``kvcc.conformance.names`` maps a verdict back with it."""
+    try:
+        _check_shapes(events)
+        roles = _Roles(events, params)
+    except _Stop:
+        return {}
+    names = {f"n{i}": name for i, name in enumerate(roles.nodes)}
+    names.update({f"l{i}": loc for loc, i in sorted(roles.location_index.items(), key=lambda kv: kv[1])})
+    return names
 
 
 def params_for_walk(walk: RenderedWalk, **overrides: Any) -> TraceParams:
