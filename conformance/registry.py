@@ -25,7 +25,7 @@ import sys
 from collections.abc import Callable
 from importlib.metadata import entry_points
 
-from .contract import Adapter
+from .contract import PROFILES, Adapter
 
 ENTRY_POINT_GROUP = "kvcc.adapters"
 BUILTINS: dict[str, str] = {
@@ -39,8 +39,8 @@ DESCRIPTIONS: dict[str, str] = {
     "core": "the suite's self-test: the reference directory core and a DRAM tier per node, in one process",
     "reference": "the reference implementation as processes on loopback (directory on its SQLite log)",
     "reference-etcd": "the reference implementation with its directory on a loopback etcd cluster",
-    "mooncake": "a real Mooncake Store, with the leases, epochs and invalidation kvcc adds on top",
-    "mooncake-raw": "a real Mooncake Store as it is (its own leases only): what it lacks, measured",
+    "mooncake": "a real Mooncake Store holding the bytes, kvcc's directory in the adapter deciding leases and epochs",
+    "mooncake-raw": "a real Mooncake Store's own operations mapped onto the contract, nothing added",
 }
 assert set(DESCRIPTIONS) == set(BUILTINS)
 DESCRIPTION_MAX_CHARS = 120
@@ -114,6 +114,21 @@ def describe(name: str) -> str:
         returns = inspect.signature(factory).return_annotation if callable(factory) else None
         line = _first_line(getattr(returns, "__doc__", None)) if isinstance(returns, type) else ""
     return line or "(no description: give the factory a docstring)"
+
+
+def unclaimed_advice(profiles, capabilities, adapter: str = "the adapter") -> str:
+    """What to do when a run certified nothing because the adapter claims none of the
+    ``profiles`` it ran (``capabilities``: ``Capabilities.to_json()``)."""
+    claims = [p for p in PROFILES if p in set(capabilities.get("profiles", ()))]
+    ran = ", ".join(profiles) or "none"
+    if claims:
+        flags = " ".join(f"--profile {p}" for p in claims)
+        return (f"{adapter} claims none of the profiles run ({ran}): it claims {', '.join(claims)}. "
+                f"Certify those with `{flags}` (or no --profile at all), or add the profile to "
+                f"Capabilities.profiles once its tests pass.")  # fmt: skip
+    return (f"{adapter} claims no profile (Capabilities.profiles is empty), so nothing can be certified; the "
+            f"tests of {ran} ran for information only. Declare the profiles it implements, e.g. "
+            f"Capabilities(profiles={{\"core\"}}).")  # fmt: skip
 
 
 def available() -> dict[str, str]:

@@ -333,3 +333,32 @@ def test_has_children_is_every_child_absent_at_the_directory():
             a.stop()
         assert v.status == status, v.reason
     assert v.code == "evict_parent_first"
+
+
+# -- the command line: what each adapter is, what to do when nothing is claimed --------------------------
+
+
+def test_list_adapters_says_what_each_is(capsys):
+    from kvcc.cli import main
+
+    assert main(["conform", "--list-adapters"]) == 0
+    rows = [line.split("\t") for line in capsys.readouterr().out.splitlines()]
+    assert {r[0] for r in rows} >= set(registry.BUILTINS)
+    for name, description, spec in rows:
+        assert description == registry.describe(name) and description
+        assert ":" in spec
+
+
+def test_an_unclaimed_profile_run_says_what_to_do(monkeypatch, capsys):
+    from kvcc.cli import main
+
+    monkeypatch.chdir(ROOT)
+    rc = main(["conform", "--adapter", "examples.minimal_adapter:factory", "--profile", "tiering",
+               "--id", "KVCC-TIER-003", "--seed", "1"])  # fmt: skip
+    out = " ".join(capsys.readouterr().out.split())
+    assert rc == 1
+    assert "claims none of the profiles run (tiering)" in out
+    assert "--profile core --profile leases --profile invalidation" in out
+    assert "no claimed profile" not in out
+    advice = registry.unclaimed_advice(["core"], {"profiles": []}, "x")
+    assert "claims no profile" in advice and 'profiles={"core"}' in advice
