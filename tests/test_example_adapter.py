@@ -362,3 +362,16 @@ def test_an_unclaimed_profile_run_says_what_to_do(monkeypatch, capsys):
     assert "no claimed profile" not in out
     advice = registry.unclaimed_advice(["core"], {"profiles": []}, "x")
     assert "claims no profile" in advice and 'profiles={"core"}' in advice
+
+
+def test_the_adapter_skeleton_in_the_docs_is_complete():
+    from kvcc.conformance.contract import Adapter
+
+    text = (ROOT / "docs" / "adapters.md").read_text(encoding="utf-8")
+    code = text.split("```python\n", 1)[1].split("```", 1)[0]
+    assert "..." not in code
+    tree = ast.parse(code)  # valid Python
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef)]
+    methods = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
+    assert Adapter.__abstractmethods__ <= methods, sorted(Adapter.__abstractmethods__ - methods)
+    assert any(isinstance(n, ast.FunctionDef) and n.name == "make_adapter" for n in tree.body)
