@@ -570,10 +570,11 @@ class MinimalCache(Adapter):
                     revocations += self._live_leases(k)
                 elif voids and rec.phase == WRITING:
                     self._end_generation(rec)  # the write below a voided prefix: its commit finds it gone
+                    ticket.keys += 1
                     continue
                 if rec.phase == INVALIDATING:
                     ticket.pending.add(k)
-            ticket.keys = len(ticket.pending)
+                    ticket.keys += 1
             for entry in revocations:
                 self._revoke(entry)  # each holder drops its trust, then acknowledges
             for k in sorted(ticket.pending):
