@@ -110,3 +110,17 @@ def test_an_accepted_verdict_carries_an_empty_map():
 
 def test_model_names_of_a_malformed_trace_is_empty():
     assert model_names([{"event": "nonsense"}], PARAMS) == {}
+
+
+def test_the_report_carries_the_rejection_in_the_adapters_names():
+    from kvcc.conformance.runner import run_conformance
+
+    rep = run_conformance(_AbortFreesAtOnce, ["core"], 5, ids=["KVCC-CORE-007"])
+    (r,) = [r for r in rep.results if r.id == "KVCC-CORE-007"]
+    assert r.status == "FAIL" and r.verdict["status"] == REJECTED, r.message
+    names = r.verdict["names"]
+    assert set(names["nodes"].values()) <= {"cache-1", "cache-2", "cache-3"} and names["nodes"]
+    assert names["keys"]["k0"] == r.verdict["diff"]["event"]["key"]
+    text = json.dumps([s["variables"] for s in r.verdict["diff"]["closest"]])
+    assert not SPEC_ID.findall(text)
+    assert "'directory'" in r.message  # the failure message quotes the deployment's own names
