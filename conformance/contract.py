@@ -33,7 +33,10 @@ Values crossing the contract are frozen attrs classes (below), and two from ``kv
 
 The directory's record of a key moves ``ABSENT -> WRITING -> COMMITTED -> INVALIDATING ->
 ABSENT`` (generation + 1); a write lease that expires and an evicted last copy also return it to
-ABSENT at generation + 1. Where this contract and the spec (``spec/model.py``, ``spec/rules.py``)
+ABSENT at generation + 1. A refusal the client gives on its own, without asking the directory
+(``busy``, ``already_leased``, ``lease_expired`` of a lease it no longer trusts, ``not_found`` for
+a commit with no bytes stored), sends and logs nothing (``docs/events.md``, "Local refusals").
+Where this contract and the spec (``spec/model.py``, ``spec/rules.py``)
 could be read differently, the spec is right and the contract is to be fixed. Refusals are values
 (``Refused(reason)``), not exceptions: a refusal is an allowed protocol outcome. Exceptions are
 for what is *not* a protocol outcome:
@@ -91,13 +94,14 @@ REASON_NOT_FOUND = "not_found"
 REASON_WRONG_GENERATION = "wrong_generation"
 REASON_ALREADY_LEASED = "already_leased"  # the directory holds a live lease of this node on the key
 REASON_NOT_OWNER = "not_owner"  # renewal of a lease on a copy that is draining after a transfer
+REASON_BUSY = "busy"  # a client's own refusal: this node has that write (or its bytes) under way already
 REASON_MISS = "miss"  # a read found no valid bytes at the leased location
 REASON_FENCED = "fenced"  # a location refused an operation carrying a stale epoch
 REASONS = (
     REASON_NOT_COMMITTED, REASON_INVALIDATING, REASON_NOT_ABSENT, REASON_PARENT_NOT_COMMITTED,
     REASON_UNAUTHORIZED, REASON_UNKNOWN_LEASE, REASON_STALE_EPOCH, REASON_LEASE_EXPIRED,
     REASON_LEASED, REASON_HAS_CHILDREN, REASON_RESTARTING, REASON_NOT_FOUND,
-    REASON_WRONG_GENERATION, REASON_ALREADY_LEASED, REASON_NOT_OWNER, REASON_MISS, REASON_FENCED,
+    REASON_WRONG_GENERATION, REASON_ALREADY_LEASED, REASON_NOT_OWNER, REASON_BUSY, REASON_MISS, REASON_FENCED,
 )  # fmt: skip
 assert len(set(REASONS)) == len(REASONS)
 

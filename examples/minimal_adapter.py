@@ -316,8 +316,9 @@ class MinimalCache(Adapter):
         with self._lock:
             n = self._node(node)
             if key in n.writes:
-                # The writer has one write in progress per key: no second request (no event).
-                return Refused("not_absent", "this node is writing the key already")
+                # The writer has one write in progress per key: no second request, no event (a
+                # local refusal: "busy", docs/events.md section 5).
+                return Refused("busy", "this node is writing the key already")
             sent_ns = self._log(node, "begin_write", key=key)["t_local_ns"]
             # -- the directory
             self._advance()
@@ -362,7 +363,7 @@ class MinimalCache(Adapter):
                 return Refused("not_found", f"no location {grant.location!r}")
             if (grant.key, grant.lease) in self._landed:
                 # A grant's bytes are sent once (with start_writing): they land at most once.
-                return Refused("fenced", "the bytes of this grant were delivered already")
+                return Refused("busy", "the bytes of this grant were delivered already")
             self._landed.add((grant.key, grant.lease))
             slot = host.slots.setdefault(grant.key, _Slot())
             fields = dict(key=grant.key, gen=grant.gen, epoch=grant.epoch, lease=grant.lease, writer=grant.node,
@@ -388,7 +389,7 @@ class MinimalCache(Adapter):
             if w is None or w.lease != grant.lease or w.stage != "stored":
                 # No commit leaves a writer whose bytes did not land under this grant (aborted,
                 # fenced, never sent): the spec's writer sends Commit only when they did.
-                return Refused("unknown_lease", "no bytes stored under this grant")
+                return Refused("not_found", "no bytes stored under this grant")
             del n.writes[grant.key]
             # -- the directory
             self._advance()
