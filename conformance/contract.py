@@ -179,8 +179,9 @@ class Capabilities:
     - ``faults``: the fault operations it implements (``FAULTS``); a test needing another is
       NOT_APPLICABLE.
     - ``scopes``: invalidation scopes it implements (``SCOPES``).
-    - ``events``: ``"native"`` if ``events()`` returns the deployment's protocol events,
-      ``"inferred"`` if it returns ``None`` and the suite infers them from the history.
+    - ``events``: ``"native"`` if ``events()`` returns the deployment's protocol events
+      (``docs/events.md`` says which, per method), ``"inferred"`` if it returns ``None`` and the
+      suite infers them from the history.
     - ``leases``: ``"enforced"`` (the system refuses to free leased bytes), ``"advisory"``
       (leases are tracked but not enforced) or ``"none"``.
     - ``notes``: free text for the report.
