@@ -54,7 +54,10 @@ directory never granted) is FAIL.
 Lease timing (DESIGN "Leases"): a grant carries ``term_ms`` and ``requested_at_ns``, the
 adapter's ``time.monotonic_ns()`` when it *sent* the request. A holder trusts the lease until
 ``requested_at_ns + term_ms - skew_ms`` on its own clock and never later; the directory treats
-it as live until expiry plus ``skew_ms``.
+it as live for ``term_ms + skew_ms`` after it granted (or renewed) it, on the directory's clock.
+Two directory timers are urgent (the spec lets no time pass while they are due): a write lease
+expires, and an invalidation whose last lease ran out completes, when due -- not when the next
+request happens to arrive.
 
 Standard library, attrs and ``kvcc.spec`` only.
 """
