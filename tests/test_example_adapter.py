@@ -375,3 +375,20 @@ def test_the_adapter_skeleton_in_the_docs_is_complete():
     methods = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
     assert Adapter.__abstractmethods__ <= methods, sorted(Adapter.__abstractmethods__ - methods)
     assert any(isinstance(n, ast.FunctionDef) and n.name == "make_adapter" for n in tree.body)
+
+
+def test_an_abort_after_the_bytes_landed_logs_nothing():
+    a = _adapter()
+    try:
+        (k,) = _keys(random.Random(12), 1)
+        g = a.begin_write("cache-1", NS, k, None)
+        a.write_bytes(g, b"x")
+        a.abort(g)  # the spec's writer is done once its bytes landed: nothing to give up
+        assert not [e for e in a.events() if e["event"] == "abort"]
+        assert _verdict(a.events()).status == ACCEPTED
+        with a._lock:  # as a client that logs it anyway would
+            a._sink.emit("cache-1", "abort", key=k, lease=g.lease)
+        v = _verdict(a.events())
+    finally:
+        a.stop()
+    assert (v.status, v.event["event"]) == (REJECTED, "abort")
