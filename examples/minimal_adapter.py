@@ -22,7 +22,9 @@ logged before the directory's answer, the answer before the holder acts on it. E
 directory's timers on time: write leases expire, and invalidations whose last lease expired
 complete (the spec makes both *urgent*: a directory may not log them late).
 
-Every rule cited below is DESIGN.md's property number or ``docs/events.md``'s section.
+Every rule cited below is DESIGN.md's property number or ``docs/events.md``'s section. The
+directory scans its tables linearly (a conformance test holds a few hundred keys at most); a
+deployment meant for load would index leases by key and keep its deadlines in a heap.
 """
 
 from __future__ import annotations
