@@ -105,7 +105,7 @@ def cmd_conform(args: argparse.Namespace) -> int:
 
 
 def _summary(rep) -> None:
-    from . import registry
+    from . import names, registry
 
     console = Console(highlight=False)
     table = Table(title=f"kvcc conformance: {rep.adapter} (seed {rep.seed})")
@@ -121,6 +121,8 @@ def _summary(rep) -> None:
     for r in rep.results:
         if r.status in ("FAIL", "ERROR"):
             console.print(f"[{_STYLE[r.status]}]{r.status}[/] {r.id}: {r.message}")
+            if r.verdict.get("status") == "REJECTED":  # the validator's ids in this adapter's names
+                console.print("  spec ids:", names.map_line(r.verdict.get("names") or {}), markup=False)
     if not rep.claimed:
         console.print(f"[bold red]NOT CERTIFIED[/]: {registry.unclaimed_advice(rep.profiles, rep.capabilities, rep.adapter)}")
         return

@@ -105,6 +105,16 @@ def _rename_state(state: dict, names: Mapping[str, Mapping[str, str]]) -> tuple[
     return out, {str(model): real for model, real in sorted(back.items())}
 
 
+def map_line(names: Mapping[str, Any]) -> str:
+    """The name map of a verdict on one line: ``n0=cache-1 n1=cache-2 l0=cache-1/dram k0=0fe3…``."""
+    pairs = [f"{i}={n}" for group in ("nodes", "locations") for i, n in (names.get(group) or {}).items()]
+    pairs += [f"{i}={k[:KEY_LABEL_HEX_CHARS]}…" for i, k in (names.get("keys") or {}).items()]
+    leases = names.get("leases") or []
+    if leases and leases[0]:
+        pairs.append("leases " + " ".join(f"{m}={r}" for m, r in leases[0].items()))
+    return " ".join(pairs) or "(none)"
+
+
 def rename_verdict(verdict: Mapping[str, Any], events: Sequence[dict], params: TraceParams) -> dict[str, Any]:
     """A copy of ``verdict`` in the trace's names, with the whole map under ``names`` (see the
     module docstring)."""

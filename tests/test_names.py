@@ -124,3 +124,17 @@ def test_the_report_carries_the_rejection_in_the_adapters_names():
     text = json.dumps([s["variables"] for s in r.verdict["diff"]["closest"]])
     assert not SPEC_ID.findall(text)
     assert "'directory'" in r.message  # the failure message quotes the deployment's own names
+
+
+def test_the_console_prints_the_map_of_a_rejection(capsys, monkeypatch):
+    from kvcc.conformance import command
+    from kvcc.conformance.names import map_line
+    from kvcc.conformance.runner import run_conformance
+
+    rep = run_conformance(_AbortFreesAtOnce, ["core"], 5, ids=["KVCC-CORE-007"])
+    (r,) = [r for r in rep.results if r.id == "KVCC-CORE-007"]
+    line = map_line(r.verdict["names"])
+    assert "n0=cache-" in line and "l0=cache-" in line and "k0=" in line
+    command._summary(rep)
+    out = capsys.readouterr().out
+    assert "spec ids: " + line.split(" leases")[0] in " ".join(out.split())
