@@ -1168,9 +1168,9 @@ def model_names(events: Sequence[dict], params: TraceParams) -> dict[str, str]:
     ``l<i>`` for locations (the shared pool last), as ``validate_trace`` assigns them; empty for
     a trace whose shapes it rejects. ``kvcc.conformance.names`` maps a verdict back with it."""
     try:
-        _check_shapes(events)
+        _check_shapes(events)  # raises _Stop on a malformed trace
         roles = _Roles(events, params)
-    except _Stop:
+    except (_Stop, KeyError, TypeError):
         return {}
     names = {f"n{i}": name for i, name in enumerate(roles.nodes)}
     names.update({f"l{i}": loc for loc, i in sorted(roles.location_index.items(), key=lambda kv: kv[1])})
