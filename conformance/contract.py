@@ -386,8 +386,10 @@ class Adapter(abc.ABC):
         """How many blocks of ``keys`` (a chain, root first) are COMMITTED, counting from the
         first: the longest committed prefix, as the directory sees it.
 
-        Must: count a key only if every key before it counts; refuse nothing (an unauthorised
-        namespace counts 0). Must not: take or change any lease.
+        Must: count a key only if every key before it counts, it is COMMITTED in ``ns``, and its
+        recorded parent is the key before it (``None`` for the first: a chain starts at a root);
+        refuse nothing (an unauthorised namespace counts 0). Must not: take or change any lease;
+        log any event (``lookup`` is no step of the spec).
         """
 
     @abc.abstractmethod
