@@ -1173,7 +1173,15 @@ def model_names(events: Sequence[dict], params: TraceParams) -> dict[str, str]:
     except (_Stop, KeyError, TypeError):
         return {}
     names = {f"n{i}": name for i, name in enumerate(roles.nodes)}
-    names.update({f"l{i}": loc for loc, i in sorted(roles.location_index.items(), key=lambda kv: kv[1])})
+    # Every location of the model, the ones no event names too (each node has as many tiers as
+    # the node with most, and there is one shared pool): a diff may show their (empty) slots.
+    by_index = {i: loc for loc, i in roles.location_index.items()}
+    for n, node in enumerate(roles.nodes):
+        for t in range(roles.tiers_per_node):
+            i = n * roles.tiers_per_node + t
+            names[f"l{i}"] = by_index.get(i, f"{node}/(tier {t}: in no event)")
+    pool = len(roles.nodes) * roles.tiers_per_node
+    names[f"l{pool}"] = by_index.get(pool, "(the shared pool: in no event)")
     return names
 
 

@@ -64,7 +64,7 @@ def test_a_rejection_speaks_the_deployments_names():
     assert verdict == before  # pure
     names = out["names"]
     assert names["nodes"] == {"n0": "cache-1", "n1": "cache-2"}
-    assert names["locations"] == {"l0": "cache-1/dram", "l1": "cache-2/dram"}
+    assert names["locations"] == {"l0": "cache-1/dram", "l1": "cache-2/dram", "l2": "(the shared pool: in no event)"}
     assert names["keys"] == {"k0": key.hex}
     assert names["leases"] and all(m == {"1": 41} for m in names["leases"])
     state = out["diff"]["closest"][0]
