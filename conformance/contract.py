@@ -417,7 +417,8 @@ class Adapter(abc.ABC):
         it stored for the key), whatever the writer or the directory believe -- bytes of an
         aborted or expired grant still land if no higher epoch came first. May refuse
         ``lease_expired`` when the writer's own deadline has passed. A grant's bytes are sent
-        once: a second call with the same grant is refused without touching the location.
+        once: a second call with the same grant lands nothing new and logs nothing (answer
+        ``Refused("busy")``, or ``Stored()`` again for the same bytes).
         Must not: overwrite bytes under a live read lease (property 5) or committed bytes
         (property 4).
         """
