@@ -55,7 +55,7 @@ def cmd_conform(args: argparse.Namespace) -> int:
         return 0
     if args.list_adapters:
         for name, spec in sorted(registry.available().items()):
-            print(f"{name}\t{spec}")
+            print(f"{name}\t{registry.describe(name)}\t{spec}")
         return 0
     if not args.adapter:
         print("kvcc conform: error: --adapter is required", file=sys.stderr)
@@ -105,6 +105,8 @@ def cmd_conform(args: argparse.Namespace) -> int:
 
 
 def _summary(rep) -> None:
+    from . import names, registry
+
     console = Console(highlight=False)
     table = Table(title=f"kvcc conformance: {rep.adapter} (seed {rep.seed})")
     table.add_column("profile")
@@ -120,8 +122,13 @@ def _summary(rep) -> None:
     for r in rep.results:
         if r.status in ("FAIL", "ERROR"):
             console.print(f"[{_STYLE[r.status]}]{r.status}[/] {r.id}: {r.message}")
+            if r.verdict.get("status") == "REJECTED":  # the validator's ids in this adapter's names
+                console.print("  spec ids:", names.map_line(r.verdict.get("names") or {}), markup=False)
+    if not rep.claimed:
+        console.print(f"[bold red]NOT CERTIFIED[/]: {registry.unclaimed_advice(rep.profiles, rep.capabilities, rep.adapter)}")
+        return
     console.print("[bold green]CERTIFIED[/]" if rep.certified else "[bold red]NOT CERTIFIED[/]",
-                  f"for {', '.join(rep.claimed) or 'no claimed profile'}")  # fmt: skip
+                  f"for {', '.join(rep.claimed)}")  # fmt: skip
 
 
 def cmd_certify_verify(args: argparse.Namespace) -> int:

@@ -12,12 +12,32 @@ What the suite judges is *behaviour*, not return codes. After every test it take
 events of the run (``Adapter.events()``, NDJSON records in the ``kvcc.reference.events``
 format, or -- for an adapter that cannot log them -- events the suite infers from the
 operation history it saw) and replays them through the spec (``kvcc.conformance.validate``).
+``docs/events.md`` says, for each method below, which events a native adapter logs, by which
+process and when; ``examples/minimal_adapter.py`` is a complete deployment written to it.
 Per-test oracles then check what the spec cannot see from the trace alone (that a read
 returned exactly the committed bytes, that an invalidation ticket completed), and audits check
 that the run was not vacuous (leased hits served, evictions refused, stale writes fenced).
 
-Values crossing the contract are frozen attrs classes (below). Keys are
-``kvcc.spec.keys.BlockKey``; namespaces ``kvcc.spec.keys.Namespace``. Refusals are values
+Values crossing the contract are frozen attrs classes (below), and two from ``kvcc.spec.keys``:
+
+- ``Namespace``: everything that makes the KV of the same tokens differ -- model id and revision,
+  KV dtype, tokens per block, layout, tensor- and pipeline-parallel shard, LoRA adapter -- and the
+  tenant's cache salt. ``ns.digest()`` is SHA-256 over its canonical CBOR (32 bytes). A tenant is
+  authorised for whole namespaces (``RunContext.namespaces``).
+- ``BlockKey``: the identity of one block, ``key.digest`` (32 bytes), SHA-256 over the canonical
+  CBOR of ``[namespace digest, parent key's digest or null, [the block's token ids]]``; a chain
+  of keys is one prompt's prefix, each key chained on its *parent*, the first on ``None`` (a
+  *root*). A key's *children* are the keys chained on it, its *descendants* (its prefix subtree)
+  their children and so on. ``key.hex`` is its text form (64 lowercase hex digits). The suite
+  builds keys with ``kvcc.spec.keys.chain_keys``; an adapter only passes them through.
+
+The directory's record of a key moves ``ABSENT -> WRITING -> COMMITTED -> INVALIDATING ->
+ABSENT`` (generation + 1); a write lease that expires and an evicted last copy also return it to
+ABSENT at generation + 1. A refusal the client gives on its own, without asking the directory
+(``busy``, ``already_leased``, ``lease_expired`` of a lease it no longer trusts, ``not_found`` for
+a commit with no bytes stored), sends and logs nothing (``docs/events.md``, "Local refusals").
+Where this contract and the spec (``spec/model.py``, ``spec/rules.py``)
+could be read differently, the spec is right and the contract is to be fixed. Refusals are values
 (``Refused(reason)``), not exceptions: a refusal is an allowed protocol outcome. Exceptions are
 for what is *not* a protocol outcome:
 
@@ -34,7 +54,10 @@ directory never granted) is FAIL.
 Lease timing (DESIGN "Leases"): a grant carries ``term_ms`` and ``requested_at_ns``, the
 adapter's ``time.monotonic_ns()`` when it *sent* the request. A holder trusts the lease until
 ``requested_at_ns + term_ms - skew_ms`` on its own clock and never later; the directory treats
-it as live until expiry plus ``skew_ms``.
+it as live for ``term_ms + skew_ms`` after it granted (or renewed) it, on the directory's clock.
+Two directory timers are urgent (the spec lets no time pass while they are due): a write lease
+expires, and an invalidation whose last lease ran out completes, when due -- not when the next
+request happens to arrive.
 
 Standard library, attrs and ``kvcc.spec`` only.
 """
@@ -72,13 +95,16 @@ REASON_HAS_CHILDREN = "has_children"
 REASON_RESTARTING = "restarting"
 REASON_NOT_FOUND = "not_found"
 REASON_WRONG_GENERATION = "wrong_generation"
+REASON_ALREADY_LEASED = "already_leased"  # the directory holds a live lease of this node on the key
+REASON_NOT_OWNER = "not_owner"  # renewal of a lease on a copy that is draining after a transfer
+REASON_BUSY = "busy"  # a client's own refusal: this node has that write (or its bytes) under way already
 REASON_MISS = "miss"  # a read found no valid bytes at the leased location
 REASON_FENCED = "fenced"  # a location refused an operation carrying a stale epoch
 REASONS = (
     REASON_NOT_COMMITTED, REASON_INVALIDATING, REASON_NOT_ABSENT, REASON_PARENT_NOT_COMMITTED,
     REASON_UNAUTHORIZED, REASON_UNKNOWN_LEASE, REASON_STALE_EPOCH, REASON_LEASE_EXPIRED,
     REASON_LEASED, REASON_HAS_CHILDREN, REASON_RESTARTING, REASON_NOT_FOUND,
-    REASON_WRONG_GENERATION, REASON_MISS, REASON_FENCED,
+    REASON_WRONG_GENERATION, REASON_ALREADY_LEASED, REASON_NOT_OWNER, REASON_BUSY, REASON_MISS, REASON_FENCED,
 )  # fmt: skip
 assert len(set(REASONS)) == len(REASONS)
 
@@ -156,8 +182,9 @@ class Capabilities:
     - ``faults``: the fault operations it implements (``FAULTS``); a test needing another is
       NOT_APPLICABLE.
     - ``scopes``: invalidation scopes it implements (``SCOPES``).
-    - ``events``: ``"native"`` if ``events()`` returns the deployment's protocol events,
-      ``"inferred"`` if it returns ``None`` and the suite infers them from the history.
+    - ``events``: ``"native"`` if ``events()`` returns the deployment's protocol events
+      (``docs/events.md`` says which, per method), ``"inferred"`` if it returns ``None`` and the
+      suite infers them from the history.
     - ``leases``: ``"enforced"`` (the system refuses to free leased bytes), ``"advisory"``
       (leases are tracked but not enforced) or ``"none"``.
     - ``notes``: free text for the report.
@@ -359,8 +386,10 @@ class Adapter(abc.ABC):
         """How many blocks of ``keys`` (a chain, root first) are COMMITTED, counting from the
         first: the longest committed prefix, as the directory sees it.
 
-        Must: count a key only if every key before it counts; refuse nothing (an unauthorised
-        namespace counts 0). Must not: take or change any lease.
+        Must: count a key only if every key before it counts, it is COMMITTED in ``ns``, and its
+        recorded parent is the key before it (``None`` for the first: a chain starts at a root);
+        refuse nothing (an unauthorised namespace counts 0). Must not: take or change any lease;
+        log any event (``lookup`` is no step of the spec).
         """
 
     @abc.abstractmethod
@@ -369,11 +398,14 @@ class Adapter(abc.ABC):
         ``parent``, ``None`` for a root block), to be filled at a location of ``node``.
 
         Must: grant at most one write lease per key and generation (DESIGN property 1), with an
-        epoch above every earlier epoch of the key (property 2); refuse
-        ``not_absent`` if the key has a generation, ``parent_not_committed`` if the parent is
-        not COMMITTED, ``unauthorized`` for a namespace not in ``RunContext.namespaces``,
-        ``restarting`` during a restarted directory's grace period.
-        Must not: make the key readable before ``commit``.
+        epoch one above the key's previous epoch (property 2) and a lease id never used before
+        (property 8); refuse, in this order, ``unauthorized`` for a namespace not in
+        ``RunContext.namespaces`` (or a key recorded under another namespace), ``not_absent``
+        if the key is not ABSENT (WRITING, COMMITTED or INVALIDATING), ``parent_not_committed``
+        if the parent is not COMMITTED in the same namespace.
+        Must not: make the key readable before ``commit``; refuse for a restarted directory's
+        grace period (the spec grants writes of ABSENT keys during it: no lease it forgot can be
+        on an ABSENT key).
         """
 
     @abc.abstractmethod
@@ -381,9 +413,12 @@ class Adapter(abc.ABC):
         """Store ``data`` at ``grant.location`` under ``grant.epoch``.
 
         Must: refuse ``fenced`` when the location has seen a higher epoch for the key (property
-        2). May refuse ``lease_expired`` when the writer's own deadline has passed -- but bytes
-        already in flight are judged by their epoch where they land, so a location must fence
-        them whatever the writer believes.
+        2): the location stores bytes only under an epoch at least its fence (the highest epoch
+        it stored for the key), whatever the writer or the directory believe -- bytes of an
+        aborted or expired grant still land if no higher epoch came first. May refuse
+        ``lease_expired`` when the writer's own deadline has passed. A grant's bytes are sent
+        once: a second call with the same grant lands nothing new and logs nothing (answer
+        ``Refused("busy")``, or ``Stored()`` again for the same bytes).
         Must not: overwrite bytes under a live read lease (property 5) or committed bytes
         (property 4).
         """
@@ -392,17 +427,26 @@ class Adapter(abc.ABC):
     def commit(self, grant: WriteGrant) -> Committed | Refused:
         """Publish the block written under ``grant``: WRITING -> COMMITTED.
 
-        Must: refuse ``stale_epoch`` / ``unknown_lease`` / ``lease_expired`` when the write
-        lease expired or was superseded (the late writer is fenced).
+        Must: refuse ``unknown_lease`` when the key is not WRITING under this very write lease
+        (it expired, was voided by an invalidation, or another writer has the key now),
+        ``stale_epoch`` under another epoch, ``lease_expired`` once the write lease ran out (the
+        late writer is fenced); refuse, without asking the directory, a grant whose bytes were
+        not stored by ``write_bytes`` or that was aborted or fenced (the spec's writer sends its
+        commit only when its bytes landed).
         Must not: publish bytes that were not all stored.
         """
 
     @abc.abstractmethod
     def abort(self, grant: WriteGrant) -> None:
-        """Give up a write lease: the key returns to ABSENT, at once or when the write lease
-        expires. Idempotent; never raises for an already expired or unknown grant. The suite
-        may still call ``write_bytes`` with an aborted grant: bytes that were in flight when
-        the writer gave up, which the location must judge by their epoch."""
+        """The writer gives up its write. This is the writer's step alone (spec: ``abort``):
+        the directory is not told, the key stays WRITING until the write lease expires
+        (``lease_term_ms + skew_ms`` after the grant, on the directory's clock), and then it is
+        ABSENT at generation + 1, writable again under a higher epoch (KVCC-CORE-007).
+        Must not: free the key at once (the spec has no such step: a trace where a new write is
+        granted before the old write lease expired is REJECTED). Idempotent; never raises for an
+        already expired or unknown grant. The suite may still call ``write_bytes`` with an
+        aborted grant: bytes that were in flight when the writer gave up, which the location
+        must judge by their epoch; ``commit`` with it must be refused."""
 
     # -- data plane: reads -------------------------------------------------------------------
 
@@ -410,9 +454,11 @@ class Adapter(abc.ABC):
     def acquire(self, node: str, ns: Namespace, key: BlockKey) -> ReadGrant | Refused:
         """A read lease on one location holding COMMITTED ``key`` for ``node``'s client.
 
-        Must: refuse ``not_committed`` for an ABSENT or WRITING key, ``invalidating`` while an
-        invalidation covers it, ``unauthorized`` outside the tenant's namespaces (property 11);
-        use a lease id never used before (property 8).
+        Must: refuse ``unauthorized`` outside the tenant's namespaces, or for a key recorded
+        under another namespace (property 11), ``not_committed`` for an ABSENT or WRITING key,
+        ``invalidating`` while an invalidation covers it, ``already_leased`` while the directory
+        holds a live read lease of this node on the key (one lease per node and key: a holder
+        renews it); use a lease id never used before, read or write (property 8).
         Must not: point the lease at a location that does not hold the bytes (property 9).
         """
 
@@ -420,8 +466,14 @@ class Adapter(abc.ABC):
     def renew(self, grant: ReadGrant) -> ReadGrant | Refused:
         """Extend a live read lease; the new grant has a new ``requested_at_ns``.
 
-        Must: refuse ``unknown_lease`` / ``lease_expired`` for a lease that expired, was
-        released or revoked. Must not: revive such a lease (property 8).
+        Must: refuse ``lease_expired`` (without asking the directory) once the holder's own
+        deadline passed or it released the lease or acked its revocation; at the directory,
+        ``unknown_lease`` unless this node has a live lease under this id, ``invalidating`` /
+        ``not_committed`` unless the key is COMMITTED, ``not_owner`` for a lease on a copy that
+        is no longer the owner (draining after a transfer). The directory counts the renewed
+        lease live for ``term + skew`` from the renewal; the holder trusts it for
+        ``term - skew`` from when it sent the renewal.
+        Must not: revive such a lease (property 8).
         """
 
     @abc.abstractmethod
@@ -443,12 +495,21 @@ class Adapter(abc.ABC):
 
     @abc.abstractmethod
     def invalidate(self, node: str, ns: Namespace, scope: str, key: BlockKey | None) -> InvalidationTicket:
-        """Start invalidating ``key`` (``scope="key"``, with its descendants), the chain from
-        ``key`` down (``"prefix"``) or every block of ``ns`` (``"namespace"``, ``key`` None).
+        """Start invalidating: with ``scope="key"`` or ``"prefix"``, ``key`` and its whole prefix
+        subtree (every descendant, on every branch; its ancestors are untouched); with
+        ``"namespace"`` (``key`` None), every key of ``ns``. ``"key"`` and ``"prefix"`` are
+        one operation in the spec (``invalidate`` always voids the subtree: a parent's copy
+        cannot outlive its children's meaning); both names exist for callers that speak of one
+        block or of a prompt's prefix.
 
-        Must: stop granting leases on the covered keys at once; tell holders to drop and ack;
-        complete only when every holder acked or its lease expired plus ``skew_ms``
-        (property 6), then free the locations and move keys to ABSENT at generation + 1.
+        Must: if the root (for a namespace: some key of it) is COMMITTED, at once move every
+        covered COMMITTED key to INVALIDATING (no new lease or renewal) and revoke its leases,
+        and abort every covered write in progress (WRITING -> ABSENT at generation + 1: its
+        commit is then refused); tell holders to drop and ack; complete each key only when
+        every lease on it was acked or released or ran out (``term + skew`` from grant or
+        renewal on the directory's clock, property 6), then free its copies and move it to
+        ABSENT at generation + 1. If the root is not COMMITTED nothing is voided: the ticket
+        waits only for covered keys already INVALIDATING (``keys`` 0 if none).
         Raises: ``NotSupported`` for a scope not in ``capabilities().scopes``.
         """
 
@@ -464,9 +525,14 @@ class Adapter(abc.ABC):
     def evict(self, node: str, ns: Namespace, key: BlockKey) -> Evicted | Refused:
         """Drop ``node``'s copy of ``key`` as a tier would under memory pressure.
 
-        Must: refuse ``leased`` while a live read lease names that copy (property 5),
-        ``has_children`` while a descendant is cached there (leaves before ancestors),
-        ``not_found`` when the node holds no copy.
+        Must: refuse, in this order, ``not_committed`` / ``invalidating`` unless the key is
+        COMMITTED; ``not_found`` when ``node`` does not hold a copy the directory knows of (the
+        owner, or a copy draining after a transfer); ``restarting`` during a restarted
+        directory's grace period; ``has_children`` unless every child key is ABSENT at the
+        directory -- a child WRITING, COMMITTED or INVALIDATING blocks its parent wherever the
+        child's copy lives (leaves before ancestors, property 10); ``leased`` while a live read
+        lease names that copy (property 5). Evicting the owner copy ends the generation: the key
+        is ABSENT at generation + 1.
         Must not: free bytes a live lease points at.
         """
 
@@ -498,8 +564,11 @@ class Adapter(abc.ABC):
         raise NotSupported("skew_clock")
 
     def restart_directory(self) -> None:
-        """Crash and restart the directory from its durable log; it must then grant nothing
-        conflicting until the longest outstanding lease expired (property 12).
+        """Crash and restart the directory from its durable log (records and the lease-id
+        high-water mark survive, the lease table does not); for ``lease_term_ms + 2 * skew_ms``
+        it must then free nothing -- no eviction, no completed invalidation, no freed copy --
+        since a lease it forgot may still be trusted, and a WRITING key's writer keeps as long
+        (property 12).
         Raises ``NotSupported`` unless ``"restart_directory"`` is declared."""
         raise NotSupported("restart_directory")
 
@@ -510,9 +579,12 @@ class Adapter(abc.ABC):
         """All protocol events of every component since ``start`` (``kvcc.reference.events``
         records: per ``(node, incarnation)`` seq from 1 rising by one), or ``None`` when
         ``capabilities().events == "inferred"``: the suite then infers the adapter-side events
-        from the history of operations it performed.
+        from the history of operations it performed. ``docs/events.md`` lists what each method
+        logs.
 
-        Must: include events of killed incarnations; be callable after ``stop``.
+        Must: include events of killed incarnations; keep each log in ``seq`` order and merge
+        the logs in an order consistent with causality (a request before its answer: one lock
+        in process, ``t_wall_ns`` across processes); be callable after ``stop``.
         """
 
 

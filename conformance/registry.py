@@ -6,17 +6,26 @@ A vendor's package declares, in its ``pyproject.toml``::
     mycache = "mycache_kvcc.adapter:make_adapter"
 
 and ``kvcc conform --adapter mycache`` finds it. ``--adapter mycache_kvcc.adapter:make_adapter``
-works without installing anything but the module. A factory takes no arguments and returns an
-``Adapter``.
+works without installing anything: a module that is not importable from ``sys.path`` is looked
+for in the current directory too, as ``python -m`` would (so ``--adapter
+examples.minimal_adapter:factory`` works from a checkout's root). A factory takes no arguments
+and returns an ``Adapter``.
+
+``describe(name)`` is the one-line description ``kvcc conform --list-adapters`` prints: the
+built-in's entry in ``DESCRIPTIONS``, else the first line of the factory's docstring, else the
+first line of the docstring of the class it returns (the factory is not called).
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
+import os
+import sys
 from collections.abc import Callable
 from importlib.metadata import entry_points
 
-from .contract import Adapter
+from .contract import PROFILES, Adapter
 
 ENTRY_POINT_GROUP = "kvcc.adapters"
 BUILTINS: dict[str, str] = {
@@ -26,6 +35,15 @@ BUILTINS: dict[str, str] = {
     "mooncake": "kvcc.adapters.mooncake.adapter:factory",
     "mooncake-raw": "kvcc.adapters.mooncake.raw:factory",
 }
+DESCRIPTIONS: dict[str, str] = {
+    "core": "the suite's self-test: the reference directory core and a DRAM tier per node, in one process",
+    "reference": "the reference implementation as processes on loopback (directory on its SQLite log)",
+    "reference-etcd": "the reference implementation with its directory on a loopback etcd cluster",
+    "mooncake": "a real Mooncake Store holding the bytes, kvcc's directory in the adapter deciding leases and epochs",
+    "mooncake-raw": "a real Mooncake Store's own operations mapped onto the contract, nothing added",
+}
+assert set(DESCRIPTIONS) == set(BUILTINS)
+DESCRIPTION_MAX_CHARS = 120
 
 
 def reference_sqlite() -> Adapter:
@@ -51,7 +69,7 @@ def _load(spec: str) -> Callable[[], Adapter]:
     if not module or not attr:
         raise UnknownAdapter(f"{spec!r} is not package.module:factory")
     try:
-        obj = importlib.import_module(module)
+        obj = _import(module)
     except ImportError as e:
         raise UnknownAdapter(f"cannot import {module}: {e}") from None
     for part in attr.split("."):
@@ -62,6 +80,55 @@ def _load(spec: str) -> Callable[[], Adapter]:
     if not callable(obj):
         raise UnknownAdapter(f"{spec} is not callable")
     return obj
+
+
+def _import(module: str):
+    """``importlib.import_module``, retried with the current directory on ``sys.path`` when the
+    top-level package is not found (a console script's path does not include it)."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        cwd = os.getcwd()
+        if e.name != module.partition(".")[0] or cwd in sys.path:
+            raise
+        sys.path.append(cwd)  # last: never shadows an installed package
+        return importlib.import_module(module)
+
+
+def _first_line(doc: str | None) -> str:
+    line = (doc or "").strip().split("\n", 1)[0].strip()
+    return line if len(line) <= DESCRIPTION_MAX_CHARS else line[: DESCRIPTION_MAX_CHARS - 1] + "…"
+
+
+def describe(name: str) -> str:
+    """One line saying what adapter ``name`` is (see the module docstring); never raises."""
+    if name in DESCRIPTIONS:
+        return DESCRIPTIONS[name]
+    spec = available().get(name, name)
+    try:
+        factory = _load(spec)
+    except UnknownAdapter as e:
+        return f"(cannot be loaded: {e})"
+    line = _first_line(inspect.getdoc(factory))
+    if not line:
+        returns = inspect.signature(factory).return_annotation if callable(factory) else None
+        line = _first_line(getattr(returns, "__doc__", None)) if isinstance(returns, type) else ""
+    return line or "(no description: give the factory a docstring)"
+
+
+def unclaimed_advice(profiles, capabilities, adapter: str = "the adapter") -> str:
+    """What to do when a run certified nothing because the adapter claims none of the
+    ``profiles`` it ran (``capabilities``: ``Capabilities.to_json()``)."""
+    claims = [p for p in PROFILES if p in set(capabilities.get("profiles", ()))]
+    ran = ", ".join(profiles) or "none"
+    if claims:
+        flags = " ".join(f"--profile {p}" for p in claims)
+        return (f"{adapter} claims none of the profiles run ({ran}): it claims {', '.join(claims)}. "
+                f"Certify those with `{flags}` (or no --profile at all), or add the profile to "
+                f"Capabilities.profiles once its tests pass.")  # fmt: skip
+    return (f"{adapter} claims no profile (Capabilities.profiles is empty), so nothing can be certified; the "
+            f"tests of {ran} ran for information only. Declare the profiles it implements, e.g. "
+            f"Capabilities(profiles={{\"core\"}}).")  # fmt: skip
 
 
 def available() -> dict[str, str]:

@@ -158,16 +158,19 @@ def validate_events(events: list[dict], lease_term_ms: int, skew_ms: int) -> dic
     except ImportError as e:
         return {"status": "INCONCLUSIVE", "event_index": None, "reason": f"validator unavailable: {e}", "diff": None}
     try:
-        verdict = v.validate_trace(events, v.TraceParams(lease_term_ms=lease_term_ms, skew_ms=skew_ms))
+        params = v.TraceParams(lease_term_ms=lease_term_ms, skew_ms=skew_ms)
+        verdict = v.validate_trace(events, params)
     except Exception as e:  # noqa: BLE001 - recorded, not raised
         return {"status": "INCONCLUSIVE", "event_index": None, "reason": f"validator failed: {type(e).__name__}: {e}",
                 "diff": None}  # fmt: skip
-    return {
+    from .names import rename_verdict  # a rejection in the adapter's own names, with the map
+
+    return rename_verdict({
         "status": str(verdict.status),
         "event_index": getattr(verdict, "event_index", None),
         "reason": str(getattr(verdict, "reason", "") or ""),
         "diff": _jsonable(getattr(verdict, "diff", None)),
-    }
+    }, events, params)  # fmt: skip
 
 
 def _jsonable(value: Any) -> Any:

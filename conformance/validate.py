@@ -1450,6 +1450,7 @@ class _Replay:
             })  # fmt: skip
         return {
             "event": {k: v for k, v in ev.items() if not str(k).startswith("_")},
+            "key": self.key,  # the projection's k0 (kvcc.conformance.names)
             "needed": NEEDS[ev["event"]],
             "tick_interval": [pe.lo, pe.hi],
             "nodes": {n: R.nodes[n] for n in sorted(nodes)},
@@ -1685,6 +1686,28 @@ def _shared_time_conflict(timings: list[tuple[dict[int, int], set[tuple], dict[i
 
 def _with_stats(v: Verdict, fmax: int, explored: int) -> Verdict:
     return Verdict(v.status, v.event_index, v.event, v.reason, v.diff, fmax, explored, v.code)
+
+
+def model_names(events: Sequence[dict], params: TraceParams) -> dict[str, str]:
+    """The trace's real names by the spec ids a rejection's diff uses: ``n<i>`` for nodes and
+    ``l<i>`` for locations (the shared pool last), as ``validate_trace`` assigns them; empty for
+    a trace whose shapes it rejects. ``kvcc.conformance.names`` maps a verdict back with it."""
+    try:
+        _check_shapes(events)  # raises _Stop on a malformed trace
+        roles = _Roles(events, params)
+    except (_Stop, KeyError, TypeError):
+        return {}
+    names = {f"n{i}": name for i, name in enumerate(roles.nodes)}
+    # Every location of the model, the ones no event names too (each node has as many tiers as
+    # the node with most, and there is one shared pool): a diff may show their (empty) slots.
+    by_index = {i: loc for loc, i in roles.location_index.items()}
+    for n, node in enumerate(roles.nodes):
+        for t in range(roles.tiers_per_node):
+            i = n * roles.tiers_per_node + t
+            names[f"l{i}"] = by_index.get(i, f"{node}/(tier {t}: in no event)")
+    pool = len(roles.nodes) * roles.tiers_per_node
+    names[f"l{pool}"] = by_index.get(pool, "(the shared pool: in no event)")
+    return names
 
 
 def params_for_walk(walk: RenderedWalk, **overrides: Any) -> TraceParams:
