@@ -850,6 +850,20 @@ class SilentReadsAdapter(CoreAdapter):
         return data if data is not None else Refused("miss")
 
 
+class NeverFreesAdapter(CoreAdapter):
+    """Its locations ignore every free the directory sends (after an invalidation completes, a
+    write aborts or its lease expires): no ``free_slot`` is logged, no ``Freed`` is answered,
+    and the bytes of the ended generation stay in the tier (breaks DESIGN progress: deletion
+    reaches everywhere). Every read the suite makes is still refused -- the directory voided the
+    generation -- so only a check of the locations themselves catches it."""
+
+    name = "bad-never-frees"
+    BROKEN_RULE = "deletion"
+
+    def _free_at(self, location: str, key: BlockKey, epoch: int) -> None:
+        pass  # the Free is dropped: the bytes stay where they are
+
+
 KNOWN_BAD: tuple[type[CoreAdapter], ...] = (
     StaleReadAdapter, NoFencingAdapter, EvictsLeasedAdapter, NeverCachesAdapter, NeverEvictsAdapter,
     ReusedLeaseIdsAdapter, EarlyCompletionAdapter, TrustsExpiredAdapter, TrustsPastSkewAdapter,

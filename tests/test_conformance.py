@@ -490,3 +490,9 @@ def test_cli_conform_writes_a_bundle_and_exit_codes(tmp_path, capsys):
     assert (out / "MANIFEST.sha256").is_file()
     assert main(["conform", "--adapter", "no-such-adapter"]) == 2
     assert main(["conform", "--catalogue-md"]) == 0
+
+
+@pytest.mark.xfail(strict=True, reason="deletion reaches everywhere is not checked yet")
+def test_an_adapter_that_never_frees_is_not_certified_for_invalidation():
+    rep = run(testing.NeverFreesAdapter, profiles=("invalidation",))
+    assert not rep.certified, [(r.id, r.status) for r in rep.results]
