@@ -276,3 +276,24 @@ def catalogue_markdown() -> str:
                 "",
             ]
     return "\n".join(lines).rstrip() + "\n"
+
+
+# -- deletion reaches everywhere (KVCC-INVAL-006) ---------------------------------------------------
+# Appended as one block: the rule, the test, placed before its profile's audit (audits come last).
+RULES = RULES + ("deletion",)
+_DELETION = TestCase(
+    "KVCC-INVAL-006", "Deletion reaches every location",
+    "Once a generation ended -- an invalidation completed, a write was aborted or its write lease expired -- "
+    "every location that stored its bytes MUST free them within the adapter's declared free bound "
+    "(`Capabilities.free_bound_ms`, default 8000 ms: the reference retries an unacknowledged free after 1 s, "
+    "doubling up to 8 s) plus one lease term, counted from the end the suite saw (for a write, from its grant "
+    "plus the term and twice epsilon), and an adapter with native events MUST log it (`free_slot`, or "
+    "`fence_stale_free` under an epoch at least the stored one). A lost free MUST be sent again. With inferred "
+    "events the suite sees no location and checks only that the generations are gone from the directory.",
+    "invalidation", ("DeletionReachesEverywhere",), "progress", "deletion_reaches_everywhere",
+    time_limit_s=DEFAULT_TIME_LIMIT_S, covers={"deletion"},
+)  # fmt: skip
+_at = next((i for i, t in enumerate(CATALOGUE) if t.profile == _DELETION.profile and t.audit), len(CATALOGUE))
+CATALOGUE = CATALOGUE[:_at] + (_DELETION,) + CATALOGUE[_at:]
+BY_ID[_DELETION.id] = _DELETION
+del _at, _DELETION

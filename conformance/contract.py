@@ -108,6 +108,26 @@ REASONS = (
 )  # fmt: skip
 assert len(set(REASONS)) == len(REASONS)
 
+# Deletion reaches everywhere (DESIGN progress). The longest a location that is up may keep an
+# ended generation's bytes once the generation ended, unless an adapter declares its own
+# (``Capabilities.free_bound_ms``): the reference directory sends a free at once and, while
+# unacknowledged, again after 1 s, the wait doubling up to 8 s, so a free reaches a reachable
+# location within 8 s plus a message delay (``kvcc.reference.directory.core``
+# ``FREE_RETRY_MAX_MS_DEFAULT``).
+FREE_BOUND_MS_DEFAULT = 8_000
+
+
+def deletion_deadline_ms(term_ms: int, skew_ms: int, free_bound_ms: int) -> tuple[int, int]:
+    """The deletion bound, as the suite checks it: ``(after_end, after_write_grant)``. A location
+    must have freed an ended generation's bytes within ``after_end`` ms of the generation's end
+    as the suite saw it (a completed invalidation, an abort) -- the free bound plus one lease
+    term of message delay -- and the bytes of a write whose lease expired within
+    ``after_write_grant`` ms of the write grant's answer: the directory holds a write lease live
+    until term + epsilon after the grant, plus epsilon for its clock, then the same bound."""
+    after_end = free_bound_ms + term_ms
+    return after_end, term_ms + 2 * skew_ms + after_end
+
+
 REASON_MAX_CHARS = 64
 DETAIL_MAX_CHARS = 4096
 
@@ -187,6 +207,13 @@ class Capabilities:
       suite infers them from the history.
     - ``leases``: ``"enforced"`` (the system refuses to free leased bytes), ``"advisory"``
       (leases are tracked but not enforced) or ``"none"``.
+    - ``free_bound_ms``: the deletion bound the deployment promises (DESIGN progress: deletion
+      reaches everywhere): every location that held a generation MUST free its bytes -- and,
+      with native events, log ``free_slot`` (or ``fence_stale_free`` when a later epoch already
+      replaced them) -- within this many ms of the generation ending (an invalidation
+      completing, a write aborted or its write lease expired), plus a message delay, while the
+      location is up, even when frees are lost on the way (a lost free MUST be sent again).
+      Default ``FREE_BOUND_MS_DEFAULT`` (what the reference directory's retry schedule meets).
     - ``notes``: free text for the report.
     """
 
@@ -196,6 +223,7 @@ class Capabilities:
     events: Literal["native", "inferred"] = field(default="inferred", validator=_one_of(EVENT_SOURCES))
     leases: Literal["enforced", "advisory", "none"] = field(default="enforced", validator=_one_of(LEASE_MODES))
     notes: str = ""
+    free_bound_ms: int = field(default=FREE_BOUND_MS_DEFAULT, validator=_nonneg_int)
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -205,6 +233,7 @@ class Capabilities:
             "events": self.events,
             "leases": self.leases,
             "notes": self.notes,
+            "free_bound_ms": self.free_bound_ms,
         }
 
 
@@ -446,7 +475,9 @@ class Adapter(abc.ABC):
         granted before the old write lease expired is REJECTED). Idempotent; never raises for an
         already expired or unknown grant. The suite may still call ``write_bytes`` with an
         aborted grant: bytes that were in flight when the writer gave up, which the location
-        must judge by their epoch; ``commit`` with it must be refused."""
+        must judge by their epoch; ``commit`` with it must be refused. Bytes stored under an
+        aborted or expired write MUST be freed within ``capabilities().free_bound_ms`` of the
+        write lease's expiry, as for an invalidation (KVCC-INVAL-006)."""
 
     # -- data plane: reads -------------------------------------------------------------------
 
@@ -510,6 +541,10 @@ class Adapter(abc.ABC):
         renewal on the directory's clock, property 6), then free its copies and move it to
         ABSENT at generation + 1. If the root is not COMMITTED nothing is voided: the ticket
         waits only for covered keys already INVALIDATING (``keys`` 0 if none).
+        Every location that held a voided generation MUST free its bytes within
+        ``capabilities().free_bound_ms`` of the completion (plus a message delay), logging
+        ``free_slot`` / ``fence_stale_free`` with native events, even when frees are lost
+        (DESIGN progress: deletion reaches everywhere; KVCC-INVAL-006).
         Raises: ``NotSupported`` for a scope not in ``capabilities().scopes``.
         """
 
@@ -591,7 +626,7 @@ class Adapter(abc.ABC):
 AdapterFactory = Callable[[], Adapter]  # what --adapter names: a zero-argument callable
 
 __all__ = [
-    "FAULTS", "PROFILES", "REASONS", "SCOPES", "Adapter", "AdapterError", "AdapterFactory", "Capabilities", "Committed",
+    "FAULTS", "FREE_BOUND_MS_DEFAULT", "PROFILES", "REASONS", "SCOPES", "Adapter", "AdapterError", "AdapterFactory", "Capabilities", "Committed",
     "ContractError", "Evicted", "InvalidationTicket", "NotSupported", "ReadGrant", "Refused", "RunContext",
-    "Stored", "WriteGrant",
+    "Stored", "WriteGrant", "deletion_deadline_ms",
 ]  # fmt: skip

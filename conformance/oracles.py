@@ -816,3 +816,38 @@ def _summary(result: Any) -> Any:
     if isinstance(result, InvalidationTicket):
         return {"ticket": result.id, "keys": result.keys}
     return type(result).__name__
+
+
+# -- deletion reaches everywhere (KVCC-INVAL-006) ---------------------------------------------------
+# Events that show a location let go of a generation's bytes: the location freed them (or found
+# nothing there), a fence showed a later epoch already replaced them, or the node evicted them.
+_GONE_EVENTS = ("free_slot", "fence_stale_free", "evict")
+
+
+def unfreed_locations(events: Sequence[dict], ended: dict[str, int]) -> list[str]:
+    """DESIGN progress, deletion reaches everywhere, checked on a native trace: for each key
+    (hex) of ``ended`` and the generation of it that ended, every location whose bytes of that
+    generation the trace shows (``store_bytes`` / ``store_copy``) must also show them gone --
+    ``free_slot`` or ``fence_stale_free`` under an epoch at least the stored one, or an
+    ``evict`` there. Returns ``"key@location"`` for each location still holding them (empty:
+    deletion reached everywhere)."""
+    held: dict[tuple[str, str], int] = {}  # (key, location) -> highest epoch stored there
+    for e in events:
+        if not isinstance(e, dict) or e.get("event") not in ("store_bytes", "store_copy"):
+            continue
+        key, loc = e.get("key"), e.get("location")
+        if key in ended and e.get("gen") == ended[key] and loc is not None:
+            held[(key, loc)] = max(held.get((key, loc), 0), int(e.get("epoch") or 0))
+    gone: set[tuple[str, str]] = set()
+    for e in events:
+        if not isinstance(e, dict) or e.get("event") not in _GONE_EVENTS:
+            continue
+        key, loc = e.get("key"), e.get("location")
+        if (key, loc) not in held:
+            continue
+        if e["event"] == "evict":
+            if e.get("gen") in (None, ended[key]):
+                gone.add((key, loc))
+        elif int(e.get("epoch") or 0) >= held[(key, loc)]:
+            gone.add((key, loc))
+    return sorted(f"{key[:16]}@{loc}" for key, loc in held if (key, loc) not in gone)

@@ -88,6 +88,7 @@ from kvcc.reference.wire import (
 )
 from kvcc.reference.wire import Committed as WireCommitted
 from kvcc.reference.wire import Evicted as WireEvicted
+from kvcc.reference.wire import Freed as WireFreed
 from kvcc.spec.keys import BlockKey, Namespace
 from kvcc.spec.rules import REASON_ALREADY_LEASED
 
@@ -365,6 +366,11 @@ class CoreAdapter(Adapter):
         else:
             result = "ok" if isinstance(outcome, TierFreed) else "absent"
             node.log.emit("free_slot", key=key, epoch=epoch, location=location, result=result)
+        # Acknowledge, as the reference node does: without the ``Freed`` the directory keeps the
+        # free owed and sends it again forever (DESIGN: deletion reaches everywhere).
+        reply, effects = self._core.handle(WireFreed(location, key, epoch), self._now_ms(), TENANT)
+        assert reply is None
+        self._apply(effects)
 
     def _tick_loop(self) -> None:
         with self._cond:
@@ -850,10 +856,24 @@ class SilentReadsAdapter(CoreAdapter):
         return data if data is not None else Refused("miss")
 
 
+class NeverFreesAdapter(CoreAdapter):
+    """Its locations ignore every free the directory sends (after an invalidation completes, a
+    write aborts or its lease expires): no ``free_slot`` is logged, no ``Freed`` is answered,
+    and the bytes of the ended generation stay in the tier (breaks DESIGN progress: deletion
+    reaches everywhere). Every read the suite makes is still refused -- the directory voided the
+    generation -- so only a check of the locations themselves catches it."""
+
+    name = "bad-never-frees"
+    BROKEN_RULE = "deletion"
+
+    def _free_at(self, location: str, key: BlockKey, epoch: int) -> None:
+        pass  # the Free is dropped: the bytes stay where they are
+
+
 KNOWN_BAD: tuple[type[CoreAdapter], ...] = (
     StaleReadAdapter, NoFencingAdapter, EvictsLeasedAdapter, NeverCachesAdapter, NeverEvictsAdapter,
     ReusedLeaseIdsAdapter, EarlyCompletionAdapter, TrustsExpiredAdapter, TrustsPastSkewAdapter,
-    SilentReadsAdapter,
+    SilentReadsAdapter, NeverFreesAdapter,
 )  # fmt: skip
 
 

@@ -668,3 +668,81 @@ BODIES: dict[str, Callable[[Session], None]] = {
     and not name.startswith("_")
     and name not in ("chain", "put", "put_chain", "wait_done", "reader", "run_threads", "read_back", "probe_past_deadline")
 }  # fmt: skip
+
+
+# -- deletion reaches everywhere (KVCC-INVAL-006) ---------------------------------------------------
+
+
+def deletion_reaches_everywhere(s: Session) -> None:
+    """End generations three ways -- a write whose lease expires unused, committed blocks on
+    every node invalidated, a write aborted -- then wait the deployment's deletion bound
+    (``contract.deletion_deadline_ms`` over its declared ``free_bound_ms``) and require, from the
+    native trace, that every location that stored one of those generations freed it in time.
+    The contract has no operation that inspects a location, so the trace is the evidence; with
+    inferred events the suite sees no location at all and checks only that the generations are
+    gone from the directory (lookup counts 0)."""
+    from .contract import deletion_deadline_ms
+    from .oracles import unfreed_locations
+
+    bound_ms = s.adapter.capabilities().free_bound_ms
+    after_end_ms, after_grant_ms = deletion_deadline_ms(s.lease_term_ms, s.skew_ms, bound_ms)
+    w = s.nodes[0]
+    groups: list[tuple[str, dict[str, int], float, list[BlockKey]]] = []  # (what, key hex -> gen, deadline, keys)
+    # 1. A write whose lease runs out: bytes stored, never committed nor aborted.
+    expiring = chain(s, 1)[0]
+    g = s.begin_write(reader(s, w), s.ns, expiring, None)
+    granted = time.monotonic()
+    s.check(isinstance(g, WriteGrant), "write", f"begin_write refused: {g}")
+    s.check(isinstance(s.write_bytes(g, s.payload()), Stored), "write", "write_bytes under a fresh grant refused")
+    groups.append(("a write whose lease expired", {expiring.hex: g.gen}, granted + after_grant_ms / 1000, [expiring]))
+    # 2. A committed block written from every node, invalidated.
+    voided: dict[str, int] = {}
+    keys = []
+    for n in s.nodes:
+        k = chain(s, 1)[0]
+        put(s, n, k, None)
+        keys.append(k)
+    for k in keys:
+        wait_done(s, s.invalidate(w, s.ns, "key", k), [k])
+    with s.lock:
+        for key, gen in s.committed:
+            if key in keys:
+                voided[key.hex] = max(voided.get(key.hex, 0), gen)
+    groups.append(("an invalidation that completed", voided, time.monotonic() + after_end_ms / 1000, keys))
+    # 3. A write aborted while its bytes were in flight: they land (or are fenced) after the
+    # abort, and whatever landed is the ended generation's to free. (The spec's writer gives up
+    # only before its bytes are known stored: after that it commits.)
+    aborted = chain(s, 1)[0]
+    g2 = s.begin_write(w, s.ns, aborted, None)
+    granted = time.monotonic()
+    s.check(isinstance(g2, WriteGrant), "write", f"begin_write refused: {g2}")
+    s.abort(g2)  # the key is ABSENT at once or when the lease expires: the later of the two bounds
+    landed = s.write_bytes(g2, s.payload())
+    s.check(isinstance(landed, (Stored, Refused)), "write", f"bytes in flight after an abort answered {landed}")
+    groups.append(("an aborted write", {aborted.hex: g2.gen}, granted + after_grant_ms / 1000, [aborted]))
+
+    pending = list(range(len(groups)))
+    late: list[str] = []
+    while pending:
+        events = s.adapter.events()
+        if events is None:
+            break  # inferred events: no location is visible, only the directory (below)
+        now = time.monotonic()
+        for i in list(pending):
+            what, ended, deadline, _ = groups[i]
+            left = unfreed_locations(events, ended)
+            if not left:
+                pending.remove(i)
+            elif now > deadline:
+                late.append(f"{what}: {', '.join(left)} still hold the bytes {bound_ms} ms (free bound) + one term after")
+                pending.remove(i)
+        if pending:
+            s.sleep_ms(s.lease_term_ms / 10)
+    s.check(not late, "DeletionReachesEverywhere", "; ".join(late))
+    for _, _, _, ks in groups:
+        for k in ks:
+            n = s.lookup(reader(s, w), s.ns, [k])
+            s.check(n == 0, "DeletionReachesEverywhere", "an ended generation is still found by lookup")
+
+
+BODIES["deletion_reaches_everywhere"] = deletion_reaches_everywhere

@@ -490,3 +490,28 @@ def test_cli_conform_writes_a_bundle_and_exit_codes(tmp_path, capsys):
     assert (out / "MANIFEST.sha256").is_file()
     assert main(["conform", "--adapter", "no-such-adapter"]) == 2
     assert main(["conform", "--catalogue-md"]) == 0
+
+
+def test_an_adapter_that_never_frees_is_not_certified_for_invalidation():
+    """The finding: locations that drop every Free (no free_slot, bytes kept) certified the
+    invalidation profile; KVCC-INVAL-006 now FAILs them, every trace still ACCEPTED."""
+    rep = run(testing.NeverFreesAdapter, profiles=("invalidation",))
+    assert not rep.certified, [(r.id, r.status) for r in rep.results]
+    assert rep.failed_ids() == {"KVCC-INVAL-006"}
+    (r,) = [r for r in rep.results if r.id == "KVCC-INVAL-006"]
+    assert "DeletionReachesEverywhere" in r.message and r.verdict.get("status") == "ACCEPTED", r.message
+
+
+def test_unfreed_locations_reads_the_trace():
+    from kvcc.conformance.oracles import unfreed_locations
+
+    k = "ab" * 32
+    stored = [{"event": "store_bytes", "key": k, "gen": 1, "epoch": 3, "location": "n1"},
+              {"event": "store_bytes", "key": k, "gen": 1, "epoch": 3, "location": "n2"}]  # fmt: skip
+    assert unfreed_locations(stored, {k: 1}) == [f"{k[:16]}@n1", f"{k[:16]}@n2"]
+    freed = stored + [{"event": "free_slot", "key": k, "epoch": 3, "location": "n1"},
+                      {"event": "fence_stale_free", "key": k, "epoch": 2, "location": "n2"}]  # fmt: skip
+    assert unfreed_locations(freed, {k: 1}) == [f"{k[:16]}@n2"]  # a free under a lower epoch is not this one's
+    fenced = freed + [{"event": "fence_stale_free", "key": k, "epoch": 4, "location": "n2", "fence": 5}]
+    assert unfreed_locations(fenced, {k: 1}) == []
+    assert unfreed_locations(stored, {k: 2}) == []  # another generation
