@@ -138,7 +138,13 @@ TARGETS: tuple[Target, ...] = (
         ("DirectoryCore.cancel_transfer", _NO_TRANSFER),
         ("DirectoryCore._copied", _NO_TRANSFER + "; nothing sends Copied"),
         ("CopyAt", _NO_TRANSFER),
+        ("DirectoryCore._maybe_free_drained", _NO_TRANSFER + ": no copy is ever draining"),
+        ("Ticket.completed_by", "reporting (how an invalidation ended); the deployment never reads it"),
+        ("Record.phase_name", "reporting; the deployment never reads it"),
+        ("DirectoryCore.children", "a reader for tests and tools; the core walks its index directly"),
         ("DirectoryCore.ticket_status", "only the WaitTicket message calls it; the kit reads tickets directly"),
+        ("DirectoryCore.next_deadline_ms", "a wake-up hint: the kit's ticker wakes every TICK_IDLE_MS whatever it says, "
+                                           "and every entry point first lets time pass (a late tick only delays)"),
         ("DirectoryCore.check_invariants", "a debugging check that tests call, not the deployment"),
         ("DirectoryConfig.directory_view_ms", "a derived figure for callers; the core does not use it"),
         ("DirectoryConfig.holder_budget_ms", "a derived figure for callers; the core does not use it"),
