@@ -36,7 +36,7 @@ DEFAULT_TIME_LIMIT_S = 60.0
 
 RULES = (
     "read_after_invalidation", "fencing", "evict_under_lease", "caching", "eviction", "lease_ids",
-    "early_completion", "holder_expiry",
+    "early_completion", "holder_expiry", "trace_complete",
 )  # fmt: skip
 
 
@@ -87,10 +87,10 @@ CATALOGUE: tuple[TestCase, ...] = (
     T("KVCC-CORE-002", "One writer per key and generation",
       "Of concurrent begin_write requests for one ABSENT key from every node, exactly one MUST be granted; the "
       "others MUST be refused (not_absent). A second begin_write on a COMMITTED key MUST be refused.",
-      "core", ("OneWriterPerGeneration", "OneOwnerPerEpoch"), "1", "one_writer"),
+      "core", ("OneWriterPerGeneration", "OneOwnerPerEpoch"), "1", "one_writer", covers={"trace_complete", "caching"}),
     T("KVCC-CORE-003", "A remote read under lease returns the committed bytes",
       "A node holding a read lease on a block committed by another node MUST read exactly the committed bytes.",
-      "core", ("CommittedBytesIntact", "DirectoryDataAgreement"), "3,4,9", "remote_read", covers={"caching"}),
+      "core", ("CommittedBytesIntact", "DirectoryDataAgreement"), "3,4,9", "remote_read", covers={"caching", "trace_complete"}),
     T("KVCC-CORE-004", "No lease before commit",
       "A read lease MUST NOT be granted on a key that is WRITING, before or after its bytes are stored; it MUST "
       "be refused (not_committed) until the commit.",
@@ -105,12 +105,12 @@ CATALOGUE: tuple[TestCase, ...] = (
     T("KVCC-CORE-007", "An aborted write frees the key",
       "After a writer aborts, the key MUST become writable again no later than the write lease term plus "
       "epsilon, under a higher epoch.",
-      "core", ("OneWriterPerGeneration", "EpochMonotonic"), "1,2", "abort_frees"),
+      "core", ("OneWriterPerGeneration", "EpochMonotonic"), "1,2", "abort_frees", covers={"trace_complete", "caching"}),
     T("KVCC-CORE-008", "Concurrent chains on every node",
       "Under concurrent writers and readers on every node, every read MUST return exactly the committed bytes "
       "of its generation or a refusal, and prefixes MUST stay closed.",
       "core", ("CommittedBytesIntact", "PrefixClosed", "OneWriterPerGeneration"), "1,3,4,10", "concurrent_chains",
-      covers={"caching"}),
+      covers={"caching", "trace_complete"}),
     T("KVCC-CORE-900", "Audit: leased hits are served",
       "A core run MUST show reads served under lease by a node other than the writer (a cache that never "
       "caches fails).", "core", ("RemoteReadUnderLease",), "non-vacuity", "audit", audit=True, covers={"caching"}),
@@ -124,7 +124,7 @@ CATALOGUE: tuple[TestCase, ...] = (
     T("KVCC-LEASE-003", "A holder stops at its own deadline",
       "A holder MUST NOT read under a lease after requested_at + term - epsilon on its clock, measured from "
       "when it sent the request; renewing such a lease MUST be refused.",
-      "leases", ("LeaseKnownToDirectory", "RenewalNeverRevives"), "8", "holder_deadline", covers={"holder_expiry"}),
+      "leases", ("LeaseKnownToDirectory", "RenewalNeverRevives"), "8", "holder_deadline", covers={"holder_expiry", "trace_complete", "caching"}),
     T("KVCC-LEASE-004", "No eviction under a live lease",
       "Evicting a copy under a live read lease MUST be refused (leased); once the lease is released, evicting "
       "it MUST succeed.",
@@ -133,11 +133,11 @@ CATALOGUE: tuple[TestCase, ...] = (
       "Bytes written under an epoch below the location's fence MUST be refused (fenced) and MUST NOT change "
       "the committed block; a commit under a superseded write lease MUST be refused.",
       "leases", ("FencingHolds", "EpochMonotonic", "CommittedBytesIntact"), "2", "stale_writer",
-      covers={"fencing", "caching"}),
+      covers={"fencing", "caching", "trace_complete"}),
     T("KVCC-LEASE-006", "Renewal extends a live lease",
       "Renewing a live lease MUST extend the holder's deadline from when the renewal was sent; a read after the "
       "first deadline and before the renewed one MUST be served.",
-      "leases", ("RenewalNeverRevives",), "8", "renewal_extends", covers={"caching"}),
+      "leases", ("RenewalNeverRevives",), "8", "renewal_extends", covers={"caching", "trace_complete"}),
     T("KVCC-LEASE-900", "Audit: refused evictions and fenced writes",
       "A leases run MUST show an eviction refused because of a lease and a stale write refused by a fence.",
       "leases", ("RefusedEvictionOfLeasedBlock", "FencedStaleWrite"), "non-vacuity", "audit", audit=True,
@@ -148,18 +148,18 @@ CATALOGUE: tuple[TestCase, ...] = (
       "acknowledged; after completion no holder MUST read the old generation, and the key MUST be writable "
       "again under a higher generation whose bytes are then read exactly.",
       "invalidation", ("NoStaleRead", "NoReadAfterAck", "LeasesGrantedOnlyOnCommitted"), "6,7",
-      "invalidate_with_holders", covers={"read_after_invalidation", "caching"}),
+      "invalidate_with_holders", covers={"read_after_invalidation", "caching", "trace_complete"}),
     T("KVCC-INVAL-002", "Invalidating a key voids its descendants",
       "Invalidating a block MUST invalidate every block chained under it; lookup MUST then count 0 and none of "
       "them MUST be leased.",
-      "invalidation", ("PrefixClosed", "NoStaleRead"), "6,10", "cascade"),
+      "invalidation", ("PrefixClosed", "NoStaleRead"), "6,10", "cascade", covers={"trace_complete", "caching"}),
     T("KVCC-INVAL-003", "Prefix-scoped invalidation",
       "Invalidating with scope prefix MUST void the subtree under the key and MUST leave its ancestors "
-      "COMMITTED.", "invalidation", ("PrefixClosed",), "6,10", "prefix_scope", scopes={"prefix"}),
+      "COMMITTED.", "invalidation", ("PrefixClosed",), "6,10", "prefix_scope", scopes={"prefix"}, covers={"trace_complete", "caching"}),
     T("KVCC-INVAL-004", "Namespace-scoped invalidation",
       "Invalidating a namespace MUST void every block of it and MUST NOT touch another namespace.",
       "invalidation", ("NamespaceIsolation", "NoStaleRead"), "6,11", "namespace_scope", scopes={"namespace"},
-      namespaces=2),
+      namespaces=2, covers={"trace_complete", "caching"}),
     T("KVCC-INVAL-005", "An empty invalidation completes",
       "Invalidating a key that was never written MUST complete promptly and MUST NOT create a block.",
       "invalidation", ("InvalidationCompletesInTime",), "progress", "empty_invalidation"),
@@ -175,10 +175,10 @@ CATALOGUE: tuple[TestCase, ...] = (
     T("KVCC-TIER-002", "An evicted block can be written again",
       "After eviction a key MUST be writable again and its new bytes MUST be read back exactly by another node.",
       "tiering", ("CommittedBytesIntact", "EpochMonotonic"), "2,4", "rewrite_after_evict",
-      covers={"eviction", "caching"}),
+      covers={"eviction", "caching", "trace_complete"}),
     T("KVCC-TIER-003", "Evicting what a node does not hold changes nothing",
       "Evicting a key the node holds no copy of MUST be refused and MUST NOT change lookup.",
-      "tiering", ("DirectoryDataAgreement",), "9", "evict_absent"),
+      "tiering", ("DirectoryDataAgreement",), "9", "evict_absent", covers={"trace_complete", "caching"}),
     T("KVCC-TIER-900", "Audit: evictions happen",
       "A tiering run MUST show at least one eviction (a cache that never evicts fails).",
       "tiering", ("Eviction",), "non-vacuity", "audit", audit=True, covers={"eviction"}),
@@ -187,25 +187,25 @@ CATALOGUE: tuple[TestCase, ...] = (
       "An invalidation whose holder is paused MUST NOT complete before the holder's own deadline, and MUST "
       "complete within term + 2 epsilon (plus delay); the resumed holder MUST NOT read the old generation.",
       "faults", ("NoStaleRead", "InvalidationCompletesInTime"), "6,progress", "paused_holder",
-      faults={"pause", "resume"}, covers={"early_completion"}),
+      faults={"pause", "resume"}, covers={"early_completion", "trace_complete", "caching"}),
     T("KVCC-FAULT-002", "A crashed owner hands over",
       "Reads of a killed node's blocks MUST NOT return other bytes; once it restarts without its memory, its "
       "keys MUST become writable again and the new bytes MUST be read exactly.",
       "faults", ("CommittedBytesIntact", "DirectoryDataAgreement"), "4,9", "crash_handoff",
-      faults={"kill", "restart"}, covers={"caching"}),
+      faults={"kill", "restart"}, covers={"caching", "trace_complete"}),
     T("KVCC-FAULT-003", "Lease ids survive a directory restart",
       "A restarted directory MUST NOT grant a lease id granted before the restart, and MUST NOT grant a "
       "conflicting write while a lease of its previous incarnation may be live.",
       "faults", ("LeaseIdsFresh", "LeaseKnownToDirectory"), "8,12", "directory_restart",
-      faults={"restart_directory"}, covers={"lease_ids"}),
+      faults={"restart_directory"}, covers={"lease_ids", "trace_complete", "caching", "early_completion"}),
     T("KVCC-FAULT-004", "Clock skew within epsilon is safe",
       "With a holder's clock offset by up to epsilon, every read MUST return the committed bytes or a refusal, "
       "and the holder MUST stop trusting no later than its skewed deadline.",
       "faults", ("LeaseKnownToDirectory", "CommittedBytesIntact"), "8", "clock_skew", faults={"skew_clock"},
-      covers={"holder_expiry"}),
+      covers={"holder_expiry", "trace_complete", "caching"}),
     T("KVCC-FAULT-900", "Audit: invalidations completed by expiry",
       "A faults run MUST show an invalidation that completed by lease expiry.",
-      "faults", ("InvalidationCompletedByExpiry",), "non-vacuity", "audit", audit=True, covers={"early_completion"}),
+      "faults", ("InvalidationCompletedByExpiry",), "non-vacuity", "audit", audit=True, covers={"early_completion", "caching"}),
     # -- load -----------------------------------------------------------------------------------------
     T("KVCC-LOAD-001", "Mixed concurrent load",
       "Under a concurrent mix of writes, reads, invalidations and evictions on every node, every read MUST "
@@ -243,8 +243,9 @@ def catalogue_markdown() -> str:
         "`kvcc conform --catalogue-md`; do not edit by hand.",
         "",
         "The key words MUST, MUST NOT, SHOULD and MAY are to be read as in RFC 2119. A profile is certified "
-        "when every required test of it PASSes and every trace validates (`kvcc certify verify`). Tests "
-        "numbered 9xx are audits over the counts of their profile's other tests.",
+        "when every required test of it PASSes with its trace ACCEPTED by the validator (`kvcc certify verify` "
+        "re-validates them): a trace that is missing, empty, incomplete against the suite's own history, or "
+        "INCONCLUSIVE never counts. Tests numbered 9xx are audits over the counts of their profile's other tests.",
         "",
         "| profile | tests | required |",
         "|---|---|---|",

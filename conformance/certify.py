@@ -5,7 +5,8 @@
    the run had trace validation on.
 3. Every test's trace is validated again, offline, against the spec with the run's lease term
    and epsilon: it must not be REJECTED, and a verdict recorded as ACCEPTED must be ACCEPTED
-   again.
+   again. A required test (other than an audit) must have its trace file, non-empty, recorded
+   ACCEPTED and re-validated ACCEPTED: a missing, empty or undecided trace certifies nothing.
 4. Every required test of every claimed profile is present and PASS, and every claimed
    profile was run.
 
@@ -66,28 +67,40 @@ def verify_bundle(root: str | Path, *, revalidate: bool = True) -> list[str]:
     if not params.get("validate", False):
         problems.append("the run had trace validation off")
     results = {r.get("id"): r for r in report.get("results", []) if isinstance(r, dict)}
-    if revalidate and params.get("validate", False):
-        for tid, r in sorted(results.items()):
-            trace = root / "traces" / f"{tid}.ndjson"
-            if not trace.is_file():
-                continue
-            try:
-                events = [json.loads(line) for line in trace.read_text(encoding="utf-8").splitlines() if line.strip()]
-            except ValueError as e:
-                problems.append(f"{tid}: trace is not NDJSON ({e})")
-                continue
-            recorded = (r.get("verdict") or {}).get("status")
-            if not events:
-                continue
-            again = validate_events(events, int(params["lease_term_ms"]), int(params["skew_ms"]))
-            if again["status"] == "REJECTED":
-                problems.append(f"{tid}: trace REJECTED at event {again['event_index']}: {again['reason']}")
-            elif recorded == "ACCEPTED" and again["status"] != "ACCEPTED":
-                problems.append(f"{tid}: trace recorded ACCEPTED, re-validated {again['status']}: {again['reason']}")
     claimed = [p for p in report.get("profiles", []) if p in (report.get("capabilities") or {}).get("profiles", [])]
     if not claimed:
         problems.append("no claimed profile was run")
-    for tid in sorted(catalogue.required_ids(claimed)):
+    required = catalogue.required_ids(claimed)
+    must_trace = {tid for tid in required if not catalogue.BY_ID[tid].audit}
+    for tid, r in sorted(results.items()):
+        if not isinstance(tid, str) or tid not in catalogue.BY_ID:
+            problems.append(f"{tid!r}: not a test of this suite")
+            continue
+        trace = root / "traces" / f"{tid}.ndjson"
+        recorded = (r.get("verdict") or {}).get("status")
+        if tid in must_trace and recorded != "ACCEPTED":
+            problems.append(f"{tid}: required, trace recorded {recorded}, not ACCEPTED")
+        if not trace.is_file():
+            if tid in must_trace:
+                problems.append(f"{tid}: required, its trace file traces/{tid}.ndjson is missing")
+            continue
+        try:
+            events = [json.loads(line) for line in trace.read_text(encoding="utf-8").splitlines() if line.strip()]
+        except ValueError as e:
+            problems.append(f"{tid}: trace is not NDJSON ({e})")
+            continue
+        if not events:
+            if tid in must_trace:
+                problems.append(f"{tid}: required, its trace is empty")
+            continue
+        if not (revalidate and params.get("validate", False)):
+            continue
+        again = validate_events(events, int(params["lease_term_ms"]), int(params["skew_ms"]))
+        if again["status"] == "REJECTED":
+            problems.append(f"{tid}: trace REJECTED at event {again['event_index']}: {again['reason']}")
+        elif (recorded == "ACCEPTED" or tid in must_trace) and again["status"] != "ACCEPTED":
+            problems.append(f"{tid}: trace recorded {recorded}, re-validated {again['status']}: {again['reason']}")
+    for tid in sorted(required):
         r = results.get(tid)
         if r is None:
             problems.append(f"{tid}: required for {catalogue.BY_ID[tid].profile} but missing")

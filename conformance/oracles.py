@@ -8,7 +8,10 @@ operation, checks that the answer is a value of the contract (anything else is
 every test whatever it does:
 
 - **exact bytes** (DESIGN 4): a read that returns bytes must return exactly what the suite wrote
-  under the grant that committed that (key, generation);
+  under the grant that committed that (key, generation). A generation is *possibly committed*
+  from the moment the suite calls ``commit`` (the directory may commit it long before the answer
+  arrives): a read overlapping the call may return its bytes, and FAILs only if the commit is
+  then refused. A (key, generation) committed under two write leases FAILs (DESIGN 1);
 - **no stale read** (DESIGN 6/7): once the suite saw an invalidation of a key complete, no read
   under a lease of an older generation may return bytes;
 - **holder deadline** (DESIGN leases): no read may return bytes when it started after the
@@ -23,15 +26,22 @@ The session also counts what the audits need (``Audit``): remote leased hits, ev
 evictions refused under a live lease, stale writes fenced, invalidations completed by
 acknowledgement and by expiry.
 
-For an adapter whose events are ``"inferred"`` the session builds the trace from the history:
-the events each call implies, on the node that performed it (``inferred_events``).
+For an adapter whose events are ``"inferred"`` the session builds the trace from what it saw:
+the spec actions each call and its answer imply, on the party that performed them -- the
+holder's or writer's request, the directory's decision (``grant_*`` / ``refuse_*``,
+``commit_write``, ``evict``, ``invalidate`` ...), the location's ``store_bytes`` -- in causal
+order. What the suite cannot see is inferred from what it can: an invalidation it saw complete
+revoked every lease it still held on a voided key (``drop_and_ack`` / ``revoke_acked``, unless
+the holder's own deadline had passed: then it completed by expiry) and then completed each
+voided generation; a refusal a correct client gives without asking (a lease it no longer trusts,
+a second lease or write of a key it is busy with) implies no event at all.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from attrs import define, field
@@ -49,7 +59,10 @@ from .contract import (
     WriteGrant,
 )
 
-INFERRED_INCARNATION = 0
+INFERRED_INCARNATION = 0  # a node's first incarnation in an inferred trace (a restart takes the next)
+INFERRED_DIRECTORY = "directory"  # the node name of the directory's inferred events
+# Refusals a correct client gives on its own, without asking the directory (no event).
+LOCAL_REFUSALS = frozenset({"already_leased", "busy"})
 
 
 class OracleFailure(AssertionError):
@@ -101,14 +114,28 @@ class Session:
     history: list[dict] = field(factory=list)
     audit: Audit = field(factory=Audit)
     lock: Any = field(factory=threading.Lock)
-    committed: dict = field(factory=dict)  # (key, gen) -> (bytes, writer node)
+    committed: dict = field(factory=dict)  # (key, gen) -> (bytes, writer node, write lease)
+    committing: dict = field(factory=dict)  # (key, gen) -> {write lease: (bytes, writer node)} while commit runs
+    read_while_committing: dict = field(factory=dict)  # (key, gen, lease) -> history index of the first such read
     pending_bytes: dict = field(factory=dict)  # (key, lease) -> bytes stored
     invalidated_below: dict = field(factory=dict)  # key -> every generation below this is void
     lease_ids: dict = field(factory=dict)  # lease id -> history index of its grant
     deadlines_ns: dict = field(factory=dict)  # (node, lease) -> holder deadline (suite clock)
     snapshots: dict = field(factory=dict)  # ticket id -> {key: top generation committed at its start}
+    voiding: dict = field(factory=dict)  # ticket id -> {key: generation it voids}, until it completes (inference)
     inferred: list[dict] = field(factory=list)
     infer: bool = False
+    # What inference needs to know beyond the oracles' state:
+    parents: dict = field(factory=dict)  # key -> parent key (None for a root), from begin_write
+    key_ns: dict = field(factory=dict)  # key -> namespace digest
+    writing: dict = field(factory=dict)  # (key, write lease) -> the grant, until its bytes land or are fenced
+    read_grants: dict = field(factory=dict)  # (node, read lease) -> the grant, while the holder trusts it
+    copies: dict = field(factory=dict)  # key -> location of its committed copy
+    incarnations: dict = field(factory=dict)  # node -> incarnation of its inferred log
+    open_writes: dict = field(factory=dict)  # key -> its uncommitted write grant at the directory
+    completed: dict = field(factory=dict)  # key -> every generation below this completed an invalidation
+    down: set = field(factory=set)  # nodes killed and not restarted
+    seqs: dict = field(factory=dict)  # (node, incarnation) -> last seq
     stopped: Any = field(factory=threading.Event)
 
     # -- plumbing --------------------------------------------------------------------------------
@@ -132,13 +159,23 @@ class Session:
         if not self.infer:
             return
         with self.lock:
-            seq = sum(1 for e in self.inferred if e["node"] == node) + 1
-            rec = {"node": node, "incarnation": INFERRED_INCARNATION, "seq": seq, "t_local_ns": time.monotonic_ns(),
+            inc = self.incarnations.get(node, INFERRED_INCARNATION)
+            seq = self.seqs[(node, inc)] = self.seqs.get((node, inc), 0) + 1
+            rec = {"node": node, "incarnation": inc, "seq": seq, "t_local_ns": time.monotonic_ns(),
                    "t_wall_ns": time.time_ns(), "event": event, "key": None, "gen": None, "epoch": None, "lease": None,
                    "result": None, "inferred": True}  # fmt: skip
             for k, v in fields.items():
                 rec[k] = v.hex if isinstance(v, BlockKey) else v
             self.inferred.append(rec)
+
+    def _emit_dir(self, event: str, **fields: Any) -> None:
+        self._emit(INFERRED_DIRECTORY, event, **fields)
+
+    def _trusted_ns(self, node: str, lease: int, now_ns: int) -> bool:
+        """Whether a correct holder still trusts ``lease`` at ``now_ns`` (suite clock): granted,
+        not released or revoked, its own deadline not passed."""
+        deadline = self.deadlines_ns.get((node, lease))
+        return deadline is not None and (node, lease) in self.read_grants and now_ns < deadline
 
     def check(self, condition: bool, rule: str, detail: str) -> None:
         """A per-test oracle: FAIL with ``rule`` unless ``condition``."""
@@ -169,71 +206,183 @@ class Session:
 
     def begin_write(self, node: str, ns: Namespace, key: BlockKey, parent: BlockKey | None) -> WriteGrant | Refused:
         t0 = time.monotonic_ns()
-        self._emit(node, "begin_write", key=key)
+        if self.infer:
+            with self.lock:
+                self.parents.setdefault(key, parent)
+                self.key_ns.setdefault(key, ns.digest())
+        # The request is logged when it leaves, unless the answer says the client never sent it.
+        sent = self._emit_later(node, "begin_write", key=key)
         g = self.adapter.begin_write(node, ns, key, parent)
         _expect(g, (WriteGrant, Refused), "begin_write")
         i = self._record("begin_write", node, {"key": key.hex}, g, t0)
+        parent_hex = None if parent is None else parent.hex
         if isinstance(g, WriteGrant):
             self._check_grant(g, node, key, i)
+            sent()
+            self._infer_key_free(key, g)
+            self._emit_dir("grant_write_lease", key=key, gen=g.gen, epoch=g.epoch, lease=g.lease, writer=node,
+                           location=g.location, parent=parent_hex, namespace=ns.digest().hex())  # fmt: skip
             self._emit(node, "start_writing", key=key, gen=g.gen, epoch=g.epoch, lease=g.lease, location=g.location)
+            with self.lock:
+                self.writing[(key, g.lease)] = g
+        elif g.reason not in LOCAL_REFUSALS:
+            sent()
+            self._emit_dir("refuse_write_lease", key=key, writer=node, result=g.reason, parent=parent_hex)
+            self._emit(node, "abort", key=key)  # the client gives up on this write
         return g
+
+    def _infer_key_free(self, key: BlockKey, grant: WriteGrant) -> None:
+        """A new write of ``key`` was granted, so the key was ABSENT: what made it so and the
+        suite could not see happened first -- the previous write lease expired, or a committed
+        generation whose copy was lost in a crash was invalidated and completed."""
+        if not self.infer:
+            return
+        with self.lock:
+            earlier = self.open_writes.pop(key, None)
+            self.open_writes[key] = grant
+            tops = [gen for (k, gen) in self.committed if k == key and gen >= self.completed.get(key, 0)]
+            if tops:
+                self.completed[key] = max(tops) + 1
+        if earlier is not None and earlier.lease != grant.lease:
+            name = "expire_write_lease_of_crashed" if earlier.node in self.down else "expire_write_lease"
+            self._emit_dir(name, key=key, lease=earlier.lease, writer=earlier.node)
+        if tops:
+            self._emit_dir("complete_invalidation", key=key, gen=max(tops))
+
+    def _emit_later(self, node: str, event: str, **fields: Any) -> Callable[[], None]:
+        """An event of a request whose answer decides whether it was sent: call the result to log
+        it, stamped with the time it was sent (now)."""
+        if not self.infer:
+            return lambda: None
+        t_local, t_wall = time.monotonic_ns(), time.time_ns()
+
+        def emit() -> None:
+            self._emit(node, event, **fields)
+            with self.lock:
+                self.inferred[-1]["t_local_ns"] = min(self.inferred[-1]["t_local_ns"], max(t_local, self._last_local(node)))
+                self.inferred[-1]["t_wall_ns"] = t_wall
+
+        return emit
+
+    def _last_local(self, node: str) -> int:
+        """The last t_local_ns of ``node``'s current inferred log before its newest event."""
+        inc = self.incarnations.get(node, INFERRED_INCARNATION)
+        for e in reversed(self.inferred[:-1]):
+            if e["node"] == node and e["incarnation"] == inc:
+                return e["t_local_ns"]
+        return 0
 
     def write_bytes(self, grant: WriteGrant, data: bytes) -> Stored | Refused:
         t0 = time.monotonic_ns()
         r = self.adapter.write_bytes(grant, data)
         _expect(r, (Stored, Refused), "write_bytes")
         self._record("write_bytes", grant.node, {"key": grant.key.hex, "lease": grant.lease, "bytes": len(data)}, r, t0)
-        fields = dict(key=grant.key, gen=grant.gen, epoch=grant.epoch, lease=grant.lease, location=grant.location)
+        fields = dict(key=grant.key, gen=grant.gen, epoch=grant.epoch, lease=grant.lease, location=grant.location,
+                      writer=grant.node)  # fmt: skip
+        host = grant.location.partition("/")[0]  # a location "<host>/<tier>" logs as its host
         if isinstance(r, Stored):
             with self.lock:
                 self.pending_bytes[(grant.key, grant.lease)] = bytes(data)
-            self._emit(grant.location, "store_bytes", **fields)
+                landed = self.writing.pop((grant.key, grant.lease), None) is not None
+            if landed:  # the spec's writer sends its bytes once; a second store is the same bytes
+                self._emit(host, "store_bytes", **fields)
         elif r.reason == "fenced":
             with self.lock:
                 self.audit.fenced_writes += 1
-            self._emit(grant.location, "fence_stale_write", **fields)
+                self.writing.pop((grant.key, grant.lease), None)
+            self._emit(host, "fence_stale_write", **fields)
         return r
 
     def commit(self, grant: WriteGrant) -> Committed | Refused:
         t0 = time.monotonic_ns()
-        r = self.adapter.commit(grant)
-        _expect(r, (Committed, Refused), "commit")
-        i = self._record("commit", grant.node, {"key": grant.key.hex, "lease": grant.lease}, r, t0)
-        if isinstance(r, Committed):
+        slot = (grant.key, grant.gen)
+        with self.lock:
+            # The commit may land at the directory at any moment from here on, and its answer
+            # arrive much later: a read overlapping this call may see the new generation, so its
+            # bytes are possibly-committed from the call's start (settled by the answer below).
+            data = self.pending_bytes.get((grant.key, grant.lease))
+            if data is not None and slot not in self.committed:
+                self.committing.setdefault(slot, {})[grant.lease] = (data, grant.node)
+        try:
+            r = self.adapter.commit(grant)
+            _expect(r, (Committed, Refused), "commit")
+        finally:
             with self.lock:
-                data = self.pending_bytes.get((grant.key, grant.lease))
+                pending = self.committing.get(slot, {})
+                pending.pop(grant.lease, None)
+                if not pending:
+                    self.committing.pop(slot, None)
+        i = self._record("commit", grant.node, {"key": grant.key.hex, "lease": grant.lease}, r, t0)
+        with self.lock:
+            early = self.read_while_committing.pop((grant.key, grant.gen, grant.lease), None)
+        if isinstance(r, Committed):
+            self._emit_dir("commit_write", key=grant.key, gen=r.gen, epoch=r.epoch, lease=grant.lease, writer=grant.node)
+            with self.lock:
+                self.copies[grant.key] = grant.location
+                if self.open_writes.get(grant.key) == grant:
+                    del self.open_writes[grant.key]
                 if data is None:
                     raise OracleFailure("CommittedBytesIntact", "a commit was accepted for bytes never stored", i)
                 if r.gen != grant.gen:
                     raise OracleFailure("OneWriterPerGeneration", f"committed gen {r.gen}, granted {grant.gen}", i)
-                self.committed[(grant.key, r.gen)] = (data, grant.node)
-        elif r.reason in ("stale_epoch", "unknown_lease", "lease_expired", "wrong_generation", "fenced"):
-            with self.lock:
-                self.audit.stale_commits_refused += 1
+                first = self.committed.get((grant.key, r.gen))
+                if first is not None and first[2] != grant.lease:
+                    raise OracleFailure("OneWriterPerGeneration", f"generation {r.gen} of {grant.key.hex[:16]} committed "
+                                        f"twice: under lease {first[2]} and again under lease {grant.lease}", i)  # fmt: skip
+                self.committed[(grant.key, r.gen)] = (data, grant.node, grant.lease)
+        else:
+            if data is not None and r.reason not in ("not_found", *LOCAL_REFUSALS):
+                # Stored bytes sent the spec's commit; the directory turned it down.
+                self._emit_dir("reject_stale_commit", key=grant.key, lease=grant.lease, writer=grant.node,
+                               epoch=grant.epoch, result=r.reason)  # fmt: skip
+            if early is not None:
+                raise OracleFailure("NoDirtyRead", f"history #{early} read bytes of generation {grant.gen} while its "
+                                    f"commit was under way, and the commit was refused ({r.reason})", i)  # fmt: skip
+            if r.reason in ("stale_epoch", "unknown_lease", "lease_expired", "wrong_generation", "fenced"):
+                with self.lock:
+                    self.audit.stale_commits_refused += 1
         return r
 
     def abort(self, grant: WriteGrant) -> None:
         t0 = time.monotonic_ns()
         self.adapter.abort(grant)
         self._record("abort", grant.node, {"key": grant.key.hex, "lease": grant.lease}, None, t0)
-        self._emit(grant.node, "abort", key=grant.key, lease=grant.lease)
+        with self.lock:
+            under_way = self.writing.pop((grant.key, grant.lease), None) is not None
+        if under_way:  # a write whose bytes landed or were fenced is over: nothing to abort
+            self._emit(grant.node, "abort", key=grant.key, gen=grant.gen, epoch=grant.epoch, lease=grant.lease)
 
     def acquire(self, node: str, ns: Namespace, key: BlockKey) -> ReadGrant | Refused:
         t0 = time.monotonic_ns()
-        self._emit(node, "acquire", key=key)
+        sent = self._emit_later(node, "acquire", key=key)
         g = self.adapter.acquire(node, ns, key)
         _expect(g, (ReadGrant, Refused), "acquire")
         i = self._record("acquire", node, {"key": key.hex}, g, t0)
         if isinstance(g, ReadGrant):
             self._check_grant(g, node, key, i)
+            if self.infer:
+                self._infer_revoked(node, key, t0)
             with self.lock:
                 self.deadlines_ns[(node, g.lease)] = t0 + (g.term_ms - self.skew_ms) * 1_000_000
+                self.read_grants[(node, g.lease)] = g
+            sent()
+            self._emit_dir("grant_read_lease", key=key, gen=g.gen, epoch=g.epoch, lease=g.lease, holder=node,
+                           location=g.location)  # fmt: skip
             self._emit(node, "trust_read_lease", key=key, gen=g.gen, epoch=g.epoch, lease=g.lease, location=g.location)
+        elif g.reason not in LOCAL_REFUSALS:
+            if self.infer:
+                self._infer_revoked(node, key, t0)
+            sent()
+            self._emit_dir("refuse_read_lease", key=key, holder=node, result=g.reason)
+            self._emit(node, "abandon", key=key, result=g.reason)  # a refusal answers: the holder stops waiting
         return g
 
     def renew(self, grant: ReadGrant) -> ReadGrant | Refused:
         t0 = time.monotonic_ns()
-        self._emit(grant.node, "renew", key=grant.key, lease=grant.lease)
+        with self.lock:
+            # A holder that no longer trusts the lease refuses on its own, without asking.
+            asks = self._trusted_ns(grant.node, grant.lease, t0)
+        sent = self._emit_later(grant.node, "renew", key=grant.key, lease=grant.lease) if asks else (lambda: None)
         g = self.adapter.renew(grant)
         _expect(g, (ReadGrant, Refused), "renew")
         i = self._record("renew", grant.node, {"key": grant.key.hex, "lease": grant.lease}, g, t0)
@@ -245,7 +394,13 @@ class Session:
                 if old is not None and t0 > old + self.skew_ms * 1_000_000:
                     raise OracleFailure("RenewalNeverRevives", f"lease {grant.lease} renewed after its deadline", i)
                 self.deadlines_ns[(grant.node, grant.lease)] = t0 + (g.term_ms - self.skew_ms) * 1_000_000
+            sent()
+            self._emit_dir("renew_lease", key=grant.key, lease=grant.lease, holder=grant.node)
             self._emit(grant.node, "trust_renewal", key=grant.key, gen=g.gen, epoch=g.epoch, lease=g.lease)
+        elif asks and g.reason not in LOCAL_REFUSALS:
+            sent()
+            self._emit_dir("refuse_renewal", key=grant.key, lease=grant.lease, holder=grant.node, result=g.reason)
+            self._emit(grant.node, "abandon", key=grant.key, lease=grant.lease, result=g.reason)
         return g
 
     def read(self, grant: ReadGrant) -> bytes | Refused:
@@ -267,6 +422,17 @@ class Session:
                     raise OracleFailure("NoStaleRead", f"read of generation {grant.gen} after its invalidation completed", i)
                 expected = self.committed.get((grant.key, grant.gen))
                 if expected is None:
+                    # A commit of this generation under way: bytes equal to one of its writers'.
+                    racing = self.committing.get((grant.key, grant.gen), {})
+                    for lease, candidate in racing.items():
+                        if candidate[0] == data:
+                            self.read_while_committing.setdefault((grant.key, grant.gen, lease), i)
+                            expected = (*candidate, lease)
+                            break
+                    else:
+                        if racing:
+                            expected = (*next(iter(racing.values())), None)
+                if expected is None:
                     raise OracleFailure("NoDirtyRead", f"read returned bytes of a generation never committed: {grant.gen}", i)
                 if data != expected[0]:
                     raise OracleFailure("CommittedBytesIntact", f"read returned {len(data)} bytes that differ from the committed {len(expected[0])}", i)
@@ -275,6 +441,9 @@ class Session:
                     self.audit.remote_hits += 1
             self._emit(grant.node, "read", key=grant.key, gen=grant.gen, epoch=grant.epoch, lease=grant.lease,
                        location=grant.location, result="ok")  # fmt: skip
+        elif data.reason == "miss" and self._trusted_ns(grant.node, grant.lease, t0):
+            self._emit(grant.node, "read", key=grant.key, gen=grant.gen, epoch=grant.epoch, lease=grant.lease,
+                       location=grant.location, result="miss")  # fmt: skip
         return data
 
     def release(self, grant: ReadGrant) -> None:
@@ -282,8 +451,12 @@ class Session:
         self.adapter.release(grant)
         self._record("release", grant.node, {"key": grant.key.hex, "lease": grant.lease}, None, t0)
         with self.lock:
+            trusted = self._trusted_ns(grant.node, grant.lease, t0)
             self.deadlines_ns.pop((grant.node, grant.lease), None)
-        self._emit(grant.node, "release", key=grant.key, lease=grant.lease)
+            self.read_grants.pop((grant.node, grant.lease), None)
+        if trusted:  # a lease the holder no longer trusts is let go without a message
+            self._emit(grant.node, "release", key=grant.key, gen=grant.gen, lease=grant.lease)
+            self._emit_dir("release_lease", key=grant.key, lease=grant.lease, holder=grant.node)
 
     def invalidate(self, node: str, ns: Namespace, scope: str, key: BlockKey | None) -> InvalidationTicket:
         t0 = time.monotonic_ns()
@@ -297,7 +470,33 @@ class Session:
         self._record("invalidate", node, {"scope": scope, "key": None if key is None else key.hex}, t, t0)
         with self.lock:
             self.snapshots[t.id] = snapshot
+            if self.infer:
+                subtree, self.voiding[t.id] = self._voided(ns.digest(), scope, key)
+                for k in subtree:
+                    self.open_writes.pop(k, None)  # a write under way below is aborted at once
+        if scope == "namespace":
+            self._emit_dir("invalidate_namespace", namespace=ns.digest().hex())
+        else:
+            self._emit_dir("invalidate", key=key)
         return t
+
+    def _voided(self, digest: bytes, scope: str, key: BlockKey | None) -> tuple[set, dict[BlockKey, int]]:
+        """The keys an invalidation reaches (a key's subtree, or a namespace) and the committed
+        generation of each it voids."""
+        if scope == "namespace":
+            keys = {k for k, d in self.key_ns.items() if d == digest}
+        else:
+            keys, frontier = {key}, [key]
+            while frontier:
+                k = frontier.pop()
+                children = [c for c, p in self.parents.items() if p == k and c not in keys]
+                keys.update(children)
+                frontier += children
+        out: dict[BlockKey, int] = {}
+        for k, gen in self.committed:
+            if k in keys and gen >= self.completed.get(k, 0):
+                out[k] = max(out.get(k, -1), gen)
+        return keys, out
 
     def wait_invalidation(self, ticket: InvalidationTicket, timeout_s: float, voids: Sequence[BlockKey] = ()) -> bool:
         """Wait; on completion every generation of ``voids`` committed before the invalidation
@@ -307,6 +506,8 @@ class Session:
         if type(done) is not bool:
             raise GarbageAnswer(f"wait_invalidation answered {done!r:.80}")
         self._record("wait_invalidation", None, {"ticket": ticket.id}, done, t0)
+        if done and self.infer:
+            self._infer_completion(ticket)
         if done:
             with self.lock:
                 snapshot = self.snapshots.get(ticket.id, {})
@@ -315,6 +516,42 @@ class Session:
                     if top is not None:
                         self.invalidated_below[key] = max(self.invalidated_below.get(key, 0), top + 1)
         return done
+
+    def _infer_completion(self, ticket: InvalidationTicket) -> None:
+        """The invalidation completed: every lease the suite's holders still trusted on a voided
+        key was revoked and acknowledged (a holder past its own deadline had nothing to drop: its
+        lease expired), then each voided generation completed."""
+        now = time.monotonic_ns()
+        with self.lock:
+            voided = self.voiding.pop(ticket.id, None)
+            if voided is None:
+                return  # completed before (a second wait on the ticket)
+            acks = [g for (n, lease), g in sorted(self.read_grants.items(), key=lambda kv: kv[0][1])
+                    if g.key in voided and g.gen <= voided[g.key] and self._trusted_ns(n, lease, now)]  # fmt: skip
+            for g in acks:
+                self.read_grants.pop((g.node, g.lease), None)
+            for key, gen in voided.items():
+                self.completed[key] = max(self.completed.get(key, 0), gen + 1)
+        self._emit_acks(acks)
+        for key, gen in voided.items():
+            self._emit_dir("complete_invalidation", key=key, gen=gen)
+
+    def _emit_acks(self, acks: Sequence[ReadGrant]) -> None:
+        for g in acks:
+            self._emit(g.node, "drop_and_ack", key=g.key, gen=g.gen, lease=g.lease)
+            self._emit_dir("revoke_acked", key=g.key, lease=g.lease, holder=g.node)
+
+    def _infer_revoked(self, node: str, key: BlockKey, now_ns: int) -> None:
+        """``node`` asked for a new lease on ``key`` while the suite thought it trusted one: if an
+        invalidation of the key is under way, the revocation reached it first (a holder that
+        acquires while trusting is left for the validator to reject)."""
+        with self.lock:
+            voiding = any(key in v for v in self.voiding.values())
+            acks = [g for (n, lease), g in self.read_grants.items()
+                    if n == node and g.key == key and self._trusted_ns(n, lease, now_ns)] if voiding else []  # fmt: skip
+            for g in acks:
+                self.read_grants.pop((g.node, g.lease), None)
+        self._emit_acks(acks)
 
     def evict(self, node: str, ns: Namespace, key: BlockKey, *, leased: bool = False) -> Evicted | Refused:
         """``leased``: the workload knows a live lease names this copy (for the audit)."""
@@ -327,6 +564,18 @@ class Session:
                 self.audit.evictions += 1
             elif r.reason == "leased" and leased:
                 self.audit.refused_evictions_leased += 1
+            location = self.copies.get(key, node)
+        if location.partition("/")[0] != node:
+            location = node
+        if isinstance(r, Evicted):
+            self._emit_dir("evict", key=key, location=location)
+            with self.lock:
+                if self.copies.get(key) == location:
+                    # The owner's copy went: the generation ended with it (lookup finds nothing).
+                    tops = [gen for (k, gen) in self.committed if k == key]
+                    self.completed[key] = max([self.completed.get(key, 0), *(t + 1 for t in tops)])
+        elif r.reason == "leased":
+            self._emit_dir("evict_refused", key=key, location=location)
         return r
 
     # faults: recorded, never checked here
@@ -335,8 +584,29 @@ class Session:
         t0 = time.monotonic_ns()
         getattr(self.adapter, op)(*args)
         self._record(op, args[0] if args else None, {"args": list(args)}, None, t0)
-        if op in ("kill", "restart", "restart_directory"):
-            self._emit(args[0] if args else "directory", {"kill": "crash", "restart": "restart_node"}.get(op, op))
+        if not self.infer:
+            return
+        if op == "kill":
+            node = args[0]
+            self._emit(node, "crash", lose_disk=True)
+            with self.lock:
+                # Its volatile state is gone: no trust, no write under way survives a crash.
+                for held in [h for h in self.read_grants if h[0] == node]:
+                    self.read_grants.pop(held)
+                for w in [w for w, g in self.writing.items() if g.node == node]:
+                    self.writing.pop(w)
+                self.incarnations[node] = self.incarnations.get(node, INFERRED_INCARNATION) + 1
+                self.down.add(node)
+        elif op == "restart":
+            node = args[0]
+            with self.lock:
+                self.down.discard(node)
+                lost = sorted({loc for loc in self.copies.values() if loc.partition("/")[0] == node} | {node})
+            self._emit_dir("restart_node", rejoined=node, lost=lost)
+        elif op == "restart_directory":
+            with self.lock:
+                self.incarnations[INFERRED_DIRECTORY] = self.incarnations.get(INFERRED_DIRECTORY, INFERRED_INCARNATION) + 1
+            self._emit_dir("restart_directory")
 
     def _check_grant(self, g: WriteGrant | ReadGrant, node: str, key: BlockKey, i: int) -> None:
         if g.node != node or g.key != key:
@@ -345,6 +615,88 @@ class Session:
             if g.lease in self.lease_ids:
                 raise OracleFailure("LeaseIdsFresh", f"lease id {g.lease} granted again (first at history #{self.lease_ids[g.lease]})", i)
             self.lease_ids[g.lease] = i
+
+
+# -- completeness of a native trace ---------------------------------------------------------------------
+
+# Client-side events a served operation implies, one per lease: exactly as many in the trace as the
+# suite saw (a holder or writer logs only what its client did, and the suite is its only client).
+_EXACT_PER_LEASE = ("start_writing", "trust_read_lease", "trust_renewal", "read", "commit_write")
+# Events a served operation implies at least once (a duplicated message may store twice; a
+# deployment may evict on its own; failures may be logged by more than one party).
+_AT_LEAST = ("grant_write_lease", "grant_read_lease", "renew_lease", "store_bytes", "fence_stale_write", "evict",
+             "crash", "restart_node", "restart_directory")  # fmt: skip
+
+
+def _implied(h: dict) -> list[tuple]:
+    """The trace events one history entry implies: ``(event, key, lease)`` (``None`` = any)."""
+    op, res, key, lease = h.get("op"), h.get("result"), h.get("key"), h.get("lease")
+    grant = res.get("WriteGrant") or res.get("ReadGrant") if isinstance(res, dict) else None
+    out: list[tuple] = []
+    if op == "begin_write" and grant:
+        out += [("start_writing", key, grant["lease"]), ("grant_write_lease", key, grant["lease"])]
+    elif op == "acquire" and grant:
+        out += [("trust_read_lease", key, grant["lease"]), ("grant_read_lease", key, grant["lease"])]
+    elif op == "renew" and grant:
+        out += [("trust_renewal", key, lease), ("renew_lease", key, lease)]
+    elif op == "write_bytes" and res == "Stored":
+        out.append(("store_bytes", key, lease))
+    elif op == "write_bytes" and isinstance(res, dict) and res.get("refused") == "fenced":
+        out.append(("fence_stale_write", key, lease))
+    elif op == "commit" and isinstance(res, dict) and "committed" in res:
+        out.append(("commit_write", key, lease))
+    elif op == "read" and isinstance(res, dict) and "bytes" in res:
+        out.append(("read", key, lease))
+    elif op == "evict" and res == "Evicted":
+        out.append(("evict", key, None))
+    elif op == "kill":
+        out.append(("crash", None, None))
+    elif op == "restart":
+        out.append(("restart_node", None, None))
+    elif op == "restart_directory":
+        out.append(("restart_directory", None, None))
+    return out
+
+
+def completeness_problems(history: Sequence[dict], events: Sequence[dict]) -> list[str]:
+    """Cross-check the suite's own history against an adapter's native trace: what each served
+    operation implies must be logged (``_EXACT_PER_LEASE`` exactly once per time the suite saw it,
+    ``_AT_LEAST`` at least), and no client-side event may name a lease for which the suite saw no
+    such operation. An empty list when the trace is complete."""
+    from collections import Counter
+
+    wanted: Counter = Counter()
+    where: dict[tuple, int] = {}
+    for h in history:
+        for sig in _implied(h):
+            wanted[sig] += 1
+            where.setdefault(sig, h.get("i", -1))
+    seen: Counter = Counter()
+    for e in events:
+        if not isinstance(e, dict):
+            continue
+        name = e.get("event")
+        if name == "read" and e.get("result") != "ok":
+            continue  # a miss returned no bytes: the suite saw a refusal
+        if name in _EXACT_PER_LEASE:
+            seen[(name, e.get("key"), e.get("lease"))] += 1
+        elif name in ("evict",):
+            seen[(name, e.get("key"), None)] += 1
+        elif name in _AT_LEAST and name in ("crash", "restart_node", "restart_directory"):
+            seen[(name, None, None)] += 1
+        elif name in _AT_LEAST:
+            seen[(name, e.get("key"), e.get("lease"))] += 1
+    problems = []
+    for sig, n in sorted(wanted.items(), key=lambda kv: where[kv[0]]):
+        if seen[sig] < n:
+            name, key, lease = sig
+            what = name + ("" if key is None else f" of {key[:16]}") + ("" if lease is None else f" lease {lease}")
+            problems.append(f"{what}: history #{where[sig]} implies {n}, the trace has {seen[sig]}")
+    for sig, n in sorted(seen.items(), key=lambda kv: (kv[0][0], str(kv[0][1]), str(kv[0][2]))):
+        if sig[0] in _EXACT_PER_LEASE and n > wanted[sig]:
+            name, key, lease = sig
+            problems.append(f"{name} of {str(key)[:16]} lease {lease}: the trace has {n}, the suite saw {wanted[sig]}")
+    return problems
 
 
 def _expect(value: Any, types: tuple[type, ...], op: str) -> None:

@@ -15,12 +15,17 @@ keys), runs the workload in a worker thread and waits for it up to the test's ti
   the suite never hangs, and ``stop()`` is called after every test whatever happened.
 - The trace -- ``adapter.events()``, or the events the session inferred from the history when
   the adapter's events are ``"inferred"`` -- goes through ``validate_trace`` against the spec:
-  REJECTED turns a test that would PASS into FAIL; INCONCLUSIVE is recorded with the reason.
+  REJECTED turns a test that would PASS into FAIL; INCONCLUSIVE is recorded with the reason,
+  and such a PASS does not count toward certification (``TestResult.counts``).
+- An adapter whose events are ``"native"`` must log what the suite did: an empty trace is FAIL,
+  and so is a trace that leaves out (or adds) an event the session's history implies
+  (``oracles.completeness_problems``: every grant, stored write, commit, served read, eviction
+  and crash the suite saw must be logged once, and no such event the suite did not see).
 - Audits (tests numbered 9xx) are evaluated after their profile's other tests from the counts
   the sessions gathered (non-vacuity).
 
 A test that was deselected (``ids=``) is SKIP. ``Report.certified`` is true when every
-required test of every claimed and requested profile PASSed.
+required test of every claimed and requested profile PASSed with its trace ACCEPTED.
 
 A failure's message names the rule and the history index; the report keeps each test's history
 (the steps that replay it) and its trace, and ``seed`` reproduces the run.
@@ -46,7 +51,7 @@ from kvcc.spec.keys import Namespace
 from . import catalogue, workloads
 from .catalogue import CATALOGUE, SUITE_VERSION, TestCase
 from .contract import PROFILES, Adapter, AdapterError, Capabilities, NotSupported, RunContext
-from .oracles import Audit, GarbageAnswer, OracleFailure, Session
+from .oracles import Audit, GarbageAnswer, OracleFailure, Session, completeness_problems
 
 PASS, FAIL, ERROR, SKIP, NOT_APPLICABLE = "PASS", "FAIL", "ERROR", "SKIP", "NOT_APPLICABLE"
 STATUSES = (PASS, FAIL, ERROR, SKIP, NOT_APPLICABLE)
@@ -75,9 +80,18 @@ class TestResult:
 
     __test__ = False
 
+    @property
+    def counts(self) -> bool:
+        """Whether this result counts toward certification: PASS, and the trace ACCEPTED (an
+        INCONCLUSIVE verdict -- no events, validation off, a validator error -- never counts)."""
+        if self.status != PASS:
+            return False
+        return catalogue.BY_ID[self.id].audit or self.verdict.get("status") == "ACCEPTED"
+
     def to_json(self) -> dict[str, Any]:
         return {
             "id": self.id, "profile": self.profile, "status": self.status, "message": self.message,
+            "counts": self.counts,
             "duration_s": round(self.duration_s, 3), "verdict": self.verdict, "audit": self.audit,
             "events": len(self.events), "history": len(self.history), "seed": self.seed,
             "trace": f"traces/{self.id}.ndjson", "history_file": f"traces/{self.id}.history.json",
@@ -106,12 +120,14 @@ class Report:
 
     def required_failures(self) -> list[TestResult]:
         required = catalogue.required_ids(self.claimed)
-        return [r for r in self.results if r.id in required and r.status != PASS]
+        return [r for r in self.results if r.id in required and not r.counts]
 
     @property
     def certified(self) -> bool:
+        """Every required test of every claimed, requested profile PASSed with its trace
+        ACCEPTED (an audit, which has no trace of its own, by PASSing)."""
         required = catalogue.required_ids(self.claimed)
-        present = {r.id for r in self.results if r.status == PASS}
+        present = {r.id for r in self.results if r.counts}
         return bool(self.claimed) and required <= present and bool(self.params.get("validate", True))
 
     def failed_ids(self) -> set[str]:
@@ -333,16 +349,30 @@ def _run_one(factory, caps, test, seed, workroot, lease_term_ms, skew_ms, nodes,
             events = got
         elif state.get("status") == PASS:
             state["status"], state["message"] = ERROR, f"events() answered {type(got).__name__}, not a list"
+    status, message = state.get("status", ERROR), state.get("message", "")
+    native = session is not None and not session.infer
+    if native and status == PASS and not events:
+        # The adapter said it logs its protocol events and logged none: saying nothing must not
+        # pass (DESIGN: a verdict that could not be reached never counts as a pass).
+        status, message = FAIL, "the adapter declares native events and its trace is empty"
+    elif native and status == PASS:
+        # Every operation the suite performed must be in the adapter's own log, and nothing the
+        # suite did not do: a trace that leaves events out would validate vacuously.
+        gaps = completeness_problems(session.history, events)
+        if gaps:
+            status = FAIL
+            message = f"TraceComplete: {len(gaps)} event(s) missing or extra in the native trace: " + "; ".join(gaps[:5])
     if not validate:
         verdict = {"status": "INCONCLUSIVE", "event_index": None, "reason": "validation off", "diff": None}
     elif not events:
         verdict = {"status": "INCONCLUSIVE", "event_index": None, "reason": "no events", "diff": None}
     else:
         verdict = validate_events(events, lease_term_ms, skew_ms)
-    status, message = state.get("status", ERROR), state.get("message", "")
     if verdict["status"] == "REJECTED" and status == PASS:
         status = FAIL
         message = f"trace REJECTED at event {verdict['event_index']}: {verdict['reason']}"
+    elif verdict["status"] != "ACCEPTED" and status == PASS:
+        message = f"does not count: trace {verdict['status']} ({verdict['reason']})"
     return TestResult(
         test.id, test.profile, status, message, time.monotonic() - t0, verdict,
         session.audit.to_json() if session else {}, events, list(session.history) if session else [], tseed,

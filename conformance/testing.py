@@ -89,6 +89,7 @@ from kvcc.reference.wire import (
 from kvcc.reference.wire import Committed as WireCommitted
 from kvcc.reference.wire import Evicted as WireEvicted
 from kvcc.spec.keys import BlockKey, Namespace
+from kvcc.spec.rules import REASON_ALREADY_LEASED
 
 from .contract import (
     FAULTS,
@@ -113,6 +114,7 @@ DIRECTORY_NODE = "directory"
 BLOCK_SLOTS = 512  # blocks each node's DRAM tier holds
 BLOCK_BYTES = 4096  # the largest block a workload writes
 TICK_IDLE_MS = 20  # the ticker wakes at least this often while nothing is timed
+REASON_BUSY = "busy"  # this node's client has a write of the key under way (the reference client's word)
 PAUSED_WAIT_S = 0.05  # how often an operation on a paused node re-checks
 
 
@@ -138,6 +140,7 @@ class _Node:
     paused: bool = False
     offset_ns: int = 0
     trusts: dict = attrs.Factory(dict)  # BlockKey -> _Trust
+    writing: dict = attrs.Factory(dict)  # BlockKey -> WriteGrant: this node's write under way (until commit/abort)
     stored: set = attrs.Factory(set)  # (key, lease) whose bytes landed
     parked: list = attrs.Factory(list)  # revocations waiting while paused
 
@@ -392,6 +395,13 @@ class CoreAdapter(Adapter):
     def begin_write(self, node: str, ns: Namespace, key: BlockKey, parent: BlockKey | None) -> WriteGrant | Refused:
         with self._lock:
             n = self._node(node)
+            earlier = n.writing.get(key)
+            if earlier is not None:
+                # The spec's writer has one write per key: a second one from this node is refused
+                # here, without asking, while the first is under way by this node's own clock.
+                if self._node_now_ns(n) < earlier.requested_at_ns + (earlier.term_ms - self._ctx.skew_ms) * 1_000_000:
+                    return Refused(REASON_BUSY, "a write of this key is under way on this node")
+                self._give_up(n, earlier)  # its lease is over by this node's clock: abort it first
             req = self._next_request()
             sent_ns = self._node_now_ns(n)
             n.log.emit("begin_write", key=key, request=req)
@@ -401,7 +411,9 @@ class CoreAdapter(Adapter):
                 return Refused(reply.reason)
             assert isinstance(reply, WriteLeaseGranted)
             n.log.emit("start_writing", key=key, gen=reply.gen, epoch=reply.epoch, lease=reply.lease, location=reply.location)
-            return WriteGrant(node, key, reply.gen, reply.epoch, reply.lease, reply.location, reply.term_ms, sent_ns)
+            grant = WriteGrant(node, key, reply.gen, reply.epoch, reply.lease, reply.location, reply.term_ms, sent_ns)
+            n.writing[key] = grant
+            return grant
 
     def write_bytes(self, grant: WriteGrant, data: bytes) -> Stored | Refused:
         with self._lock:
@@ -414,14 +426,23 @@ class CoreAdapter(Adapter):
     def _location_write(self, loc: _Node, grant: WriteGrant, data: bytes) -> Stored | Refused:
         outcome = loc.tier.write(grant.key.digest, grant.gen, grant.epoch, data)
         fields = dict(key=grant.key, gen=grant.gen, epoch=grant.epoch, lease=grant.lease, writer=grant.node, location=loc.id)
+        writer = self._nodes[grant.node]
         if isinstance(outcome, TierFenced):
             loc.log.emit("fence_stale_write", **fields, result="fenced", fence=outcome.fence)
+            self._write_over(writer, grant)
             return Refused("fenced", f"fence {outcome.fence} > epoch {grant.epoch}")
         if not isinstance(outcome, TierStored):
             return Refused("no_space", str(outcome))
         loc.log.emit("store_bytes", **fields)
-        self._nodes[grant.node].stored.add((grant.key, grant.lease))
+        writer.stored.add((grant.key, grant.lease))
+        self._write_over(writer, grant)
         return Stored()
+
+    def _write_over(self, writer: _Node, grant: WriteGrant) -> None:
+        """The spec's writer is done with a write once its bytes landed or were fenced (it then
+        asks to commit): the key is free for its next write."""
+        if writer.writing.get(grant.key) == grant:
+            del writer.writing[grant.key]
 
     def commit(self, grant: WriteGrant) -> Committed | Refused:
         with self._lock:
@@ -438,17 +459,33 @@ class CoreAdapter(Adapter):
         with self._lock:
             n = self._node(grant.node)
             n.stored.discard((grant.key, grant.lease))
-            # No message: the directory lets the write lease expire (spec: abort).
-            n.log.emit("abort", key=grant.key, gen=grant.gen, epoch=grant.epoch, lease=grant.lease)
+            if n.writing.get(grant.key) == grant:
+                self._give_up(n, grant)
+
+    def _give_up(self, n: _Node, grant: WriteGrant) -> None:
+        # No message: the directory lets the write lease expire (spec: abort). A write whose bytes
+        # already landed is over in the spec (nothing to abort), so only one under way is logged.
+        del n.writing[grant.key]
+        n.log.emit("abort", key=grant.key, gen=grant.gen, epoch=grant.epoch, lease=grant.lease)
 
     def acquire(self, node: str, ns: Namespace, key: BlockKey) -> ReadGrant | Refused:
         with self._lock:
             n = self._node(node)
+            held = n.trusts.get(key)
+            if held is not None:
+                if self._node_now_ns(n) < held.deadline_ns:
+                    # The spec's holder has one lease per key: it renews a trusted one, never
+                    # acquires a second (the reference client refuses the same way).
+                    return Refused(REASON_ALREADY_LEASED, "this node trusts a live lease on the key: renew it")
+                del n.trusts[key]  # past the holder's own deadline: it trusts it no more
             req = self._next_request()
             sent_ns = self._node_now_ns(n)
             n.log.emit("acquire", key=key, request=req)
             reply = self._dir(Acquire(node, key, ns.digest(), req))
             if isinstance(reply, LeaseRefused):
+                # A refusal answers the request: the holder stops waiting (spec: abandon), so
+                # that its next acquire of the key is a new request, not a second pending one.
+                n.log.emit("abandon", key=key, request=req, result=reply.reason)
                 return Refused(reply.reason)
             assert isinstance(reply, ReadLeaseGranted)
             deadline = sent_ns + (reply.term_ms - self._ctx.skew_ms) * 1_000_000
@@ -480,6 +517,7 @@ class CoreAdapter(Adapter):
             n.log.emit("renew", key=grant.key, lease=grant.lease, request=req)
             reply = self._dir(Renew(grant.node, grant.key, grant.lease, trust.location, req))
             if isinstance(reply, LeaseRefused):
+                n.log.emit("abandon", key=grant.key, lease=grant.lease, request=req, result=reply.reason)
                 return Refused(reply.reason)
             assert isinstance(reply, LeaseRenewed)
             current = n.trusts.get(grant.key)
@@ -576,6 +614,7 @@ class CoreAdapter(Adapter):
             n.alive = False
             n.paused = False
             n.trusts.clear()
+            n.writing.clear()
             n.tier.close()
             self._cond.notify_all()
 
@@ -693,6 +732,7 @@ class NoFencingAdapter(CoreAdapter):
             loc.log.emit("store_bytes", key=grant.key, gen=grant.gen, epoch=grant.epoch, lease=grant.lease,
                          writer=grant.node, location=loc.id)  # fmt: skip
             self._nodes[grant.node].stored.add((grant.key, grant.lease))
+            self._write_over(self._nodes[grant.node], grant)
             return Stored()
         return super()._location_write(loc, grant, data)
 
@@ -721,7 +761,10 @@ class NeverCachesAdapter(CoreAdapter):
     BROKEN_RULE = "caching"
 
     def _location_write(self, loc, grant, data):
+        loc.log.emit("store_bytes", key=grant.key, gen=grant.gen, epoch=grant.epoch, lease=grant.lease,
+                     writer=grant.node, location=loc.id)  # what it claims to have done  # fmt: skip
         self._nodes[grant.node].stored.add((grant.key, grant.lease))
+        self._write_over(self._nodes[grant.node], grant)
         return Stored()  # and drops the bytes
 
 
@@ -774,10 +817,86 @@ class TrustsExpiredAdapter(CoreAdapter):
         return trust if trust is not None and trust.lease == grant.lease else None
 
 
+class TrustsPastSkewAdapter(CoreAdapter):
+    """Its holders ignore epsilon the wrong way (the spec's ``holder_ignores_skew``, widened to what
+    a holder that reasons from the directory's side would do): they trust a lease until the
+    directory's own bound, ``term + epsilon``, plus epsilon for their clock -- ``3 * epsilon`` past
+    their deadline (breaks DESIGN leases: a holder stops at expiry - epsilon). Only a read probed
+    inside that window catches it."""
+
+    name = "bad-trusts-past-skew"
+    BROKEN_RULE = "holder_expiry"
+
+    def _trusted(self, n, grant):
+        trust = n.trusts.get(grant.key)
+        if trust is None or trust.lease != grant.lease:
+            return None
+        if self._node_now_ns(n) >= trust.deadline_ns + 3 * self._ctx.skew_ms * 1_000_000:
+            del n.trusts[grant.key]
+            return None
+        return trust
+
+
+class SilentReadsAdapter(CoreAdapter):
+    """Serves reads correctly but leaves every ``read`` out of its log (breaks the trace
+    contract: a native trace that omits what the deployment did validates vacuously)."""
+
+    name = "bad-silent-reads"
+    BROKEN_RULE = "trace_complete"
+
+    def _read_at(self, n, grant, trust):
+        loc = self._nodes.get(trust.location)
+        data = loc.tier.read(grant.key.digest, trust.gen) if loc is not None and loc.alive else None
+        return data if data is not None else Refused("miss")
+
+
 KNOWN_BAD: tuple[type[CoreAdapter], ...] = (
     StaleReadAdapter, NoFencingAdapter, EvictsLeasedAdapter, NeverCachesAdapter, NeverEvictsAdapter,
-    ReusedLeaseIdsAdapter, EarlyCompletionAdapter, TrustsExpiredAdapter,
+    ReusedLeaseIdsAdapter, EarlyCompletionAdapter, TrustsExpiredAdapter, TrustsPastSkewAdapter,
+    SilentReadsAdapter,
 )  # fmt: skip
+
+
+# -- correct adapters the suite must not fail -----------------------------------------------------------
+
+
+class LateCommitAnswerAdapter(CoreAdapter):
+    """Correct, with a slow reply path: the directory commits at once, and the answer reaches the
+    writer only ``answer_delay_s`` later (a loaded network, a writer descheduled under load), or as
+    soon as ``answer_commits`` is set. Readers meanwhile see the new generation, as they may.
+    ``commit_landed`` is set whenever a commit has landed and its answer is held back."""
+
+    name = "late-commit-answer"
+
+    def __init__(self, *, answer_delay_s: float | None = None, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.answer_delay_s = answer_delay_s
+        self.commit_landed = threading.Event()
+        self.answer_commits = threading.Event()
+
+    def commit(self, grant):
+        r = super().commit(grant)  # landed (or refused) at the directory; the lock is released
+        self.commit_landed.set()
+        delay_s = self.answer_delay_s if self.answer_delay_s is not None else self._ctx.lease_term_ms / 4000
+        self.answer_commits.wait(delay_s)
+        return r
+
+
+class InferredCoreAdapter(CoreAdapter):
+    """``CoreAdapter`` declaring ``events="inferred"``: it returns no log, and the suite builds the
+    trace from what it saw (how most vendors start)."""
+
+    name = "core-inferred"
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self._caps = attrs.evolve(self._caps, events="inferred")
+
+    def events(self):
+        return None
+
+
+CORRECT: tuple[type[CoreAdapter], ...] = (CoreAdapter, LateCommitAnswerAdapter, InferredCoreAdapter)
 
 
 # -- adapters that break the contract itself ----------------------------------------------------------------
@@ -810,6 +929,15 @@ class GarbageAdapter(CoreAdapter):
 
     def acquire(self, node, ns, key):
         return {"lease": "yes, probably"}  # type: ignore[return-value]
+
+
+class SilentAdapter(CoreAdapter):
+    """Declares native events and logs none: ``events()`` answers ``[]`` (certifies nothing)."""
+
+    name = "bad-silent"
+
+    def events(self):
+        return []
 
 
 def core_factory() -> CoreAdapter:

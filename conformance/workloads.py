@@ -21,6 +21,11 @@ from .contract import Committed, Evicted, ReadGrant, Refused, Stored, WriteGrant
 from .oracles import Session
 
 INVALIDATION_SLACK = 4.0  # an invalidation may take this many lease terms before a test gives up
+# Where a holder's deadline is probed, in epsilons past the last instant the oracle lets it read
+# (requested_at + term - epsilon, plus epsilon for its clock): a holder that trusts even a
+# fraction of epsilon too long is caught by the first probe, one that trusts up to 3 epsilon too
+# long (it reasons from the directory's bound, term + epsilon) by every one of them.
+DEADLINE_PROBES_EPS = (0.1, 0.5, 1.0, 1.5)
 CONCURRENT_THREADS = 4
 LOAD_DURATION_TERMS = 3.0  # the load workload runs this many lease terms
 
@@ -54,6 +59,31 @@ def wait_done(s: Session, ticket, voids) -> float:
     done = s.wait_invalidation(ticket, INVALIDATION_SLACK * s.term_s + 1, voids=voids)
     s.check(done, "InvalidationCompletesInTime", f"invalidation {ticket.id} did not complete within {INVALIDATION_SLACK} terms")
     return time.monotonic() - t0
+
+
+def read_back(s: Session, node: str, key: BlockKey, expected: bytes, what: str, ns: Namespace | None = None) -> ReadGrant:
+    """Acquire, read and release ``key`` on ``node``: the read MUST return exactly ``expected``
+    (the state a test's rule protects, looked at rather than assumed). Returns the grant."""
+    g = s.acquire(node, ns or s.ns, key)
+    s.check(isinstance(g, ReadGrant), "caching", f"acquire of {what} refused: {g}")
+    got = s.read(g)
+    s.check(got == expected, "caching", f"a leased read of {what} answered {got!r:.60}")
+    s.release(g)
+    return g
+
+
+def probe_past_deadline(s: Session, g: ReadGrant, what: str) -> None:
+    """Read under ``g`` at each of ``DEADLINE_PROBES_EPS`` past the holder's deadline plus
+    epsilon: every read MUST be refused (the session's holder-deadline oracle also FAILs one
+    that returns bytes)."""
+    edge_ns = s.deadlines_ns[(g.node, g.lease)] + s.skew_ms * 1_000_000
+    for eps in DEADLINE_PROBES_EPS:
+        wait_ms = (edge_ns + eps * s.skew_ms * 1_000_000 - time.monotonic_ns()) / 1e6
+        if wait_ms > 0:
+            s.sleep_ms(wait_ms)
+        got = s.read(g)
+        s.check(isinstance(got, Refused), "holder_deadline",
+                f"{what}: a read {eps:g} epsilon past the holder's deadline (+ epsilon) was served")  # fmt: skip
 
 
 def reader(s: Session, writer: str) -> str:
@@ -102,11 +132,13 @@ def one_writer(s: Session) -> None:
     s.check(all(g.reason == "not_absent" for g in grants if isinstance(g, Refused)), "OneWriterPerGeneration",
             f"refusals other than not_absent: {[g.reason for g in grants if isinstance(g, Refused)]}")  # fmt: skip
     g = won[0]
-    s.check(isinstance(s.write_bytes(g, s.payload()), Stored), "write", "write_bytes refused")
+    data = s.payload()
+    s.check(isinstance(s.write_bytes(g, data), Stored), "write", "write_bytes refused")
     s.check(isinstance(s.commit(g), Committed), "write", "commit refused")
     again = s.begin_write(reader(s, g.node), s.ns, key, None)
     s.check(isinstance(again, Refused) and again.reason == "not_absent", "OneWriterPerGeneration",
             f"begin_write on a COMMITTED key answered {again}")  # fmt: skip
+    read_back(s, reader(s, g.node), key, data, "the winner's block")
 
 
 def remote_read(s: Session) -> None:
@@ -191,6 +223,10 @@ def abort_frees(s: Session) -> None:
     s.check(g2.epoch > g.epoch, "EpochMonotonic", f"new write epoch {g2.epoch} not above {g.epoch}")
     late = s.commit(g)
     s.check(isinstance(late, Refused), "OneWriterPerGeneration", f"commit under the aborted grant answered {late}")
+    data = s.payload()
+    s.check(isinstance(s.write_bytes(g2, data), Stored), "write", "write_bytes under the new grant refused")
+    s.check(isinstance(s.commit(g2), Committed), "write", "commit under the new grant refused")
+    read_back(s, w, key, data, "the block written after the abort")
 
 
 def concurrent_chains(s: Session) -> None:
@@ -263,10 +299,11 @@ def holder_deadline(s: Session) -> None:
     put(s, w, key, None)
     g = s.acquire(reader(s, w), s.ns, key)
     s.check(isinstance(g, ReadGrant), "caching", f"acquire refused: {g}")
-    # Past the holder's own deadline plus epsilon for its clock offset: nothing may be served.
-    s.sleep_ms(g.term_ms + 2 * s.skew_ms + 5)
     got = s.read(g)
-    s.check(isinstance(got, Refused), "holder_deadline", "a read was served after the holder's deadline")
+    s.check(isinstance(got, bytes), "caching", f"a read right after the grant answered {got!r:.60}")
+    # Just past the holder's own deadline plus epsilon for its clock, at several offsets: nothing
+    # may be served (one read long after would miss a holder that trusts a little too long).
+    probe_past_deadline(s, g, "holder")
     r = s.renew(g)
     s.check(isinstance(r, Refused), "RenewalNeverRevives", f"renewal of an expired lease answered {r}")
 
@@ -307,11 +344,8 @@ def stale_writer(s: Session) -> None:
     s.check(late.reason in ("fenced", "lease_expired", "stale_epoch"), "FencingHolds", f"unexpected refusal {late}")
     late_commit = s.commit(stale)
     s.check(isinstance(late_commit, Refused), "OneWriterPerGeneration", f"a superseded commit answered {late_commit}")
-    g = s.acquire(reader(s, w), s.ns, child)
-    s.check(isinstance(g, ReadGrant), "caching", f"acquire refused: {g}")
-    got = s.read(g)
-    s.check(got == data or isinstance(got, Refused), "CommittedBytesIntact", "the committed block changed")
-    s.release(g)
+    # The fenced bytes must not have changed the committed block: read it, exactly.
+    read_back(s, reader(s, w), child, data, "the block after a fenced stale write")
 
 
 def renewal_extends(s: Session) -> None:
@@ -381,17 +415,21 @@ def cascade(s: Session) -> None:
         s.check(isinstance(a, Refused), "PrefixClosed", f"acquire of an invalidated descendant answered {a}")
     g = s.begin_write(w, s.ns, keys[1], keys[0])
     s.check(isinstance(g, Refused), "PrefixClosed", f"begin_write under an invalidated parent answered {g}")
-    put_chain(s, w, keys)
+    rewritten = put_chain(s, w, keys)
     s.check(s.lookup(w, s.ns, keys) == 3, "PrefixClosed", "the rewritten chain is not found")
+    for key, data in zip(keys, rewritten):
+        read_back(s, reader(s, w), key, data, "a block of the rewritten chain")
 
 
 def prefix_scope(s: Session) -> None:
     w = s.nodes[0]
     keys = chain(s, 4)
-    put_chain(s, w, keys)
+    data = put_chain(s, w, keys)
     wait_done(s, s.invalidate(w, s.ns, "prefix", keys[2]), keys[2:])
     n = s.lookup(reader(s, w), s.ns, keys)
     s.check(n == 2, "PrefixClosed", f"after invalidating the subtree under block 3, lookup counted {n}")
+    for key, expected in zip(keys[:2], data[:2]):
+        read_back(s, reader(s, w), key, expected, "an ancestor of an invalidated subtree")
 
 
 def namespace_scope(s: Session) -> None:
@@ -399,10 +437,12 @@ def namespace_scope(s: Session) -> None:
     a, b = s.namespaces[0], s.namespaces[1]
     ka, kb = chain(s, 2, a), chain(s, 2, b)
     put_chain(s, w, ka, a)
-    put_chain(s, w, kb, b)
+    data_b = put_chain(s, w, kb, b)
     wait_done(s, s.invalidate(w, a, "namespace", None), ka)
     s.check(s.lookup(w, a, ka) == 0, "NoStaleRead", "lookup finds blocks of an invalidated namespace")
     s.check(s.lookup(w, b, kb) == 2, "NamespaceIsolation", "invalidating one namespace voided another")
+    for key, expected in zip(kb, data_b):
+        read_back(s, reader(s, w), key, expected, "a block of the other namespace", ns=b)
 
 
 def empty_invalidation(s: Session) -> None:
@@ -448,13 +488,14 @@ def rewrite_after_evict(s: Session) -> None:
 def evict_absent(s: Session) -> None:
     w = s.nodes[0]
     keys = chain(s, 2)
-    put(s, w, keys[0], None)
+    data = put(s, w, keys[0], None)
     e = s.evict(w, s.ns, keys[1])
     s.check(isinstance(e, Refused), "DirectoryDataAgreement", f"evicting a never-written key answered {e}")
     if len(s.nodes) > 1:
         e = s.evict(reader(s, w), s.ns, keys[0])
         s.check(isinstance(e, Refused), "DirectoryDataAgreement", f"evicting another node's copy answered {e}")
     s.check(s.lookup(w, s.ns, keys) == 1, "DirectoryDataAgreement", "a refused eviction changed lookup")
+    read_back(s, reader(s, w), keys[0], data, "a block whose eviction was refused")
 
 
 # -- faults ----------------------------------------------------------------------------------------
@@ -468,7 +509,7 @@ def paused_holder(s: Session) -> None:
     g = s.acquire(h, s.ns, key)
     s.check(isinstance(g, ReadGrant), "caching", f"acquire refused: {g}")
     got = s.read(g)
-    s.check(got == data or isinstance(got, Refused), "CommittedBytesIntact", "wrong bytes")
+    s.check(got == data, "caching", f"a leased read before the pause answered {got!r:.60}")
     s.fault("pause", h)
     try:
         ticket = s.invalidate(w, s.ns, "key", key)
@@ -477,7 +518,10 @@ def paused_holder(s: Session) -> None:
     finally:
         s.fault("resume", h)
     s.check(done, "InvalidationCompletesInTime", "the invalidation did not complete after the holder's lease expired")
-    holder_deadline_ns = g.requested_at_ns + (g.term_ms - 2 * s.skew_ms) * 1_000_000
+    # The bound itself, on the suite's clock: the holder's deadline counts from no earlier than
+    # the suite's acquire call, so a correct directory completes after it (it waits term + epsilon
+    # from its grant), and one that completes even a little early is caught.
+    holder_deadline_ns = s.deadlines_ns[(g.node, g.lease)]
     s.check(done_ns >= holder_deadline_ns, "NoStaleRead",
             f"the invalidation completed {(holder_deadline_ns - done_ns) / 1e6:.0f} ms before a paused holder's lease could expire")  # fmt: skip
     s.audit.invalidations_by_expiry += 1
@@ -518,25 +562,31 @@ def crash_handoff(s: Session) -> None:
 def directory_restart(s: Session) -> None:
     w = s.nodes[0]
     keys = chain(s, 2)
-    put_chain(s, w, keys)
+    data = put_chain(s, w, keys)
     held = []
     for n in s.nodes:
-        g = s.acquire(n, s.ns, keys[0])
+        g = s.acquire(n, s.ns, keys[1])
         s.check(isinstance(g, ReadGrant), "caching", f"acquire refused: {g}")
         held.append(g)
     s.fault("restart_directory")
-    # Leases of the old incarnation may still be trusted: an invalidation must not complete
-    # before they could have expired, and new ids must be fresh (the session checks ids).
-    t0 = time.monotonic_ns()
+    # What was committed survives the restart: read it back, exactly (ids must be fresh: the
+    # session checks every grant's id against those of the old incarnation).
+    read_back(s, reader(s, w), keys[0], data[0], "a block committed before the directory restart")
+    # Leases of the old incarnation may still be trusted: invalidating their key must not
+    # complete before they could have expired (DESIGN 12), and none of them may read after.
     ticket = s.invalidate(w, s.ns, "key", keys[1])
     wait_done(s, ticket, keys[1:])
-    for n in s.nodes:
-        g = s.acquire(n, s.ns, keys[0])
-        if isinstance(g, ReadGrant):
-            s.release(g)
-    fresh = chain(s, 1)[0]
-    put(s, w, fresh, None)
-    del t0
+    done_ns = time.monotonic_ns()
+    first_deadline_ns = min(s.deadlines_ns.get((g.node, g.lease), done_ns) for g in held)
+    s.check(done_ns >= first_deadline_ns, "LeaseKnownToDirectory",
+            f"an invalidation completed {(first_deadline_ns - done_ns) / 1e6:.0f} ms before a lease of the previous "
+            "directory incarnation could expire")  # fmt: skip
+    for g in held:
+        got = s.read(g)
+        s.check(isinstance(got, Refused), "NoStaleRead", "a lease of the previous incarnation read after the invalidation")
+    # The key is writable again under the new incarnation, and its new bytes are read exactly.
+    again = put(s, w, keys[1], keys[0])
+    read_back(s, reader(s, w), keys[1], again, "a block rewritten after the directory restart")
 
 
 def clock_skew(s: Session) -> None:
@@ -549,10 +599,8 @@ def clock_skew(s: Session) -> None:
         g = s.acquire(h, s.ns, key)
         s.check(isinstance(g, ReadGrant), "caching", f"acquire refused: {g}")
         got = s.read(g)
-        s.check(got == data or isinstance(got, Refused), "CommittedBytesIntact", "wrong bytes")
-        s.sleep_ms(g.term_ms + 2 * s.skew_ms + 5)
-        got = s.read(g)
-        s.check(isinstance(got, Refused), "holder_deadline", "a skewed holder read after its deadline")
+        s.check(got == data, "caching", f"a skewed holder's read right after the grant answered {got!r:.60}")
+        probe_past_deadline(s, g, "skewed holder")
     finally:
         s.fault("skew_clock", h, 0)
 
@@ -617,5 +665,6 @@ def audit(s: Session) -> None:  # pragma: no cover - audits are evaluated by the
 
 BODIES: dict[str, Callable[[Session], None]] = {
     name: fn for name, fn in globals().items() if callable(fn) and getattr(fn, "__module__", None) == __name__
-    and not name.startswith("_") and name not in ("chain", "put", "put_chain", "wait_done", "reader", "run_threads")
+    and not name.startswith("_")
+    and name not in ("chain", "put", "put_chain", "wait_done", "reader", "run_threads", "read_back", "probe_past_deadline")
 }  # fmt: skip

@@ -19,8 +19,8 @@ the previous rule's state; every process's event log must read back well-formed.
    ``SyncClient``s; rules are operations plus kill -9/restart of a node, SIGSTOP/SIGCONT of a node
    and a directory restart. Its checks are end to end: reads never return bytes other than the
    committed ones, committed data survives a directory restart, no read is served after a revoke
-   was acknowledged, and the merged event trace is well-formed (and, where the trace validator
-   is present, not REJECTED).
+   was acknowledged, and the merged event trace is well-formed and ACCEPTED by the trace
+   validator (REJECTED is a failure; so is INCONCLUSIVE: a trace nobody could judge proves nothing).
 
 Each machine is also run with a deliberate bug (a node that skips its tier's fence, a client
 that acknowledges a revoke without dropping the lease) and must fail: a test that cannot fail
@@ -898,20 +898,18 @@ class ProcessMachine(RuleBasedStateMachine):
             read_events(path)  # seq from 1 without gaps per (node, incarnation)
 
 
-def _validate_trace(cluster) -> str | None:
-    """The merged trace's verdict, where the trace validator exists; ``None`` otherwise."""
-    try:
-        from kvcc.conformance.validate import REJECTED, TraceParams, validate_trace
-    except ImportError:
-        return None
+def _validate_trace(cluster) -> None:
+    """The merged trace of the real-process cluster must be ACCEPTED: a rejection is a failure of
+    the runtime (or of the validator), and an undecided trace is no evidence either way."""
+    from kvcc.conformance.validate import ACCEPTED, TraceParams, validate_trace
+
     events = sorted(cluster.events(), key=lambda e: (e["t_wall_ns"], e["node"], e["seq"]))
+    assert events, "the cluster logged no events"
     params = TraceParams(PROC_TERM_MS, PROC_EPS_MS, locations={f"{n}/dram": n for n in NODES})
     verdict = validate_trace(events, params)
-    if verdict.status == REJECTED:
-        # The validator is new; until it and the runtime agree on real-process traces, a
-        # rejection is reported as an expected failure with its reason, not hidden.
-        pytest.xfail("trace validator REJECTED the cluster's trace: " + json.dumps(verdict.to_json(), default=str)[:1500])
-    return verdict.status
+    assert verdict.status == ACCEPTED, "the cluster's trace was not ACCEPTED: " + json.dumps(
+        verdict.to_json(), default=str
+    )[:1500]
 
 
 PROC_HOME = {"c0": "n1", "c1": "n2"}  # the node each client of the process machine lives next to

@@ -211,40 +211,61 @@ def test_harness_stop_leaves_nothing(etcd_leak_check):
 
 
 def test_raw_throughput_baseline(etcd1, capsys):
-    """Printed, not asserted: the directory benchmark compares its etcd backend to this."""
+    """The rates are printed, not asserted (the directory benchmark compares its etcd backend to
+    them; tests never assert wall-clock times); what is asserted is that the measured operations
+    happened: every put is read back with the value of its last write, and every granted lease
+    was revoked (etcd no longer knows it)."""
     dur = 1.0
 
     def puts(kv: EtcdKV, tag: str, stop: float) -> int:
         n = 0
         while time.monotonic() < stop:
-            kv.put(f"bench/{tag}/{n % 256}", "v" * 64)
+            kv.put(f"bench/{tag}/{n % 256}", f"{n:08d}" + "v" * 56)
             n += 1
         return n
+
+    def landed(kv: EtcdKV, tag: str, n: int) -> None:
+        assert n > 0, f"{tag}: no put completed"
+        for slot in {0, (n - 1) % 256}:
+            last = max(i for i in range(slot, n, 256))  # the last put into this slot
+            got = kv.get(f"bench/{tag}/{slot}")
+            assert got is not None and got[0] == (f"{last:08d}" + "v" * 56).encode(), (tag, slot, got)
 
     with EtcdKV(etcd1.endpoints) as kv:
         puts(kv, "warm", time.monotonic() + 0.2)
         t = time.monotonic()
-        one = puts(kv, "one", t + dur) / (time.monotonic() - t)
+        n_one = puts(kv, "one", t + dur)
+        one = n_one / (time.monotonic() - t)
 
-        counts: list[int] = []
+        counts: dict[int, int] = {}
         clients = [EtcdKV(etcd1.endpoints) for _ in range(4)]
         stop = time.monotonic() + dur
-        threads = [threading.Thread(target=lambda c=c, i=i: counts.append(puts(c, f"c{i}", stop))) for i, c in enumerate(clients)]
+        threads = [threading.Thread(target=lambda c=c, i=i: counts.__setitem__(i, puts(c, f"c{i}", stop)))
+                   for i, c in enumerate(clients)]  # fmt: skip
         t = time.monotonic()
         for th in threads:
             th.start()
         for th in threads:
             th.join()
-        four = sum(counts) / (time.monotonic() - t)
+        four = sum(counts.values()) / (time.monotonic() - t)
         for c in clients:
             c.close()
 
-        n, t = 0, time.monotonic()
+        landed(kv, "one", n_one)
+        assert sorted(counts) == list(range(len(clients)))
+        for i, n in counts.items():
+            landed(kv, f"c{i}", n)
+
+        n, t, revoked = 0, time.monotonic(), []
         while time.monotonic() - t < dur:
-            kv.revoke(kv.grant_lease(10))
+            lease = kv.grant_lease(10)
+            assert kv.revoke(lease), f"lease {lease} was gone before its revocation"
+            revoked.append(lease)
             n += 1
         leases = n / (time.monotonic() - t)
+        assert n > 0 and kv.lease_ttl(revoked[-1]) is None, "a revoked lease is still known"
         kv.delete("bench/", prefix=True)
+        assert kv.range_prefix("bench/")[0] == []
     with capsys.disabled():
         print(
             f"\netcd raw baseline (1 member, loopback, JSON gateway): put {one:.0f}/s from 1 client, "

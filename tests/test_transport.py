@@ -375,8 +375,10 @@ asyncio.run(main())
 
 
 def test_ping_round_trips_per_second():
-    """Measured, not asserted: the raw transport baseline (the server answers Ping itself, the
-    handler is never called). The server runs in its own process, so each side has a core."""
+    """The rate is measured, not asserted (the raw transport baseline; the server answers Ping
+    itself, the handler is never called; it runs in its own process, so each side has a core).
+    Asserted: every client completed round trips, each answered with its own nonce (``ping``
+    raises otherwise) in a positive time, and the connections stay usable after the load."""
     proc = subprocess.Popen([sys.executable, "-c", _PING_SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         port = int(proc.stdout.readline())
@@ -387,18 +389,24 @@ def test_ping_round_trips_per_second():
                 for c in clients:
                     await c.ping()
                 count = 0
+                per_client = [0] * clients_n
                 started = time.perf_counter()
 
-                async def loop(c, deadline=started + 0.7):
+                async def loop(i, c, deadline=started + 0.7):
                     nonlocal count
                     while time.perf_counter() < deadline:
-                        await c.ping(count)
+                        took_s = await c.ping(count)  # raises unless the Pong echoes this nonce
+                        assert took_s > 0
                         count += 1
+                        per_client[i] += 1
 
-                await asyncio.gather(*(loop(c) for c in clients))
+                await asyncio.gather(*(loop(i, c) for i, c in enumerate(clients)))
                 rate = count / (time.perf_counter() - started)
                 print(f"\nPing round trips: {rate:,.0f}/s with {clients_n} concurrent client(s), server in another process")
+                assert all(n > 0 for n in per_client), per_client
+                assert sum(per_client) == count
                 for c in clients:
+                    assert await c.ping(-1 & 0xFFFF) > 0  # still usable after the load
                     await c.close()
 
         run(main())
