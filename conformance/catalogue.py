@@ -272,3 +272,40 @@ def catalogue_markdown() -> str:
                 "",
             ]
     return "\n".join(lines).rstrip() + "\n"
+
+
+# -- tests added for the suite's mutation score (kvcc.conformance.mutation): each one fails mutants of
+# the reference that the tests above let through. Each goes before its profile's audit (an audit
+# counts the tests run before it).
+
+_MUTATION_TESTS: tuple[TestCase, ...] = (
+    TestCase("KVCC-CORE-009", "A block belongs to the namespace it was written in",
+             "For a tenant authorised for two namespaces, lookup under one MUST NOT count blocks written under the "
+             "other, acquire of such a block through the other namespace MUST be refused, and begin_write MUST "
+             "refuse a parent of another namespace.",
+             "core", ("NamespaceIsolation", "PrefixClosed"), "10,11", "namespace_bound",
+             namespaces=2, covers={"caching", "trace_complete"}),
+    TestCase("KVCC-LEASE-007", "A renewed lease protects its copy until the renewed expiry",
+             "After a renewal, evicting the leased copy MUST be refused (leased) past the first lease's expiry and "
+             "before the renewed one; once the lease is released, evicting it MUST succeed.",
+             "leases", ("NoReclaimUnderLease", "RenewalNeverRevives"), "5,8", "renewal_protects",
+             covers={"evict_under_lease", "eviction"}),
+    TestCase("KVCC-FAULT-005", "A lease survives a directory restart",
+             "After a directory restart, renewing a lease granted before it MUST be answered (granted or refused), "
+             "and evicting the copy it protects MUST be refused while that lease may be live.",
+             "faults", ("NoReclaimUnderLease", "LeaseKnownToDirectory"), "5,12", "lease_across_restart",
+             faults={"restart_directory"}),
+)
+
+
+def _before_audits(tests: tuple[TestCase, ...], extra: tuple[TestCase, ...]) -> tuple[TestCase, ...]:
+    out = list(tests)
+    for t in extra:
+        at = next(i for i, u in enumerate(out) if u.profile == t.profile and u.audit)
+        out.insert(at, t)
+    return tuple(out)
+
+
+CATALOGUE = _before_audits(CATALOGUE, _MUTATION_TESTS)
+BY_ID = {t.id: t for t in CATALOGUE}
+assert len(BY_ID) == len(CATALOGUE), "test ids are unique"

@@ -668,3 +668,66 @@ BODIES: dict[str, Callable[[Session], None]] = {
     and not name.startswith("_")
     and name not in ("chain", "put", "put_chain", "wait_done", "reader", "run_threads", "read_back", "probe_past_deadline")
 }  # fmt: skip
+
+
+# -- tests added for the suite's mutation score (kvcc.conformance.mutation): each one fails
+# mutants of the reference that every test above let through -------------------------------------------
+
+
+def namespace_bound(s: Session) -> None:
+    """A block belongs to the namespace it was written in, even for a tenant authorised for two."""
+    w = s.nodes[0]
+    a, b = s.namespaces[0], s.namespaces[1]
+    keys = chain(s, 2, a)
+    data = put_chain(s, w, keys, a)
+    others = [n for n in s.nodes if n != w] or [w]
+    n = s.lookup(others[0], b, keys)
+    s.check(n == 0, "NamespaceIsolation", f"lookup under another authorised namespace counted {n} blocks")
+    # One refused acquire per node and key (a refused holder's request stays pending in the spec).
+    for i, key in enumerate(keys):
+        g = s.acquire(others[i % len(others)], b, key)
+        s.check(isinstance(g, Refused), "NamespaceIsolation",
+                f"acquire of a block through another authorised namespace answered {g}")  # fmt: skip
+    child = chain(s, 3, b)[2]
+    g = s.begin_write(w, b, child, keys[1])
+    s.check(isinstance(g, Refused), "PrefixClosed", f"begin_write under a parent of another namespace answered {g}")
+    read_back(s, w, keys[0], data[0], "a block of the namespace it was written in", ns=a)
+
+
+def renewal_protects(s: Session) -> None:
+    """A renewed lease protects its copy until the renewed expiry, not the first one."""
+    w = s.nodes[0]
+    key = chain(s, 1)[0]
+    put(s, w, key, None)
+    g = s.acquire(reader(s, w), s.ns, key)
+    s.check(isinstance(g, ReadGrant), "caching", f"acquire refused: {g}")
+    s.sleep_ms(g.term_ms * 0.5)
+    r = s.renew(g)
+    s.check(isinstance(r, ReadGrant), "RenewalNeverRevives", f"renewal of a live lease answered {r}")
+    # Past the first lease's bound on the directory's side (term + epsilon from the grant, and
+    # epsilon more for the clocks), well inside the renewed one.
+    s.sleep_ms(g.term_ms * 0.5 + 2 * s.skew_ms + 5)
+    e = s.evict(w, s.ns, key, leased=True)
+    s.check(isinstance(e, Refused) and e.reason == "leased", "NoReclaimUnderLease",
+            f"evicting a copy under a renewed lease, past its first expiry, answered {e}")  # fmt: skip
+    s.release(r)
+    e = s.evict(w, s.ns, key)
+    s.check(isinstance(e, Evicted), "eviction", f"eviction of an unleased copy answered {e}")
+
+
+def lease_across_restart(s: Session) -> None:
+    """A lease granted before a directory restart: its renewal is answered, its copy kept."""
+    w = s.nodes[0]
+    key = chain(s, 1)[0]
+    put(s, w, key, None)
+    g = s.acquire(reader(s, w), s.ns, key)
+    s.check(isinstance(g, ReadGrant), "caching", f"acquire refused: {g}")
+    s.fault("restart_directory")
+    # Granted (a directory that keeps its leases) or refused (one that forgot them): either way
+    # an answer, never an error.
+    s.renew(g)
+    e = s.evict(w, s.ns, key)
+    s.check(isinstance(e, Refused), "NoReclaimUnderLease", f"evicting a copy a lease of the previous incarnation may protect answered {e}")
+
+
+BODIES.update(namespace_bound=namespace_bound, renewal_protects=renewal_protects, lease_across_restart=lease_across_restart)
