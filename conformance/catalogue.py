@@ -287,12 +287,13 @@ _MUTATION_TESTS: tuple[TestCase, ...] = (
              namespaces=2, covers={"caching", "trace_complete"}),
     TestCase("KVCC-LEASE-007", "A renewed lease protects its copy until the renewed expiry",
              "After a renewal, evicting the leased copy MUST be refused (leased) past the first lease's expiry and "
-             "before the renewed one; once the lease is released, evicting it MUST succeed.",
+             "before the renewed one; once the renewed lease has expired, evicting it MUST succeed.",
              "leases", ("NoReclaimUnderLease", "RenewalNeverRevives"), "5,8", "renewal_protects",
              covers={"evict_under_lease", "eviction"}),
     TestCase("KVCC-FAULT-005", "A lease survives a directory restart",
-             "After a directory restart, renewing a lease granted before it MUST be answered (granted or refused), "
-             "and evicting the copy it protects MUST be refused while that lease may be live.",
+             "After a directory restart, renewing and releasing a lease granted before it MUST be answered "
+             "(granted or refused; ignored), and evicting the copy it protects MUST be refused while that lease "
+             "may be live.",
              "faults", ("NoReclaimUnderLease", "LeaseKnownToDirectory"), "5,12", "lease_across_restart",
              faults={"restart_directory"}),
 )
