@@ -282,7 +282,8 @@ _MUTATION_TESTS: tuple[TestCase, ...] = (
     TestCase("KVCC-CORE-009", "A block belongs to the namespace it was written in",
              "For a tenant authorised for two namespaces, lookup under one MUST NOT count blocks written under the "
              "other, acquire of such a block through the other namespace MUST be refused, and begin_write MUST "
-             "refuse a parent of another namespace.",
+             "refuse a parent of another namespace; acquire of a never-written key in a namespace the tenant may "
+             "not use MUST be refused (unauthorized).",
              "core", ("NamespaceIsolation", "PrefixClosed"), "10,11", "namespace_bound",
              namespaces=2, covers={"caching", "trace_complete"}),
     TestCase("KVCC-LEASE-007", "A renewed lease protects its copy until the renewed expiry",
@@ -296,6 +297,11 @@ _MUTATION_TESTS: tuple[TestCase, ...] = (
              "may be live.",
              "faults", ("NoReclaimUnderLease", "LeaseKnownToDirectory"), "5,12", "lease_across_restart",
              faults={"restart_directory"}),
+    TestCase("KVCC-FAULT-006", "A restarted node works like a new one",
+             "A node that read a block under a lease and released it, then was killed and restarted without its "
+             "memory, MUST be able to acquire and read exactly the bytes written after its restart.",
+             "faults", ("CommittedBytesIntact", "LeaseKnownToDirectory"), "4,9", "restarted_node",
+             faults={"kill", "restart"}, covers={"caching", "trace_complete"}),
 )
 
 

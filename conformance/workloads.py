@@ -692,6 +692,9 @@ def namespace_bound(s: Session) -> None:
     g = s.begin_write(w, b, child, keys[1])
     s.check(isinstance(g, Refused), "PrefixClosed", f"begin_write under a parent of another namespace answered {g}")
     read_back(s, w, keys[0], data[0], "a block of the namespace it was written in", ns=a)
+    g = s.acquire(w, s.foreign, chain(s, 1, s.foreign)[0])
+    s.check(isinstance(g, Refused) and g.reason == "unauthorized", "NamespaceIsolation",
+            f"acquire of a never-written key in a namespace the tenant may not use answered {g}")  # fmt: skip
 
 
 def renewal_protects(s: Session) -> None:
@@ -733,4 +736,29 @@ def lease_across_restart(s: Session) -> None:
     s.release(g)  # the restarted directory may not know it: ignored then, never an error
 
 
-BODIES.update(namespace_bound=namespace_bound, renewal_protects=renewal_protects, lease_across_restart=lease_across_restart)
+def restarted_node(s: Session) -> None:
+    """A node that read under a lease and released it, then was killed and restarted without its
+    memory, works like a new one: its key is handed over, and it reads the new bytes exactly."""
+    if len(s.nodes) < 2:
+        raise _not_applicable("needs two nodes")
+    w, r = s.nodes[0], s.nodes[1]
+    key = chain(s, 1)[0]
+    data = put(s, w, key, None)
+    read_back(s, w, key, data, "a block before the node's restart")
+    s.fault("kill", w)
+    s.fault("restart", w)
+    deadline = time.monotonic() + INVALIDATION_SLACK * s.term_s + 1
+    while True:
+        g = s.begin_write(r, s.ns, key, None)
+        if isinstance(g, WriteGrant):
+            break
+        s.check(time.monotonic() < deadline, "OwnershipHandoffAfterCrash", f"the crashed owner's key stayed unwritable: {g}")
+        s.sleep_ms(s.lease_term_ms / 10)
+    new = s.payload()
+    s.check(isinstance(s.write_bytes(g, new), Stored), "write", "write_bytes refused")
+    s.check(isinstance(s.commit(g), Committed), "write", "commit refused")
+    read_back(s, w, key, new, "a block after the node's restart")
+
+
+BODIES.update(namespace_bound=namespace_bound, renewal_protects=renewal_protects, lease_across_restart=lease_across_restart,
+              restarted_node=restarted_node)
