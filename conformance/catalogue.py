@@ -291,6 +291,11 @@ _MUTATION_TESTS: tuple[TestCase, ...] = (
              "before the renewed one; once the renewed lease has expired, evicting it MUST succeed.",
              "leases", ("NoReclaimUnderLease", "RenewalNeverRevives"), "5,8", "renewal_protects",
              covers={"evict_under_lease", "eviction"}),
+    TestCase("KVCC-LEASE-008", "A writer past its write lease is refused",
+             "A writer whose bytes are stored but whose write lease expired (term plus epsilon) before it commits "
+             "MUST have its commit refused; lookup MUST NOT find the block, and another node MUST be able to write "
+             "the key.",
+             "leases", ("OneWriterPerGeneration", "WriteLeaseEndsInTime", "NoDirtyRead"), "1,3", "late_commit"),
     TestCase("KVCC-FAULT-005", "A lease survives a directory restart",
              "After a directory restart, renewing and releasing a lease granted before it MUST be answered "
              "(granted or refused; ignored), and evicting the copy it protects MUST be refused while that lease "

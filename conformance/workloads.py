@@ -760,5 +760,22 @@ def restarted_node(s: Session) -> None:
     read_back(s, w, key, new, "a block after the node's restart")
 
 
+def late_commit(s: Session) -> None:
+    """A writer that stalls past its write lease with its bytes stored, then commits: refused."""
+    w = s.nodes[0]
+    key = chain(s, 1)[0]
+    g = s.begin_write(w, s.ns, key, None)
+    s.check(isinstance(g, WriteGrant), "write", f"begin_write refused: {g}")
+    s.check(isinstance(s.write_bytes(g, s.payload()), Stored), "write", "write_bytes refused")
+    # Past the write lease on the directory's side (term + epsilon from the grant), epsilon more for
+    # the clocks: the lease has expired, and the stalled writer wakes up and commits.
+    s.sleep_ms((g.requested_at_ns - time.monotonic_ns()) / 1e6 + g.term_ms + 3 * s.skew_ms + 5)
+    c = s.commit(g)
+    s.check(isinstance(c, Refused), "OneWriterPerGeneration", f"a commit after the write lease expired answered {c}")
+    s.check(s.lookup(w, s.ns, [key]) == 0, "NoDirtyRead", "lookup finds a block whose write lease expired")
+    r = reader(s, w)
+    put(s, r, key, None)
+
+
 BODIES.update(namespace_bound=namespace_bound, renewal_protects=renewal_protects, lease_across_restart=lease_across_restart,
-              restarted_node=restarted_node)
+              restarted_node=restarted_node, late_commit=late_commit)
