@@ -296,6 +296,11 @@ _MUTATION_TESTS: tuple[TestCase, ...] = (
              "MUST have its commit refused; lookup MUST NOT find the block, and another node MUST be able to write "
              "the key.",
              "leases", ("OneWriterPerGeneration", "WriteLeaseEndsInTime", "NoDirtyRead"), "1,3", "late_commit"),
+    TestCase("KVCC-INVAL-006", "Invalidation names the key's own namespace",
+             "Invalidating a key through another namespace the tenant is authorised for MUST NOT void it: lookup "
+             "MUST still count it and reads MUST return its bytes.",
+             "invalidation", ("NamespaceIsolation", "NoStaleRead"), "6,11", "invalidate_other_namespace",
+             namespaces=2, covers={"caching", "trace_complete"}),
     TestCase("KVCC-FAULT-005", "A lease survives a directory restart",
              "After a directory restart, renewing and releasing a lease granted before it MUST be answered "
              "(granted or refused; ignored), and evicting the copy it protects MUST be refused while that lease "

@@ -777,5 +777,19 @@ def late_commit(s: Session) -> None:
     put(s, r, key, None)
 
 
+def invalidate_other_namespace(s: Session) -> None:
+    """Invalidating a key through another (authorised) namespace voids nothing."""
+    w = s.nodes[0]
+    a, b = s.namespaces[0], s.namespaces[1]
+    keys = chain(s, 2, a)
+    data = put_chain(s, w, keys, a)
+    wait_done(s, s.invalidate(w, b, "key", keys[0]), [])
+    n = s.lookup(w, a, keys)
+    s.check(n == 2, "NamespaceIsolation", f"after an invalidation named in another namespace, lookup counted {n} of 2")
+    for key, expected in zip(keys, data):
+        read_back(s, reader(s, w), key, expected, "a block invalidated through another namespace", ns=a)
+
+
 BODIES.update(namespace_bound=namespace_bound, renewal_protects=renewal_protects, lease_across_restart=lease_across_restart,
-              restarted_node=restarted_node, late_commit=late_commit)
+              restarted_node=restarted_node, late_commit=late_commit,
+              invalidate_other_namespace=invalidate_other_namespace)
