@@ -301,6 +301,11 @@ _MUTATION_TESTS: tuple[TestCase, ...] = (
              "MUST still count it and reads MUST return its bytes.",
              "invalidation", ("NamespaceIsolation", "NoStaleRead"), "6,11", "invalidate_other_namespace",
              namespaces=2, covers={"caching", "trace_complete"}),
+    TestCase("KVCC-INVAL-007", "Invalidation while a block is only being written",
+             "Invalidating a key, or a namespace, whose only block is still being written MUST complete; the write "
+             "MAY then commit, and a read MUST return exactly what was committed.",
+             "invalidation", ("NoDirtyRead", "InvalidationCompletesInTime"), "3,6", "invalidate_during_write",
+             scopes={"key", "namespace"}, covers={"caching", "trace_complete"}),
     TestCase("KVCC-FAULT-005", "A lease survives a directory restart",
              "After a directory restart, renewing and releasing a lease granted before it MUST be answered "
              "(granted or refused; ignored), and evicting the copy it protects MUST be refused while that lease "

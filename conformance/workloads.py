@@ -790,6 +790,24 @@ def invalidate_other_namespace(s: Session) -> None:
         read_back(s, reader(s, w), key, expected, "a block invalidated through another namespace", ns=a)
 
 
+def invalidate_during_write(s: Session) -> None:
+    """Invalidating a key, then a namespace, whose only block is still being written."""
+    w = s.nodes[0]
+    k1, k2 = chain(s, 1)[0], chain(s, 1)[0]
+    g1 = s.begin_write(w, s.ns, k1, None)
+    s.check(isinstance(g1, WriteGrant), "write", f"begin_write refused: {g1}")
+    wait_done(s, s.invalidate(w, s.ns, "key", k1), [])
+    g2 = s.begin_write(w, s.ns, k2, None)
+    s.check(isinstance(g2, WriteGrant), "write", f"begin_write refused: {g2}")
+    wait_done(s, s.invalidate(w, s.ns, "namespace", None), [])
+    # The writes may go on and commit (nothing was readable to void) or have been aborted: either
+    # way what is then read is exactly what was committed.
+    for g in (g1, g2):
+        data = s.payload()
+        if isinstance(s.write_bytes(g, data), Stored) and isinstance(s.commit(g), Committed):
+            read_back(s, reader(s, w), g.key, data, "a block committed after an invalidation")
+
+
 BODIES.update(namespace_bound=namespace_bound, renewal_protects=renewal_protects, lease_across_restart=lease_across_restart,
               restarted_node=restarted_node, late_commit=late_commit,
-              invalidate_other_namespace=invalidate_other_namespace)
+              invalidate_other_namespace=invalidate_other_namespace, invalidate_during_write=invalidate_during_write)
