@@ -306,6 +306,10 @@ _MUTATION_TESTS: tuple[TestCase, ...] = (
              "MAY then commit, and a read MUST return exactly what was committed.",
              "invalidation", ("NoDirtyRead", "InvalidationCompletesInTime"), "3,6", "invalidate_during_write",
              scopes={"key", "namespace"}, covers={"caching", "trace_complete"}),
+    TestCase("KVCC-INVAL-008", "A ticket counts the blocks it voids",
+             "The ticket of an invalidation MUST count the COMMITTED blocks it voids: a block and its committed "
+             "descendants for a key, every committed block of the namespace for a namespace.",
+             "invalidation", ("InvalidationCompletesInTime",), "6", "ticket_counts", scopes={"key", "namespace"}),
     TestCase("KVCC-FAULT-005", "A lease survives a directory restart",
              "After a directory restart, renewing and releasing a lease granted before it MUST be answered "
              "(granted or refused; ignored), and evicting the copy it protects MUST be refused while that lease "

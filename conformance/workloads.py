@@ -808,6 +808,20 @@ def invalidate_during_write(s: Session) -> None:
             read_back(s, reader(s, w), g.key, data, "a block committed after an invalidation")
 
 
+def ticket_counts(s: Session) -> None:
+    """A ticket counts the COMMITTED blocks its invalidation voids."""
+    w = s.nodes[0]
+    keys = chain(s, 3)
+    put_chain(s, w, keys)
+    t = s.invalidate(w, s.ns, "key", keys[1])
+    s.check(t.keys == 2, "invalidate", f"invalidating a block with one descendant covers {t.keys} keys, not 2")
+    wait_done(s, t, keys[1:])
+    t = s.invalidate(w, s.ns, "namespace", None)
+    s.check(t.keys == 1, "invalidate", f"invalidating a namespace with one committed block covers {t.keys} keys, not 1")
+    wait_done(s, t, keys[:1])
+
+
 BODIES.update(namespace_bound=namespace_bound, renewal_protects=renewal_protects, lease_across_restart=lease_across_restart,
               restarted_node=restarted_node, late_commit=late_commit,
-              invalidate_other_namespace=invalidate_other_namespace, invalidate_during_write=invalidate_during_write)
+              invalidate_other_namespace=invalidate_other_namespace, invalidate_during_write=invalidate_during_write,
+              ticket_counts=ticket_counts)
