@@ -90,7 +90,8 @@ CATALOGUE: tuple[TestCase, ...] = (
       "core", ("OneWriterPerGeneration", "OneOwnerPerEpoch"), "1", "one_writer", covers={"trace_complete", "caching"}),
     T("KVCC-CORE-003", "A remote read under lease returns the committed bytes",
       "A node holding a read lease on a block committed by another node MUST read exactly the committed bytes.",
-      "core", ("CommittedBytesIntact", "DirectoryDataAgreement"), "3,4,9", "remote_read", covers={"caching", "trace_complete"}),
+      "core", ("CommittedBytesIntact", "DirectoryDataAgreement"), "3,4,9", "remote_read",
+      covers={"caching", "trace_complete"}),
     T("KVCC-CORE-004", "No lease before commit",
       "A read lease MUST NOT be granted on a key that is WRITING, before or after its bytes are stored; it MUST "
       "be refused (not_committed) until the commit.",
@@ -124,7 +125,8 @@ CATALOGUE: tuple[TestCase, ...] = (
     T("KVCC-LEASE-003", "A holder stops at its own deadline",
       "A holder MUST NOT read under a lease after requested_at + term - epsilon on its clock, measured from "
       "when it sent the request; renewing such a lease MUST be refused.",
-      "leases", ("LeaseKnownToDirectory", "RenewalNeverRevives"), "8", "holder_deadline", covers={"holder_expiry", "trace_complete", "caching"}),
+      "leases", ("LeaseKnownToDirectory", "RenewalNeverRevives"), "8", "holder_deadline",
+      covers={"holder_expiry", "trace_complete", "caching"}),
     T("KVCC-LEASE-004", "No eviction under a live lease",
       "Evicting a copy under a live read lease MUST be refused (leased); once the lease is released, evicting "
       "it MUST succeed.",
@@ -155,7 +157,8 @@ CATALOGUE: tuple[TestCase, ...] = (
       "invalidation", ("PrefixClosed", "NoStaleRead"), "6,10", "cascade", covers={"trace_complete", "caching"}),
     T("KVCC-INVAL-003", "Prefix-scoped invalidation",
       "Invalidating with scope prefix MUST void the subtree under the key and MUST leave its ancestors "
-      "COMMITTED.", "invalidation", ("PrefixClosed",), "6,10", "prefix_scope", scopes={"prefix"}, covers={"trace_complete", "caching"}),
+      "COMMITTED.", "invalidation", ("PrefixClosed",), "6,10", "prefix_scope", scopes={"prefix"},
+      covers={"trace_complete", "caching"}),
     T("KVCC-INVAL-004", "Namespace-scoped invalidation",
       "Invalidating a namespace MUST void every block of it and MUST NOT touch another namespace.",
       "invalidation", ("NamespaceIsolation", "NoStaleRead"), "6,11", "namespace_scope", scopes={"namespace"},
@@ -205,7 +208,8 @@ CATALOGUE: tuple[TestCase, ...] = (
       covers={"holder_expiry", "trace_complete", "caching"}),
     T("KVCC-FAULT-900", "Audit: invalidations completed by expiry",
       "A faults run MUST show an invalidation that completed by lease expiry.",
-      "faults", ("InvalidationCompletedByExpiry",), "non-vacuity", "audit", audit=True, covers={"early_completion", "caching"}),
+      "faults", ("InvalidationCompletedByExpiry",), "non-vacuity", "audit", audit=True,
+      covers={"early_completion", "caching"}),
     # -- load -----------------------------------------------------------------------------------------
     T("KVCC-LOAD-001", "Mixed concurrent load",
       "Under a concurrent mix of writes, reads, invalidations and evictions on every node, every read MUST "

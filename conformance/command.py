@@ -118,11 +118,12 @@ def _summary(rep) -> None:
     table.add_column("profile")
     for s in ("PASS", "FAIL", "ERROR", "SKIP", "NOT_APPLICABLE"):
         table.add_column(s, justify="right", style=_STYLE[s])
+    table.add_column("counted", justify="right")  # PASS with the trace ACCEPTED: what certifies
     table.add_column("claimed")
     for p in rep.profiles:
         rs = [r for r in rep.results if r.profile == p]
         table.add_row(p, *[str(sum(r.status == s for r in rs)) for s in ("PASS", "FAIL", "ERROR", "SKIP", "NOT_APPLICABLE")],
-                      "yes" if p in rep.claimed else "no")  # fmt: skip
+                      f"{sum(r.counts for r in rs)}/{len(rs)}", "yes" if p in rep.claimed else "no")  # fmt: skip
     console.print(table)
     for r in rep.results:
         if r.status in ("FAIL", "ERROR"):

@@ -16,7 +16,8 @@ every test whatever it does:
   under a lease of an older generation may return bytes;
 - **holder deadline** (DESIGN leases): no read may return bytes when it started after the
   holder's own deadline (requested_at + term - epsilon), with epsilon of slack for the holder's
-  clock offset;
+  clock; requested_at is taken as late as it can be (when the grant reached the suite), so a
+  request that waited before it was sent is never mistaken for a holder that trusts too long;
 - **fresh lease ids** (DESIGN 8): no grant may carry a lease id granted before in the test.
 
 A violation raises ``OracleFailure`` (FAIL) naming the rule and the history index. Per-test
@@ -39,6 +40,7 @@ a second lease or write of a key it is busy with) implies no event at all.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -98,6 +100,21 @@ class Audit:
         return {a.name: getattr(self, a.name) for a in self.__attrs_attrs__}
 
 
+def _ordered(method: Callable) -> Callable:
+    """In inferred mode, one operation at a time, its inferred events logged before the next
+    starts: the order of the inferred directory log is then the order the adapter decided in (a
+    native trace carries its own order, so native adapters keep full concurrency)."""
+
+    @functools.wraps(method)
+    def in_order(self: Session, *args: Any, **kwargs: Any) -> Any:
+        if not self.infer:
+            return method(self, *args, **kwargs)
+        with self.order:
+            return method(self, *args, **kwargs)
+
+    return in_order
+
+
 @define
 class Session:
     """What a workload gets: the adapter behind a recording proxy, the run's parameters and a
@@ -118,11 +135,17 @@ class Session:
     committing: dict = field(factory=dict)  # (key, gen) -> {write lease: (bytes, writer node)} while commit runs
     read_while_committing: dict = field(factory=dict)  # (key, gen, lease) -> history index of the first such read
     pending_bytes: dict = field(factory=dict)  # (key, lease) -> bytes stored
-    invalidated_below: dict = field(factory=dict)  # key -> every generation below this is void
+    invalidated_below: dict = field(factory=dict)  # key -> [(generations below this are void, from this suite time)]
     lease_ids: dict = field(factory=dict)  # lease id -> history index of its grant
-    deadlines_ns: dict = field(factory=dict)  # (node, lease) -> holder deadline (suite clock)
+    # The holder's deadline is requested_at + term - epsilon on its clock, and the suite does not
+    # see when the request left: somewhere between the call's start and its answer. A read is
+    # judged against the latest the deadline can be (the answer's time: never a false FAIL under
+    # load, when a call waits long before it is sent), an early completion against the earliest.
+    deadlines_ns: dict = field(factory=dict)  # (node, lease) -> latest holder deadline (suite clock)
+    earliest_deadlines_ns: dict = field(factory=dict)  # (node, lease) -> earliest holder deadline
     snapshots: dict = field(factory=dict)  # ticket id -> {key: top generation committed at its start}
     voiding: dict = field(factory=dict)  # ticket id -> {key: generation it voids}, until it completes (inference)
+    voiding_since: dict = field(factory=dict)  # ticket id -> suite time its invalidate call started
     inferred: list[dict] = field(factory=list)
     infer: bool = False
     # What inference needs to know beyond the oracles' state:
@@ -137,6 +160,7 @@ class Session:
     down: set = field(factory=set)  # nodes killed and not restarted
     seqs: dict = field(factory=dict)  # (node, incarnation) -> last seq
     stopped: Any = field(factory=threading.Event)
+    order: Any = field(factory=threading.RLock)  # see _ordered
 
     # -- plumbing --------------------------------------------------------------------------------
 
@@ -171,6 +195,12 @@ class Session:
     def _emit_dir(self, event: str, **fields: Any) -> None:
         self._emit(INFERRED_DIRECTORY, event, **fields)
 
+    def _live_at_directory(self, node: str, lease: int, at_ns: int) -> bool:
+        """Whether the directory may still hold ``lease`` live at ``at_ns``: granted (or renewed)
+        no earlier than the call's start, live for term + epsilon after."""
+        earliest = self.earliest_deadlines_ns.get((node, lease))
+        return (node, lease) in self.read_grants and earliest is not None and at_ns < earliest + 2 * self.skew_ms * 1_000_000
+
     def _trusted_ns(self, node: str, lease: int, now_ns: int) -> bool:
         """Whether a correct holder still trusts ``lease`` at ``now_ns`` (suite clock): granted,
         not released or revoked, its own deadline not passed."""
@@ -204,6 +234,7 @@ class Session:
         self._record("lookup", node, {"keys": len(keys)}, n, t0)
         return n
 
+    @_ordered
     def begin_write(self, node: str, ns: Namespace, key: BlockKey, parent: BlockKey | None) -> WriteGrant | Refused:
         t0 = time.monotonic_ns()
         if self.infer:
@@ -237,16 +268,27 @@ class Session:
         generation whose copy was lost in a crash was invalidated and completed."""
         if not self.infer:
             return
+        acks: list[ReadGrant] = []
         with self.lock:
             earlier = self.open_writes.pop(key, None)
             self.open_writes[key] = grant
             tops = [gen for (k, gen) in self.committed if k == key and gen >= self.completed.get(key, 0)]
             if tops:
                 self.completed[key] = max(tops) + 1
+                # Its leases were revoked and acknowledged, or ran out, before it completed.
+                since = min([t for tid, t in self.voiding_since.items() if key in self.voiding.get(tid, ())],
+                            default=time.monotonic_ns())  # fmt: skip
+                acks = [g for (n, lease), g in sorted(self.read_grants.items(), key=lambda kv: kv[0][1])
+                        if g.key == key and g.gen <= max(tops) and self._live_at_directory(n, lease, since)]  # fmt: skip
+                for g in acks:
+                    self.read_grants.pop((g.node, g.lease), None)
+                for voided in self.voiding.values():
+                    voided.pop(key, None)  # completed: no longer INVALIDATING for later invalidations
         if earlier is not None and earlier.lease != grant.lease:
             name = "expire_write_lease_of_crashed" if earlier.node in self.down else "expire_write_lease"
             self._emit_dir(name, key=key, lease=earlier.lease, writer=earlier.node)
         if tops:
+            self._emit_acks(acks)
             self._emit_dir("complete_invalidation", key=key, gen=max(tops))
 
     def _emit_later(self, node: str, event: str, **fields: Any) -> Callable[[], None]:
@@ -272,6 +314,7 @@ class Session:
                 return e["t_local_ns"]
         return 0
 
+    @_ordered
     def write_bytes(self, grant: WriteGrant, data: bytes) -> Stored | Refused:
         t0 = time.monotonic_ns()
         r = self.adapter.write_bytes(grant, data)
@@ -293,6 +336,7 @@ class Session:
             self._emit(host, "fence_stale_write", **fields)
         return r
 
+    @_ordered
     def commit(self, grant: WriteGrant) -> Committed | Refused:
         t0 = time.monotonic_ns()
         slot = (grant.key, grant.gen)
@@ -343,6 +387,7 @@ class Session:
                     self.audit.stale_commits_refused += 1
         return r
 
+    @_ordered
     def abort(self, grant: WriteGrant) -> None:
         t0 = time.monotonic_ns()
         self.adapter.abort(grant)
@@ -352,6 +397,7 @@ class Session:
         if under_way:  # a write whose bytes landed or were fenced is over: nothing to abort
             self._emit(grant.node, "abort", key=grant.key, gen=grant.gen, epoch=grant.epoch, lease=grant.lease)
 
+    @_ordered
     def acquire(self, node: str, ns: Namespace, key: BlockKey) -> ReadGrant | Refused:
         t0 = time.monotonic_ns()
         sent = self._emit_later(node, "acquire", key=key)
@@ -363,7 +409,9 @@ class Session:
             if self.infer:
                 self._infer_revoked(node, key, t0)
             with self.lock:
-                self.deadlines_ns[(node, g.lease)] = t0 + (g.term_ms - self.skew_ms) * 1_000_000
+                t1 = time.monotonic_ns()
+                self.deadlines_ns[(node, g.lease)] = t1 + (g.term_ms - self.skew_ms) * 1_000_000
+                self.earliest_deadlines_ns[(node, g.lease)] = t0 + (g.term_ms - self.skew_ms) * 1_000_000
                 self.read_grants[(node, g.lease)] = g
             sent()
             self._emit_dir("grant_read_lease", key=key, gen=g.gen, epoch=g.epoch, lease=g.lease, holder=node,
@@ -377,6 +425,7 @@ class Session:
             self._emit(node, "abandon", key=key, result=g.reason)  # a refusal answers: the holder stops waiting
         return g
 
+    @_ordered
     def renew(self, grant: ReadGrant) -> ReadGrant | Refused:
         t0 = time.monotonic_ns()
         with self.lock:
@@ -393,7 +442,9 @@ class Session:
                 old = self.deadlines_ns.get((grant.node, grant.lease))
                 if old is not None and t0 > old + self.skew_ms * 1_000_000:
                     raise OracleFailure("RenewalNeverRevives", f"lease {grant.lease} renewed after its deadline", i)
-                self.deadlines_ns[(grant.node, grant.lease)] = t0 + (g.term_ms - self.skew_ms) * 1_000_000
+                t1 = time.monotonic_ns()
+                self.deadlines_ns[(grant.node, grant.lease)] = t1 + (g.term_ms - self.skew_ms) * 1_000_000
+                self.earliest_deadlines_ns[(grant.node, grant.lease)] = t0 + (g.term_ms - self.skew_ms) * 1_000_000
             sent()
             self._emit_dir("renew_lease", key=grant.key, lease=grant.lease, holder=grant.node)
             self._emit(grant.node, "trust_renewal", key=grant.key, gen=g.gen, epoch=g.epoch, lease=g.lease)
@@ -403,6 +454,7 @@ class Session:
             self._emit(grant.node, "abandon", key=grant.key, lease=grant.lease, result=g.reason)
         return g
 
+    @_ordered
     def read(self, grant: ReadGrant) -> bytes | Refused:
         t0 = time.monotonic_ns()
         data = self.adapter.read(grant)
@@ -417,9 +469,13 @@ class Session:
                         f"read under lease {grant.lease} served {(t0 - deadline) / 1e6:.1f} ms after the holder's deadline",
                         i,
                     )
-                void_below = self.invalidated_below.get(grant.key)
-                if void_below is not None and grant.gen < void_below:
-                    raise OracleFailure("NoStaleRead", f"read of generation {grant.gen} after its invalidation completed", i)
+                # Judged by when the read *started*: a read under way while another thread saw the
+                # invalidation complete may legitimately return the old bytes (DESIGN 6: no read of
+                # the invalidated generation starts after completion).
+                for below, seen_ns in self.invalidated_below.get(grant.key, ()):
+                    if grant.gen < below and t0 >= seen_ns:
+                        raise OracleFailure("NoStaleRead", f"read of generation {grant.gen} started "
+                                            f"{(t0 - seen_ns) / 1e6:.1f} ms after its invalidation completed", i)  # fmt: skip
                 expected = self.committed.get((grant.key, grant.gen))
                 if expected is None:
                     # A commit of this generation under way: bytes equal to one of its writers'.
@@ -446,6 +502,7 @@ class Session:
                        location=grant.location, result="miss")  # fmt: skip
         return data
 
+    @_ordered
     def release(self, grant: ReadGrant) -> None:
         t0 = time.monotonic_ns()
         self.adapter.release(grant)
@@ -458,6 +515,7 @@ class Session:
             self._emit(grant.node, "release", key=grant.key, gen=grant.gen, lease=grant.lease)
             self._emit_dir("release_lease", key=grant.key, lease=grant.lease, holder=grant.node)
 
+    @_ordered
     def invalidate(self, node: str, ns: Namespace, scope: str, key: BlockKey | None) -> InvalidationTicket:
         t0 = time.monotonic_ns()
         with self.lock:
@@ -468,15 +526,26 @@ class Session:
         t = self.adapter.invalidate(node, ns, scope, key)
         _expect(t, (InvalidationTicket,), "invalidate")
         self._record("invalidate", node, {"scope": scope, "key": None if key is None else key.hex}, t, t0)
+        voids = False
         with self.lock:
             self.snapshots[t.id] = snapshot
             if self.infer:
-                subtree, self.voiding[t.id] = self._voided(ns.digest(), scope, key)
-                for k in subtree:
-                    self.open_writes.pop(k, None)  # a write under way below is aborted at once
-        if scope == "namespace":
+                # The spec's invalidation voids something COMMITTED (the root, or a key of the
+                # namespace); otherwise it starts nothing and its ticket waits for what is
+                # INVALIDATING already (the reference directory's rule too).
+                invalidating = {k for v in self.voiding.values() for k in v}
+                subtree, voided = self._voided(ns.digest(), scope, key)
+                voided = {k: gen for k, gen in voided.items() if k not in invalidating}
+                voids = bool(voided) if scope == "namespace" else key in voided
+                self.voiding[t.id] = voided if voids else {}
+                self.voiding_since[t.id] = t0
+                if voids:
+                    for k in subtree:
+                        if k not in voided:
+                            self.open_writes.pop(k, None)  # a write under way below is aborted at once
+        if voids and scope == "namespace":
             self._emit_dir("invalidate_namespace", namespace=ns.digest().hex())
-        else:
+        elif voids:
             self._emit_dir("invalidate", key=key)
         return t
 
@@ -503,6 +572,7 @@ class Session:
         started is void for the no-stale-read oracle."""
         t0 = time.monotonic_ns()
         done = self.adapter.wait_invalidation(ticket, timeout_s)
+        done_ns = time.monotonic_ns()
         if type(done) is not bool:
             raise GarbageAnswer(f"wait_invalidation answered {done!r:.80}")
         self._record("wait_invalidation", None, {"ticket": ticket.id}, done, t0)
@@ -514,20 +584,24 @@ class Session:
                 for key in voids:
                     top = snapshot.get(key)
                     if top is not None:
-                        self.invalidated_below[key] = max(self.invalidated_below.get(key, 0), top + 1)
+                        self.invalidated_below.setdefault(key, []).append((top + 1, done_ns))
         return done
 
+    @_ordered
     def _infer_completion(self, ticket: InvalidationTicket) -> None:
-        """The invalidation completed: every lease the suite's holders still trusted on a voided
-        key was revoked and acknowledged (a holder past its own deadline had nothing to drop: its
-        lease expired), then each voided generation completed."""
-        now = time.monotonic_ns()
+        """The invalidation completed: every lease of the suite's holders on a voided key that the
+        directory still held live when the invalidation started was revoked and acknowledged (a
+        lease that had run out, term + epsilon after its grant, got no revocation: it expired),
+        then each voided generation completed."""
         with self.lock:
+            since = self.voiding_since.pop(ticket.id, 0)
             voided = self.voiding.pop(ticket.id, None)
             if voided is None:
                 return  # completed before (a second wait on the ticket)
+            # A generation a later grant already showed complete (another thread got there first).
+            voided = {k: gen for k, gen in voided.items() if gen >= self.completed.get(k, 0)}
             acks = [g for (n, lease), g in sorted(self.read_grants.items(), key=lambda kv: kv[0][1])
-                    if g.key in voided and g.gen <= voided[g.key] and self._trusted_ns(n, lease, now)]  # fmt: skip
+                    if g.key in voided and g.gen <= voided[g.key] and self._live_at_directory(n, lease, since)]  # fmt: skip
             for g in acks:
                 self.read_grants.pop((g.node, g.lease), None)
             for key, gen in voided.items():
@@ -553,6 +627,7 @@ class Session:
                 self.read_grants.pop((g.node, g.lease), None)
         self._emit_acks(acks)
 
+    @_ordered
     def evict(self, node: str, ns: Namespace, key: BlockKey, *, leased: bool = False) -> Evicted | Refused:
         """``leased``: the workload knows a live lease names this copy (for the audit)."""
         t0 = time.monotonic_ns()
@@ -580,6 +655,7 @@ class Session:
 
     # faults: recorded, never checked here
 
+    @_ordered
     def fault(self, op: str, *args: Any) -> None:
         t0 = time.monotonic_ns()
         getattr(self.adapter, op)(*args)

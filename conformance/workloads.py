@@ -519,9 +519,9 @@ def paused_holder(s: Session) -> None:
         s.fault("resume", h)
     s.check(done, "InvalidationCompletesInTime", "the invalidation did not complete after the holder's lease expired")
     # The bound itself, on the suite's clock: the holder's deadline counts from no earlier than
-    # the suite's acquire call, so a correct directory completes after it (it waits term + epsilon
-    # from its grant), and one that completes even a little early is caught.
-    holder_deadline_ns = s.deadlines_ns[(g.node, g.lease)]
+    # the start of the suite's acquire call, so a correct directory completes after it (it waits
+    # term + epsilon from its grant), and one that completes even a little early is caught.
+    holder_deadline_ns = s.earliest_deadlines_ns[(g.node, g.lease)]
     s.check(done_ns >= holder_deadline_ns, "NoStaleRead",
             f"the invalidation completed {(holder_deadline_ns - done_ns) / 1e6:.0f} ms before a paused holder's lease could expire")  # fmt: skip
     s.audit.invalidations_by_expiry += 1
@@ -577,7 +577,7 @@ def directory_restart(s: Session) -> None:
     ticket = s.invalidate(w, s.ns, "key", keys[1])
     wait_done(s, ticket, keys[1:])
     done_ns = time.monotonic_ns()
-    first_deadline_ns = min(s.deadlines_ns.get((g.node, g.lease), done_ns) for g in held)
+    first_deadline_ns = min(s.earliest_deadlines_ns.get((g.node, g.lease), done_ns) for g in held)
     s.check(done_ns >= first_deadline_ns, "LeaseKnownToDirectory",
             f"an invalidation completed {(first_deadline_ns - done_ns) / 1e6:.0f} ms before a lease of the previous "
             "directory incarnation could expire")  # fmt: skip
