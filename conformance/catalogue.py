@@ -290,6 +290,9 @@ _MUTATION_TESTS: tuple[TestCase, ...] = (
              "not use MUST be refused (unauthorized).",
              "core", ("NamespaceIsolation", "PrefixClosed"), "10,11", "namespace_bound",
              namespaces=2, covers={"caching", "trace_complete"}),
+    TestCase("KVCC-CORE-010", "No lease on a key nobody wrote",
+             "Acquire of a key that was never written MUST be refused, and lookup MUST NOT count it.",
+             "core", ("LeasesGrantedOnlyOnCommitted", "NoDirtyRead"), "3", "never_written"),
     TestCase("KVCC-LEASE-007", "A renewed lease protects its copy until the renewed expiry",
              "After a renewal, evicting the leased copy MUST be refused (leased) past the first lease's expiry and "
              "before the renewed one; once the renewed lease has expired, evicting it MUST succeed.",

@@ -41,6 +41,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="measure the suite's mutation score on mutants of the in-process deployment (conformance.mutation)")
     p.add_argument("--jobs", type=int, default=None, help="with --mutation-score: mutants run at once (default 2)")
     p.add_argument("--limit", type=int, default=None, help="with --mutation-score: run at most N mutants, spread evenly")
+    p.add_argument("--rerun", help="with --mutation-score: rerun only the survivors of this earlier full run's JSON")
     p.set_defaults(func=cmd_conform)
 
     c = sub.add_parser("certify", help="certification bundles", description="Certification bundles.")

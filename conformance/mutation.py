@@ -685,8 +685,13 @@ def mutation_score(
     mutants: Sequence[Mutant] | None = None,
     equivalents: dict[str, dict[str, str]] | None = None,
     progress: Callable[[str, int, int, Outcome], None] | None = None,
+    previous: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Generate the mutants, run the baseline and every (selected) mutant; the score as a dict."""
+    """Generate the mutants, run the baseline and every (selected) mutant; the score as a dict.
+
+    With ``previous`` (the JSON of an earlier full run), only the mutants that survived it (or were
+    equivalent) and those it did not have are run; the ones it killed are carried over as killed
+    (``carried``). Sound while the suite only grew stricter since: say so when quoting the score."""
     t0 = time.monotonic()
     every = list(mutants) if mutants is not None else generate(targets)
     chosen = pick(every, limit)
@@ -708,15 +713,27 @@ def mutation_score(
         return result
     by_fp = {m.fingerprint: m for m in chosen}
     assert len(by_fp) == len(chosen), "mutant fingerprints are unique"
+    carried: set[str] = set()
+    if previous is not None:
+        if previous.get("params", {}).get("limit") is not None:
+            raise ValueError("--rerun needs the JSON of a full run (no --limit)")
+        alive = {e["fingerprint"] for e in [*previous["survivors"], *previous.get("equivalent_mutants", [])]}
+        seen = set(previous.get("fingerprints") or by_fp)  # runs before this field: the same mutants
+        carried = {fp for fp in by_fp if fp in seen and fp not in alive}
+        result["rerun_of"] = {"mutants": previous.get("mutants"), "killed": previous.get("killed"),
+                              "score": previous.get("score"), "elapsed_s": previous.get("elapsed_s")}  # fmt: skip
+    to_run = [m for m in chosen if m.fingerprint not in carried]
     done = [0]
 
     def on_done(o: Outcome) -> None:
         done[0] += 1
         if progress:
-            progress(by_fp[o.fingerprint].id, done[0], len(chosen), o)
+            progress(by_fp[o.fingerprint].id, done[0], len(to_run), o)
 
-    outcomes = run_all([(m.fingerprint, m.module, m.source(sources[m.module]), origins[m.module]) for m in chosen],
+    outcomes = run_all([(m.fingerprint, m.module, m.source(sources[m.module]), origins[m.module]) for m in to_run],
                        params, jobs, on_done)  # fmt: skip
+    for fp in carried:
+        outcomes[fp] = Outcome(fp, True, False, None, "CARRIED", "killed by the run this one reruns", 0.0)
     invalid = [m for m in chosen if outcomes[m.fingerprint].status == "INVALID"]
     chosen = [m for m in chosen if outcomes[m.fingerprint].status != "INVALID"]
     killed = [m for m in chosen if outcomes[m.fingerprint].killed]
@@ -769,6 +786,8 @@ def mutation_score(
         by_operator=by_op,
         by_module=by_module,
         kills_by_test=dict(sorted(kills_by_test.items())),
+        carried=len(carried),
+        fingerprints=sorted(m.fingerprint for m in chosen),
         skipped={t.module: dict(t.skip) for t in targets},
         elapsed_s=round(time.monotonic() - t0, 1),
     )
@@ -794,7 +813,11 @@ def cmd_mutation_score(args: Any) -> int:
         mark = "[green]killed[/]" if o.killed else "[bold red]survived[/]"
         console.print(f"{i:4}/{n} {mark} {mutant_id} {o.duration_s:6.1f}s {o.test or ''} {o.status or ''}")
 
-    res = mutation_score(params, jobs=max(1, args.jobs or DEFAULT_JOBS), limit=args.limit, progress=progress)
+    previous = None
+    if getattr(args, "rerun", None):
+        previous = json.loads(Path(args.rerun).read_text(encoding="utf-8"))
+    res = mutation_score(params, jobs=max(1, args.jobs or DEFAULT_JOBS), limit=args.limit, progress=progress,
+                         previous=previous)  # fmt: skip
     if args.json:
         print(json.dumps(res, default=str))
     else:

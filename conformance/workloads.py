@@ -821,7 +821,16 @@ def ticket_counts(s: Session) -> None:
     wait_done(s, t, keys[:1])
 
 
+def never_written(s: Session) -> None:
+    """A key nobody wrote: no lease, no lookup hit, no eviction."""
+    w = s.nodes[0]
+    key = chain(s, 1)[0]
+    g = s.acquire(reader(s, w), s.ns, key)
+    s.check(isinstance(g, Refused), "LeasesGrantedOnlyOnCommitted", f"acquire of a never-written key answered {g}")
+    s.check(s.lookup(w, s.ns, [key]) == 0, "PrefixClosed", "lookup counted a never-written key")
+
+
 BODIES.update(namespace_bound=namespace_bound, renewal_protects=renewal_protects, lease_across_restart=lease_across_restart,
               restarted_node=restarted_node, late_commit=late_commit,
               invalidate_other_namespace=invalidate_other_namespace, invalidate_during_write=invalidate_during_write,
-              ticket_counts=ticket_counts)
+              ticket_counts=ticket_counts, never_written=never_written)
