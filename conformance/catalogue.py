@@ -286,7 +286,8 @@ _MUTATION_TESTS: tuple[TestCase, ...] = (
     TestCase("KVCC-CORE-009", "A block belongs to the namespace it was written in",
              "For a tenant authorised for two namespaces, lookup under one MUST NOT count blocks written under the "
              "other, acquire of such a block through the other namespace MUST be refused, and begin_write MUST "
-             "refuse a parent of another namespace; acquire of a never-written key in a namespace the tenant may "
+             "refuse a parent of another namespace and a known key named through the other namespace; acquire of a "
+             "never-written key in a namespace the tenant may "
              "not use MUST be refused (unauthorized).",
              "core", ("NamespaceIsolation", "PrefixClosed"), "10,11", "namespace_bound",
              namespaces=2, covers={"caching", "trace_complete"}),
@@ -305,7 +306,8 @@ _MUTATION_TESTS: tuple[TestCase, ...] = (
              "leases", ("OneWriterPerGeneration", "WriteLeaseEndsInTime", "NoDirtyRead"), "1,3", "late_commit"),
     TestCase("KVCC-INVAL-006", "Invalidation names the key's own namespace",
              "Invalidating a key through another namespace the tenant is authorised for MUST NOT void it: lookup "
-             "MUST still count it and reads MUST return its bytes.",
+             "MUST still count it and reads MUST return its bytes; once it is invalidated in its own namespace, "
+             "begin_write of it through the other namespace MUST be refused.",
              "invalidation", ("NamespaceIsolation", "NoStaleRead"), "6,11", "invalidate_other_namespace",
              namespaces=2, covers={"caching", "trace_complete"}),
     TestCase("KVCC-INVAL-007", "Invalidation while a block is only being written",

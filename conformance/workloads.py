@@ -691,6 +691,8 @@ def namespace_bound(s: Session) -> None:
     child = chain(s, 3, b)[2]
     g = s.begin_write(w, b, child, keys[1])
     s.check(isinstance(g, Refused), "PrefixClosed", f"begin_write under a parent of another namespace answered {g}")
+    g = s.begin_write(w, b, keys[1], None)
+    s.check(isinstance(g, Refused), "NamespaceIsolation", f"begin_write of a known key through another namespace answered {g}")
     read_back(s, w, keys[0], data[0], "a block of the namespace it was written in", ns=a)
     g = s.acquire(w, s.foreign, chain(s, 1, s.foreign)[0])
     s.check(isinstance(g, Refused) and g.reason == "unauthorized", "NamespaceIsolation",
@@ -788,6 +790,10 @@ def invalidate_other_namespace(s: Session) -> None:
     s.check(n == 2, "NamespaceIsolation", f"after an invalidation named in another namespace, lookup counted {n} of 2")
     for key, expected in zip(keys, data):
         read_back(s, reader(s, w), key, expected, "a block invalidated through another namespace", ns=a)
+    # Voided for real (in its own namespace), the key is ABSENT: it still belongs to that namespace.
+    wait_done(s, s.invalidate(w, a, "key", keys[0]), keys)
+    g = s.begin_write(w, b, keys[0], None)
+    s.check(isinstance(g, Refused), "NamespaceIsolation", f"begin_write of an invalidated key through another namespace answered {g}")
 
 
 def invalidate_during_write(s: Session) -> None:
