@@ -325,6 +325,11 @@ _MUTATION_TESTS: tuple[TestCase, ...] = (
              "may be live.",
              "faults", ("NoReclaimUnderLease", "LeaseKnownToDirectory"), "5,12", "lease_across_restart",
              faults={"restart_directory"}),
+    TestCase("KVCC-FAULT-007", "An invalidation survives a directory restart",
+             "An invalidation waiting on a paused holder when the directory restarts MUST still complete, no earlier "
+             "than that holder's lease could expire, and the resumed holder MUST NOT read the old generation.",
+             "faults", ("NoStaleRead", "InvalidationCompletesInTime"), "6,12", "restart_during_invalidation",
+             faults={"pause", "resume", "restart_directory"}, covers={"early_completion"}),
     TestCase("KVCC-FAULT-006", "A restarted node works like a new one",
              "A node that read a block under a lease and released it, then was killed and restarted without its "
              "memory, MUST be able to acquire and read exactly the bytes written after its restart.",

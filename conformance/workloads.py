@@ -836,7 +836,33 @@ def never_written(s: Session) -> None:
     s.check(s.lookup(w, s.ns, [key]) == 0, "PrefixClosed", "lookup counted a never-written key")
 
 
+def restart_during_invalidation(s: Session) -> None:
+    """An invalidation waiting on a paused holder, and a directory restart while it waits: it
+    completes no earlier than that holder's lease could expire, and its ticket is not lost."""
+    w = s.nodes[0]
+    h = reader(s, w)
+    keys = chain(s, 2)
+    put_chain(s, w, keys)
+    g = s.acquire(h, s.ns, keys[1])
+    s.check(isinstance(g, ReadGrant), "caching", f"acquire refused: {g}")
+    s.fault("pause", h)
+    try:
+        ticket = s.invalidate(w, s.ns, "key", keys[0])
+        s.fault("restart_directory")
+        done = s.wait_invalidation(ticket, INVALIDATION_SLACK * s.term_s + 1, voids=keys)
+        done_ns = time.monotonic_ns()
+    finally:
+        s.fault("resume", h)
+    s.check(done, "InvalidationCompletesInTime", "the invalidation did not complete after the directory restarted")
+    holder_deadline_ns = s.earliest_deadlines_ns[(g.node, g.lease)]
+    s.check(done_ns >= holder_deadline_ns, "NoStaleRead",
+            f"the invalidation completed {(holder_deadline_ns - done_ns) / 1e6:.0f} ms before a paused holder's lease could expire")  # fmt: skip
+    got = s.read(g)
+    s.check(isinstance(got, Refused), "NoStaleRead", "the resumed holder read the invalidated generation")
+
+
 BODIES.update(namespace_bound=namespace_bound, renewal_protects=renewal_protects, lease_across_restart=lease_across_restart,
               restarted_node=restarted_node, late_commit=late_commit,
               invalidate_other_namespace=invalidate_other_namespace, invalidate_during_write=invalidate_during_write,
-              ticket_counts=ticket_counts, never_written=never_written)
+              ticket_counts=ticket_counts, never_written=never_written,
+              restart_during_invalidation=restart_during_invalidation)
