@@ -331,8 +331,9 @@ _MUTATION_TESTS: tuple[TestCase, ...] = (
              "faults", ("NoStaleRead", "InvalidationCompletesInTime"), "6,12", "restart_during_invalidation",
              faults={"pause", "resume", "restart_directory"}, covers={"early_completion"}),
     TestCase("KVCC-FAULT-006", "A restarted node works like a new one",
-             "A node that read a block under a lease and released it, then was killed and restarted without its "
-             "memory, MUST be able to acquire and read exactly the bytes written after its restart.",
+             "A node that read a block under a lease and released it, took another lease on it, then was killed and "
+             "restarted without its memory, MUST be able to acquire and read exactly the bytes written after its "
+             "restart.",
              "faults", ("CommittedBytesIntact", "LeaseKnownToDirectory"), "4,9", "restarted_node",
              faults={"kill", "restart"}, covers={"caching", "trace_complete"}),
 )

@@ -747,6 +747,8 @@ def restarted_node(s: Session) -> None:
     key = chain(s, 1)[0]
     data = put(s, w, key, None)
     read_back(s, w, key, data, "a block before the node's restart")
+    held = s.acquire(w, s.ns, key)  # and a lease it still holds when it dies
+    s.check(isinstance(held, ReadGrant), "caching", f"acquire refused: {held}")
     s.fault("kill", w)
     s.fault("restart", w)
     deadline = time.monotonic() + INVALIDATION_SLACK * s.term_s + 1
