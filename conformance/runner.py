@@ -20,7 +20,8 @@ keys), runs the workload in a worker thread and waits for it up to the test's ti
 - An adapter whose events are ``"native"`` must log what the suite did: an empty trace is FAIL,
   and so is a trace that leaves out (or adds) an event the session's history implies
   (``oracles.completeness_problems``: every grant, stored write, commit, served read, eviction
-  and crash the suite saw must be logged once, and no such event the suite did not see).
+  and crash the suite saw must be logged, a served read or a commit exactly once, and no
+  client-side event the suite saw no answer for).
 - Audits (tests numbered 9xx) are evaluated after their profile's other tests from the counts
   the sessions gathered (non-vacuity).
 

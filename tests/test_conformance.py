@@ -115,6 +115,7 @@ def test_completeness_counts_missing_and_extra_events():
     assert completeness_problems(history, [])[0].startswith(f"read of {key[:16]} lease 7: history #0 implies 1")
     assert "the trace has 2, the suite saw 1" in completeness_problems(history, [read, read])[0]
     assert completeness_problems(history, [read, {**read, "result": "miss"}]) == []  # a miss returned nothing
+    assert completeness_problems(history, [{**read, "result": None}]) == []  # the reference client logs no result
 
 
 # -- the oracle's own defects, reproduced deterministically ------------------------------------------------
