@@ -292,7 +292,8 @@ _MUTATION_TESTS: tuple[TestCase, ...] = (
              "core", ("NamespaceIsolation", "PrefixClosed"), "10,11", "namespace_bound",
              namespaces=2, covers={"caching", "trace_complete"}),
     TestCase("KVCC-CORE-010", "No lease on a key nobody wrote",
-             "Acquire of a key that was never written MUST be refused, and lookup MUST NOT count it.",
+             "Acquire of a key that was never written MUST be refused, and lookup MUST NOT count it; releasing a "
+             "lease a second time MUST be harmless.",
              "core", ("LeasesGrantedOnlyOnCommitted", "NoDirtyRead"), "3", "never_written"),
     TestCase("KVCC-LEASE-007", "A renewed lease protects its copy until the renewed expiry",
              "After a renewal, evicting the leased copy MUST be refused (leased) past the first lease's expiry and "

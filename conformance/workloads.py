@@ -836,6 +836,12 @@ def never_written(s: Session) -> None:
     g = s.acquire(reader(s, w), s.ns, key)
     s.check(isinstance(g, Refused), "LeasesGrantedOnlyOnCommitted", f"acquire of a never-written key answered {g}")
     s.check(s.lookup(w, s.ns, [key]) == 0, "PrefixClosed", "lookup counted a never-written key")
+    # And a lease released twice: the second release ends nothing, and is no error.
+    put(s, w, key, None)
+    g = s.acquire(w, s.ns, key)
+    s.check(isinstance(g, ReadGrant), "caching", f"acquire refused: {g}")
+    s.release(g)
+    s.release(g)
 
 
 def restart_during_invalidation(s: Session) -> None:
