@@ -689,9 +689,10 @@ def mutation_score(
 ) -> dict[str, Any]:
     """Generate the mutants, run the baseline and every (selected) mutant; the score as a dict.
 
-    With ``previous`` (the JSON of an earlier full run), only the mutants that survived it (or were
-    equivalent) and those it did not have are run; the ones it killed are carried over as killed
-    (``carried``). Sound while the suite only grew stricter since: say so when quoting the score."""
+    With ``previous`` (the JSON of an earlier full run), only the mutants that survived it and are
+    not (now) reviewed equivalent, and those it did not have, are run; the ones it killed are carried over as
+    killed (``carried``), its equivalent ones as alive. Sound while the suite only grew stricter
+    since: say so when quoting the score."""
     t0 = time.monotonic()
     every = list(mutants) if mutants is not None else generate(targets)
     chosen = pick(every, limit)
@@ -717,12 +718,18 @@ def mutation_score(
     if previous is not None:
         if previous.get("params", {}).get("limit") is not None:
             raise ValueError("--rerun needs the JSON of a full run (no --limit)")
-        alive = {e["fingerprint"] for e in [*previous["survivors"], *previous.get("equivalent_mutants", [])]}
+        # Alive before and reviewed equivalent (then or since): carried as alive, not run again.
+        still_equivalent = {e["fingerprint"] for e in previous.get("equivalent_mutants", [])}
+        still_equivalent |= {e["fingerprint"] for e in previous["survivors"] if e["fingerprint"] in eq}
+        survived = {e["fingerprint"] for e in previous["survivors"]} - still_equivalent
         seen = set(previous.get("fingerprints") or by_fp)  # runs before this field: the same mutants
-        carried = {fp for fp in by_fp if fp in seen and fp not in alive}
+        carried = {fp for fp in by_fp if fp in seen and fp not in survived | still_equivalent}
+        carried_alive = {fp for fp in by_fp if fp in still_equivalent}
         result["rerun_of"] = {"mutants": previous.get("mutants"), "killed": previous.get("killed"),
                               "score": previous.get("score"), "elapsed_s": previous.get("elapsed_s")}  # fmt: skip
-    to_run = [m for m in chosen if m.fingerprint not in carried]
+    else:
+        carried_alive = set()
+    to_run = [m for m in chosen if m.fingerprint not in carried | carried_alive]
     done = [0]
 
     def on_done(o: Outcome) -> None:
@@ -734,6 +741,8 @@ def mutation_score(
                        params, jobs, on_done)  # fmt: skip
     for fp in carried:
         outcomes[fp] = Outcome(fp, True, False, None, "CARRIED", "killed by the run this one reruns", 0.0)
+    for fp in carried_alive:
+        outcomes[fp] = Outcome(fp, False, False, None, "CARRIED", "equivalent in the run this one reruns", 0.0)
     invalid = [m for m in chosen if outcomes[m.fingerprint].status == "INVALID"]
     chosen = [m for m in chosen if outcomes[m.fingerprint].status != "INVALID"]
     killed = [m for m in chosen if outcomes[m.fingerprint].killed]
