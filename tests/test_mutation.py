@@ -151,3 +151,17 @@ def test_the_command_prints_the_score_as_json(capsys):
     for s in out["survivors"]:
         assert s["diff"].startswith("--- a/")
     assert rc == (0 if out["score"] is not None and out["score"] >= mutation.TARGET_SCORE else 1)
+
+
+def test_a_rerun_runs_only_the_earlier_survivors_and_carries_the_kills():
+    mutants = mutation.generate(mutation.TARGETS[:1])
+    survivor = _find(mutants, "DirectoryCore._acquire", "cond-false", "reason is not None")  # killed when run
+    carried = mutants[0]
+    previous = {"params": {"limit": None}, "survivors": [{"fingerprint": survivor.fingerprint}], "equivalent_mutants": [],
+                "fingerprints": [survivor.fingerprint, carried.fingerprint], "mutants": 2, "killed": 1, "score": 0.5}
+    res = mutation.mutation_score(RunParams(profiles=("core",)), jobs=1, mutants=[survivor, carried], equivalents={},
+                                  previous=previous)
+    assert res["baseline"]["certified"] is True
+    assert (res["mutants"], res["killed"], res["carried"], res["survivors"]) == (2, 2, 1, [])
+    assert res["kills_by_test"] == {"CARRIED": 1, "KVCC-CORE-004": 1}
+    assert res["rerun_of"]["score"] == 0.5
