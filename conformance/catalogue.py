@@ -327,8 +327,9 @@ _MUTATION_TESTS: tuple[TestCase, ...] = (
              "faults", ("NoReclaimUnderLease", "LeaseKnownToDirectory"), "5,12", "lease_across_restart",
              faults={"restart_directory"}),
     TestCase("KVCC-FAULT-007", "An invalidation survives a directory restart",
-             "An invalidation waiting on a paused holder when the directory restarts MUST still complete, no earlier "
-             "than that holder's lease could expire, and the resumed holder MUST NOT read the old generation.",
+             "A wait on an invalidation blocked by a paused holder MUST time out (answer not completed) while the "
+             "holder's lease is live; if the directory then restarts, the invalidation MUST still complete, no "
+             "earlier than that holder's lease could expire, and the resumed holder MUST NOT read the old generation.",
              "faults", ("NoStaleRead", "InvalidationCompletesInTime"), "6,12", "restart_during_invalidation",
              faults={"pause", "resume", "restart_directory"}, covers={"early_completion"}),
     TestCase("KVCC-FAULT-006", "A restarted node works like a new one",

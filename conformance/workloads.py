@@ -856,6 +856,9 @@ def restart_during_invalidation(s: Session) -> None:
     s.fault("pause", h)
     try:
         ticket = s.invalidate(w, s.ns, "key", keys[0])
+        # Well before the paused holder's lease can expire, a short wait MUST time out.
+        early = s.wait_invalidation(ticket, min(0.05, g.term_ms / 4000), voids=keys)
+        s.check(not early, "NoStaleRead", "a wait reported the invalidation complete while a paused holder's lease was live")
         s.fault("restart_directory")
         done = s.wait_invalidation(ticket, INVALIDATION_SLACK * s.term_s + 1, voids=keys)
         done_ns = time.monotonic_ns()
