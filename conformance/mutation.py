@@ -33,9 +33,11 @@ broken deployment, and counts how many the suite refuses to certify.
   mutants of that operator on that line); its ``fingerprint`` names it by content (module,
   function, operator, the code before and after, occurrence), so that the reviewed list of
   equivalent mutants survives edits elsewhere in the file.
-- **Runs.** Each mutant runs in a fresh process forked from a server that has preloaded the heavy
-  third-party modules (torch, numpy) but none of kvcc's: an import hook (``_MutantFinder``) serves
-  the mutated source in place of the target module, then the process runs ``run_conformance`` on
+- **Runs.** Each mutant runs in a fresh process forked from a zygote that has preloaded the heavy
+  third-party modules (torch, numpy) and the suite itself, but none of the targets: an import hook
+  (``_MutantFinder``) serves every target from the snapshot taken when the run started, the
+  mutated source in place of its module (edits on disk during a run change nothing), then the
+  process runs ``run_conformance`` on
   ``core_factory`` with the given profiles and seed, stopping at the first required test that does
   not PASS. Killed: the suite does not certify (a required test FAILs or ERRORs, including the
   runner's own per-test time limit), or the mutant crashes the process, or it runs past the
@@ -84,6 +86,8 @@ MUTANT_TIMEOUT_S = 180.0  # a whole mutant run; past it the process is killed an
 DEFAULT_JOBS = 2
 EQUIVALENTS_FILE = Path(__file__).with_name("mutation_equivalents.json")
 PRELOAD = ("torch", "numpy", "xxhash", "attrs", "rich")
+# The suite, imported once per zygote: none of these imports a target (the zygote asserts it).
+SUITE_MODULES = ("kvcc.conformance.runner", "kvcc.conformance.validate")
 
 OPERATORS = (
     "negate-cond", "cond-true", "cond-false", "not-drop", "boolop-swap", "boolop-drop", "cmp-swap",
@@ -446,22 +450,24 @@ def generate(targets: Sequence[Target] = TARGETS) -> list[Mutant]:
 
 
 class _MutantFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Serves ``source`` as module ``name`` (with the original's file name, for tracebacks)."""
+    """Serves every target module from ``sources`` (name -> (source, origin file)): the snapshot
+    taken when the run started, one of them mutated. Tracebacks name the original files."""
 
-    def __init__(self, name: str, source: str, origin: str) -> None:
-        self.name, self.text, self.origin = name, source, origin
+    def __init__(self, sources: dict[str, tuple[str, str]]) -> None:
+        self.sources = sources
 
     def find_spec(self, fullname, path, target=None):  # noqa: ANN001 - the importlib protocol
-        if fullname != self.name:
+        if fullname not in self.sources:
             return None
-        return importlib.util.spec_from_loader(fullname, self, origin=self.origin)
+        return importlib.util.spec_from_loader(fullname, self, origin=self.sources[fullname][1])
 
     def create_module(self, spec):  # noqa: ANN001
         return None
 
     def exec_module(self, module) -> None:  # noqa: ANN001
-        module.__file__ = self.origin
-        exec(compile(self.text, self.origin, "exec"), module.__dict__)
+        text, origin = self.sources[module.__name__]
+        module.__file__ = origin
+        exec(compile(text, origin, "exec"), module.__dict__)
 
 
 class _Stop(Exception):
@@ -504,7 +510,7 @@ def _suite_verdict(params: RunParams) -> dict[str, Any]:
     return {"certified": True}
 
 
-def _run_forked(job: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+def _run_forked(job: dict[str, Any], timeout_s: float, snapshot: dict[str, tuple[str, str]]) -> dict[str, Any]:
     """Fork a fresh process for ``job``, run it there, and return its verdict (the zygote's side)."""
     r, w = os.pipe()
     pid = os.fork()
@@ -515,10 +521,12 @@ def _run_forked(job: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         os.dup2(devnull, 2)
         try:
             params = RunParams(**{**job["params"], "profiles": tuple(job["params"]["profiles"])})
+            sources = dict(snapshot)
             if job["module"] is not None:
-                assert job["module"] not in sys.modules, f"{job['module']} was imported before its mutant"
                 compile(job["source"], job["origin"], "exec")  # a splice that does not parse is no mutant
-                sys.meta_path.insert(0, _MutantFinder(job["module"], job["source"], job["origin"]))
+                sources[job["module"]] = (job["source"], job["origin"])
+            assert not [m for m in sources if m in sys.modules], "a target was imported before its snapshot"
+            sys.meta_path.insert(0, _MutantFinder(sources))
             verdict = _suite_verdict(params)
         except SyntaxError as e:
             verdict = {"certified": False, "test": None, "status": "INVALID", "message": f"SyntaxError: {e}"[:300]}
@@ -554,28 +562,34 @@ def _run_forked(job: dict[str, Any], timeout_s: float) -> dict[str, Any]:
 
 
 def _serve() -> None:
-    """A zygote: preload the heavy third-party modules (never kvcc's targets), then for each job
-    line on stdin fork a fresh process that runs it, and answer its verdict as one line."""
-    for name in PRELOAD:
+    """A zygote: preload the heavy third-party modules and the suite itself (never a target), take
+    the targets' snapshot (the first line on stdin), then for each job line fork a fresh process
+    that runs it, and answer its verdict as one line. Every mutant of a run therefore meets the
+    same suite and the same unmutated targets, whatever is edited on disk meanwhile."""
+    for name in (*PRELOAD, *SUITE_MODULES):
         if importlib.util.find_spec(name) is not None:
             __import__(name)
     assert not [t.module for t in TARGETS if t.module in sys.modules], "a target was imported by the zygote"
+    snapshot = {name: (text, origin) for name, (text, origin) in json.loads(sys.stdin.readline()).items()}
     for line in sys.stdin:
         job = json.loads(line)
         t0 = time.monotonic()
-        verdict = _run_forked(job, job["params"]["mutant_timeout_s"])
+        verdict = _run_forked(job, job["params"]["mutant_timeout_s"], snapshot)
         verdict["duration_s"] = round(time.monotonic() - t0, 2)
         sys.stdout.write(json.dumps({"key": job["key"], **verdict}) + "\n")
         sys.stdout.flush()
 
 
 class _Zygote:
-    def __init__(self) -> None:
+    def __init__(self, snapshot: dict[str, tuple[str, str]]) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-c", "from kvcc.conformance.mutation import _serve; _serve()"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1,
         )  # fmt: skip
         self.job: dict[str, Any] | None = None
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(snapshot) + "\n")
+        self.proc.stdin.flush()
 
     def send(self, job: dict[str, Any]) -> None:
         self.job = job
@@ -618,7 +632,8 @@ def run_all(
     pending = [{"key": k, "module": m, "source": s, "origin": o, "params": p} for k, m, s, o in jobs_in]
     pending.reverse()
     out: dict[str, Outcome] = {}
-    zygotes = [_Zygote() for _ in range(max(1, min(jobs, len(pending))))]
+    snapshot = {t.module: (t.path().read_text(encoding="utf-8"), str(t.path())) for t in TARGETS}
+    zygotes = [_Zygote(snapshot) for _ in range(max(1, min(jobs, len(pending))))]
     try:
         for z in zygotes:
             if pending:
@@ -637,7 +652,7 @@ def run_all(
                     v = {"key": job["key"], "certified": False, "status": "CRASH", "message": "the zygote died",
                          "duration_s": 0.0}  # fmt: skip
                     z.close()
-                    zygotes[zygotes.index(z)] = z = _Zygote()
+                    zygotes[zygotes.index(z)] = z = _Zygote(snapshot)
                 z.job = None
                 o = Outcome(v["key"], not v["certified"], v.get("status") == "TIMEOUT", v.get("test"), v.get("status"),
                             v.get("message") or "", v.get("duration_s", 0.0))  # fmt: skip
