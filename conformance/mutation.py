@@ -738,6 +738,8 @@ def mutation_score(
         still_equivalent |= {e["fingerprint"] for e in previous["survivors"] if e["fingerprint"] in eq}
         survived = {e["fingerprint"] for e in previous["survivors"]} - still_equivalent
         seen = set(previous.get("fingerprints") or by_fp)  # runs before this field: the same mutants
+        invalid_before = {fp for fp, m in by_fp.items() if m.id in set(previous.get("invalid", []))}
+        survived |= invalid_before  # not run before: run now (and set apart again if still invalid)
         carried = {fp for fp in by_fp if fp in seen and fp not in survived | still_equivalent}
         carried_alive = {fp for fp in by_fp if fp in still_equivalent}
         result["rerun_of"] = {"mutants": previous.get("mutants"), "killed": previous.get("killed"),
