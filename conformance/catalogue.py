@@ -278,11 +278,87 @@ def catalogue_markdown() -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-# -- deletion reaches everywhere (KVCC-INVAL-006) ---------------------------------------------------
+# -- tests added for the suite's mutation score (kvcc.conformance.mutation): each one fails mutants of
+# the reference that the tests above let through. Each goes before its profile's audit (an audit
+# counts the tests run before it).
+
+_MUTATION_TESTS: tuple[TestCase, ...] = (
+    TestCase("KVCC-CORE-009", "A block belongs to the namespace it was written in",
+             "For a tenant authorised for two namespaces, lookup under one MUST NOT count blocks written under the "
+             "other, acquire of such a block through the other namespace MUST be refused, and begin_write MUST "
+             "refuse a parent of another namespace and a known key named through the other namespace; acquire of a "
+             "never-written key in a namespace the tenant may "
+             "not use MUST be refused (unauthorized).",
+             "core", ("NamespaceIsolation", "PrefixClosed"), "10,11", "namespace_bound",
+             namespaces=2, covers={"caching", "trace_complete"}),
+    TestCase("KVCC-CORE-010", "No lease on a key nobody wrote",
+             "Acquire of a key that was never written MUST be refused, and lookup MUST NOT count it; releasing a "
+             "lease a second time MUST be harmless.",
+             "core", ("LeasesGrantedOnlyOnCommitted", "NoDirtyRead"), "3", "never_written"),
+    TestCase("KVCC-LEASE-007", "A renewed lease protects its copy until the renewed expiry",
+             "After a renewal, evicting the leased copy MUST be refused (leased) past the first lease's expiry and "
+             "before the renewed one; once the renewed lease has expired, evicting it MUST succeed.",
+             "leases", ("NoReclaimUnderLease", "RenewalNeverRevives"), "5,8", "renewal_protects",
+             covers={"evict_under_lease", "eviction"}),
+    TestCase("KVCC-LEASE-008", "A writer past its write lease is refused",
+             "A writer whose bytes are stored but whose write lease expired (term plus epsilon) before it commits "
+             "MUST have its commit refused; lookup MUST NOT find the block, and another node MUST be able to write "
+             "the key.",
+             "leases", ("OneWriterPerGeneration", "WriteLeaseEndsInTime", "NoDirtyRead"), "1,3", "late_commit"),
+    TestCase("KVCC-INVAL-006", "Invalidation names the key's own namespace",
+             "Invalidating a key through another namespace the tenant is authorised for MUST NOT void it: lookup "
+             "MUST still count it and reads MUST return its bytes; once it is invalidated in its own namespace, "
+             "begin_write of it through the other namespace MUST be refused.",
+             "invalidation", ("NamespaceIsolation", "NoStaleRead"), "6,11", "invalidate_other_namespace",
+             namespaces=2, covers={"caching", "trace_complete"}),
+    TestCase("KVCC-INVAL-007", "Invalidation while a block is only being written",
+             "Invalidating a key, or a namespace, whose only block is still being written MUST complete; the write "
+             "MAY then commit, and a read MUST return exactly what was committed.",
+             "invalidation", ("NoDirtyRead", "InvalidationCompletesInTime"), "3,6", "invalidate_during_write",
+             scopes={"key", "namespace"}, covers={"caching", "trace_complete"}),
+    TestCase("KVCC-INVAL-008", "A ticket counts the blocks it voids",
+             "The ticket of an invalidation MUST count the COMMITTED blocks it voids: a block and its committed "
+             "descendants for a key, every committed block of the namespace for a namespace.",
+             "invalidation", ("InvalidationCompletesInTime",), "6", "ticket_counts", scopes={"key", "namespace"}),
+    TestCase("KVCC-FAULT-005", "A lease survives a directory restart",
+             "After a directory restart, renewing and releasing a lease granted before it MUST be answered "
+             "(granted or refused; ignored), and evicting the copy it protects MUST be refused while that lease "
+             "may be live.",
+             "faults", ("NoReclaimUnderLease", "LeaseKnownToDirectory"), "5,12", "lease_across_restart",
+             faults={"restart_directory"}),
+    TestCase("KVCC-FAULT-007", "An invalidation survives a directory restart",
+             "A wait on an invalidation blocked by a paused holder MUST time out (answer not completed) while the "
+             "holder's lease is live; if the directory then restarts, the invalidation MUST still complete, no "
+             "earlier than that holder's lease could expire, and the resumed holder MUST NOT read the old generation.",
+             "faults", ("NoStaleRead", "InvalidationCompletesInTime"), "6,12", "restart_during_invalidation",
+             faults={"pause", "resume", "restart_directory"}, covers={"early_completion"}),
+    TestCase("KVCC-FAULT-006", "A restarted node works like a new one",
+             "A node that read a block under a lease and released it, took another lease on it, then was killed and "
+             "restarted without its memory, MUST be able to acquire and read exactly the bytes written after its "
+             "restart.",
+             "faults", ("CommittedBytesIntact", "LeaseKnownToDirectory"), "4,9", "restarted_node",
+             faults={"kill", "restart"}, covers={"caching", "trace_complete"}),
+)
+
+
+def _before_audits(tests: tuple[TestCase, ...], extra: tuple[TestCase, ...]) -> tuple[TestCase, ...]:
+    out = list(tests)
+    for t in extra:
+        at = next(i for i, u in enumerate(out) if u.profile == t.profile and u.audit)
+        out.insert(at, t)
+    return tuple(out)
+
+
+CATALOGUE = _before_audits(CATALOGUE, _MUTATION_TESTS)
+BY_ID = {t.id: t for t in CATALOGUE}
+assert len(BY_ID) == len(CATALOGUE), "test ids are unique"
+
+
+# -- deletion reaches everywhere (KVCC-INVAL-009) ---------------------------------------------------
 # Appended as one block: the rule, the test, placed before its profile's audit (audits come last).
 RULES = RULES + ("deletion",)
 _DELETION = TestCase(
-    "KVCC-INVAL-006", "Deletion reaches every location",
+    "KVCC-INVAL-009", "Deletion reaches every location",
     "Once a generation ended -- an invalidation completed, a write was aborted or its write lease expired -- "
     "every location that stored its bytes MUST free them within the adapter's declared free bound "
     "(`Capabilities.free_bound_ms`, default 8000 ms: the reference retries an unacknowledged free after 1 s, "

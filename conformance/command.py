@@ -37,6 +37,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--catalogue-md", action="store_true", help="print the catalogue document and exit")
     p.add_argument("--list-adapters", action="store_true", help="print the adapters known here and exit")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    p.add_argument("--mutation-score", action="store_true",
+                   help="measure the suite's mutation score on mutants of the in-process deployment (conformance.mutation)")
+    p.add_argument("--jobs", type=int, default=None, help="with --mutation-score: mutants run at once (default 2)")
+    p.add_argument("--limit", type=int, default=None, help="with --mutation-score: run at most N mutants, spread evenly")
+    p.add_argument("--rerun", help="with --mutation-score: rerun only the survivors of this earlier full run's JSON")
     p.set_defaults(func=cmd_conform)
 
     c = sub.add_parser("certify", help="certification bundles", description="Certification bundles.")
@@ -53,6 +58,10 @@ def cmd_conform(args: argparse.Namespace) -> int:
     if args.catalogue_md:
         sys.stdout.write(catalogue.catalogue_markdown())
         return 0
+    if args.mutation_score:
+        from .mutation import cmd_mutation_score
+
+        return cmd_mutation_score(args)
     if args.list_adapters:
         for name, spec in sorted(registry.available().items()):
             print(f"{name}\t{registry.describe(name)}\t{spec}")

@@ -477,7 +477,7 @@ class Adapter(abc.ABC):
         aborted grant: bytes that were in flight when the writer gave up, which the location
         must judge by their epoch; ``commit`` with it must be refused. Bytes stored under an
         aborted or expired write MUST be freed within ``capabilities().free_bound_ms`` of the
-        write lease's expiry, as for an invalidation (KVCC-INVAL-006)."""
+        write lease's expiry, as for an invalidation (KVCC-INVAL-009)."""
 
     # -- data plane: reads -------------------------------------------------------------------
 
@@ -544,7 +544,7 @@ class Adapter(abc.ABC):
         Every location that held a voided generation MUST free its bytes within
         ``capabilities().free_bound_ms`` of the completion (plus a message delay), logging
         ``free_slot`` / ``fence_stale_free`` with native events, even when frees are lost
-        (DESIGN progress: deletion reaches everywhere; KVCC-INVAL-006).
+        (DESIGN progress: deletion reaches everywhere; KVCC-INVAL-009).
         Raises: ``NotSupported`` for a scope not in ``capabilities().scopes``.
         """
 

@@ -818,7 +818,7 @@ def _summary(result: Any) -> Any:
     return type(result).__name__
 
 
-# -- deletion reaches everywhere (KVCC-INVAL-006) ---------------------------------------------------
+# -- deletion reaches everywhere (KVCC-INVAL-009) ---------------------------------------------------
 # Events that show a location let go of a generation's bytes: the location freed them (or found
 # nothing there), a fence showed a later epoch already replaced them, or the node evicted them.
 _GONE_EVENTS = ("free_slot", "fence_stale_free", "evict")

@@ -166,6 +166,7 @@ class CoreAdapter(Adapter):
         self._started = False
         self._stopping = False
         self._ticker: threading.Thread | None = None
+        self._ticker_failed: BaseException | None = None  # what killed the timer thread, if anything
         self._logs: list[io.StringIO] = []
         self._last_ns = 0
         self._ns_lock = threading.Lock()
@@ -268,6 +269,8 @@ class CoreAdapter(Adapter):
             raise AdapterError("adapter not started")
         if self._stopping:
             raise AdapterError("adapter stopped")
+        if self._ticker_failed is not None:
+            raise AdapterError(f"the directory's timers failed: {self._ticker_failed!r:.200}")
 
     def _node(self, node_id: str) -> _Node:
         """The node an operation names, once it is running (an operation on a paused node waits
@@ -378,9 +381,10 @@ class CoreAdapter(Adapter):
                 try:
                     self._apply(self._core.tick(self._now_ms()))
                     self._drain()
-                except Exception:  # noqa: BLE001 - a broken core shows up as errors of operations
+                except Exception as e:  # noqa: BLE001 - a broken core shows up as errors of operations
                     if self._stopping:
                         return
+                    self._ticker_failed = e  # every later operation fails with it (_check_running)
                     raise
                 deadline = self._core.next_deadline_ms()
                 wait_ms = TICK_IDLE_MS if deadline is None else max(1, min(TICK_IDLE_MS, deadline - self._now_ms() + 1))

@@ -670,7 +670,216 @@ BODIES: dict[str, Callable[[Session], None]] = {
 }  # fmt: skip
 
 
-# -- deletion reaches everywhere (KVCC-INVAL-006) ---------------------------------------------------
+# -- tests added for the suite's mutation score (kvcc.conformance.mutation): each one fails
+# mutants of the reference that every test above let through -------------------------------------------
+
+
+def namespace_bound(s: Session) -> None:
+    """A block belongs to the namespace it was written in, even for a tenant authorised for two."""
+    w = s.nodes[0]
+    a, b = s.namespaces[0], s.namespaces[1]
+    keys = chain(s, 2, a)
+    data = put_chain(s, w, keys, a)
+    others = [n for n in s.nodes if n != w] or [w]
+    n = s.lookup(others[0], b, keys)
+    s.check(n == 0, "NamespaceIsolation", f"lookup under another authorised namespace counted {n} blocks")
+    # One refused acquire per node and key (a refused holder's request stays pending in the spec).
+    for i, key in enumerate(keys):
+        g = s.acquire(others[i % len(others)], b, key)
+        s.check(isinstance(g, Refused), "NamespaceIsolation",
+                f"acquire of a block through another authorised namespace answered {g}")  # fmt: skip
+    child = chain(s, 3, b)[2]
+    g = s.begin_write(w, b, child, keys[1])
+    s.check(isinstance(g, Refused), "PrefixClosed", f"begin_write under a parent of another namespace answered {g}")
+    g = s.begin_write(w, b, keys[1], None)
+    s.check(isinstance(g, Refused), "NamespaceIsolation", f"begin_write of a known key through another namespace answered {g}")
+    read_back(s, w, keys[0], data[0], "a block of the namespace it was written in", ns=a)
+    g = s.acquire(w, s.foreign, chain(s, 1, s.foreign)[0])
+    s.check(isinstance(g, Refused) and g.reason == "unauthorized", "NamespaceIsolation",
+            f"acquire of a never-written key in a namespace the tenant may not use answered {g}")  # fmt: skip
+
+
+def renewal_protects(s: Session) -> None:
+    """A renewed lease protects its copy until the renewed expiry, not the first one."""
+    w = s.nodes[0]
+    key = chain(s, 1)[0]
+    put(s, w, key, None)
+    g = s.acquire(reader(s, w), s.ns, key)
+    s.check(isinstance(g, ReadGrant), "caching", f"acquire refused: {g}")
+    s.sleep_ms(g.term_ms * 0.5)
+    r = s.renew(g)
+    s.check(isinstance(r, ReadGrant), "RenewalNeverRevives", f"renewal of a live lease answered {r}")
+    # Past the first lease's bound on the directory's side (term + epsilon from the grant, and
+    # epsilon more for the clocks), well inside the renewed one.
+    s.sleep_ms(g.term_ms * 0.5 + 2 * s.skew_ms + 5)
+    e = s.evict(w, s.ns, key, leased=True)
+    s.check(isinstance(e, Refused) and e.reason == "leased", "NoReclaimUnderLease",
+            f"evicting a copy under a renewed lease, past its first expiry, answered {e}")  # fmt: skip
+    # Past the renewed lease's bound (term + epsilon from the renewal, epsilon more for the
+    # clocks): it has expired, and the copy is no longer protected.
+    s.sleep_ms((r.requested_at_ns - time.monotonic_ns()) / 1e6 + r.term_ms + 3 * s.skew_ms + 5)
+    e = s.evict(w, s.ns, key)
+    s.check(isinstance(e, Evicted), "eviction", f"eviction of a copy whose renewed lease expired answered {e}")
+
+
+def lease_across_restart(s: Session) -> None:
+    """A lease granted before a directory restart: its renewal is answered, its copy kept."""
+    w = s.nodes[0]
+    key = chain(s, 1)[0]
+    put(s, w, key, None)
+    g = s.acquire(reader(s, w), s.ns, key)
+    s.check(isinstance(g, ReadGrant), "caching", f"acquire refused: {g}")
+    s.fault("restart_directory")
+    # Granted (a directory that keeps its leases) or refused (one that forgot them): either way
+    # an answer, never an error.
+    s.renew(g)
+    e = s.evict(w, s.ns, key)
+    s.check(isinstance(e, Refused), "NoReclaimUnderLease", f"evicting a copy a lease of the previous incarnation may protect answered {e}")
+    s.release(g)  # the restarted directory may not know it: ignored then, never an error
+
+
+def restarted_node(s: Session) -> None:
+    """A node that read under a lease and released it, then was killed and restarted without its
+    memory, works like a new one: its key is handed over, and it reads the new bytes exactly."""
+    if len(s.nodes) < 2:
+        raise _not_applicable("needs two nodes")
+    w, r = s.nodes[0], s.nodes[1]
+    key = chain(s, 1)[0]
+    data = put(s, w, key, None)
+    read_back(s, w, key, data, "a block before the node's restart")
+    held = s.acquire(w, s.ns, key)  # and a lease it still holds when it dies
+    s.check(isinstance(held, ReadGrant), "caching", f"acquire refused: {held}")
+    s.fault("kill", w)
+    s.fault("restart", w)
+    deadline = time.monotonic() + INVALIDATION_SLACK * s.term_s + 1
+    while True:
+        g = s.begin_write(r, s.ns, key, None)
+        if isinstance(g, WriteGrant):
+            break
+        s.check(time.monotonic() < deadline, "OwnershipHandoffAfterCrash", f"the crashed owner's key stayed unwritable: {g}")
+        s.sleep_ms(s.lease_term_ms / 10)
+    new = s.payload()
+    s.check(isinstance(s.write_bytes(g, new), Stored), "write", "write_bytes refused")
+    s.check(isinstance(s.commit(g), Committed), "write", "commit refused")
+    read_back(s, w, key, new, "a block after the node's restart")
+
+
+def late_commit(s: Session) -> None:
+    """A writer that stalls past its write lease with its bytes stored, then commits: refused."""
+    w = s.nodes[0]
+    key = chain(s, 1)[0]
+    g = s.begin_write(w, s.ns, key, None)
+    s.check(isinstance(g, WriteGrant), "write", f"begin_write refused: {g}")
+    s.check(isinstance(s.write_bytes(g, s.payload()), Stored), "write", "write_bytes refused")
+    # Past the write lease on the directory's side (term + epsilon from the grant), epsilon more for
+    # the clocks: the lease has expired, and the stalled writer wakes up and commits.
+    s.sleep_ms((g.requested_at_ns - time.monotonic_ns()) / 1e6 + g.term_ms + 3 * s.skew_ms + 5)
+    c = s.commit(g)
+    s.check(isinstance(c, Refused), "OneWriterPerGeneration", f"a commit after the write lease expired answered {c}")
+    s.check(s.lookup(w, s.ns, [key]) == 0, "NoDirtyRead", "lookup finds a block whose write lease expired")
+    r = reader(s, w)
+    put(s, r, key, None)
+
+
+def invalidate_other_namespace(s: Session) -> None:
+    """Invalidating a key through another (authorised) namespace voids nothing."""
+    w = s.nodes[0]
+    a, b = s.namespaces[0], s.namespaces[1]
+    keys = chain(s, 2, a)
+    data = put_chain(s, w, keys, a)
+    wait_done(s, s.invalidate(w, b, "key", keys[0]), [])
+    n = s.lookup(w, a, keys)
+    s.check(n == 2, "NamespaceIsolation", f"after an invalidation named in another namespace, lookup counted {n} of 2")
+    for key, expected in zip(keys, data):
+        read_back(s, reader(s, w), key, expected, "a block invalidated through another namespace", ns=a)
+    # Voided for real (in its own namespace), the key is ABSENT: it still belongs to that namespace.
+    wait_done(s, s.invalidate(w, a, "key", keys[0]), keys)
+    g = s.begin_write(w, b, keys[0], None)
+    s.check(isinstance(g, Refused), "NamespaceIsolation", f"begin_write of an invalidated key through another namespace answered {g}")
+
+
+def invalidate_during_write(s: Session) -> None:
+    """Invalidating a key, then a namespace, whose only block is still being written."""
+    w = s.nodes[0]
+    k1, k2 = chain(s, 1)[0], chain(s, 1)[0]
+    g1 = s.begin_write(w, s.ns, k1, None)
+    s.check(isinstance(g1, WriteGrant), "write", f"begin_write refused: {g1}")
+    wait_done(s, s.invalidate(w, s.ns, "key", k1), [])
+    g2 = s.begin_write(w, s.ns, k2, None)
+    s.check(isinstance(g2, WriteGrant), "write", f"begin_write refused: {g2}")
+    wait_done(s, s.invalidate(w, s.ns, "namespace", None), [])
+    # The writes may go on and commit (nothing was readable to void) or have been aborted: either
+    # way what is then read is exactly what was committed.
+    for g in (g1, g2):
+        data = s.payload()
+        if isinstance(s.write_bytes(g, data), Stored) and isinstance(s.commit(g), Committed):
+            read_back(s, reader(s, w), g.key, data, "a block committed after an invalidation")
+
+
+def ticket_counts(s: Session) -> None:
+    """A ticket counts the COMMITTED blocks its invalidation voids."""
+    w = s.nodes[0]
+    keys = chain(s, 3)
+    put_chain(s, w, keys)
+    t = s.invalidate(w, s.ns, "key", keys[1])
+    s.check(t.keys == 2, "invalidate", f"invalidating a block with one descendant covers {t.keys} keys, not 2")
+    wait_done(s, t, keys[1:])
+    t = s.invalidate(w, s.ns, "namespace", None)
+    s.check(t.keys == 1, "invalidate", f"invalidating a namespace with one committed block covers {t.keys} keys, not 1")
+    wait_done(s, t, keys[:1])
+
+
+def never_written(s: Session) -> None:
+    """A key nobody wrote: no lease, no lookup hit, no eviction."""
+    w = s.nodes[0]
+    key = chain(s, 1)[0]
+    g = s.acquire(reader(s, w), s.ns, key)
+    s.check(isinstance(g, Refused), "LeasesGrantedOnlyOnCommitted", f"acquire of a never-written key answered {g}")
+    s.check(s.lookup(w, s.ns, [key]) == 0, "PrefixClosed", "lookup counted a never-written key")
+    # And a lease released twice: the second release ends nothing, and is no error.
+    put(s, w, key, None)
+    g = s.acquire(w, s.ns, key)
+    s.check(isinstance(g, ReadGrant), "caching", f"acquire refused: {g}")
+    s.release(g)
+    s.release(g)
+
+
+def restart_during_invalidation(s: Session) -> None:
+    """An invalidation waiting on a paused holder, and a directory restart while it waits: it
+    completes no earlier than that holder's lease could expire, and its ticket is not lost."""
+    w = s.nodes[0]
+    h = reader(s, w)
+    keys = chain(s, 2)
+    put_chain(s, w, keys)
+    g = s.acquire(h, s.ns, keys[1])
+    s.check(isinstance(g, ReadGrant), "caching", f"acquire refused: {g}")
+    s.fault("pause", h)
+    try:
+        ticket = s.invalidate(w, s.ns, "key", keys[0])
+        # Well before the paused holder's lease can expire, a short wait MUST time out.
+        early = s.wait_invalidation(ticket, min(0.05, g.term_ms / 4000), voids=keys)
+        s.check(not early, "NoStaleRead", "a wait reported the invalidation complete while a paused holder's lease was live")
+        s.fault("restart_directory")
+        done = s.wait_invalidation(ticket, INVALIDATION_SLACK * s.term_s + 1, voids=keys)
+        done_ns = time.monotonic_ns()
+    finally:
+        s.fault("resume", h)
+    s.check(done, "InvalidationCompletesInTime", "the invalidation did not complete after the directory restarted")
+    holder_deadline_ns = s.earliest_deadlines_ns[(g.node, g.lease)]
+    s.check(done_ns >= holder_deadline_ns, "NoStaleRead",
+            f"the invalidation completed {(holder_deadline_ns - done_ns) / 1e6:.0f} ms before a paused holder's lease could expire")  # fmt: skip
+    got = s.read(g)
+    s.check(isinstance(got, Refused), "NoStaleRead", "the resumed holder read the invalidated generation")
+
+
+BODIES.update(namespace_bound=namespace_bound, renewal_protects=renewal_protects, lease_across_restart=lease_across_restart,
+              restarted_node=restarted_node, late_commit=late_commit,
+              invalidate_other_namespace=invalidate_other_namespace, invalidate_during_write=invalidate_during_write,
+              ticket_counts=ticket_counts, never_written=never_written,
+              restart_during_invalidation=restart_during_invalidation)
+
+
+# -- deletion reaches everywhere (KVCC-INVAL-009) ---------------------------------------------------
 
 
 def deletion_reaches_everywhere(s: Session) -> None:

@@ -494,11 +494,11 @@ def test_cli_conform_writes_a_bundle_and_exit_codes(tmp_path, capsys):
 
 def test_an_adapter_that_never_frees_is_not_certified_for_invalidation():
     """The finding: locations that drop every Free (no free_slot, bytes kept) certified the
-    invalidation profile; KVCC-INVAL-006 now FAILs them, every trace still ACCEPTED."""
+    invalidation profile; KVCC-INVAL-009 now FAILs them, every trace still ACCEPTED."""
     rep = run(testing.NeverFreesAdapter, profiles=("invalidation",))
     assert not rep.certified, [(r.id, r.status) for r in rep.results]
-    assert rep.failed_ids() == {"KVCC-INVAL-006"}
-    (r,) = [r for r in rep.results if r.id == "KVCC-INVAL-006"]
+    assert rep.failed_ids() == {"KVCC-INVAL-009"}
+    (r,) = [r for r in rep.results if r.id == "KVCC-INVAL-009"]
     assert "DeletionReachesEverywhere" in r.message and r.verdict.get("status") == "ACCEPTED", r.message
 
 

@@ -1,0 +1,167 @@
+"""The suite's mutation score (``kvcc.conformance.mutation``): the mutator makes the mutants it
+should on a small module, a mutant the suite must catch is caught while the unmutated deployment
+certifies, the reviewed list of equivalent mutants names real mutants, and the command's JSON has
+its shape."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvcc.cli import main
+from kvcc.conformance import mutation
+from kvcc.conformance.mutation import RunParams, Target
+
+SAMPLE = '''\
+"""A sample module."""
+
+LIMIT = 5
+
+
+def guard(x, limit):
+    """Docstring."""
+    if x < limit and x != 0:
+        return True
+    return False
+
+
+class Box:
+    def __init__(self):
+        self.items = set()
+
+    def put(self, v):
+        assert v is not None
+        self.items.add(v)
+        self.count = len(self.items) + 1
+'''
+
+
+@pytest.fixture
+def sample(tmp_path, monkeypatch):
+    def make(prefix: str = "") -> Target:
+        (tmp_path / "kvcc_mutation_sample.py").write_text(prefix + SAMPLE)
+        return Target("kvcc_mutation_sample")
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return make
+
+
+def _pairs(mutants):
+    return {(m.operator, m.before, m.after) for m in mutants}
+
+
+def test_mutator_makes_the_expected_mutants(sample):
+    target = sample()
+    mutants = mutation.generate([target])
+    pairs = _pairs(mutants)
+    expected = {
+        ("cmp-swap", "x < limit", "(x <= limit)"),
+        ("cmp-swap", "x != 0", "(x == 0)"),
+        ("boolop-swap", "x < limit and x != 0", "(x < limit or x != 0)"),
+        ("boolop-drop", "x < limit and x != 0", "(x != 0)"),
+        ("boolop-drop", "x < limit and x != 0", "(x < limit)"),
+        ("negate-cond", "x < limit and x != 0", "(not (x < limit and x != 0))"),
+        ("cond-true", "x < limit and x != 0", "(True)"),
+        ("cond-false", "x < limit and x != 0", "(False)"),
+        ("return-negate", "True", "(False)"),
+        ("return-negate", "False", "(True)"),
+        ("const-off", "0", "(1)"),
+        ("const-off", "0", "(-1)"),
+        ("const-off", "1", "(2)"),
+        ("const-off", "1", "(0)"),
+        ("stmt-drop", "self.items = set()", "pass"),
+        ("stmt-drop", "self.items.add(v)", "pass"),
+        ("stmt-drop", "self.count = len(self.items) + 1", "pass"),
+        ("return-early", "", "return"),
+    }
+    assert expected <= pairs, expected - pairs
+    # nothing else: module-level constants, docstrings and asserts are not decisions
+    assert pairs == expected
+    assert not any("assert" in m.before or (m.line == 18 and m.operator != "return-early") for m in mutants)
+    assert sorted(m.function for m in mutants if m.operator == "return-early") == ["Box.__init__", "Box.put"]
+    source = target.path().read_bytes()
+    for m in mutants:
+        new = m.source(source)
+        compile(new, "sample", "exec")
+        changed = [a for a, b in zip(source.decode().splitlines(), new.splitlines()) if a != b]
+        assert len(changed) == 1 or m.operator == "return-early", m
+        assert m.diff(source, "sample.py").count("\n-") <= 1
+    assert len({m.id for m in mutants}) == len(mutants)
+    assert len({m.fingerprint for m in mutants}) == len(mutants)
+
+
+def test_fingerprints_survive_edits_elsewhere_in_the_file(sample):
+    before = mutation.generate([sample()])
+    after = mutation.generate([sample("# a comment\n\n")])
+    assert {m.fingerprint for m in before} == {m.fingerprint for m in after}
+    assert {m.id for m in before} != {m.id for m in after}  # ids carry line numbers
+
+
+def test_targets_exist_and_skip_only_real_functions():
+    mutants = mutation.generate()
+    assert {m.module for m in mutants} == {t.module for t in mutation.TARGETS}
+    assert {m.operator for m in mutants} == set(mutation.OPERATORS)
+    for t in mutation.TARGETS:
+        text = t.path().read_text()
+        for name, why in t.skip:
+            assert why
+            assert f"def {name.split('.')[-1]}" in text or f"class {name.split('.')[-1]}" in text, name
+    assert not any(m.function.startswith("DirectoryCore.start_transfer") for m in mutants)
+
+
+def test_equivalents_are_reviewed_and_name_real_mutants():
+    entries = json.loads(mutation.EQUIVALENTS_FILE.read_text())
+    fingerprints = {m.fingerprint: m for m in mutation.generate()}
+    for e in entries:
+        assert e["why"].strip(), e
+        assert e["fingerprint"] in fingerprints, f"stale equivalent {e}"
+        m = fingerprints[e["fingerprint"]]
+        assert (m.operator, m.function) == (e["operator"], e["function"]), e
+
+
+def _find(mutants, function, operator, before):
+    found = [m for m in mutants if (m.function, m.operator, m.before) == (function, operator, before)]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def test_a_killable_mutant_is_killed_and_the_reference_certifies():
+    # The directory grants read leases whatever the rule says (a dirty read): KVCC-CORE-004 must refuse it.
+    mutants = mutation.generate(mutation.TARGETS[:1])
+    m = _find(mutants, "DirectoryCore._acquire", "cond-false", "reason is not None")
+    origin = mutation._origin(m.module)
+    with open(origin, "rb") as f:
+        source = m.source(f.read())
+    params = RunParams(profiles=("core",))
+    out = mutation.run_all([("baseline", None, None, None), ("mutant", m.module, source, origin)], params, jobs=2)
+    assert not out["baseline"].killed, out["baseline"]
+    assert out["mutant"].killed
+    assert out["mutant"].test == "KVCC-CORE-004", out["mutant"]
+
+
+def test_the_command_prints_the_score_as_json(capsys):
+    rc = main(["conform", "--mutation-score", "--json", "--limit", "3", "--profile", "core", "--jobs", "2"])
+    out = json.loads(capsys.readouterr().out)
+    for key in ("mutants", "killed", "survivors", "equivalent", "score", "baseline", "timeouts", "by_operator"):
+        assert key in out, key
+    assert out["baseline"]["certified"] is True
+    assert out["mutants"] == 3
+    assert out["killed"] + len(out["survivors"]) + out["equivalent"] == out["mutants"]
+    for s in out["survivors"]:
+        assert s["diff"].startswith("--- a/")
+    assert rc == (0 if out["score"] is not None and out["score"] >= mutation.TARGET_SCORE else 1)
+
+
+def test_a_rerun_runs_only_the_earlier_survivors_and_carries_the_kills():
+    mutants = mutation.generate(mutation.TARGETS[:1])
+    survivor = _find(mutants, "DirectoryCore._acquire", "cond-false", "reason is not None")  # killed when run
+    carried = mutants[0]
+    previous = {"params": {"limit": None}, "survivors": [{"fingerprint": survivor.fingerprint}], "equivalent_mutants": [],
+                "fingerprints": [survivor.fingerprint, carried.fingerprint], "mutants": 2, "killed": 1, "score": 0.5}
+    res = mutation.mutation_score(RunParams(profiles=("core",)), jobs=1, mutants=[survivor, carried], equivalents={},
+                                  previous=previous)
+    assert res["baseline"]["certified"] is True
+    assert (res["mutants"], res["killed"], res["carried"], res["survivors"]) == (2, 2, 1, [])
+    assert res["kills_by_test"] == {"CARRIED": 1, "KVCC-CORE-004": 1}
+    assert res["rerun_of"]["score"] == 0.5
