@@ -349,7 +349,7 @@ class CoreAdapter(Adapter):
     def _holder_revoked(self, node: _Node, msg: Revoke) -> None:
         """Spec ``drop_and_ack``: drop the trust first, then acknowledge (flush-then-ack)."""
         trust = node.trusts.get(msg.key)
-        if trust is not None and trust.lease == msg.lease:
+        if trust is not None and (trust.lease == msg.lease or trust.gen == msg.gen):  # the generation's end
             self._drop_on_revoke(node, msg.key)
         node.log.emit("drop_and_ack", key=msg.key, gen=msg.gen, lease=msg.lease)
         reply, effects = self._core.handle(RevokeAcked(node.id, msg.key, msg.lease), self._now_ms(), TENANT)

@@ -316,7 +316,10 @@ class KvccClient:
             log.warning("%s ignores a pushed %s", self.client_id, type(msg).__name__)
             return
         held = self._leases.get(msg.key)
-        if held is not None and held.lease == msg.lease:
+        if held is not None and (held.lease == msg.lease or held.gen == msg.gen):
+            # A revocation of the generation ends every lease of it this holder trusts, not only
+            # the one it names (the spec's drop_and_ack: after a directory restart the revoked lease
+            # may be another grant of the same generation).
             del self._leases[msg.key]  # drop first ...
             self.stats["revoked"] += 1
         pending = self._pending.pop(msg.key, None)

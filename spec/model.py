@@ -1053,8 +1053,13 @@ class Model:
         b = bytearray(fixed)
         rest = list(net)
         if s[L.up[n]]:
-            if s[L.h_id[n][k]] == lease and "ack_before_drop" not in self.bugs:
-                # Drop the copy first, then acknowledge (Chubby's flush-then-ack).
+            trusts = s[L.h_id[n][k]]
+            if (trusts == lease or (trusts != 0 and s[L.h_gen[n][k]] == gen)) and "ack_before_drop" not in self.bugs:
+                # Drop the copy first, then acknowledge (Chubby's flush-then-ack). A revocation of
+                # the generation ends every lease of it this holder trusts, not only the one it
+                # names: after a directory restart a holder may trust lease A and be revoked lease B
+                # of the same generation (granted to a request it had given up), and acknowledging
+                # B while still reading under A breaks NoReadAfterAck. (Found by the z3 proofs.)
                 b[L.h_id[n][k]] = b[L.h_loc[n][k]] = b[L.h_gen[n][k]] = b[L.h_left[n][k]] = 0
             if s[L.p_kind[n][k]] != P_NONE and "revoke_keeps_pending_acquire" not in self.bugs:
                 # The revocation may overtake the grant it revokes: an acquire still waiting for

@@ -599,7 +599,7 @@ class MooncakeKvccAdapter(MooncakeDeployment):
                 self._held_back.setdefault(node, []).append(msg)
                 return
             held = self._held.get((node, msg.key))
-            if held is not None and held.lease == msg.lease:
+            if held is not None and (held.lease == msg.lease or held.gen == msg.gen):  # the generation's end
                 del self._held[(node, msg.key)]  # drop first, then acknowledge
             self.logs.emit(node, "drop_and_ack", key=msg.key, gen=msg.gen, lease=msg.lease, holder=node)
             _, effects = self._handle(wire.RevokeAcked(NodeId(node), msg.key, msg.lease))

@@ -871,7 +871,8 @@ class Protocol:
         n, k, lease = m_node(m), m_key(m), m_lease(m)
         upd: dict = {}
         if not self.bug("ack_before_drop"):
-            drop = s.h_id[n, k] == lease
+            # A revocation of the generation ends every lease of it the holder trusts (model.py).
+            drop = z3.Or(s.h_id[n, k] == lease, z3.And(s.h_id[n, k] != 0, s.h_gen[n, k] == m_gen(m)))
             upd.update({name: z3.If(drop, t, getattr(s, name)) for name, t in self._clear_holder(s, n, k).items()})
         upd.update(self._clear_pending(s, n, k))  # clearing an empty pending request changes nothing
         # Ghost (NoReadAfterAck on history): this node acknowledged the current generation's end.
