@@ -132,8 +132,8 @@ refuse_read_lease        key, holder, result
 renew_lease              key, lease, holder
 refuse_renewal           key, lease, holder
 release_lease            key, lease, holder
-grant_write_lease        key, lease, gen, epoch, writer, location  [parent, namespace: SHOULD;
-                                                                 MUST for chains / namespace scope]
+grant_write_lease        key, lease, gen, epoch, writer, location, namespace; parent present
+                                                                 (null for a root block)
 refuse_write_lease       key, writer, result                     [parent]
 commit_write             key, lease, gen, epoch, writer
 reject_stale_commit      key, lease                              [writer, epoch]
@@ -260,7 +260,7 @@ REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
     "renew_lease": ("key", "lease", "holder"),
     "refuse_renewal": ("key", "lease", "holder"),
     "release_lease": ("key", "lease", "holder"),
-    "grant_write_lease": ("key", "lease", "gen", "epoch", "writer", "location"),
+    "grant_write_lease": ("key", "lease", "gen", "epoch", "writer", "location", "namespace"),  # and "parent", present (null for a root)
     "refuse_write_lease": ("key", "writer", "result"),
     "commit_write": ("key", "lease", "gen", "epoch", "writer"),
     "reject_stale_commit": ("key", "lease"),
@@ -497,6 +497,9 @@ def _check_shapes(events: Iterable[Any]) -> int | None:
         for name in REQUIRED_FIELDS[ev["event"]]:
             if ev.get(name) is None:
                 raise _reject(i, ev, "missing_field", f"event {i} ({ev['event']}) needs {name!r}")
+        if ev["event"] == "grant_write_lease" and "parent" not in ev:
+            # null is a root block; absent, the chain (and every cascade along it) is unknowable.
+            raise _reject(i, ev, "missing_field", f"event {i} (grant_write_lease) needs 'parent' (the parent key's hex, or null for a root block)")
         if ev["event"] == "restart_node" and not isinstance(ev["lost"], list):
             raise _reject(i, ev, "malformed", f"event {i}: lost is a list of locations")
         log = (ev["node"], ev["incarnation"])
