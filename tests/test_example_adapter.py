@@ -85,6 +85,26 @@ def test_registry_imports_an_example_from_the_current_directory(monkeypatch):
         registry.resolve("examples.no_such_module:factory")
 
 
+def test_registry_searches_the_current_directory_when_pythonpath_has_another_package(monkeypatch, tmp_path):
+    # Blind gap 16: a PYTHONPATH entry (or an installed distribution) holding another top-level
+    # ``examples`` package hid the checkout's ``examples.minimal_adapter``.
+    other = tmp_path / "examples"
+    other.mkdir()
+    (other / "__init__.py").write_text("", encoding="utf-8")
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(sys, "path", [str(tmp_path)] + [p for p in sys.path if p not in ("", str(ROOT))])
+    monkeypatch.delitem(sys.modules, "examples", raising=False)
+    monkeypatch.delitem(sys.modules, "examples.minimal_adapter", raising=False)
+    __import__("examples")  # the PYTHONPATH one, imported first, as another plugin might
+    assert sys.modules["examples"].__file__ == str(other / "__init__.py")
+    factory = registry.resolve("examples.minimal_adapter:factory")
+    assert factory().capabilities().events == "native"
+    with pytest.raises(registry.UnknownAdapter, match="cannot import"):
+        registry.resolve("examples.no_such_module:factory")
+    with pytest.raises(registry.UnknownAdapter, match="cannot import"):
+        registry.resolve("no_such_package_anywhere.adapter:factory")
+
+
 def test_every_builtin_adapter_has_a_description():
     for name in registry.BUILTINS:
         text = registry.describe(name)
