@@ -225,7 +225,7 @@ class RunContext:
     workdir: Path
     seed: int = field(validator=_nonneg_int)
     nodes: int = field(default=2)
-    lease_term_ms: int = field(default=2000)
+    lease_term_ms: int = field(default=1000)  # the CLI's default (runner.DEFAULT_LEASE_TERM_MS)
     skew_ms: int = field(default=50)
     namespaces: tuple[Namespace, ...] = field(default=(), converter=tuple)
 
