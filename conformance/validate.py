@@ -1461,7 +1461,7 @@ class _Replay:
         if blocked:
             t, what = min(blocked)
             if what == pe.ev["event"] or pe.ev["event"] in what.split(", "):
-                return (f"logged too late: due at +{t * tick_ms} ms (trace time), logged at about +{at:.0f} ms, "
+                return (f"logged too late: due at +{t * tick_ms} ms (trace time), logged at about +{at:.0f} ms, about "
                         f"{at - t * tick_ms:.0f} ms after, beyond epsilon ({eps} ms): the spec lets no time pass "
                         f"while it is due (docs/events.md section 4); the closest states would take it on time")
             return (f"logged too late, or an earlier step missing: {what} was due at +{t * tick_ms} ms (trace "
