@@ -476,3 +476,18 @@ def test_an_abort_after_the_bytes_landed_logs_nothing():
     finally:
         a.stop()
     assert (v.status, v.event["event"]) == (REJECTED, "abort")
+
+
+def test_an_audit_short_after_a_failed_test_names_it_as_the_likely_cause():
+    # Blind gap 17: "invalidations_by_ack = 0 < 1" was only a knock-on of KVCC-INVAL-001 failing.
+    from kvcc.conformance.catalogue import CATALOGUE
+    from kvcc.conformance.runner import FAIL, PASS, TestResult, _audit
+
+    audit = next(t for t in CATALOGUE if t.id == "KVCC-INVAL-900")
+    failed = TestResult("KVCC-INVAL-001", "invalidation", FAIL, "InvalidationCompletesInTime: ...")
+    passed = TestResult("KVCC-INVAL-005", "invalidation", PASS, "")
+    r = _audit(audit, [failed, passed])
+    assert r.status == FAIL
+    assert r.message.startswith("invalidations_by_ack = 0 < 1")
+    assert "KVCC-INVAL-001 FAILed and stopped early" in r.message and "knock-on" in r.message
+    assert "knock-on" not in _audit(audit, [passed]).message
