@@ -1457,10 +1457,10 @@ class _Replay:
                     break
                 x, t = x2, t + 1
             due = sorted({st[0] for st in self.successors(x) if st[0] in URGENT_STEPS})
-            blocked.append((t, ", ".join(due) or "a directory timer"))
+            blocked.append((t, ", ".join(due) or "a directory timer", bool(self._match(pe, x, binding))))
         if blocked:
-            t, what = min(blocked)
-            if what == pe.ev["event"] or pe.ev["event"] in what.split(", "):
+            t, what, takes = min(blocked)
+            if takes and pe.ev["event"] in what.split(", "):
                 return (f"logged too late: due at +{t * tick_ms} ms (trace time), logged at about +{at:.0f} ms, about "
                         f"{at - t * tick_ms:.0f} ms after, beyond epsilon ({eps} ms): the spec lets no time pass "
                         f"while it is due (docs/events.md section 4); the closest states would take it on time")

@@ -374,6 +374,7 @@ def test_a_write_lease_expired_late_is_rejected():
     finally:
         a.stop()
     assert (v.status, v.event["event"]) == (REJECTED, "expire_write_lease")
+    assert "logged too late: due at +" in v.reason  # time, not the state, is the cause (R1)
 
 
 def test_a_reused_lease_id_is_rejected():
