@@ -13,7 +13,9 @@ requirement in RFC 2119 words; ``properties`` name the spec's properties
 trace is then validated against the spec (``kvcc.conformance.validate``). Tests numbered 9xx
 are *audits*: they run no workload of their own but check the counts gathered over the other
 tests of their profile (non-vacuity: a cache that never caches, never evicts or never fences
-would satisfy every safety property vacuously).
+would satisfy every safety property vacuously). They count what the tests that ran (PASS or
+FAIL) gathered up to where each stopped: a FAIL stops its test at the first failed check, so an
+audit failing next to another test's failure may be only its knock-on.
 
 ``covers`` names the rules (``kvcc.conformance.testing`` known-bad adapters' ``BROKEN_RULE``)
 whose violation the test is designed to detect. The suite's own tests assert that each
@@ -249,7 +251,10 @@ def catalogue_markdown() -> str:
         "The key words MUST, MUST NOT, SHOULD and MAY are to be read as in RFC 2119. A profile is certified "
         "when every required test of it PASSes with its trace ACCEPTED by the validator (`kvcc certify verify` "
         "re-validates them): a trace that is missing, empty, incomplete against the suite's own history, or "
-        "INCONCLUSIVE never counts. Tests numbered 9xx are audits over the counts of their profile's other tests.",
+        "INCONCLUSIVE never counts. Tests numbered 9xx are audits over the counts of their profile's other tests "
+        "that ran (PASS or FAIL): a test that FAILs stops at its first failed check, so the counts it would have "
+        "added after it are missing, and an audit that fails in a run where another test of its profile failed "
+        "may be only a knock-on: fix that test first (the audit's message names it).",
         "",
         "| profile | tests | required |",
         "|---|---|---|",

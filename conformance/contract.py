@@ -246,7 +246,8 @@ class RunContext:
     - ``seed``: the test's seed (the adapter may use it for its own randomness).
     - ``nodes``: how many cache nodes (>= 1).
     - ``lease_term_ms``, ``skew_ms``: the lease term the directory grants and the clock bound
-      epsilon; the suite's oracles and the validator use the same values.
+      epsilon; the suite's oracles and the validator use the same values. The defaults, 1000 and
+      50, are ``kvcc conform``'s (``--lease-term-ms``, ``--skew-ms``).
     - ``namespaces``: the tenant namespaces the deployment must authorise; any other namespace
       must be refused (``Refused("unauthorized")``).
     """
@@ -254,7 +255,7 @@ class RunContext:
     workdir: Path
     seed: int = field(validator=_nonneg_int)
     nodes: int = field(default=2)
-    lease_term_ms: int = field(default=2000)
+    lease_term_ms: int = field(default=1000)  # the CLI's default (runner.DEFAULT_LEASE_TERM_MS)
     skew_ms: int = field(default=50)
     namespaces: tuple[Namespace, ...] = field(default=(), converter=tuple)
 
@@ -445,7 +446,10 @@ class Adapter(abc.ABC):
         2): the location stores bytes only under an epoch at least its fence (the highest epoch
         it stored for the key), whatever the writer or the directory believe -- bytes of an
         aborted or expired grant still land if no higher epoch came first. May refuse
-        ``lease_expired`` when the writer's own deadline has passed. A grant's bytes are sent
+        ``lease_expired`` when the writer's own deadline (``grant.trusted_until_ns(skew_ms)``)
+        has passed: a local refusal, nothing sent, nothing lands, no event logged; the write
+        stays in progress at the writer and its ``commit`` is then refused ``not_found``
+        (docs/events.md, "Local refusals"). A grant's bytes are sent
         once: a second call with the same grant lands nothing new and logs nothing (answer
         ``Refused("busy")``, or ``Stored()`` again for the same bytes).
         Must not: overwrite bytes under a live read lease (property 5) or committed bytes
@@ -459,9 +463,10 @@ class Adapter(abc.ABC):
         Must: refuse ``unknown_lease`` when the key is not WRITING under this very write lease
         (it expired, was voided by an invalidation, or another writer has the key now),
         ``stale_epoch`` under another epoch, ``lease_expired`` once the write lease ran out (the
-        late writer is fenced); refuse, without asking the directory, a grant whose bytes were
-        not stored by ``write_bytes`` or that was aborted or fenced (the spec's writer sends its
-        commit only when its bytes landed).
+        late writer is fenced); refuse ``not_found``, without asking the directory and logging
+        nothing, a grant whose bytes were not stored by ``write_bytes``, that was aborted or
+        fenced, or whose commit was sent already (answered ``Committed`` or refused by the
+        directory): the spec's writer sends its one commit when its bytes landed.
         Must not: publish bytes that were not all stored.
         """
 
@@ -495,13 +500,16 @@ class Adapter(abc.ABC):
 
     @abc.abstractmethod
     def renew(self, grant: ReadGrant) -> ReadGrant | Refused:
-        """Extend a live read lease; the new grant has a new ``requested_at_ns``.
+        """Extend a live read lease. The lease keeps its id: the new grant is ``grant`` with a
+        new ``requested_at_ns`` (the renewal's send time) and ``term_ms``; same ``lease``,
+        ``gen``, ``epoch``, ``location``.
 
-        Must: refuse ``lease_expired`` (without asking the directory) once the holder's own
-        deadline passed or it released the lease or acked its revocation; at the directory,
-        ``unknown_lease`` unless this node has a live lease under this id, ``invalidating`` /
-        ``not_committed`` unless the key is COMMITTED, ``not_owner`` for a lease on a copy that
-        is no longer the owner (draining after a transfer). The directory counts the renewed
+        Must: refuse ``lease_expired`` (without asking the directory, logging nothing) once the
+        holder's own deadline passed or it released the lease or acked its revocation; at the
+        directory, in this order (``spec.rules.may_renew``): ``unknown_lease`` unless this node
+        has a live lease under this id, then ``invalidating`` / ``not_committed`` unless the key
+        is COMMITTED, then ``not_owner`` for a lease on a copy that is no longer the owner
+        (draining after a transfer). The directory counts the renewed
         lease live for ``term + skew`` from the renewal; the holder trusts it for
         ``term - skew`` from when it sent the renewal.
         Must not: revive such a lease (property 8).
@@ -540,7 +548,12 @@ class Adapter(abc.ABC):
         every lease on it was acked or released or ran out (``term + skew`` from grant or
         renewal on the directory's clock, property 6), then free its copies and move it to
         ABSENT at generation + 1. If the root is not COMMITTED nothing is voided: the ticket
-        waits only for covered keys already INVALIDATING (``keys`` 0 if none).
+        waits only for covered keys already INVALIDATING (``keys`` 0 if none). The ticket's
+        ``keys`` counts the covered keys voided by this call (COMMITTED ones now INVALIDATING and
+        WRITING ones aborted) plus those already INVALIDATING. Covered keys complete in any
+        order (each on its own leases). An aborted write gets no ``expire_write_lease`` later.
+        A namespace not in ``RunContext.namespaces``, or a key recorded under another namespace:
+        void nothing, log nothing, return a ticket of 0 keys.
         Every location that held a voided generation MUST free its bytes within
         ``capabilities().free_bound_ms`` of the completion (plus a message delay), logging
         ``free_slot`` / ``fence_stale_free`` with native events, even when frees are lost
@@ -560,8 +573,9 @@ class Adapter(abc.ABC):
     def evict(self, node: str, ns: Namespace, key: BlockKey) -> Evicted | Refused:
         """Drop ``node``'s copy of ``key`` as a tier would under memory pressure.
 
-        Must: refuse, in this order, ``not_committed`` / ``invalidating`` unless the key is
-        COMMITTED; ``not_found`` when ``node`` does not hold a copy the directory knows of (the
+        Must: refuse ``not_found`` (no event) for a namespace not in ``RunContext.namespaces``
+        or a key recorded under another namespace; then, in this order, ``not_committed`` /
+        ``invalidating`` unless the key is COMMITTED; ``not_found`` when ``node`` does not hold a copy the directory knows of (the
         owner, or a copy draining after a transfer); ``restarting`` during a restarted
         directory's grace period; ``has_children`` unless every child key is ABSENT at the
         directory -- a child WRITING, COMMITTED or INVALIDATING blocks its parent wherever the

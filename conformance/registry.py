@@ -8,7 +8,8 @@ A vendor's package declares, in its ``pyproject.toml``::
 and ``kvcc conform --adapter mycache`` finds it. ``--adapter mycache_kvcc.adapter:make_adapter``
 works without installing anything: a module that is not importable from ``sys.path`` is looked
 for in the current directory too, as ``python -m`` would (so ``--adapter
-examples.minimal_adapter:factory`` works from a checkout's root). A factory takes no arguments
+examples.minimal_adapter:factory`` works from a checkout's root), also when ``PYTHONPATH`` or an
+installed distribution holds another package of the same top-level name. A factory takes no arguments
 and returns an ``Adapter``.
 
 ``describe(name)`` is the one-line description ``kvcc conform --list-adapters`` prints: the
@@ -19,6 +20,8 @@ first line of the docstring of the class it returns (the factory is not called).
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
+import importlib.util
 import inspect
 import os
 import sys
@@ -83,16 +86,46 @@ def _load(spec: str) -> Callable[[], Adapter]:
 
 
 def _import(module: str):
-    """``importlib.import_module``, retried with the current directory on ``sys.path`` when the
-    top-level package is not found (a console script's path does not include it)."""
+    """``importlib.import_module``, retried from the current directory when the module is not
+    found (a console script's path does not include it, and ``PYTHONPATH`` or an installed
+    distribution may hold another package of the same top-level name, e.g. ``examples``)."""
     try:
         return importlib.import_module(module)
     except ModuleNotFoundError as e:
         cwd = os.getcwd()
-        if e.name != module.partition(".")[0] or cwd in sys.path:
+        top = module.partition(".")[0]
+        parts = module.split(".")
+        prefixes = {".".join(parts[: i + 1]) for i in range(len(parts))}
+        here = os.path.isdir(os.path.join(cwd, top)) or os.path.isfile(os.path.join(cwd, top + ".py"))
+        if e.name not in prefixes or not here:
             raise
-        sys.path.append(cwd)  # last: never shadows an installed package
-        return importlib.import_module(module)
+        if cwd not in sys.path:
+            sys.path.append(cwd)  # last: never shadows an installed package that has the module
+        try:
+            return importlib.import_module(module)
+        except ModuleNotFoundError as e2:
+            if e2.name not in prefixes:
+                raise
+        # The top-level name resolved elsewhere (PYTHONPATH, site-packages) without the module:
+        # load the package of the current directory in its place, for this import only.
+        saved = {n: m for n, m in sys.modules.items() if n == top or n.startswith(top + ".")}
+        for n in saved:
+            del sys.modules[n]
+        try:
+            # Only the current directory: a directory without __init__.py is a namespace package,
+            # which a regular package of that name anywhere on sys.path would otherwise beat.
+            spec = importlib.machinery.PathFinder.find_spec(top, [cwd])
+            if spec is None:
+                raise ModuleNotFoundError(f"No module named {top!r} in {cwd}", name=top)
+            pkg = importlib.util.module_from_spec(spec)
+            sys.modules[top] = pkg
+            spec.loader.exec_module(pkg)
+            return importlib.import_module(module)
+        except BaseException:
+            for n in [n for n in sys.modules if n == top or n.startswith(top + ".")]:
+                del sys.modules[n]
+            sys.modules.update(saved)
+            raise
 
 
 def _first_line(doc: str | None) -> str:

@@ -419,4 +419,11 @@ def _audit(test: TestCase, results: list[TestResult]) -> TestResult:
         total.add(Audit(**r.audit))
     short = [f"{name} = {getattr(total, name)} < {least}" for name, least in AUDIT_RULES[test.id] if getattr(total, name) < least]
     status = FAIL if short else PASS
-    return TestResult(test.id, test.profile, status, "; ".join(short), audit=total.to_json())
+    message = "; ".join(short)
+    failed = [r.id for r in ran if r.status == FAIL]
+    if short and failed:
+        # A FAIL stops its test at the first failed check: the counts it would have added after
+        # that are missing, so this shortfall may be only a knock-on of those failures.
+        message += (f" (counted over the tests that ran; {', '.join(failed)} FAILed and stopped early, so this may be "
+                    f"only a knock-on: fix {'it' if len(failed) == 1 else 'them'} first)")
+    return TestResult(test.id, test.profile, status, message, audit=total.to_json())

@@ -132,8 +132,8 @@ refuse_read_lease        key, holder, result
 renew_lease              key, lease, holder
 refuse_renewal           key, lease, holder
 release_lease            key, lease, holder
-grant_write_lease        key, lease, gen, epoch, writer, location  [parent, namespace: SHOULD;
-                                                                 MUST for chains / namespace scope]
+grant_write_lease        key, lease, gen, epoch, writer, location, namespace; parent present
+                                                                 (null for a root block)
 refuse_write_lease       key, writer, result                     [parent]
 commit_write             key, lease, gen, epoch, writer
 reject_stale_commit      key, lease                              [writer, epoch]
@@ -260,7 +260,7 @@ REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
     "renew_lease": ("key", "lease", "holder"),
     "refuse_renewal": ("key", "lease", "holder"),
     "release_lease": ("key", "lease", "holder"),
-    "grant_write_lease": ("key", "lease", "gen", "epoch", "writer", "location"),
+    "grant_write_lease": ("key", "lease", "gen", "epoch", "writer", "location", "namespace"),  # and "parent", present (null for a root)
     "refuse_write_lease": ("key", "writer", "result"),
     "commit_write": ("key", "lease", "gen", "epoch", "writer"),
     "reject_stale_commit": ("key", "lease"),
@@ -454,6 +454,9 @@ class _Stop(Exception):
         self.verdict = verdict
 
 
+URGENT_STEPS = frozenset({"expire_write_lease", "expire_write_lease_of_crashed", "complete_invalidation", "retry_free"})
+
+
 def _reject(index: int | None, event: Any, code: str, reason: str, diff: dict | None = None) -> _Stop:
     assert code in REJECT_CODES, code
     return _Stop(Verdict(REJECTED, index, event if isinstance(event, dict) else None, reason, diff, code=code))
@@ -494,6 +497,9 @@ def _check_shapes(events: Iterable[Any]) -> int | None:
         for name in REQUIRED_FIELDS[ev["event"]]:
             if ev.get(name) is None:
                 raise _reject(i, ev, "missing_field", f"event {i} ({ev['event']}) needs {name!r}")
+        if ev["event"] == "grant_write_lease" and "parent" not in ev:
+            # null is a root block; absent, the chain (and every cascade along it) is unknowable.
+            raise _reject(i, ev, "missing_field", f"event {i} (grant_write_lease) needs 'parent' (the parent key's hex, or null for a root block)")
         if ev["event"] == "restart_node" and not isinstance(ev["lost"], list):
             raise _reject(i, ev, "malformed", f"event {i}: lost is a list of locations")
         log = (ev["node"], ev["incarnation"])
@@ -1420,11 +1426,72 @@ class _Replay:
         diff = self._diff(frontier, best)
         if broke is not None:
             raise _reject(best.index, ev, "invariant", f"event {best.index} ({ev['event']}): the only matching spec steps break {broke}", diff)
+        timing = self._timing(frontier, best)
+        if timing:
+            diff["timing"] = timing
         raise _reject(
             best.index, ev, "no_spec_step",
-            f"event {best.index} ({ev['event']} by {ev['node']!r}, key {str(ev.get('key'))[:16]}…): no spec state can take it; "
-            f"it needs {NEEDS[ev['event']]}", diff,
+            f"event {best.index} ({ev['event']} by {ev['node']!r}, key {str(ev.get('key'))[:16]}…): "
+            + (f"{timing}; " if timing else "no spec state can take it; ")
+            + f"it needs {NEEDS[ev['event']]}", diff,
         )  # fmt: skip
+
+    def _timing(self, frontier: dict, pe: _PEvent) -> str | None:
+        """When time, not the state, is why no element takes ``pe``: the words saying so (a
+        directory timer due before the event's timestamp and not logged by then; or another
+        log's event that must come first but is stamped more than epsilon later), else None."""
+        tick_ms = self.params.effective_tick_ms
+        eps = self.params.skew_ms
+        at = (pe.lo + pe.hi) * tick_ms / 2
+        blocked: list[tuple[int, str]] = []
+        for (s, T, pos, binding, _), (_, _, ages) in list(frontier.items())[: self.params.diff_states]:
+            s = self._with_ages(s, ages) if ages else s
+            if self._closure(s, T, max(pe.lo, T), pe.hi):
+                blocked = []
+                break
+            # Time stops before the event's interval: find the tick where an urgent step is due.
+            x, t = s, T
+            while t < pe.lo:
+                x2 = self._advance(x, 1)
+                if x2 is None:
+                    break
+                x, t = x2, t + 1
+            due = sorted({st[0] for st in self.successors(x) if st[0] in URGENT_STEPS})
+            blocked.append((t, ", ".join(due) or "a directory timer", bool(self._match(pe, x, binding))))
+        if blocked:
+            t, what, takes = min(blocked)
+            if takes and pe.ev["event"] in what.split(", "):
+                return (f"logged too late: due at +{t * tick_ms} ms (trace time), logged at about +{at:.0f} ms, about "
+                        f"{at - t * tick_ms:.0f} ms after, beyond epsilon ({eps} ms): the spec lets no time pass "
+                        f"while it is due (docs/events.md section 4); the closest states would take it on time")
+            return (f"logged too late, or an earlier step missing: {what} was due at +{t * tick_ms} ms (trace "
+                    f"time) and is not logged before this event (logged at about +{at:.0f} ms, beyond epsilon "
+                    f"{eps} ms): time cannot pass an urgent directory step, so this event cannot happen yet")
+        # The state that takes it is reached only after its timestamp (plus epsilon).
+        for (s, T, pos, binding, _), (_, _, ages) in list(frontier.items())[: self.params.diff_states]:
+            s = self._with_ages(s, ages) if ages else s
+            if T > pe.hi and self._match(pe, s, binding):
+                return (f"logged too early: stamped at about +{at:.0f} ms (trace time), but the state that can "
+                        f"take it is reached only at +{T * tick_ms} ms, after an event it depends on: timestamps "
+                        f"out of order across logs beyond epsilon ({eps} ms), or the processes' clocks differ "
+                        f"by more than epsilon")
+        # Another log's next event, stamped later than epsilon allows, would let it happen first.
+        for (s, T, pos, binding, _), (_, _, ages) in list(frontier.items())[: self.params.diff_states]:
+            s = self._with_ages(s, ages) if ages else s
+            for j, log in enumerate(self.logs):
+                if pos[j] >= len(log) or log[pos[j]] is pe:
+                    continue
+                other = log[pos[j]]
+                if other.wall <= pe.wall:
+                    continue
+                for post, b2, *_ in self._match(other, s, binding):
+                    if self._match(pe, post, b2):
+                        gap = (other.wall - pe.wall) / 1e6
+                        return (f"timestamps out of order across logs beyond epsilon: it needs event {other.index} "
+                                f"({other.ev['event']} by {other.ev['node']!r}) first, but that one's t_wall_ns is "
+                                f"{gap:.0f} ms later (epsilon {eps} ms): this event is logged too early, or the "
+                                f"clocks of the two processes differ by more than epsilon")
+        return None
 
     def _diff(self, frontier: dict, pe: _PEvent) -> dict:
         L, R, ev = self.L, self.roles, pe.ev

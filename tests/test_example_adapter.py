@@ -85,6 +85,26 @@ def test_registry_imports_an_example_from_the_current_directory(monkeypatch):
         registry.resolve("examples.no_such_module:factory")
 
 
+def test_registry_searches_the_current_directory_when_pythonpath_has_another_package(monkeypatch, tmp_path):
+    # Blind gap 16: a PYTHONPATH entry (or an installed distribution) holding another top-level
+    # ``examples`` package hid the checkout's ``examples.minimal_adapter``.
+    other = tmp_path / "examples"
+    other.mkdir()
+    (other / "__init__.py").write_text("", encoding="utf-8")
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(sys, "path", [str(tmp_path)] + [p for p in sys.path if p not in ("", str(ROOT))])
+    monkeypatch.delitem(sys.modules, "examples", raising=False)
+    monkeypatch.delitem(sys.modules, "examples.minimal_adapter", raising=False)
+    __import__("examples")  # the PYTHONPATH one, imported first, as another plugin might
+    assert sys.modules["examples"].__file__ == str(other / "__init__.py")
+    factory = registry.resolve("examples.minimal_adapter:factory")
+    assert factory().capabilities().events == "native"
+    with pytest.raises(registry.UnknownAdapter, match="cannot import"):
+        registry.resolve("examples.no_such_module:factory")
+    with pytest.raises(registry.UnknownAdapter, match="cannot import"):
+        registry.resolve("no_such_package_anywhere.adapter:factory")
+
+
 def test_every_builtin_adapter_has_a_description():
     for name in registry.BUILTINS:
         text = registry.describe(name)
@@ -173,16 +193,80 @@ def test_a_missing_required_field_is_named():
     assert "needs 'holder'" in v.reason
 
 
-def test_a_write_grant_without_parent_hides_the_cascade():
+def test_a_write_grant_without_parent_or_namespace_is_rejected_at_the_grant():
+    # Without them the validator cannot follow an invalidation of a parent or a namespace to
+    # the keys it voids: the grant itself is rejected, not a step far away (blind gaps 11, R2).
     a = _adapter()
     try:
         events = _chain_invalidated(a, random.Random(4))
     finally:
         a.stop()
-    broken = [{k: v for k, v in e.items() if not (e["event"] == "grant_write_lease" and k == "parent")} for e in events]
-    v = _verdict(broken)
-    assert (v.status, v.code) == (REJECTED, "no_spec_step")
-    assert v.event["event"] == "drop_and_ack"
+    first = [e["event"] for e in events].index("grant_write_lease")
+    for field, words in (("parent", "needs 'parent' (the parent key's hex, or null for a root block)"),
+                         ("namespace", "needs 'namespace'")):
+        broken = [{k: v for k, v in e.items() if not (e["event"] == "grant_write_lease" and k == field)} for e in events]
+        v = _verdict(broken)
+        assert (v.status, v.code, v.event_index) == (REJECTED, "missing_field", first), v.reason
+        assert words in v.reason
+
+
+def _shift(events, pred, ms):
+    """``events`` with the records ``pred(index, record)`` picks stamped ``ms`` later (both clocks)."""
+    d = ms * 1_000_000
+    return [dict(e, t_wall_ns=e["t_wall_ns"] + d, t_local_ns=e["t_local_ns"] + d) if pred(i, e) else e
+            for i, e in enumerate(events)]  # fmt: skip
+
+
+def test_a_completion_logged_late_says_too_late():
+    # R1: the closest states would take the completion; only its timestamp is wrong.
+    a = _adapter()
+    try:
+        events = _chain_invalidated(a, random.Random(13))
+    finally:
+        a.stop()
+    i = [e["event"] for e in events].index("complete_invalidation")
+    v = _verdict(_shift(events, lambda j, e: j >= i, 6 * SKEW_MS))
+    assert (v.status, v.code, v.event["event"]) == (REJECTED, "no_spec_step", "complete_invalidation")
+    assert "logged too late: due at +" in v.reason and "beyond epsilon (50 ms)" in v.reason
+    assert v.diff["timing"] in v.reason
+    assert not any(c["time_reachable"] for c in v.diff["closest"])
+
+
+def test_a_missing_or_late_write_expiry_is_named_before_the_next_write():
+    # R3: the next begin_write is not the writer's fault: the expiry due before it is missing.
+    a = _adapter()
+    try:
+        (k,) = _keys(random.Random(14), 1)
+        a.abort(a.begin_write("cache-1", NS, k, None))
+        time.sleep((TERM_MS + 3 * SKEW_MS) / 1000)
+        assert isinstance(a.begin_write("cache-1", NS, k, None), WriteGrant)
+        events = a.events()
+    finally:
+        a.stop()
+    assert _verdict(events).status == ACCEPTED
+    i = [e["event"] for e in events].index("expire_write_lease")
+    missing = _renumber(events[:i] + events[i + 1 :])
+    late = _renumber(events[:i] + events[i + 1 :] + _shift([events[i]], lambda j, e: True, 8 * SKEW_MS))
+    for broken in (missing, late):
+        v = _verdict(broken)
+        assert (v.status, v.code, v.event["event"]) == (REJECTED, "no_spec_step", "begin_write")
+        assert "expire_write_lease was due at +" in v.reason and "logged too late, or an earlier step missing" in v.reason
+
+
+def test_data_plane_logs_stamped_early_say_out_of_order():
+    # R4: every non-directory record 200 ms early (epsilon 50 ms).
+    a = _adapter()
+    try:
+        (k,) = _keys(random.Random(15), 1)
+        _put(a, "cache-1", k, None)
+        events = a.events()
+    finally:
+        a.stop()
+    early = _shift(events, lambda j, e: e["node"] != M.DIRECTORY, -4 * SKEW_MS)
+    for broken in (early, sorted(early, key=lambda e: e["t_wall_ns"])):
+        v = _verdict(broken)
+        assert (v.status, v.code, v.event["event"]) == (REJECTED, "no_spec_step", "start_writing")
+        assert "timestamps out of order across logs beyond epsilon" in v.reason
 
 
 class _AbortFreesAtOnce(M.MinimalCache):
@@ -290,6 +374,7 @@ def test_a_write_lease_expired_late_is_rejected():
     finally:
         a.stop()
     assert (v.status, v.event["event"]) == (REJECTED, "expire_write_lease")
+    assert "logged too late: due at +" in v.reason  # time, not the state, is the cause (R1)
 
 
 def test_a_reused_lease_id_is_rejected():
@@ -392,3 +477,18 @@ def test_an_abort_after_the_bytes_landed_logs_nothing():
     finally:
         a.stop()
     assert (v.status, v.event["event"]) == (REJECTED, "abort")
+
+
+def test_an_audit_short_after_a_failed_test_names_it_as_the_likely_cause():
+    # Blind gap 17: "invalidations_by_ack = 0 < 1" was only a knock-on of KVCC-INVAL-001 failing.
+    from kvcc.conformance.catalogue import CATALOGUE
+    from kvcc.conformance.runner import FAIL, PASS, TestResult, _audit
+
+    audit = next(t for t in CATALOGUE if t.id == "KVCC-INVAL-900")
+    failed = TestResult("KVCC-INVAL-001", "invalidation", FAIL, "InvalidationCompletesInTime: ...")
+    passed = TestResult("KVCC-INVAL-005", "invalidation", PASS, "")
+    r = _audit(audit, [failed, passed])
+    assert r.status == FAIL
+    assert r.message.startswith("invalidations_by_ack = 0 < 1")
+    assert "KVCC-INVAL-001 FAILed and stopped early" in r.message and "knock-on" in r.message
+    assert "knock-on" not in _audit(audit, [passed]).message
