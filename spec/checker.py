@@ -7,7 +7,8 @@
   explores again up to that depth, this time remembering each state's predecessor, and replays the
   path: the common case (no violation) pays nothing for counterexamples.
 - Optional node-symmetry reduction (``ModelConfig.symmetry``): states are fingerprinted in a
-  canonical node order. It is sound for the safety properties; progress here is bounded response
+  canonical node order, over the permutations that keep every node's role (writer, reader,
+  tenant). It is sound for the safety properties; progress here is bounded response
   (a safety property too), so it stays sound for those.
 - Per-action coverage, deadlock detection (a state with no successor at all), and every
   ``sometimes`` reported reached or not.
@@ -19,14 +20,13 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
-from itertools import permutations
 
 from attrs import define, field
 
 from .config import ModelConfig
 from .layout import MESSAGE_WIDTH, M_COPIED, M_COPY, M_FREE, M_GRANT_READ, M_GRANT_WRITE, M_RENEW, M_WRITE_BYTES
 from .model import Model
-from .properties import INVARIANTS, TRANSITION_PROPERTIES, Invariant, TransitionProperty, applicable_sometimes
+from .properties import INVARIANTS, SOMETIMES, TRANSITION_PROPERTIES, Invariant, TransitionProperty, scope_exemptions
 
 # Every action label the model can produce; an action never taken is reported as uncovered.
 ACTIONS = (
@@ -42,7 +42,54 @@ ACTIONS = (
     "trust_read_lease", "trust_renewal", "start_writing",
     "store_bytes", "fence_stale_write", "free_slot", "fence_stale_free",
     "drop", "duplicate", "crash", "restart_node", "restart_directory",
+    # Deliveries the receiver ignores, each with its reason (the state is the one a loss gives).
+    "ignore_stale_grant", "ignore_stale_renewal", "ignore_stale_write_grant", "ignore_stale_copied",
+    "write_to_down_location", "free_at_down_location", "copy_failed", "fence_stale_copy",
 )
+
+
+def _roles(cfg: ModelConfig) -> tuple[int, int]:
+    writers = cfg.nodes if cfg.writers is None else len(cfg.writers)
+    readers = cfg.nodes if cfg.readers is None else len(cfg.readers)
+    return writers, readers
+
+
+def actions_outside_scope(cfg: ModelConfig) -> dict[str, str]:
+    """The action labels a configuration cannot produce, each with the argument why. Every other
+    label must be covered by its search, and a label argued away here that is covered after all
+    fails the check: the argument was wrong."""
+    why: dict[str, str] = {}
+
+    def outside(labels: str, reason: str) -> None:
+        for label in labels.split():
+            assert label in ACTIONS, label
+            why.setdefault(label, reason)
+
+    writers, readers = _roles(cfg)
+    if readers == 0:
+        outside("acquire renew abandon read release grant_read_lease refuse_read_lease renew_lease refuse_renewal "
+                "release_lease drop_and_ack revoke_acked evict_refused trust_read_lease trust_renewal "
+                "ignore_stale_grant ignore_stale_renewal clock_back",
+                "no node takes read leases (a holder's lease is the only timer on a node's clock)")
+    if cfg.max_requests < 2:
+        outside("renew renew_lease refuse_renewal trust_renewal ignore_stale_renewal",
+                "one lease request per node (max_requests 1): a renewal would be the second")
+    if not cfg.tiering:
+        outside("start_transfer store_copy finish_transfer free_drained cancel_transfer ignore_stale_copied "
+                "copy_failed fence_stale_copy", "blocks never move between locations (tiering off)")
+    if cfg.max_node_crashes == 0:
+        outside("crash restart_node expire_write_lease_of_crashed write_to_down_location free_at_down_location "
+                "copy_failed", "no node crashes, so every location is always up")
+    if cfg.max_directory_restarts == 0:
+        outside("restart_directory", "the directory never restarts")
+    if cfg.max_duplications == 0:
+        outside("duplicate", "messages are never duplicated")
+    if all(cfg.namespaces.count(ns) < 2 for ns in cfg.namespaces):
+        outside("invalidate_namespace", "no namespace has two keys: invalidate(namespace) is invalidate(key)")
+    if cfg.max_epoch < 2 and not cfg.tiering:
+        outside("fence_stale_write fence_stale_free fence_stale_copy",
+                "one epoch per key (max_epoch 1): nothing is ever stale at a fence")
+    return why
 
 
 @define
@@ -62,8 +109,13 @@ class CheckResult:
     generated_states: int
     depth: int
     seconds: float
-    properties: dict[str, str]  # name -> "holds" / "violated" / "reached" / "unreached"
+    properties: dict[str, str]  # name -> "holds" / "violated" / "reached" / "unreached" / "exempt"
     coverage: dict[str, int]
+    # ``sometimes`` and action labels argued out of scope (name -> why), and those of them the
+    # search reached or covered all the same: a refuted argument fails the check.
+    exempt_sometimes: dict[str, str] = field(factory=dict)
+    exempt_actions: dict[str, str] = field(factory=dict)
+    refuted: list[str] = field(factory=list)
     violation: Violation | None = None
     deadlocks: int = 0
     collision_probability: float = 0.0
@@ -71,6 +123,11 @@ class CheckResult:
     workers: int = 1
     visited_bytes: int = 0
     peak_rss_bytes: int = 0  # summed over workers; each worker's includes the parent's pages
+
+    @property
+    def uncovered_actions(self) -> list[str]:
+        """Labels neither covered nor argued out of this configuration's scope."""
+        return [a for a in ACTIONS if self.coverage.get(a, 0) == 0 and a not in self.exempt_actions]
 
     @property
     def states_per_second(self) -> float:
@@ -93,7 +150,11 @@ class CheckResult:
             "visited_bytes_per_state": round(self.visited_bytes / self.distinct_states, 1) if self.distinct_states else 0,
             "properties": self.properties,
             "coverage": self.coverage,
-            "uncovered_actions": [a for a in ACTIONS if self.coverage.get(a, 0) == 0],
+            "uncovered_actions": self.uncovered_actions,
+            "exempt_sometimes": self.exempt_sometimes,
+            "exempt_actions": self.exempt_actions,
+            "refuted_exemptions": self.refuted,
+            "unknown_actions": sorted(set(self.coverage) - set(ACTIONS)),
             "violation": None
             if self.violation is None
             else {
@@ -114,7 +175,9 @@ class Symmetry:
         self.fixed = L.fixed
         self.perms: list[tuple[list[int], list[tuple[int, bytes]], bytes, bytes]] = []
         T = cfg.tiers_per_node
-        for perm in permutations(range(cfg.nodes)):
+        # Only permutations that keep every node's role (writer, reader, tenant): swapping a
+        # writer with a reader would map a reachable state to one the model cannot reach.
+        for perm in cfg.symmetric_permutations():
             if list(perm) == list(range(cfg.nodes)):
                 continue
             loc_perm = [perm[loc // T] * T + loc % T if model.loc_node[loc] >= 0 else loc for loc in range(cfg.locations)]
@@ -191,7 +254,10 @@ class Checker:
         self.model = model
         self.invariants = tuple(invariants)
         self.transition_properties = tuple(transition_properties)
-        self.sometimes = applicable_sometimes(model.cfg)
+        # Every ``sometimes`` is watched, the exempt ones too: reaching one refutes its exemption.
+        self.sometimes = SOMETIMES
+        self.exempt_sometimes = scope_exemptions(model.cfg)
+        self.exempt_actions = actions_outside_scope(model.cfg)
         self.max_states = max_states
         self.progress = progress
         self.symmetry = Symmetry(model) if model.cfg.symmetry else None
@@ -251,9 +317,17 @@ class Checker:
         for prop in self.invariants + self.transition_properties:
             properties[prop.name] = "violated" if violation is not None and violation.property == prop.name else "holds"
         for sm in self.sometimes:
-            properties[sm.name] = "reached" if sm.name in outcome.reached else "unreached"
+            if sm.name in outcome.reached:
+                properties[sm.name] = "reached"
+            else:
+                properties[sm.name] = "exempt" if sm.name in self.exempt_sometimes else "unreached"
+        refuted = sorted(name for name in self.exempt_sometimes if name in outcome.reached)
+        refuted += sorted(a for a in self.exempt_actions if outcome.coverage.get(a, 0) > 0)
+        unknown = set(outcome.coverage) - set(ACTIONS)
+        assert not unknown, f"actions missing from ACTIONS: {sorted(unknown)}"
         exhausted = violation is None and not outcome.truncated
-        ok = exhausted and all(properties[sm.name] == "reached" for sm in self.sometimes)
+        uncovered = [a for a in ACTIONS if outcome.coverage.get(a, 0) == 0 and a not in self.exempt_actions]
+        ok = exhausted and "unreached" not in properties.values() and not refuted and not uncovered
         if violation is not None:
             violation.trace = self.shortest_trace(violation)
         n = outcome.distinct
@@ -274,6 +348,9 @@ class Checker:
             workers=workers,
             visited_bytes=outcome.visited_bytes,
             peak_rss_bytes=outcome.peak_rss_bytes,
+            exempt_sometimes=dict(self.exempt_sometimes),
+            exempt_actions=dict(self.exempt_actions),
+            refuted=refuted,
         )
 
     # ------------------------------------------------------------------ counterexamples
