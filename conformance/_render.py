@@ -25,16 +25,12 @@ from kvcc.spec import rules
 from kvcc.spec.config import ModelConfig, get_config
 from kvcc.spec.keys import BlockKey, Namespace
 from kvcc.spec.layout import FULL, LOST, MESSAGE_WIDTH
-from kvcc.spec.model import Model
+from kvcc.spec.model import SILENT_ACTIONS, Model
 
 DIRECTORY = "directory"
 POOL = "pool"
 FAULTS = "faults"  # the fault injector's log: it records the crashes it causes
-_SILENT = frozenset({
-    "tick", "clock_forward", "clock_back", "drop", "duplicate", "ignore_stale_grant", "ignore_stale_renewal",
-    "ignore_stale_write_grant", "ignore_stale_copied", "write_to_down_location", "free_at_down_location",
-    "copy_failed", "fence_stale_copy",
-})  # fmt: skip
+_SILENT = SILENT_ACTIONS
 
 
 @frozen
@@ -221,6 +217,9 @@ class _Renderer:
         elif label == "cancel_transfer":
             (k,) = p
             self.emit(DIRECTORY, label, k, gen=s[L.gen[k]], epoch=s[L.epoch[k]])
+        elif label in ("retry_free", "free_acked"):
+            k, loc = p
+            self.emit(DIRECTORY, label, k, epoch=s[L.to_free[loc][k]], location=LOC[loc])
         elif label in ("store_bytes", "fence_stale_write"):
             n, k, loc = p
             msg = self.delivered(s, s2)

@@ -115,6 +115,7 @@ evict, evict_refused     key, location
 start_transfer           key, location (the destination), epoch
 finish_transfer          key, location
 free_drained             key, location
+retry_free, free_acked   key, location                           [epoch: the Free owed]
 cancel_transfer          key
 store_bytes              key, location, writer, lease, gen, epoch  (node = the location's host)
 fence_stale_write        key, location, writer, lease, epoch
@@ -155,7 +156,7 @@ from kvcc.spec.layout import (
     WRITING,
     ABSENT,
 )
-from kvcc.spec.model import Model
+from kvcc.spec.model import SILENT_ACTIONS, Model
 from kvcc.spec.properties import INVARIANTS, TRANSITION_PROPERTIES
 
 from ._render import RenderedWalk, ScriptError, events_from_spec_walk, render, scripted_walk, spec_walk  # noqa: F401 (re-exported)
@@ -180,18 +181,17 @@ PROPERTY_MEMO_MAX = 200_000  # memoised property verdicts per projection (then t
 INCONCLUSIVE_CODES = ("frontier_limit", "network_limit", "scope_limit")
 
 # Spec steps no process logs: the environment's, and deliveries the receiver ignores (their state
-# is the network without the message, the same as a loss, which the validator never needs).
-SILENT_ACTIONS = frozenset(ENVIRONMENT_ACTIONS) | {
-    "ignore_stale_grant", "ignore_stale_renewal", "ignore_stale_write_grant", "ignore_stale_copied",
-    "write_to_down_location", "free_at_down_location", "copy_failed", "fence_stale_copy",
-}  # fmt: skip
+# is the network without the message, the same as a loss, which the validator never needs). One
+# list, the spec's (``kvcc.spec.model.SILENT_ACTIONS``).
+assert set(ENVIRONMENT_ACTIONS) <= SILENT_ACTIONS and not SILENT_ACTIONS & set(EVENTS)
 
 DIRECTORY_EVENTS = frozenset({
     "grant_read_lease", "refuse_read_lease", "renew_lease", "refuse_renewal", "release_lease",
     "grant_write_lease", "refuse_write_lease", "commit_write", "reject_stale_commit",
     "expire_write_lease", "expire_write_lease_of_crashed", "invalidate", "invalidate_namespace",
     "revoke_acked", "complete_invalidation", "evict", "evict_refused", "start_transfer",
-    "finish_transfer", "free_drained", "cancel_transfer", "restart_node", "restart_directory",
+    "finish_transfer", "free_drained", "cancel_transfer", "retry_free", "free_acked", "restart_node",
+    "restart_directory",
 })  # fmt: skip
 HOLDER_EVENTS = frozenset({"acquire", "renew", "abandon", "read", "release", "trust_read_lease", "trust_renewal",
                            "drop_and_ack"})  # fmt: skip
@@ -232,6 +232,8 @@ REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
     "start_transfer": ("key", "location", "epoch"),
     "finish_transfer": ("key", "location"),
     "free_drained": ("key", "location"),
+    "retry_free": ("key", "location"),
+    "free_acked": ("key", "location"),
     "cancel_transfer": ("key",),
     "store_bytes": ("key", "location", "writer", "lease", "gen", "epoch"),
     "fence_stale_write": ("key", "location", "writer", "lease", "epoch"),
@@ -277,6 +279,8 @@ NEEDS: dict[str, str] = {
     "start_transfer": "the key COMMITTED with no transfer or draining copy",
     "finish_transfer": "a copied notice in flight for the transfer under way",
     "free_drained": "a draining copy with no live lease on it, outside restart grace",
+    "retry_free": "a Free owed to an up location, neither it nor its Freed in flight",
+    "free_acked": "a Freed in flight answering the Free owed (epoch at least the owed one)",
     "cancel_transfer": "a transfer under way",
     "store_bytes": "the writer's bytes in flight to an up location, epoch at least the slot's fence",
     "fence_stale_write": "bytes in flight under an epoch below the slot's fence",
@@ -897,6 +901,11 @@ class _Replay:
             return binding
         if name == "free_drained":
             return binding if s[L.draining[0]] - 1 == loc else None
+        if name in ("retry_free", "free_acked"):
+            if p[1] != loc:
+                return None
+            owed = s[L.to_free[loc][0]]
+            return binding if ev.get("epoch") is None or ev["epoch"] == owed else None
         if name == "complete_invalidation":
             return binding if ev["gen"] == s[L.gen[0]] else None
         if name == "crash":

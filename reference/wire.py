@@ -574,6 +574,7 @@ MESSAGE_TYPES: dict[str, type] = {cls.__name__: cls for cls in _ALL}
 SPEC_MESSAGES = (
     "Acquire", "Renew", "ReadLeaseGranted", "LeaseRenewed", "Release", "BeginWrite",
     "WriteLeaseGranted", "WriteBytes", "Commit", "Revoke", "RevokeAcked", "Free", "Copy", "Copied",
+    "LeaseRefused", "Freed",
 )  # fmt: skip
 assert set(SPEC_MESSAGES) <= set(MESSAGE_TYPES)
 

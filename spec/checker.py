@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable
 from attrs import define, field
 
 from .config import ModelConfig
-from .layout import MESSAGE_WIDTH, M_COPIED, M_COPY, M_FREE, M_GRANT_READ, M_GRANT_WRITE, M_RENEW, M_WRITE_BYTES
+from .layout import LOCATION_MESSAGES, MESSAGE_WIDTH, M_COPY, M_GRANT_READ, M_GRANT_WRITE, M_RENEW, M_WRITE_BYTES
 from .model import Model
 from .properties import INVARIANTS, SOMETIMES, TRANSITION_PROPERTIES, Invariant, TransitionProperty, scope_exemptions
 
@@ -41,10 +41,12 @@ ACTIONS = (
     "start_transfer", "store_copy", "finish_transfer", "free_drained", "cancel_transfer",
     "trust_read_lease", "trust_renewal", "start_writing",
     "store_bytes", "fence_stale_write", "free_slot", "fence_stale_free",
+    "retry_free", "free_acked",
     "drop", "duplicate", "crash", "restart_node", "restart_directory",
     # Deliveries the receiver ignores, each with its reason (the state is the one a loss gives).
     "ignore_stale_grant", "ignore_stale_renewal", "ignore_stale_write_grant", "ignore_stale_copied",
     "write_to_down_location", "free_at_down_location", "copy_failed", "fence_stale_copy",
+    "ignore_stale_freed", "ignore_stale_refusal",
 )
 
 
@@ -86,9 +88,6 @@ def actions_outside_scope(cfg: ModelConfig) -> dict[str, str]:
         outside("duplicate", "messages are never duplicated")
     if all(cfg.namespaces.count(ns) < 2 for ns in cfg.namespaces):
         outside("invalidate_namespace", "no namespace has two keys: invalidate(namespace) is invalidate(key)")
-    if cfg.max_epoch < 2 and not cfg.tiering:
-        outside("fence_stale_write fence_stale_free fence_stale_copy",
-                "one epoch per key (max_epoch 1): nothing is ever stale at a fence")
     return why
 
 
@@ -188,6 +187,7 @@ class Symmetry:
             for n in range(cfg.nodes):
                 m = perm[n]
                 for grid in (L.h_id, L.h_loc, L.h_gen, L.h_left, L.p_kind, L.p_id, L.p_left,
+                             L.p_age, L.read_lost, L.write_lost, L.acked,
                              L.w_stage, L.wr_id, L.wr_gen, L.wr_epoch, L.wr_loc):
                     for k in range(cfg.keys):
                         gather[grid[m][k]] = grid[n][k]
@@ -199,7 +199,7 @@ class Symmetry:
                         gather[grid[k][m]] = grid[k][n]
             for loc in range(cfg.locations):
                 lp = loc_perm[loc]
-                for grid in (L.s_status, L.s_gen, L.s_epoch, L.fence):
+                for grid in (L.s_status, L.s_gen, L.s_epoch, L.fence, L.freed, L.orphan_age, L.to_free):
                     for k in range(cfg.keys):
                         gather[grid[lp][k]] = grid[loc][k]
             remap: list[tuple[int, bytes]] = []
@@ -219,7 +219,7 @@ class Symmetry:
         for j in range(self.fixed, len(s), MESSAGE_WIDTH):
             m = bytearray(s[j : j + MESSAGE_WIDTH])
             kind = m[0]
-            if kind in (M_FREE, M_COPY, M_COPIED):
+            if kind in LOCATION_MESSAGES:
                 m[3] = loc_map[m[3]]
                 if kind == M_COPY:
                     m[4] = loc_map[m[4]]

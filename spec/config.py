@@ -50,6 +50,10 @@ class ModelConfig:
     max_node_crashes: int = 1
     max_directory_restarts: int = 1
     symmetry: bool = False
+    # The directory's clock may fall behind true time (by at most epsilon in all) instead of
+    # running ahead: the direction that is harmless for safety but harmful for progress (a slow
+    # directory clock expires leases late), so the bounded-response deadlines are checked under it.
+    directory_clock_lags: bool = False
     description: str = ""
     extra: dict = field(factory=dict, eq=False, hash=False)
 
@@ -113,6 +117,28 @@ class ModelConfig:
         one_lease = self.directory_lease_ticks + self.skew_ticks
         one_grace = self.restart_grace_ticks + self.skew_ticks
         return one_lease + self.max_directory_restarts * one_grace
+
+    @property
+    def write_lease_deadline_ticks(self) -> int:
+        """Bounded response: a write lease ends (commit, abort or expiry) within this many true
+        ticks of its grant -- the same terms as an invalidation: a lease as the directory counts
+        it, a lagging directory clock, a grace period per directory restart."""
+        return self.invalidation_deadline_ticks
+
+    @property
+    def request_deadline_ticks(self) -> int:
+        """Bounded response: a holder's lease request ends -- granted, refused, or given up by the
+        holder's timeout when its request or the answer was lost -- within this many true ticks.
+        The timeout is the holder budget on the holder's clock, which may fall epsilon behind."""
+        return self.holder_budget_ticks + self.skew_ticks
+
+    @property
+    def deletion_deadline_ticks(self) -> int:
+        """Bounded response for deletion: how many true ticks a location that is up may hold an
+        ended generation's bytes with no Free on its way, while the directory could send one. The
+        model's directory retries before time passes (0); a deployment's bound is that plus, per
+        lost attempt, its retry interval and message delay."""
+        return 0
 
     def role(self, node: int) -> tuple[bool, bool, frozenset[int]]:
         """What tells a node apart in the model: whether it writes, whether it reads, and the
@@ -241,6 +267,11 @@ CONFIGS: dict[str, ModelConfig] = {
             writers=(0,), readers=(2,), max_epoch=2, max_lease_id=2, max_requests=1, max_node_crashes=1,
             max_directory_restarts=0,
             description="three nodes: an owner crashes while its previous copy drains on a second under a third's lease",
+        ),
+        ModelConfig(
+            name="lagging", **_ONE_KEY, **_ROLES, max_epoch=1, max_lease_id=2, max_requests=1,
+            max_node_crashes=0, max_directory_restarts=0, directory_clock_lags=True,
+            description="tiny with a directory clock that falls behind: the bounded-response deadlines under the clock direction that delays them",
         ),
         ModelConfig(
             name="medium", **_ONE_KEY, **_ROLES, max_epoch=2, max_lease_id=4, max_requests=2,

@@ -47,12 +47,15 @@ MESSAGE_WIDTH = 7
     M_GRANT_WRITE,  # directory -> node: write lease a, loc b, gen c, epoch d
     M_WRITE_BYTES,  # writer n -> location b: bytes of gen c under epoch d, lease a
     M_COMMIT,  # node -> directory: commit lease a under epoch d            (n, k, id, -, -, epoch)
-    M_REVOKE,  # directory -> node: drop lease a and acknowledge            (n, k, id)
+    M_REVOKE,  # directory -> node: drop lease a (of gen c) and acknowledge (n, k, id, -, gen)
     M_ACK,  # node -> directory: lease a dropped                            (n, k, id)
     M_FREE,  # directory -> location a: free key k's slot, epoch d
     M_COPY,  # directory -> location a: copy gen c from location b, epoch d
     M_COPIED,  # location a -> directory: copy landed under epoch d
-) = range(1, 15)
+    M_REFUSE,  # directory -> node: request a refused; b = REFUSED_WRITE for a BeginWrite
+    M_FREED,  # location a -> directory: key k's slot holds nothing under epoch d any more
+) = range(1, 17)
+REFUSED_READ, REFUSED_WRITE = 0, 1  # what a LeaseRefused answers (field b): Acquire/Renew, or BeginWrite
 MESSAGE_NAMES = {
     M_ACQUIRE: "Acquire",
     M_RENEW: "Renew",
@@ -68,7 +71,11 @@ MESSAGE_NAMES = {
     M_FREE: "Free",
     M_COPY: "Copy",
     M_COPIED: "Copied",
+    M_REFUSE: "LeaseRefused",
+    M_FREED: "Freed",
 }
+# Messages that address a location in field ``a`` (the others address a node in field ``node``).
+LOCATION_MESSAGES = frozenset((M_FREE, M_COPY, M_COPIED, M_FREED))
 
 
 def message(kind: int, node: int = 0, key: int = 0, a: int = 0, b: int = 0, c: int = 0, d: int = 0) -> bytes:
@@ -95,14 +102,22 @@ class Layout:
         self.draining = [var(f"record[k{k}].draining") for k in range(K)]
         self.writer = [var(f"record[k{k}].writer") for k in range(K)]
         self.w_id = [var(f"record[k{k}].write_lease") for k in range(K)]
+        # ... the frees it owes: per location, the epoch of a Free not yet acknowledged (0: none).
+        # Durable: a restarted directory still owes them (DESIGN: deletion reaches everywhere).
+        self.to_free = [[var(f"record[k{k}].to_free[l{loc}]") for k in range(K)] for loc in range(LOCS)]
         # ... volatile lease timers and read-lease table ...
         self.w_left = [var(f"record[k{k}].write_lease_left") for k in range(K)]
         # ... and its own clock, restart grace and lease-id counter.
         self.dir_off = var("directory.clock_offset")
         self.grace = var("directory.restart_grace_left")
         self.next_id = var("directory.next_lease_id")
-        # Ghost: true ticks since an invalidation of the key began (bounded response).
-        self.inval_age = [var(f"ghost.invalidating_for[k{k}]") for k in range(K)]
+        # Ghosts (bounded response, history): they never decide a step, properties read them.
+        # True ticks since the key entered its phase, while WRITING or INVALIDATING.
+        self.phase_age = [var(f"ghost.phase_age[k{k}]") for k in range(K)]
+        self.inval_age = self.phase_age  # the name the proofs and the reference mapping use
+        # True ticks a slot held an ended generation's bytes, at an up location, while no Free it
+        # would take was on its way and the directory could have sent one.
+        self.orphan_age = [[var(f"ghost.orphaned_for[l{loc},k{k}]") for k in range(K)] for loc in range(LOCS)]
         # Nodes.
         self.up = [var(f"node[n{n}].up") for n in range(N)]
         self.off = [var(f"node[n{n}].clock_offset") for n in range(N)]
@@ -115,6 +130,14 @@ class Layout:
         self.p_kind = [[var(f"holder[n{n},k{k}].pending") for k in range(K)] for n in range(N)]
         self.p_id = [[var(f"holder[n{n},k{k}].pending_request") for k in range(K)] for n in range(N)]
         self.p_left = [[var(f"holder[n{n},k{k}].pending_budget") for k in range(K)] for n in range(N)]
+        # Ghosts per node and key: true ticks the pending request has waited; whether a message
+        # of the pending read request's exchange (the request or its answer) or of the write
+        # request's was lost; whether the node acknowledged a revocation of the key's current
+        # generation.
+        self.p_age = [[var(f"ghost.pending_for[n{n},k{k}]") for k in range(K)] for n in range(N)]
+        self.read_lost = [[var(f"ghost.read_request_lost[n{n},k{k}]") for k in range(K)] for n in range(N)]
+        self.write_lost = [[var(f"ghost.write_request_lost[n{n},k{k}]") for k in range(K)] for n in range(N)]
+        self.acked = [[var(f"ghost.acked_generation[n{n},k{k}]") for k in range(K)] for n in range(N)]
         # Writer side, per node and key.
         self.w_stage = [[var(f"writer[n{n},k{k}].stage") for k in range(K)] for n in range(N)]
         self.wr_id = [[var(f"writer[n{n},k{k}].lease") for k in range(K)] for n in range(N)]
@@ -129,6 +152,8 @@ class Layout:
         self.s_gen = [[var(f"slot[l{loc},k{k}].gen") for k in range(K)] for loc in range(LOCS)]
         self.s_epoch = [[var(f"slot[l{loc},k{k}].epoch") for k in range(K)] for loc in range(LOCS)]
         self.fence = [[var(f"slot[l{loc},k{k}].fence") for k in range(K)] for loc in range(LOCS)]
+        # The highest epoch freed here: bytes under it or below that land late are refused.
+        self.freed = [[var(f"slot[l{loc},k{k}].freed_epoch") for k in range(K)] for loc in range(LOCS)]
         # The directory's read-lease table (volatile: lost when the directory restarts).
         self.r_id = [[var(f"lease[k{k},n{n}].id") for n in range(N)] for k in range(K)]
         self.r_loc = [[var(f"lease[k{k},n{n}].location") for n in range(N)] for k in range(K)]
@@ -161,12 +186,12 @@ class Layout:
         # state (where every invariant already held). "messages" is the network.
         self.groups: dict[str, slice] = {
             "records": slice(self.phase[0], self.w_left[-1] + 1),
-            "directory": slice(self.dir_off, self.inval_age[-1] + 1),
+            "directory": slice(self.dir_off, self.orphan_age[-1][-1] + 1),
             "nodes": slice(self.up[0], self.req[-1] + 1),
-            "holders": slice(self.h_id[0][0], self.p_left[-1][-1] + 1),
+            "holders": slice(self.h_id[0][0], self.acked[-1][-1] + 1),
             "writers": slice(self.w_stage[0][0], self.wr_loc[-1][-1] + 1),
             "epochs": block(self.epoch),
-            "slots": slice(self.s_status[0][0], self.fence[-1][-1] + 1),
+            "slots": slice(self.s_status[0][0], self.freed[-1][-1] + 1),
             "leases": slice(self.r_id[0][0], self.r_left[-1][-1] + 1),
             "budgets": slice(self.crashes_left, self.dups_left + 1),
         }
@@ -185,7 +210,8 @@ class Layout:
             timers = []
             for k in range(K):
                 timers.append((self.h_left[n][k], (self.h_id[n][k], self.h_loc[n][k], self.h_gen[n][k])))
-                timers.append((self.p_left[n][k], (self.p_kind[n][k], self.p_id[n][k])))
+                # A request whose budget ran out is given up (the holder's timeout); its ghosts go.
+                timers.append((self.p_left[n][k], (self.p_kind[n][k], self.p_id[n][k], self.p_age[n][k], self.read_lost[n][k])))
             self.node_timers.append(timers)
 
     # -- decoding helpers used by reports and tests -------------------------------------------
@@ -217,8 +243,13 @@ class Layout:
         name = MESSAGE_NAMES[kind]
         if kind in (M_WRITE_BYTES,):
             return f"{name}(from=n{node}, k{key}, lease={a}, to=l{b - 1}, gen={c}, epoch={d})"
-        if kind == M_FREE:
+        if kind in (M_FREE, M_FREED):
             return f"{name}(l{a - 1}, k{key}, epoch={d})"
+        if kind == M_REFUSE:
+            what = "write" if b == REFUSED_WRITE else f"request={a}"
+            return f"{name}(n{node}, k{key}, {what})"
+        if kind == M_REVOKE:
+            return f"{name}(n{node}, k{key}, lease={a}, gen={c})"
         if kind == M_COPY:
             return f"{name}(to=l{a - 1}, k{key}, from=l{b - 1}, gen={c}, epoch={d})"
         if kind == M_COPIED:

@@ -58,11 +58,13 @@ from .layout import (
     M_COPIED,
     M_COPY,
     M_FREE,
+    M_FREED,
     M_GRANT_READ,
     M_GRANT_WRITE,
     M_RELEASE,
     M_RENEW,
     M_RENEWED,
+    M_REFUSE,
     M_REVOKE,
     M_WRITE_BYTES,
     MESSAGE_WIDTH,
@@ -72,6 +74,8 @@ from .layout import (
     P_ACQUIRE,
     P_NONE,
     P_RENEW,
+    REFUSED_READ,
+    REFUSED_WRITE,
     W_BYTES_SENT,
     W_NONE,
     W_REQUESTED,
@@ -88,6 +92,7 @@ from .rules import (
     WRITING,
     directory_view,
     fence_accepts,
+    free_acknowledged,
     holder_budget,
     invalidation_deadline,
     invalidation_step,
@@ -102,10 +107,16 @@ from .rules import (
     may_grant_read,
     may_release,
     may_renew,
+    free_retry_due,
+    may_retry_free,
     may_start_transfer,
     next_epoch,
+    owe_free,
+    request_deadline,
     restart_grace,
     restored_fence,
+    slot_accepts,
+    write_lease_deadline,
     write_lease_must_expire,
 )
 
@@ -140,8 +151,33 @@ MUTANT_FLAGS = frozenset(
         "completion_ignores_grace",
         "grant_names_draining_copy",
         "lost_copy_ends_generation",
+        # progress and deletion (issue 8, section 3)
+        "deadline_ignores_lag",
+        "free_not_retried",
+        "ended_write_not_freed",
+        "late_bytes_after_free",
+        "silent_refusal",
+        "holder_never_times_out",
+        "revoke_keeps_pending_acquire",
+        "writer_never_gives_up",
     }
 )
+
+# Steps no process logs, so trace validation takes them silently: the environment's (time, clock
+# steps, loss, duplication) and deliveries the receiver ignores (their state is the network without
+# the message, the same as a loss). Every other label is an event (``kvcc.reference.events``).
+SILENT_ACTIONS = frozenset(
+    {
+        "tick", "clock_forward", "clock_back", "drop", "duplicate",
+        "ignore_stale_grant", "ignore_stale_renewal", "ignore_stale_write_grant", "ignore_stale_copied",
+        "ignore_stale_refusal", "ignore_stale_freed",
+        "write_to_down_location", "free_at_down_location", "copy_failed", "fence_stale_copy",
+    }
+)  # fmt: skip
+
+
+# Where a message of a holder's request exchange carries the request number it belongs to.
+_READ_EXCHANGE_REQUEST = {M_ACQUIRE: 3, M_RENEW: 5, M_GRANT_READ: 6, M_RENEWED: 6, M_REFUSE: 3}
 
 
 class Model:
@@ -165,16 +201,36 @@ class Model:
         self.directory_view = directory_view(term, eps)
         self.restart_grace = restart_grace(term, eps)
         self.deadline = invalidation_deadline(term, eps, cfg_.max_directory_restarts)
+        self.write_deadline = write_lease_deadline(term, eps, cfg_.max_directory_restarts)
+        self.request_deadline = request_deadline(term, eps)
+        self.deletion_deadline = cfg_.deletion_deadline_ticks
         # ``ModelConfig`` spells the same limits out for reports; they must be these.
         assert cfg_.holder_budget_ticks == holder_budget(term, eps)
         assert cfg_.directory_lease_ticks == self.directory_view
         assert cfg_.restart_grace_ticks == self.restart_grace
         assert cfg_.invalidation_deadline_ticks == self.deadline
+        assert cfg_.write_lease_deadline_ticks == self.write_deadline
+        assert cfg_.request_deadline_ticks == self.request_deadline
+        if "deadline_ignores_lag" in self.bugs:
+            # Bug: the bound argued with the directory's clock running ahead (the direction that
+            # matters for safety), where a lease ends within the directory's view of it.
+            self.deadline = self.directory_view + cfg_.max_directory_restarts * self.restart_grace
+        # Ghost ages saturate one past their bound: enough to see it broken, and finite.
+        self.phase_age_cap = max(self.deadline, self.write_deadline) + 1
+        self.request_age_cap = self.request_deadline + 1
+        self.orphan_age_cap = self.deletion_deadline + 1
+        assert self.phase_age_cap < 256 and self.request_age_cap < 256
         self.node_timers = self.L.node_timers
+        if "holder_never_times_out" in self.bugs:
+            # Bug: the budget runs out but the holder keeps waiting for its answer.
+            self.node_timers = [
+                [(c, ()) if c in set(self.L.p_left[n]) else (c, cl) for c, cl in timers]
+                for n, timers in enumerate(self.L.node_timers)
+            ]
         if "holder_counts_from_receipt" in self.bugs:
             # Bug: nothing runs on the holder's clock until the grant arrives.
             pending = {self.L.p_left[n][k] for n in range(cfg_.nodes) for k in range(cfg_.keys)}
-            self.node_timers = [[t for t in timers if t[0] not in pending] for timers in self.L.node_timers]
+            self.node_timers = [[t for t in timers if t[0] not in pending] for timers in self.node_timers]
         # Which (node, key) pairs a tenant may touch (DESIGN property 11).
         self.allowed = [[cfg_.namespaces[k] in cfg_.authorized[n] for k in range(cfg_.keys)] for n in range(cfg_.nodes)]
         self.loc_node = [cfg_.location_node(loc) for loc in range(cfg_.locations)]
@@ -208,6 +264,74 @@ class Model:
         """Put a message on the wire; a full network loses it (message loss is a fault we allow)."""
         if len(net) < self.cfg.max_messages:
             net.append(msg)
+
+    def _reply(self, b: bytearray, net: list[bytes], msg: bytes) -> None:
+        """Answer a node's request; an answer lost to a full network is a lost exchange (ghost)."""
+        if len(net) < self.cfg.max_messages:
+            net.append(msg)
+        else:
+            self._mark_lost(b, msg)
+
+    def _mark_lost(self, b: bytearray, msg: bytes) -> None:
+        """Ghost: a message of a node's pending request exchange was lost."""
+        L = self.L
+        kind, n, k = msg[0], msg[1], msg[2]
+        req = _READ_EXCHANGE_REQUEST.get(kind)
+        if kind == M_REFUSE and msg[4] == REFUSED_WRITE:
+            req = None
+        if req is not None:
+            if b[L.p_kind[n][k]] != P_NONE and b[L.p_id[n][k]] == msg[req]:
+                b[L.read_lost[n][k]] = 1
+        elif kind in (M_BEGIN_WRITE, M_GRANT_WRITE, M_REFUSE):
+            if b[L.w_stage[n][k]] == W_REQUESTED:
+                b[L.write_lost[n][k]] = 1
+
+    def _end_pending(self, b: bytearray, n: int, k: int) -> None:
+        """The holder's request is over (answered, refused, given up, cancelled)."""
+        L = self.L
+        b[L.p_kind[n][k]] = b[L.p_id[n][k]] = b[L.p_left[n][k]] = 0
+        b[L.p_age[n][k]] = b[L.read_lost[n][k]] = 0
+
+    def answer_on_its_way(self, s: bytes, k: int, loc1: int, owed: int) -> bool:
+        """Is a Free for ``(k, loc)`` covering ``owed``, or its ``Freed``, in flight?"""
+        L = self.L
+        for i in range(L.fixed, len(s), MESSAGE_WIDTH):
+            kind = s[i]
+            if (kind == M_FREE or kind == M_FREED) and s[i + 2] == k and s[i + 3] == loc1 and s[i + 6] >= owed:
+                return True
+        return False
+
+    def free_retry_enabled(self, s: bytes, k: int, loc: int) -> bool:
+        """May the directory re-send its owed Free to ``loc`` (its retry timer fires whenever)?"""
+        L = self.L
+        owed = s[L.to_free[loc][k]]
+        if owed == 0 or "free_not_retried" in self.bugs:
+            return False
+        if len(s) >= L.fixed + MESSAGE_WIDTH * self.cfg.max_messages:
+            return False  # nothing can be sent into a full network; the retry waits for room
+        return may_retry_free(owed, self.location_up(s, loc))
+
+    def free_retry_is_due(self, s: bytes, k: int, loc: int) -> bool:
+        """Must the directory re-send it before time passes (nothing of it is on its way)?"""
+        L = self.L
+        owed = s[L.to_free[loc][k]]
+        return self.free_retry_enabled(s, k, loc) and free_retry_due(
+            owed, True, self.answer_on_its_way(s, k, loc + 1, owed)
+        )
+
+    def orphaned(self, s: bytes, loc: int, k: int) -> bool:
+        """Ghost condition: an up location holds an ended generation's bytes, no Free it would take
+        is on its way, and the directory could send one (the network has room)."""
+        L = self.L
+        if s[L.s_status[loc][k]] != FULL or s[L.s_gen[loc][k]] >= s[L.gen[k]] or not self.location_up(s, loc):
+            return False
+        if len(s) >= L.fixed + MESSAGE_WIDTH * self.cfg.max_messages:
+            return False
+        fence = s[L.fence[loc][k]]
+        for i in range(L.fixed, len(s), MESSAGE_WIDTH):
+            if s[i] == M_FREE and s[i + 2] == k and s[i + 3] == loc + 1 and fence_accepts(s[i + 6], fence):
+                return False
+        return True
 
     def live_lease_on(self, s: bytes, k: int, loc_plus_1: int) -> bool:
         L = self.L
@@ -248,6 +372,9 @@ class Model:
                     return True
             elif phase == INVALIDATING and self.completion_enabled(s, k):
                 return True
+            for loc in range(self.LOCS):
+                if s[L.to_free[loc][k]] and self.free_retry_is_due(s, k, loc):
+                    return True
         return False
 
     # ------------------------------------------------------------------ successors
@@ -259,6 +386,10 @@ class Model:
         net = [s[i : i + MESSAGE_WIDTH] for i in range(L.fixed, len(s), MESSAGE_WIDTH)]
 
         self._time(s, fixed, net, out)
+        if out and out[0][0] == "tick" and out[0][2] == s:
+            # Time passing where nothing counts changes nothing: a stutter, not a step. Without
+            # it, a state where nothing else can happen is a deadlock the checker reports.
+            del out[0]
         for n in range(self.N):
             if s[L.up[n]]:
                 for k in range(self.K):
@@ -279,7 +410,9 @@ class Model:
             rest = net[:i] + net[i + 1 :]
             delivered = len(out)
             self._deliver(s, fixed, rest, msg, out)
-            dropped = self._pack(bytearray(fixed), rest)
+            lossy = bytearray(fixed)
+            self._mark_lost(lossy, msg)
+            dropped = self._pack(lossy, rest)
             # A delivery the receiver ignores (a refusal, a stale reply) is the same step as
             # losing the message: keep the step that says why.
             if all(step[2] != dropped for step in out[delivered:]):
@@ -307,6 +440,25 @@ class Model:
             else:
                 b[counter] = v
 
+    def _age_ghosts(self, s: bytes, b: bytearray) -> None:
+        """One true tick passes: every ghost age that runs counts it, saturating one past its bound."""
+        L = self.L
+        for k in range(self.K):
+            if s[L.phase[k]] in (WRITING, INVALIDATING) and b[L.phase_age[k]] < self.phase_age_cap:
+                b[L.phase_age[k]] += 1
+            for loc in range(self.LOCS):
+                i = L.orphan_age[loc][k]
+                if self.orphaned(s, loc, k):
+                    if b[i] < self.orphan_age_cap:
+                        b[i] += 1
+                else:
+                    b[i] = 0
+        for n in range(self.N):
+            for k in range(self.K):
+                # A request given up by its timeout on this tick is over: its ghosts were cleared.
+                if b[L.p_kind[n][k]] != P_NONE and b[L.p_age[n][k]] < self.request_age_cap:
+                    b[L.p_age[n][k]] += 1
+
     def _directory_timers(self, s: bytes) -> list[tuple[int, tuple[int, ...]]]:
         timers = self.L.directory_timers
         if "invalidation_waits_for_acks" in self.bugs:
@@ -329,9 +481,7 @@ class Model:
             self._run_down(b, self._directory_timers(s), 1)
             for n in range(self.N):
                 self._run_down(b, self.node_timers[n], 1)
-            for k in range(self.K):
-                if s[L.phase[k]] == INVALIDATING and b[L.inval_age[k]] <= self.deadline:
-                    b[L.inval_age[k]] += 1
+            self._age_ghosts(s, b)
             out.append(("tick", (), bytes(b) + tail))
         # Clock steps, in the direction that can hurt (Gray & Cheriton: a fast server clock or a
         # slow holder clock breaks leases; the opposite errors only delay): the directory's clock
@@ -343,8 +493,14 @@ class Model:
         if s[L.dir_off] < eps and any(s[c] for c, _ in L.directory_timers):
             b = bytearray(fixed)
             b[L.dir_off] += 1
-            self._run_down(b, self._directory_timers(s), 1)
-            out.append(("clock_forward", (-1,), bytes(b) + tail))
+            if cfg.directory_clock_lags:
+                # The directory's clock falls behind: its leases and grace last longer in true
+                # time (harmless for safety, harmful for the bounded-response deadlines).
+                self._run_down(b, self._directory_timers(s), -1)
+                out.append(("clock_back", (-1,), bytes(b) + tail))
+            else:
+                self._run_down(b, self._directory_timers(s), 1)
+                out.append(("clock_forward", (-1,), bytes(b) + tail))
         for n in range(self.N):
             if s[L.up[n]] and s[L.off[n]] < eps and any(s[c] for c, _ in self.node_timers[n]):
                 b = bytearray(fixed)
@@ -375,11 +531,11 @@ class Model:
                 renew = message(M_RENEW, n, k, h_id, s[L.h_loc[n][k]], req)
                 out.append(("renew", (n, k), self._pack(b, net + [renew])))
         if s[L.p_kind[n][k]] != P_NONE:
-            # The client gives up on its request (the directory refused it -- a refusal is an
-            # answer the model does not carry -- or it timed out): a grant or renewal that still
-            # comes answers a request nobody waits for and is ignored.
+            # The client gives up on its request before its answer or its timeout (a caller that
+            # cancels): a grant or renewal that still comes answers a request nobody waits for
+            # and is ignored. (A refusal that arrives ends the request the same way: ``_on_refuse``.)
             b = bytearray(fixed)
-            b[L.p_kind[n][k]] = b[L.p_id[n][k]] = b[L.p_left[n][k]] = 0
+            self._end_pending(b, n, k)
             out.append(("abandon", (n, k), self._pack(b, net)))
         if h_id != NO_LEASE:
             # A read under a trusted lease: observes the slot (the properties judge what it sees).
@@ -389,7 +545,7 @@ class Model:
             b = bytearray(fixed)
             b[L.h_id[n][k]] = b[L.h_loc[n][k]] = b[L.h_gen[n][k]] = b[L.h_left[n][k]] = 0
             if s[L.p_kind[n][k]] == P_RENEW:
-                b[L.p_kind[n][k]] = b[L.p_id[n][k]] = b[L.p_left[n][k]] = 0
+                self._end_pending(b, n, k)
             rest = list(net)
             self._send(rest, message(M_RELEASE, n, k, h_id))
             out.append(("release", (n, k), self._pack(b, rest)))
@@ -403,9 +559,10 @@ class Model:
             if len(net) < self.cfg.max_messages:
                 b = bytearray(fixed)
                 b[L.w_stage[n][k]] = W_REQUESTED
+                b[L.write_lost[n][k]] = 0
                 out.append(("begin_write", (n, k), self._pack(b, net + [message(M_BEGIN_WRITE, n, k)])))
             return
-        if stage in (W_REQUESTED, W_BYTES_SENT):
+        if stage in (W_REQUESTED, W_BYTES_SENT) and "writer_never_gives_up" not in self.bugs:
             # The client gives up (a timeout): a late grant finds nobody waiting, bytes still in
             # flight land or are fenced, and the write lease expires.
             b = bytearray(fixed)
@@ -416,21 +573,31 @@ class Model:
         L = self.L
         b[L.w_stage[n][k]] = W_NONE
         b[L.wr_id[n][k]] = b[L.wr_gen[n][k]] = b[L.wr_epoch[n][k]] = b[L.wr_loc[n][k]] = 0
+        b[L.write_lost[n][k]] = 0
 
     # -- directory internal actions -----------------------------------------------------------
 
     def _directory_actions(self, s: bytes, fixed: bytes, net: list[bytes], k: int, out: list[Step]) -> None:
         L, cfg = self.L, self.cfg
         phase = s[L.phase[k]]
+        for loc in range(self.LOCS):
+            if s[L.to_free[loc][k]] and self.free_retry_enabled(s, k, loc):
+                # The owed Free or its Freed may have been lost (or a down location swallowed
+                # it): again. Idempotent at the location; due once nothing of it is on its way.
+                rest = list(net)
+                self._send(rest, message(M_FREE, 0, k, loc + 1, 0, 0, s[L.to_free[loc][k]]))
+                out.append(("retry_free", (k, loc), self._pack(bytearray(fixed), rest)))
         if phase == WRITING:
             if write_lease_must_expire(phase, s[L.w_left[k]] > 0) and "write_lease_never_expires" not in self.bugs:
                 # The write lease expired: the key is writable again, the late writer is fenced
-                # by the next grant's higher epoch.
+                # by the next grant's higher epoch, and whatever it stored is freed.
                 writer = s[L.writer[k]] - 1
                 b = bytearray(fixed)
+                rest = list(net)
+                self._free_ended_write(s, b, rest, k)
                 self._end_generation(b, k)
                 name = "expire_write_lease_of_crashed" if not s[L.up[writer]] else "expire_write_lease"
-                out.append((name, (k,), self._pack(b, net)))
+                out.append((name, (k,), self._pack(b, rest)))
         elif phase == COMMITTED:
             self._invalidate_actions(s, fixed, net, k, out)
             self._evict_actions(s, fixed, net, k, out)
@@ -452,14 +619,30 @@ class Model:
         b[L.owner[k]] = b[L.moving[k]] = b[L.draining[k]] = NO_LOCATION
         b[L.writer[k]] = NO_NODE
         b[L.w_id[k]] = b[L.w_left[k]] = 0
-        b[L.inval_age[k]] = 0
+        b[L.phase_age[k]] = 0
+        for n in range(self.N):
+            b[L.acked[n][k]] = 0  # acks were of the generation that just ended
+
+    def _owe_free(self, b: bytearray, net: list[bytes], k: int, loc1: int, epoch: int) -> None:
+        """Free ``k`` at ``loc`` under ``epoch``, and keep owing it until a ``Freed`` says so."""
+        L = self.L
+        i = L.to_free[loc1 - 1][k]
+        b[i] = owe_free(b[i], epoch)
+        self._send(net, message(M_FREE, 0, k, loc1, 0, 0, epoch))
 
     def _free_copies(self, s: bytes, b: bytearray, net: list[bytes], k: int) -> None:
         L = self.L
         for idx in (L.owner[k], L.draining[k]):
             loc = s[idx]
             if loc != NO_LOCATION:
-                self._send(net, message(M_FREE, 0, k, loc, 0, 0, s[L.epoch[k]]))
+                self._owe_free(b, net, k, loc, s[L.epoch[k]])
+
+    def _free_ended_write(self, s: bytes, b: bytearray, net: list[bytes], k: int) -> None:
+        """A write that ends without a commit (its lease expired, an invalidation aborted it) may
+        have stored bytes at its location: they belong to a generation that is over."""
+        L = self.L
+        if "ended_write_not_freed" not in self.bugs and s[L.owner[k]] != NO_LOCATION:
+            self._owe_free(b, net, k, s[L.owner[k]], s[L.epoch[k]])
 
     def _invalidate_actions(self, s: bytes, fixed: bytes, net: list[bytes], k: int, out: list[Step]) -> None:
         """invalidate(key) voids the key and its whole prefix subtree (DESIGN: invalidation)."""
@@ -479,15 +662,19 @@ class Model:
             step = invalidation_step(s[L.phase[j]])
             if step == INVALIDATE_START:
                 b[L.phase[j]] = INVALIDATING
-                b[L.inval_age[j]] = 0
-                b[L.moving[j]] = NO_LOCATION  # an unfinished transfer is abandoned
+                b[L.phase_age[j]] = 0
+                if s[L.moving[j]] != NO_LOCATION:
+                    # An unfinished transfer is abandoned, its destination freed.
+                    b[L.moving[j]] = NO_LOCATION
+                    self._owe_free(b, net, j, s[L.moving[j]], s[L.epoch[j]])
                 for n in range(self.N):
                     lease = b[L.r_id[j][n]]
                     if lease != NO_LEASE:
-                        self._send(net, message(M_REVOKE, n, j, lease))
+                        self._send(net, message(M_REVOKE, n, j, lease, 0, s[L.gen[j]]))
             elif step == INVALIDATE_ABORT_WRITE:
                 # A write in progress below an invalidated prefix is aborted; its commit will
-                # find the generation gone.
+                # find the generation gone, and whatever it stored is freed.
+                self._free_ended_write(s, b, net, j)
                 self._end_generation(b, j)
 
     def _evict_actions(self, s: bytes, fixed: bytes, net: list[bytes], k: int, out: list[Step]) -> None:
@@ -531,13 +718,17 @@ class Model:
                     # The old copy's leases drained: free it.
                     b = bytearray(fixed)
                     rest = list(net)
-                    self._send(rest, message(M_FREE, 0, k, draining, 0, 0, s[L.epoch[k]]))
+                    self._owe_free(b, rest, k, draining, s[L.epoch[k]])
                     b[L.draining[k]] = NO_LOCATION
                     out.append(("free_drained", (k,), self._pack(b, rest)))
             if moving != NO_LOCATION:
+                # The copy may land after all: its destination is freed under the transfer's
+                # epoch, which then refuses it.
                 b = bytearray(fixed)
+                rest = list(net)
                 b[L.moving[k]] = NO_LOCATION
-                out.append(("cancel_transfer", (k,), self._pack(b, net)))
+                self._owe_free(b, rest, k, moving, s[L.epoch[k]])
+                out.append(("cancel_transfer", (k,), self._pack(b, rest)))
             return
         if s[L.epoch[k]] >= cfg.max_epoch or len(net) >= cfg.max_messages:
             return
@@ -569,7 +760,10 @@ class Model:
         authorized = self.allowed[n][k] or "no_namespace_check" in self.bugs
         refusal = may_grant_read(phase, authorized, s[L.r_id[k][n]] != NO_LEASE)
         if refusal is not None or s[L.next_id] > cfg.max_lease_id:
-            out.append(("refuse_read_lease", (n, k), self._pack(bytearray(fixed), net)))
+            b = bytearray(fixed)
+            rest = list(net)
+            self._refuse(b, rest, message(M_REFUSE, n, k, req, REFUSED_READ))
+            out.append(("refuse_read_lease", (n, k), self._pack(b, rest)))
             return
         b = bytearray(fixed)
         lease = s[L.next_id]
@@ -580,7 +774,7 @@ class Model:
         b[L.r_left[k][n]] = self.directory_view
         rest = list(net)
         grant_loc1 = s[L.draining[k]] or loc1 if "grant_names_draining_copy" in self.bugs else loc1
-        self._send(rest, message(M_GRANT_READ, n, k, lease, grant_loc1, s[L.gen[k]], req))
+        self._reply(b, rest, message(M_GRANT_READ, n, k, lease, grant_loc1, s[L.gen[k]], req))
         out.append(("grant_read_lease", (n, k, lease), self._pack(b, rest)))
 
     def _on_renew(self, s, fixed, net, msg, out):
@@ -600,10 +794,13 @@ class Model:
             b[L.r_loc[k][n]] = loc1
             b[L.r_left[k][n]] = self.directory_view
             rest = list(net)
-            self._send(rest, message(M_RENEWED, n, k, lease, 0, 0, req))
+            self._reply(b, rest, message(M_RENEWED, n, k, lease, 0, 0, req))
             out.append(("renew_lease", (n, k, lease), self._pack(b, rest)))
         else:
-            out.append(("refuse_renewal", (n, k, lease), self._pack(bytearray(fixed), net)))
+            b = bytearray(fixed)
+            rest = list(net)
+            self._refuse(b, rest, message(M_REFUSE, n, k, req, REFUSED_READ))
+            out.append(("refuse_renewal", (n, k, lease), self._pack(b, rest)))
 
     def _on_release(self, s, fixed, net, msg, out):
         L = self.L
@@ -624,7 +821,10 @@ class Model:
         )
         # The epoch and lease-id budgets are scope bounds of the model, not protocol rules.
         if refusal is not None or s[L.epoch[k]] >= cfg.max_epoch or s[L.next_id] > cfg.max_lease_id:
-            out.append(("refuse_write_lease", (n, k), self._pack(bytearray(fixed), net)))
+            b = bytearray(fixed)
+            rest = list(net)
+            self._refuse(b, rest, message(M_REFUSE, n, k, 0, REFUSED_WRITE))
+            out.append(("refuse_write_lease", (n, k), self._pack(b, rest)))
             return
         lease = s[L.next_id]
         epoch = next_epoch(s[L.epoch[k]])  # every ownership change takes a new epoch: the fencing token
@@ -640,7 +840,7 @@ class Model:
             b[L.w_id[k]] = lease
             b[L.w_left[k]] = self.directory_view
             rest = list(net)
-            self._send(rest, message(M_GRANT_WRITE, n, k, lease, loc + 1, s[L.gen[k]], epoch))
+            self._reply(b, rest, message(M_GRANT_WRITE, n, k, lease, loc + 1, s[L.gen[k]], epoch))
             out.append(("grant_write_lease", (n, k, loc), self._pack(b, rest)))
 
     def _on_commit(self, s, fixed, net, msg, out):
@@ -655,6 +855,7 @@ class Model:
             b[L.phase[k]] = COMMITTED
             b[L.writer[k]] = NO_NODE
             b[L.w_id[k]] = b[L.w_left[k]] = 0
+            b[L.phase_age[k]] = 0
             out.append(("commit_write", (n, k, lease), self._pack(b, net)))
         else:
             out.append(("reject_stale_commit", (n, k, lease), self._pack(b, net)))
@@ -699,7 +900,7 @@ class Model:
             b[L.h_loc[n][k]] = loc1
             b[L.h_gen[n][k]] = gen
             b[L.h_left[n][k]] = budget
-            b[L.p_kind[n][k]] = b[L.p_id[n][k]] = b[L.p_left[n][k]] = 0
+            self._end_pending(b, n, k)
             out.append(("trust_read_lease", (n, k, lease), self._pack(b, net)))
         else:
             out.append(("ignore_stale_grant", (n, k, lease), self._pack(b, net)))
@@ -715,7 +916,7 @@ class Model:
             and s[L.h_id[n][k]] == lease
         ):
             b[L.h_left[n][k]] = s[L.p_left[n][k]]  # counted from when the renewal was sent
-            b[L.p_kind[n][k]] = b[L.p_id[n][k]] = b[L.p_left[n][k]] = 0
+            self._end_pending(b, n, k)
             out.append(("trust_renewal", (n, k, lease), self._pack(b, net)))
         else:
             out.append(("ignore_stale_renewal", (n, k, lease), self._pack(b, net)))
@@ -729,6 +930,7 @@ class Model:
             # token). However long they take to land -- a pause, a slow network -- the tag is
             # what the location judges them by.
             b[L.w_stage[n][k]] = W_BYTES_SENT
+            b[L.write_lost[n][k]] = 0  # the request was answered
             b[L.wr_id[n][k]] = lease
             b[L.wr_gen[n][k]] = gen
             b[L.wr_epoch[n][k]] = epoch
@@ -741,18 +943,20 @@ class Model:
 
     def _on_revoke(self, s, fixed, net, msg, out):
         L = self.L
-        _, n, k, lease, *_ = msg
+        _, n, k, lease, _, gen, _ = msg
         b = bytearray(fixed)
         rest = list(net)
         if s[L.up[n]]:
             if s[L.h_id[n][k]] == lease and "ack_before_drop" not in self.bugs:
                 # Drop the copy first, then acknowledge (Chubby's flush-then-ack).
                 b[L.h_id[n][k]] = b[L.h_loc[n][k]] = b[L.h_gen[n][k]] = b[L.h_left[n][k]] = 0
-            if s[L.p_kind[n][k]] != P_NONE:
+            if s[L.p_kind[n][k]] != P_NONE and "revoke_keeps_pending_acquire" not in self.bugs:
                 # The revocation may overtake the grant it revokes: an acquire still waiting for
                 # its grant is cancelled too, or the holder would trust a lease the directory is
                 # about to forget on this very ack. (Found by the checker: NoReadAfterAck.)
-                b[L.p_kind[n][k]] = b[L.p_id[n][k]] = b[L.p_left[n][k]] = 0
+                self._end_pending(b, n, k)
+            if gen == s[L.gen[k]]:
+                b[L.acked[n][k]] = 1  # ghost: this node acknowledged the current generation's end
             self._send(rest, message(M_ACK, n, k, lease))
         out.append(("drop_and_ack", (n, k, lease), self._pack(b, rest)))
 
@@ -767,7 +971,7 @@ class Model:
             out.append(("write_to_down_location", (n, k, loc), self._pack(b, net)))
             return
         writer_waiting = s[L.up[n]] and s[L.w_stage[n][k]] == W_BYTES_SENT and s[L.wr_id[n][k]] == lease
-        if not fence_accepts(epoch, s[L.fence[loc][k]]) and "no_fencing" not in self.bugs:
+        if not self._slot_accepts(s, loc, k, epoch):
             # A stale writer (paused past its lease, or a zombie) is refused where the data lives.
             if writer_waiting:
                 self._clear_writer(b, n, k)
@@ -777,6 +981,7 @@ class Model:
         b[L.s_gen[loc][k]] = gen
         b[L.s_epoch[loc][k]] = epoch
         b[L.fence[loc][k]] = max(epoch, s[L.fence[loc][k]])
+        b[L.freed[loc][k]] = 0  # the fence now refuses all it did (states that agree are one)
         rest = net
         if writer_waiting:
             # Published (written, synced, then made visible): the writer asks to commit.
@@ -785,6 +990,14 @@ class Model:
             self._send(rest, message(M_COMMIT, n, k, lease, 0, 0, epoch))
         out.append(("store_bytes", (n, k, loc), self._pack(b, rest)))
 
+    def _slot_accepts(self, s: bytes, loc: int, k: int, epoch: int) -> bool:
+        """Does the slot take bytes (a write or a copy) under ``epoch``?"""
+        L = self.L
+        if "no_fencing" in self.bugs:
+            return True
+        freed = s[L.freed[loc][k]] if "late_bytes_after_free" not in self.bugs else 0
+        return slot_accepts(epoch, s[L.fence[loc][k]], freed)
+
     def _on_free(self, s, fixed, net, msg, out):
         L = self.L
         _, _, k, loc1, _, _, epoch = msg
@@ -792,12 +1005,49 @@ class Model:
         b = bytearray(fixed)
         if not self.location_up(s, loc):
             out.append(("free_at_down_location", (k, loc), self._pack(b, net)))
-        elif not fence_accepts(epoch, s[L.fence[loc][k]]) and "no_fencing" not in self.bugs:
-            out.append(("fence_stale_free", (k, loc), self._pack(b, net)))
+            return
+        rest = list(net)
+        if not fence_accepts(epoch, s[L.fence[loc][k]]) and "no_fencing" not in self.bugs:
+            # A newer epoch was seen here: whatever that Free was for is gone or superseded.
+            self._send(rest, message(M_FREED, 0, k, loc1, 0, 0, epoch))
+            out.append(("fence_stale_free", (k, loc), self._pack(b, rest)))
         else:
             b[L.s_status[loc][k]] = EMPTY
             b[L.s_gen[loc][k]] = b[L.s_epoch[loc][k]] = 0
-            out.append(("free_slot", (k, loc), self._pack(b, net)))
+            b[L.freed[loc][k]] = max(epoch, s[L.freed[loc][k]])
+            self._send(rest, message(M_FREED, 0, k, loc1, 0, 0, epoch))
+            out.append(("free_slot", (k, loc), self._pack(b, rest)))
+
+    def _on_freed(self, s, fixed, net, msg, out):
+        L = self.L
+        _, _, k, loc1, _, _, epoch = msg
+        b = bytearray(fixed)
+        i = L.to_free[loc1 - 1][k]
+        if free_acknowledged(s[i], epoch):
+            b[i] = 0
+            out.append(("free_acked", (k, loc1 - 1), self._pack(b, net)))
+        else:
+            out.append(("ignore_stale_freed", (k, loc1 - 1), self._pack(b, net)))
+
+    def _refuse(self, b: bytearray, net: list[bytes], msg: bytes) -> None:
+        """Answer a request with a refusal (DESIGN progress: every lease request is answered)."""
+        if "silent_refusal" not in self.bugs:
+            self._reply(b, net, msg)
+
+    def _on_refuse(self, s, fixed, net, msg, out):
+        L = self.L
+        _, n, k, req, what, _, _ = msg
+        b = bytearray(fixed)
+        if what == REFUSED_WRITE:
+            if s[L.up[n]] and s[L.w_stage[n][k]] == W_REQUESTED:
+                self._clear_writer(b, n, k)  # the writer gives up: nothing to wait for
+                out.append(("abort", (n, k), self._pack(b, net)))
+                return
+        elif s[L.up[n]] and s[L.p_kind[n][k]] != P_NONE and s[L.p_id[n][k]] == req:
+            self._end_pending(b, n, k)  # the holder gives up its request: nothing to wait for
+            out.append(("abandon", (n, k), self._pack(b, net)))
+            return
+        out.append(("ignore_stale_refusal", (n, k), self._pack(b, net)))
 
     def _on_copy(self, s, fixed, net, msg, out):
         L = self.L
@@ -812,13 +1062,14 @@ class Model:
         if not self.location_up(s, dest) or not source_ok:
             out.append(("copy_failed", (k, dest), self._pack(b, net)))
             return
-        if not fence_accepts(epoch, s[L.fence[dest][k]]) and "no_fencing" not in self.bugs:
+        if not self._slot_accepts(s, dest, k, epoch):
             out.append(("fence_stale_copy", (k, dest), self._pack(b, net)))
             return
         b[L.s_status[dest][k]] = FULL
         b[L.s_gen[dest][k]] = gen
         b[L.s_epoch[dest][k]] = epoch
         b[L.fence[dest][k]] = max(epoch, s[L.fence[dest][k]])
+        b[L.freed[dest][k]] = 0  # the fence now refuses all it did
         rest = list(net)
         self._send(rest, message(M_COPIED, 0, k, dest1, 0, 0, epoch))
         out.append(("store_copy", (k, dest), self._pack(b, rest)))
@@ -838,6 +1089,8 @@ class Model:
         M_WRITE_BYTES: _on_write_bytes,
         M_FREE: _on_free,
         M_COPY: _on_copy,
+        M_REFUSE: _on_refuse,
+        M_FREED: _on_freed,
     }
 
     # -- failures -----------------------------------------------------------------------------
@@ -864,8 +1117,9 @@ class Model:
         b[L.up[n]] = 0
         b[L.crashes_left] -= 1
         for k in range(self.K):
-            for idx in (L.h_id, L.h_loc, L.h_gen, L.h_left, L.p_kind, L.p_id, L.p_left):
+            for idx in (L.h_id, L.h_loc, L.h_gen, L.h_left):
                 b[idx[n][k]] = 0
+            self._end_pending(b, n, k)
             self._clear_writer(b, n, k)
         if lose_disk:
             for loc in range(self.LOCS):
@@ -875,6 +1129,7 @@ class Model:
                     if b[L.s_status[loc][k]] == FULL:
                         b[L.s_status[loc][k]] = LOST  # a read fails; it never returns other bytes
                     b[L.fence[loc][k]] = 0  # the fence was on that disk too
+                    b[L.freed[loc][k]] = 0
         return b
 
     def _restart_node(self, s: bytes, fixed: bytes, net: list[bytes], n: int) -> bytes:
@@ -895,13 +1150,16 @@ class Model:
             for loc in range(self.LOCS):
                 if self.loc_node[loc] == n:
                     b[L.fence[loc][k]] = restored_fence(b[L.fence[loc][k]], s[L.epoch[k]])
+                    if b[L.fence[loc][k]] > b[L.freed[loc][k]]:
+                        b[L.freed[loc][k]] = 0  # the fence refuses all it did
         for k in range(self.K):
             for idx in (L.owner[k], L.draining[k], L.moving[k]):
                 loc1 = s[idx]
                 if loc1 == NO_LOCATION or self.loc_node[loc1 - 1] != n:
                     continue
                 if idx == L.moving[k]:
-                    b[idx] = NO_LOCATION  # the copy in progress died with the node
+                    b[idx] = NO_LOCATION  # the copy in progress died with the node (or landed):
+                    self._owe_free(b, rest, k, loc1, s[L.epoch[k]])
                 elif lost_copy_invalidates(b[L.phase[k]], idx == L.owner[k], s[L.s_status[loc1 - 1][k]] == LOST):
                     self._invalidate_into(s, b, rest, self.subtree[k])
                     b[L.gen[k]] += "lost_copy_ends_generation" in self.bugs  # bug: the next generation at once

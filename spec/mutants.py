@@ -71,5 +71,22 @@ MUTANTS: dict[str, Mutant] = {
                "a read grant points the holder at the copy being drained, which the directory then frees"),
         Mutant("lost-copy-ends-generation", ("lost_copy_ends_generation",), "NoStaleRead", "tiering",
                "a node that rejoined without its disk makes the directory move to the key's next generation at once"),
+        # Progress and deletion (issue 8, section 3): each caught by its bounded-response property.
+        Mutant("deadline-ignores-lag", ("deadline_ignores_lag",), "InvalidationCompletesInTime", "lagging",
+               "the invalidation deadline argued with the directory's clock running ahead only (term + epsilon): a lagging clock breaks it"),
+        Mutant("free-not-retried", ("free_not_retried",), "DeletionReachesEverywhere", "tiny",
+               "the directory sends each Free once: a lost Free orphans the bytes forever"),
+        Mutant("ended-write-not-freed", ("ended_write_not_freed",), "DeletionReachesEverywhere", "tiny",
+               "a write lease that expires (or a write an invalidation aborts) leaves its bytes in their slot"),
+        Mutant("late-bytes-after-free", ("late_bytes_after_free",), "DeletionReachesEverywhere", "tiny",
+               "a slot takes bytes under an epoch it already freed: a paused writer's bytes land after their Free"),
+        Mutant("silent-refusal", ("silent_refusal",), "RequestAnswered", "tiny",
+               "the directory refuses a lease request without telling the requester"),
+        Mutant("holder-never-times-out", ("holder_never_times_out",), "RequestEndsInTime", "tiny",
+               "a holder waits for the answer to a lost request forever"),
+        Mutant("revoke-keeps-pending-acquire", ("revoke_keeps_pending_acquire",), "NoReadAfterAck", "tiny",
+               "a holder acks a revocation that overtook its grant, then trusts the grant when it arrives"),
+        Mutant("writer-never-gives-up", ("writer_never_gives_up",), "Deadlock", "tiny",
+               "a writer without a timeout waits forever for the answer to a lost BeginWrite: nothing can happen any more"),
     )
 }

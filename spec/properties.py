@@ -7,8 +7,20 @@ Three kinds:
 - ``Sometimes``: must hold in *some* reachable state or step; one per ``always``, so that a model
   which never reaches the situation an invariant talks about fails instead of passing vacuously.
 
-Progress is stated as bounded response: ``InvalidationCompletesInTime`` bounds a ghost timer, and
-``WriteLeaseEndsInTime`` forbids time to pass while a write lease's time is up.
+Progress is stated as bounded response, each bound on a ghost age that counts true ticks (the
+model's ``ghost.*`` variables, which no step reads): an invalidation completes
+(``InvalidationCompletesInTime``) and a write lease ends (``WriteLeaseEndsInTime``) within their
+deadlines, also when the directory's clock lags (``ModelConfig.directory_clock_lags``); a lease
+request ends within its deadline (``RequestEndsInTime``) and is never left unanswered unless a
+message of it was lost (``RequestAnswered``); an ended generation's bytes never sit at a location
+that is up with no Free on its way (``DeletionReachesEverywhere``).
+
+Assumptions of the bounded-response properties, exactly: time is true ticks; the directory's
+timers (lease expiry, completion, the retry of an owed Free) fire before time passes once due;
+messages may be lost, duplicated, reordered and delayed without bound -- so no bound here counts
+on a message arriving: a lost or late answer is ended by the holder's timeout, and a lost Free
+by the directory's retry (a fair-lossy link then delivers one of the retries: a deployment's
+deletion bound is its attempts times its retry interval plus message delay).
 
 The checker, the proofs' re-check of counterexamples, the property tests, the reference's own
 assertions and the conformance oracle all call these same functions. Each predicate receives the
@@ -30,10 +42,13 @@ from .layout import (
     INVALIDATING,
     LOST,
     M_ACK,
+    M_ACQUIRE,
+    M_BEGIN_WRITE,
     M_COMMIT,
     M_COPY,
     M_GRANT_READ,
     M_GRANT_WRITE,
+    M_REFUSE,
     M_RELEASE,
     M_RENEW,
     M_RENEWED,
@@ -42,10 +57,15 @@ from .layout import (
     MESSAGE_WIDTH,
     NO_LEASE,
     NO_LOCATION,
+    P_NONE,
+    REFUSED_READ,
+    REFUSED_WRITE,
     W_BYTES_SENT,
+    W_REQUESTED,
     WRITING,
 )
 from .config import ModelConfig
+from .rules import fence_accepts, slot_accepts
 from .model import Model
 
 StatePredicate = Callable[[Model, bytes], bool]
@@ -218,8 +238,13 @@ def no_stale_read(m: Model, s: bytes) -> bool:
 
 
 def no_read_after_ack(m: Model, s: bytes) -> bool:
-    """A holder that acknowledged a revocation no longer trusts that lease."""
+    """A holder that acknowledged a revocation never again trusts (and so reads) that generation:
+    a history property, on the ghost set of (node, key) that acked the key's current generation
+    -- not only while the acknowledgement is in flight."""
     L = m.L
+    for n, k, lease, _, gen, _ in _trusted(m, s):
+        if s[L.acked[n][k]] and gen == s[L.gen[k]]:
+            return False
     for msg in _messages(m, s):
         if msg[0] == M_ACK and s[L.h_id[msg[1]][msg[2]]] == msg[3]:
             return False
@@ -293,10 +318,73 @@ def namespace_isolation(m: Model, s: bytes) -> bool:
 
 
 def invalidation_completes_in_time(m: Model, s: bytes) -> bool:
-    """Bounded response: an invalidation completes within the deadline (term + 2 epsilon, plus a
-    grace period per directory restart), acknowledged or not."""
+    """Bounded response (P1): an invalidation completes within the deadline (term + 2 epsilon,
+    plus a grace period per directory restart), acknowledged or not, whichever way the
+    directory's clock errs. (Completion waits for no message: message delay adds nothing.)"""
     L = m.L
-    return all(s[L.inval_age[k]] <= m.deadline for k in range(m.K))
+    return all(s[L.phase_age[k]] <= m.deadline for k in range(m.K) if s[L.phase[k]] == INVALIDATING)
+
+
+def write_lease_ended_in_time(m: Model, s: bytes) -> bool:
+    """Bounded response (P2): a write lease ends -- commit, abort or expiry -- within the write
+    deadline of its grant, on the ghost age of the WRITING phase (true ticks)."""
+    L = m.L
+    return all(s[L.phase_age[k]] <= m.write_deadline for k in range(m.K) if s[L.phase[k]] == WRITING)
+
+
+def request_ends_in_time(m: Model, s: bytes) -> bool:
+    """Bounded response (P3): a holder's lease request ends -- granted, refused, or given up by its
+    timeout when a message of it was lost -- within the request deadline (true ticks)."""
+    L = m.L
+    for n in range(m.N):
+        for k in range(m.K):
+            if s[L.p_age[n][k]] > m.request_deadline:
+                return False
+    return True
+
+
+def request_answered(m: Model, s: bytes) -> bool:
+    """P3: a request is never left without an answer: while a holder (or writer) waits, its request
+    or the answer (grant or refusal) is in flight -- unless one of them was lost, which only the
+    requester's timeout answers."""
+    L = m.L
+    waiting = []
+    for n in range(m.N):
+        if not s[L.up[n]]:
+            continue
+        for k in range(m.K):
+            if s[L.p_kind[n][k]] != P_NONE and not s[L.read_lost[n][k]]:
+                waiting.append((n, k, s[L.p_id[n][k]]))
+            if s[L.w_stage[n][k]] == W_REQUESTED and not s[L.write_lost[n][k]]:
+                waiting.append((n, k, -1))
+    if not waiting:
+        return True
+    in_flight = set()
+    for msg in _messages(m, s):
+        kind, n, k = msg[0], msg[1], msg[2]
+        if kind == M_ACQUIRE or (kind == M_REFUSE and msg[4] == REFUSED_READ):
+            in_flight.add((n, k, msg[3]))
+        elif kind == M_RENEW:
+            in_flight.add((n, k, msg[5]))
+        elif kind in (M_GRANT_READ, M_RENEWED):
+            in_flight.add((n, k, msg[6]))
+        elif kind in (M_BEGIN_WRITE, M_GRANT_WRITE) or (kind == M_REFUSE and msg[4] == REFUSED_WRITE):
+            in_flight.add((n, k, -1))
+    return all(w in in_flight for w in waiting)
+
+
+def deletion_reaches_everywhere(m: Model, s: bytes) -> bool:
+    """Deletion reaches everywhere: no location that is up holds an ended generation's bytes for
+    longer than the deletion deadline with no Free on its way (ghost age, true ticks). A lost
+    Free, a forgotten one, or bytes that land after their Free all leave such an orphan; a down
+    location counts from when it is back."""
+    L = m.L
+    bound = m.deletion_deadline
+    for row in L.orphan_age:
+        for i in row:
+            if s[i] > bound:
+                return False
+    return True
 
 
 # --------------------------------------------------------------------------------- steps
@@ -335,8 +423,8 @@ def fencing_holds(m: Model, pre: bytes, action: str, params: tuple, post: bytes)
 def leases_granted_only_on_committed(m: Model, pre: bytes, action: str, params: tuple, post: bytes) -> bool:
     """A lease is granted or extended only on a COMMITTED key: never while writing, never during
     an invalidation (no new leases once it began)."""
-    if action == "clock_forward":
-        return True  # the directory's clock moved; nothing was granted
+    if action in ("clock_forward", "clock_back"):
+        return True  # a clock moved (a lagging directory clock lengthens leases); nothing was granted
     L = m.L
     if pre[L.lease_left_block] == post[L.lease_left_block] or action == "tick":
         return True  # a tick only runs leases down
@@ -363,8 +451,9 @@ def renewal_never_revives(m: Model, pre: bytes, action: str, params: tuple, post
 
 
 def write_lease_ends_in_time(m: Model, pre: bytes, action: str, params: tuple, post: bytes) -> bool:
-    """Bounded response: time does not pass a write lease whose term is up: every write lease
-    ends in commit, abort or expiry within its term."""
+    """The urgency rule itself, as a step predicate: time does not pass a write lease whose term
+    is up. Not a property of the checker any more (``WriteLeaseEndsInTime`` is the ghost age);
+    kept for callers that map a runtime without ghost ages (``tests/specmap.py``)."""
     if action != "tick":
         return True
     L = m.L
@@ -467,6 +556,43 @@ def _crash_handoff(m: Model, pre: bytes, action: str, params: tuple, post: bytes
 
 def _renewal(m: Model, pre: bytes, action: str, params: tuple, post: bytes) -> bool:
     return action == "trust_renewal"
+
+
+def _consumed(m: Model, pre: bytes, post: bytes, kind: int) -> bool:
+    """Did the step take a message of ``kind`` off the network?"""
+    return sum(1 for msg in _messages(m, pre) if msg[0] == kind) > sum(1 for msg in _messages(m, post) if msg[0] == kind)
+
+
+def _refusal_answered(m: Model, pre: bytes, action: str, params: tuple, post: bytes) -> bool:
+    return action in ("abandon", "abort") and _consumed(m, pre, post, M_REFUSE)
+
+
+def _request_timed_out(m: Model, pre: bytes, action: str, params: tuple, post: bytes) -> bool:
+    if action not in ("tick", "clock_back", "clock_forward"):
+        return False
+    L = m.L
+    return any(
+        pre[L.p_kind[n][k]] != P_NONE and post[L.p_kind[n][k]] == P_NONE for n in range(m.N) for k in range(m.K)
+    )
+
+
+def _late_bytes_refused(m: Model, pre: bytes, action: str, params: tuple, post: bytes) -> bool:
+    """Bytes of a generation already freed at that slot land late and are refused (the fence
+    alone would have taken them)."""
+    if action != "fence_stale_write":
+        return False
+    n, k, loc = params
+    L = m.L
+    for msg in _messages(m, pre):
+        if msg[0] == M_WRITE_BYTES and msg[1] == n and msg[2] == k and msg[4] == loc + 1:
+            epoch = msg[6]
+            if fence_accepts(epoch, pre[L.fence[loc][k]]) and not slot_accepts(epoch, pre[L.fence[loc][k]], pre[L.freed[loc][k]]):
+                return True
+    return False
+
+
+def _lagging_completion(m: Model, pre: bytes, action: str, params: tuple, post: bytes) -> bool:
+    return action == "complete_invalidation" and pre[m.L.dir_off] > 0
 
 
 def _writers_race(m: Model, s: bytes) -> bool:
@@ -671,7 +797,11 @@ INVARIANTS: tuple[Invariant, ...] = (
     Invariant("DirectoryDataAgreement", "9", "a live lease never points at a location without the leased bytes", directory_data_agreement, reads=('records', 'leases', 'slots')),
     Invariant("PrefixClosed", "10", "a written or committed block's parent is committed", prefix_closed, reads=('records',)),
     Invariant("NamespaceIsolation", "11", "no lease or write grant outside the tenant's namespaces", namespace_isolation, reads=('leases', 'holders', 'writers')),
-    Invariant("InvalidationCompletesInTime", "progress", "an invalidation completes within its deadline", invalidation_completes_in_time, kind="progress", reads=('directory',)),
+    Invariant("InvalidationCompletesInTime", "progress", "an invalidation completes within its deadline", invalidation_completes_in_time, kind="progress", reads=('directory', 'records')),
+    Invariant("WriteLeaseEndsInTime", "progress", "a write lease ends (commit, abort, expiry) within its deadline", write_lease_ended_in_time, kind="progress", reads=('directory', 'records')),
+    Invariant("RequestEndsInTime", "progress", "a lease request ends (granted, refused, timed out) within its deadline", request_ends_in_time, kind="progress", reads=('holders',)),
+    Invariant("RequestAnswered", "progress", "a waiting request or its answer is in flight unless one was lost", request_answered, kind="progress", reads=('nodes', 'holders', 'writers', 'messages')),
+    Invariant("DeletionReachesEverywhere", "progress", "no up location keeps an ended generation's bytes with no Free on its way", deletion_reaches_everywhere, kind="progress", reads=('directory',)),
 )
 
 TRANSITION_PROPERTIES: tuple[TransitionProperty, ...] = (
@@ -679,7 +809,6 @@ TRANSITION_PROPERTIES: tuple[TransitionProperty, ...] = (
     TransitionProperty("FencingHolds", "2", "a slot never accepts bytes under an epoch below its fence", fencing_holds),
     TransitionProperty("LeasesGrantedOnlyOnCommitted", "3,6", "leases are granted or extended only on committed keys", leases_granted_only_on_committed),
     TransitionProperty("RenewalNeverRevives", "8", "a lease appears only as a fresh grant; renewal never revives", renewal_never_revives),
-    TransitionProperty("WriteLeaseEndsInTime", "progress", "time never passes an expired write lease", write_lease_ends_in_time, kind="progress"),
 )
 
 SOMETIMES: tuple[Sometimes, ...] = (
@@ -696,7 +825,7 @@ SOMETIMES: tuple[Sometimes, ...] = (
     Sometimes("InvalidationWithTwoHolders", "an invalidation waits on leases held by two nodes", reached_state=_multi_holder_invalidation,
               companion_of=("InvalidationCompletesInTime", "NoStaleRead"), outside_scope=_one_reader),
     Sometimes("FencedStaleWrite", "a stale writer's bytes are refused by a fence", reached_step=_step("fence_stale_write"), on_actions=('fence_stale_write',),
-              companion_of=("FencingHolds", "OneOwnerPerEpoch"), outside_scope=_one_write_epoch),
+              companion_of=("FencingHolds", "OneOwnerPerEpoch")),
     Sometimes("StaleCommitRejected", "the directory rejects a late commit", reached_step=_step("reject_stale_commit"), on_actions=('reject_stale_commit',),
               companion_of=("OneWriterPerGeneration",)),
     Sometimes("TwoWritersRace", "two nodes race to write one key", reached_state=_writers_race,
@@ -731,6 +860,19 @@ SOMETIMES: tuple[Sometimes, ...] = (
               companion_of=("CommittedBytesIntact",)),
     Sometimes("TwoEpochsStored", "copies of one key under two epochs coexist", reached_state=_two_epochs_stored,
               companion_of=("EpochsBoundFences", "EpochMonotonic", "OneOwnerPerEpoch"), outside_scope=_single_copy),
+    Sometimes("WriteLeaseExpired", "a write lease ends by expiry", reached_step=lambda m, pre, a, p, post: True,
+              companion_of=("WriteLeaseEndsInTime",), on_actions=('expire_write_lease', 'expire_write_lease_of_crashed')),
+    Sometimes("RequestRefused", "a refusal reaches the requester, which stops waiting", reached_step=_refusal_answered,
+              companion_of=("RequestAnswered",), on_actions=('abandon', 'abort')),
+    Sometimes("RequestTimedOut", "a holder gives up a request whose answer never came, on its timeout", reached_step=_request_timed_out,
+              companion_of=("RequestEndsInTime",), on_actions=('tick', 'clock_back'), outside_scope=_no_readers),
+    Sometimes("FreeRetried", "the directory re-sends a Free that was lost", reached_step=_step("retry_free"), on_actions=('retry_free',),
+              companion_of=("DeletionReachesEverywhere",)),
+    Sometimes("FreeAcknowledged", "a location's Freed settles an owed Free", reached_step=_step("free_acked"), on_actions=('free_acked',)),
+    Sometimes("LateBytesRefusedAfterFree", "bytes of a generation freed at a slot land late and are refused", reached_step=_late_bytes_refused,
+              on_actions=('fence_stale_write',)),
+    Sometimes("InvalidationCompletedOnLaggingClock", "an invalidation completes after the directory's clock fell behind",
+              reached_step=_lagging_completion, companion_of=("InvalidationCompletesInTime",), on_actions=('complete_invalidation',)),
     Sometimes("UnauthorisedRequestRefused", "a request outside the tenant's namespaces is refused", reached_step=_unauthorised_refused,
               companion_of=("NamespaceIsolation",), on_actions=('refuse_read_lease', 'refuse_write_lease'), outside_scope=_everyone_authorised),
     Sometimes("DuplicateInFlight", "a message and its duplicate are in flight together", reached_state=_duplicate_in_flight,

@@ -107,6 +107,21 @@ def invalidation_deadline(term: int, eps: int, restarts: int) -> int:
     return one_lease + restarts * one_grace
 
 
+def write_lease_deadline(term: int, eps: int, restarts: int) -> int:
+    """Bounded response: a write lease ends (commit, abort, expiry) within this much true time of
+    its grant. It lives ``directory_view`` on the directory's clock, which may lag ``eps``; a
+    directory restart re-arms it for a grace period (the writer may still hold it): the same
+    terms as ``invalidation_deadline``."""
+    return invalidation_deadline(term, eps, restarts)
+
+
+def request_deadline(term: int, eps: int) -> int:
+    """Bounded response: a holder's lease request ends -- granted, refused, or given up when its
+    budget runs out (the answer to a lost message) -- within this much true time of being sent.
+    The budget runs on the holder's clock, which may lag ``eps``."""
+    return holder_budget(term, eps) + eps
+
+
 def lease_expires_at(granted_at: int, term: int, eps: int) -> int:
     """The directory-clock time a lease (or renewal) granted at ``granted_at`` stops being live."""
     return granted_at + directory_view(term, eps)
@@ -216,6 +231,13 @@ def fence_accepts(epoch: int, fence: int) -> bool:
     return epoch >= fence
 
 
+def slot_accepts(epoch: int, fence: int, freed_epoch: int) -> bool:
+    """A slot stores bytes (a write or a copy) only under an epoch at least its fence (DESIGN 2)
+    and above the highest epoch freed there: bytes of a generation already deleted here that land
+    late (a paused writer, a slow copy) are refused, or deletion would not stay done."""
+    return fence_accepts(epoch, fence) and epoch > freed_epoch
+
+
 def restored_fence(fence: int, record_epoch: int) -> int:
     """A node that rejoins (maybe without its disk, fences and all) takes the directory's epoch as
     a floor: it bounds every epoch ever issued for the key, so no message from before the crash
@@ -246,6 +268,42 @@ def may_complete_invalidation(phase: int, in_grace: bool, live_leases: int) -> b
 
     ``live_leases``: how many read leases on the key are live (a bool says whether any is)."""
     return phase == INVALIDATING and not in_grace and not live_leases
+
+
+# -- deletion ---------------------------------------------------------------------------------------
+# DESIGN (progress): deletion reaches everywhere. Whenever a generation ends (an invalidation
+# completes, a write lease expires, a write is aborted by an invalidation) or a copy is let go (a
+# drained copy, a cancelled transfer's destination), the directory *owes* a Free to each location
+# that may hold the bytes: it records (key, location) -> epoch in a durable to-free set, sends the
+# Free, and re-sends it until the location answers ``Freed``. A location answers every Free it
+# receives while up: it frees the slot (fence permitting) or it has already seen a newer epoch.
+# Zero in the to-free set means nothing owed (epochs of written bytes start at 1).
+
+
+def owe_free(owed_epoch: int, epoch: int) -> int:
+    """The to-free entry after owing a Free under ``epoch``: one Free under the highest epoch owed
+    covers every lower one (a location frees whatever its fence lets that epoch free)."""
+    assert epoch >= 1, "bytes are written under epochs from 1"
+    return epoch if epoch > owed_epoch else owed_epoch
+
+
+def free_acknowledged(owed_epoch: int, freed_epoch: int) -> bool:
+    """A ``Freed`` settles the entry if it answers a Free at least as recent as the one owed."""
+    return owed_epoch != 0 and freed_epoch >= owed_epoch
+
+
+def may_retry_free(owed_epoch: int, location_up: bool) -> bool:
+    """Re-send an owed Free to a location that is up. The retry is the directory's timer: it cannot
+    tell a lost Free (or Freed) from a slow one, so it may re-send either way; it must re-send
+    when neither is on its way (``free_retry_due``)."""
+    return owed_epoch != 0 and location_up
+
+
+def free_retry_due(owed_epoch: int, location_up: bool, answer_pending: bool) -> bool:
+    """The retry timer is due: a Free is owed to an up location and neither it nor its ``Freed``
+    is on its way (one was lost, or a down location swallowed it). The model fires it before time
+    passes."""
+    return may_retry_free(owed_epoch, location_up) and not answer_pending
 
 
 # -- eviction and transfer ------------------------------------------------------------------------
