@@ -88,6 +88,10 @@ def actions_outside_scope(cfg: ModelConfig) -> dict[str, str]:
         outside("duplicate", "messages are never duplicated")
     if all(cfg.namespaces.count(ns) < 2 for ns in cfg.namespaces):
         outside("invalidate_namespace", "no namespace has two keys: invalidate(namespace) is invalidate(key)")
+    if cfg.max_epoch < 2 and not cfg.tiering:
+        outside("fence_stale_free", "one epoch per key and no transfers: every Free carries the epoch its slot holds")
+    if cfg.directory_clock_lags:
+        outside("clock_forward", "the directory's clock falls behind instead of running ahead")
     return why
 
 
@@ -735,6 +739,85 @@ def _run_parallel(checker: Checker, workers: int) -> _Outcome:
         peak_rss_bytes=sum(f["peak_rss_bytes"] for f in finals),
     )
     return outcome
+
+
+def swarm(model: Model, seeds: int, depth: int, max_states: int, first_seed: int = 0) -> CheckResult:
+    """Sampled checking for a scope too large to exhaust: ``seeds`` random walks of at most
+    ``depth`` steps each (seeded, so a run is reproducible), until ``max_states`` distinct states
+    were seen. Every invariant is checked on every state and every step property on every step
+    a walk takes; coverage and ``sometimes`` are counted over all successors it looked at. A
+    violation found is real (its walk is the counterexample, not necessarily the shortest); a
+    clean run proves nothing about the states it did not visit, and says so: ``truncated``."""
+    import random
+
+    checker = Checker(model)
+    m = model
+    started = time.perf_counter()
+    seen: set[int] = set()
+    coverage: Counter[str] = Counter()
+    reached: set[str] = set()
+    state_sms = [sm for sm in checker.sometimes if sm.reached_state is not None]
+    step_sms = [sm for sm in checker.sometimes if sm.reached_step is not None]
+    violation: Violation | None = None
+    generated = deepest = deadlocks = 0
+    for seed in range(first_seed, first_seed + seeds):
+        rng = random.Random(seed)
+        (s,) = m.init_states()
+        path: list[tuple[str, tuple, bytes]] = [("init", (), s)]
+        for step in range(depth):
+            steps = m.successors(s)
+            if not steps:
+                deadlocks += 1
+                violation = Violation("Deadlock", "deadlock", step)
+                break
+            generated += len(steps)
+            for action, params, t in steps:
+                coverage[action] += 1
+                for sm in step_sms:
+                    if sm.name not in reached and (not sm.on_actions or action in sm.on_actions) and sm.reached_step(m, s, action, params, t):
+                        reached.add(sm.name)
+            action, params, t = rng.choice(steps)
+            path.append((action, params, t))
+            bad = next((tp.name for tp in checker.transition_properties if not tp.holds(m, s, action, params, t)), None)
+            kind = "transition"
+            if bad is None:
+                bad, kind = next((inv.name for inv in checker.invariants if not inv.holds(m, t)), None), "invariant"
+            if bad is not None:
+                violation = Violation(bad, kind, step + 1, _walk_trace(m, path))
+                break
+            seen.add(checker.fingerprint(t))
+            reached.update(sm.name for sm in state_sms if sm.name not in reached and sm.reached_state(m, t))
+            deepest = max(deepest, step + 1)
+            s = t
+        if violation is not None or len(seen) >= max_states:
+            break
+    properties = {p.name: "violated" if violation is not None and violation.property == p.name else "holds"
+                  for p in checker.invariants + checker.transition_properties}
+    for sm in checker.sometimes:
+        exempt = sm.name in checker.exempt_sometimes
+        properties[sm.name] = "reached" if sm.name in reached else ("exempt" if exempt else "unreached")
+    refuted = sorted(n for n in checker.exempt_sometimes if n in reached)
+    refuted += sorted(a for a in checker.exempt_actions if coverage.get(a, 0) > 0)
+    uncovered = [a for a in ACTIONS if coverage.get(a, 0) == 0 and a not in checker.exempt_actions]
+    ok = violation is None and "unreached" not in properties.values() and not refuted and not uncovered
+    return CheckResult(
+        config=m.cfg.name, mutant=None, ok=ok, distinct_states=len(seen), generated_states=generated,
+        depth=deepest, seconds=time.perf_counter() - started, properties=properties,
+        coverage=dict(sorted(coverage.items())), violation=violation, deadlocks=deadlocks,
+        collision_probability=len(seen) ** 2 / 2.0**65, truncated=True,
+        exempt_sometimes=dict(checker.exempt_sometimes), exempt_actions=dict(checker.exempt_actions), refuted=refuted,
+    )
+
+
+def _walk_trace(m: Model, path: list[tuple[str, tuple, bytes]]) -> list[dict]:
+    L = m.L
+    steps = []
+    previous: bytes | None = None
+    for i, (act, prm, state) in enumerate(path):
+        changes = {k: ("", v) for k, v in L.variables(state).items()} if previous is None else L.diff(previous, state)
+        steps.append({"step": i, "action": act, "params": list(prm), "changes": {k: list(v) for k, v in changes.items()}})
+        previous = state
+    return steps
 
 
 def check(

@@ -701,6 +701,7 @@ class Model:
             loc = loc1 - 1
             b[L.s_status[loc][k]] = EMPTY  # the node drops the bytes once the directory agreed
             b[L.s_gen[loc][k]] = b[L.s_epoch[loc][k]] = 0
+            b[L.freed[loc][k]] = max(s[L.s_epoch[loc][k]], s[L.freed[loc][k]])  # as a Free would: late bytes are refused
             if idx == L.draining[k]:
                 b[L.draining[k]] = NO_LOCATION
             else:
