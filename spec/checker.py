@@ -741,6 +741,12 @@ def _run_parallel(checker: Checker, workers: int) -> _Outcome:
     return outcome
 
 
+# How often a swarm walk takes an unseen successor when there is one.
+_SWARM_NOVELTY = 0.9
+# The share of action labels each swarm walk leaves out (while anything else is enabled).
+_SWARM_LEAVE_OUT = 0.5
+
+
 def swarm(model: Model, seeds: int, depth: int, max_states: int, first_seed: int = 0) -> CheckResult:
     """Sampled checking for a scope too large to exhaust: ``seeds`` random walks of at most
     ``depth`` steps each (seeded, so a run is reproducible), until ``max_states`` distinct states
@@ -762,6 +768,9 @@ def swarm(model: Model, seeds: int, depth: int, max_states: int, first_seed: int
     generated = deepest = deadlocks = 0
     for seed in range(first_seed, first_seed + seeds):
         rng = random.Random(seed)
+        # Swarm verification (Groce et al.): each walk leaves out a random part of the actions
+        # (a walk that never drops a message or lets time pass gets far down the happy path).
+        left_out = {a for a in ACTIONS if rng.random() < _SWARM_LEAVE_OUT}
         (s,) = m.init_states()
         path: list[tuple[str, tuple, bytes]] = [("init", (), s)]
         for step in range(depth):
@@ -776,7 +785,11 @@ def swarm(model: Model, seeds: int, depth: int, max_states: int, first_seed: int
                 for sm in step_sms:
                     if sm.name not in reached and (not sm.on_actions or action in sm.on_actions) and sm.reached_step(m, s, action, params, t):
                         reached.add(sm.name)
-            action, params, t = rng.choice(steps)
+            # Prefer a successor no walk has seen yet (most of the time): uniform walks keep
+            # re-treading the few states near the initial one.
+            allowed = [step for step in steps if step[0] not in left_out] or steps
+            fresh = [step for step in allowed if step[2] is not s and checker.fingerprint(step[2]) not in seen]
+            action, params, t = rng.choice(fresh if fresh and rng.random() < _SWARM_NOVELTY else allowed)
             path.append((action, params, t))
             bad = next((tp.name for tp in checker.transition_properties if not tp.holds(m, s, action, params, t)), None)
             kind = "transition"

@@ -595,6 +595,15 @@ def _lagging_completion(m: Model, pre: bytes, action: str, params: tuple, post: 
     return action == "complete_invalidation" and pre[m.L.dir_off] > 0
 
 
+def _acquire_refused_uncommitted(m: Model, pre: bytes, action: str, params: tuple, post: bytes) -> bool:
+    """An authorised acquire refused because its key is not COMMITTED (being written or
+    invalidated): the situation LeasesGrantedOnlyOnCommitted forbids granting in."""
+    if action != "refuse_read_lease":
+        return False
+    n, k = params[0], params[1]
+    return m.allowed[n][k] and pre[m.L.phase[k]] in (WRITING, INVALIDATING)
+
+
 def _writers_race(m: Model, s: bytes) -> bool:
     """Two nodes have asked to write the same key and neither has given up."""
     L = m.L
@@ -828,6 +837,9 @@ SOMETIMES: tuple[Sometimes, ...] = (
               companion_of=("FencingHolds", "OneOwnerPerEpoch")),
     Sometimes("StaleCommitRejected", "the directory rejects a late commit", reached_step=_step("reject_stale_commit"), on_actions=('reject_stale_commit',),
               companion_of=("OneWriterPerGeneration",)),
+    Sometimes("AcquireRefusedUncommitted", "an authorised acquire is refused because its key is being written or invalidated",
+              reached_step=_acquire_refused_uncommitted, on_actions=('refuse_read_lease',),
+              companion_of=("LeasesGrantedOnlyOnCommitted",), outside_scope=_no_readers),
     Sometimes("TwoWritersRace", "two nodes race to write one key", reached_state=_writers_race,
               companion_of=("OneWriterPerGeneration",), outside_scope=_no_race),
     Sometimes("RefusedEvictionOfLeasedBlock", "an eviction is refused because the copy is leased", reached_step=_step("evict_refused"), on_actions=('evict_refused',),

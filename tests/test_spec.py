@@ -175,9 +175,10 @@ def test_symmetry_keeps_roles_and_verdicts():
 def test_swarm_finds_a_mutant_and_labels_itself_sampled():
     mutant = MUTANTS["second-write-grant"]
     sampled = swarm(Model(get_config(mutant.config), mutant.bugs), seeds=300, depth=40, max_states=100_000)
-    assert sampled.violation is not None
-    assert sampled.violation.property == "OneWriterPerGeneration"
-    assert sampled.violation.trace[0]["action"] == "init"
+    assert sampled.violation is not None  # some property: a walk is not a shortest counterexample
+    trace = sampled.violation.trace
+    assert trace[0]["action"] == "init" and len(trace) - 1 == sampled.violation.depth
+    assert sampled.truncated
     clean = swarm(Model(get_config("tiny")), seeds=20, depth=20, max_states=100_000)
     assert clean.violation is None and clean.truncated  # never mistaken for exhaustive
 
@@ -281,3 +282,23 @@ def test_parallel_search_catches_a_mutant_at_the_shortest_depth():
     two = check(get_config(mutant.config), mutant.name, workers=2)
     assert two.violation is not None
     assert two.violation.depth == one.violation.depth
+
+
+def test_check_all_prints_one_row_per_configuration_and_fails_on_uncovered_actions(monkeypatch, capsys):
+    """``kvcc check --all --json`` on a two-configuration manifest: each row says whether it was
+    exhaustive; the command fails because two small scopes leave actions covered by none."""
+    import json
+
+    from kvcc import cli
+    from kvcc.spec import config as config_module
+
+    pinned = {name: load_manifest()[name] for name in FAST_CONFIGS}
+    monkeypatch.setattr(config_module, "CONFIGS", {name: get_config(name) for name in FAST_CONFIGS})
+    monkeypatch.setattr(config_module, "load_manifest", lambda: pinned)
+    code = cli.main(["check", "--all", "--json", "--workers", "1"])
+    payload = json.loads(capsys.readouterr().out)
+    assert [row["config"] for row in payload["configs"]] == list(FAST_CONFIGS)
+    assert all(row["ok"] and row["mode"] == "exhaustive" and row["manifest"] == "match" for row in payload["configs"])
+    assert payload["exhaustive"] == list(FAST_CONFIGS) and payload["sampled"] == []
+    assert "restart_directory" in payload["uncovered_anywhere"]
+    assert code == 1 and payload["ok"] is False
