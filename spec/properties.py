@@ -604,6 +604,17 @@ def _acquire_refused_uncommitted(m: Model, pre: bytes, action: str, params: tupl
     return m.allowed[n][k] and pre[m.L.phase[k]] in (WRITING, INVALIDATING)
 
 
+def _fence_at_the_bound(m: Model, s: bytes) -> bool:
+    """A slot's fence has reached the directory's epoch for its key: EpochsBoundFences is tight."""
+    L = m.L
+    return any(0 < s[L.epoch[k]] == s[L.fence[loc][k]] for k in range(m.K) for loc in range(m.LOCS))
+
+
+def _restart_with_epochs(m: Model, pre: bytes, action: str, params: tuple, post: bytes) -> bool:
+    """The directory restarts after handing out an epoch: its log must keep it."""
+    return action == "restart_directory" and any(pre[m.L.epoch[k]] for k in range(m.K))
+
+
 def _writers_race(m: Model, s: bytes) -> bool:
     """Two nodes have asked to write the same key and neither has given up."""
     L = m.L
@@ -855,6 +866,11 @@ SOMETIMES: tuple[Sometimes, ...] = (
               companion_of=("NoReadAfterAck",), outside_scope=_no_readers),
     Sometimes("TrustedDuringRestartGrace", "a holder trusts a lease the restarted directory forgot", reached_state=_trust_during_grace,
               companion_of=("LeaseKnownToDirectory",), outside_scope=_no_restart),
+    Sometimes("FenceAtDirectoryEpoch", "a slot's fence has reached the directory's epoch for its key", reached_state=_fence_at_the_bound,
+              companion_of=("EpochsBoundFences", "FencingHolds")),
+    Sometimes("RestartAfterEpochs", "the directory restarts after handing out an epoch", reached_step=_restart_with_epochs,
+              on_actions=('restart_directory',), companion_of=("EpochMonotonic", "EpochsBoundFences"),
+              outside_scope=lambda cfg: "the directory never restarts" if cfg.max_directory_restarts == 0 else None),
     Sometimes("RegrantAfterRestart", "a restarted directory, still in its grace period, grants a read lease again", reached_step=_regrant_after_restart,
               on_actions=('grant_read_lease',), companion_of=("LeaseIdsFresh", "LeaseKnownToDirectory"), outside_scope=_no_restart),
     Sometimes("LeaseRenewed", "a holder extends its trust by a renewal", reached_step=_renewal, companion_of=("RenewalNeverRevives",), on_actions=('trust_renewal',),
