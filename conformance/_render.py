@@ -243,6 +243,9 @@ class _Renderer:
             ]  # fmt: skip
             self.incarnation[N[n]] += 1  # the node's new process, which re-registered
             self.emit(DIRECTORY, label, rejoined=N[n], lost=lost)
+        elif label == "declare_node_down":
+            (n,) = p
+            self.emit(DIRECTORY, label, down=N[n])
         elif label == "restart_directory":
             self.incarnation[DIRECTORY] += 1
             self.emit(DIRECTORY, label)

@@ -116,6 +116,7 @@ start_transfer           key, location (the destination), epoch
 finish_transfer          key, location
 free_drained             key, location
 retry_free, free_acked   key, location                           [epoch: the Free owed]
+declare_node_down        down (the node declared down)           (node = the directory)
 cancel_transfer          key
 store_bytes              key, location, writer, lease, gen, epoch  (node = the location's host)
 fence_stale_write        key, location, writer, lease, epoch
@@ -190,14 +191,14 @@ DIRECTORY_EVENTS = frozenset({
     "grant_write_lease", "refuse_write_lease", "commit_write", "reject_stale_commit",
     "expire_write_lease", "expire_write_lease_of_crashed", "invalidate", "invalidate_namespace",
     "revoke_acked", "complete_invalidation", "evict", "evict_refused", "start_transfer",
-    "finish_transfer", "free_drained", "cancel_transfer", "retry_free", "free_acked", "restart_node",
-    "restart_directory",
+    "finish_transfer", "free_drained", "cancel_transfer", "retry_free", "free_acked", "declare_node_down",
+    "restart_node", "restart_directory",
 })  # fmt: skip
 HOLDER_EVENTS = frozenset({"acquire", "renew", "abandon", "read", "release", "trust_read_lease", "trust_renewal",
                            "drop_and_ack"})  # fmt: skip
 WRITER_EVENTS = frozenset({"begin_write", "abort", "start_writing"})
 LOCATION_EVENTS = frozenset({"store_bytes", "fence_stale_write", "store_copy", "free_slot", "fence_stale_free"})
-FAILURE_EVENTS = frozenset({"crash", "restart_node", "restart_directory"})
+FAILURE_EVENTS = frozenset({"crash", "restart_node", "restart_directory", "declare_node_down"})
 assert DIRECTORY_EVENTS | HOLDER_EVENTS | WRITER_EVENTS | LOCATION_EVENTS | FAILURE_EVENTS == set(EVENTS)
 
 REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
@@ -234,6 +235,7 @@ REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
     "free_drained": ("key", "location"),
     "retry_free": ("key", "location"),
     "free_acked": ("key", "location"),
+    "declare_node_down": ("down",),
     "cancel_transfer": ("key",),
     "store_bytes": ("key", "location", "writer", "lease", "gen", "epoch"),
     "fence_stale_write": ("key", "location", "writer", "lease", "epoch"),
@@ -281,6 +283,7 @@ NEEDS: dict[str, str] = {
     "free_drained": "a draining copy with no live lease on it, outside restart grace",
     "retry_free": "a Free owed to an up location, neither it nor its Freed in flight",
     "free_acked": "a Freed in flight answering the Free owed (epoch at least the owed one)",
+    "declare_node_down": "the node down, undeclared, its failure-detection time run out",
     "cancel_transfer": "a transfer under way",
     "store_bytes": "the writer's bytes in flight to an up location, epoch at least the slot's fence",
     "fence_stale_write": "bytes in flight under an epoch below the slot's fence",
@@ -558,7 +561,7 @@ class _Roles:
                 node(ev["node"])
             if name in DIRECTORY_EVENTS:
                 directories.add(ev["node"])
-            for f in ("holder", "writer", "rejoined"):
+            for f in ("holder", "writer", "rejoined", "down"):
                 node(ev.get(f))
             if name == "crash":
                 node(ev.get("crashed") or ev["node"])
@@ -908,6 +911,8 @@ class _Replay:
             return binding if ev.get("epoch") is None or ev["epoch"] == owed else None
         if name == "complete_invalidation":
             return binding if ev["gen"] == s[L.gen[0]] else None
+        if name == "declare_node_down":
+            return binding if p[0] == R.n(ev["down"]) else None
         if name == "crash":
             n = R.n(ev.get("crashed") or ev["node"])
             lose = ev.get("lose_disk")
@@ -1121,7 +1126,8 @@ def _validate(events: Sequence[dict], params: TraceParams) -> Verdict:
             for k in keys:
                 e = dict(ev, **extra) if (extra and k in cascade) else ev
                 per_key[k].append(_PEvent(i, e, "global", lo, hi, ev["t_wall_ns"], ev["t_local_ns"]))
-                counts[k]["crashes" if name != "restart_directory" else "restarts"] += 1
+                if name != "declare_node_down":
+                    counts[k]["crashes" if name != "restart_directory" else "restarts"] += 1
             continue
         own = ev.get("key") if name != "invalidate_namespace" else None
         if own is not None:

@@ -55,7 +55,7 @@ EVENTS = (
     "invalidate", "invalidate_namespace", "revoke_acked", "complete_invalidation",
     "evict", "evict_refused",
     "start_transfer", "finish_transfer", "free_drained", "cancel_transfer",
-    "retry_free", "free_acked",
+    "retry_free", "free_acked", "declare_node_down",
     # locations (data plane)
     "store_bytes", "fence_stale_write", "store_copy", "free_slot", "fence_stale_free",
     # failures a process (or a fault injector) observes and logs

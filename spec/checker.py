@@ -41,7 +41,7 @@ ACTIONS = (
     "start_transfer", "store_copy", "finish_transfer", "free_drained", "cancel_transfer",
     "trust_read_lease", "trust_renewal", "start_writing",
     "store_bytes", "fence_stale_write", "free_slot", "fence_stale_free",
-    "retry_free", "free_acked",
+    "retry_free", "free_acked", "declare_node_down",
     "drop", "duplicate", "crash", "restart_node", "restart_directory",
     # Deliveries the receiver ignores, each with its reason (the state is the one a loss gives).
     "ignore_stale_grant", "ignore_stale_renewal", "ignore_stale_write_grant", "ignore_stale_copied",
@@ -81,7 +81,7 @@ def actions_outside_scope(cfg: ModelConfig) -> dict[str, str]:
                 "copy_failed fence_stale_copy", "blocks never move between locations (tiering off)")
     if cfg.max_node_crashes == 0:
         outside("crash restart_node expire_write_lease_of_crashed write_to_down_location free_at_down_location "
-                "copy_failed", "no node crashes, so every location is always up")
+                "copy_failed declare_node_down", "no node crashes, so every location is always up")
     if cfg.max_directory_restarts == 0:
         outside("restart_directory", "the directory never restarts")
     if cfg.max_duplications == 0:

@@ -119,6 +119,18 @@ class ModelConfig:
         return one_lease + self.max_directory_restarts * one_grace
 
     @property
+    def failure_detection_ticks(self) -> int:
+        """How long, on the directory's clock, the directory may take to declare a crashed node
+        down: a node's registration is a lease of one term, which a live node keeps renewing."""
+        return self.lease_term_ticks
+
+    @property
+    def failover_deadline_ticks(self) -> int:
+        """Bounded response (P4): a COMMITTED key whose owner's node crashed is writable again
+        within this many true ticks: detection (on a clock that may lag), then an invalidation."""
+        return self.failure_detection_ticks + self.skew_ticks + self.invalidation_deadline_ticks
+
+    @property
     def write_lease_deadline_ticks(self) -> int:
         """Bounded response: a write lease ends (commit, abort or expiry) within this many true
         ticks of its grant -- the same terms as an invalidation: a lease as the directory counts

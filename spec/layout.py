@@ -111,10 +111,16 @@ class Layout:
         self.dir_off = var("directory.clock_offset")
         self.grace = var("directory.restart_grace_left")
         self.next_id = var("directory.next_lease_id")
+        # Its failure detector, per node: time left before a silent node is declared down (runs
+        # from the crash, on the directory's clock), and whether it has been.
+        self.detect_left = [var(f"directory.detect_down_left[n{n}]") for n in range(N)]
+        self.known_down = [var(f"directory.declared_down[n{n}]") for n in range(N)]
         # Ghosts (bounded response, history): they never decide a step, properties read them.
         # True ticks since the key entered its phase, while WRITING or INVALIDATING.
         self.phase_age = [var(f"ghost.phase_age[k{k}]") for k in range(K)]
         self.inval_age = self.phase_age  # the name the proofs and the reference mapping use
+        # True ticks a COMMITTED or INVALIDATING key's owner copy has been on a node that is down.
+        self.owner_down_age = [var(f"ghost.owner_down_for[k{k}]") for k in range(K)]
         # True ticks a slot held an ended generation's bytes, at an up location, while no Free it
         # would take was on its way and the directory could have sent one.
         self.orphan_age = [[var(f"ghost.orphaned_for[l{loc},k{k}]") for k in range(K)] for loc in range(LOCS)]
@@ -201,6 +207,7 @@ class Layout:
         # Counters that run down with one clock, and what to clear when one reaches zero.
         # Each entry: (counter index, indices zeroed on expiry).
         self.directory_timers: list[tuple[int, tuple[int, ...]]] = [(self.grace, ())]
+        self.directory_timers += [(self.detect_left[n], ()) for n in range(N)]
         for k in range(K):
             self.directory_timers.append((self.w_left[k], ()))
             for n in range(N):

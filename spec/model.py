@@ -10,13 +10,22 @@ epsilon. The state stores no absolute time: every deadline is a counter of ticks
 that owns it*, so "the same situation, later" is one state (time normalisation). The model steps
 clocks only in the harmful direction (the directory's ahead, holders' behind), each by at most
 epsilon over a run: the opposite steps only shorten what holders trust, so they add states but
-no behaviour that could break safety.
+no behaviour that could break safety. A configuration with ``directory_clock_lags`` steps the
+directory's clock *behind* instead: harmless for safety, it is the direction that delays the
+directory's timers, so the bounded-response deadlines are checked under it.
 
 - ``tick`` advances true time by one: every counter runs down by one; a counter that reaches zero
   has expired (its lease is dropped, its request abandoned). A clock step moves only the counters of
   that clock. ``tick`` is disabled while an *urgent* directory action is enabled (expiring a write
-  lease whose time is up, completing an invalidation that may complete): the directory's timers fire
-  on time. That makes progress checkable as bounded response.
+  lease whose time is up, completing an invalidation that may complete, re-sending an owed Free of
+  which nothing is on its way, declaring down a node whose failure-detection time ran out): the
+  directory's timers fire on time. A tick that changes nothing (no counter or ghost runs) is not a
+  step, so a state where nothing else can happen is a deadlock the checker reports.
+- Ghost variables (``ghost.*``) record ages in true ticks and a little history; no step reads
+  them, the progress properties bound them: how long a key has been WRITING or INVALIDATING, a
+  request pending, an owner copy on a down node, a slot holding an ended generation's bytes with
+  no Free on its way; whether a message of a pending request was lost; whether a node
+  acknowledged the revocation of a key's current generation.
 - A holder counts its lease from when it *sent* the request (``pending_budget`` starts when the
   request leaves) and trusts it for ``lease_term - epsilon`` on its own clock. The directory counts
   from when it granted, and treats the lease as live for ``lease_term + epsilon`` on its clock.
@@ -27,9 +36,19 @@ no behaviour that could break safety.
   any message may be delivered (reordering), dropped (loss) or, within a budget, duplicated. A
   message sent into a full network is lost. A paused process is one whose messages sit in the
   network while time passes.
+- Deletion reaches everywhere: whenever bytes stop being wanted (an invalidation completes, a write
+  lease expires, an invalidation aborts a write, a drained copy goes, a transfer is cancelled) the
+  directory *owes* a Free per location (a durable to-free set), sends it, and re-sends it until the
+  location answers ``Freed``. A location frees bytes of the Free's epoch or older, never newer,
+  and remembers the epoch freed, so bytes of it that land late are refused.
+- Every lease request is answered: a grant, or a ``LeaseRefused`` after which the requester stops
+  waiting (``abandon``, or ``abort`` for a writer); a lost request or answer is ended by the
+  holder's timeout.
 - Failures: a node crash loses the node's volatile state and, optionally, its disk (its slots become
   LOST: reads of them fail, they never return other bytes); a restarted node re-registers and the
-  directory forgets what the node lost. A directory restart loses the lease table and timers, keeps
+  directory forgets what the node lost. A node that stays silent for ``failure_detection_ticks``
+  on the directory's clock is declared down: no leases there, and its owner copies are voided so
+  the keys become writable again. A directory restart loses the lease table and timers, keeps
   every record (they are durable), and frees nothing for a grace period as long as the longest lease
   it may have issued.
 
@@ -91,8 +110,10 @@ from .rules import (
     REASON_LEASED,
     WRITING,
     directory_view,
-    fence_accepts,
+    down_owner_invalidates,
+    failover_deadline,
     free_acknowledged,
+    free_takes,
     holder_budget,
     invalidation_deadline,
     invalidation_step,
@@ -115,6 +136,7 @@ from .rules import (
     request_deadline,
     restart_grace,
     restored_fence,
+    restored_freed_epoch,
     slot_accepts,
     write_lease_deadline,
     write_lease_must_expire,
@@ -160,6 +182,7 @@ MUTANT_FLAGS = frozenset(
         "holder_never_times_out",
         "revoke_keeps_pending_acquire",
         "writer_never_gives_up",
+        "no_failure_detector",
     }
 )
 
@@ -204,6 +227,9 @@ class Model:
         self.write_deadline = write_lease_deadline(term, eps, cfg_.max_directory_restarts)
         self.request_deadline = request_deadline(term, eps)
         self.deletion_deadline = cfg_.deletion_deadline_ticks
+        self.detection = cfg_.failure_detection_ticks
+        self.failover_deadline = failover_deadline(term, eps, cfg_.max_directory_restarts, self.detection)
+        assert cfg_.failover_deadline_ticks == self.failover_deadline
         # ``ModelConfig`` spells the same limits out for reports; they must be these.
         assert cfg_.holder_budget_ticks == holder_budget(term, eps)
         assert cfg_.directory_lease_ticks == self.directory_view
@@ -219,7 +245,8 @@ class Model:
         self.phase_age_cap = max(self.deadline, self.write_deadline) + 1
         self.request_age_cap = self.request_deadline + 1
         self.orphan_age_cap = self.deletion_deadline + 1
-        assert self.phase_age_cap < 256 and self.request_age_cap < 256
+        self.owner_down_cap = self.failover_deadline + 1
+        assert self.phase_age_cap < 256 and self.request_age_cap < 256 and self.owner_down_cap < 256
         self.node_timers = self.L.node_timers
         if "holder_never_times_out" in self.bugs:
             # Bug: the budget runs out but the holder keeps waiting for its answer.
@@ -327,10 +354,10 @@ class Model:
             return False
         if len(s) >= L.fixed + MESSAGE_WIDTH * self.cfg.max_messages:
             return False
-        fence = s[L.fence[loc][k]]
+        slot_epoch = s[L.s_epoch[loc][k]]
         for i in range(L.fixed, len(s), MESSAGE_WIDTH):
-            if s[i] == M_FREE and s[i + 2] == k and s[i + 3] == loc + 1 and fence_accepts(s[i + 6], fence):
-                return False
+            if s[i] == M_FREE and s[i + 2] == k and s[i + 3] == loc + 1 and s[i + 6] >= slot_epoch:
+                return False  # a Free that will take it is on its way
         return True
 
     def live_lease_on(self, s: bytes, k: int, loc_plus_1: int) -> bool:
@@ -375,7 +402,24 @@ class Model:
             for loc in range(self.LOCS):
                 if s[L.to_free[loc][k]] and self.free_retry_is_due(s, k, loc):
                     return True
+        for n in range(self.N):
+            if self.down_declaration_due(s, n):
+                return True
         return False
+
+    def down_declaration_due(self, s: bytes, n: int) -> bool:
+        """Has the failure detector's time for the crashed node ``n`` run out?"""
+        L = self.L
+        if s[L.up[n]] or s[L.known_down[n]] or s[L.detect_left[n]] or "no_failure_detector" in self.bugs:
+            return False
+        return True
+
+    def owner_declared_down(self, s: bytes, k: int) -> bool:
+        loc1 = s[self.L.owner[k]]
+        if loc1 == NO_LOCATION:
+            return False
+        node = self.loc_node[loc1 - 1]
+        return node >= 0 and s[self.L.known_down[node]] == 1
 
     # ------------------------------------------------------------------ successors
 
@@ -444,8 +488,15 @@ class Model:
         """One true tick passes: every ghost age that runs counts it, saturating one past its bound."""
         L = self.L
         for k in range(self.K):
-            if s[L.phase[k]] in (WRITING, INVALIDATING) and b[L.phase_age[k]] < self.phase_age_cap:
+            phase = s[L.phase[k]]
+            if phase in (WRITING, INVALIDATING) and b[L.phase_age[k]] < self.phase_age_cap:
                 b[L.phase_age[k]] += 1
+            owner = s[L.owner[k]]
+            if phase in (COMMITTED, INVALIDATING) and owner != NO_LOCATION and not self.location_up(s, owner - 1):
+                if b[L.owner_down_age[k]] < self.owner_down_cap:
+                    b[L.owner_down_age[k]] += 1
+            else:
+                b[L.owner_down_age[k]] = 0
             for loc in range(self.LOCS):
                 i = L.orphan_age[loc][k]
                 if self.orphaned(s, loc, k):
@@ -701,12 +752,18 @@ class Model:
             loc = loc1 - 1
             b[L.s_status[loc][k]] = EMPTY  # the node drops the bytes once the directory agreed
             b[L.s_gen[loc][k]] = b[L.s_epoch[loc][k]] = 0
-            b[L.freed[loc][k]] = max(s[L.s_epoch[loc][k]], s[L.freed[loc][k]])  # as a Free would: late bytes are refused
+            b[L.freed[loc][k]] = max(s[L.s_epoch[loc][k]], s[L.freed[loc][k]])  # as a Free would: late bytes are refused (found in dup)
+            rest = net
             if idx == L.draining[k]:
                 b[L.draining[k]] = NO_LOCATION
             else:
+                if s[L.moving[k]] != NO_LOCATION:
+                    # A transfer was under way: its copy may land, and belongs to a generation
+                    # that is ending. (Found by the checker: DeletionReachesEverywhere.)
+                    rest = list(net)
+                    self._owe_free(b, rest, k, s[L.moving[k]], s[L.epoch[k]])
                 self._end_generation(b, k)  # the last copy is gone: the key is ABSENT again
-            out.append(("evict", (k, loc), self._pack(b, net)))
+            out.append(("evict", (k, loc), self._pack(b, rest)))
 
     def _transfer_actions(self, s: bytes, fixed: bytes, net: list[bytes], k: int, out: list[Step]) -> None:
         """Promotion / demotion: move the owner copy to another location as an ownership transfer."""
@@ -759,7 +816,7 @@ class Model:
         if phase == INVALIDATING and "grant_during_invalidation" in self.bugs:
             phase = COMMITTED  # bug: an invalidating key looks grantable
         authorized = self.allowed[n][k] or "no_namespace_check" in self.bugs
-        refusal = may_grant_read(phase, authorized, s[L.r_id[k][n]] != NO_LEASE)
+        refusal = may_grant_read(phase, authorized, s[L.r_id[k][n]] != NO_LEASE, self.owner_declared_down(s, k))
         if refusal is not None or s[L.next_id] > cfg.max_lease_id:
             b = bytearray(fixed)
             rest = list(net)
@@ -1008,14 +1065,18 @@ class Model:
             out.append(("free_at_down_location", (k, loc), self._pack(b, net)))
             return
         rest = list(net)
-        if not fence_accepts(epoch, s[L.fence[loc][k]]) and "no_fencing" not in self.bugs:
-            # A newer epoch was seen here: whatever that Free was for is gone or superseded.
+        full = s[L.s_status[loc][k]] == FULL
+        if not free_takes(epoch, s[L.fence[loc][k]], full, s[L.s_epoch[loc][k]]) and "no_fencing" not in self.bugs:
+            # Newer bytes are here (or a newer epoch was seen by an empty slot): whatever that
+            # Free was for is gone already.
             self._send(rest, message(M_FREED, 0, k, loc1, 0, 0, epoch))
             out.append(("fence_stale_free", (k, loc), self._pack(b, rest)))
         else:
             b[L.s_status[loc][k]] = EMPTY
             b[L.s_gen[loc][k]] = b[L.s_epoch[loc][k]] = 0
             b[L.freed[loc][k]] = max(epoch, s[L.freed[loc][k]])
+            if b[L.fence[loc][k]] > b[L.freed[loc][k]]:
+                b[L.freed[loc][k]] = 0  # the fence refuses all it did
             self._send(rest, message(M_FREED, 0, k, loc1, 0, 0, epoch))
             out.append(("free_slot", (k, loc), self._pack(b, rest)))
 
@@ -1108,6 +1169,8 @@ class Model:
                         out.append(("crash", (n, 1), self._pack(lost, net)))
             else:
                 out.append(("restart_node", (n,), self._restart_node(s, fixed, net, n)))
+                if self.down_declaration_due(s, n):
+                    out.append(("declare_node_down", (n,), self._declare_down(s, fixed, net, n)))
         if s[L.restarts_left] > 0:
             out.append(("restart_directory", (), self._pack(self._restart_directory(s, fixed), net)))
 
@@ -1117,6 +1180,7 @@ class Model:
         b = bytearray(fixed)
         b[L.up[n]] = 0
         b[L.crashes_left] -= 1
+        b[L.detect_left[n]] = self.detection  # the node's registration runs out on the directory
         for k in range(self.K):
             for idx in (L.h_id, L.h_loc, L.h_gen, L.h_left):
                 b[idx[n][k]] = 0
@@ -1142,6 +1206,7 @@ class Model:
         b = bytearray(fixed)
         rest = list(net)
         b[L.up[n]] = 1
+        b[L.known_down[n]] = b[L.detect_left[n]] = 0  # registered again
         for k in range(self.K):
             b[L.r_id[k][n]] = b[L.r_loc[k][n]] = b[L.r_left[k][n]] = 0
             # A node that lost its disk lost its fences too: it takes them back from the
@@ -1151,6 +1216,10 @@ class Model:
             for loc in range(self.LOCS):
                 if self.loc_node[loc] == n:
                     b[L.fence[loc][k]] = restored_fence(b[L.fence[loc][k]], s[L.epoch[k]])
+                    # Likewise what it freed: bytes the directory does not want may still be on
+                    # their way (a paused writer's, a cancelled transfer's).
+                    wanted = loc + 1 in (s[L.owner[k]], s[L.draining[k]], s[L.moving[k]])
+                    b[L.freed[loc][k]] = restored_freed_epoch(b[L.freed[loc][k]], wanted, s[L.epoch[k]])
                     if b[L.fence[loc][k]] > b[L.freed[loc][k]]:
                         b[L.freed[loc][k]] = 0  # the fence refuses all it did
         for k in range(self.K):
@@ -1164,6 +1233,27 @@ class Model:
                 elif lost_copy_invalidates(b[L.phase[k]], idx == L.owner[k], s[L.s_status[loc1 - 1][k]] == LOST):
                     self._invalidate_into(s, b, rest, self.subtree[k])
                     b[L.gen[k]] += "lost_copy_ends_generation" in self.bugs  # bug: the next generation at once
+        return self._pack(b, rest)
+
+    def _declare_down(self, s: bytes, fixed: bytes, net: list[bytes], n: int) -> bytes:
+        """The failure detector declares the silent node ``n`` down (its registration ran out). The
+        directory leases nothing there any more, and voids every COMMITTED key whose owner copy is
+        there, with its subtree: the leases on it are revoked and expire, and the key is writable
+        again within the failover deadline (P4). The copies themselves are freed when the
+        invalidation completes, and reach the node when it is back (DESIGN: deletion).
+
+        Why a detector with a bound and not the crash itself: the directory cannot see a kill -9;
+        it sees a node stop renewing its registration (a lease of one term). A node that comes back
+        before that (``restart_node``) re-registers, and the directory forgets what it lost."""
+        L = self.L
+        b = bytearray(fixed)
+        rest = list(net)
+        b[L.known_down[n]] = 1
+        for k in range(self.K):
+            loc1 = s[L.owner[k]]
+            on_n = loc1 != NO_LOCATION and self.loc_node[loc1 - 1] == n
+            if down_owner_invalidates(b[L.phase[k]], on_n):
+                self._invalidate_into(s, b, rest, self.subtree[k])
         return self._pack(b, rest)
 
     def _restart_directory(self, s: bytes, fixed: bytes) -> bytearray:

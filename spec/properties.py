@@ -373,6 +373,13 @@ def request_answered(m: Model, s: bytes) -> bool:
     return all(w in in_flight for w in waiting)
 
 
+def crashed_owner_writable_in_time(m: Model, s: bytes) -> bool:
+    """Bounded response (P4): a committed key whose owner copy is on a crashed node is writable
+    again (ABSENT) within the failover deadline: detection, then invalidation (ghost age)."""
+    L = m.L
+    return all(s[L.owner_down_age[k]] <= m.failover_deadline for k in range(m.K))
+
+
 def deletion_reaches_everywhere(m: Model, s: bytes) -> bool:
     """Deletion reaches everywhere: no location that is up holds an ended generation's bytes for
     longer than the deletion deadline with no Free on its way (ghost age, true ticks). A lost
@@ -591,6 +598,13 @@ def _late_bytes_refused(m: Model, pre: bytes, action: str, params: tuple, post: 
     return False
 
 
+def _owner_declared_down(m: Model, pre: bytes, action: str, params: tuple, post: bytes) -> bool:
+    L = m.L
+    return action == "declare_node_down" and any(
+        pre[L.phase[k]] == COMMITTED and post[L.phase[k]] == INVALIDATING for k in range(m.K)
+    )
+
+
 def _lagging_completion(m: Model, pre: bytes, action: str, params: tuple, post: bytes) -> bool:
     return action == "complete_invalidation" and pre[m.L.dir_off] > 0
 
@@ -729,6 +743,14 @@ def _no_crash(cfg: ModelConfig) -> str | None:
     return None
 
 
+def _no_owner_crash(cfg: ModelConfig) -> str | None:
+    if cfg.max_node_crashes == 0:
+        return "no node crashes"
+    if cfg.writes_to_pool_only and not cfg.tiering:
+        return "every owner copy is in the shared pool, which no node crash takes down"
+    return None
+
+
 def _no_restart(cfg: ModelConfig) -> str | None:
     if cfg.max_directory_restarts == 0:
         return "the directory never restarts"
@@ -821,6 +843,7 @@ INVARIANTS: tuple[Invariant, ...] = (
     Invariant("WriteLeaseEndsInTime", "progress", "a write lease ends (commit, abort, expiry) within its deadline", write_lease_ended_in_time, kind="progress", reads=('directory', 'records')),
     Invariant("RequestEndsInTime", "progress", "a lease request ends (granted, refused, timed out) within its deadline", request_ends_in_time, kind="progress", reads=('holders',)),
     Invariant("RequestAnswered", "progress", "a waiting request or its answer is in flight unless one was lost", request_answered, kind="progress", reads=('nodes', 'holders', 'writers', 'messages')),
+    Invariant("CrashedOwnerWritableInTime", "progress", "a crashed owner's keys are writable again within the failover deadline", crashed_owner_writable_in_time, kind="progress", reads=('directory',)),
     Invariant("DeletionReachesEverywhere", "progress", "no up location keeps an ended generation's bytes with no Free on its way", deletion_reaches_everywhere, kind="progress", reads=('directory',)),
 )
 
@@ -901,6 +924,9 @@ SOMETIMES: tuple[Sometimes, ...] = (
               on_actions=('fence_stale_write',)),
     Sometimes("InvalidationCompletedOnLaggingClock", "an invalidation completes after the directory's clock fell behind",
               reached_step=_lagging_completion, companion_of=("InvalidationCompletesInTime",), on_actions=('complete_invalidation',)),
+    Sometimes("CrashedOwnerDeclaredDown", "the failure detector declares a crashed owner's node down and its keys are voided",
+              reached_step=_owner_declared_down, companion_of=("CrashedOwnerWritableInTime",), on_actions=('declare_node_down',),
+              outside_scope=_no_owner_crash),
     Sometimes("UnauthorisedRequestRefused", "a request outside the tenant's namespaces is refused", reached_step=_unauthorised_refused,
               companion_of=("NamespaceIsolation",), on_actions=('refuse_read_lease', 'refuse_write_lease'), outside_scope=_everyone_authorised),
     Sometimes("DuplicateInFlight", "a message and its duplicate are in flight together", reached_state=_duplicate_in_flight,

@@ -61,12 +61,13 @@ REASON_WRONG_GENERATION = "wrong_generation"
 REASON_ALREADY_LEASED = "already_leased"  # the holder has a live lease on the key: renew it instead
 REASON_NOT_OWNER = "not_owner"  # renewal of a lease on a copy that is no longer the owner (draining)
 REASON_DRAINING_FIRST = "draining_first"  # the owner copy is the last one: the draining copy goes first
+REASON_LOCATION_DOWN = "location_down"  # the copy is on a node the directory has declared down
 
 REASONS = (
     REASON_NOT_COMMITTED, REASON_INVALIDATING, REASON_NOT_ABSENT, REASON_PARENT_NOT_COMMITTED,
     REASON_UNAUTHORIZED, REASON_UNKNOWN_LEASE, REASON_STALE_EPOCH, REASON_LEASE_EXPIRED,
     REASON_LEASED, REASON_HAS_CHILDREN, REASON_RESTARTING, REASON_NOT_FOUND, REASON_WRONG_GENERATION,
-    REASON_ALREADY_LEASED, REASON_NOT_OWNER, REASON_DRAINING_FIRST,
+    REASON_ALREADY_LEASED, REASON_NOT_OWNER, REASON_DRAINING_FIRST, REASON_LOCATION_DOWN,
 )  # fmt: skip
 assert len(set(REASONS)) == len(REASONS)
 
@@ -122,6 +123,14 @@ def request_deadline(term: int, eps: int) -> int:
     return holder_budget(term, eps) + eps
 
 
+def failover_deadline(term: int, eps: int, restarts: int, detection: int) -> int:
+    """Bounded response (P4): a COMMITTED key whose owner's node crashed is writable again (ABSENT)
+    within this much true time: the failure detector declares the node down within ``detection``
+    on the directory's clock (which may lag ``eps``), then the key is invalidated like any other
+    and completes within ``invalidation_deadline``."""
+    return detection + eps + invalidation_deadline(term, eps, restarts)
+
+
 def lease_expires_at(granted_at: int, term: int, eps: int) -> int:
     """The directory-clock time a lease (or renewal) granted at ``granted_at`` stops being live."""
     return granted_at + directory_view(term, eps)
@@ -141,13 +150,17 @@ def lease_live(now: int, expires_at: int) -> bool:
 # -- read leases ----------------------------------------------------------------------------------
 
 
-def may_grant_read(phase: int, authorized: bool, holder_has_live_lease: bool) -> str | None:
+def may_grant_read(phase: int, authorized: bool, holder_has_live_lease: bool, owner_down: bool = False) -> str | None:
     """Acquire: a read lease only on a COMMITTED generation (DESIGN 3, 6), only in a namespace the
-    requester's tenant may use (DESIGN 11), and one lease per holder and key (it renews that one)."""
+    requester's tenant may use (DESIGN 11), one lease per holder and key (it renews that one), and
+    never on a copy whose node the directory has declared down (``owner_down``: a lease there
+    could not be read, and would hold the key's failover up for a whole term)."""
     if not authorized:
         return REASON_UNAUTHORIZED
     if phase != COMMITTED:
         return REASON_INVALIDATING if phase == INVALIDATING else REASON_NOT_COMMITTED
+    if owner_down:
+        return REASON_LOCATION_DOWN
     if holder_has_live_lease:
         return REASON_ALREADY_LEASED
     return None
@@ -245,6 +258,18 @@ def restored_fence(fence: int, record_epoch: int) -> int:
     return record_epoch if fence < record_epoch else fence
 
 
+def restored_freed_epoch(freed_epoch: int, wanted_here: bool, record_epoch: int) -> int:
+    """A node that rejoins (maybe without its disk, and the record of what it freed with it) takes
+    the key's epoch as freed at each of its locations where the directory wants no bytes of the
+    key (not its owner, draining copy or transfer destination; every location when the key is
+    ABSENT): nothing written there under that epoch or below is wanted, so bytes that land late
+    (a paused writer, a cancelled transfer's copy) are refused. (Found by the checker:
+    DeletionReachesEverywhere, bytes landing on a disk that lost the record of their Free.)"""
+    if not wanted_here and record_epoch > freed_epoch:
+        return record_epoch
+    return freed_epoch
+
+
 # -- invalidation -----------------------------------------------------------------------------------
 
 INVALIDATE_START = "start"  # COMMITTED -> INVALIDATING: revoke every lease, wait, then free
@@ -278,6 +303,18 @@ def may_complete_invalidation(phase: int, in_grace: bool, live_leases: int) -> b
 # Free, and re-sends it until the location answers ``Freed``. A location answers every Free it
 # receives while up: it frees the slot (fence permitting) or it has already seen a newer epoch.
 # Zero in the to-free set means nothing owed (epochs of written bytes start at 1).
+
+
+def free_takes(epoch: int, fence: int, slot_full: bool, slot_epoch: int) -> bool:
+    """Does a Free under ``epoch`` empty the slot? It deletes bytes stored under that epoch or an
+    older one, and never bytes of a newer one (DESIGN 2: a lower epoch never destroys what a higher
+    one wrote). The slot's own epoch decides, not only its fence: a fence raised without new bytes
+    (a node that rejoins takes the directory's epoch as its fence) must not make an ended
+    generation's bytes undeletable. (Found by the checker: DeletionReachesEverywhere.) An empty
+    slot takes it, to remember the epoch freed, only if its fence would."""
+    if slot_full:
+        return slot_epoch <= epoch
+    return fence_accepts(epoch, fence)
 
 
 def owe_free(owed_epoch: int, epoch: int) -> int:
@@ -351,6 +388,14 @@ def may_finish_transfer(phase: int, moving_to: object, location: object, record_
 def may_free_drained(in_grace: bool, leased_here: bool) -> bool:
     """The previous owner's copy is freed once its leases drained, never during restart grace."""
     return not in_grace and not leased_here
+
+
+def down_owner_invalidates(phase: int, owner_on_down_node: bool) -> bool:
+    """When the directory declares a node down (its failure detector: no heartbeat for
+    ``failure_detection_ticks``), every COMMITTED key whose owner copy is there is voided (with its
+    subtree): nobody can read it, and a rewrite elsewhere needs the key ABSENT. Leases on it are
+    revoked and expire, so the key is writable again within ``failover_deadline``."""
+    return phase == COMMITTED and owner_on_down_node
 
 
 def lost_copy_invalidates(phase: int, is_owner: bool, lost: bool) -> bool:

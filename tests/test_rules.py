@@ -157,9 +157,88 @@ def test_the_model_calls_the_rules():
     src = (REPO / "spec" / "model.py").read_text()
     for name in (
         "may_grant_read", "may_renew", "may_release", "may_ack_revoke", "may_begin_write", "may_commit",
-        "write_lease_must_expire", "fence_accepts", "restored_fence", "invalidation_step",
+        "write_lease_must_expire", "slot_accepts", "free_takes", "restored_fence", "invalidation_step",
         "may_complete_invalidation", "may_evict", "may_start_transfer", "may_finish_transfer",
         "may_free_drained", "lost_copy_invalidates", "next_epoch", "holder_budget", "directory_view",
-        "restart_grace", "invalidation_deadline",
+        "restart_grace", "invalidation_deadline", "write_lease_deadline", "request_deadline",
+        "failover_deadline", "owe_free", "free_acknowledged", "may_retry_free", "free_retry_due",
+        "restored_freed_epoch", "down_owner_invalidates",
     ):  # fmt: skip
         assert f"{name}(" in src, name
+
+
+# -- progress and deletion (issue 8, section 3) ------------------------------------------------------
+
+
+def test_configurations_derive_their_progress_bounds_from_the_rules():
+    for cfg in CONFIGS.values():
+        term, eps, restarts = cfg.lease_term_ticks, cfg.skew_ticks, cfg.max_directory_restarts
+        assert cfg.write_lease_deadline_ticks == rules.write_lease_deadline(term, eps, restarts)
+        assert cfg.request_deadline_ticks == rules.request_deadline(term, eps)
+        assert cfg.failover_deadline_ticks == rules.failover_deadline(term, eps, restarts, cfg.failure_detection_ticks)
+
+
+@given(term=st.integers(1, 10**6), eps=st.integers(0, 10**6), restarts=st.integers(0, 3))
+def test_deadlines_cover_a_lagging_directory_clock(term, eps, restarts):
+    """A lease the directory counts for ``directory_view`` on a clock that falls ``eps`` behind
+    lasts ``directory_view + eps`` true time: the deadlines are at least that."""
+    if eps >= term:
+        eps = term - 1
+    one_lease_true = rules.directory_view(term, eps) + eps
+    assert rules.invalidation_deadline(term, eps, restarts) >= one_lease_true
+    assert rules.write_lease_deadline(term, eps, restarts) >= one_lease_true
+    # The holder's timeout runs on a clock up to eps behind.
+    assert rules.request_deadline(term, eps) == rules.holder_budget(term, eps) + eps
+    assert rules.failover_deadline(term, eps, restarts, term) >= term + rules.invalidation_deadline(term, eps, restarts)
+
+
+@given(phase=phases, authorized=st.booleans(), has=st.booleans(), down=st.booleans())
+def test_no_lease_on_a_copy_declared_down(phase, authorized, has, down):
+    reason = rules.may_grant_read(phase, authorized, has, down)
+    if down and reason is None:
+        raise AssertionError("a lease was granted on a copy whose node is declared down")
+    if not down:
+        assert reason == rules.may_grant_read(phase, authorized, has)
+    if down and authorized and phase == rules.COMMITTED:
+        assert reason == rules.REASON_LOCATION_DOWN
+
+
+@given(epoch=ids, fence=ids, freed=ids)
+def test_a_slot_refuses_bytes_of_an_epoch_it_freed(epoch, fence, freed):
+    accepts = rules.slot_accepts(epoch, fence, freed)
+    assert not (accepts and epoch <= freed), "late bytes of a freed epoch landed"
+    assert not (accepts and not rules.fence_accepts(epoch, fence)), "fencing is kept"
+    if freed < fence:
+        assert accepts == rules.fence_accepts(epoch, fence)  # a freed epoch below the fence adds nothing
+
+
+@given(epoch=ids, fence=ids, full=st.booleans(), slot_epoch=ids)
+def test_a_free_deletes_older_bytes_and_never_newer_ones(epoch, fence, full, slot_epoch):
+    takes = rules.free_takes(epoch, fence, full, slot_epoch)
+    if full:
+        assert takes == (slot_epoch <= epoch)  # even under a fence raised without new bytes
+    else:
+        assert takes == rules.fence_accepts(epoch, fence)
+
+
+@given(owed=ids, epoch=st.integers(1, 5), acked=ids, up=st.booleans(), pending=st.booleans())
+def test_owed_frees(owed, epoch, acked, up, pending):
+    after = rules.owe_free(owed, epoch)
+    assert after >= owed and after >= epoch and after in (owed, epoch)
+    assert rules.free_acknowledged(after, acked) == (acked >= after)
+    assert not rules.free_acknowledged(0, acked), "nothing owed, nothing to settle"
+    assert rules.may_retry_free(owed, up) == (owed != 0 and up)
+    # Due implies allowed; a Free or its Freed on its way makes it allowed but not due.
+    assert rules.free_retry_due(owed, up, pending) == (rules.may_retry_free(owed, up) and not pending)
+
+
+@given(freed=ids, wanted=st.booleans(), epoch=ids)
+def test_a_rejoining_node_restores_what_it_freed(freed, wanted, epoch):
+    restored = rules.restored_freed_epoch(freed, wanted, epoch)
+    assert restored >= freed, "never forgets a freed epoch it still has"
+    assert restored == (freed if wanted else max(freed, epoch))
+
+
+@given(phase=phases, on_down=st.booleans())
+def test_a_down_owner_voids_only_committed_keys(phase, on_down):
+    assert rules.down_owner_invalidates(phase, on_down) == (phase == rules.COMMITTED and on_down)
