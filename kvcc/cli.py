@@ -212,7 +212,7 @@ def all_detail(row: Mapping[str, Any]) -> str:
 def cmd_check_all(args: argparse.Namespace) -> int:
     """Every configuration of the manifest, one line each; then every action label must be
     covered by at least one of them."""
-    from kvcc.spec.checker import ACTIONS
+    from kvcc.spec.checker import LABELS
     from kvcc.spec.config import CONFIGS, load_manifest
 
     manifest = load_manifest()
@@ -228,7 +228,7 @@ def cmd_check_all(args: argparse.Namespace) -> int:
         if out is not None:
             out.print(report.verdict_line(row["ok"], f"check {name}", all_detail(row)), soft_wrap=True)
     covered = {a for row in rows for a in row["covered_actions"]}
-    uncovered = [a for a in ACTIONS if a not in covered]
+    uncovered = [a for a in LABELS if a not in covered]
     unknown = sorted(set(manifest) - set(CONFIGS))  # a pinned configuration that no longer exists
     ok = all(row["ok"] for row in rows) and not uncovered and not unknown
     payload = {"ok": ok, "configs": rows, "uncovered_anywhere": uncovered, "unknown_in_manifest": unknown,

@@ -25,7 +25,7 @@ from attrs import define, field
 
 from .config import ModelConfig
 from .layout import LOCATION_MESSAGES, MESSAGE_WIDTH, M_COPY, M_GRANT_READ, M_GRANT_WRITE, M_RENEW, M_WRITE_BYTES
-from .model import Model
+from .model import SILENT_ACTIONS, Model
 from .properties import INVARIANTS, SOMETIMES, TRANSITION_PROPERTIES, Invariant, TransitionProperty, scope_exemptions
 
 # Every action label the model can produce; an action never taken is reported as uncovered.
@@ -43,11 +43,13 @@ ACTIONS = (
     "store_bytes", "fence_stale_write", "free_slot", "fence_stale_free",
     "retry_free", "free_acked", "declare_node_down",
     "drop", "duplicate", "crash", "restart_node", "restart_directory",
-    # Deliveries the receiver ignores, each with its reason (the state is the one a loss gives).
-    "ignore_stale_grant", "ignore_stale_renewal", "ignore_stale_write_grant", "ignore_stale_copied",
-    "write_to_down_location", "free_at_down_location", "copy_failed", "fence_stale_copy",
-    "ignore_stale_freed", "ignore_stale_refusal",
 )
+
+# Every label a step can carry: the actions above (what an implementation logs, and the
+# environment's) and the deliveries a receiver ignores, each with its reason (``SILENT_ACTIONS``:
+# from outside they look like a loss, in the model they are steps of their own). Coverage is
+# counted over all of them.
+LABELS = ACTIONS + tuple(sorted(SILENT_ACTIONS - set(ACTIONS)))
 
 
 def _roles(cfg: ModelConfig) -> tuple[int, int]:
@@ -64,7 +66,7 @@ def actions_outside_scope(cfg: ModelConfig) -> dict[str, str]:
 
     def outside(labels: str, reason: str) -> None:
         for label in labels.split():
-            assert label in ACTIONS, label
+            assert label in LABELS, label
             why.setdefault(label, reason)
 
     writers, readers = _roles(cfg)
@@ -130,7 +132,7 @@ class CheckResult:
     @property
     def uncovered_actions(self) -> list[str]:
         """Labels neither covered nor argued out of this configuration's scope."""
-        return [a for a in ACTIONS if self.coverage.get(a, 0) == 0 and a not in self.exempt_actions]
+        return [a for a in LABELS if self.coverage.get(a, 0) == 0 and a not in self.exempt_actions]
 
     @property
     def states_per_second(self) -> float:
@@ -157,7 +159,7 @@ class CheckResult:
             "exempt_sometimes": self.exempt_sometimes,
             "exempt_actions": self.exempt_actions,
             "refuted_exemptions": self.refuted,
-            "unknown_actions": sorted(set(self.coverage) - set(ACTIONS)),
+            "unknown_actions": sorted(set(self.coverage) - set(LABELS)),
             "violation": None
             if self.violation is None
             else {
@@ -327,10 +329,10 @@ class Checker:
                 properties[sm.name] = "exempt" if sm.name in self.exempt_sometimes else "unreached"
         refuted = sorted(name for name in self.exempt_sometimes if name in outcome.reached)
         refuted += sorted(a for a in self.exempt_actions if outcome.coverage.get(a, 0) > 0)
-        unknown = set(outcome.coverage) - set(ACTIONS)
-        assert not unknown, f"actions missing from ACTIONS: {sorted(unknown)}"
+        unknown = set(outcome.coverage) - set(LABELS)
+        assert not unknown, f"labels missing from ACTIONS and SILENT_ACTIONS: {sorted(unknown)}"
         exhausted = violation is None and not outcome.truncated
-        uncovered = [a for a in ACTIONS if outcome.coverage.get(a, 0) == 0 and a not in self.exempt_actions]
+        uncovered = [a for a in LABELS if outcome.coverage.get(a, 0) == 0 and a not in self.exempt_actions]
         ok = exhausted and "unreached" not in properties.values() and not refuted and not uncovered
         if violation is not None:
             violation.trace = self.shortest_trace(violation)
@@ -466,7 +468,7 @@ class _Explorer:
         self.step_sometimes: dict[str, list] = {}
         for sm in checker.sometimes:
             if sm.reached_step is not None:
-                for action in sm.on_actions or ACTIONS:
+                for action in sm.on_actions or LABELS:
                     self.step_sometimes.setdefault(action, []).append(sm)
         self.seen: set[int] = set()
         self.reached: set[str] = set()
@@ -770,7 +772,7 @@ def swarm(model: Model, seeds: int, depth: int, max_states: int, first_seed: int
         rng = random.Random(seed)
         # Swarm verification (Groce et al.): each walk leaves out a random part of the actions
         # (a walk that never drops a message or lets time pass gets far down the happy path).
-        left_out = {a for a in ACTIONS if rng.random() < _SWARM_LEAVE_OUT}
+        left_out = {a for a in LABELS if rng.random() < _SWARM_LEAVE_OUT}
         (s,) = m.init_states()
         path: list[tuple[str, tuple, bytes]] = [("init", (), s)]
         for step in range(depth):
@@ -811,7 +813,7 @@ def swarm(model: Model, seeds: int, depth: int, max_states: int, first_seed: int
         properties[sm.name] = "reached" if sm.name in reached else ("exempt" if exempt else "unreached")
     refuted = sorted(n for n in checker.exempt_sometimes if n in reached)
     refuted += sorted(a for a in checker.exempt_actions if coverage.get(a, 0) > 0)
-    uncovered = [a for a in ACTIONS if coverage.get(a, 0) == 0 and a not in checker.exempt_actions]
+    uncovered = [a for a in LABELS if coverage.get(a, 0) == 0 and a not in checker.exempt_actions]
     ok = violation is None and "unreached" not in properties.values() and not refuted and not uncovered
     return CheckResult(
         config=m.cfg.name, mutant=None, ok=ok, distinct_states=len(seen), generated_states=generated,

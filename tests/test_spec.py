@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from kvcc.spec import checker as checker_module
 from kvcc.spec import properties as properties_module
-from kvcc.spec.checker import ACTIONS, Checker, actions_outside_scope, check, swarm
+from kvcc.spec.checker import LABELS, Checker, actions_outside_scope, check, swarm
 from kvcc.spec.config import CONFIGS, get_config, load_manifest
 from kvcc.spec.model import MUTANT_FLAGS, Model
 from kvcc.spec.mutants import MUTANTS
@@ -51,7 +51,7 @@ def test_fast_configs_reach_every_sometimes_in_scope_and_cover_every_action(name
     assert {n for n, v in result.properties.items() if v == "reached"} >= required
     assert not result.refuted, result.refuted
     assert not result.uncovered_actions
-    assert {a for a, n in result.coverage.items() if n} | set(actions_outside_scope(cfg)) == set(ACTIONS)
+    assert {a for a, n in result.coverage.items() if n} | set(actions_outside_scope(cfg)) == set(LABELS)
 
 
 def _companion_properties() -> set[str]:
@@ -98,7 +98,7 @@ def test_design_non_vacuity_list_is_required_somewhere():
 def test_every_sometimes_and_action_is_required_in_some_configuration():
     for sm in SOMETIMES:
         assert any(sm.name not in scope_exemptions(cfg) for cfg in CONFIGS.values()), sm.name
-    for action in ACTIONS:
+    for action in LABELS:
         assert any(action not in actions_outside_scope(cfg) for cfg in CONFIGS.values()), action
 
 
