@@ -83,7 +83,7 @@ def actions_outside_scope(cfg: ModelConfig) -> dict[str, str]:
                 "copy_failed fence_stale_copy", "blocks never move between locations (tiering off)")
     if cfg.max_node_crashes == 0:
         outside("crash restart_node expire_write_lease_of_crashed write_to_down_location free_at_down_location "
-                "copy_failed declare_node_down", "no node crashes, so every location is always up")
+                "declare_node_down", "no node crashes, so every location is always up")
     if cfg.max_directory_restarts == 0:
         outside("restart_directory", "the directory never restarts")
     if cfg.max_duplications == 0:
