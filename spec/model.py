@@ -255,7 +255,9 @@ class Model:
                 for n, timers in enumerate(self.L.node_timers)
             ]
         if "holder_counts_from_receipt" in self.bugs:
-            # Bug: nothing runs on the holder's clock until the grant arrives.
+            # Bug: nothing runs on the holder's clock until the grant arrives (so no timeout
+            # either: RequestEndsInTime sees it first; with a timeout within the budget, the
+            # receipt-counted trust stays inside the directory's view and the bug is harmless).
             pending = {self.L.p_left[n][k] for n in range(cfg_.nodes) for k in range(cfg_.keys)}
             self.node_timers = [[t for t in timers if t[0] not in pending] for timers in self.node_timers]
         # Which (node, key) pairs a tenant may touch (DESIGN property 11).
@@ -414,12 +416,15 @@ class Model:
             return False
         return True
 
-    def owner_declared_down(self, s: bytes, k: int) -> bool:
-        loc1 = s[self.L.owner[k]]
+    def declared_down_at(self, s: bytes, loc1: int) -> bool:
+        """Is location ``loc1`` (stored plus one) on a node the directory declared down?"""
         if loc1 == NO_LOCATION:
             return False
         node = self.loc_node[loc1 - 1]
         return node >= 0 and s[self.L.known_down[node]] == 1
+
+    def owner_declared_down(self, s: bytes, k: int) -> bool:
+        return self.declared_down_at(s, s[self.L.owner[k]])
 
     # ------------------------------------------------------------------ successors
 
@@ -905,7 +910,9 @@ class Model:
         L = self.L
         _, n, k, lease, _, _, epoch = msg
         phase = s[L.phase[k]]
-        refusal = may_commit(phase, s[L.w_id[k]], lease, s[L.epoch[k]], epoch, s[L.w_left[k]] > 0)
+        refusal = may_commit(
+            phase, s[L.w_id[k]], lease, s[L.epoch[k]], epoch, s[L.w_left[k]] > 0, self.declared_down_at(s, s[L.owner[k]])
+        )
         if refusal is not None and phase == WRITING and "late_commit_accepted" in self.bugs:
             refusal = None  # bug: any commit of a WRITING key is taken
         b = bytearray(fixed)
@@ -930,7 +937,7 @@ class Model:
         L = self.L
         _, _, k, dest1, _, _, epoch = msg
         b = bytearray(fixed)
-        if may_finish_transfer(s[L.phase[k]], s[L.moving[k]], dest1, s[L.epoch[k]], epoch):
+        if may_finish_transfer(s[L.phase[k]], s[L.moving[k]], dest1, s[L.epoch[k]], epoch, self.declared_down_at(s, dest1)):
             # The new copy is the owner; the old one drains its leases before it is freed.
             b[L.draining[k]] = s[L.owner[k]]
             b[L.owner[k]] = dest1
@@ -1051,10 +1058,9 @@ class Model:
     def _slot_accepts(self, s: bytes, loc: int, k: int, epoch: int) -> bool:
         """Does the slot take bytes (a write or a copy) under ``epoch``?"""
         L = self.L
-        if "no_fencing" in self.bugs:
-            return True
         freed = s[L.freed[loc][k]] if "late_bytes_after_free" not in self.bugs else 0
-        return slot_accepts(epoch, s[L.fence[loc][k]], freed)
+        fence = s[L.fence[loc][k]] if "no_fencing" not in self.bugs else 0  # bug: no fence
+        return slot_accepts(epoch, fence, freed)
 
     def _on_free(self, s, fixed, net, msg, out):
         L = self.L

@@ -217,16 +217,22 @@ def next_epoch(epoch: int) -> int:
 
 
 def may_commit(
-    phase: int, write_lease_id: int, lease_id: int, record_epoch: int, epoch: int, write_lease_live: bool
+    phase: int, write_lease_id: int, lease_id: int, record_epoch: int, epoch: int, write_lease_live: bool,
+    location_down: bool = False,
 ) -> str | None:
     """Commit: only the current write lease of a WRITING key, under the key's current epoch, before
-    that lease expired (DESIGN: a writer that paused past its lease is fenced, never published)."""
+    that lease expired (DESIGN: a writer that paused past its lease is fenced, never published),
+    and not onto a location whose node the directory has declared down: a commit in flight when
+    its node crashed would publish a copy nobody can read and no failover voids (found by the
+    checker: CrashedOwnerWritableInTime). The write lease then expires and its bytes are freed."""
     if phase != WRITING or write_lease_id != lease_id:
         return REASON_UNKNOWN_LEASE
     if record_epoch != epoch:
         return REASON_STALE_EPOCH
     if not write_lease_live:
         return REASON_LEASE_EXPIRED
+    if location_down:
+        return REASON_LOCATION_DOWN
     return None
 
 
@@ -379,10 +385,13 @@ def may_start_transfer(phase: int, moving: bool, draining: bool) -> bool:
     return phase == COMMITTED and not moving and not draining
 
 
-def may_finish_transfer(phase: int, moving_to: object, location: object, record_epoch: int, epoch: int) -> bool:
+def may_finish_transfer(
+    phase: int, moving_to: object, location: object, record_epoch: int, epoch: int, location_down: bool = False
+) -> bool:
     """A ``Copied`` finishes the transfer it answers -- to the location the key is moving to,
-    under the epoch the transfer took -- and nothing else (a stale or duplicated Copied)."""
-    return phase == COMMITTED and moving_to == location and record_epoch == epoch
+    under the epoch the transfer took -- and nothing else (a stale or duplicated Copied); never
+    onto a node declared down since (the transfer is then cancelled)."""
+    return phase == COMMITTED and moving_to == location and record_epoch == epoch and not location_down
 
 
 def may_free_drained(in_grace: bool, leased_here: bool) -> bool:

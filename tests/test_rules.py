@@ -242,3 +242,12 @@ def test_a_rejoining_node_restores_what_it_freed(freed, wanted, epoch):
 @given(phase=phases, on_down=st.booleans())
 def test_a_down_owner_voids_only_committed_keys(phase, on_down):
     assert rules.down_owner_invalidates(phase, on_down) == (phase == rules.COMMITTED and on_down)
+
+
+@given(phase=phases, w=ids, lease=ids, rec=ids, epoch=ids, live=st.booleans(), down=st.booleans())
+def test_no_commit_or_transfer_onto_a_node_declared_down(phase, w, lease, rec, epoch, live, down):
+    reason = rules.may_commit(phase, w, lease, rec, epoch, live, down)
+    assert not (down and reason is None)
+    if not down:
+        assert reason == rules.may_commit(phase, w, lease, rec, epoch, live)
+    assert not (down and rules.may_finish_transfer(phase, w, lease, rec, epoch, down))
