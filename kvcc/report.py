@@ -23,7 +23,6 @@ VERDICT_STYLE = {
     "reached": "green",
     "violated": "bold red",
     "unreached": "yellow",
-    "exempt": "dim",  # a sometimes argued out of this configuration's scope
 }
 
 # Values a variable holds in the all-zero state, when the layout cannot be asked (see init_defaults).
@@ -82,7 +81,7 @@ def property_kinds() -> dict[str, str]:
 def _kind_of(name: str, verdict: str, kinds: Mapping[str, str]) -> str:
     if name in kinds:
         return kinds[name]
-    return "sometimes" if verdict in ("reached", "unreached", "exempt") else "safety"
+    return "sometimes" if verdict in ("reached", "unreached") else "safety"
 
 
 # ------------------------------------------------------------------------------------ check runs

@@ -114,7 +114,7 @@ class CheckResult:
     generated_states: int
     depth: int
     seconds: float
-    properties: dict[str, str]  # name -> "holds" / "violated" / "reached" / "unreached" / "exempt"
+    properties: dict[str, str]  # name -> "holds" / "violated" / "reached" / "unreached"
     coverage: dict[str, int]
     # ``sometimes`` and action labels argued out of scope (name -> why), and those of them the
     # search reached or covered all the same: a refuted argument fails the check.
@@ -323,10 +323,11 @@ class Checker:
         for prop in self.invariants + self.transition_properties:
             properties[prop.name] = "violated" if violation is not None and violation.property == prop.name else "holds"
         for sm in self.sometimes:
+            # An exempt sometimes not reached is listed in ``exempt_sometimes`` (with why), not here.
             if sm.name in outcome.reached:
                 properties[sm.name] = "reached"
-            else:
-                properties[sm.name] = "exempt" if sm.name in self.exempt_sometimes else "unreached"
+            elif sm.name not in self.exempt_sometimes:
+                properties[sm.name] = "unreached"
         refuted = sorted(name for name in self.exempt_sometimes if name in outcome.reached)
         refuted += sorted(a for a in self.exempt_actions if outcome.coverage.get(a, 0) > 0)
         unknown = set(outcome.coverage) - set(LABELS)
@@ -809,8 +810,8 @@ def swarm(model: Model, seeds: int, depth: int, max_states: int, first_seed: int
     properties = {p.name: "violated" if violation is not None and violation.property == p.name else "holds"
                   for p in checker.invariants + checker.transition_properties}
     for sm in checker.sometimes:
-        exempt = sm.name in checker.exempt_sometimes
-        properties[sm.name] = "reached" if sm.name in reached else ("exempt" if exempt else "unreached")
+        if sm.name in reached or sm.name not in checker.exempt_sometimes:
+            properties[sm.name] = "reached" if sm.name in reached else "unreached"
     refuted = sorted(n for n in checker.exempt_sometimes if n in reached)
     refuted += sorted(a for a in checker.exempt_actions if coverage.get(a, 0) > 0)
     uncovered = [a for a in LABELS if coverage.get(a, 0) == 0 and a not in checker.exempt_actions]
