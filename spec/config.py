@@ -302,6 +302,8 @@ def get_config(name: str) -> ModelConfig:
 
 
 def load_manifest() -> dict:
-    """The pinned distinct-state counts and verdicts, keyed by configuration name."""
+    """The pinned distinct-state counts and verdicts, keyed by configuration name, each with its
+    ``mode``: ``exhaustive`` (every state; the count must match) or ``sampled`` (a scope too large
+    to exhaust in CI, checked by ``checker.swarm`` with the pinned ``swarm`` walks instead)."""
     text = resources.files(__package__).joinpath("manifest.json").read_text()
     return json.loads(text)
