@@ -286,6 +286,11 @@ CONFIGS: dict[str, ModelConfig] = {
             description="tiny with a directory clock that falls behind: the bounded-response deadlines under the clock direction that delays them",
         ),
         ModelConfig(
+            name="failover", **_ONE_KEY, writers=(0,), readers=(1,), max_epoch=1, max_lease_id=2, max_requests=1,
+            max_node_crashes=1, max_directory_restarts=0,
+            description="a writer that owns its block on its own tier crashes: the failure detector, failover, frees reaching a node when it is back",
+        ),
+        ModelConfig(
             name="medium", **_ONE_KEY, **_ROLES, max_epoch=2, max_lease_id=4, max_requests=2,
             max_node_crashes=1, max_directory_restarts=1,
             description="small plus renewals and a directory restart; minutes; used by the benchmark",

@@ -86,7 +86,7 @@ MUTANTS: dict[str, Mutant] = {
                "a holder waits for the answer to a lost request forever"),
         Mutant("revoke-keeps-pending-acquire", ("revoke_keeps_pending_acquire",), "NoReadAfterAck", "tiny",
                "a holder acks a revocation that overtook its grant, then trusts the grant when it arrives"),
-        Mutant("no-failure-detector", ("no_failure_detector",), "CrashedOwnerWritableInTime", "tiering",
+        Mutant("no-failure-detector", ("no_failure_detector",), "CrashedOwnerWritableInTime", "failover",
                "the directory never declares a crashed node down: its owner copies stay COMMITTED, leased and unwritable"),
         Mutant("writer-never-gives-up", ("writer_never_gives_up",), "Deadlock", "tiny",
                "a writer without a timeout waits forever for the answer to a lost BeginWrite: nothing can happen any more"),
