@@ -302,3 +302,23 @@ def test_check_all_prints_one_row_per_configuration_and_fails_on_uncovered_actio
     assert payload["exhaustive"] == list(FAST_CONFIGS) and payload["sampled"] == []
     assert "restart_directory" in payload["uncovered_anywhere"]
     assert code == 1 and payload["ok"] is False
+
+
+def test_rewrite_scope_contains_a_parent_rewritten_under_a_cached_child():
+    """A path of 20 steps in ``rewrite`` (the full search is left to ``kvcc check --all``): the
+    parent is invalidated, the child's revocation lost, the parent's generation ends and is written
+    again while the holder still trusts the child. With three lease ids the rewrite was refused."""
+    model = Model(get_config("rewrite"))
+    witness = next(sm for sm in SOMETIMES if sm.name == "ParentRewrittenUnderCachedChild")
+    script = [
+        ("begin_write", (0, 0)), ("grant_write_lease", (0, 0)), ("start_writing", ()), ("store_bytes", ()),
+        ("commit_write", ()), ("begin_write", (0, 1)), ("grant_write_lease", (0, 1)), ("start_writing", ()),
+        ("store_bytes", ()), ("commit_write", ()), ("acquire", (1, 1)), ("grant_read_lease", ()),
+        ("trust_read_lease", ()), ("invalidate", (0,)), ("drop", ()), ("complete_invalidation", ()),
+        ("free_slot", ()), ("free_acked", ()), ("begin_write", (0, 0)), ("grant_write_lease", (0, 0)),
+    ]
+    (s,) = model.init_states()
+    for label, prefix in script:
+        assert not witness.reached_state(model, s)
+        s = next(t for action, params, t in model.successors(s) if action == label and params[: len(prefix)] == prefix)
+    assert witness.reached_state(model, s)
