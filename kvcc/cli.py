@@ -159,7 +159,100 @@ def run_check(config: str, mutant: str | None, max_states: int | None, progress=
     return res, manifest, code
 
 
+def check_one_of_all(config: str, workers: int | None = None) -> dict[str, Any]:
+    """One configuration of ``check --all``: exhaustive, or sampled (swarm) where the manifest
+    says the scope is too large to exhaust in CI; a row of the summary, with what failed."""
+    from kvcc.spec.checker import swarm
+    from kvcc.spec.config import get_config, load_manifest
+    from kvcc.spec.model import Model
+
+    pinned = load_manifest().get(config, {})
+    mode = pinned.get("mode", "exhaustive")
+    started = time.perf_counter()
+    if mode == "sampled":
+        walks = pinned["swarm"]
+        res = swarm(Model(get_config(config)), seeds=walks["seeds"], depth=walks["depth"],
+                    max_states=walks["max_states"]).to_json()
+        manifest, code = None, 0 if res["ok"] else 1
+    else:
+        res, manifest, code = run_check(config, None, None, workers=workers)
+    props = res["properties"]
+    return {
+        "config": config,
+        "mode": mode,
+        "ok": code == 0 and (mode == "sampled" or res.get("manifest_match") is True),
+        "distinct_states": res["distinct_states"],
+        "depth": res["depth"],
+        "seconds": round(time.perf_counter() - started, 3),
+        "states_per_second": res["states_per_second"],
+        "manifest": None if manifest is None else manifest["status"],
+        "violation": None if res["violation"] is None else
+        {k: res["violation"][k] for k in ("property", "kind", "depth", "steps")},
+        "unreached": [n for n, v in props.items() if v == "unreached"],
+        "refuted_exemptions": res["refuted_exemptions"],
+        "uncovered_actions": res["uncovered_actions"],
+        "exempt_sometimes": res["exempt_sometimes"],
+        "covered_actions": sorted(a for a, n in res["coverage"].items() if n),
+    }
+
+
+def all_detail(row: Mapping[str, Any]) -> str:
+    parts = [f"{row['mode']}", f"{report.fmt_int(row['distinct_states'])} states", f"depth {row['depth']}",
+             f"{report.fmt_seconds(row['seconds'])}s"]
+    if row["violation"]:
+        parts.append(f"{row['violation']['property']} violated in {row['violation']['steps']} steps")
+    for key in ("unreached", "refuted_exemptions", "uncovered_actions"):
+        if row[key]:
+            parts.append(f"{key.replace('_', ' ')}: {', '.join(row[key])}")
+    if row["manifest"] not in (None, "match"):
+        parts.append(f"manifest {row['manifest']}")
+    return ", ".join(parts)
+
+
+def cmd_check_all(args: argparse.Namespace) -> int:
+    """Every configuration of the manifest, one line each; then every action label must be
+    covered by at least one of them."""
+    from kvcc.spec.checker import LABELS
+    from kvcc.spec.config import CONFIGS, load_manifest
+
+    manifest = load_manifest()
+    names = list(CONFIGS)
+    out = None if args.json else stdout_console()
+    started = time.perf_counter()
+    rows = []
+    for name in names:
+        row = check_one_of_all(name, workers=args.workers)
+        if name not in manifest:
+            row["ok"], row["manifest"] = False, "unpinned"
+        rows.append(row)
+        if out is not None:
+            out.print(report.verdict_line(row["ok"], f"check {name}", all_detail(row)), soft_wrap=True)
+    covered = {a for row in rows for a in row["covered_actions"]}
+    uncovered = [a for a in LABELS if a not in covered]
+    unknown = sorted(set(manifest) - set(CONFIGS))  # a pinned configuration that no longer exists
+    ok = all(row["ok"] for row in rows) and not uncovered and not unknown
+    payload = {"ok": ok, "configs": rows, "uncovered_anywhere": uncovered, "unknown_in_manifest": unknown,
+               "exhaustive": [r["config"] for r in rows if r["mode"] == "exhaustive"],
+               "sampled": [r["config"] for r in rows if r["mode"] == "sampled"],
+               "seconds": round(time.perf_counter() - started, 3)}
+    if out is None:
+        print_json(payload)
+    else:
+        detail = (f"{len(rows)} configurations ({len(payload['exhaustive'])} exhaustive, {len(payload['sampled'])} sampled), "
+                  f"{report.fmt_int(sum(r['distinct_states'] for r in rows))} states, {report.fmt_seconds(payload['seconds'])}s")
+        if uncovered:
+            detail += "; covered by no configuration: " + ", ".join(uncovered)
+        if unknown:
+            detail += "; pinned but unknown: " + ", ".join(unknown)
+        out.print(report.verdict_line(ok, "check --all", detail), soft_wrap=True)
+    return 0 if ok else 1
+
+
 def cmd_check(args: argparse.Namespace) -> int:
+    if args.all:
+        if args.config or args.mutant or args.max_states:
+            return _usage_error("check", "--all checks every configuration of the manifest, without a mutant or a cap")
+        return cmd_check_all(args)
     try:
         mutant = resolve_mutant(args.mutant) if args.mutant else None
         if args.config is None:
@@ -558,6 +651,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Explore every reachable state of a configuration and check every property.")
     p.add_argument("--config", metavar="NAME",
                    help=f"model configuration (default: the mutant's own, else {DEFAULT_CONFIG})")
+    p.add_argument("--all", action="store_true",
+                   help="every configuration of the manifest, one line each (exhaustive or sampled, as pinned); "
+                        "fails unless each passes and every action is covered by one of them")
     p.add_argument("--mutant", metavar="NAME", help="switch on one mutant's bugs")
     p.add_argument("--workers", type=positive_int, metavar="N",
                    help=f"worker processes (default: {DEFAULT_WORKERS}, or 1 with a mutant)")

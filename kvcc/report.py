@@ -279,6 +279,11 @@ def render_check(console: Console, res: Mapping[str, Any], manifest: Mapping[str
                  max_states: int | None = None) -> None:
     console.print(summary_table(res, max_states))
     console.print(properties_table(res))
+    for name, why in (res.get("exempt_sometimes") or {}).items():
+        console.print(Text(f"  {name}: out of scope: {why}", style="dim"), soft_wrap=True)
+    refuted = res.get("refuted_exemptions") or []
+    if refuted:
+        console.print(Text.assemble(("argued out of scope but reached or covered: ", "bold red"), ", ".join(refuted)))
     uncovered = res.get("uncovered_actions") or []
     if uncovered:
         console.print(Text.assemble((f"uncovered actions ({len(uncovered)}): ", "yellow"), ", ".join(uncovered)))

@@ -7,7 +7,8 @@
   explores again up to that depth, this time remembering each state's predecessor, and replays the
   path: the common case (no violation) pays nothing for counterexamples.
 - Optional node-symmetry reduction (``ModelConfig.symmetry``): states are fingerprinted in a
-  canonical node order. It is sound for the safety properties; progress here is bounded response
+  canonical node order, over the permutations that keep every node's role (writer, reader,
+  tenant). It is sound for the safety properties; progress here is bounded response
   (a safety property too), so it stays sound for those.
 - Per-action coverage, deadlock detection (a state with no successor at all), and every
   ``sometimes`` reported reached or not.
@@ -19,14 +20,13 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
-from itertools import permutations
 
 from attrs import define, field
 
 from .config import ModelConfig
 from .layout import LOCATION_MESSAGES, MESSAGE_WIDTH, M_COPY, M_GRANT_READ, M_GRANT_WRITE, M_RENEW, M_WRITE_BYTES
-from .model import Model
-from .properties import INVARIANTS, TRANSITION_PROPERTIES, Invariant, TransitionProperty, applicable_sometimes
+from .model import SILENT_ACTIONS, Model
+from .properties import INVARIANTS, SOMETIMES, TRANSITION_PROPERTIES, Invariant, TransitionProperty, scope_exemptions
 
 # Every action label the model can produce; an action never taken is reported as uncovered.
 ACTIONS = (
@@ -44,6 +44,57 @@ ACTIONS = (
     "retry_free", "free_acked", "declare_node_down",
     "drop", "duplicate", "crash", "restart_node", "restart_directory",
 )
+
+# Every label a step can carry: the actions above (what an implementation logs, and the
+# environment's) and the deliveries a receiver ignores, each with its reason (``SILENT_ACTIONS``:
+# from outside they look like a loss, in the model they are steps of their own). Coverage is
+# counted over all of them.
+LABELS = ACTIONS + tuple(sorted(SILENT_ACTIONS - set(ACTIONS)))
+
+
+def _roles(cfg: ModelConfig) -> tuple[int, int]:
+    writers = cfg.nodes if cfg.writers is None else len(cfg.writers)
+    readers = cfg.nodes if cfg.readers is None else len(cfg.readers)
+    return writers, readers
+
+
+def actions_outside_scope(cfg: ModelConfig) -> dict[str, str]:
+    """The action labels a configuration cannot produce, each with the argument why. Every other
+    label must be covered by its search, and a label argued away here that is covered after all
+    fails the check: the argument was wrong."""
+    why: dict[str, str] = {}
+
+    def outside(labels: str, reason: str) -> None:
+        for label in labels.split():
+            assert label in LABELS, label
+            why.setdefault(label, reason)
+
+    writers, readers = _roles(cfg)
+    if readers == 0:
+        outside("acquire renew abandon read release grant_read_lease refuse_read_lease renew_lease refuse_renewal "
+                "release_lease drop_and_ack revoke_acked evict_refused trust_read_lease trust_renewal "
+                "ignore_stale_grant ignore_stale_renewal clock_back",
+                "no node takes read leases (a holder's lease is the only timer on a node's clock)")
+    if cfg.max_requests < 2:
+        outside("renew renew_lease refuse_renewal trust_renewal ignore_stale_renewal",
+                "one lease request per node (max_requests 1): a renewal would be the second")
+    if not cfg.tiering:
+        outside("start_transfer store_copy finish_transfer free_drained cancel_transfer ignore_stale_copied "
+                "copy_failed fence_stale_copy", "blocks never move between locations (tiering off)")
+    if cfg.max_node_crashes == 0:
+        outside("crash restart_node expire_write_lease_of_crashed write_to_down_location free_at_down_location "
+                "declare_node_down", "no node crashes, so every location is always up")
+    if cfg.max_directory_restarts == 0:
+        outside("restart_directory", "the directory never restarts")
+    if cfg.max_duplications == 0:
+        outside("duplicate", "messages are never duplicated")
+    if all(cfg.namespaces.count(ns) < 2 for ns in cfg.namespaces):
+        outside("invalidate_namespace", "no namespace has two keys: invalidate(namespace) is invalidate(key)")
+    if cfg.max_epoch < 2 and not cfg.tiering:
+        outside("fence_stale_free", "one epoch per key and no transfers: every Free carries the epoch its slot holds")
+    if cfg.directory_clock_lags:
+        outside("clock_forward", "the directory's clock falls behind instead of running ahead")
+    return why
 
 
 @define
@@ -65,6 +116,11 @@ class CheckResult:
     seconds: float
     properties: dict[str, str]  # name -> "holds" / "violated" / "reached" / "unreached"
     coverage: dict[str, int]
+    # ``sometimes`` and action labels argued out of scope (name -> why), and those of them the
+    # search reached or covered all the same: a refuted argument fails the check.
+    exempt_sometimes: dict[str, str] = field(factory=dict)
+    exempt_actions: dict[str, str] = field(factory=dict)
+    refuted: list[str] = field(factory=list)
     violation: Violation | None = None
     deadlocks: int = 0
     collision_probability: float = 0.0
@@ -72,6 +128,11 @@ class CheckResult:
     workers: int = 1
     visited_bytes: int = 0
     peak_rss_bytes: int = 0  # summed over workers; each worker's includes the parent's pages
+
+    @property
+    def uncovered_actions(self) -> list[str]:
+        """Labels neither covered nor argued out of this configuration's scope."""
+        return [a for a in LABELS if self.coverage.get(a, 0) == 0 and a not in self.exempt_actions]
 
     @property
     def states_per_second(self) -> float:
@@ -94,7 +155,11 @@ class CheckResult:
             "visited_bytes_per_state": round(self.visited_bytes / self.distinct_states, 1) if self.distinct_states else 0,
             "properties": self.properties,
             "coverage": self.coverage,
-            "uncovered_actions": [a for a in ACTIONS if self.coverage.get(a, 0) == 0],
+            "uncovered_actions": self.uncovered_actions,
+            "exempt_sometimes": self.exempt_sometimes,
+            "exempt_actions": self.exempt_actions,
+            "refuted_exemptions": self.refuted,
+            "unknown_actions": sorted(set(self.coverage) - set(LABELS)),
             "violation": None
             if self.violation is None
             else {
@@ -115,7 +180,9 @@ class Symmetry:
         self.fixed = L.fixed
         self.perms: list[tuple[list[int], list[tuple[int, bytes]], bytes, bytes]] = []
         T = cfg.tiers_per_node
-        for perm in permutations(range(cfg.nodes)):
+        # Only permutations that keep every node's role (writer, reader, tenant): swapping a
+        # writer with a reader would map a reachable state to one the model cannot reach.
+        for perm in cfg.symmetric_permutations():
             if list(perm) == list(range(cfg.nodes)):
                 continue
             loc_perm = [perm[loc // T] * T + loc % T if model.loc_node[loc] >= 0 else loc for loc in range(cfg.locations)]
@@ -193,7 +260,10 @@ class Checker:
         self.model = model
         self.invariants = tuple(invariants)
         self.transition_properties = tuple(transition_properties)
-        self.sometimes = applicable_sometimes(model.cfg)
+        # Every ``sometimes`` is watched, the exempt ones too: reaching one refutes its exemption.
+        self.sometimes = SOMETIMES
+        self.exempt_sometimes = scope_exemptions(model.cfg)
+        self.exempt_actions = actions_outside_scope(model.cfg)
         self.max_states = max_states
         self.progress = progress
         self.symmetry = Symmetry(model) if model.cfg.symmetry else None
@@ -253,9 +323,18 @@ class Checker:
         for prop in self.invariants + self.transition_properties:
             properties[prop.name] = "violated" if violation is not None and violation.property == prop.name else "holds"
         for sm in self.sometimes:
-            properties[sm.name] = "reached" if sm.name in outcome.reached else "unreached"
+            # An exempt sometimes not reached is listed in ``exempt_sometimes`` (with why), not here.
+            if sm.name in outcome.reached:
+                properties[sm.name] = "reached"
+            elif sm.name not in self.exempt_sometimes:
+                properties[sm.name] = "unreached"
+        refuted = sorted(name for name in self.exempt_sometimes if name in outcome.reached)
+        refuted += sorted(a for a in self.exempt_actions if outcome.coverage.get(a, 0) > 0)
+        unknown = set(outcome.coverage) - set(LABELS)
+        assert not unknown, f"labels missing from ACTIONS and SILENT_ACTIONS: {sorted(unknown)}"
         exhausted = violation is None and not outcome.truncated
-        ok = exhausted and all(properties[sm.name] == "reached" for sm in self.sometimes)
+        uncovered = [a for a in LABELS if outcome.coverage.get(a, 0) == 0 and a not in self.exempt_actions]
+        ok = exhausted and "unreached" not in properties.values() and not refuted and not uncovered
         if violation is not None:
             violation.trace = self.shortest_trace(violation)
         n = outcome.distinct
@@ -276,6 +355,9 @@ class Checker:
             workers=workers,
             visited_bytes=outcome.visited_bytes,
             peak_rss_bytes=outcome.peak_rss_bytes,
+            exempt_sometimes=dict(self.exempt_sometimes),
+            exempt_actions=dict(self.exempt_actions),
+            refuted=refuted,
         )
 
     # ------------------------------------------------------------------ counterexamples
@@ -387,7 +469,7 @@ class _Explorer:
         self.step_sometimes: dict[str, list] = {}
         for sm in checker.sometimes:
             if sm.reached_step is not None:
-                for action in sm.on_actions or ACTIONS:
+                for action in sm.on_actions or LABELS:
                     self.step_sometimes.setdefault(action, []).append(sm)
         self.seen: set[int] = set()
         self.reached: set[str] = set()
@@ -660,6 +742,98 @@ def _run_parallel(checker: Checker, workers: int) -> _Outcome:
         peak_rss_bytes=sum(f["peak_rss_bytes"] for f in finals),
     )
     return outcome
+
+
+# How often a swarm walk takes an unseen successor when there is one.
+_SWARM_NOVELTY = 0.9
+# The share of action labels each swarm walk leaves out (while anything else is enabled).
+_SWARM_LEAVE_OUT = 0.5
+
+
+def swarm(model: Model, seeds: int, depth: int, max_states: int, first_seed: int = 0) -> CheckResult:
+    """Sampled checking for a scope too large to exhaust: ``seeds`` random walks of at most
+    ``depth`` steps each (seeded, so a run is reproducible), until ``max_states`` distinct states
+    were seen. Every invariant is checked on every state and every step property on every step
+    a walk takes; coverage and ``sometimes`` are counted over all successors it looked at. A
+    violation found is real (its walk is the counterexample, not necessarily the shortest); a
+    clean run proves nothing about the states it did not visit, and says so: ``truncated``."""
+    import random
+
+    checker = Checker(model)
+    m = model
+    started = time.perf_counter()
+    seen: set[int] = set()
+    coverage: Counter[str] = Counter()
+    reached: set[str] = set()
+    state_sms = [sm for sm in checker.sometimes if sm.reached_state is not None]
+    step_sms = [sm for sm in checker.sometimes if sm.reached_step is not None]
+    violation: Violation | None = None
+    generated = deepest = deadlocks = 0
+    for seed in range(first_seed, first_seed + seeds):
+        rng = random.Random(seed)
+        # Swarm verification (Groce et al.): each walk leaves out a random part of the actions
+        # (a walk that never drops a message or lets time pass gets far down the happy path).
+        left_out = {a for a in LABELS if rng.random() < _SWARM_LEAVE_OUT}
+        (s,) = m.init_states()
+        path: list[tuple[str, tuple, bytes]] = [("init", (), s)]
+        for step in range(depth):
+            steps = m.successors(s)
+            if not steps:
+                deadlocks += 1
+                violation = Violation("Deadlock", "deadlock", step)
+                break
+            generated += len(steps)
+            for action, params, t in steps:
+                coverage[action] += 1
+                for sm in step_sms:
+                    if sm.name not in reached and (not sm.on_actions or action in sm.on_actions) and sm.reached_step(m, s, action, params, t):
+                        reached.add(sm.name)
+            # Prefer a successor no walk has seen yet (most of the time): uniform walks keep
+            # re-treading the few states near the initial one.
+            allowed = [step for step in steps if step[0] not in left_out] or steps
+            fresh = [step for step in allowed if step[2] is not s and checker.fingerprint(step[2]) not in seen]
+            action, params, t = rng.choice(fresh if fresh and rng.random() < _SWARM_NOVELTY else allowed)
+            path.append((action, params, t))
+            bad = next((tp.name for tp in checker.transition_properties if not tp.holds(m, s, action, params, t)), None)
+            kind = "transition"
+            if bad is None:
+                bad, kind = next((inv.name for inv in checker.invariants if not inv.holds(m, t)), None), "invariant"
+            if bad is not None:
+                violation = Violation(bad, kind, step + 1, _walk_trace(m, path))
+                break
+            seen.add(checker.fingerprint(t))
+            reached.update(sm.name for sm in state_sms if sm.name not in reached and sm.reached_state(m, t))
+            deepest = max(deepest, step + 1)
+            s = t
+        if violation is not None or len(seen) >= max_states:
+            break
+    properties = {p.name: "violated" if violation is not None and violation.property == p.name else "holds"
+                  for p in checker.invariants + checker.transition_properties}
+    for sm in checker.sometimes:
+        if sm.name in reached or sm.name not in checker.exempt_sometimes:
+            properties[sm.name] = "reached" if sm.name in reached else "unreached"
+    refuted = sorted(n for n in checker.exempt_sometimes if n in reached)
+    refuted += sorted(a for a in checker.exempt_actions if coverage.get(a, 0) > 0)
+    uncovered = [a for a in LABELS if coverage.get(a, 0) == 0 and a not in checker.exempt_actions]
+    ok = violation is None and "unreached" not in properties.values() and not refuted and not uncovered
+    return CheckResult(
+        config=m.cfg.name, mutant=None, ok=ok, distinct_states=len(seen), generated_states=generated,
+        depth=deepest, seconds=time.perf_counter() - started, properties=properties,
+        coverage=dict(sorted(coverage.items())), violation=violation, deadlocks=deadlocks,
+        collision_probability=len(seen) ** 2 / 2.0**65, truncated=True,
+        exempt_sometimes=dict(checker.exempt_sometimes), exempt_actions=dict(checker.exempt_actions), refuted=refuted,
+    )
+
+
+def _walk_trace(m: Model, path: list[tuple[str, tuple, bytes]]) -> list[dict]:
+    L = m.L
+    steps = []
+    previous: bytes | None = None
+    for i, (act, prm, state) in enumerate(path):
+        changes = {k: ("", v) for k, v in L.variables(state).items()} if previous is None else L.diff(previous, state)
+        steps.append({"step": i, "action": act, "params": list(prm), "changes": {k: list(v) for k, v in changes.items()}})
+        previous = state
+    return steps
 
 
 def check(

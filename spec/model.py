@@ -166,6 +166,13 @@ MUTANT_FLAGS = frozenset(
         "invalidation_waits_for_acks",
         "no_namespace_check",
         "write_lease_never_expires",
+        "second_write_grant",
+        "transfer_keeps_epoch",
+        "epoch_not_recorded",
+        "epochs_not_durable",
+        "completion_ignores_grace",
+        "grant_names_draining_copy",
+        "lost_copy_ends_generation",
         # progress and deletion (issue 8, section 3)
         "deadline_ignores_lag",
         "free_not_retried",
@@ -379,7 +386,7 @@ class Model:
         phase = s[L.phase[k]]
         if phase != INVALIDATING:
             return False  # fast path: the rule would say no without looking at the leases
-        in_grace = s[L.grace] > 0 and "restart_without_grace" not in self.bugs
+        in_grace = s[L.grace] > 0 and not self.bugs & {"restart_without_grace", "completion_ignores_grace"}
         if "invalidation_ignores_leases" in self.bugs:
             return may_complete_invalidation(phase, in_grace, 0)  # bug: leases not counted
         return may_complete_invalidation(phase, in_grace, self.has_live_lease(s, k))
@@ -800,6 +807,7 @@ class Model:
             loc = loc1 - 1
             b[L.s_status[loc][k]] = EMPTY  # the node drops the bytes once the directory agreed
             b[L.s_gen[loc][k]] = b[L.s_epoch[loc][k]] = 0
+            b[L.freed[loc][k]] = max(s[L.s_epoch[loc][k]], s[L.freed[loc][k]])  # as a Free would: late bytes are refused (found in dup)
             rest = net
             if idx == L.draining[k]:
                 b[L.draining[k]] = NO_LOCATION
@@ -842,7 +850,7 @@ class Model:
             if dest + 1 == owner or not self.location_up(s, dest):
                 continue
             b = bytearray(fixed)
-            b[L.epoch[k]] = next_epoch(s[L.epoch[k]])
+            b[L.epoch[k]] = s[L.epoch[k]] if "transfer_keeps_epoch" in self.bugs else next_epoch(s[L.epoch[k]])
             b[L.moving[k]] = dest + 1
             copy = message(M_COPY, 0, k, dest + 1, owner, s[L.gen[k]], b[L.epoch[k]])
             out.append(("start_transfer", (k, dest), self._pack(b, net + [copy])))
@@ -878,7 +886,8 @@ class Model:
         b[L.r_loc[k][n]] = loc1
         b[L.r_left[k][n]] = self.directory_view
         rest = list(net)
-        self._reply(b, rest, message(M_GRANT_READ, n, k, lease, loc1, s[L.gen[k]], req))
+        grant_loc1 = s[L.draining[k]] or loc1 if "grant_names_draining_copy" in self.bugs else loc1
+        self._reply(b, rest, message(M_GRANT_READ, n, k, lease, grant_loc1, s[L.gen[k]], req))
         out.append(("grant_read_lease", (n, k, lease), self._pack(b, rest)))
 
     def _on_renew(self, s, fixed, net, msg, out):
@@ -919,7 +928,7 @@ class Model:
         _, n, k, *_ = msg
         parent = cfg.parents[k]
         refusal = may_begin_write(
-            s[L.phase[k]],
+            ABSENT if "second_write_grant" in self.bugs and s[L.phase[k]] == WRITING else s[L.phase[k]],
             None if parent < 0 else s[L.phase[parent]],
             self.allowed[n][k] or "no_namespace_check" in self.bugs,
         )
@@ -938,7 +947,7 @@ class Model:
             b = bytearray(fixed)
             b[L.next_id] = lease + 1
             b[L.phase[k]] = WRITING
-            b[L.epoch[k]] = epoch
+            b[L.epoch[k]] = s[L.epoch[k]] if "epoch_not_recorded" in self.bugs else epoch
             b[L.owner[k]] = loc + 1
             b[L.writer[k]] = n + 1
             b[L.w_id[k]] = lease
@@ -1284,6 +1293,7 @@ class Model:
                     self._owe_free(b, rest, k, loc1, s[L.epoch[k]])
                 elif lost_copy_invalidates(b[L.phase[k]], idx == L.owner[k], s[L.s_status[loc1 - 1][k]] == LOST):
                     self._invalidate_into(s, b, rest, self.subtree[k])
+                    b[L.gen[k]] += "lost_copy_ends_generation" in self.bugs  # bug: the next generation at once
         return self._pack(b, rest)
 
     def _declare_down(self, s: bytes, fixed: bytes, net: list[bytes], n: int) -> bytes:
@@ -1318,6 +1328,8 @@ class Model:
                 b[L.r_id[k][n]] = b[L.r_loc[k][n]] = b[L.r_left[k][n]] = 0
             if s[L.phase[k]] == WRITING:
                 b[L.w_left[k]] = self.restart_grace  # the writer may still hold its lease
+        if "epochs_not_durable" in self.bugs:
+            b[L.epoch_block] = bytes(self.K)  # bug: epochs were kept in memory only
         if "restart_without_grace" not in self.bugs:
             b[L.grace] = self.restart_grace
         if "lease_id_reuse_after_restart" in self.bugs:

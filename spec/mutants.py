@@ -55,6 +55,22 @@ MUTANTS: dict[str, Mutant] = {
                "the directory grants leases without checking the tenant's namespaces"),
         Mutant("write-lease-never-expires", ("write_lease_never_expires",), "WriteLeaseEndsInTime", "small",
                "a write lease whose holder vanished is never expired"),
+        # One per property that no mutant above reaches first, in the configuration whose scope
+        # lets it fail (``tiny``'s single writer checks ``second-write-grant`` clean).
+        Mutant("second-write-grant", ("second_write_grant",), "OneWriterPerGeneration", "race",
+               "the directory grants a second write lease on a key that is already WRITING"),
+        Mutant("transfer-keeps-epoch", ("transfer_keeps_epoch",), "OneOwnerPerEpoch", "demote",
+               "a promotion or demotion copies the block under the epoch it already has"),
+        Mutant("epoch-not-recorded", ("epoch_not_recorded",), "EpochsBoundFences", "tiny",
+               "the directory grants a write under epoch + 1 without recording the new epoch"),
+        Mutant("epochs-not-durable", ("epochs_not_durable",), "EpochMonotonic", "restart",
+               "a restarted directory forgot every key's epoch (kept in memory, not in its log)"),
+        Mutant("completion-ignores-grace", ("completion_ignores_grace",), "NoDirtyRead", "restart",
+               "a restarted directory completes an invalidation during its grace period, under a lease it forgot"),
+        Mutant("grant-names-draining-copy", ("grant_names_draining_copy",), "NoReclaimUnderLease", "demote",
+               "a read grant points the holder at the copy being drained, which the directory then frees"),
+        Mutant("lost-copy-ends-generation", ("lost_copy_ends_generation",), "NoStaleRead", "tiering",
+               "a node that rejoined without its disk makes the directory move to the key's next generation at once"),
         # Progress and deletion (issue 8, section 3): each caught by its bounded-response property.
         Mutant("deadline-ignores-lag", ("deadline_ignores_lag",), "InvalidationCompletesInTime", "lagging",
                "the invalidation deadline argued with the directory's clock running ahead only (term + epsilon): a lagging clock breaks it"),

@@ -64,6 +64,7 @@ from .layout import (
     W_REQUESTED,
     WRITING,
 )
+from .config import ModelConfig
 from .rules import fence_accepts, slot_accepts
 from .model import Model
 
@@ -93,6 +94,14 @@ class TransitionProperty:
     kind: str = "safety"
 
 
+# Why a configuration's scope cannot contain a situation, as a sentence; None when it can.
+ScopeArgument = Callable[[ModelConfig], "str | None"]
+
+
+def _always_in_scope(cfg: ModelConfig) -> str | None:
+    return None
+
+
 @frozen
 class Sometimes:
     name: str
@@ -102,6 +111,10 @@ class Sometimes:
     companion_of: tuple[str, ...] = ()
     # The actions a ``reached_step`` can fire on (empty: any); the checker asks only on those.
     on_actions: tuple[str, ...] = ()
+    # The argument, per configuration, that its scope cannot contain this situation. The checker
+    # requires every ``sometimes`` this returns None for, and rejects an argument the search
+    # refutes (an exempt ``sometimes`` that is reached after all).
+    outside_scope: ScopeArgument = _always_in_scope
 
 
 # --------------------------------------------------------------------------------- helpers
@@ -458,10 +471,23 @@ def write_lease_ends_in_time(m: Model, pre: bytes, action: str, params: tuple, p
 
 
 def _remote_read(m: Model, pre: bytes, action: str, params: tuple, post: bytes) -> bool:
+    """A read of the leased bytes from another node's tier: not the reader's own, not the pool."""
     if action != "read":
         return False
     n, k, loc = params
-    return m.loc_node[loc] != n and _slot_holds(m, pre, loc, k, pre[m.L.h_gen[n][k]]) and pre[m.L.s_status[loc][k]] == FULL
+    return m.loc_node[loc] >= 0 and m.loc_node[loc] != n and _leased_bytes_there(m, pre, n, k, loc)
+
+
+def _pool_read(m: Model, pre: bytes, action: str, params: tuple, post: bytes) -> bool:
+    if action != "read":
+        return False
+    n, k, loc = params
+    return m.loc_node[loc] < 0 and _leased_bytes_there(m, pre, n, k, loc)
+
+
+def _leased_bytes_there(m: Model, s: bytes, n: int, k: int, loc: int) -> bool:
+    L = m.L
+    return s[L.s_status[loc][k]] == FULL and s[L.s_gen[loc][k]] == s[L.h_gen[n][k]]
 
 
 def _completed_by_acks(m: Model, pre: bytes, action: str, params: tuple, post: bytes) -> bool:
@@ -583,6 +609,222 @@ def _lagging_completion(m: Model, pre: bytes, action: str, params: tuple, post: 
     return action == "complete_invalidation" and pre[m.L.dir_off] > 0
 
 
+def _acquire_refused_uncommitted(m: Model, pre: bytes, action: str, params: tuple, post: bytes) -> bool:
+    """An authorised acquire refused because its key is not COMMITTED (being written or
+    invalidated): the situation LeasesGrantedOnlyOnCommitted forbids granting in."""
+    if action != "refuse_read_lease":
+        return False
+    n, k = params[0], params[1]
+    return m.allowed[n][k] and pre[m.L.phase[k]] in (WRITING, INVALIDATING)
+
+
+def _fence_at_the_bound(m: Model, s: bytes) -> bool:
+    """A slot's fence has reached the directory's epoch for its key: EpochsBoundFences is tight."""
+    L = m.L
+    return any(0 < s[L.epoch[k]] == s[L.fence[loc][k]] for k in range(m.K) for loc in range(m.LOCS))
+
+
+def _restart_with_epochs(m: Model, pre: bytes, action: str, params: tuple, post: bytes) -> bool:
+    """The directory restarts after handing out an epoch: its log must keep it."""
+    return action == "restart_directory" and any(pre[m.L.epoch[k]] for k in range(m.K))
+
+
+def _writers_race(m: Model, s: bytes) -> bool:
+    """Two nodes have asked to write the same key and neither has given up."""
+    L = m.L
+    return any(sum(1 for n in range(m.N) if s[L.w_stage[n][k]]) >= 2 for k in range(m.K))
+
+
+def _owner_crashed_while_draining(m: Model, s: bytes) -> bool:
+    """A key's owner node is down while its previous copy drains on another node, under a lease
+    a third node trusts."""
+    L = m.L
+    for n, k, _, loc, _, _ in _trusted(m, s):
+        owner, draining = s[L.owner[k]] - 1, s[L.draining[k]] - 1
+        if owner < 0 or draining != loc:
+            continue
+        owner_node, draining_node = m.loc_node[owner], m.loc_node[draining]
+        if owner_node >= 0 and not s[L.up[owner_node]] and draining_node >= 0 and len({owner_node, draining_node, n}) == 3:
+            return True
+    return False
+
+
+def _parent_rewritten_under_cached_child(m: Model, s: bytes) -> bool:
+    """A parent's next generation is being written while a holder still trusts its child's
+    copy from under the previous one."""
+    L = m.L
+    for _, k, _, _, _, _ in _trusted(m, s):
+        parent = m.cfg.parents[k]
+        if parent >= 0 and s[L.phase[parent]] in (WRITING, COMMITTED) and s[L.gen[parent]] > 0:
+            return True
+    return False
+
+
+def _namespace_races_key(m: Model, pre: bytes, action: str, params: tuple, post: bytes) -> bool:
+    """invalidate(namespace) starts while one of its keys is already being invalidated alone."""
+    if action != "invalidate_namespace":
+        return False
+    return any(pre[m.L.phase[k]] == INVALIDATING for k in m.ns_keys[params[0]])
+
+
+def _demotion_within_node(m: Model, pre: bytes, action: str, params: tuple, post: bytes) -> bool:
+    """Ownership moves between two tiers of one node."""
+    if action != "finish_transfer":
+        return False
+    k, dest = params
+    old = pre[m.L.owner[k]] - 1
+    return old >= 0 and m.loc_node[old] >= 0 and m.loc_node[old] == m.loc_node[dest]
+
+
+def _regrant_after_restart(m: Model, pre: bytes, action: str, params: tuple, post: bytes) -> bool:
+    """A restarted directory, still in its grace period, grants a read lease again."""
+    return action == "grant_read_lease" and pre[m.L.grace] > 0
+
+
+def _duplicate_in_flight(m: Model, s: bytes) -> bool:
+    """The network duplicated a message, and the copy is in flight beside the original (equal
+    messages also arise without duplication, e.g. two frees: the budget tells them apart)."""
+    if s[m.L.dups_left] == m.cfg.max_duplications:
+        return False
+    msgs = list(_messages(m, s))
+    return len(msgs) != len(set(msgs))
+
+
+def _three_in_flight(m: Model, s: bytes) -> bool:
+    return len(s) - m.L.fixed >= 3 * MESSAGE_WIDTH
+
+
+# ------------------------------------------------------------------ scope arguments, per config
+
+
+def _role_count(cfg: ModelConfig, role: tuple[int, ...] | None) -> int:
+    return cfg.nodes if role is None else len(role)
+
+
+def _no_readers(cfg: ModelConfig) -> str | None:
+    if _role_count(cfg, cfg.readers) == 0:
+        return "no node takes read leases"
+    return None
+
+
+def _no_remote_copy(cfg: ModelConfig) -> str | None:
+    if _no_readers(cfg):
+        return _no_readers(cfg)
+    if cfg.writes_to_pool_only and not cfg.tiering:
+        return "every block is written to the shared pool and never moves: no node tier holds a copy"
+    writers = set(range(cfg.nodes)) if cfg.writers is None else set(cfg.writers)
+    readers = set(range(cfg.nodes)) if cfg.readers is None else set(cfg.readers)
+    if not cfg.tiering and len(writers) == 1 and readers <= writers:
+        return "without transfers only the writer's tiers hold copies, and the writer is the only reader"
+    return None
+
+
+def _no_pool_read(cfg: ModelConfig) -> str | None:
+    if not cfg.shared_pool:
+        return "there is no shared pool"
+    return _no_readers(cfg)
+
+
+def _one_reader(cfg: ModelConfig) -> str | None:
+    if _role_count(cfg, cfg.readers) < 2:
+        return "fewer than two nodes take read leases"
+    return None
+
+
+def _one_write_epoch(cfg: ModelConfig) -> str | None:
+    if cfg.max_epoch < 2:
+        return "one epoch per key (max_epoch 1): no copy or write is ever under a stale epoch"
+    return None
+
+
+def _no_crash(cfg: ModelConfig) -> str | None:
+    if cfg.max_node_crashes == 0:
+        return "no node crashes"
+    return None
+
+
+def _no_owner_crash(cfg: ModelConfig) -> str | None:
+    if cfg.max_node_crashes == 0:
+        return "no node crashes"
+    if cfg.writes_to_pool_only and not cfg.tiering:
+        return "every owner copy is in the shared pool, which no node crash takes down"
+    return None
+
+
+def _no_restart(cfg: ModelConfig) -> str | None:
+    if cfg.max_directory_restarts == 0:
+        return "the directory never restarts"
+    return _no_readers(cfg)
+
+
+def _no_renewal(cfg: ModelConfig) -> str | None:
+    if cfg.max_requests < 2:
+        return "one lease request per node (max_requests 1): nothing to renew with"
+    return _no_readers(cfg)
+
+
+def _no_chain(cfg: ModelConfig) -> str | None:
+    if all(p < 0 for p in cfg.parents):
+        return "every key is a root: no prefix chain"
+    return None
+
+
+def _no_parent_rewrite(cfg: ModelConfig) -> str | None:
+    return _no_chain(cfg) or _one_write_epoch(cfg) or _no_readers(cfg)
+
+
+def _single_copy(cfg: ModelConfig) -> str | None:
+    if cfg.max_epoch < 2:
+        return "one epoch per key (max_epoch 1): every copy carries the same epoch"
+    if cfg.writes_to_pool_only and not cfg.tiering:
+        return "every copy lives in the one shared-pool slot: two epochs never coexist"
+    return None
+
+
+def _everyone_authorised(cfg: ModelConfig) -> str | None:
+    if all(len(a) == len(set(cfg.namespaces)) for a in cfg.authorized):
+        return "every node is authorised for every namespace"
+    return None
+
+
+def _one_key_per_namespace(cfg: ModelConfig) -> str | None:
+    if all(cfg.namespaces.count(ns) < 2 for ns in cfg.namespaces):
+        return "no namespace has two keys: invalidate(namespace) is invalidate(key)"
+    return None
+
+
+def _no_within_node_transfer(cfg: ModelConfig) -> str | None:
+    if not cfg.tiering:
+        return "blocks never move between locations"
+    if cfg.tiers_per_node < 2:
+        return "one tier per node: a transfer always leaves the node"
+    return None
+
+
+def _no_draining_third(cfg: ModelConfig) -> str | None:
+    if cfg.nodes < 3:
+        return "fewer than three nodes: owner, draining copy and reader cannot be three"
+    return _no_crash(cfg) or (None if cfg.tiering else "blocks never move: nothing drains") or _no_readers(cfg)
+
+
+def _no_race(cfg: ModelConfig) -> str | None:
+    if _role_count(cfg, cfg.writers) < 2:
+        return "fewer than two nodes write"
+    return None
+
+
+def _no_duplication(cfg: ModelConfig) -> str | None:
+    if cfg.max_duplications == 0:
+        return "messages are never duplicated"
+    return None
+
+
+def _two_messages(cfg: ModelConfig) -> str | None:
+    if cfg.max_messages < 3:
+        return "at most two messages in flight"
+    return None
+
+
 INVARIANTS: tuple[Invariant, ...] = (
     Invariant("OneWriterPerGeneration", "1", "at most one node holds the write lease of a (key, generation)", one_writer_per_generation, reads=('writers', 'messages')),
     Invariant("OneOwnerPerEpoch", "1", "no two locations hold a key's bytes under one epoch", one_owner_per_epoch, reads=('slots',)),
@@ -613,38 +855,68 @@ TRANSITION_PROPERTIES: tuple[TransitionProperty, ...] = (
 )
 
 SOMETIMES: tuple[Sometimes, ...] = (
-    Sometimes("RemoteReadUnderLease", "a node reads a copy held elsewhere (a peer or the pool) under a trusted lease", reached_step=_remote_read,
-              companion_of=("NoReclaimUnderLease", "NoDirtyRead", "DirectoryDataAgreement"), on_actions=('read',)),
+    Sometimes("RemoteReadUnderLease", "a node reads, under a trusted lease, a copy on another node's tier", reached_step=_remote_read,
+              companion_of=("NoReclaimUnderLease", "NoDirtyRead", "DirectoryDataAgreement"), on_actions=('read',),
+              outside_scope=_no_remote_copy),
+    Sometimes("PoolReadUnderLease", "a node reads, under a trusted lease, the copy in the shared pool", reached_step=_pool_read,
+              companion_of=("NoReclaimUnderLease", "NoDirtyRead", "DirectoryDataAgreement"), on_actions=('read',),
+              outside_scope=_no_pool_read),
     Sometimes("InvalidationCompletedByAcks", "the last lease of an invalidating key ends by acknowledgement", reached_step=_completed_by_acks,
-              companion_of=("NoReadAfterAck",), on_actions=('revoke_acked',)),
+              companion_of=("NoReadAfterAck",), on_actions=('revoke_acked',), outside_scope=_no_readers),
     Sometimes("InvalidationCompletedByExpiry", "the last lease of an invalidating key ends by expiry", reached_step=_completed_by_expiry,
-              companion_of=("InvalidationCompletesInTime",), on_actions=('tick', 'clock_forward')),
-    Sometimes("InvalidationWithTwoHolders", "an invalidation waits on leases held by two nodes", reached_state=_multi_holder_invalidation),
+              companion_of=("InvalidationCompletesInTime",), on_actions=('tick', 'clock_forward'), outside_scope=_no_readers),
+    Sometimes("InvalidationWithTwoHolders", "an invalidation waits on leases held by two nodes", reached_state=_multi_holder_invalidation,
+              companion_of=("InvalidationCompletesInTime", "NoStaleRead"), outside_scope=_one_reader),
     Sometimes("FencedStaleWrite", "a stale writer's bytes are refused by a fence", reached_step=_step("fence_stale_write"), on_actions=('fence_stale_write',),
               companion_of=("FencingHolds", "OneOwnerPerEpoch")),
     Sometimes("StaleCommitRejected", "the directory rejects a late commit", reached_step=_step("reject_stale_commit"), on_actions=('reject_stale_commit',),
               companion_of=("OneWriterPerGeneration",)),
-    Sometimes("RefusedEvictionOfLeasedBlock", "an eviction is refused because the copy is leased", reached_step=_step("evict_refused"), on_actions=('evict_refused',)),
+    Sometimes("AcquireRefusedUncommitted", "an authorised acquire is refused because its key is being written or invalidated",
+              reached_step=_acquire_refused_uncommitted, on_actions=('refuse_read_lease',),
+              companion_of=("LeasesGrantedOnlyOnCommitted",), outside_scope=_no_readers),
+    Sometimes("TwoWritersRace", "two nodes race to write one key", reached_state=_writers_race,
+              companion_of=("OneWriterPerGeneration",), outside_scope=_no_race),
+    Sometimes("RefusedEvictionOfLeasedBlock", "an eviction is refused because the copy is leased", reached_step=_step("evict_refused"), on_actions=('evict_refused',),
+              companion_of=("NoReclaimUnderLease",), outside_scope=_no_readers),
     Sometimes("Eviction", "an unleased copy is evicted", reached_step=_step("evict"), on_actions=('evict',)),
-    Sometimes("OwnershipHandoffAfterCrash", "a crashed owner's key becomes writable again", reached_step=_crash_handoff, on_actions=('expire_write_lease_of_crashed', 'restart_node')),
+    Sometimes("OwnershipHandoffAfterCrash", "a crashed owner's key becomes writable again", reached_step=_crash_handoff, on_actions=('expire_write_lease_of_crashed', 'restart_node'),
+              outside_scope=_no_crash),
+    Sometimes("OwnerCrashedWhileDraining", "an owner's node is down while its previous copy drains on a second node under a third's lease",
+              reached_state=_owner_crashed_while_draining, companion_of=("NoReclaimUnderLease",), outside_scope=_no_draining_third),
     Sometimes("TrustedDuringInvalidation", "a holder still trusts a lease while its key is invalidating", reached_state=_trusting_while_invalidating,
-              companion_of=("NoStaleRead",)),
-    Sometimes("AckInFlight", "an acknowledgement of a revocation is in flight", reached_state=_ack_in_flight),
+              companion_of=("NoStaleRead",), outside_scope=_no_readers),
+    Sometimes("AckInFlight", "an acknowledgement of a revocation is in flight", reached_state=_ack_in_flight,
+              companion_of=("NoReadAfterAck",), outside_scope=_no_readers),
     Sometimes("TrustedDuringRestartGrace", "a holder trusts a lease the restarted directory forgot", reached_state=_trust_during_grace,
-              companion_of=("LeaseKnownToDirectory",)),
-    Sometimes("LeaseRenewed", "a holder extends its trust by a renewal", reached_step=_renewal, companion_of=("RenewalNeverRevives",), on_actions=('trust_renewal',)),
+              companion_of=("LeaseKnownToDirectory",), outside_scope=_no_restart),
+    Sometimes("FenceAtDirectoryEpoch", "a slot's fence has reached the directory's epoch for its key", reached_state=_fence_at_the_bound,
+              companion_of=("EpochsBoundFences", "FencingHolds")),
+    Sometimes("RestartAfterEpochs", "the directory restarts after handing out an epoch", reached_step=_restart_with_epochs,
+              on_actions=('restart_directory',), companion_of=("EpochMonotonic", "EpochsBoundFences"),
+              outside_scope=lambda cfg: "the directory never restarts" if cfg.max_directory_restarts == 0 else None),
+    Sometimes("RegrantAfterRestart", "a restarted directory, still in its grace period, grants a read lease again", reached_step=_regrant_after_restart,
+              on_actions=('grant_read_lease',), companion_of=("LeaseIdsFresh", "LeaseKnownToDirectory"), outside_scope=_no_restart),
+    Sometimes("LeaseRenewed", "a holder extends its trust by a renewal", reached_step=_renewal, companion_of=("RenewalNeverRevives",), on_actions=('trust_renewal',),
+              outside_scope=_no_renewal),
     Sometimes("ChildCommitted", "a block is committed under a committed parent", reached_state=_child_committed,
-              companion_of=("PrefixClosed",)),
+              companion_of=("PrefixClosed",), outside_scope=_no_chain),
+    Sometimes("ParentRewrittenUnderCachedChild", "a parent's next generation is written while a holder trusts its child from before",
+              reached_state=_parent_rewritten_under_cached_child, companion_of=("PrefixClosed", "NoStaleRead"), outside_scope=_no_parent_rewrite),
+    Sometimes("NamespaceInvalidationRacesKey", "invalidate(namespace) starts while one of its keys is already invalidating",
+              reached_step=_namespace_races_key, on_actions=('invalidate_namespace',), companion_of=("PrefixClosed",),
+              outside_scope=_one_key_per_namespace),
+    Sometimes("DemotionWithinNode", "ownership moves between two tiers of one node", reached_step=_demotion_within_node,
+              on_actions=('finish_transfer',), companion_of=("OneOwnerPerEpoch", "CommittedBytesIntact"), outside_scope=_no_within_node_transfer),
     Sometimes("CommittedAtOwner", "a committed block's bytes are at its owner", reached_state=_committed_at_owner,
               companion_of=("CommittedBytesIntact",)),
     Sometimes("TwoEpochsStored", "copies of one key under two epochs coexist", reached_state=_two_epochs_stored,
-              companion_of=("EpochsBoundFences", "EpochMonotonic")),
+              companion_of=("EpochsBoundFences", "EpochMonotonic", "OneOwnerPerEpoch"), outside_scope=_single_copy),
     Sometimes("WriteLeaseExpired", "a write lease ends by expiry", reached_step=lambda m, pre, a, p, post: True,
               companion_of=("WriteLeaseEndsInTime",), on_actions=('expire_write_lease', 'expire_write_lease_of_crashed')),
     Sometimes("RequestRefused", "a refusal reaches the requester, which stops waiting", reached_step=_refusal_answered,
               companion_of=("RequestAnswered",), on_actions=('abandon', 'abort')),
     Sometimes("RequestTimedOut", "a holder gives up a request whose answer never came, on its timeout", reached_step=_request_timed_out,
-              companion_of=("RequestEndsInTime",), on_actions=('tick', 'clock_back')),
+              companion_of=("RequestEndsInTime",), on_actions=('tick', 'clock_back'), outside_scope=_no_readers),
     Sometimes("FreeRetried", "the directory re-sends a Free that was lost", reached_step=_step("retry_free"), on_actions=('retry_free',),
               companion_of=("DeletionReachesEverywhere",)),
     Sometimes("FreeAcknowledged", "a location's Freed settles an owed Free", reached_step=_step("free_acked"), on_actions=('free_acked',)),
@@ -653,41 +925,25 @@ SOMETIMES: tuple[Sometimes, ...] = (
     Sometimes("InvalidationCompletedOnLaggingClock", "an invalidation completes after the directory's clock fell behind",
               reached_step=_lagging_completion, companion_of=("InvalidationCompletesInTime",), on_actions=('complete_invalidation',)),
     Sometimes("CrashedOwnerDeclaredDown", "the failure detector declares a crashed owner's node down and its keys are voided",
-              reached_step=_owner_declared_down, companion_of=("CrashedOwnerWritableInTime",), on_actions=('declare_node_down',)),
+              reached_step=_owner_declared_down, companion_of=("CrashedOwnerWritableInTime",), on_actions=('declare_node_down',),
+              outside_scope=_no_owner_crash),
     Sometimes("UnauthorisedRequestRefused", "a request outside the tenant's namespaces is refused", reached_step=_unauthorised_refused,
-              companion_of=("NamespaceIsolation",), on_actions=('refuse_read_lease', 'refuse_write_lease')),
+              companion_of=("NamespaceIsolation",), on_actions=('refuse_read_lease', 'refuse_write_lease'), outside_scope=_everyone_authorised),
+    Sometimes("DuplicateInFlight", "a message and its duplicate are in flight together", reached_state=_duplicate_in_flight,
+              companion_of=("LeaseIdsFresh", "RenewalNeverRevives"), outside_scope=_no_duplication),
+    Sometimes("ThreeMessagesInFlight", "three messages are in flight at once", reached_state=_three_in_flight, outside_scope=_two_messages),
 )
 
 
-def applicable_sometimes(cfg) -> tuple[Sometimes, ...]:
-    """The ``sometimes`` a configuration must reach: those its scope can express."""
-    chosen = []
-    for sm in SOMETIMES:
-        if sm.name == "UnauthorisedRequestRefused" and all(len(a) == len(set(cfg.namespaces)) for a in cfg.authorized):
-            continue
-        if sm.name == "ChildCommitted" and all(p < 0 for p in cfg.parents):
-            continue
-        if sm.name == "OwnershipHandoffAfterCrash" and cfg.max_node_crashes == 0:
-            continue
-        if sm.name == "TrustedDuringRestartGrace" and cfg.max_directory_restarts == 0:
-            continue
-        if sm.name == "TwoEpochsStored" and (cfg.max_epoch < 2 or (cfg.writes_to_pool_only and not cfg.tiering)):
-            continue
-        readers = cfg.nodes if cfg.readers is None else len(cfg.readers)
-        if sm.name == "InvalidationWithTwoHolders" and readers < 2:
-            continue
-        if sm.name == "LeaseRenewed" and cfg.max_requests < 2:
-            continue
-        if sm.name == "FencedStaleWrite" and cfg.max_epoch < 2:
-            continue
-        if sm.name == "StaleCommitRejected" and cfg.max_epoch < 2:
-            continue
-        if sm.name == "InvalidationCompletedOnLaggingClock" and not cfg.directory_clock_lags:
-            continue
-        if sm.name == "CrashedOwnerDeclaredDown" and (cfg.max_node_crashes == 0 or (cfg.writes_to_pool_only and not cfg.tiering)):
-            continue
-        chosen.append(sm)
-    return tuple(chosen)
+def scope_exemptions(cfg: ModelConfig) -> dict[str, str]:
+    """The ``sometimes`` a configuration's scope cannot contain, each with the argument why."""
+    return {sm.name: why for sm in SOMETIMES if (why := sm.outside_scope(cfg)) is not None}
+
+
+def applicable_sometimes(cfg: ModelConfig) -> tuple[Sometimes, ...]:
+    """The ``sometimes`` a configuration must reach: every one its scope can contain."""
+    exempt = scope_exemptions(cfg)
+    return tuple(sm for sm in SOMETIMES if sm.name not in exempt)
 
 
 def by_name(name: str):
