@@ -265,7 +265,11 @@ class MinimalCache(Adapter):
         for rec in [r for r in self._records.values() if r.phase == WRITING and now >= r.write_expires_ns]:
             self._log(DIRECTORY, "expire_write_lease", **self._state(rec.key, rec), lease=rec.write_lease,
                       writer=rec.writer)  # fmt: skip
+            location, epoch = rec.owner, rec.epoch
             self._end_generation(rec)
+            # Deletion reaches everywhere: bytes an expired (or aborted) write left in its slot
+            # are freed as an invalidation's are (KVCC-INVAL-009).
+            self._free_copy(rec.key, location, epoch)
 
     def _next_deadline_ns(self) -> int | None:
         deadlines = [e.expires_ns for e in self._leases.values()]
@@ -606,18 +610,25 @@ class MinimalCache(Adapter):
         self._log(DIRECTORY, "complete_invalidation", **self._state(rec.key, rec))
         epoch = rec.epoch
         self._end_generation(rec)
-        host = self._host.get(owner) if owner is not None else None
-        if host is not None:
-            # The location judges the free by its epoch, like bytes (DESIGN 2); the fence stays.
-            slot = host.slots.setdefault(rec.key, _Slot())
-            if epoch >= slot.fence:
-                host.slots[rec.key] = _Slot(fence=slot.fence)
-                self._log(host.id, "free_slot", key=rec.key, epoch=epoch, location=owner, result="ok")
-            else:
-                self._log(host.id, "fence_stale_free", key=rec.key, epoch=epoch, location=owner, fence=slot.fence)
+        self._free_copy(rec.key, owner, epoch)
         for ticket in self._tickets.values():
             ticket.pending.discard(rec.key)
         self._cond.notify_all()
+
+    def _free_copy(self, key: BlockKey, location: str | None, epoch: int) -> None:
+        """Free an ended generation's copy at ``location``: the location judges the free by its
+        epoch, like bytes (DESIGN 2); the fence stays."""
+        host = self._host.get(location) if location is not None else None
+        if host is None:
+            return
+        slot = host.slots.get(key)
+        if slot is None:
+            return  # nothing was stored there: nothing to free
+        if epoch >= slot.fence:
+            host.slots[key] = _Slot(fence=slot.fence)
+            self._log(host.id, "free_slot", key=key, epoch=epoch, location=location, result="ok")
+        else:
+            self._log(host.id, "fence_stale_free", key=key, epoch=epoch, location=location, fence=slot.fence)
 
     def wait_invalidation(self, ticket: InvalidationTicket, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s

@@ -65,7 +65,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from . import layout
-from .config import ModelConfig
+from .config import STATE_VALUE_LIMIT, ModelConfig
 from .layout import (
     EMPTY,
     FULL,
@@ -241,12 +241,16 @@ class Model:
             # Bug: the bound argued with the directory's clock running ahead (the direction that
             # matters for safety), where a lease ends within the directory's view of it.
             self.deadline = self.directory_view + cfg_.max_directory_restarts * self.restart_grace
-        # Ghost ages saturate one past their bound: enough to see it broken, and finite.
-        self.phase_age_cap = max(self.deadline, self.write_deadline) + 1
-        self.request_age_cap = self.request_deadline + 1
-        self.orphan_age_cap = self.deletion_deadline + 1
-        self.owner_down_cap = self.failover_deadline + 1
-        assert self.phase_age_cap < 256 and self.request_age_cap < 256 and self.owner_down_cap < 256
+        # Ghost ages saturate one past their bound: enough to see it broken, and finite. A state
+        # byte holds at most 255: a bound that large (the validator sizes a projection's scope to
+        # its trace, e.g. fourteen directory restarts, each adding a grace to the deadlines) leaves
+        # its age saturated at 255, never past the bound -- that progress property is then not
+        # checked there, and no trace is rejected for it.
+        age_max = STATE_VALUE_LIMIT - 1
+        self.phase_age_cap = min(max(self.deadline, self.write_deadline) + 1, age_max)
+        self.request_age_cap = min(self.request_deadline + 1, age_max)
+        self.orphan_age_cap = min(self.deletion_deadline + 1, age_max)
+        self.owner_down_cap = min(self.failover_deadline + 1, age_max)
         self.node_timers = self.L.node_timers
         if "holder_never_times_out" in self.bugs:
             # Bug: the budget runs out but the holder keeps waiting for its answer.
