@@ -907,6 +907,10 @@ def _validate_trace(cluster) -> None:
     assert events, "the cluster logged no events"
     params = TraceParams(PROC_TERM_MS, PROC_EPS_MS, locations={f"{n}/dram": n for n in NODES})
     verdict = validate_trace(events, params)
+    if verdict.status == "INCONCLUSIVE" and verdict.code == "frontier_limit":
+        # Open (README, Status): after many directory restarts the validator gives up. Not a pass:
+        # reported as an expected failure, and a REJECTED trace still fails below.
+        pytest.xfail("the validator's frontier limit: " + str(verdict.reason))
     assert verdict.status == ACCEPTED, "the cluster's trace was not ACCEPTED: " + json.dumps(
         verdict.to_json(), default=str
     )[:1500]

@@ -676,7 +676,12 @@ def test_corpus_verdicts_of_the_old_validator(case):
     manifest recorded for it: the same as the new one's except where ``disagreements`` says."""
     from kvcc.conformance import validate_reference
 
-    assert _corpus_verdict(validate_reference, case) == case["reference"]
+    got, want = _corpus_verdict(validate_reference, case), dict(case["reference"])
+    if want["status"] == "INCONCLUSIVE":
+        # Where the old validator gives up depends on the order it explores a frontier in (set
+        # order, which varies with the hash seed): the verdict and its code are what it answers.
+        got.pop("event_index"), want.pop("event_index")
+    assert got == want
 
 
 @pytest.mark.parametrize("name", ["small", "restart", "tiering"])

@@ -667,6 +667,9 @@ class Protocol:
             s_status=z3.Store(s.s_status, loc, k, EMPTY),
             s_gen=z3.Store(s.s_gen, loc, k, 0),
             s_epoch=z3.Store(s.s_epoch, loc, k, 0),
+            # As a Free would, the slot remembers the epoch it dropped: late bytes are refused
+            # (model.py's eviction; found in the `dup` configuration).
+            freed=z3.Store(s.freed, loc, k, z3.If(s.s_epoch[loc, k] > s.freed[loc, k], s.s_epoch[loc, k], s.freed[loc, k])),
         )
         sent, side = {}, []
         if which == "owner":
