@@ -325,7 +325,7 @@ def test_bench_checker_json(capsys):
 def test_console_script_subprocess():
     exe = shutil.which("kvcc", path=str(Path(sys.executable).parent))
     if exe is None:
-        pytest.skip("the kvcc console script is not installed next to this interpreter")
+        pytest.fail("the kvcc console script is not installed next to this interpreter (run scripts/setup.sh)")
     proc = subprocess.run([exe, "check", "--config", "tiny", "--max-states", "2000", "--json"],
                           capture_output=True, text=True, timeout=120, cwd=REPO)
     res = _one_json(proc.stdout)
