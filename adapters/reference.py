@@ -26,8 +26,10 @@ Events are native: the directory, every node and every client write NDJSON event
 
 from __future__ import annotations
 
+import contextlib
 import platform
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -54,6 +56,8 @@ CLIENT_SUFFIX = ".engine"
 NODE_TIERS = ("dram=4MiB", "nvme=16MiB")
 NODE_BLOCK_BYTES = 64 << 10
 OP_TIMEOUT_MS = 10_000
+REGISTER_TIMEOUT_S = 10.0  # a restarted directory hears every running node's Hello within a heartbeat
+EMPTY_TICKETS_FROM = 1 << 40  # ids of the empty tickets of invalidations in a namespace the tenant may not use
 
 
 def _infra(exc: BaseException) -> AdapterError:
@@ -74,21 +78,25 @@ class ReferenceAdapter(Adapter):
         self._frozen: dict[str, threading.Event] = {}
         self._logs: dict[str, Any] = {}
         self._writes: dict[tuple[str, bytes, int], Any] = {}
+        self._crashed_writes: set[tuple[str, bytes, int]] = set()  # grants whose writer died with its node
         self._reads: dict[tuple[str, bytes, int], Any] = {}
         self._lock = threading.Lock()
         self._ctx: RunContext | None = None
+        self._empty_tickets = 0  # tickets of invalidations in a namespace the tenant may not use
 
     # ------------------------------------------------------------------ lifecycle
 
     def capabilities(self) -> Capabilities:
         return Capabilities(
             profiles=frozenset(PROFILES),
-            faults=frozenset(FAULTS),
+            faults=frozenset(FAULTS) - {"corrupt"},
             scopes=frozenset({"key", "prefix", "namespace"}),
             events="native",
             leases="enforced",
+            frees_acknowledged=True,
             notes=f"kvcc reference implementation: directory ({self.backend}) and cache nodes (DRAM + NVMe) as "
-            "processes on loopback; clients co-located with nodes; clock skew steps the holder's clock",
+            "processes on loopback; clients co-located with nodes; clock skew steps the holder's clock; no corrupt "
+            "fault (a block lands in the node process's DRAM tier first, out of the adapter's reach)",
         )
 
     def versions(self) -> Mapping[str, str]:
@@ -230,7 +238,12 @@ class ReferenceAdapter(Adapter):
     def write_bytes(self, grant: WriteGrant, data: bytes) -> Stored | Refused:
         from kvcc.reference.client import Refused as R
 
-        out = self._call(grant.node, "write_bytes", self._write_lease(grant), data)
+        wl = self._write_lease(grant)
+        with self._lock:
+            crashed = (grant.node, grant.key.digest, grant.lease) in self._crashed_writes
+        if crashed:  # the co-located client that held the grant died with the node: nothing is sent
+            return Refused(REASON_NOT_FOUND, f"the writer of grant {grant.lease} crashed with node {grant.node}")
+        out = self._call(grant.node, "write_bytes", wl, data)
         return self._refused(out) if isinstance(out, R) else Stored()
 
     def commit(self, grant: WriteGrant) -> Committed | Refused:
@@ -308,10 +321,20 @@ class ReferenceAdapter(Adapter):
     def invalidate(self, node: str, ns: Namespace, scope: str, key: BlockKey | None) -> InvalidationTicket:
         if scope not in self.capabilities().scopes:
             raise NotSupported(f"invalidate:{scope}")
+        assert self._ctx is not None
+        if ns not in self._ctx.namespaces:
+            # Contract: a namespace the tenant may not use voids nothing and logs nothing; a ticket
+            # of 0 keys, complete at once. Not sent: the directory ends the session of a tenant
+            # that names a namespace it may not use where no refusal can carry it (Invalidate).
+            with self._lock:
+                self._empty_tickets += 1
+                return InvalidationTicket(EMPTY_TICKETS_FROM + self._empty_tickets, 0)
         ticket = self._call(node, "invalidate", ns, scope, key)
         return InvalidationTicket(ticket.id, ticket.keys)
 
     def wait_invalidation(self, ticket: InvalidationTicket, timeout_s: float) -> bool:
+        if EMPTY_TICKETS_FROM < ticket.id <= EMPTY_TICKETS_FROM + self._empty_tickets:
+            return True
         node = next(iter(self._clients), None)
         if node is None:
             raise AdapterError("no live client to wait with")
@@ -327,6 +350,8 @@ class ReferenceAdapter(Adapter):
 
     def kill(self, node: str) -> None:
         self._cluster.kill(node)
+        with self._lock:
+            self._crashed_writes |= {w for w in self._writes if w[0] == node}
         c = self._clients.pop(node, None)
         if c is not None:  # its memory goes with it (its log stays: the node's crash is logged)
             self._thaw(node)
@@ -368,11 +393,29 @@ class ReferenceAdapter(Adapter):
             self._cluster.restart_directory()
         except Exception as e:
             raise _infra(e) from e
+        self._wait_registered()
+
+    def _wait_registered(self) -> None:
+        """Return once every running node has said Hello to the restarted directory (its next
+        heartbeat), as a deployment is back only then: before it, the directory knows no node,
+        and places a co-located writer's block nowhere (``location_down``). A paused node cannot
+        say Hello until it resumes; a node that does not register in time is left to the tests."""
+        from kvcc.reference.errors import ConnectionFailed, TimeoutError_
+
+        running = [n for n in self._clients if n not in self._frozen]
+        deadline = time.monotonic() + REGISTER_TIMEOUT_S
+        while running and time.monotonic() < deadline:
+            with contextlib.suppress(ConnectionFailed, TimeoutError_, TimeoutError, OSError):
+                if set(self._clients[running[0]].refresh_nodes()) >= set(running):
+                    return
+            time.sleep(0.02)
 
 
 def reference() -> ReferenceAdapter:
+    """The reference deployment (directory on its SQLite log, cache nodes, TCP) on loopback."""
     return ReferenceAdapter("sqlite")
 
 
 def reference_etcd() -> ReferenceAdapter:
+    """The reference deployment with its directory on a loopback etcd cluster."""
     return ReferenceAdapter("etcd")

@@ -217,7 +217,7 @@ def render(console, r: dict[str, Any]) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from kvcc.cli import positive_int
+    from kvcc.console import positive_int
 
     parser.add_argument("--config", default=DEFAULT_CONFIG, metavar="NAME",
                         help=f"model configuration (default {DEFAULT_CONFIG})")
@@ -229,7 +229,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """``kvcc bench checker``: measure, print, exit 1 only if the check itself failed."""
-    from kvcc.cli import print_json, stderr_console, stdout_console
+    from kvcc.console import print_json, stderr_console, stdout_console
     from kvcc.report import CheckProgress
 
     err = stderr_console()

@@ -23,7 +23,7 @@ connection, session and holder id -- on one asyncio loop:
   ``EtcdKV.put`` s of a record-sized value (``reference.etcd_client``, the client library the
   store uses), from ``clients`` threads of this process: ``etcd_pairs_per_put`` is directory
   pairs/s over raw puts/s. Note what a pair costs the log: nothing per pair -- read leases are
-  volatile (DESIGN 12) and lease ids are reserved durably in blocks (``lease_id_block``), so
+  volatile (protocol property 12) and lease ids are reserved durably in blocks (``lease_id_block``), so
   the log sees one commit per block of grants.
 
 Trials interleave (ping, pairs[, etcd puts]) ``trials`` times after a warm-up; every figure is the
@@ -397,7 +397,7 @@ def _seconds(text: str) -> float:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from kvcc.cli import positive_int
+    from kvcc.console import positive_int
 
     parser.add_argument("--backends", type=_backends, default=list(BACKENDS), metavar="LIST",
                         help=f"directory backends, comma-separated (default {','.join(BACKENDS)})")
@@ -414,7 +414,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(json: bool = False, **options: Any) -> dict[str, Any]:
     """Measure (``options`` as for ``measure``), print a rich table (or JSON), return the result."""
-    from kvcc.cli import print_json, stderr_console, stdout_console
+    from kvcc.console import print_json, stderr_console, stdout_console
 
     if json:
         r = measure(**options)

@@ -393,7 +393,7 @@ def _tiers(text: str) -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from kvcc.cli import positive_int
+    from kvcc.console import positive_int
 
     parser.add_argument("--sizes", type=_sizes, default=list(SIZES), metavar="LIST",
                         help="block sizes, comma-separated (default 64K,256K,1M,4M,16M)")
@@ -414,7 +414,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(json: bool = False, **options: Any) -> dict[str, Any]:
     """Measure (``options`` as for ``measure``), print a rich table (or JSON with ``json=True``),
     return the result."""
-    from kvcc.cli import print_json, stderr_console, stdout_console
+    from kvcc.console import print_json, stderr_console, stdout_console
 
     if json:
         r = measure(**options)

@@ -106,7 +106,7 @@ def replicate(base: Sequence[dict], copies: int, out: IO[str], *, lease_term_ms:
 
 def mutate_read_after_release(base: Sequence[dict]) -> tuple[list[dict], int]:
     """``base`` with one read inserted right after a ``release`` by the same holder, under the
-    lease it released (DESIGN 8: an ended lease is never used again); the read's index."""
+    lease it released (protocol property 8: an ended lease is never used again); the read's index."""
     events = [dict(ev) for ev in base]
     reads: dict[tuple[str, int], dict] = {}
     for i, ev in enumerate(events):
@@ -253,7 +253,7 @@ def render(console: Any, r: dict[str, Any]) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from kvcc.cli import positive_int
+    from kvcc.console import positive_int
 
     parser.add_argument("--trace", type=Path, metavar="FILE",
                         help="an NDJSON trace to measure and replicate (default: a fresh load run of the reference adapter)")
@@ -266,7 +266,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def cli(args: argparse.Namespace) -> int:
-    from kvcc.cli import print_json, stderr_console, stdout_console
+    from kvcc.console import print_json, stderr_console, stdout_console
 
     err = stderr_console()
     step = None if args.json else (lambda text: err.print(f"[dim]{text}[/]"))

@@ -6,7 +6,10 @@ Layout of ``DIR``::
                       harness file, adapter and system versions, seed, parameters, start/end
     report.json       every test's status, message, verdict and audit counts
     junit.xml         one <testcase> per test id (classname = profile)
-    report.html       a self-contained summary that opens from disk
+    report.html       a self-contained page that opens from disk: per test, the spec properties
+                      it checks, its verdict (a rejected event with the events before it, the
+                      reason and the diff), its audit counters and a timeline of its trace
+                      (``report_page``)
     traces/ID.ndjson  the test's protocol events, one JSON object per line
     traces/ID.history.json  the operations the suite performed and what came back
     MANIFEST.sha256   "<sha256>  <path>" for every file above, sorted by path
@@ -17,7 +20,6 @@ Files are written, flushed and fsynced, the manifest last: a bundle with a manif
 from __future__ import annotations
 
 import hashlib
-import html
 import json
 import os
 import platform
@@ -28,6 +30,7 @@ from pathlib import Path
 from typing import Any
 from xml.etree import ElementTree as ET
 
+from .report_page import report_html
 from .runner import Report
 
 MANIFEST = "MANIFEST.sha256"
@@ -123,45 +126,6 @@ def junit_xml(report: Report) -> str:
     root.append(suite)
     ET.indent(root)
     return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"
-
-
-_COLOURS = {"PASS": "#1a7f37", "FAIL": "#cf222e", "ERROR": "#9a6700", "SKIP": "#57606a", "NOT_APPLICABLE": "#57606a"}
-
-
-def report_html(report: Report, info: dict[str, Any]) -> str:
-    from .catalogue import BY_ID
-
-    e = html.escape
-    rows = []
-    for r in report.results:
-        t = BY_ID[r.id]
-        rows.append(
-            f"<tr><td><code>{e(r.id)}</code></td><td>{e(r.profile)}</td>"
-            f"<td style='color:{_COLOURS[r.status]};font-weight:bold'>{e(r.status)}</td>"
-            f"<td>{e(str(r.verdict.get('status', '')))}</td><td>{r.duration_s:.2f}</td>"
-            f"<td>{e(t.title)}<br><small>{e(r.message)}</small></td>"
-            + (f"<td><a href='traces/{e(r.id)}.ndjson'>trace</a> <a href='traces/{e(r.id)}.history.json'>history</a></td>"
-               if not t.audit and r.status not in ("SKIP", "NOT_APPLICABLE") else "<td></td>")
-            + "</tr>"
-        )  # fmt: skip
-    counts = ", ".join(f"{k} {v}" for k, v in report.counts().items() if v)
-    verdict = "CERTIFIED" if report.certified else "NOT CERTIFIED"
-    return f"""<!doctype html>
-<html><head><meta charset="utf-8"><title>kvcc conformance: {e(report.adapter)}</title>
-<style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse}}td,th{{border:1px solid #d0d7de;padding:4px 8px;vertical-align:top}}</style>
-</head><body>
-<h1>kvcc conformance report: {e(report.adapter)}</h1>
-<p><b>{verdict}</b> for profiles {e(", ".join(report.claimed) or "(none claimed)")} &mdash; {e(counts)}</p>
-<p>Suite {e(report.suite_version)}, harness commit <code>{e(str(info["git"].get("commit")))}</code>
-(dirty: {e(str(info["git"].get("dirty")))}), seed {report.seed}, {e(json.dumps(report.params))},
-{e(info["started_at"])} to {e(info["finished_at"])}.</p>
-<p>Versions: {e(json.dumps(report.versions))}</p>
-<table><tr><th>id</th><th>profile</th><th>status</th><th>trace</th><th>s</th><th>test</th><th>files</th></tr>
-{"".join(rows)}
-</table>
-<p>Re-verify with <code>kvcc certify verify DIR</code>.</p>
-</body></html>
-"""
 
 
 def write_bundle(report: Report, out: Path) -> Path:

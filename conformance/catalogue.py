@@ -7,7 +7,7 @@ gets a new id and the old one is retired, never reused), the suite version that 
 profile (``core``, ``leases``, ``invalidation``, ``tiering``, ``faults``, ``load``) and a
 ``required`` flag: certifying a profile needs every required test of it to PASS. The text is a
 requirement in RFC 2119 words; ``properties`` name the spec's properties
-(``kvcc.spec.properties``) and ``design`` the DESIGN.md numbers the test observes.
+(``kvcc.spec.properties``) and ``design`` the docs/protocol.md numbers the test observes.
 
 ``body`` names the function in ``kvcc.conformance.workloads`` that runs the test; every test's
 trace is then validated against the spec (``kvcc.conformance.validate``). Tests numbered 9xx
@@ -30,7 +30,7 @@ import re
 
 from attrs import field, frozen
 
-from .contract import FAULTS, PROFILES, SCOPES
+from .contract import FAULTS, OPTIONAL_FAULTS, PROFILES, SCOPES
 
 SUITE_VERSION = "0.1.0"
 TEST_ID_RE = re.compile(r"KVCC-(CORE|LEASE|INVAL|TIER|FAULT|LOAD)-[0-9]{3}")
@@ -183,7 +183,7 @@ CATALOGUE: tuple[TestCase, ...] = (
       covers={"eviction", "caching", "trace_complete"}),
     T("KVCC-TIER-003", "Evicting what a node does not hold changes nothing",
       "Evicting a key the node holds no copy of MUST be refused and MUST NOT change lookup.",
-      "tiering", ("DirectoryDataAgreement",), "9", "evict_absent", covers={"trace_complete", "caching"}),
+      "tiering", ("DirectoryDataAgreement",), "9", "evict_absent", covers={"trace_complete", "caching", "eviction"}),
     T("KVCC-TIER-900", "Audit: evictions happen",
       "A tiering run MUST show at least one eviction (a cache that never evicts fails).",
       "tiering", ("Eviction",), "non-vacuity", "audit", audit=True, covers={"eviction"}),
@@ -236,8 +236,29 @@ def tests_for(profiles) -> list[TestCase]:
     return [t for t in CATALOGUE if t.profile in wanted]
 
 
-def required_ids(profiles) -> set[str]:
-    return {t.id for t in tests_for(profiles) if t.required}
+def required_ids(profiles, faults=None) -> set[str]:
+    """The required tests of ``profiles``. A test that needs an optional fault (``OPTIONAL_FAULTS``)
+    is required only of an adapter that declares it: ``faults``, its declared faults (None: all)."""
+    declared = None if faults is None else frozenset(faults)
+    return {t.id for t in tests_for(profiles)
+            if t.required and (declared is None or t.faults & OPTIONAL_FAULTS <= declared)}
+
+
+def _requirement(t: TestCase) -> str:
+    optional = sorted(t.faults & OPTIONAL_FAULTS)
+    if not t.required:
+        return "optional"
+    return f"required of an adapter that declares {', '.join(optional)}" if optional else "required"
+
+
+def _protocol_citation(design: str) -> str:
+    """A test's ``design`` as the document cites it: numbers as protocol properties ("protocol
+    properties 6,10"), words ("progress", "non-vacuity") as sections of docs/protocol.md."""
+    parts = design.split(",")
+    numbers = [p for p in parts if p.isdigit()]
+    cited = [f"protocol {'property' if len(numbers) == 1 else 'properties'} {','.join(numbers)}"] if numbers else []
+    cited += [f"docs/protocol.md {p}" for p in parts if not p.isdigit()]
+    return "; ".join(cited)
 
 
 def catalogue_markdown() -> str:
@@ -275,8 +296,8 @@ def catalogue_markdown() -> str:
                 "",
                 t.text,
                 "",
-                f"- properties: {', '.join(t.properties)} (DESIGN {t.design})",
-                f"- since {t.since}; {'required' if t.required else 'optional'}; time limit {t.time_limit_s:g} s"
+                f"- properties: {', '.join(t.properties)} ({_protocol_citation(t.design)})",
+                f"- since {t.since}; {_requirement(t)}; time limit {t.time_limit_s:g} s"
                 + (f"; needs {'; '.join(needs)}" if needs else ""),
                 "",
             ]
@@ -330,7 +351,7 @@ _MUTATION_TESTS: tuple[TestCase, ...] = (
              "(granted or refused; ignored), and evicting the copy it protects MUST be refused while that lease "
              "may be live.",
              "faults", ("NoReclaimUnderLease", "LeaseKnownToDirectory"), "5,12", "lease_across_restart",
-             faults={"restart_directory"}),
+             faults={"restart_directory"}, covers={"eviction"}),
     TestCase("KVCC-FAULT-007", "An invalidation survives a directory restart",
              "A wait on an invalidation blocked by a paused holder MUST time out (answer not completed) while the "
              "holder's lease is live; if the directory then restarts, the invalidation MUST still complete, no "
@@ -369,7 +390,9 @@ _DELETION = TestCase(
     "(`Capabilities.free_bound_ms`, default 8000 ms: the reference retries an unacknowledged free after 1 s, "
     "doubling up to 8 s) plus one lease term, counted from the end the suite saw (for a write, from its grant "
     "plus the term and twice epsilon), and an adapter with native events MUST log it (`free_slot`, or "
-    "`fence_stale_free` under an epoch at least the stored one). A lost free MUST be sent again. With inferred "
+    "`fence_stale_free` under an epoch at least the stored one). A lost free MUST be sent again. An adapter "
+    "that declares `Capabilities.frees_acknowledged` MUST also show each free settled: the directory's "
+    "`free_acked` for it, within the same bound. With inferred "
     "events the suite sees no location and checks only that the generations are gone from the directory.",
     "invalidation", ("DeletionReachesEverywhere",), "progress", "deletion_reaches_everywhere",
     time_limit_s=DEFAULT_TIME_LIMIT_S, covers={"deletion"},
@@ -378,3 +401,154 @@ _at = next((i for i, t in enumerate(CATALOGUE) if t.profile == _DELETION.profile
 CATALOGUE = CATALOGUE[:_at] + (_DELETION,) + CATALOGUE[_at:]
 BY_ID[_DELETION.id] = _DELETION
 del _at, _DELETION
+
+
+# -- tiers: reclaimed space, late and corrupt bytes, fences after a restart (KVCC-TIER-004/005, KVCC-FAULT-010..012)
+# Appended as one block, each test before its profile's audit (audits come last).
+_TIER_TESTS = (
+    TestCase("KVCC-TIER-004", "Evicted space is reused",
+             "A node MUST keep taking blocks while it evicts them: 640 blocks written one after another on one "
+             "node (some of 1 and of 4096 bytes), each committed, read back exactly by another node and evicted, "
+             "MUST all be stored and evicted: the space a block held MUST be reusable once it is evicted and no "
+             "reader is copying it, and MUST NOT be reused while the block lives: a block written and read before "
+             "them MUST read back exactly after them.",
+             "tiering", ("CommittedBytesIntact", "Eviction"), "4,5", "space_reclaimed",
+             time_limit_s=180.0, covers={"caching", "eviction", "trace_complete"}),
+    TestCase("KVCC-TIER-005", "Bytes of an expired write stay deleted",
+             "Bytes sent under a write lease that expired, after the key was written again under a higher epoch "
+             "by another node, MUST NOT land once the location freed that generation (their epoch is at or below "
+             "the one it freed: the trace is judged by the location's freed epoch), a commit under that grant MUST "
+             "be refused, and the key's block MUST read back exactly. (With inferred events no late bytes are sent: "
+             "the suite sees no location.)",
+             "tiering", ("FencingHolds", "DeletionReachesEverywhere", "CommittedBytesIntact"), "2,4,progress",
+             "late_bytes_stay_deleted", covers={"caching", "trace_complete"}),
+    TestCase("KVCC-FAULT-010", "Corrupt bytes at rest are a miss",
+             "Once one byte of a committed block is damaged where it is stored (any of the first 96 bytes of what "
+             "the location keeps to vouch for it, or a byte of the payload: the `corrupt` fault), a read of it "
+             "under a lease MUST be refused (miss) and MUST NOT return bytes; evicting the copy MUST succeed and "
+             "the key MUST then take new bytes that are read back exactly.",
+             "faults", ("CommittedBytesIntact",), "4", "corrupt_is_a_miss", faults={"corrupt"},
+             covers={"caching", "eviction", "trace_complete"}),
+    TestCase("KVCC-FAULT-011", "A restarted node fences bytes sent before its crash",
+             "Bytes a node's writer sent under a write lease that then expired, landing at that node after it was "
+             "killed and restarted without its memory, once the key was written again under a higher epoch, MUST be "
+             "refused (the restarted location takes its fences back from the directory) and MUST NOT change the "
+             "key's block, which MUST read back exactly. (With inferred events no late bytes are sent: the suite "
+             "sees no location.)",
+             "faults", ("FencingHolds", "EpochMonotonic", "CommittedBytesIntact"), "2,4", "fenced_after_restart",
+             faults={"kill", "restart"}, covers={"fencing", "caching", "trace_complete"}),
+    TestCase("KVCC-FAULT-012", "A free owed to a restarted node is judged by what it holds now",
+             "A free owed to a node that was down when its block's generation ended, reaching it after it restarted "
+             "without its memory and after the key was written again under a higher epoch -- elsewhere, or by "
+             "that node itself -- MUST be refused by the restarted location as stale and MUST NOT free the newer "
+             "block (the trace is validated against the fence it took back from the directory and the block it "
+             "holds), and the key's new block MUST read back exactly.",
+             "faults", ("FencingHolds", "CommittedBytesIntact"), "2,4,progress", "free_after_restart",
+             faults={"kill", "restart"}, covers={"caching", "trace_complete"}),
+)  # fmt: skip
+for _t in _TIER_TESTS:
+    _at = next((i for i, t in enumerate(CATALOGUE) if t.profile == _t.profile and t.audit), len(CATALOGUE))
+    CATALOGUE = CATALOGUE[:_at] + (_t,) + CATALOGUE[_at:]
+    BY_ID[_t.id] = _t
+del _at, _t, _TIER_TESTS
+
+
+# -- one request per client, grants of one node, timers under load, overlapping invalidations, paused and
+# dead nodes -------------------------------------------------------------------------------------------
+# Appended as one block, each test before its profile's audit: tests that fail mutants of the
+# in-process deployment the tests above let through (kvcc.conformance.mutation).
+_CLIENTS_AND_FAULTS: tuple[TestCase, ...] = (
+    TestCase("KVCC-CORE-011", "A writer has one write of a key at a time",
+             "A node's second begin_write of a key it is writing MUST be refused and MUST NOT disturb the first "
+             "write, whose bytes MUST then commit and be read exactly; an abort after the commit MUST change "
+             "nothing. Once a node's unused write lease ran out, its next begin_write of the key MUST be granted "
+             "(within a few terms) under a higher epoch.",
+             "core", ("OneWriterPerGeneration", "EpochMonotonic", "WriteLeaseEndsInTime"), "1,2",
+             "one_write_per_writer", covers={"caching", "trace_complete"}),
+    TestCase("KVCC-CORE-012", "A write grant commits only for its writer",
+             "A write grant presented on behalf of another node than the one it was granted to MUST NOT commit "
+             "(refused, or AdapterError); the writer's own bytes under it MUST then commit and be read exactly.",
+             "core", ("OneWriterPerGeneration", "CommittedBytesIntact"), "1,4", "grant_of_another_node",
+             covers={"caching", "trace_complete"}),
+    TestCase("KVCC-LEASE-009", "A holder has one lease of a key at a time",
+             "A holder's second acquire of a key it trusts a lease on MUST be refused and MUST NOT disturb that "
+             "lease; once the lease ran out, the holder's acquire MUST be granted (within a few terms), reading and "
+             "renewing under the old lease MUST be refused, and releasing the old lease MUST NOT end the new one.",
+             "leases", ("LeaseIdsFresh", "RenewalNeverRevives", "LeaseKnownToDirectory"), "8",
+             "one_lease_per_holder", covers={"caching", "trace_complete"}),
+    TestCase("KVCC-LEASE-010", "Leases run out on time while others are granted",
+             "While another node keeps writing, leasing and releasing other keys, an unused write lease MUST run out "
+             "(another node MUST be granted the key within a few terms) and an unreleased read lease MUST run out "
+             "(evicting its copy MUST succeed within a few terms).",
+             "leases", ("WriteLeaseEndsInTime", "NoReclaimUnderLease"), "5,8", "expiry_under_churn", covers={"eviction"}),
+    TestCase("KVCC-FAULT-013", "Overlapping invalidations across a directory restart",
+             "A second invalidation of a key already INVALIDATING MUST count it (ticket keys 1) and, like the first, "
+             "MUST NOT complete before a paused holder's lease could expire, across a directory restart; a ticket "
+             "that completed before the restart MUST still be complete after it.",
+             "faults", ("NoStaleRead", "InvalidationCompletesInTime"), "6,12", "overlapping_invalidations",
+             faults={"pause", "resume", "restart_directory"}, covers={"early_completion"}),
+    TestCase("KVCC-FAULT-008", "A paused node answers nothing; a killed one serves nothing",
+             "Operations naming a paused node (acquire, write_bytes, invalidate) MUST NOT answer while it is paused "
+             "(they block until it resumes, or fail with AdapterError); an invalidation waiting on its lease MUST "
+             "complete within a wait of a few terms; a killed node MUST NOT be granted a lease (its operations fail "
+             "with AdapterError or are refused) until it restarts. (With inferred events the suite runs one "
+             "operation at a time and makes no call on the paused node.)",
+             "faults", ("NoStaleRead", "InvalidationCompletesInTime", "CommittedBytesIntact"), "4,6,progress", "idle_nodes",
+             faults={"pause", "resume", "kill", "restart"}, covers={"caching", "trace_complete"}),
+    TestCase("KVCC-FAULT-009", "Dead nodes take no part in an invalidation",
+             "An invalidation of a block whose holder was killed MUST complete once the holder restarted, and one "
+             "of a block whose only copy's node was killed MUST complete, with no event of a dead incarnation; once "
+             "the nodes are back, both keys MUST be written and read again.",
+             "faults", ("NoStaleRead", "InvalidationCompletesInTime", "CommittedBytesIntact"), "4,6,9",
+             "dead_nodes_in_invalidation", faults={"kill", "restart"}, covers={"caching", "trace_complete"}),
+)  # fmt: skip
+CATALOGUE = _before_audits(CATALOGUE, _CLIENTS_AND_FAULTS)
+BY_ID.update((t.id, t) for t in _CLIENTS_AND_FAULTS)
+
+
+# -- a write across its writer's restart, frees held back by a directory restart's grace
+# (KVCC-FAULT-014/015) ---------------------------------------------------------------------------------
+# Appended as one block, each test before its profile's audit: tests that fail mutants of the
+# in-process deployment's restart and free retries (kvcc.conformance.mutation) the tests above let through.
+_GRACE_FREES = (
+    TestCase("KVCC-FAULT-014", "Frees held back by a directory restart leave when its grace ends",
+             "Writes granted right after a directory restart whose leases run out unused, some inside the restart "
+             "grace (while the directory frees nothing), MUST have their bytes freed once the grace ended: every "
+             "location that stored them MUST free them within the deletion bound of KVCC-INVAL-009 counted from the "
+             "write's grant, and an adapter with native events MUST log it. With inferred events the suite sees no "
+             "location and checks only that the generations are gone from the directory.",
+             "faults", ("DeletionReachesEverywhere",), "progress", "freed_after_grace",
+             faults={"restart_directory"}, covers={"deletion"}),
+    TestCase("KVCC-FAULT-015", "A writer's restart does not end its write early",
+             "A write whose bytes were stored and whose writer is then killed and restarted without its memory "
+             "before the write lease ran out MUST keep the key WRITING until the lease runs out: another node's "
+             "begin_write MUST be refused while the lease surely lives (within a term of the request that granted "
+             "it) and MUST be granted, under a higher epoch, once it ran out (within a few terms); the new block "
+             "MUST read back exactly on the restarted node.",
+             "faults", ("OneWriterPerGeneration", "EpochMonotonic", "WriteLeaseEndsInTime", "CommittedBytesIntact"),
+             "1,2", "write_across_writer_restart", faults={"kill", "restart"}, covers={"caching", "trace_complete"}),
+)  # fmt: skip
+CATALOGUE = _before_audits(CATALOGUE, _GRACE_FREES)
+BY_ID.update((t.id, t) for t in _GRACE_FREES)
+
+
+# -- a revocation that finds its holder no longer trusting, an invalidation through a foreign namespace
+# (KVCC-INVAL-011/012) ------------------------------------------------------------------------------
+# Appended as one block, each test before its profile's audit: tests that fail mutants of the
+# in-process deployment (kvcc.conformance.mutation) the tests above let through.
+_LATE_REVOKES = (
+    TestCase("KVCC-INVAL-011", "A revocation reaching a holder that stopped trusting is acknowledged",
+             "An invalidation of a block whose holder's own deadline passed (it read past it and no longer trusts "
+             "the lease) while the directory still held the lease live MUST complete; no read under the old lease "
+             "may then return bytes, and the key MUST then take new bytes that the same holder reads exactly.",
+             "invalidation", ("NoStaleRead", "InvalidationCompletesInTime", "CommittedBytesIntact"), "6,8",
+             "revoke_after_holder_deadline", covers={"caching", "trace_complete"}),
+    TestCase("KVCC-INVAL-012", "An invalidation through a foreign namespace voids nothing",
+             "An invalidation in a namespace the tenant is not authorised for -- of a key of its own namespace named "
+             "through it, or (where supported) of the whole namespace -- MUST void nothing and MUST answer a ticket "
+             "of 0 keys that is complete at once; the block MUST stay committed and be read back exactly.",
+             "invalidation", ("NamespaceIsolation", "CommittedBytesIntact"), "11", "invalidate_foreign_namespace",
+             scopes={"key"}, covers={"caching", "trace_complete"}),
+)  # fmt: skip
+CATALOGUE = _before_audits(CATALOGUE, _LATE_REVOKES)
+BY_ID.update((t.id, t) for t in _LATE_REVOKES)

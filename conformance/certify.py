@@ -70,7 +70,7 @@ def verify_bundle(root: str | Path, *, revalidate: bool = True) -> list[str]:
     claimed = [p for p in report.get("profiles", []) if p in (report.get("capabilities") or {}).get("profiles", [])]
     if not claimed:
         problems.append("no claimed profile was run")
-    required = catalogue.required_ids(claimed)
+    required = catalogue.required_ids(claimed, (report.get("capabilities") or {}).get("faults", ()))
     must_trace = {tid for tid in required if not catalogue.BY_ID[tid].audit}
     for tid, r in sorted(results.items()):
         if not isinstance(tid, str) or tid not in catalogue.BY_ID:

@@ -51,7 +51,7 @@ Any other exception, a wrong return type, or a method that does not return withi
 time limit is also ERROR. Wrong *data* (bytes other than the committed ones, a lease the
 directory never granted) is FAIL.
 
-Lease timing (DESIGN "Leases"): a grant carries ``term_ms`` and ``requested_at_ns``, the
+Lease timing (docs/protocol.md "Leases"): a grant carries ``term_ms`` and ``requested_at_ns``, the
 adapter's ``time.monotonic_ns()`` when it *sent* the request. A holder trusts the lease until
 ``requested_at_ns + term_ms - skew_ms`` on its own clock and never later; the directory treats
 it as live for ``term_ms + skew_ms`` after it granted (or renewed) it, on the directory's clock.
@@ -69,14 +69,17 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Literal
 
-from attrs import field, frozen
+from attrs import field, frozen, validators
 
 from kvcc.spec.keys import BlockKey, Namespace
 
 # -- vocabulary ------------------------------------------------------------------------------------
 
 PROFILES = ("core", "leases", "invalidation", "tiering", "faults", "load")
-FAULTS = ("kill", "restart", "pause", "resume", "skew_clock", "restart_directory")
+FAULTS = ("kill", "restart", "pause", "resume", "skew_clock", "restart_directory", "corrupt")
+CORRUPT_REGIONS = ("payload", "header")  # what ``Adapter.corrupt`` damages of a stored block
+# Faults no profile needs: a test that needs one is required only of an adapter that declares it.
+OPTIONAL_FAULTS = frozenset({"corrupt"})
 SCOPES = ("key", "prefix", "namespace")
 EVENT_SOURCES = ("native", "inferred")
 LEASE_MODES = ("enforced", "advisory", "none")
@@ -108,7 +111,7 @@ REASONS = (
 )  # fmt: skip
 assert len(set(REASONS)) == len(REASONS)
 
-# Deletion reaches everywhere (DESIGN progress). The longest a location that is up may keep an
+# Deletion reaches everywhere (docs/protocol.md progress). The longest a location that is up may keep an
 # ended generation's bytes once the generation ended, unless an adapter declares its own
 # (``Capabilities.free_bound_ms``): the reference directory sends a free at once and, while
 # unacknowledged, again after 1 s, the wait doubling up to 8 s, so a free reaches a reachable
@@ -207,13 +210,18 @@ class Capabilities:
       suite infers them from the history.
     - ``leases``: ``"enforced"`` (the system refuses to free leased bytes), ``"advisory"``
       (leases are tracked but not enforced) or ``"none"``.
-    - ``free_bound_ms``: the deletion bound the deployment promises (DESIGN progress: deletion
+    - ``free_bound_ms``: the deletion bound the deployment promises (docs/protocol.md progress: deletion
       reaches everywhere): every location that held a generation MUST free its bytes -- and,
       with native events, log ``free_slot`` (or ``fence_stale_free`` when a later epoch already
       replaced them) -- within this many ms of the generation ending (an invalidation
       completing, a write aborted or its write lease expired), plus a message delay, while the
       location is up, even when frees are lost on the way (a lost free MUST be sent again).
       Default ``FREE_BOUND_MS_DEFAULT`` (what the reference directory's retry schedule meets).
+    - ``frees_acknowledged``: the deployment's locations answer each free (``Freed``) and its
+      directory logs ``free_acked`` (docs/events.md, "Owed frees"), as the reference does. The
+      suite then requires every free to settle within the deletion bound: a location that freed
+      the bytes but whose free the directory never saw acknowledged FAILs KVCC-INVAL-009 (the
+      directory would send it again forever). Default ``False``: only the bytes are checked.
     - ``notes``: free text for the report.
     """
 
@@ -224,6 +232,7 @@ class Capabilities:
     leases: Literal["enforced", "advisory", "none"] = field(default="enforced", validator=_one_of(LEASE_MODES))
     notes: str = ""
     free_bound_ms: int = field(default=FREE_BOUND_MS_DEFAULT, validator=_nonneg_int)
+    frees_acknowledged: bool = field(default=False, validator=validators.instance_of(bool))
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -234,6 +243,7 @@ class Capabilities:
             "leases": self.leases,
             "notes": self.notes,
             "free_bound_ms": self.free_bound_ms,
+            "frees_acknowledged": self.frees_acknowledged,
         }
 
 
@@ -291,7 +301,7 @@ class WriteGrant:
     requested_at_ns: int = field(validator=_nonneg_int)
 
     def trusted_until_ns(self, skew_ms: int) -> int:
-        """The holder's own deadline: requested_at + term - skew (DESIGN "Leases")."""
+        """The holder's own deadline: requested_at + term - skew (docs/protocol.md "Leases")."""
         return self.requested_at_ns + (self.term_ms - skew_ms) * 1_000_000
 
 
@@ -310,7 +320,7 @@ class ReadGrant:
     requested_at_ns: int = field(validator=_nonneg_int)
 
     def trusted_until_ns(self, skew_ms: int) -> int:
-        """The holder's own deadline: requested_at + term - skew (DESIGN "Leases")."""
+        """The holder's own deadline: requested_at + term - skew (docs/protocol.md "Leases")."""
         return self.requested_at_ns + (self.term_ms - skew_ms) * 1_000_000
 
 
@@ -427,7 +437,7 @@ class Adapter(abc.ABC):
         """Ask the directory for the write lease of ABSENT ``key`` (whose chain parent is
         ``parent``, ``None`` for a root block), to be filled at a location of ``node``.
 
-        Must: grant at most one write lease per key and generation (DESIGN property 1), with an
+        Must: grant at most one write lease per key and generation (protocol property 1), with an
         epoch one above the key's previous epoch (property 2) and a lease id never used before
         (property 8); refuse, in this order, ``unauthorized`` for a namespace not in
         ``RunContext.namespaces`` (or a key recorded under another namespace), ``not_absent``
@@ -465,8 +475,11 @@ class Adapter(abc.ABC):
         ``stale_epoch`` under another epoch, ``lease_expired`` once the write lease ran out (the
         late writer is fenced); refuse ``not_found``, without asking the directory and logging
         nothing, a grant whose bytes were not stored by ``write_bytes``, that was aborted or
-        fenced, or whose commit was sent already (answered ``Committed`` or refused by the
-        directory): the spec's writer sends its one commit when its bytes landed.
+        fenced, or whose commit the directory refused: the spec's writer sends its one commit
+        when its bytes landed. A second call for a grant already answered ``Committed`` sends
+        nothing and logs nothing; it answers ``Committed`` again (the same generation and
+        epoch, as the reference client and the suite's kit do) or ``not_found`` -- either is
+        correct, as the spec has no second commit to judge.
         Must not: publish bytes that were not all stored.
         """
 
@@ -557,7 +570,7 @@ class Adapter(abc.ABC):
         Every location that held a voided generation MUST free its bytes within
         ``capabilities().free_bound_ms`` of the completion (plus a message delay), logging
         ``free_slot`` / ``fence_stale_free`` with native events, even when frees are lost
-        (DESIGN progress: deletion reaches everywhere; KVCC-INVAL-009).
+        (docs/protocol.md progress: deletion reaches everywhere; KVCC-INVAL-009).
         Raises: ``NotSupported`` for a scope not in ``capabilities().scopes``.
         """
 
@@ -621,6 +634,19 @@ class Adapter(abc.ABC):
         Raises ``NotSupported`` unless ``"restart_directory"`` is declared."""
         raise NotSupported("restart_directory")
 
+    def corrupt(self, node: str, key: BlockKey, region: str, offset: int) -> None:
+        """Damage ``node``'s stored copy of ``key`` at rest, as a failing medium would, telling the
+        deployment nothing: invert every bit of one byte of the copy's ``region`` -- ``"payload"``,
+        the block's bytes, or ``"header"``, what the location stores beside them to vouch for
+        them (a header, a checksum, an index entry kept with the bytes; the payload again where it
+        keeps nothing) -- at ``offset`` modulo the region's size. The suite needs it to check that
+        corrupt bytes at rest become a miss, never other bytes (property 4), and that the key can
+        be written again; only an adapter that can reach its locations' storage declares it.
+        Does nothing when ``node`` holds no copy of ``key`` (a read then misses anyway). Raises
+        ``NotSupported`` unless ``"corrupt"`` is declared, ``ValueError`` for a region not in
+        ``CORRUPT_REGIONS`` or a negative offset, ``AdapterError`` when ``node`` is down."""
+        raise NotSupported("corrupt")
+
     # -- trace -------------------------------------------------------------------------------
 
     @abc.abstractmethod
@@ -640,7 +666,7 @@ class Adapter(abc.ABC):
 AdapterFactory = Callable[[], Adapter]  # what --adapter names: a zero-argument callable
 
 __all__ = [
-    "FAULTS", "FREE_BOUND_MS_DEFAULT", "PROFILES", "REASONS", "SCOPES", "Adapter", "AdapterError", "AdapterFactory", "Capabilities", "Committed",
+    "CORRUPT_REGIONS", "FAULTS", "OPTIONAL_FAULTS", "FREE_BOUND_MS_DEFAULT", "PROFILES", "REASONS", "SCOPES", "Adapter", "AdapterError", "AdapterFactory", "Capabilities", "Committed",
     "ContractError", "Evicted", "InvalidationTicket", "NotSupported", "ReadGrant", "Refused", "RunContext",
     "Stored", "WriteGrant", "deletion_deadline_ms",
 ]  # fmt: skip

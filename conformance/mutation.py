@@ -51,8 +51,10 @@ broken deployment, and counts how many the suite refuses to certify.
 - **Baseline.** The unmutated deployment is run first through the same machinery and must certify;
   otherwise no mutant's verdict means anything and the run stops.
 
-``kvcc conform --mutation-score [--json] [--jobs N] [--limit N]`` prints ``mutants``, ``killed``,
+``kvcc conform --mutation-score [--json] [--jobs N] [--limit N] [--module NAME ...]`` prints ``mutants``, ``killed``,
 ``survivors``, ``equivalent`` and ``score``; exit 0 when the score reaches ``TARGET_SCORE``.
+``--module NAME`` (repeatable) mutates only the targets whose module name contains NAME: the
+score is then theirs alone.
 """
 
 from __future__ import annotations
@@ -136,6 +138,8 @@ def _origin(module: str) -> str:
 
 
 _NO_TRANSFER = "the in-process deployment starts no transfer (CoreAdapter raises on CopyAt)"
+_NO_DETECTOR = ("the in-process deployment has no failure detector: it never declares a node down nor back up "
+                "(a killed node comes back through restart, node_rejoined); only the reference server's watchdog calls it")
 TARGETS: tuple[Target, ...] = (
     Target("kvcc.reference.directory.core", skip=(
         ("DirectoryCore.start_transfer", _NO_TRANSFER),
@@ -143,26 +147,33 @@ TARGETS: tuple[Target, ...] = (
         ("DirectoryCore._copied", _NO_TRANSFER + "; nothing sends Copied"),
         ("CopyAt", _NO_TRANSFER),
         ("DirectoryCore._maybe_free_drained", _NO_TRANSFER + ": no copy is ever draining"),
+        ("DirectoryCore._abandon_transfer", _NO_TRANSFER + ": no copy is ever moving (its callers are transfers, "
+                                            "node_down, and node_rejoined for a record with one)"),
         ("Ticket.completed_by", "reporting (how an invalidation ended); the deployment never reads it"),
         ("Record.phase_name", "reporting; the deployment never reads it"),
         ("DirectoryCore.children", "a reader for tests and tools; the core walks its index directly"),
+        ("DirectoryCore.pending_frees", "a reader for tests and tools; the deployment never calls it"),
+        ("Send.due", "only the reference server reads it (its log stamps a step after the decision); the kit logs "
+                     "and delivers every Revoke in the step that made it"),
         ("DirectoryCore.ticket_status", "only the WaitTicket message calls it; the kit reads tickets directly"),
         ("DirectoryCore.next_deadline_ms", "a wake-up hint: the kit's ticker wakes every TICK_IDLE_MS whatever it says, "
                                            "and every entry point first lets time pass (a late tick only delays)"),
         ("DirectoryCore.check_invariants", "a debugging check that tests call, not the deployment"),
+        *((name, _NO_DETECTOR) for name in ("DirectoryCore.node_down", "DirectoryCore.locations_up",
+                                            "DirectoryConfig.disconnect_detection_ms")),
         ("DirectoryConfig.directory_view_ms", "a derived figure for callers; the core does not use it"),
         ("DirectoryConfig.holder_budget_ms", "a derived figure for callers; the core does not use it"),
         ("DirectoryConfig.invalidation_deadline_ms", "a derived figure for callers; the core does not use it"),
         ("_positive", "configuration validation; the suite passes a fixed, valid configuration"),
         ("DirectoryConfig.__attrs_post_init__", "configuration validation; the suite passes a valid one"),
     )),  # fmt: skip
-    Target("kvcc.conformance.testing", only={"CoreAdapter", "_invalidate_first"}, skip=(
+    Target("kvcc.conformance.testing", only={"CoreAdapter"}, skip=(
         *((f"CoreAdapter.{name}", "the kit's lifecycle and plumbing (logs, clocks, timers), not the deployment's logic")
           for name in ("__init__", "capabilities", "versions", "start", "stop", "nodes", "events", "_new_core",
                        "_clock_ns", "_new_log", "_new_node", "_now_ms", "_node_now_ns", "_next_request",
                        "_check_running", "_tick_loop", "_fault")),
         *((f"CoreAdapter.{name}", "fault injection: the environment the suite controls, not the deployment")
-          for name in ("kill", "pause", "skew_clock")),
+          for name in ("kill", "pause", "skew_clock", "corrupt")),
     )),  # fmt: skip
     Target("kvcc.reference.tiers.base", only={"SlotTier", "Tier", "Header", "decode_header", "block_checksum",
                                                "piece_digests", "combine_digests", "copy_checksum"}, skip=(
@@ -185,6 +196,7 @@ TARGETS: tuple[Target, ...] = (
     Target("kvcc.reference.tiers.dram", only={"DramTier"}, skip=(
         ("DramTier.__init__", "construction with the kit's fixed sizes"),
         ("DramTier._prepare_source", "tensor plumbing: the kit writes bytes"),
+        ("DramTier.damage", "fault injection (the kit's corrupt): the environment the suite controls"),
     )),  # fmt: skip
 )
 
@@ -770,7 +782,10 @@ def mutation_score(
     every_fps = {m.fingerprint for m in every}
     stale = [{"fingerprint": fp, "why": "killed: not equivalent", **eq[fp]} for fp in eq
              if fp in chosen_fps and outcomes[fp].killed]  # fmt: skip
-    stale += [{"fingerprint": fp, "why": "matches no mutant", **eq[fp]} for fp in eq if fp not in every_fps]
+    # An entry of a module this run did not mutate (--module) is not judged here.
+    mutated = {t.short for t in targets}
+    stale += [{"fingerprint": fp, "why": "matches no mutant", **eq[fp]} for fp in eq
+              if fp not in every_fps and eq[fp].get("id", "").split(":")[0] in mutated]  # fmt: skip
     denominator = len(chosen) - len(equivalent)
 
     def entry(m: Mutant, with_diff: bool = True) -> dict[str, Any]:
@@ -823,8 +838,20 @@ def mutation_score(
 # -- the command -------------------------------------------------------------------------------------------------
 
 
+def select_targets(names: Sequence[str] | None) -> tuple[Target, ...]:
+    """The targets whose module name contains one of ``names`` (None: every target); a name that
+    matches none is an error, not an empty run."""
+    if not names:
+        return TARGETS
+    unknown = [n for n in names if not any(n in t.module for t in TARGETS)]
+    if unknown:
+        raise ValueError(f"--module {', '.join(unknown)} names no target (targets: {', '.join(t.short for t in TARGETS)})")
+    return tuple(t for t in TARGETS if any(n in t.module for n in names))
+
+
 def cmd_mutation_score(args: Any) -> int:
-    """``kvcc conform --mutation-score [--json] [--jobs N] [--limit N] [--seed N] [--profile P ...]``."""
+    """``kvcc conform --mutation-score [--json] [--jobs N] [--limit N] [--seed N] [--profile P ...]
+    [--rerun PREV.json] [--module NAME ...]``."""
     from rich.console import Console
 
     params = RunParams(
@@ -839,11 +866,16 @@ def cmd_mutation_score(args: Any) -> int:
         mark = "[green]killed[/]" if o.killed else "[bold red]survived[/]"
         console.print(f"{i:4}/{n} {mark} {mutant_id} {o.duration_s:6.1f}s {o.test or ''} {o.status or ''}")
 
+    try:
+        targets = select_targets(getattr(args, "module", None))
+    except ValueError as e:
+        console.print(f"kvcc conform: error: {e}")
+        return 2
     previous = None
     if getattr(args, "rerun", None):
         previous = json.loads(Path(args.rerun).read_text(encoding="utf-8"))
     res = mutation_score(params, jobs=max(1, args.jobs or DEFAULT_JOBS), limit=args.limit, progress=progress,
-                         previous=previous)  # fmt: skip
+                         previous=previous, targets=targets)  # fmt: skip
     if args.json:
         print(json.dumps(res, default=str))
     else:

@@ -7,18 +7,18 @@ operation, checks that the answer is a value of the contract (anything else is
 ``GarbageAnswer`` -> ERROR), appends it to the *history*, and applies the oracles that hold in
 every test whatever it does:
 
-- **exact bytes** (DESIGN 4): a read that returns bytes must return exactly what the suite wrote
+- **exact bytes** (protocol property 4): a read that returns bytes must return exactly what the suite wrote
   under the grant that committed that (key, generation). A generation is *possibly committed*
   from the moment the suite calls ``commit`` (the directory may commit it long before the answer
   arrives): a read overlapping the call may return its bytes, and FAILs only if the commit is
-  then refused. A (key, generation) committed under two write leases FAILs (DESIGN 1);
-- **no stale read** (DESIGN 6/7): once the suite saw an invalidation of a key complete, no read
+  then refused. A (key, generation) committed under two write leases FAILs (protocol property 1);
+- **no stale read** (protocol properties 6/7): once the suite saw an invalidation of a key complete, no read
   under a lease of an older generation may return bytes;
-- **holder deadline** (DESIGN leases): no read may return bytes when it started after the
+- **holder deadline** (docs/protocol.md leases): no read may return bytes when it started after the
   holder's own deadline (requested_at + term - epsilon), with epsilon of slack for the holder's
   clock; requested_at is taken as late as it can be (when the grant reached the suite), so a
   request that waited before it was sent is never mistaken for a holder that trusts too long;
-- **fresh lease ids** (DESIGN 8): no grant may carry a lease id granted before in the test.
+- **fresh lease ids** (protocol property 8): no grant may carry a lease id granted before in the test.
 
 A violation raises ``OracleFailure`` (FAIL) naming the rule and the history index. Per-test
 oracles are ``Session.check`` calls in the workloads.
@@ -33,9 +33,13 @@ holder's or writer's request, the directory's decision (``grant_*`` / ``refuse_*
 ``commit_write``, ``evict``, ``invalidate`` ...), the location's ``store_bytes`` -- in causal
 order. What the suite cannot see is inferred from what it can: an invalidation it saw complete
 revoked every lease it still held on a voided key (``drop_and_ack`` / ``revoke_acked``, unless
-the holder's own deadline had passed: then it completed by expiry) and then completed each
-voided generation; a refusal a correct client gives without asking (a lease it no longer trusts,
-a second lease or write of a key it is busy with) implies no event at all.
+the holder's own deadline had passed, or a directory restart lost the lease table: then it
+completed by expiry) and then completed each voided generation; an answer that shows a key
+ABSENT (a new write granted, its parent's last copy evicted) shows that its write lease expired
+or its invalidation completed first; a refused commit of the write the directory still had open
+shows that lease expired; a fenced write shows the Free of its ended write reached the location;
+a refusal a correct client gives without asking (a lease it no longer trusts, a second lease or
+write of a key it is busy with) implies no event at all.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ from attrs import define, field
 from kvcc.spec.keys import BlockKey, Namespace
 
 from .contract import (
+    REASON_LEASED,
     Adapter,
     Committed,
     Evicted,
@@ -103,13 +108,16 @@ class Audit:
 def _ordered(method: Callable) -> Callable:
     """In inferred mode, one operation at a time, its inferred events logged before the next
     starts: the order of the inferred directory log is then the order the adapter decided in (a
-    native trace carries its own order, so native adapters keep full concurrency)."""
+    native trace carries its own order, so native adapters keep full concurrency). An
+    invalidation whose wait came back complete is logged first: the next operation may already
+    see it complete (the lock is not fair, and the wait's own thread may be the last to get it)."""
 
     @functools.wraps(method)
     def in_order(self: Session, *args: Any, **kwargs: Any) -> Any:
         if not self.infer:
             return method(self, *args, **kwargs)
         with self.order:
+            self._infer_due_completions()
             return method(self, *args, **kwargs)
 
     return in_order
@@ -158,6 +166,9 @@ class Session:
     open_writes: dict = field(factory=dict)  # key -> its uncommitted write grant at the directory
     completed: dict = field(factory=dict)  # key -> every generation below this completed an invalidation
     down: set = field(factory=set)  # nodes killed and not restarted
+    stored_epochs: dict = field(factory=dict)  # (key, location) -> highest epoch whose bytes landed there
+    due_completions: list = field(factory=list)  # tickets whose wait came back complete, not yet logged
+    forgotten: set = field(factory=set)  # (node, read lease) the directory's lease table lost in a restart
     seqs: dict = field(factory=dict)  # (node, incarnation) -> last seq
     stopped: Any = field(factory=threading.Event)
     order: Any = field(factory=threading.RLock)  # see _ordered
@@ -197,9 +208,12 @@ class Session:
 
     def _live_at_directory(self, node: str, lease: int, at_ns: int) -> bool:
         """Whether the directory may still hold ``lease`` live at ``at_ns``: granted (or renewed)
-        no earlier than the call's start, live for term + epsilon after."""
+        no earlier than the call's start, live for term + epsilon after, and not lost with the
+        lease table in a directory restart since (then it can only run out at its holder)."""
         earliest = self.earliest_deadlines_ns.get((node, lease))
-        return (node, lease) in self.read_grants and earliest is not None and at_ns < earliest + 2 * self.skew_ms * 1_000_000
+        if (node, lease) not in self.read_grants or (node, lease) in self.forgotten or earliest is None:
+            return False
+        return at_ns < earliest + 2 * self.skew_ms * 1_000_000
 
     def _trusted_ns(self, node: str, lease: int, now_ns: int) -> bool:
         """Whether a correct holder still trusts ``lease`` at ``now_ns`` (suite clock): granted,
@@ -247,6 +261,8 @@ class Session:
         _expect(g, (WriteGrant, Refused), "begin_write")
         i = self._record("begin_write", node, {"key": key.hex}, g, t0)
         parent_hex = None if parent is None else parent.hex
+        if isinstance(g, WriteGrant) or g.reason not in LOCAL_REFUSALS:
+            self._infer_given_up(node, key)
         if isinstance(g, WriteGrant):
             self._check_grant(g, node, key, i)
             sent()
@@ -262,16 +278,36 @@ class Session:
             self._emit(node, "abort", key=key)  # the client gives up on this write
         return g
 
-    def _infer_key_free(self, key: BlockKey, grant: WriteGrant) -> None:
-        """A new write of ``key`` was granted, so the key was ABSENT: what made it so and the
-        suite could not see happened first -- the previous write lease expired, or a committed
-        generation whose copy was lost in a crash was invalidated and completed."""
+    def _infer_given_up(self, node: str, key: BlockKey) -> None:
+        """``node`` asked for a new write of ``key`` while its earlier grant of it had sent no
+        bytes: it gave that write up first (spec: abort) -- a writer has one write of a key at a
+        time, and asks again only once the earlier one is over by its own clock."""
         if not self.infer:
             return
+        with self.lock:
+            given_up = [g for (k, _), g in sorted(self.writing.items(), key=lambda kv: kv[0][1])
+                        if k == key and g.node == node]  # fmt: skip
+            for g in given_up:
+                del self.writing[(key, g.lease)]
+        for g in given_up:
+            self._emit(node, "abort", key=key, gen=g.gen, epoch=g.epoch, lease=g.lease)
+
+    def _infer_key_free(self, key: BlockKey, grant: WriteGrant) -> None:
+        """A new write of ``key`` was granted, so the key was ABSENT (``_infer_absent``)."""
+        if not self.infer:
+            return
+        self._infer_absent(key)
+        with self.lock:
+            self.open_writes[key] = grant
+
+    def _infer_absent(self, key: BlockKey) -> None:
+        """The directory's answer shows ``key`` ABSENT (a write of it was granted, or its parent's
+        last copy evicted): what made it so and the suite could not see happened first -- its
+        write lease expired, or a committed generation was invalidated and completed (its copy
+        lost in a crash, or its invalidation's wait not yet back at the suite)."""
         acks: list[ReadGrant] = []
         with self.lock:
             earlier = self.open_writes.pop(key, None)
-            self.open_writes[key] = grant
             tops = [gen for (k, gen) in self.committed if k == key and gen >= self.completed.get(key, 0)]
             if tops:
                 self.completed[key] = max(tops) + 1
@@ -284,13 +320,17 @@ class Session:
                     self.read_grants.pop((g.node, g.lease), None)
                 for voided in self.voiding.values():
                     voided.pop(key, None)  # completed: no longer INVALIDATING for later invalidations
-        if earlier is not None and earlier.lease != grant.lease:
-            name = "expire_write_lease_of_crashed" if earlier.node in self.down else "expire_write_lease"
-            self._emit_dir(name, key=key, lease=earlier.lease, writer=earlier.node)
-            self._stamp_when_due(earlier.lease)
+        if earlier is not None:
+            self._emit_write_expired(earlier)
         if tops:
             self._emit_acks(acks)
             self._emit_dir("complete_invalidation", key=key, gen=max(tops))
+
+    def _emit_write_expired(self, grant: WriteGrant) -> None:
+        """The directory's timer ended write lease ``grant`` (its writer crashed or stalled)."""
+        name = "expire_write_lease_of_crashed" if grant.node in self.down else "expire_write_lease"
+        self._emit_dir(name, key=grant.key, lease=grant.lease, writer=grant.node)
+        self._stamp_when_due(grant.lease)
 
     def _stamp_when_due(self, lease: int) -> None:
         """Stamp the newest inferred event, the expiry of write lease ``lease`` that the suite
@@ -344,14 +384,34 @@ class Session:
             with self.lock:
                 self.pending_bytes[(grant.key, grant.lease)] = bytes(data)
                 landed = self.writing.pop((grant.key, grant.lease), None) is not None
+                if self.infer:
+                    top = self.stored_epochs.get((grant.key, grant.location), 0)
+                    self.stored_epochs[(grant.key, grant.location)] = max(top, grant.epoch)
             if landed:  # the spec's writer sends its bytes once; a second store is the same bytes
                 self._emit(host, "store_bytes", **fields)
         elif r.reason == "fenced":
             with self.lock:
                 self.audit.fenced_writes += 1
                 self.writing.pop((grant.key, grant.lease), None)
+            if self.infer:
+                self._infer_write_freed(grant)
             self._emit(host, "fence_stale_write", **fields)
         return r
+
+    def _infer_write_freed(self, grant: WriteGrant) -> None:
+        """The location fenced the bytes of ``grant``. Unless newer bytes of the key landed there,
+        the directory ended that write -- its lease expired (logged now if the suite had not seen
+        it), or an invalidation aborted it -- and its Free reached the location first."""
+        with self.lock:
+            if self.stored_epochs.get((grant.key, grant.location), 0) >= grant.epoch:
+                return  # newer bytes there fence it: no Free needed
+            expired = self.open_writes.get(grant.key) == grant
+            if expired:
+                del self.open_writes[grant.key]
+        if expired:
+            self._emit_write_expired(grant)
+        self._emit(grant.location.partition("/")[0], "free_slot", key=grant.key, epoch=grant.epoch,
+                   location=grant.location, result="ok")  # fmt: skip
 
     @_ordered
     def commit(self, grant: WriteGrant) -> Committed | Refused:
@@ -364,15 +424,14 @@ class Session:
             data = self.pending_bytes.get((grant.key, grant.lease))
             if data is not None and slot not in self.committed:
                 self.committing.setdefault(slot, {})[grant.lease] = (data, grant.node)
+        r: Any = None
         try:
             r = self.adapter.commit(grant)
             _expect(r, (Committed, Refused), "commit")
         finally:
-            with self.lock:
-                pending = self.committing.get(slot, {})
-                pending.pop(grant.lease, None)
-                if not pending:
-                    self.committing.pop(slot, None)
+            if not isinstance(r, Committed):  # a commit stays possibly-committed until recorded as committed
+                with self.lock:
+                    self._drop_committing(slot, grant.lease)
         i = self._record("commit", grant.node, {"key": grant.key.hex, "lease": grant.lease}, r, t0)
         with self.lock:
             early = self.read_while_committing.pop((grant.key, grant.gen, grant.lease), None)
@@ -391,8 +450,17 @@ class Session:
                     raise OracleFailure("OneWriterPerGeneration", f"generation {r.gen} of {grant.key.hex[:16]} committed "
                                         f"twice: under lease {first[2]} and again under lease {grant.lease}", i)  # fmt: skip
                 self.committed[(grant.key, r.gen)] = (data, grant.node, grant.lease)
+                self._drop_committing(slot, grant.lease)
         else:
             if data is not None and r.reason not in ("not_found", *LOCAL_REFUSALS):
+                with self.lock:
+                    # The directory turned down the commit of the write it still had open: only
+                    # its timer can have ended that lease, and it ran before the commit arrived.
+                    expired = self.infer and self.open_writes.get(grant.key) == grant
+                    if expired:
+                        del self.open_writes[grant.key]
+                if expired:
+                    self._emit_write_expired(grant)
                 # Stored bytes sent the spec's commit; the directory turned it down.
                 self._emit_dir("reject_stale_commit", key=grant.key, lease=grant.lease, writer=grant.node,
                                epoch=grant.epoch, result=r.reason)  # fmt: skip
@@ -403,6 +471,13 @@ class Session:
                 with self.lock:
                     self.audit.stale_commits_refused += 1
         return r
+
+    def _drop_committing(self, slot: tuple, lease: int) -> None:
+        """The commit under ``lease`` is settled (under ``lock``): no longer possibly-committed."""
+        pending = self.committing.get(slot, {})
+        pending.pop(lease, None)
+        if not pending:
+            self.committing.pop(slot, None)
 
     @_ordered
     def abort(self, grant: WriteGrant) -> None:
@@ -463,6 +538,8 @@ class Session:
                 self.deadlines_ns[(grant.node, grant.lease)] = t1 + (g.term_ms - self.skew_ms) * 1_000_000
                 self.earliest_deadlines_ns[(grant.node, grant.lease)] = t0 + (g.term_ms - self.skew_ms) * 1_000_000
             sent()
+            with self.lock:
+                self.forgotten.discard((grant.node, grant.lease))  # renewed: the directory holds it again
             self._emit_dir("renew_lease", key=grant.key, lease=grant.lease, holder=grant.node)
             self._emit(grant.node, "trust_renewal", key=grant.key, gen=g.gen, epoch=g.epoch, lease=g.lease)
         elif asks and g.reason not in LOCAL_REFUSALS:
@@ -487,7 +564,7 @@ class Session:
                         i,
                     )
                 # Judged by when the read *started*: a read under way while another thread saw the
-                # invalidation complete may legitimately return the old bytes (DESIGN 6: no read of
+                # invalidation complete may legitimately return the old bytes (protocol property 6: no read of
                 # the invalidated generation starts after completion).
                 for below, seen_ns in self.invalidated_below.get(grant.key, ()):
                     if grant.gen < below and t0 >= seen_ns:
@@ -571,6 +648,10 @@ class Session:
         generation of each it voids."""
         if scope == "namespace":
             keys = {k for k, d in self.key_ns.items() if d == digest}
+        elif self.key_ns.get(key) != digest:
+            # A key named through a namespace it does not belong to reaches nothing: the key is
+            # another namespace's, and a prefix subtree never leaves its namespace (protocol properties 10, 11).
+            return set(), {}
         else:
             keys, frontier = {key}, [key]
             while frontier:
@@ -594,7 +675,10 @@ class Session:
             raise GarbageAnswer(f"wait_invalidation answered {done!r:.80}")
         self._record("wait_invalidation", None, {"ticket": ticket.id}, done, t0)
         if done and self.infer:
-            self._infer_completion(ticket)
+            with self.lock:
+                self.due_completions.append(ticket)
+            with self.order:
+                self._infer_due_completions()
         if done:
             with self.lock:
                 snapshot = self.snapshots.get(ticket.id, {})
@@ -604,7 +688,13 @@ class Session:
                         self.invalidated_below.setdefault(key, []).append((top + 1, done_ns))
         return done
 
-    @_ordered
+    def _infer_due_completions(self) -> None:
+        """Log the completions of the invalidations whose waits came back (under ``order``)."""
+        with self.lock:
+            due, self.due_completions = self.due_completions, []
+        for ticket in due:
+            self._infer_completion(ticket)
+
     def _infer_completion(self, ticket: InvalidationTicket) -> None:
         """The invalidation completed: every lease of the suite's holders on a voided key that the
         directory still held live when the invalidation started was revoked and acknowledged (a
@@ -660,6 +750,12 @@ class Session:
         if location.partition("/")[0] != node:
             location = node
         if isinstance(r, Evicted):
+            with self.lock:
+                last = self.infer and self.copies.get(key) == location
+                children = [c for c, p in self.parents.items() if p == key] if last else []
+            for child in children:
+                # A last copy goes only once every child is ABSENT (the spec's evict_parent_first).
+                self._infer_absent(child)
             self._emit_dir("evict", key=key, location=location)
             with self.lock:
                 if self.copies.get(key) == location:
@@ -699,6 +795,7 @@ class Session:
         elif op == "restart_directory":
             with self.lock:
                 self.incarnations[INFERRED_DIRECTORY] = self.incarnations.get(INFERRED_DIRECTORY, INFERRED_INCARNATION) + 1
+                self.forgotten |= set(self.read_grants)  # records survive a restart, the lease table does not
             self._emit_dir("restart_directory")
 
     def _check_grant(self, g: WriteGrant | ReadGrant, node: str, key: BlockKey, i: int) -> None:
@@ -723,13 +820,68 @@ _AT_MOST_PER_LEASE = ("start_writing", "trust_read_lease", "trust_renewal")
 # deployment may evict on its own; failures may be logged by more than one party).
 _AT_LEAST = ("grant_write_lease", "grant_read_lease", "renew_lease", "store_bytes", "fence_stale_write", "evict",
              "crash", "restart_node", "restart_directory")  # fmt: skip
+# Refusals, counted per key whatever the lease (a refused acquire has none): at least as many as
+# the suite saw (``_DIRECTORY_REFUSALS``).
+_REFUSAL_EVENTS = ("refuse_read_lease", "refuse_renewal", "refuse_write_lease", "reject_stale_commit", "abandon",
+                   "evict_refused")
 
 
-def _implied(h: dict) -> list[tuple]:
-    """The trace events one history entry implies: ``(event, key, lease)`` (``None`` = any)."""
+# Refusals only the directory can give (``spec.rules``' may_grant_read, may_renew, may_begin_write,
+# may_commit): the suite saw one, so the directory decided it and logged its refusal, and a holder
+# turned down that way stops waiting (``abandon``). Reasons a client may also give on its own
+# (``already_leased``, ``busy``, ``revoked``, ``lease_expired`` or ``unknown_lease`` of a renewal of a
+# lease it no longer holds, ``not_found``), and refusals a client may give knowing its own earlier
+# requests (``_maybe_local``), imply nothing.
+_DIRECTORY_REFUSALS = {
+    "acquire": ("refuse_read_lease", frozenset({"not_committed", "invalidating"})),
+    "renew": ("refuse_renewal", frozenset({"not_committed", "invalidating", "not_owner"})),
+    "begin_write": ("refuse_write_lease", frozenset({"not_absent", "parent_not_committed"})),
+    "commit": ("reject_stale_commit", frozenset({"stale_epoch", "lease_expired", "wrong_generation"})),
+}  # fmt: skip
+
+
+def _maybe_local(history: Sequence[dict]) -> set[int]:
+    """History indices of refusals a client may have given on its own, knowing its own earlier
+    requests: a begin_write of a key the node was granted before (its write may still be under
+    way); a commit of a grant whose bytes that node never stored, or that was already committed,
+    refused or aborted (its one commit was spent)."""
+    granted: set[tuple] = set()
+    stored: set[tuple] = set()
+    spent: set[tuple] = set()
+    out: set[int] = set()
+    for h in history:
+        op, node, key, lease, res = h.get("op"), h.get("node"), h.get("key"), h.get("lease"), h.get("result")
+        if op == "begin_write":
+            if (node, key) in granted:
+                out.add(h.get("i", -1))
+            if isinstance(res, dict) and "WriteGrant" in res:
+                granted.add((node, key))
+        elif op == "write_bytes" and res == "Stored":
+            stored.add((node, key, lease))
+        elif op in ("commit", "abort"):
+            if op == "commit" and ((key, lease) in spent or (node, key, lease) not in stored):
+                out.add(h.get("i", -1))
+            spent.add((key, lease))
+    return out
+
+
+def _implied(h: dict, local: set[int] = frozenset()) -> list[tuple]:
+    """The trace events one history entry implies: ``(event, key, lease)`` (``None`` = any).
+    ``local``: the history indices of refusals the client may have given on its own."""
     op, res, key, lease = h.get("op"), h.get("result"), h.get("key"), h.get("lease")
     grant = res.get("WriteGrant") or res.get("ReadGrant") if isinstance(res, dict) else None
     out: list[tuple] = []
+    refused = res.get("refused") if isinstance(res, dict) and h.get("i", -1) not in local else None
+    if op == "commit" and refused == "unknown_lease":
+        # A commit whose grant was neither committed nor aborted: only the directory knows it is gone.
+        out.append(("reject_stale_commit", key, None))
+    if op in _DIRECTORY_REFUSALS and refused in _DIRECTORY_REFUSALS[op][1]:
+        out.append((_DIRECTORY_REFUSALS[op][0], key, None))
+        if op in ("acquire", "renew"):
+            out.append(("abandon", key, None))
+    if op == "evict" and refused == REASON_LEASED:
+        # Only the directory knows a lease is live on the copy: the spec's evict_refused step.
+        out.append(("evict_refused", key, None))
     if op == "begin_write" and grant:
         out += [("start_writing", key, grant["lease"]), ("grant_write_lease", key, grant["lease"])]
     elif op == "acquire" and grant:
@@ -758,14 +910,15 @@ def _implied(h: dict) -> list[tuple]:
 def completeness_problems(history: Sequence[dict], events: Sequence[dict]) -> list[str]:
     """Cross-check the suite's own history against an adapter's native trace: what each answer
     implies must be logged (``_EXACT_PER_LEASE`` exactly as often as the suite saw it, ``_AT_LEAST``
-    at least that often), and ``_AT_MOST_PER_LEASE`` events never more often than the suite saw
+    and the refusals only a directory gives at least that often), and ``_AT_MOST_PER_LEASE`` events never more often than the suite saw
     the answer that allows them. An empty list when the trace is complete."""
     from collections import Counter
 
     wanted: Counter = Counter()
     where: dict[tuple, int] = {}
+    local = _maybe_local(history)
     for h in history:
-        for sig in _implied(h):
+        for sig in _implied(h, local):
             wanted[sig] += 1
             where.setdefault(sig, h.get("i", -1))
     seen: Counter = Counter()
@@ -777,7 +930,7 @@ def completeness_problems(history: Sequence[dict], events: Sequence[dict]) -> li
             continue  # a miss returned no bytes: the suite saw a refusal (no result: bytes returned)
         if name in _EXACT_PER_LEASE or name in _AT_MOST_PER_LEASE:
             seen[(name, e.get("key"), e.get("lease"))] += 1
-        elif name in ("evict",):
+        elif name == "evict" or name in _REFUSAL_EVENTS:
             seen[(name, e.get("key"), None)] += 1
         elif name in _AT_LEAST and name in ("crash", "restart_node", "restart_directory"):
             seen[(name, None, None)] += 1
@@ -824,13 +977,17 @@ def _summary(result: Any) -> Any:
 _GONE_EVENTS = ("free_slot", "fence_stale_free", "evict")
 
 
-def unfreed_locations(events: Sequence[dict], ended: dict[str, int]) -> list[str]:
-    """DESIGN progress, deletion reaches everywhere, checked on a native trace: for each key
+def unfreed_locations(events: Sequence[dict], ended: dict[str, int], settled: bool = False) -> list[str]:
+    """docs/protocol.md progress, deletion reaches everywhere, checked on a native trace: for each key
     (hex) of ``ended`` and the generation of it that ended, every location whose bytes of that
     generation the trace shows (``store_bytes`` / ``store_copy``) must also show them gone --
     ``free_slot`` or ``fence_stale_free`` under an epoch at least the stored one, or an
-    ``evict`` there. Returns ``"key@location"`` for each location still holding them (empty:
-    deletion reached everywhere)."""
+    ``evict`` there. With ``settled`` (the adapter declares ``Capabilities.frees_acknowledged``)
+    each such free must also show settled: the directory's ``free_acked`` for that key and
+    location under an epoch at least the stored one -- else the directory keeps the free owed
+    and sends it again forever. Returns ``"key@location"`` for each location still holding them,
+    ``"key@location (free never acknowledged)"`` for one freed but not settled (empty: deletion
+    reached everywhere)."""
     held: dict[tuple[str, str], int] = {}  # (key, location) -> highest epoch stored there
     for e in events:
         if not isinstance(e, dict) or e.get("event") not in ("store_bytes", "store_copy"):
@@ -838,7 +995,13 @@ def unfreed_locations(events: Sequence[dict], ended: dict[str, int]) -> list[str
         key, loc = e.get("key"), e.get("location")
         if key in ended and e.get("gen") == ended[key] and loc is not None:
             held[(key, loc)] = max(held.get((key, loc), 0), int(e.get("epoch") or 0))
+    acked: dict[tuple[str, str], int] = {}  # (key, location) -> highest epoch a free_acked settled
+    for e in events if settled else ():
+        if isinstance(e, dict) and e.get("event") == "free_acked" and (e.get("key"), e.get("location")) in held:
+            kl = (e["key"], e["location"])
+            acked[kl] = max(acked.get(kl, 0), int(e.get("freed_epoch") or 0), int(e.get("epoch") or 0))
     gone: set[tuple[str, str]] = set()
+    unsettled: set[tuple[str, str]] = set()
     for e in events:
         if not isinstance(e, dict) or e.get("event") not in _GONE_EVENTS:
             continue
@@ -849,5 +1012,12 @@ def unfreed_locations(events: Sequence[dict], ended: dict[str, int]) -> list[str
             if e.get("gen") in (None, ended[key]):
                 gone.add((key, loc))
         elif int(e.get("epoch") or 0) >= held[(key, loc)]:
-            gone.add((key, loc))
-    return sorted(f"{key[:16]}@{loc}" for key, loc in held if (key, loc) not in gone)
+            if settled and acked.get((key, loc), -1) < held[(key, loc)]:
+                unsettled.add((key, loc))
+            else:
+                gone.add((key, loc))
+    return sorted(
+        f"{key[:16]}@{loc}" + (" (free never acknowledged)" if (key, loc) in unsettled else "")
+        for key, loc in held
+        if (key, loc) not in gone
+    )

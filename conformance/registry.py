@@ -1,4 +1,5 @@
-"""Adapters by name: the built-ins, ``package.module:factory``, or entry points ``kvcc.adapters``.
+"""Adapters by name: ``package.module:factory``, or entry points ``kvcc.adapters`` (the built-ins are
+kvcc's own entry points).
 
 A vendor's package declares, in its ``pyproject.toml``::
 
@@ -31,13 +32,9 @@ from importlib.metadata import entry_points
 from .contract import PROFILES, Adapter
 
 ENTRY_POINT_GROUP = "kvcc.adapters"
-BUILTINS: dict[str, str] = {
-    "core": "kvcc.conformance.testing:core_factory",
-    "reference": "kvcc.conformance.registry:reference_sqlite",
-    "reference-etcd": "kvcc.conformance.registry:reference_etcd",
-    "mooncake": "kvcc.adapters.mooncake.adapter:factory",
-    "mooncake-raw": "kvcc.adapters.mooncake.raw:factory",
-}
+# The built-in adapters are kvcc's own entry points (pyproject.toml, [project.entry-points."kvcc.adapters"]),
+# found the way a vendor's are: the suite names no adapter module (tests/test_layers.py).
+BUILTINS: tuple[str, ...] = ("core", "reference", "reference-etcd", "mooncake", "mooncake-raw")
 DESCRIPTIONS: dict[str, str] = {
     "core": "the suite's self-test: the reference directory core and a DRAM tier per node, in one process",
     "reference": "the reference implementation as processes on loopback (directory on its SQLite log)",
@@ -47,20 +44,6 @@ DESCRIPTIONS: dict[str, str] = {
 }
 assert set(DESCRIPTIONS) == set(BUILTINS)
 DESCRIPTION_MAX_CHARS = 120
-
-
-def reference_sqlite() -> Adapter:
-    """The reference deployment (directory on its SQLite log, cache nodes, TCP) on loopback."""
-    from kvcc.adapters.reference import ReferenceAdapter
-
-    return ReferenceAdapter("sqlite")
-
-
-def reference_etcd() -> Adapter:
-    """The reference deployment with its directory on a loopback etcd cluster."""
-    from kvcc.adapters.reference import ReferenceAdapter
-
-    return ReferenceAdapter("etcd")
 
 
 class UnknownAdapter(LookupError):
@@ -165,10 +148,12 @@ def unclaimed_advice(profiles, capabilities, adapter: str = "the adapter") -> st
 
 
 def available() -> dict[str, str]:
-    """Name -> factory spec of every adapter known here (built-ins, then entry points)."""
-    names = dict(BUILTINS)
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        names.setdefault(ep.name, ep.value)
+    """Name -> factory spec of every adapter known here (the built-ins first, then other entry points).
+    A built-in missing from the entry points means a stale install: ``bash scripts/setup.sh``
+    reinstalls when pyproject.toml changes."""
+    found = {ep.name: ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    names = {name: found[name] for name in BUILTINS if name in found}
+    names.update((name, spec) for name, spec in sorted(found.items()) if name not in names)
     return names
 
 

@@ -120,14 +120,14 @@ class Report:
         return {s: sum(r.status == s for r in self.results) for s in STATUSES}
 
     def required_failures(self) -> list[TestResult]:
-        required = catalogue.required_ids(self.claimed)
+        required = catalogue.required_ids(self.claimed, self.capabilities.get("faults", ()))
         return [r for r in self.results if r.id in required and not r.counts]
 
     @property
     def certified(self) -> bool:
         """Every required test of every claimed, requested profile PASSed with its trace
         ACCEPTED (an audit, which has no trace of its own, by PASSing)."""
-        required = catalogue.required_ids(self.claimed)
+        required = catalogue.required_ids(self.claimed, self.capabilities.get("faults", ()))
         present = {r.id for r in self.results if r.counts}
         return bool(self.claimed) and required <= present and bool(self.params.get("validate", True))
 
@@ -357,7 +357,7 @@ def _run_one(factory, caps, test, seed, workroot, lease_term_ms, skew_ms, nodes,
     native = session is not None and not session.infer
     if native and status == PASS and not events:
         # The adapter said it logs its protocol events and logged none: saying nothing must not
-        # pass (DESIGN: a verdict that could not be reached never counts as a pass).
+        # pass (docs/protocol.md: a verdict that could not be reached never counts as a pass).
         status, message = FAIL, "the adapter declares native events and its trace is empty"
     elif native and status == PASS:
         # Every operation the suite performed must be in the adapter's own log, and nothing the

@@ -93,6 +93,7 @@ from kvcc.spec.keys import BlockKey, Namespace
 from kvcc.spec.rules import REASON_ALREADY_LEASED
 
 from .contract import (
+    CORRUPT_REGIONS,
     FAULTS,
     PROFILES,
     SCOPES,
@@ -117,6 +118,7 @@ BLOCK_BYTES = 4096  # the largest block a workload writes
 TICK_IDLE_MS = 20  # the ticker wakes at least this often while nothing is timed
 REASON_BUSY = "busy"  # this node's client has a write of the key under way (the reference client's word)
 PAUSED_WAIT_S = 0.05  # how often an operation on a paused node re-checks
+EMPTY_TICKETS_FROM = 1 << 40  # ids of the empty tickets of invalidations in a namespace the tenant may not use
 
 
 @define
@@ -142,6 +144,7 @@ class _Node:
     offset_ns: int = 0
     trusts: dict = attrs.Factory(dict)  # BlockKey -> _Trust
     writing: dict = attrs.Factory(dict)  # BlockKey -> WriteGrant: this node's write under way (until commit/abort)
+    issued: set = attrs.Factory(set)  # (key, lease) of the write grants this node was given, in any incarnation
     stored: set = attrs.Factory(set)  # (key, lease) whose bytes landed
     parked: list = attrs.Factory(list)  # revocations waiting while paused
 
@@ -158,7 +161,7 @@ class CoreAdapter(Adapter):
     def __init__(self, *, profiles: Sequence[str] = PROFILES, faults: Sequence[str] = FAULTS) -> None:
         self._caps = Capabilities(
             profiles=frozenset(profiles), faults=frozenset(faults), scopes=frozenset(SCOPES),
-            events="native", leases="enforced",
+            events="native", leases="enforced", frees_acknowledged=True,
             notes="in-process DirectoryCore + DramTier per node (the suite's self-test)",
         )  # fmt: skip
         self._lock = threading.RLock()
@@ -199,8 +202,8 @@ class CoreAdapter(Adapter):
             self._durable_tickets: dict[int, Any] = {}
             self._durable_lease_limit = FIRST_LEASE_ID
             self._inbox: deque = deque()
-            self._invalidating_ns: bytes | None = None
             self._request = 0
+            self._empty_tickets = 0
             self._nodes: dict[str, _Node] = {}
             for i in range(1, ctx.nodes + 1):
                 self._nodes[f"n{i}"] = self._new_node(f"n{i}", 1)
@@ -290,7 +293,7 @@ class CoreAdapter(Adapter):
         """One request to the directory, its effects applied in order, then the messages they
         caused delivered (after, so that the logs keep the causal order)."""
         reply, effects = self._core.handle(msg, self._now_ms(), TENANT)
-        self._apply(_invalidate_first(effects))
+        self._apply(effects)
         self._drain()
         return reply
 
@@ -299,7 +302,7 @@ class CoreAdapter(Adapter):
             match e:
                 case Emit():
                     if e.is_spec_action:
-                        self._dir_log.emit(e.event, **self._trace_fields(e))
+                        self._dir_log.emit(e.event, **e.fields)
                 case Persist():
                     self._durable_records[e.record.key] = e.record
                 case PersistTicket():
@@ -316,18 +319,6 @@ class CoreAdapter(Adapter):
                     self._cond.notify_all()
                 case CopyAt():  # pragma: no cover - this deployment never starts a transfer
                     raise AssertionError("CoreAdapter starts no transfers")
-
-    def _trace_fields(self, e: Emit) -> dict[str, Any]:
-        """The core's fields, plus what a trace validator needs to resolve chains and namespace
-        scopes: a write grant's parent and namespace, an invalidated namespace."""
-        fields = dict(e.fields)
-        if e.event == "grant_write_lease":
-            rec = self._core.records[fields["key"]]
-            fields.setdefault("parent", None if rec.parent is None else rec.parent.hex)
-            fields.setdefault("namespace", bytes(rec.namespace).hex())
-        elif e.event == "invalidate_namespace" and self._invalidating_ns is not None:
-            fields.setdefault("namespace", self._invalidating_ns.hex())
-        return fields
 
     def _drain(self) -> None:
         while self._inbox:
@@ -369,8 +360,11 @@ class CoreAdapter(Adapter):
         else:
             result = "ok" if isinstance(outcome, TierFreed) else "absent"
             node.log.emit("free_slot", key=key, epoch=epoch, location=location, result=result)
-        # Acknowledge, as the reference node does: without the ``Freed`` the directory keeps the
-        # free owed and sends it again forever (DESIGN: deletion reaches everywhere).
+        self._ack_free(location, key, epoch)
+
+    def _ack_free(self, location: str, key: BlockKey, epoch: int) -> None:
+        """Acknowledge, as the reference node does: without the ``Freed`` the directory keeps the
+        free owed and sends it again forever (docs/protocol.md: deletion reaches everywhere)."""
         reply, effects = self._core.handle(WireFreed(location, key, epoch), self._now_ms(), TENANT)
         assert reply is None
         self._apply(effects)
@@ -423,11 +417,15 @@ class CoreAdapter(Adapter):
             n.log.emit("start_writing", key=key, gen=reply.gen, epoch=reply.epoch, lease=reply.lease, location=reply.location)
             grant = WriteGrant(node, key, reply.gen, reply.epoch, reply.lease, reply.location, reply.term_ms, sent_ns)
             n.writing[key] = grant
+            n.issued.add((key, reply.lease))
             return grant
 
     def write_bytes(self, grant: WriteGrant, data: bytes) -> Stored | Refused:
         with self._lock:
-            self._node(grant.node)
+            writer = self._node(grant.node)
+            if (grant.key, grant.lease) not in writer.issued:
+                # Only the writer a grant was issued to sends bytes under it (protocol property 13).
+                raise AdapterError(f"write grant {grant.lease} was not issued to {grant.node}")
             loc = self._nodes.get(grant.location)
             if loc is None or not loc.alive:
                 return Refused("not_found", f"location {grant.location} is down")
@@ -567,20 +565,30 @@ class CoreAdapter(Adapter):
             self._node(node)
             if scope not in self._caps.scopes:
                 raise NotSupported(f"invalidate scope {scope}")
-            self._invalidating_ns = ns.digest()
             try:
                 reply = self._dir(Invalidate(ns.digest(), scope, key))
-            finally:
-                self._invalidating_ns = None
+            except Unauthorized:
+                return self._empty_ticket()  # a namespace this tenant may not use: nothing of it is touched
             assert isinstance(reply, InvalidationStarted)
             ticket = self._core.tickets.get(reply.ticket)
             return InvalidationTicket(reply.ticket, 0 if ticket is None else len(ticket.keys))
+
+    def _empty_ticket(self) -> InvalidationTicket:
+        """The ticket of an invalidation that voids nothing without asking the directory (contract:
+        a namespace not in ``RunContext.namespaces``): complete at once, its id from a range of its own."""
+        self._empty_tickets += 1
+        return InvalidationTicket(EMPTY_TICKETS_FROM + self._empty_tickets, 0)
+
+    def _is_empty_ticket(self, ticket_id: int) -> bool:
+        return EMPTY_TICKETS_FROM < ticket_id <= EMPTY_TICKETS_FROM + self._empty_tickets
 
     def wait_invalidation(self, ticket: InvalidationTicket, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
         with self._cond:
             while True:
                 self._check_running()
+                if self._is_empty_ticket(ticket.id):
+                    return True
                 t = self._core.tickets.get(ticket.id)
                 if ticket.id < FIRST_TICKET or ticket.id >= self._core.next_ticket:
                     raise AdapterError(f"no ticket {ticket.id}")
@@ -636,9 +644,12 @@ class CoreAdapter(Adapter):
             if old.alive:
                 raise AdapterError(f"node {node} is running; kill it first")
             n = self._nodes[node] = self._new_node(node, old.incarnation + 1)
+            # Bytes its earlier incarnation sent under a grant may still arrive: they are the
+            # node's, and the location's restored fence judges them (KVCC-FAULT-011).
+            n.issued = old.issued
             fences, effects = self._core.node_rejoined(node, [node], self._now_ms(), [node])
             n.tier.restore_fences({k.digest: e for k, e in fences.items()})
-            self._apply(_invalidate_first(effects))
+            self._apply(effects)
             self._drain()
 
     def pause(self, node: str) -> None:
@@ -666,6 +677,17 @@ class CoreAdapter(Adapter):
             self._check_running()
             self._nodes[node].offset_ns = offset_ms * 1_000_000
 
+    def corrupt(self, node: str, key: BlockKey, region: str, offset: int) -> None:
+        self._fault("corrupt")
+        if region not in CORRUPT_REGIONS or type(offset) is not int or offset < 0:
+            raise ValueError(f"corrupt needs a region of {list(CORRUPT_REGIONS)} and an offset >= 0, got {region!r}, {offset!r}")
+        with self._cond:
+            self._check_running()
+            n = self._nodes.get(node)
+            if n is None or not n.alive:
+                raise AdapterError(f"node {node!r} is not running")
+            n.tier.damage(key.digest, region, offset)  # False: no copy here, nothing to damage
+
     def restart_directory(self) -> None:
         self._fault("restart_directory")
         with self._cond:
@@ -686,26 +708,13 @@ class CoreAdapter(Adapter):
         return self._durable_lease_limit
 
 
-def _invalidate_first(effects: list[Any]) -> list[Any]:
-    """The core emits ``invalidate`` (and ``restart_node``) after the completions an invalidation
-    with no live lease causes in the same call; the spec's order is the cause first. Move it."""
-    starts = [i for i, e in enumerate(effects)
-              if isinstance(e, Emit) and e.event in ("invalidate", "invalidate_namespace", "restart_node")]  # fmt: skip
-    firsts = [i for i, e in enumerate(effects) if isinstance(e, Emit) and e.event == "complete_invalidation"]
-    if not starts or not firsts or firsts[0] > starts[0]:
-        return effects
-    out = list(effects)
-    start = out.pop(starts[0])
-    out.insert(firsts[0], start)
-    return out
-
 
 # -- known-bad adapters: each breaks one rule ------------------------------------------------------------
 
 
 class StaleReadAdapter(CoreAdapter):
     """Acknowledges revocations without dropping its copy, and serves it afterwards from a local
-    cache (breaks DESIGN 6/7: no read after ack, no read after the invalidation completed)."""
+    cache (breaks protocol properties 6/7: no read after ack, no read after the invalidation completed)."""
 
     name = "bad-stale-read"
     BROKEN_RULE = "read_after_invalidation"
@@ -730,7 +739,7 @@ class StaleReadAdapter(CoreAdapter):
 
 
 class NoFencingAdapter(CoreAdapter):
-    """Its locations accept bytes under an epoch below their fence (breaks DESIGN 2: fencing)."""
+    """Its locations accept bytes under an epoch below their fence (breaks protocol property 2: fencing)."""
 
     name = "bad-no-fencing"
     BROKEN_RULE = "fencing"
@@ -749,7 +758,7 @@ class NoFencingAdapter(CoreAdapter):
 
 class EvictsLeasedAdapter(CoreAdapter):
     """Drops a copy under memory pressure even when the directory refuses because it is leased
-    (breaks DESIGN 5: no eviction under a live lease)."""
+    (breaks protocol property 5: no eviction under a live lease)."""
 
     name = "bad-evicts-leased"
     BROKEN_RULE = "evict_under_lease"
@@ -793,7 +802,7 @@ class NeverEvictsAdapter(CoreAdapter):
 
 class ReusedLeaseIdsAdapter(CoreAdapter):
     """Its directory does not keep the lease-id high-water mark durable: after a restart it
-    hands out lease ids from the start again (breaks DESIGN 8)."""
+    hands out lease ids from the start again (breaks protocol property 8)."""
 
     name = "bad-reused-lease-ids"
     BROKEN_RULE = "lease_ids"
@@ -804,7 +813,7 @@ class ReusedLeaseIdsAdapter(CoreAdapter):
 
 class EarlyCompletionAdapter(CoreAdapter):
     """Reports an invalidation completed as soon as it started, without waiting for holders to
-    acknowledge or their leases to expire (breaks DESIGN 6)."""
+    acknowledge or their leases to expire (breaks protocol property 6)."""
 
     name = "bad-early-completion"
     BROKEN_RULE = "early_completion"
@@ -816,7 +825,7 @@ class EarlyCompletionAdapter(CoreAdapter):
 
 
 class TrustsExpiredAdapter(CoreAdapter):
-    """Its holders keep reading after their own lease deadline (breaks DESIGN leases: a holder
+    """Its holders keep reading after their own lease deadline (breaks docs/protocol.md leases: a holder
     stops at expiry - epsilon, measured from when it sent the request)."""
 
     name = "bad-trusts-expired"
@@ -831,7 +840,7 @@ class TrustsPastSkewAdapter(CoreAdapter):
     """Its holders ignore epsilon the wrong way (the spec's ``holder_ignores_skew``, widened to what
     a holder that reasons from the directory's side would do): they trust a lease until the
     directory's own bound, ``term + epsilon``, plus epsilon for their clock -- ``3 * epsilon`` past
-    their deadline (breaks DESIGN leases: a holder stops at expiry - epsilon). Only a read probed
+    their deadline (breaks docs/protocol.md leases: a holder stops at expiry - epsilon). Only a read probed
     inside that window catches it."""
 
     name = "bad-trusts-past-skew"
@@ -863,7 +872,7 @@ class SilentReadsAdapter(CoreAdapter):
 class NeverFreesAdapter(CoreAdapter):
     """Its locations ignore every free the directory sends (after an invalidation completes, a
     write aborts or its lease expires): no ``free_slot`` is logged, no ``Freed`` is answered,
-    and the bytes of the ended generation stay in the tier (breaks DESIGN progress: deletion
+    and the bytes of the ended generation stay in the tier (breaks docs/protocol.md progress: deletion
     reaches everywhere). Every read the suite makes is still refused -- the directory voided the
     generation -- so only a check of the locations themselves catches it."""
 
@@ -874,10 +883,23 @@ class NeverFreesAdapter(CoreAdapter):
         pass  # the Free is dropped: the bytes stay where they are
 
 
+class NeverAcksFreesAdapter(CoreAdapter):
+    """Its locations free the bytes and log it, but never answer ``Freed``: the directory keeps
+    every free owed and sends it again, every retry wait, forever (the Mooncake adapter did this
+    until it was fixed). The bytes are gone, so only a check that the frees settle -- the
+    directory's ``free_acked`` -- catches it."""
+
+    name = "bad-never-acks-frees"
+    BROKEN_RULE = "deletion"
+
+    def _ack_free(self, location: str, key: BlockKey, epoch: int) -> None:
+        pass  # no Freed: the directory is never told
+
+
 KNOWN_BAD: tuple[type[CoreAdapter], ...] = (
     StaleReadAdapter, NoFencingAdapter, EvictsLeasedAdapter, NeverCachesAdapter, NeverEvictsAdapter,
     ReusedLeaseIdsAdapter, EarlyCompletionAdapter, TrustsExpiredAdapter, TrustsPastSkewAdapter,
-    SilentReadsAdapter, NeverFreesAdapter,
+    SilentReadsAdapter, NeverFreesAdapter, NeverAcksFreesAdapter,
 )  # fmt: skip
 
 

@@ -14,8 +14,8 @@ frontier of possible states, time as intervals) over the same transitions the ch
    (``REQUIRED_FIELDS``); ``seq`` starts at 1 and rises by one per ``(node, incarnation)`` log;
    ``t_local_ns`` never goes back within a log. Then what the per-key projection cannot see is
    checked directly, in the directory's own (total) log order: lease ids are never reused (any
-   key, any kind, DESIGN 8); a write is granted only under a COMMITTED parent and a copy is
-   evicted only once its children are ABSENT (DESIGN 10). A small shadow of the directory's
+   key, any kind, protocol property 8); a write is granted only under a COMMITTED parent and a copy is
+   evicted only once its children are ABSENT (protocol property 10). A small shadow of the directory's
    records (phase, owner, parent, namespace) follows the directory's events for these checks
    and to resolve cascades.
 
@@ -31,7 +31,7 @@ frontier of possible states, time as intervals) over the same transitions the ch
    says which node hosts a location, or ``None`` for the shared pool; otherwise it is inferred
    from who logs the location's data-plane events); lease ids by a *binding* carried in each
    frontier element (the spec numbers leases per projection, so only the correspondence is
-   checked, one-to-one); generations and epochs by value (both start at 0 for a fresh key, which
+   checked, one-to-one, for the spec ids still in use: ``_Replay._live``); generations and epochs by value (both start at 0 for a fresh key, which
    is why a trace must start from a fresh directory).
 
 3. **Frontier search.** A frontier element is ``(state, T, positions, binding, shared ticks)``:
@@ -54,7 +54,7 @@ frontier of possible states, time as intervals) over the same transitions the ch
    ``"full"``. Elements are deduplicated; more than ``max_frontier`` is INCONCLUSIVE.
 
    What keeps the frontier small: elements that differ only in the ticks of their logs' last
-   events are one element (the monotonic-clock narrowing of ``_window`` then uses the union:
+   events are one element (the monotonic-clock narrowing of ``_clock_steps`` then uses the union:
    looser than any one of them, never looser than the wall-clock interval); elements that
    differ only in *ghost ages* (true ticks since a phase began, a request left, ...; read only
    by the progress properties, as ``age <= bound``, and by no guard) are one element with the
@@ -66,18 +66,21 @@ frontier of possible states, time as intervals) over the same transitions the ch
    any number of leases and requests.
 
    One time for shared events. A failure is in every projection, a cascade in each of its
-   subtree's: each accepted behaviour of a projection carries the ticks it gave the failures
-   (settled out of the elements once all agree), and the projections must share one assignment
-   of ticks to all failures; each cascade needs one tick every projection of its subtree took
-   it at (``shared_event_time``).
+   subtree's: each element of a projection carries the ticks its behaviours gave the failures
+   as a *box*, a set of ticks per failure (settled out of the elements once all agree), and the
+   projections must share one assignment of ticks to all failures; each cascade needs one tick
+   every projection of its subtree took it at (``shared_event_time``). Elements alike but for
+   one failure's ticks are one, with the union of those ticks (two boxes that differ in one
+   coordinate are exactly one box): without it, n failures (a directory restarted fourteen
+   times) multiply the frontier by the product of their windows.
 
 4. **Silent steps and time.** Between two events, the environment may let time pass (``tick``,
-   the model's own, memoised; a gap in which a tick changes nothing is skipped at once) and step
-   clocks (``clock_forward``, ``clock_back``), within the spec's own bounds. Clock steps
-   multiply the frontier (each clock, stepped at each moment, leaves different timers), so they
-   are taken only at the ticks an event may happen at; and an
-   event's true time is already an interval of epsilon around its own clock's reading, which
-   absorbs any constant offset; so by default (``clock_steps="on_reject"``) a projection is first
+   the model's own, ``Model.tick``, memoised; a gap in which a tick changes nothing is skipped
+   at once) and step clocks (``clock_forward``, ``clock_back``), within the spec's own bounds.
+   Clock steps multiply the frontier (each clock, stepped at each moment, leaves different
+   timers), so they are taken only at the ticks an event may happen at; and an event's true
+   time is already an interval of epsilon around its own clock's reading, which absorbs any
+   constant offset; so by default (``clock_steps="on_reject"``) a projection is first
    replayed without them and, only if that rejects it, replayed again with them: leaving steps
    out can only reject more, so the last pass decides. Messages are
    never dropped by the validator but for the stale replies above: a message that is never
@@ -99,10 +102,10 @@ frontier of possible states, time as intervals) over the same transitions the ch
    time is up or an invalidation may complete), so a directory that logs such a step later
    than epsilon after it was due is REJECTED.
 
-   Memory: three streaming passes (shapes, roles, then the shadow and each key's projection as
-   packed indices), and each key's events fetched again only for its replay; ``validate_file``
-   keeps 8 bytes of offset per line, not the events. The verdict stops early once no key left
-   can be rejected before a rejection found.
+   Memory: two streaming passes (shapes and roles, then the shadow and each key's projection as
+   packed indices, 4 bytes an event), and each key's events fetched again only for its replay;
+   ``validate_file`` keeps 4 bytes of offset per line (of a file under 4 GiB), not the events.
+   The verdict stops early once no key left can be rejected before a rejection found.
 
 5. **Verdicts.** ``Verdict.status`` is ACCEPTED, REJECTED (``event_index``, ``event``, a
    ``code`` among ``REJECT_CODES``, ``reason``, and ``diff``: the event, what it needed, and the
@@ -159,7 +162,7 @@ restart_node             rejoined, lost (list of locations)      (node = the dir
 restart_directory        -                                       (node = the directory)
 =======================  ============================================================================
 
-Not checked here: namespace authorisation (DESIGN 11: the trace does not say which tenant may
+Not checked here: namespace authorisation (protocol property 11: the trace does not say which tenant may
 use which namespace), and a directory's refusals for reasons outside the one-key model (an
 unauthorised tenant, a parent not committed) are taken as the request being consumed.
 """
@@ -167,8 +170,10 @@ unauthorised tenant, a parent not committed) are taken as the request being cons
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
+import operator
 import os
 import sys
 from array import array
@@ -189,6 +194,7 @@ from kvcc.spec.layout import (
     M_REFUSE,
     M_RENEWED,
     MESSAGE_WIDTH,
+    NO_LEASE,
     P_NONE,
     REFUSED_READ,
     W_REQUESTED,
@@ -211,9 +217,9 @@ REJECT_CODES = (
     "missing_field",  # a field the event needs (REQUIRED_FIELDS) is absent or null
     "seq_gap",  # seq of one (node, incarnation) log does not start at 1 or rise by one
     "clock_back",  # t_local_ns went back within one log
-    "lease_id_reused",  # a lease id granted twice (DESIGN 8)
-    "parent_not_committed",  # a write granted under a parent that is not COMMITTED (DESIGN 10)
-    "evict_parent_first",  # a copy evicted while a child is not ABSENT (DESIGN 10)
+    "lease_id_reused",  # a lease id granted twice (protocol property 8)
+    "parent_not_committed",  # a write granted under a parent that is not COMMITTED (protocol property 10)
+    "evict_parent_first",  # a copy evicted while a child is not ABSENT (protocol property 10)
     "unknown_location",  # a location that cannot be placed on a node or the pool
     "no_spec_step",  # no frontier state can take the event
     "invariant",  # the only spec steps matching the event break a property
@@ -239,6 +245,11 @@ DIRECTORY_EVENTS = frozenset({
 HOLDER_EVENTS = frozenset({"acquire", "renew", "abandon", "read", "release", "trust_read_lease", "trust_renewal",
                            "drop_and_ack"})  # fmt: skip
 WRITER_EVENTS = frozenset({"begin_write", "abort", "start_writing"})
+# Refusals for reasons the one-key model has no rule for: each is replayed as the request's loss.
+_DROPPING_REFUSALS = {
+    "refuse_read_lease": ("unauthorized", "parent_not_committed"),
+    "refuse_write_lease": ("unauthorized", "parent_not_committed", "location_down"),
+}
 LOCATION_EVENTS = frozenset({"store_bytes", "fence_stale_write", "store_copy", "free_slot", "fence_stale_free"})
 FAILURE_EVENTS = frozenset({"crash", "restart_node", "restart_directory", "declare_node_down"})
 assert DIRECTORY_EVENTS | HOLDER_EVENTS | WRITER_EVENTS | LOCATION_EVENTS | FAILURE_EVENTS == set(EVENTS)
@@ -351,6 +362,9 @@ _CARRIES_LEASE = properties._CARRIES_LEASE
 _REQUEST_FIELD = model_module._READ_EXCHANGE_REQUEST
 # Replies to a holder's request, and where they carry the request number.
 _READ_REPLY = {kind: f for kind, f in _REQUEST_FIELD.items() if kind in (M_GRANT_READ, M_RENEWED, M_REFUSE)}
+_READ_REPLY_KINDS = frozenset(_READ_REPLY)
+# Each invariant's predicate and name, looked up once: every new post-state is checked by all.
+_INVARIANT_CHECKS = tuple((inv.holds, inv.name) for inv in INVARIANTS)
 
 
 # -------------------------------------------------------------------------------------- values
@@ -472,9 +486,26 @@ def _inconclusive(index: int | None, event: Any, code: str, reason: str) -> _Sto
 
 def _check_shapes(events: Iterable[Any]) -> int | None:
     """Check every event's shape; the earliest wall time, or ``None`` for no events."""
-    last: dict[tuple[str, int], tuple[int, int]] = {}
-    w0: int | None = None
-    for i, ev in enumerate(events):
+    shapes = _Shapes()
+    for _ in shapes.checked(events):
+        pass
+    return shapes.w0
+
+
+class _Shapes:
+    """Every event's shape checked as it passes (``checked``), so that the pass that reads the
+    roles checks the shapes too (one parse of a file fewer); the earliest wall time seen."""
+
+    def __init__(self) -> None:
+        self.w0: int | None = None
+
+    def checked(self, events: Iterable[Any]) -> Iterator[dict]:
+        last: dict[tuple[str, int], tuple[int, int]] = {}
+        for i, ev in enumerate(events):
+            self._check(i, ev, last)
+            yield ev
+
+    def _check(self, i: int, ev: Any, last: dict[tuple[str, int], tuple[int, int]]) -> None:
         if type(ev) is not dict:
             raise _reject(i, None, "malformed", f"event {i} is not a JSON object")
         for name in STANDARD_FIELDS:
@@ -509,9 +540,8 @@ def _check_shapes(events: Iterable[Any]) -> int | None:
         if ev["t_local_ns"] < prev_t:
             raise _reject(i, ev, "clock_back", f"event {i}: t_local_ns went back within {log[0]!r} incarnation {log[1]}")
         last[log] = (ev["seq"], ev["t_local_ns"])
-        if w0 is None or ev["t_wall_ns"] < w0:
-            w0 = ev["t_wall_ns"]
-    return w0
+        if self.w0 is None or ev["t_wall_ns"] < self.w0:
+            self.w0 = ev["t_wall_ns"]
 
 
 class _Shadow:
@@ -627,11 +657,16 @@ class _Roles:
                 v = ev.get("crashed") or ev["node"]
                 if isinstance(v, str) and v:
                     raw_nodes.setdefault(v)
+                    named_hosts.add(v)  # a crashed host names a node, whether or not it logged
             if loc is not None:
                 seen.setdefault(str(loc))
             if name == "restart_node":
                 for lost in ev.get("lost") or ():
                     seen.setdefault(str(lost))
+                    if LOCATION_SEPARATOR in str(lost):
+                        named_hosts.add(str(lost).split(LOCATION_SEPARATOR, 1)[0])
+                if isinstance(ev.get("rejoined"), str) and ev["rejoined"]:
+                    named_hosts.add(ev["rejoined"])
             if name in LOCATION_EVENTS and loc is not None:
                 logged_by.setdefault(str(loc), ev["node"])
         # Co-located processes: a process named "<host>.<name>" (an engine's client next to cache
@@ -746,7 +781,7 @@ class _Replay:
         # would keep apart elements that never meet again, for every invalidation of a prefix.
         self.cascades = cascades
         self.cascade_ticks: dict[int, set[int]] = {}
-        self.settled: dict[int, int] = {}
+        self.settled: dict[int, frozenset[int]] = {}
         self.shared_ticks: set[tuple] = set()
         self.clock_steps = clock_steps
         self.narrow = narrow
@@ -780,10 +815,15 @@ class _Replay:
         # behaviours that all survive (sound); a rejection it causes may be one of the merge's
         # (re-checked by a pass without merging).
         self._age_index = [i for i in ghost_age_indices(self.L)] if merge_ages else []
+        # Reads them all in one call (``itemgetter`` of one index gives a value, not a tuple).
+        self._get_ages = operator.itemgetter(*self._age_index) if len(self._age_index) > 1 else None
         logs: dict[tuple[str, int], list[_PEvent]] = {}
         for pe in pevents:
             logs.setdefault((pe.ev["node"], pe.ev["incarnation"]), []).append(pe)
         self.logs = list(logs.values())
+        self._steps = [self._clock_steps(log) for log in self.logs]
+        self._given: dict[int, tuple] = {}  # each event's ``_step_params``, by index
+        self._actor: dict[int, tuple] = {}  # each event's acting node and location (``_check``), by index
         # The logs of the same process's earlier incarnations, for each log.
         names = list(logs)
         self._earlier = [[e for e, (p2, i2) in enumerate(names) if p2 == p and i2 < i] for p, i in names]
@@ -844,17 +884,17 @@ class _Replay:
     def _advance(self, s: bytes, d: int) -> bytes | None:
         """``s`` after ``d`` ticks of true time and no step, or ``None`` if a directory timer
         falls due first (time cannot pass an urgent step). Each tick is the model's own
-        (``Model.apply("tick", ...)``), memoised; once a tick changes nothing, none after it
-        does (nothing is counting down), so the rest of the gap is skipped."""
+        (``Model.tick``: ``Model.apply("tick", ...)`` without the clock steps), memoised; once a
+        tick changes nothing, none after it does (nothing is counting down), so the rest of the
+        gap is skipped."""
         x: bytes | None = s
         memo = self._tick_memo
-        apply = self.model.apply
+        tick = self.model.tick
         for _ in range(d):
             assert x is not None
             nxt = memo.get(x, False)
             if nxt is False:
-                steps = apply("tick", (), x)
-                nxt = steps[0][2] if steps else None
+                nxt = tick(x)
                 if len(memo) >= ADVANCE_MEMO_MAX:
                     memo.clear()
                 memo[x] = nxt
@@ -887,11 +927,13 @@ class _Replay:
         t = T
         while True:
             if t >= lo:
-                out.extend((x, t) for x in self._env_closure(layer))
+                # In the states' order, not a set's (which varies with the hash seed): the
+                # frontier's order decides which event a lazy search blames for a rejection.
+                out.extend((x, t) for x in sorted(self._env_closure(layer)))
             if t >= hi:
                 break
             nxt: set[bytes] = set()
-            for x in layer:
+            for x in sorted(layer):
                 for name, _, x2 in self._time_steps(x):
                     if name == "tick":
                         nxt.add(x2)
@@ -961,7 +1003,9 @@ class _Replay:
             labels = ("expire_write_lease", "expire_write_lease_of_crashed")
         else:
             labels = (name,)
-        given = self._step_params(pe)
+        given = self._given.get(pe.index)
+        if given is None:
+            given = self._given[pe.index] = self._step_params(pe)
         for lab in labels:
             steps = m.apply(lab, given, s)
             self.states_explored += len(steps)
@@ -969,9 +1013,11 @@ class _Replay:
                 b = self._check(pe, lab, p, s, s2, binding, bound)
                 if b is not None:
                     out.append((s2, b, lab, p, s))
-        if name in ("refuse_read_lease", "refuse_write_lease") and ev.get("result") in ("unauthorized", "parent_not_committed"):
-            # A refusal for a reason outside the one-key model (tenant, parent): the request
-            # is consumed and nothing else changes.
+        if name in ("refuse_read_lease", "refuse_write_lease") and ev.get("result") in _DROPPING_REFUSALS[name]:
+            # A refusal for a reason outside the one-key model (tenant, parent; for a write, no
+            # location the writer may write to is up: the spec's directory grants no write then,
+            # and its request waits or is lost): the request is consumed and nothing else
+            # changes -- the spec's ``drop``, the writer then giving up.
             kind = M_ACQUIRE if name == "refuse_read_lease" else M_BEGIN_WRITE
             who = R.n(ev["holder"] if name == "refuse_read_lease" else ev["writer"])
             for lab, p, s2 in m.apply("drop", (kind, who), s):
@@ -1020,8 +1066,8 @@ class _Replay:
         delivered later, it would only abort the writer as the writer itself may."""
         L = self.L
         fixed = L.fixed
-        if len(s) == fixed:
-            return s
+        if len(s) == fixed or _READ_REPLY_KINDS.isdisjoint(s[fixed::MESSAGE_WIDTH]):
+            return s  # no reply in flight (each message's first byte is its kind)
         net = [s[i : i + MESSAGE_WIDTH] for i in range(fixed, len(s), MESSAGE_WIDTH)]
         keep = []
         for m in net:
@@ -1047,7 +1093,7 @@ class _Replay:
         idx = self._age_index
         if not idx:
             return s, ()
-        ages = tuple(s[i] for i in idx)
+        ages = self._get_ages(s) if self._get_ages else tuple(s[i] for i in idx)
         if not any(ages):
             return s, ages
         b = bytearray(s)
@@ -1074,11 +1120,7 @@ class _Replay:
         fixed = bytearray(s[: L.fixed])
         net = [bytearray(s[i : i + MESSAGE_WIDTH]) for i in range(L.fixed, len(s), MESSAGE_WIDTH)]
         if s[L.next_id] > RENUMBER_AT:
-            used: set[int] = set()
-            for blk in L.lease_id_blocks:
-                used.update(v for v in s[blk] if v)
-            used.update(m[3] for m in net if m[0] in _CARRIES_LEASE and m[3])
-            new = {v: i + 1 for i, v in enumerate(sorted(used))}
+            new = {v: i + 1 for i, v in enumerate(sorted(self._leases_in_use(s)))}
             for blk in L.lease_id_blocks:
                 for i in range(blk.start, blk.stop):
                     if fixed[i]:
@@ -1106,6 +1148,30 @@ class _Replay:
             fixed[L.req[n]] = len(new)
         return self.model._pack(fixed, [bytes(m) for m in net]), binding
 
+    def _leases_in_use(self, s: bytes) -> set[int]:
+        """The spec lease ids anywhere in ``s``: the directory's, holders', writers', in flight."""
+        L = self.L
+        used: set[int] = set()
+        for blk in L.lease_id_blocks:
+            used.update(s[blk])
+        used.update(s[i + 3] for i in range(L.fixed, len(s), MESSAGE_WIDTH) if s[i] in _CARRIES_LEASE)
+        used.discard(NO_LEASE)
+        return used
+
+    def _live(self, s: bytes, binding: tuple) -> tuple:
+        """The lease binding without the spec ids in use nowhere in ``s`` (as ``_renumber``
+        drops them). Spec ids are only ever new (renumbering keeps their order), so such an id
+        never comes back; an event under its real id must match an id in use, which is bound
+        to another real id (one-to-one: no match), or be a new grant, which the shadow refuses
+        as a reused id. Kept, the pairs of every lease the projection ever had would grow
+        each element (hashed at every step) and keep apart elements whose futures are alike."""
+        if not binding:
+            return binding
+        used = self._leases_in_use(s)
+        if all(sp in used for _, sp in binding):
+            return binding
+        return tuple(pair for pair in binding if pair[1] in used)
+
     def _void(self, s: bytes) -> bytes:
         m, L = self.model, self.L
         b = bytearray(s[: L.fixed])
@@ -1118,8 +1184,10 @@ class _Replay:
         ev, L, R = pe.ev, self.L, self.roles
         name = ev["event"]
         lease = ev.get("lease")
-        actor = R.n(ev["node"])
-        loc = R.loc(ev.get("location"))
+        names = self._actor.get(pe.index)
+        if names is None:
+            names = self._actor[pe.index] = (R.n(ev["node"]), R.loc(ev.get("location")))
+        actor, loc = names
 
         def eq(a: Any, b: Any) -> bool:
             return a is None or a == b
@@ -1133,7 +1201,7 @@ class _Replay:
                     if not eq(loc, s[L.h_loc[n][0]] - 1) or not eq(ev.get("gen"), s[L.h_gen[n][0]]):
                         return None
                     if ev.get("result") == "ok":
-                        # A completed read returns the leased generation's bytes (DESIGN 4).
+                        # A completed read returns the leased generation's bytes (protocol property 4).
                         if s[L.s_status[loc][0]] != FULL or s[L.s_gen[loc][0]] != s[L.h_gen[n][0]]:
                             return None
                 return bound(binding, lease, s[L.h_id[n][0]])
@@ -1236,9 +1304,9 @@ class _Replay:
         verdict = inv_memo.get(post, False)
         if verdict is False:
             verdict = None
-            for inv in INVARIANTS:
-                if not inv.holds(m, post):
-                    verdict = inv.name
+            for holds, name in _INVARIANT_CHECKS:
+                if not holds(m, post):
+                    verdict = name
                     break
             if len(inv_memo) >= PROPERTY_MEMO_MAX:
                 inv_memo.clear()
@@ -1260,21 +1328,21 @@ class _Replay:
 
     # -- the search ----------------------------------------------------------------------------
 
-    def _window(self, pe: _PEvent, j: int, pos: tuple[int, ...], last_lo: tuple[int, ...], last_hi: tuple[int, ...]) -> tuple[int, int]:
-        """The ticks ``pe`` may happen at: its wall-clock interval, narrowed by its own process's
-        monotonic clock since that log's previous event (true time passes at the clock's rate,
-        up to ``drift_ppm``): ``Δlocal`` crosses ``floor`` or ``ceil(Δlocal / tick)`` ticks.
-        The previous event's tick is an interval: elements that differ only in it are one
-        element (``run``), whose narrowing is the union of theirs -- looser than any one of
-        them, never looser than the wall-clock interval that the clock bound gives."""
-        lo, hi = pe.lo, pe.hi
-        if pos[j] > 0:
-            prev = self.logs[j][pos[j] - 1]
+    def _clock_steps(self, log: list[_PEvent]) -> list[tuple[int, int] | None]:
+        """For each event of ``log``, the least and most ticks that passed since the log's
+        previous event (``None`` for the first): true time passes at the clock's rate, up to
+        ``drift_ppm``, so ``Δlocal`` crosses ``floor`` or ``ceil(Δlocal / tick)`` ticks. An
+        event's window is its wall-clock interval narrowed by these from the previous event's
+        ticks (``_level``). The previous event's tick is an interval: elements that differ only
+        in it are one element (``run``), whose narrowing is the union of theirs -- looser than
+        any one of them, never looser than the wall-clock interval that the clock bound gives.
+        Fixed per event, so computed once, not per element and level."""
+        out: list[tuple[int, int] | None] = [None]
+        for prev, pe in zip(log, log[1:]):
             d = pe.local - prev.local
             slack = d * self.params.drift_ppm // 1_000_000
-            lo = max(lo, last_lo[j] + (d - slack) // self._tick_ns)
-            hi = min(hi, last_hi[j] - (-(d + slack) // self._tick_ns))
-        return lo, hi
+            out.append(((d - slack) // self._tick_ns, -(-(d + slack) // self._tick_ns)))
+        return out
 
     def _eligible(self, pos: tuple[int, ...]) -> list[int]:
         got = self._eligible_memo.get(pos)
@@ -1323,71 +1391,125 @@ class _Replay:
             self.network_filled = self.network_filled or full
             if not nxt:
                 self._fail(frontier, broke, self.network_filled)
+            if len(nxt) > 1 and self.shared:
+                nxt = self._merge_shared(nxt)
             self.frontier_max = max(self.frontier_max, len(nxt))
             frontier = self._settle(nxt)
         self.shared_ticks = {key[4] for key in frontier}
 
     def _level(self, frontier: dict, how: str) -> tuple[dict, str | None, bool]:
         """One event further from every element: ``how`` is "first" (the caller's next event
-        only), "lazy" (others only if that one cannot be taken) or "all"."""
+        only), "lazy" (others only if that one cannot be taken) or "all". The hot loop of the
+        validator: what depends only on the element and the event (its window, the next cut,
+        the logs' last ticks but the one consumed) is computed once, not once per state the
+        element can wait into and step the event from."""
         nxt: dict[tuple, tuple] = {}
         broke: str | None = None
         full = False
-        limit = self.L.fixed + MESSAGE_WIDTH * self.cfg.max_messages
-        check = self.params.check_invariants
         logs = self.logs
         memo: dict[tuple, list] = {}
-        next_id, reqs = self.L.next_id, self.L.req
-        shared = self.shared
+        shared, cascades = self.shared, self.cascades
+        eligible, eligible_memo, steps = self._eligible, self._eligible_memo, self._steps
+        closure, matched_of = self._closure, self._matched
+        first_only, lazy = how == "first", how == "lazy"
+        max_frontier = self.params.max_frontier
         for (s, T, pos, binding, gt), (last_lo, last_hi, ages) in frontier.items():
             if ages:
                 s = self._with_ages(s, ages)
             before = len(nxt)
-            for n_choice, j in enumerate(self._eligible(pos)):
-                if n_choice > 0 and (how == "first" or (how == "lazy" and len(nxt) > before)):
+            choices = eligible_memo.get(pos)
+            if choices is None:
+                choices = eligible(pos)
+            for n_choice, j in enumerate(choices):
+                if n_choice > 0 and (first_only or (lazy and len(nxt) > before)):
                     break  # the caller's next event could be taken: keep the caller's order
-                pe = logs[j][pos[j]]
-                lo, hi = self._window(pe, j, pos, last_lo, last_hi)
-                if hi < max(lo, T):
+                at = pos[j]
+                pe = logs[j][at]
+                lo, hi = pe.lo, pe.hi  # narrowed by the clock (``_clock_steps``)
+                step = steps[j][at]
+                if step is not None:
+                    if last_lo[j] + step[0] > lo:
+                        lo = last_lo[j] + step[0]
+                    if last_hi[j] + step[1] < hi:
+                        hi = last_hi[j] + step[1]
+                if lo < T:
+                    lo = T
+                if hi < lo:
                     continue
-                pos2 = pos[:j] + (pos[j] + 1,) + pos[j + 1 :]
-                is_shared = pe.index in shared
-                cascade_ticks = self.cascade_ticks.setdefault(pe.index, set()) if pe.index in self.cascades else None
-                for x, t in self._closure(s, T, max(lo, T), hi):
+                index = pe.index
+                pos2 = pos[:j] + (at + 1,) + pos[j + 1 :]
+                is_shared = index in shared
+                cascade_ticks = self.cascade_ticks.setdefault(index, set()) if index in cascades else None
+                lo_head, lo_tail, hi_head, hi_tail = last_lo[:j], last_lo[j + 1 :], last_hi[:j], last_hi[j + 1 :]
+                for x, t in closure(s, T, lo, hi):
                     # Elements that differ only in when their timers were set meet the same
                     # states again at other ticks: each (event, state, binding) is matched once.
-                    mkey = (pe.index, x, binding)
+                    mkey = (index, x, binding)
                     matched = memo.get(mkey)
                     if matched is None:
-                        matched = []
-                        for post, b2, lab, p, pre in self._match(pe, x, binding):
-                            bad = self._properties(lab, p, pre, post) if check else None
-                            matched.append((post, b2, bad))
-                        memo[mkey] = matched
-                    for post, b2, bad in matched:
-                        if len(post) >= limit:
+                        matched = memo[mkey] = matched_of(pe, x, binding)
+                    if not matched:
+                        continue
+                    new_lo, new_hi = lo_head + (t,) + lo_tail, hi_head + (t,) + hi_tail
+                    gt2 = gt + ((index, frozenset((t,))),) if is_shared else gt
+                    for q, post_ages, b2, bad, filled in matched:
+                        if filled:
                             full = True
                         if bad is not None:
                             broke = bad
                             continue
-                        if post[next_id] > RENUMBER_AT or any(post[r] > RENUMBER_AT for r in reqs):
-                            post, b2 = self._renumber(post, b2)
-                        post = self._drop_stale(post)
-                        post, post_ages = self._split_ages(post)
-                        key = (post, t, pos2, b2, gt + ((pe.index, t),) if is_shared else gt)
+                        key = (q, t, pos2, b2, gt2)
                         if cascade_ticks is not None:
                             cascade_ticks.add(t)
                         had = nxt.get(key)
                         if had is None:
-                            nxt[key] = (last_lo[:j] + (t,) + last_lo[j + 1 :], last_hi[:j] + (t,) + last_hi[j + 1 :], post_ages)
-                        else:
+                            nxt[key] = (new_lo, new_hi, post_ages)
+                        elif had != (new_lo, new_hi, post_ages):
                             lo_, hi_, ages_ = had
-                            nxt[key] = (tuple(map(min, lo_, last_lo[:j] + (t,) + last_lo[j + 1 :])),
-                                        tuple(map(max, hi_, last_hi[:j] + (t,) + last_hi[j + 1 :])),
-                                        tuple(map(max, ages_, post_ages)))  # fmt: skip
-                if len(nxt) > self.params.max_frontier:
-                    raise _inconclusive(pe.index, pe.ev, "frontier_limit", f"key {self.key[:16]}…: more than {self.params.max_frontier} possible states at event {pe.index}")
+                            nxt[key] = (lo_ if lo_ == new_lo else tuple(map(min, lo_, new_lo)),
+                                        hi_ if hi_ == new_hi else tuple(map(max, hi_, new_hi)),
+                                        ages_ if ages_ == post_ages else tuple(map(max, ages_, post_ages)))  # fmt: skip
+                if len(nxt) > max_frontier:
+                    raise _inconclusive(index, pe.ev, "frontier_limit", f"key {self.key[:16]}…: more than {max_frontier} possible states at event {index}")
         return nxt, broke, full
+
+    def _matched(self, pe: _PEvent, x: bytes, binding: tuple) -> list[tuple[bytes, tuple, tuple, str | None, bool]]:
+        """The steps ``pe`` may be from ``x``, each as ``(post without ghost ages, its ages,
+        binding, the property it breaks or None, whether the network was full)``: posts with
+        ids renumbered and stale replies dropped, once for every element that meets ``x``."""
+        out = []
+        check = self.params.check_invariants
+        limit = self.L.fixed + MESSAGE_WIDTH * self.cfg.max_messages
+        next_id, reqs = self.L.next_id, self.L.req
+        for post, b2, lab, p, pre in self._match(pe, x, binding):
+            bad = self._properties(lab, p, pre, post) if check else None
+            filled = len(post) >= limit
+            if bad is None:
+                if post[next_id] > RENUMBER_AT or any(post[r] > RENUMBER_AT for r in reqs):
+                    post, b2 = self._renumber(post, b2)
+                post = self._drop_stale(post)
+                b2 = self._live(post, b2)
+            q, post_ages = self._split_ages(post)
+            out.append((q, post_ages, b2, bad, filled))
+        return out
+
+    def _merge_shared(self, nxt: dict) -> dict:
+        """Elements alike but for the ticks of one shared event (a failure) are one, with the
+        union of those ticks: the ticks each accepted behaviour gave the shared events are a
+        union of boxes (a set of ticks per event), and two boxes that differ in one event are
+        exactly one box. Without it the ticks of n failures multiply the frontier by the
+        product of their windows."""
+        groups: dict[tuple, list[tuple]] = {}
+        for key in nxt:
+            groups.setdefault(key[:4], []).append(key[4])
+        if all(len(g) == 1 for g in groups.values()):
+            return nxt
+        out: dict[tuple, tuple] = {}
+        for head, gts in groups.items():
+            members = _merge_boxes({gt: nxt[head + (gt,)] for gt in gts})
+            for gt, v in members.items():
+                out[head + (gt,)] = v
+        return out
 
     def _settle(self, frontier: dict) -> dict:
         """Move the oldest shared ticks that every element agrees on out of the elements (into
@@ -1402,7 +1524,7 @@ class _Replay:
                 first = gt[0]
             if first is None:
                 return frontier
-            settled[first[0]] = first[1]
+            settled[first[0]] = first[1]  # the set of ticks every element gave it
             merged: dict[tuple, tuple] = {}
             for key, (lo, hi, ages) in frontier.items():
                 key = key[:4] + (key[4][1:],)
@@ -1426,7 +1548,7 @@ class _Replay:
         diff = self._diff(frontier, best)
         if broke is not None:
             raise _reject(best.index, ev, "invariant", f"event {best.index} ({ev['event']}): the only matching spec steps break {broke}", diff)
-        timing = self._timing(frontier, best)
+        timing = self._placement(best) or self._timing(frontier, best)
         if timing:
             diff["timing"] = timing
         raise _reject(
@@ -1435,6 +1557,21 @@ class _Replay:
             + (f"{timing}; " if timing else "no spec state can take it; ")
             + f"it needs {NEEDS[ev['event']]}", diff,
         )  # fmt: skip
+
+    def _placement(self, pe: _PEvent) -> str | None:
+        """When a write grant names a location the spec never sends that writer to (its own
+        node's tiers or the shared pool: ``ModelConfig.write_targets``), the words saying so: no
+        state of any timing takes it."""
+        ev, R = pe.ev, self.roles
+        if ev["event"] != "grant_write_lease":
+            return None
+        w, loc = R.n(ev.get("writer")), R.loc(ev.get("location"))
+        if w is None or loc is None or loc in self.cfg.write_targets(w):
+            return None
+        host = next((h for h in R.nodes if R.node_index[h] == loc // R.tiers_per_node), "?")
+        return (f"a write placed outside the spec: the spec grants writer {ev['writer']!r} (node "
+                f"{R.nodes[w]!r}) a write only to its own node's tiers or the shared pool, and "
+                f"{ev['location']!r} is a tier of node {host!r}")
 
     def _timing(self, frontier: dict, pe: _PEvent) -> str | None:
         """When time, not the state, is why no element takes ``pe``: the words saying so (a
@@ -1553,14 +1690,15 @@ _MODE_NAMES = ("own", "cascade", "global", "global")
 
 
 def _validate(events: Sequence[dict], params: TraceParams) -> Verdict:
-    # Three passes over the events, none holding more than names, counters and one int per
-    # event: shapes (and the earliest wall time), roles, then the shadow and each key's
+    # Two passes over the events, none holding more than names, counters and one int per
+    # event: shapes (and the earliest wall time) with roles, then the shadow and each key's
     # projection as indices. Each key's events are fetched again only for its replay, so a
     # trace read from a file (``validate_file``) is never in memory as a whole.
-    w0 = _check_shapes(events)
+    shapes = _Shapes()
+    roles = _Roles(shapes.checked(events), params)
+    w0 = shapes.w0
     if w0 is None:
         return Verdict(ACCEPTED, reason="an empty trace", frontier_max=1)
-    roles = _Roles(events, params)
     shadow = _Shadow()
     per_key: dict[str, array] = {}
     counts: dict[str, dict[str, int]] = {}
@@ -1572,7 +1710,8 @@ def _validate(events: Sequence[dict], params: TraceParams) -> Verdict:
         got = per_key.get(k)
         if got is None:
             # A key first seen now still lived through every failure before it.
-            got = per_key[k] = array("q", (i * 4 + _GLOBAL for i in failures))
+            got = per_key[k] = _int_array(4 * len(events))
+            got.extend(i * 4 + _GLOBAL for i in failures)
             counts[k] = {"epochs": 0, "leases": 0, "requests": 0, "transfers": 0, "crashes": 0, "restarts": 0}
             for i in failures:
                 name = events[i]["event"]
@@ -1684,17 +1823,15 @@ def _validate(events: Sequence[dict], params: TraceParams) -> Verdict:
 
 class _FileEvents(Sequence):
     """An NDJSON trace as a sequence of events, read from the file each time it is iterated or
-    indexed: only each line's offset is kept (8 bytes an event)."""
+    indexed: only each line's offset is kept (4 bytes an event in a file under 4 GiB)."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self._file = open(path, "rb")  # noqa: SIM115 (closed in close())
-        self._offsets = array("q")
-        self._lines = array("q")
+        self._offsets = _int_array(os.fstat(self._file.fileno()).st_size + 1)
         at = 0
-        for number, line in enumerate(self._file, start=1):
+        for line in self._file:
             if line.strip():
                 self._offsets.append(at)
-                self._lines.append(number)
             at += len(line)
 
     def close(self) -> None:
@@ -1707,7 +1844,20 @@ class _FileEvents(Sequence):
         try:
             return json.loads(line)
         except ValueError as e:
-            raise _reject(i, None, "malformed", f"line {self._lines[i]}: not JSON ({e})") from None
+            raise _reject(i, None, "malformed", f"line {self._line_number(i)}: not JSON ({e})") from None
+
+    def _line_number(self, i: int) -> int:
+        """The file's line number of event ``i`` (blank lines hold no event), counted again
+        only for a rejection's words rather than kept for every line."""
+        self._file.seek(0)
+        left, lines = self._offsets[i], 1
+        while left > 0:
+            chunk = self._file.read(min(left, 1 << 20))
+            if not chunk:
+                break  # the file shrank under us: the count so far
+            lines += chunk.count(b"\n")
+            left -= len(chunk)
+        return lines
 
     def __getitem__(self, i: int) -> Any:  # type: ignore[override]
         self._file.seek(self._offsets[i])
@@ -1722,29 +1872,97 @@ class _FileEvents(Sequence):
                 i += 1
 
 
-def _shared_time_conflict(timings: list[tuple[dict[int, int], set[tuple], dict[int, set[int]]]], failures: list[int]) -> int | None:
+def _int_array(limit: int) -> array:
+    """An empty array of the narrowest unsigned type that holds every value below ``limit``:
+    offsets and packed indices, one per event, are most of what a long trace costs in memory."""
+    for code in ("I", "L", "Q"):
+        if limit <= 1 << (8 * array(code).itemsize):
+            return array(code)
+    raise ValueError(f"no array type holds values up to {limit}")
+
+
+def _join_values(va: tuple, vb: tuple) -> tuple:
+    """The ghost bounds of two merged elements: the least of the first, the most of the others."""
+    return (tuple(map(min, va[0], vb[0])), tuple(map(max, va[1], vb[1])), tuple(map(max, va[2], vb[2])))
+
+
+def _merge_boxes(members: dict[tuple, tuple]) -> dict[tuple, tuple]:
+    """Join boxes that differ in the ticks of one event only, until no two do (``_join_boxes``,
+    many at once): per event position, the boxes alike everywhere else are one box with the union
+    of their ticks there. The union of the boxes is kept exactly; a pass costs a dictionary
+    insert per box and position, where joining pairs one at a time cost a cube of the number of
+    boxes (a real cluster trace has hundreds)."""
+    changed = True
+    while changed and len(members) > 1:
+        changed = False
+        for at in range(max(len(box) for box in members)):
+            buckets: dict[tuple, list[tuple]] = {}
+            for box in members:
+                if len(box) > at:
+                    buckets.setdefault((len(box), box[at][0], box[:at], box[at + 1 :]), []).append(box)
+            for boxes in buckets.values():
+                if len(boxes) < 2:
+                    continue
+                ticks = functools.reduce(operator.or_, (box[at][1] for box in boxes))
+                joined = boxes[0][:at] + ((boxes[0][at][0], ticks),) + boxes[0][at + 1 :]
+                value = functools.reduce(_join_values, (members.pop(box) for box in boxes))
+                if joined in members:
+                    value = _join_values(value, members[joined])
+                members[joined] = value
+                changed = True
+    return members
+
+
+def _join_boxes(a: tuple, b: tuple) -> tuple | None:
+    """Two boxes (``((event index, ticks), ...)``) that differ in the ticks of one event only, as
+    one box; ``None`` if they differ in more (their union is no box)."""
+    if len(a) != len(b):
+        return None
+    at = -1
+    for n, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            if x[0] != y[0] or at >= 0:
+                return None
+            at = n
+    if at < 0:
+        return a
+    return a[:at] + ((a[at][0], a[at][1] | b[at][1]),) + a[at + 1 :]
+
+
+def _shared_time_conflict(timings: list[tuple[dict[int, frozenset[int]], set[tuple], dict[int, set[int]]]],
+                          failures: list[int]) -> int | None:
     """The first event shared by projections that no single tick explains in all of them, or
     ``None``. Failures are in every projection: some assignment of ticks to all of them must be
-    one that every projection accepted (joint). A cascade is in its subtree's projections: some
-    one tick of it must be one each of them took it at (per event; the ticks any element took,
-    surviving or not: weaker than the failures' check)."""
+    one that every projection accepted (joint). Each projection accepted a union of boxes (a set
+    of ticks per failure); for each prefix of the failures, some box of each projection must
+    meet some box of every other. A cascade is in its subtree's projections: some one tick of
+    it must be one each of them took it at (per event; the ticks any element took, surviving
+    or not: weaker than the failures' check)."""
     if not timings:
         return None
-    joint: list[set[tuple]] = []  # per projection: its accepted ticks of the failures, in order
+    per_projection: list[list[tuple[frozenset[int], ...]]] = []
     cascade_ticks: dict[int, set[int]] = {}
-    for settled, tuples, ticks in timings:
-        assigns: set[tuple] = set()
-        for gt in tuples or {()}:
+    for settled, boxes, ticks in timings:
+        got = []
+        for gt in boxes or {()}:
             full = dict(settled)
             full.update(gt)
-            assigns.add(tuple(full[i] for i in failures if i in full))
-        joint.append(assigns)
+            got.append(tuple(full[i] for i in failures if i in full))
+        per_projection.append(got)
         for i, ts in ticks.items():
             cascade_ticks[i] = set(ts) if i not in cascade_ticks else cascade_ticks[i] & ts
     for m in range(1, len(failures) + 1):
-        common = {a[:m] for a in joint[0]}
-        for assigns in joint[1:]:
-            common &= {a[:m] for a in assigns}
+        common = {a[:m] for a in per_projection[0]}
+        for boxes in per_projection[1:]:
+            met = set()
+            for a in common:
+                for b in boxes:
+                    c = tuple(x & y for x, y in zip(a, b[:m]))
+                    if all(c):
+                        met.add(c)
+            common = met
+            if not common:
+                break
         if not common:
             return failures[m - 1]
     empty = sorted(i for i, ts in cascade_ticks.items() if not ts)

@@ -20,8 +20,8 @@ explores, in plain Python.
    (``REQUIRED_FIELDS``); ``seq`` starts at 1 and rises by one per ``(node, incarnation)`` log;
    ``t_local_ns`` never goes back within a log. Then what the per-key projection cannot see is
    checked directly, in the directory's own (total) log order: lease ids are never reused (any
-   key, any kind, DESIGN 8); a write is granted only under a COMMITTED parent and a copy is
-   evicted only once its children are ABSENT (DESIGN 10). A small shadow of the directory's
+   key, any kind, protocol property 8); a write is granted only under a COMMITTED parent and a copy is
+   evicted only once its children are ABSENT (protocol property 10). A small shadow of the directory's
    records (phase, owner, parent, namespace) follows the directory's events for these checks
    and to resolve cascades.
 
@@ -134,7 +134,7 @@ restart_node             rejoined, lost (list of locations)      (node = the dir
 restart_directory        -                                       (node = the directory)
 =======================  ============================================================================
 
-Not checked here: namespace authorisation (DESIGN 11: the trace does not say which tenant may
+Not checked here: namespace authorisation (protocol property 11: the trace does not say which tenant may
 use which namespace), and a directory's refusals for reasons outside the one-key model (an
 unauthorised tenant, a parent not committed) are taken as the request being consumed.
 """
@@ -177,9 +177,9 @@ REJECT_CODES = (
     "missing_field",  # a field the event needs (REQUIRED_FIELDS) is absent or null
     "seq_gap",  # seq of one (node, incarnation) log does not start at 1 or rise by one
     "clock_back",  # t_local_ns went back within one log
-    "lease_id_reused",  # a lease id granted twice (DESIGN 8)
-    "parent_not_committed",  # a write granted under a parent that is not COMMITTED (DESIGN 10)
-    "evict_parent_first",  # a copy evicted while a child is not ABSENT (DESIGN 10)
+    "lease_id_reused",  # a lease id granted twice (protocol property 8)
+    "parent_not_committed",  # a write granted under a parent that is not COMMITTED (protocol property 10)
+    "evict_parent_first",  # a copy evicted while a child is not ABSENT (protocol property 10)
     "unknown_location",  # a location that cannot be placed on a node or the pool
     "no_spec_step",  # no frontier state can take the event
     "invariant",  # the only spec steps matching the event break a property
@@ -843,7 +843,7 @@ class _Replay:
                     if not eq(loc, s[L.h_loc[n][0]] - 1) or not eq(ev.get("gen"), s[L.h_gen[n][0]]):
                         return None
                     if ev.get("result") == "ok":
-                        # A completed read returns the leased generation's bytes (DESIGN 4).
+                        # A completed read returns the leased generation's bytes (protocol property 4).
                         if s[L.s_status[loc][0]] != FULL or s[L.s_gen[loc][0]] != s[L.h_gen[n][0]]:
                             return None
                 return bound(binding, lease, s[L.h_id[n][0]])

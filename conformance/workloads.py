@@ -15,10 +15,12 @@ import threading
 import time
 from collections.abc import Callable
 
+import attrs
+
 from kvcc.spec.keys import BlockKey, Namespace, chain_keys
 
 from .contract import Committed, Evicted, ReadGrant, Refused, Stored, WriteGrant
-from .oracles import Session
+from .oracles import OracleFailure, Session
 
 INVALIDATION_SLACK = 4.0  # an invalidation may take this many lease terms before a test gives up
 # Where a holder's deadline is probed, in epsilons past the last instant the oracle lets it read
@@ -573,7 +575,7 @@ def directory_restart(s: Session) -> None:
     # session checks every grant's id against those of the old incarnation).
     read_back(s, reader(s, w), keys[0], data[0], "a block committed before the directory restart")
     # Leases of the old incarnation may still be trusted: invalidating their key must not
-    # complete before they could have expired (DESIGN 12), and none of them may read after.
+    # complete before they could have expired (protocol property 12), and none of them may read after.
     ticket = s.invalidate(w, s.ns, "key", keys[1])
     wait_done(s, ticket, keys[1:])
     done_ns = time.monotonic_ns()
@@ -894,6 +896,7 @@ def deletion_reaches_everywhere(s: Session) -> None:
     from .oracles import unfreed_locations
 
     bound_ms = s.adapter.capabilities().free_bound_ms
+    settled = s.adapter.capabilities().frees_acknowledged
     after_end_ms, after_grant_ms = deletion_deadline_ms(s.lease_term_ms, s.skew_ms, bound_ms)
     w = s.nodes[0]
     groups: list[tuple[str, dict[str, int], float, list[BlockKey]]] = []  # (what, key hex -> gen, deadline, keys)
@@ -939,11 +942,12 @@ def deletion_reaches_everywhere(s: Session) -> None:
         now = time.monotonic()
         for i in list(pending):
             what, ended, deadline, _ = groups[i]
-            left = unfreed_locations(events, ended)
+            left = unfreed_locations(events, ended, settled)
             if not left:
                 pending.remove(i)
             elif now > deadline:
-                late.append(f"{what}: {', '.join(left)} still hold the bytes {bound_ms} ms (free bound) + one term after")
+                late.append(f"{what}: {', '.join(left)} still hold the bytes, or their free never settled, "
+                            f"{bound_ms} ms (free bound) + one term after")  # fmt: skip
                 pending.remove(i)
         if pending:
             s.sleep_ms(s.lease_term_ms / 10)
@@ -955,3 +959,620 @@ def deletion_reaches_everywhere(s: Session) -> None:
 
 
 BODIES["deletion_reaches_everywhere"] = deletion_reaches_everywhere
+
+
+# -- tiers: reclaimed space, late and corrupt bytes, fences after a restart (KVCC-TIER-004/005, KVCC-FAULT-010..012)
+
+# Blocks written and evicted one after another on one node: more than the slots of any tier the
+# suite's own adapters configure (the in-process kit holds 512 blocks a node), so a location that
+# loses a slot per block -- one freed, one a reader copied from -- fills up.
+RECLAIM_BLOCKS = 640
+RECLAIM_SIZES = (1, 4096)  # the extremes of the suite's block sizes, written every third block
+# Header offsets ``corrupt`` damages, one block each: every byte of a header of up to this many bytes.
+CORRUPT_HEADER_BYTES = 96
+
+
+# Refusals a slow client earns on its own (its lease ran out between two calls, as a loaded machine
+# can make it): the step is done again (a write under a fresh key), a bounded number of times.
+LEASE_RAN_OUT = ("fenced", "lease_expired", "unknown_lease", "not_found")
+RETRIES = 3
+
+
+def _put_on_time(s: Session, node: str, what: str, size: int | None = None) -> tuple[BlockKey, bytes]:
+    """A fresh root block written and committed on ``node``; a write whose lease ran out under
+    load is given up and done again under a fresh key. Any other refusal FAILs (``eviction``:
+    here that is a location out of room)."""
+    for _ in range(RETRIES):
+        key = chain(s, 1)[0]
+        g = s.begin_write(node, s.ns, key, None)
+        s.check(isinstance(g, WriteGrant), "write", f"{what}: begin_write of a fresh key refused: {g}")
+        data = s.payload(size)
+        stored = s.write_bytes(g, data)
+        s.check(isinstance(stored, Stored) or stored.reason in LEASE_RAN_OUT, "eviction",
+                f"{what}: write_bytes on {node} answered {stored}")  # fmt: skip
+        c = s.commit(g) if isinstance(stored, Stored) else stored
+        if isinstance(c, Committed):
+            return key, data
+        s.check(c.reason in LEASE_RAN_OUT, "write", f"{what}: commit refused: {c}")
+        s.abort(g)
+    raise OracleFailure("write", f"{what}: the write lease ran out {RETRIES} times in a row")
+
+
+def _read_on_time(s: Session, node: str, key: BlockKey, expected: bytes, what: str) -> None:
+    """``read_back``, done again when the holder's own deadline passed before its read (a loaded
+    machine): once the lease has run out at the directory too, so the next acquire starts clean."""
+    for _ in range(RETRIES):
+        g = s.acquire(node, s.ns, key)
+        s.check(isinstance(g, ReadGrant), "caching", f"acquire of {what} refused: {g}")
+        got = s.read(g)
+        s.release(g)
+        if not (isinstance(got, Refused) and got.reason == "lease_expired"):
+            s.check(got == expected, "caching", f"a leased read of {what} answered {got!r:.60}")
+            return
+        s.sleep_ms(s.lease_term_ms + 2 * s.skew_ms)
+    raise OracleFailure("caching", f"the lease on {what} ran out before its read {RETRIES} times in a row")
+
+
+def space_reclaimed(s: Session) -> None:
+    """Write, commit, read from another node and evict ``RECLAIM_BLOCKS`` blocks one after another
+    on one node: every write MUST still find room, and a block that stays all along (read before
+    and after) MUST keep its bytes."""
+    w = s.nodes[0]
+    r = reader(s, w)
+    anchor, kept = _put_on_time(s, w, "a block read before the others were written")  # its space must stay its own
+    _read_on_time(s, r, anchor, kept, "a block read before the others were written")
+    for i in range(RECLAIM_BLOCKS):
+        what = f"block {i} of {RECLAIM_BLOCKS} (written after {i} evictions)"
+        key, data = _put_on_time(s, w, what, RECLAIM_SIZES[i // 3 % 2] if i % 3 == 0 else None)
+        _read_on_time(s, r, key, data, what)
+        e = s.evict(w, s.ns, key)
+        s.check(isinstance(e, Evicted), "eviction", f"{what}: evicting an unleased block answered {e}")
+    _read_on_time(s, r, anchor, kept, f"a block that stayed while {RECLAIM_BLOCKS} others were written and evicted")
+
+
+def corrupt_is_a_miss(s: Session) -> None:
+    """Damage one byte of a committed block at rest -- each of the first ``CORRUPT_HEADER_BYTES``
+    bytes of its header, then its payload's first, last and a random byte -- and read it under a
+    lease: the read MUST be refused (miss), never served; evicting the copy MUST succeed and the key
+    MUST then take new bytes, read back exactly."""
+    w = s.nodes[0]
+    r = reader(s, w)
+    probes: list[tuple[str, int | None]] = [("header", i) for i in range(CORRUPT_HEADER_BYTES)]
+    probes += [("payload", 0), ("payload", -1), ("payload", None)]
+    for region, at in probes:
+        key = chain(s, 1)[0]
+        data = put(s, w, key, None)
+        offset = len(data) - 1 if at == -1 else s.rng.randrange(len(data)) if at is None else at
+        what = f"a block whose {region} byte {offset} was damaged at rest"
+        s.fault("corrupt", w, key, region, offset)
+        g = s.acquire(r, s.ns, key)
+        s.check(isinstance(g, ReadGrant), "caching", f"acquire of {what} refused: {g}")
+        got = s.read(g)
+        s.check(isinstance(got, Refused) and got.reason == "miss", "CommittedBytesIntact",
+                f"a read of {what} answered {got!r:.60}, not a miss")  # fmt: skip
+        s.release(g)
+        e = s.evict(w, s.ns, key)
+        s.check(isinstance(e, Evicted), "eviction", f"evicting {what} answered {e}")
+        fresh = put(s, w, key, None)
+        read_back(s, r, key, fresh, f"new bytes of a key after {what} was evicted")
+
+
+def _write_after_expiry(s: Session, w: str, other: str, key: BlockKey) -> tuple[WriteGrant, WriteGrant, bytes]:
+    """A write lease of ``w`` on ``key`` left to expire with its bytes unsent, then the key
+    written and committed by ``other`` under the next epoch: (stale grant, new grant, its bytes)."""
+    stale = s.begin_write(w, s.ns, key, None)
+    s.check(isinstance(stale, WriteGrant), "write", f"begin_write of a fresh key refused: {stale}")
+    deadline = time.monotonic() + (s.lease_term_ms + 2 * s.skew_ms) / 1000 + s.term_s
+    while True:
+        g = s.begin_write(other, s.ns, key, None)
+        if isinstance(g, WriteGrant):
+            break
+        s.check(g.reason == "not_absent", "write", f"begin_write while the first write lease runs out answered {g}")
+        s.check(time.monotonic() < deadline, "WriteLeaseEndsInTime", "the key stayed WRITING past its write lease")
+        s.sleep_ms(s.lease_term_ms / 10)
+    s.check(g.epoch > stale.epoch, "EpochMonotonic", f"new write epoch {g.epoch} not above {stale.epoch}")
+    data = s.payload()
+    s.check(isinstance(s.write_bytes(g, data), Stored), "write", "write_bytes under the new grant refused")
+    s.check(isinstance(s.commit(g), Committed), "write", "commit under the new grant refused")
+    return stale, g, data
+
+
+def late_bytes_stay_deleted(s: Session) -> None:
+    """The bytes of a write whose lease expired, sent only after the key was written again
+    elsewhere: they MAY land only if the location has not freed that generation yet (the trace
+    says which: the validator judges them by the location's fence and freed epoch), and the key's
+    block MUST read back exactly. With inferred events the suite sees no location and sends no
+    late bytes."""
+    if len(s.nodes) < 2:
+        raise _not_applicable("needs two nodes")
+    w, other = s.nodes[0], s.nodes[1]
+    key = chain(s, 1)[0]
+    stale, _, data = _write_after_expiry(s, w, other, key)
+    if not s.infer:  # an inferred trace has no location whose freed epoch could judge them
+        late = s.write_bytes(stale, s.payload())
+        s.check(isinstance(late, (Stored, Refused)), "write", f"bytes of an expired write answered {late}")
+    s.check(isinstance(s.commit(stale), Refused), "OneWriterPerGeneration", "a commit under the expired grant was accepted")
+    read_back(s, w, key, data, "the block written after the first write lease expired")
+
+
+def fenced_after_restart(s: Session) -> None:
+    """A grant's bytes sent before its node crashed, landing at that node after it restarted
+    without its memory, below the epoch the key has moved on to: the restarted location MUST
+    refuse them (it takes its fences back from the directory), and the key's current block MUST
+    read back exactly. With inferred events the suite sees no location and sends no late bytes."""
+    if len(s.nodes) < 2:
+        raise _not_applicable("needs two nodes")
+    w, other = s.nodes[0], s.nodes[1]
+    key = chain(s, 1)[0]
+    stale, g, data = _write_after_expiry(s, w, other, key)  # the stale bytes are in flight across w's crash
+    s.fault("kill", w)
+    s.fault("restart", w)
+    if not s.infer:  # an inferred trace has no location whose restored fence could judge them
+        late = s.write_bytes(stale, s.payload())
+        s.check(isinstance(late, Refused), "FencingHolds",
+                f"bytes under epoch {stale.epoch}, sent before {w} crashed, landed there after its restart although "
+                f"the key is at epoch {g.epoch}: {late}")  # fmt: skip
+    read_back(s, other, key, data, "the block written while the stale bytes were in flight")
+
+
+def free_after_restart(s: Session) -> None:
+    """Two blocks are invalidated while the node holding them is down, so the frees the directory
+    owes that node find it down. One key is written again elsewhere before the node restarts
+    without its memory, the other by the node itself right after. When the owed frees reach it
+    (the suite waits up to the free bound plus a term for them in a native trace), the restarted
+    location MUST judge each by what it holds now -- the fence it took back from the directory,
+    the newer block it stored -- and the trace is validated: both are refused as stale
+    (``fence_stale_free``) and free nothing; both keys' new blocks MUST read back exactly."""
+    if len(s.nodes) < 2:
+        raise _not_applicable("needs two nodes")
+    w, other = s.nodes[0], s.nodes[1]
+    elsewhere, here = chain(s, 1)[0], chain(s, 1)[0]
+    put(s, w, elsewhere, None)
+    put(s, w, here, None)
+    s.fault("kill", w)
+    for key in (elsewhere, here):
+        wait_done(s, s.invalidate(other, s.ns, "key", key), [key])
+    moved = put(s, other, elsewhere, None)
+    s.fault("restart", w)
+    kept = put(s, w, here, None)  # a newer block where the stale free is headed
+    deadline = time.monotonic() + (s.adapter.capabilities().free_bound_ms + s.lease_term_ms) / 1000
+    while time.monotonic() < deadline:
+        events = s.adapter.events()
+        if events is None:
+            break  # inferred events: the suite cannot see the frees arrive
+        freed = {e.get("key") for e in events if e.get("event") in ("free_slot", "fence_stale_free")
+                 and str(e.get("location", "")).partition("/")[0] == w}  # fmt: skip
+        if {elsewhere.hex, here.hex} <= freed:
+            break
+        s.sleep_ms(s.lease_term_ms / 4)
+    read_back(s, w, elsewhere, moved, "a block written elsewhere while its old copy's free was owed to a down node")
+    read_back(s, other, here, kept, "a block written by a restarted node before the free owed to it arrived")
+
+
+BODIES.update(space_reclaimed=space_reclaimed, corrupt_is_a_miss=corrupt_is_a_miss,
+              late_bytes_stay_deleted=late_bytes_stay_deleted, fenced_after_restart=fenced_after_restart,
+              free_after_restart=free_after_restart)
+
+
+# -- one request per client, grants of one node, timers under load, overlapping invalidations, paused
+# and dead nodes (KVCC-CORE-011/012, KVCC-LEASE-009/010, KVCC-FAULT-008/009/013) ------------
+
+
+def poll_until(s: Session, attempt: Callable[[], object], done: Callable[[object], bool], rule: str, what: str) -> object:
+    """Call ``attempt`` every tenth of a term until ``done`` holds of its answer; FAIL with
+    ``rule`` after ``INVALIDATION_SLACK`` terms (plus a second). Returns the answer."""
+    deadline = time.monotonic() + INVALIDATION_SLACK * s.term_s + 1
+    while True:
+        got = attempt()
+        if done(got):
+            return got
+        s.check(time.monotonic() < deadline, rule, f"{what}: still {got}")
+        s.sleep_ms(s.lease_term_ms / 10)
+
+
+def one_write_per_writer(s: Session) -> None:
+    """A node's second begin_write of a key it is writing is refused and leaves the first write
+    alone; once the first write's lease ran out, the node may write the key again."""
+    w = s.nodes[0]
+    key, idle = chain(s, 1)[0], chain(s, 1)[0]
+    g = s.begin_write(w, s.ns, key, None)
+    s.check(isinstance(g, WriteGrant), "write", f"begin_write of a fresh key refused: {g}")
+    again = s.begin_write(w, s.ns, key, None)
+    s.check(isinstance(again, Refused), "OneWriterPerGeneration", f"a second begin_write of a key being written answered {again}")
+    data = s.payload()
+    s.check(isinstance(s.write_bytes(g, data), Stored), "write", "write_bytes under the first grant refused after a second begin_write")
+    s.check(isinstance(s.commit(g), Committed), "write", "commit under the first grant refused after a second begin_write")
+    s.abort(g)  # after the commit: nothing to give up, and it must not disturb the block
+    s.abort(g)
+    read_back(s, reader(s, w), key, data, "a block whose writer aborted after committing")
+    # A write whose lease ran out unused: the same node may write the key again, under a higher epoch.
+    first = s.begin_write(w, s.ns, idle, None)
+    s.check(isinstance(first, WriteGrant), "write", f"begin_write of a fresh key refused: {first}")
+    g2 = poll_until(s, lambda: s.begin_write(w, s.ns, idle, None), lambda r: isinstance(r, WriteGrant),
+                    "WriteLeaseEndsInTime", "the writer's own unused write of the key never let it write again")  # fmt: skip
+    assert isinstance(g2, WriteGrant) and isinstance(first, WriteGrant)
+    s.check(g2.epoch > first.epoch, "EpochMonotonic", f"the new write's epoch {g2.epoch} is not above {first.epoch}")
+    data = s.payload()
+    s.check(isinstance(s.write_bytes(g2, data), Stored), "write", "write_bytes under the new grant refused")
+    s.check(isinstance(s.commit(g2), Committed), "write", "commit under the new grant refused")
+    read_back(s, reader(s, w), idle, data, "a block rewritten by the writer of an expired write")
+
+
+def one_lease_per_holder(s: Session) -> None:
+    """A holder's second acquire of a key it trusts is refused and leaves its lease alone; once
+    the lease ran out the holder is granted a new one, and the old one stays dead."""
+    w = s.nodes[0]
+    h = reader(s, w)
+    key = chain(s, 1)[0]
+    data = put(s, w, key, None)
+    g = s.acquire(h, s.ns, key)
+    s.check(isinstance(g, ReadGrant), "caching", f"acquire refused: {g}")
+    again = s.acquire(h, s.ns, key)
+    s.check(isinstance(again, Refused), "LeaseIdsFresh", f"a second acquire of a key the holder trusts answered {again}")
+    got = s.read(g)
+    s.check(got == data, "caching", f"a read under the first lease after a second acquire answered {got!r:.60}")
+    g2 = poll_until(s, lambda: s.acquire(h, s.ns, key), lambda r: isinstance(r, ReadGrant),
+                    "LeaseKnownToDirectory", "the holder's expired lease kept it from leasing the key again")  # fmt: skip
+    assert isinstance(g2, ReadGrant)
+    got = s.read(g)
+    s.check(isinstance(got, Refused), "RenewalNeverRevives", f"a read under the expired first lease answered {got!r:.60}")
+    renewed = s.renew(g)
+    s.check(isinstance(renewed, Refused), "RenewalNeverRevives", f"renewing the expired first lease answered {renewed}")
+    s.release(g)  # the old lease: harmless to the new one
+    got = s.read(g2)
+    s.check(got == data, "caching", f"a read under the new lease after releasing the old one answered {got!r:.60}")
+    s.release(g2)
+
+
+def expiry_under_churn(s: Session) -> None:
+    """While other nodes keep writing, leasing and releasing other keys, an unused write lease and
+    an unreleased read lease still run out on time: each lease expires on its own deadline,
+    whatever was granted after it."""
+    if len(s.nodes) < 2:
+        raise _not_applicable("needs two nodes")
+    w, c = s.nodes[0], s.nodes[-1]
+    h = reader(s, w)
+    stop = threading.Event()
+    failed: list[BaseException] = []
+
+    def churn() -> None:
+        try:
+            while not stop.is_set():
+                k = chain(s, 1)[0]
+                put(s, c, k, None)
+                g = s.acquire(c, s.ns, k)
+                if isinstance(g, ReadGrant):
+                    s.release(g)
+                s.evict(c, s.ns, k)  # the churn keeps no bytes: however long it runs, the cache has room
+                # A few grants per term: each expires after the leases under test (a queue that
+                # waits on its latest entry never gets to them), and the trace stays short.
+                s.sleep_ms(s.lease_term_ms / 4)
+        except BaseException as e:  # noqa: BLE001 - reported by the test's own thread
+            failed.append(e)
+
+    key, leased = chain(s, 1)[0], chain(s, 1)[0]
+    put(s, w, leased, None)
+    t = threading.Thread(target=churn, daemon=True)
+    t.start()
+    try:
+        g = s.begin_write(w, s.ns, key, None)
+        s.check(isinstance(g, WriteGrant), "write", f"begin_write of a fresh key refused: {g}")
+        s.check(isinstance(s.write_bytes(g, s.payload()), Stored), "write", "write_bytes refused")
+        # Never committed: another node may write the key once the write lease ran out.
+        poll_until(s, lambda: s.begin_write(h, s.ns, key, None), lambda r: isinstance(r, WriteGrant),
+                   "WriteLeaseEndsInTime", "an unused write lease never ran out while other writes were granted")  # fmt: skip
+        r = s.acquire(h, s.ns, leased)
+        s.check(isinstance(r, ReadGrant), "caching", f"acquire refused: {r}")
+        poll_until(s, lambda: s.evict(w, s.ns, leased, leased=True), lambda r: isinstance(r, Evicted),
+                   "LeaseKnownToDirectory", "a read lease never ran out while other leases were granted")  # fmt: skip
+    finally:
+        stop.set()
+        t.join()
+    if failed:
+        raise failed[0]
+
+
+def _in_thread(fn: Callable[[], object]) -> tuple[threading.Thread, dict]:
+    """Run ``fn`` in a daemon thread; the dict gets its ``answer``, or the ``error`` it raised."""
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            out["answer"] = fn()
+        except BaseException as e:  # noqa: BLE001 - inspected by the caller
+            out["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, out
+
+
+def idle_nodes(s: Session) -> None:
+    """A paused node answers nothing while paused -- its operations block until it resumes, or
+    fail -- and an invalidation waiting on its lease completes within a short wait; a killed
+    node serves nothing until it restarts."""
+    from .contract import AdapterError
+
+    if len(s.nodes) < 2:
+        raise _not_applicable("needs two nodes")
+    w, h = s.nodes[0], s.nodes[1]
+    key, voided, held, writing = (chain(s, 1)[0] for _ in range(4))
+    data = put(s, w, key, None)
+    put(s, w, voided, None)
+    put(s, w, held, None)
+    g = s.acquire(h, s.ns, held)
+    s.check(isinstance(g, ReadGrant), "caching", f"acquire refused: {g}")
+    gw = s.begin_write(h, s.ns, writing, None)
+    s.check(isinstance(gw, WriteGrant), "write", f"begin_write refused: {gw}")
+    s.fault("pause", h)
+    try:
+        # With inferred events the suite runs one operation at a time (its log's order is the
+        # adapter's), so an operation blocked on the paused node would hold up the rest: the
+        # calls on the paused node are made only with native events.
+        calls = [] if s.infer else [
+            _in_thread(lambda: s.acquire(h, s.ns, key)), _in_thread(lambda: s.write_bytes(gw, s.payload())),
+            _in_thread(lambda: s.invalidate(h, s.ns, "key", voided))]  # fmt: skip
+        # Blocked by the paused holder, the invalidation completes when its lease runs out: a
+        # wait shorter than INVALIDATION_SLACK terms sees it (no wait may give up early).
+        ticket = s.invalidate(w, s.ns, "key", held)
+        done = s.wait_invalidation(ticket, INVALIDATION_SLACK * s.term_s, voids=[held])
+        s.check(done, "InvalidationCompletesInTime", "an invalidation waiting on a paused holder's lease did not complete")
+        answered = [out["answer"] for _, out in calls if "answer" in out]
+        s.check(not answered, "NodePaused", f"a paused node answered {answered[0]!r:.80}" if answered else "")
+    finally:
+        s.fault("resume", h)
+    for t, out in calls:
+        t.join(INVALIDATION_SLACK * s.term_s + 5)
+        s.check(not t.is_alive(), "NodePaused", "an operation on a resumed node never returned")
+        if "error" in out and not isinstance(out["error"], AdapterError):
+            raise out["error"]
+        if isinstance(out.get("answer"), ReadGrant):
+            s.release(out["answer"])
+    got = s.read(g)
+    s.check(isinstance(got, Refused), "NoStaleRead", "the resumed holder read an invalidated generation")
+    s.fault("kill", h)
+    try:
+        dead = s.acquire(h, s.ns, key)
+    except AdapterError:
+        dead = None
+    s.fault("restart", h)
+    s.check(not isinstance(dead, ReadGrant), "NodeDown", f"a killed node was granted a lease: {dead}")
+    read_back(s, w, key, data, "a block after its reader restarted")
+
+
+def dead_nodes_in_invalidation(s: Session) -> None:
+    """Invalidations that reach dead nodes: one whose holder was killed completes once the holder
+    restarted (its leases forgotten), one whose only copy's node was killed completes at once; no
+    dead process takes part in either, and once the nodes are back the keys are written and read
+    again."""
+    if len(s.nodes) < 3:
+        raise _not_applicable("needs three nodes")
+    w, h, x = s.nodes[0], s.nodes[1], s.nodes[2]
+    held, stored = chain(s, 1)[0], chain(s, 1)[0]
+    put(s, w, held, None)
+    put(s, w, stored, None)
+    g = s.acquire(h, s.ns, held)
+    s.check(isinstance(g, ReadGrant), "caching", f"acquire refused: {g}")
+    s.fault("kill", h)
+    ticket = s.invalidate(x, s.ns, "key", held)
+    s.fault("restart", h)
+    wait_done(s, ticket, [held])
+    s.fault("kill", w)
+    wait_done(s, s.invalidate(x, s.ns, "key", stored), [stored])
+    s.fault("restart", w)
+    for key in (held, stored):
+        g2 = poll_until(s, lambda: s.begin_write(x, s.ns, key, None), lambda r: isinstance(r, WriteGrant),
+                        "OwnershipHandoffAfterCrash", "a key invalidated while nodes were dead stayed unwritable")  # fmt: skip
+        assert isinstance(g2, WriteGrant)
+        data = s.payload()
+        s.check(isinstance(s.write_bytes(g2, data), Stored), "write", "write_bytes refused")
+        s.check(isinstance(s.commit(g2), Committed), "write", "commit refused")
+        read_back(s, w, key, data, "a block rewritten after the nodes restarted")
+
+
+def grant_of_another_node(s: Session) -> None:
+    """A write grant presented on behalf of another node (the grant's node changed) lands nothing
+    that commits: the directory publishes a write only for the writer its lease was granted to."""
+    from .contract import AdapterError
+
+    if len(s.nodes) < 2:
+        raise _not_applicable("needs two nodes")
+    w, x = s.nodes[0], s.nodes[1]
+    key = chain(s, 1)[0]
+    g = s.begin_write(w, s.ns, key, None)
+    s.check(isinstance(g, WriteGrant), "write", f"begin_write of a fresh key refused: {g}")
+    assert isinstance(g, WriteGrant)
+    forged = attrs.evolve(g, node=x)
+    try:
+        s.write_bytes(forged, s.payload())
+        got = s.commit(forged)
+    except AdapterError:
+        got = None  # the adapter knows the grant is not that node's
+    s.check(not isinstance(got, Committed), "OneWriterPerGeneration", "a write grant committed for a node it was not granted to")
+    data = s.payload()
+    s.check(isinstance(s.write_bytes(g, data), Stored), "write", "write_bytes under the writer's own grant refused")
+    s.check(isinstance(s.commit(g), Committed), "write", "commit under the writer's own grant refused")
+    read_back(s, x, key, data, "a block whose grant was presented by another node first")
+
+
+def overlapping_invalidations(s: Session) -> None:
+    """A second invalidation of a key already INVALIDATING (waiting on a paused holder) counts it
+    and waits with the first; a ticket that completed at once is still complete after a directory
+    restart, and one restarted while pending still completes."""
+    w = s.nodes[0]
+    h = reader(s, w)
+    key, quiet = chain(s, 1)[0], chain(s, 1)[0]
+    put(s, w, key, None)
+    put(s, w, quiet, None)
+    at_once = s.invalidate(w, s.ns, "key", quiet)
+    wait_done(s, at_once, [quiet])
+    g = s.acquire(h, s.ns, key)
+    s.check(isinstance(g, ReadGrant), "caching", f"acquire refused: {g}")
+    s.fault("pause", h)
+    try:
+        first = s.invalidate(w, s.ns, "key", key)
+        second = s.invalidate(w, s.ns, "key", key)
+        s.check(second.keys == 1, "InvalidationCompletesInTime",
+                f"a second invalidation of a key being invalidated counts {second.keys} keys, not 1")  # fmt: skip
+        s.fault("restart_directory")
+        done = [s.wait_invalidation(t, INVALIDATION_SLACK * s.term_s + 1, voids=[key]) for t in (first, second)]
+        done_ns = time.monotonic_ns()
+    finally:
+        s.fault("resume", h)
+    s.check(all(done), "InvalidationCompletesInTime", f"overlapping invalidations completed: {done}")
+    holder_deadline_ns = s.earliest_deadlines_ns[(g.node, g.lease)]
+    s.check(done_ns >= holder_deadline_ns, "NoStaleRead",
+            f"overlapping invalidations completed {(holder_deadline_ns - done_ns) / 1e6:.0f} ms before a paused holder's lease could expire")  # fmt: skip
+    s.check(s.wait_invalidation(at_once, s.term_s, voids=[quiet]), "InvalidationCompletesInTime",
+            "an invalidation that had completed was not complete after a directory restart")  # fmt: skip
+    got = s.read(g)
+    s.check(isinstance(got, Refused), "NoStaleRead", "the resumed holder read the invalidated generation")
+
+
+BODIES.update(one_write_per_writer=one_write_per_writer, one_lease_per_holder=one_lease_per_holder,
+              expiry_under_churn=expiry_under_churn, idle_nodes=idle_nodes,
+              dead_nodes_in_invalidation=dead_nodes_in_invalidation, grant_of_another_node=grant_of_another_node,
+              overlapping_invalidations=overlapping_invalidations)
+
+
+# -- frees held back by a directory restart's grace (KVCC-FAULT-014) ------------------------------------
+
+
+def freed_after_grace(s: Session) -> None:
+    """Right after a directory restart, every node writes a fresh key and lets its write lease run
+    out unused: a lease granted in the first epsilon of the restart grace (term + 2 epsilon) runs
+    out inside it, while the restarted directory holds every free back (the old incarnation's
+    leases may still be trusted). Those frees MUST leave when the grace ends: every location that
+    stored the bytes MUST free them within the deletion bound counted as for any expired write
+    (``contract.deletion_deadline_ms``), and the native trace is the evidence, as in
+    KVCC-INVAL-009. With inferred events only the directory is visible: lookup counts 0."""
+    from .contract import deletion_deadline_ms
+    from .oracles import unfreed_locations
+
+    _, after_grant_ms = deletion_deadline_ms(s.lease_term_ms, s.skew_ms, s.adapter.capabilities().free_bound_ms)
+    s.fault("restart_directory")
+    ended: dict[str, int] = {}  # key hex -> the generation that ran out
+    keys: list[BlockKey] = []
+    deadline = 0.0
+    for n in s.nodes:  # one grant after another, as soon as the restart returned: most inside the grace
+        key = chain(s, 1)[0]
+        g = s.begin_write(n, s.ns, key, None)
+        granted = time.monotonic()
+        s.check(isinstance(g, WriteGrant), "write", f"begin_write of a fresh key after a directory restart refused: {g}")
+        assert isinstance(g, WriteGrant)
+        s.check(isinstance(s.write_bytes(g, s.payload()), Stored), "write", "write_bytes under a fresh grant refused")
+        ended[key.hex] = g.gen
+        keys.append(key)
+        deadline = max(deadline, granted + after_grant_ms / 1000)
+    left: list[str] = []
+    while (events := s.adapter.events()) is not None:
+        left = unfreed_locations(events, ended, s.adapter.capabilities().frees_acknowledged)
+        if not left or time.monotonic() > deadline:
+            break
+        s.sleep_ms(s.lease_term_ms / 10)
+    s.check(not left, "DeletionReachesEverywhere",
+            f"writes that ran out during a restarted directory's grace: {', '.join(left)} still hold the bytes "
+            f"{after_grant_ms} ms after the grant")  # fmt: skip
+    for key in keys:
+        s.check(s.lookup(reader(s, s.nodes[0]), s.ns, [key]) == 0, "DeletionReachesEverywhere",
+                "a write that ran out during a restarted directory's grace is found by lookup")  # fmt: skip
+
+
+BODIES["freed_after_grace"] = freed_after_grace
+
+
+# -- a revocation that finds its holder no longer trusting (KVCC-INVAL-011) -----------------------------
+
+
+def revoke_after_holder_deadline(s: Session) -> None:
+    """A holder reads past its own deadline (it stops trusting the lease: the read may still be
+    served within epsilon of the deadline, never later) while the directory still holds the lease
+    live (term + epsilon from the grant), and an invalidation of the key comes in that window: the
+    revocation finds a holder with nothing to drop. It MUST acknowledge it all the same (or let the
+    lease run out): the invalidation MUST complete, no read under the old lease may then return
+    bytes, and the key MUST take new bytes that the same holder reads exactly. Tried on two keys,
+    since the window is two epsilons wide."""
+    if len(s.nodes) < 2:
+        raise _not_applicable("needs two nodes")
+    w = s.nodes[0]
+    h = reader(s, w)
+    for _ in range(2):
+        key = chain(s, 1)[0]
+        put(s, w, key, None)
+        g = s.acquire(h, s.ns, key)
+        s.check(isinstance(g, ReadGrant), "caching", f"acquire of a committed block refused: {g}")
+        assert isinstance(g, ReadGrant)
+        past_ns = s.earliest_deadlines_ns[(g.node, g.lease)] + s.skew_ms * 1_000_000 // 2
+        s.sleep_ms(max(0.0, (past_ns - time.monotonic_ns()) / 1e6))
+        s.read(g)  # past the holder's deadline: it stops trusting the lease (the session judges any bytes)
+        wait_done(s, s.invalidate(w, s.ns, "key", key), [key])
+        got = s.read(g)
+        s.check(isinstance(got, Refused), "NoStaleRead", f"a read under a revoked lease, after the invalidation completed, answered {type(got).__name__}")
+        data = put(s, w, key, None)
+        read_back(s, h, key, data, "a block rewritten after an invalidation whose holder had stopped trusting its lease")
+
+
+BODIES["revoke_after_holder_deadline"] = revoke_after_holder_deadline
+
+
+# -- a write across its writer's restart (KVCC-FAULT-015) ----------------------------------------------
+
+
+def write_across_writer_restart(s: Session) -> None:
+    """A node is granted a write and stores its bytes, then is killed and restarted without its
+    memory before the write lease ran out. The restart voids only what the node's lost disk held committed: the key stays
+    WRITING until its write lease runs out (term + epsilon after the grant), so another node's
+    begin_write MUST be refused while the lease surely lives (a term after the grant was asked
+    for), and MUST be granted once it ran out (within a few terms), under a higher epoch; the new
+    block MUST read back exactly on the restarted node. (A restart slower than a term leaves
+    nothing to refuse: the trace is still validated.)"""
+    if len(s.nodes) < 2:
+        raise _not_applicable("needs two nodes")
+    w, other = s.nodes[0], s.nodes[1]
+    key = chain(s, 1)[0]
+    asked = time.monotonic()
+    g = s.begin_write(w, s.ns, key, None)
+    s.check(isinstance(g, WriteGrant), "write", f"begin_write of a fresh key refused: {g}")
+    assert isinstance(g, WriteGrant)
+    s.check(isinstance(s.write_bytes(g, s.payload()), Stored), "write", "write_bytes under a fresh grant refused")
+    s.fault("kill", w)
+    s.fault("restart", w)
+    if time.monotonic() < asked + s.term_s:
+        early = s.begin_write(other, s.ns, key, None)
+        s.check(isinstance(early, Refused), "OneWriterPerGeneration",
+                f"a key whose writer restarted mid-write was granted to another node before the write lease ran out: {early}")  # fmt: skip
+    g2 = poll_until(s, lambda: s.begin_write(other, s.ns, key, None), lambda r: isinstance(r, WriteGrant),
+                    "WriteLeaseEndsInTime", "the write of a restarted writer never let another node write the key")  # fmt: skip
+    assert isinstance(g2, WriteGrant)
+    s.check(g2.epoch > g.epoch, "EpochMonotonic", f"the new write's epoch {g2.epoch} is not above {g.epoch}")
+    data = s.payload()
+    s.check(isinstance(s.write_bytes(g2, data), Stored), "write", "write_bytes under the new grant refused")
+    s.check(isinstance(s.commit(g2), Committed), "write", "commit under the new grant refused")
+    read_back(s, w, key, data, "a block written after its first writer restarted mid-write")
+
+
+BODIES["write_across_writer_restart"] = write_across_writer_restart
+
+
+# -- an invalidation through a foreign namespace (KVCC-INVAL-012) --------------------------------------
+
+
+def invalidate_foreign_namespace(s: Session) -> None:
+    """Invalidations in a namespace the tenant is not authorised for -- of a key of its own
+    namespace named through it, of the whole foreign namespace -- void nothing and answer a
+    ticket of 0 keys that is complete at once (contract: ``invalidate``); the block stays
+    committed and is read back exactly."""
+    w = s.nodes[0]
+    key = chain(s, 1)[0]
+    data = put(s, w, key, None)
+    for scope, named in (("key", key), ("namespace", None)):
+        if scope not in s.adapter.capabilities().scopes:
+            continue
+        t = s.invalidate(w, s.foreign, scope, named)
+        s.check(t.keys == 0, "NamespaceIsolation", f"an invalidation ({scope}) in a foreign namespace counted {t.keys} keys")
+        s.check(s.wait_invalidation(t, s.term_s, voids=[]), "NamespaceIsolation",
+                f"an invalidation ({scope}) in a foreign namespace that voids nothing did not complete at once")  # fmt: skip
+    read_back(s, reader(s, w), key, data, "a block after invalidations in a foreign namespace")
+
+
+BODIES["invalidate_foreign_namespace"] = invalidate_foreign_namespace

@@ -22,7 +22,7 @@ logged before the directory's answer, the answer before the holder acts on it. E
 directory's timers on time: write leases expire, and invalidations whose last lease expired
 complete (the spec makes both *urgent*: a directory may not log them late).
 
-Every rule cited below is DESIGN.md's property number or ``docs/events.md``'s section. The
+Every rule cited below is docs/protocol.md's property number or ``docs/events.md``'s section. The
 directory scans its tables linearly (a conformance test holds a few hundred keys at most); a
 deployment meant for load would index leases by key and keep its deadlines in a heap.
 """
@@ -151,10 +151,12 @@ class _Trust:
 @define
 class _Write:
     """A write in progress at the writer: ``stage`` is "sent" (bytes on their way) or "stored"
-    (they landed: the commit may be sent)."""
+    (they landed: the commit may be sent); ``sent_ns``, when the writer asked for it (its lease's
+    budget, term - epsilon, counts from then)."""
 
     lease: int
     stage: str
+    sent_ns: int
 
 
 @define
@@ -204,10 +206,11 @@ class MinimalCache(Adapter):
             self._children: dict[BlockKey, set[BlockKey]] = {}
             self._leases: dict[int, _ReadLease] = {}
             self._lease_of: dict[tuple[BlockKey, str], int] = {}  # (key, holder) -> lease id
-            self._next_lease = 1  # read and write leases share one id space, never reused (DESIGN 8)
+            self._next_lease = 1  # read and write leases share one id space, never reused (protocol property 8)
             self._tickets: dict[int, _Ticket] = {}
             self._next_ticket = 1
             self._landed: set[tuple[BlockKey, int]] = set()  # (key, write lease) whose bytes arrived
+            self._issued: dict[tuple[BlockKey, int], str] = {}  # (key, write lease) -> the node it was granted to
             self._running = True
             self._ticker = threading.Thread(target=self._tick_loop, name="minimal-cache-ticker", daemon=True)
             self._ticker.start()
@@ -321,10 +324,16 @@ class MinimalCache(Adapter):
     def begin_write(self, node: str, ns: Namespace, key: BlockKey, parent: BlockKey | None) -> WriteGrant | Refused:
         with self._lock:
             n = self._node(node)
-            if key in n.writes:
-                # The writer has one write in progress per key: no second request, no event (a
-                # local refusal: "busy", docs/events.md section 5).
-                return Refused("busy", "this node is writing the key already")
+            earlier = n.writes.get(key)
+            if earlier is not None:
+                if time.monotonic_ns() < earlier.sent_ns + self._budget_ns():
+                    # The writer has one write in progress per key: no second request, no event (a
+                    # local refusal: "busy", docs/events.md section 5).
+                    return Refused("busy", "this node is writing the key already")
+                # Its lease is over by the writer's own clock: the writer gives that write up
+                # (spec: abort) and may ask again -- or it would never write the key again.
+                del n.writes[key]
+                self._log(node, "abort", key=key)
             sent_ns = self._log(node, "begin_write", key=key)["t_local_ns"]
             # -- the directory
             self._advance()
@@ -332,13 +341,13 @@ class MinimalCache(Adapter):
             rec = self._records.get(key)
             reason = None
             if digest not in self._allowed or (rec is not None and rec.namespace != digest):
-                reason = "unauthorized"  # DESIGN 11
+                reason = "unauthorized"  # protocol property 11
             elif rec is not None and rec.phase != ABSENT:
-                reason = "not_absent"  # one writer per key and generation (DESIGN 1)
+                reason = "not_absent"  # one writer per key and generation (protocol property 1)
             elif parent is not None:
                 p = self._records.get(parent)
                 if p is None or p.namespace != digest or p.phase != COMMITTED:
-                    reason = "parent_not_committed"  # chains are written root first (DESIGN 10)
+                    reason = "parent_not_committed"  # chains are written root first (protocol property 10)
             if reason is not None:
                 self._log(DIRECTORY, "refuse_write_lease", **self._state(key, rec), writer=node,
                           result=reason)  # fmt: skip
@@ -350,14 +359,15 @@ class MinimalCache(Adapter):
                     self._children.setdefault(parent, set()).add(key)
             lease = self._next_lease
             self._next_lease += 1
-            rec.phase, rec.epoch, rec.owner = WRITING, rec.epoch + 1, n.location  # a new epoch (DESIGN 2)
+            rec.phase, rec.epoch, rec.owner = WRITING, rec.epoch + 1, n.location  # a new epoch (protocol property 2)
             rec.writer, rec.write_lease = node, lease
             rec.write_expires_ns = time.monotonic_ns() + self._view_ns()
             self._log(DIRECTORY, "grant_write_lease", **self._state(rec.key, rec), lease=lease, writer=node,
                       location=rec.owner, parent=None if parent is None else parent.hex, namespace=digest.hex())  # fmt: skip
             self._cond.notify_all()  # a new deadline for the ticker
             # -- the writer: the grant arrives, the bytes leave at once (spec: start_writing)
-            n.writes[key] = _Write(lease, "sent")
+            n.writes[key] = _Write(lease, "sent", sent_ns)
+            self._issued[(key, lease)] = node
             self._log(node, "start_writing", key=key, gen=rec.gen, epoch=rec.epoch, lease=lease, location=rec.owner)
             return WriteGrant(node, key, rec.gen, rec.epoch, lease, rec.owner, self._term_ms, sent_ns)
 
@@ -367,6 +377,10 @@ class MinimalCache(Adapter):
             host = self._host.get(grant.location)
             if host is None:
                 return Refused("not_found", f"no location {grant.location!r}")
+            if self._issued.get((grant.key, grant.lease)) != grant.node:
+                # The data plane enforces what the control plane granted (protocol property 13):
+                # bytes land only from the node the grant was issued to.
+                return Refused("not_found", f"write lease {grant.lease} was not granted to {grant.node}")
             if (grant.key, grant.lease) in self._landed:
                 # A grant's bytes are sent once (with start_writing): they land at most once.
                 return Refused("busy", "the bytes of this grant were delivered already")
@@ -377,7 +391,7 @@ class MinimalCache(Adapter):
             waiting = writer.writes.get(grant.key)
             waiting = waiting if waiting is not None and waiting.lease == grant.lease else None
             if grant.epoch < slot.fence:
-                # A stale writer is refused where the data lives, whatever it believes (DESIGN 2).
+                # A stale writer is refused where the data lives, whatever it believes (protocol property 2).
                 self._log(host.id, "fence_stale_write", **fields, result="fenced", fence=slot.fence)
                 if waiting is not None:
                     del writer.writes[grant.key]  # the writer learns its write is over
@@ -488,7 +502,7 @@ class MinimalCache(Adapter):
             rec = self._records[grant.key]
             entry = self._leases.get(self._lease_of.get((grant.key, grant.node), 0))
             if entry is None or entry.lease != grant.lease:
-                reason = "unknown_lease"  # renewal never revives a lease (DESIGN 8)
+                reason = "unknown_lease"  # renewal never revives a lease (protocol property 8)
             elif rec.phase != COMMITTED:
                 reason = "invalidating" if rec.phase == INVALIDATING else "not_committed"
             else:
@@ -589,7 +603,7 @@ class MinimalCache(Adapter):
             return InvalidationTicket(ticket.id, ticket.keys)
 
     def _revoke(self, entry: _ReadLease) -> None:
-        """Deliver a revocation to the holder: drop the trust first, then acknowledge (DESIGN 7)."""
+        """Deliver a revocation to the holder: drop the trust first, then acknowledge (protocol property 7)."""
         n = self._nodes[entry.holder]
         trust = n.trusts.get(entry.key)
         if trust is not None and trust.lease == entry.lease:
@@ -602,7 +616,7 @@ class MinimalCache(Adapter):
             self._drop_lease(entry)
 
     def _maybe_complete(self, rec: _Record) -> None:
-        """Complete the invalidation of ``rec`` once no lease on it is live (DESIGN 6): the
+        """Complete the invalidation of ``rec`` once no lease on it is live (protocol property 6): the
         generation ends, then the copy is freed at its location under the key's epoch."""
         if rec.phase != INVALIDATING or self._live_leases(rec.key):
             return
@@ -617,7 +631,7 @@ class MinimalCache(Adapter):
 
     def _free_copy(self, key: BlockKey, location: str | None, epoch: int) -> None:
         """Free an ended generation's copy at ``location``: the location judges the free by its
-        epoch, like bytes (DESIGN 2); the fence stays."""
+        epoch, like bytes (protocol property 2); the fence stays."""
         host = self._host.get(location) if location is not None else None
         if host is None:
             return
@@ -657,11 +671,11 @@ class MinimalCache(Adapter):
             if rec.owner != n.location:
                 return Refused("not_found", "this node holds no copy the directory knows of")
             if any(self._records[c].phase != ABSENT for c in self._children.get(key, ())):
-                return Refused("has_children")  # leaves before their ancestors (DESIGN 10)
+                return Refused("has_children")  # leaves before their ancestors (protocol property 10)
             if self._live_leases(key, n.location):
                 # The one refusal that is a spec step (evict_refused): a live lease on the copy.
                 self._log(DIRECTORY, "evict_refused", **self._state(rec.key, rec), location=n.location, result="leased")
-                return Refused("leased")  # DESIGN 5
+                return Refused("leased")  # protocol property 5
             self._log(DIRECTORY, "evict", **self._state(rec.key, rec), location=n.location)
             # The node drops the bytes once the directory agreed (part of the evict step: no
             # event of its own); the slot keeps its fence.

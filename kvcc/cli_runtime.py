@@ -62,7 +62,11 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="TCP port (default: any free one)")
     p.add_argument("--events", metavar="FILE", help="append protocol events here (NDJSON)")
-    p.add_argument("--ready-file", metavar="FILE", help="write {port, pid} here once serving")
+    p.add_argument("--ready-file", metavar="FILE", help="write {port, pid[, metrics_port]} here once serving")
+    p.add_argument("--metrics-port", type=int, metavar="PORT",
+                   help="serve Prometheus metrics on http://METRICS_HOST:PORT/metrics (0: any free port, "
+                        "reported in the ready file; default: no metrics)")
+    p.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint (default 127.0.0.1)")
     p.add_argument("--verbose", action="store_true")
 
 
@@ -75,7 +79,7 @@ def cmd_serve_directory(args: argparse.Namespace) -> int:
         return serve.run(serve.serve_directory(
             config, state=args.state, host=args.host, port=args.port, backend=args.backend,
             etcd_endpoints=args.etcd_endpoints, etcd_prefix=args.etcd_prefix, events=args.events,
-            ready_file=args.ready_file))  # fmt: skip
+            ready_file=args.ready_file, metrics_host=args.metrics_host, metrics_port=args.metrics_port))  # fmt: skip
     except serve.ConfigError as e:
         print(f"kvcc serve directory: {e}", file=sys.stderr)
         return 2
@@ -91,7 +95,7 @@ def cmd_serve_node(args: argparse.Namespace) -> int:
         return serve.run(serve.serve_node(
             config, node_id=args.node_id, directory=args.directory, state=args.state, host=args.host,
             port=args.port, tiers=tiers, block_bytes=args.block_bytes, pool=args.pool, events=args.events,
-            ready_file=args.ready_file))  # fmt: skip
+            ready_file=args.ready_file, metrics_host=args.metrics_host, metrics_port=args.metrics_port))  # fmt: skip
     except serve.ConfigError as e:
         print(f"kvcc serve node: {e}", file=sys.stderr)
         return 2

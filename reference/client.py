@@ -6,7 +6,7 @@ A ``KvccClient`` is one *holder* and one *writer* in the spec's sense, named by 
 It talks to the directory over one authenticated connection (pipelined requests; the directory
 pushes ``Revoke`` on it) and to cache nodes' data servers for the bytes.
 
-**Leases** (DESIGN: leases). A read lease is trusted from when its ``Acquire`` was *sent* for
+**Leases** (docs/protocol.md: leases). A read lease is trusted from when its ``Acquire`` was *sent* for
 ``term - epsilon`` on this process's monotonic clock (``holder_budget``): whatever the directory's
 clock or the network did, the directory keeps the lease live for ``term + epsilon`` from the
 grant, which is later. ``read`` refuses (``lease_expired``) once the budget is spent. ``renew``
@@ -23,7 +23,7 @@ write lease expires at the directory. ``put`` does all three.
 
 **Reads** go to the location's node (addresses from ``ListNodes``, refreshed on a miss). The
 node verifies the block's checksum and generation: the bytes a read returns are the committed
-bytes of exactly that generation, or the read fails (DESIGN 4). ``read`` copies into the
+bytes of exactly that generation, or the read fails (protocol property 4). ``read`` copies into the
 caller's buffer when given one (bytearray, memoryview, numpy array, ``torch.uint8`` tensor).
 
 **Results.** Expected refusals are values (``Refused(reason)``, reasons from ``wire.REASON_*``
@@ -109,7 +109,7 @@ REASON_NO_SPACE = "no_space"
 REASON_UNREACHABLE = "unreachable"
 REASON_BUSY = "busy"  # this client already has a request or write of that key under way
 REASON_NOT_FOUND = "not_found"
-_GRANTED, _STORED, _ABORTED = "granted", "stored", "aborted"  # a write lease's progress here
+_GRANTED, _STORED, _ABORTED, _FENCED = "granted", "stored", "aborted", "fenced"  # a write lease's progress here
 SYNC_CALL_TIMEOUT_S = 120.0  # SyncClient: longest any one call may take (WaitTicket included)
 
 
@@ -209,7 +209,7 @@ class KvccClient:
         self._peers: dict[str, Client] = {}
         self._acks: set[asyncio.Task] = set()
         self._timeout_ms = timeout_ms
-        # A holder's clock may be off by up to epsilon (DESIGN: leases); tests and the
+        # A holder's clock may be off by up to epsilon (docs/protocol.md: leases); tests and the
         # conformance suite's clock-skew fault set this offset on this holder's clock.
         self.clock_offset_ns = 0
         self.stats = {"hits": 0, "misses": 0, "revoked": 0, "expired_reads": 0, "revoked_in_flight": 0}
@@ -387,7 +387,7 @@ class KvccClient:
             return Refused(REASON_REVOKED, "not held")
         if not self.trusted(held):
             # Past its own deadline the holder trusts nothing: a renewal would revive a lease
-            # the directory may already have let go of (DESIGN 8). Forget it; acquire anew.
+            # the directory may already have let go of (protocol property 8). Forget it; acquire anew.
             del self._leases[lease.key]
             return Refused(REASON_LEASE_EXPIRED, "the holder's budget ran out")
         if lease.key in self._renewing:
@@ -455,7 +455,7 @@ class KvccClient:
             return Refused(reason)
         if not self.trusted(held):
             # Revoked (dropped and acknowledged) or expired while the bytes were on their way:
-            # serving them now would be a read after the ack (DESIGN 7), or past the holder's
+            # serving them now would be a read after the ack (protocol property 7), or past the holder's
             # own deadline. The read happens -- and is logged -- only under trust.
             self.stats["revoked_in_flight"] += 1
             return Refused(REASON_REVOKED, "revoked or expired while the read was in flight")
@@ -528,6 +528,11 @@ class KvccClient:
                 self._writes[(wl.key, wl.lease)] = _STORED
             return None
         if type(reply) is Fenced:
+            # The spec's writer is done with this write (fence_stale_write clears it): nothing to
+            # abort later, and the key is free for this client's next write.
+            self._writes[(wl.key, wl.lease)] = _FENCED
+            if self._writing.get(wl.key) == wl:
+                del self._writing[wl.key]
             return Refused(REASON_FENCED, f"fence {reply.fence} above epoch {reply.epoch}")
         if type(reply) is Error:
             return Refused(reply.code, reply.text)
@@ -539,7 +544,7 @@ class KvccClient:
         state = self._writes.get((wl.key, wl.lease))
         if state == _ABORTED:
             return Refused(REASON_UNKNOWN_LEASE, "aborted")
-        if state == _GRANTED:
+        if state in (_GRANTED, _FENCED):
             return Refused(REASON_NOT_FOUND, "no bytes stored under this write lease")
         # Stored -- or a lease this client never held, which only the directory can judge.
         reply = await self._ask(Commit(self.client_id, wl.key, wl.lease, wl.gen, wl.epoch))

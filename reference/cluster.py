@@ -1,9 +1,10 @@
 """A local cluster on loopback: one directory process and N cache-node processes.
 
-``LocalCluster(workdir, nodes=3, ...)`` writes the deployment file, starts every process with
-``python -m kvcc serve ...`` on free ports (each process binds port 0 and reports the port it
-got in its ready file), waits until each serves, and stops them all on ``stop()`` -- SIGTERM,
-then SIGKILL after ``STOP_GRACE_S``. Nothing is left running: processes are started in their own
+``LocalCluster(workdir, nodes=3, ...)`` writes the deployment file, starts every process as
+``kvcc serve ...`` on free ports (each process binds port 0 and reports the port it got in its
+ready file) -- the directory first, then the nodes side by side -- waits until each serves, and
+stops them all on ``stop()`` -- SIGTERM, then SIGKILL after ``STOP_GRACE_S``. The processes are
+forked by a warm zygote (``WARM_MODULES``), so each starts without a fresh interpreter's imports. Nothing is left running: processes are started in their own
 process group and ``stop`` is idempotent and also runs at interpreter exit.
 
 Faults act on the real processes: ``kill(node)`` (SIGKILL: no chance to sync anything),
@@ -20,18 +21,23 @@ Clients for the cluster: ``client(client_id)`` returns a ``SyncClient`` of the e
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
+import queue
 import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from kvcc.spec.keys import Namespace
+
+from . import procs
 
 START_TIMEOUT_S = 30.0
 STOP_GRACE_S = 5.0
@@ -41,23 +47,200 @@ DEFAULT_TIERS = ("dram=8MiB", "nvme=32MiB")
 DEFAULT_BLOCK_BYTES = 64 << 10
 
 
+# What every process of a cluster imports before it serves (the directory, the node, its
+# tiers -- torch, for the DRAM arena: seconds of CPU per process): imported once per interpreter
+# by a warm *zygote* process, which forks each cluster process. Each is still a process of its
+# own, in a session of its own, entered through the CLI as ``python -m kvcc`` would be; it is
+# only spared the imports. (Not the CLI itself: the reference is below it in the layers, and its
+# import costs a forked process about 35 ms of CPU.)
+WARM_MODULES = ("kvcc.reference.serve", "kvcc.reference.node", "kvcc.reference.directory.server",
+                "kvcc.reference.directory.core", "kvcc.reference.tiers.dram", "kvcc.reference.tiers.nvme", "torch")
+
+# The zygote: reads one JSON request a line ({"args", "log", "env"}), forks, answers {"pid"}; reports
+# each child's end as {"exit": pid, "code": status} (it is their parent: it reaps them).
+_ZYGOTE = r"""
+import importlib, json, os, signal, sys, traceback
+for name in sys.argv[1:]:
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        pass  # a module this install lacks: its processes import what they need themselves
+out = os.fdopen(os.dup(1), "w", buffering=1)
+os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+
+def reap(*_):
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGCHLD])  # one report at a time on ``out``
+    try:
+        while True:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                return
+            out.write(json.dumps({"exit": pid, "code": os.waitstatus_to_exitcode(status)}) + "\n")
+    except ChildProcessError:
+        return
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGCHLD])
+
+def child(req):
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    os.setsid()
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    log = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    out.close()
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    os.environ.clear()
+    os.environ.update(req["env"])
+    sys.argv = ["kvcc", *req["args"]]
+    code = 1
+    try:
+        from kvcc.cli import main
+        code = main(req["args"]) or 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+signal.signal(signal.SIGCHLD, reap)
+for line in sys.stdin:
+    req = json.loads(line)
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGCHLD])  # no report before the pid
+    pid = os.fork()
+    if pid == 0:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGCHLD])
+        child(req)
+    out.write(json.dumps({"pid": pid}) + "\n")
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGCHLD])
+"""
+
+
+UNKNOWN_EXIT = -1  # the exit status of a forked process that outlived its zygote
+
+
 class ClusterError(RuntimeError):
     """A process of the cluster did not start or died; the message has its log's tail."""
+
+
+class _Zygote:
+    """This interpreter's zygote (started on first use), and what it reported."""
+
+    _lock = threading.Lock()
+    _current: _Zygote | None = None
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.popen = subprocess.Popen([sys.executable, "-c", _ZYGOTE, *WARM_MODULES], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, env=env, text=True, bufsize=1)  # fmt: skip
+        self.codes: dict[int, int] = {}
+        self.ended = threading.Condition()
+        self.pids: queue.Queue[int | None] = queue.Queue()
+        self.gone = False  # it exited: the processes it forked report no exit status any more
+        # No atexit hook: when this interpreter exits its end of the pipe closes, and so does the
+        # zygote (after the clusters' own atexit stops, which still get their exit statuses).
+        threading.Thread(target=self._read, name="cluster-zygote", daemon=True).start()
+
+    @classmethod
+    def get(cls, env: dict[str, str]) -> _Zygote:
+        with cls._lock:
+            if cls._current is None or cls._current.popen.poll() is not None:
+                cls._current = _Zygote(env)
+            return cls._current
+
+    def _read(self) -> None:
+        assert self.popen.stdout is not None
+        for line in self.popen.stdout:
+            msg = json.loads(line)
+            if "pid" in msg:
+                self.pids.put(msg["pid"])
+            else:
+                with self.ended:
+                    self.codes[msg["exit"]] = msg["code"]
+                    self.ended.notify_all()
+        self.pids.put(None)  # the zygote is gone: no answer will come
+        with self.ended:
+            self.gone = True
+            self.ended.notify_all()
+
+    def fork(self, args: list[str], log_path: Path, env: dict[str, str]) -> int:
+        assert self.popen.stdin is not None
+        with self._lock:
+            self.popen.stdin.write(json.dumps({"args": args, "log": str(log_path), "env": env}) + "\n")
+            self.popen.stdin.flush()
+            pid = self.pids.get(timeout=START_TIMEOUT_S)
+        if pid is None:
+            raise ClusterError("the zygote that starts cluster processes exited")
+        return pid
+
+
+class _Forked:
+    """A process the zygote forked, behind the part of ``subprocess.Popen`` that ``_Proc`` uses."""
+
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str]) -> None:
+        self._zygote = _Zygote.get(env)
+        self.pid = self._zygote.fork(args, log_path, env)
+
+    @property
+    def returncode(self) -> int | None:
+        code = self._zygote.codes.get(self.pid)
+        if code is None and self._zygote.gone and not _exists(self.pid):
+            code = UNKNOWN_EXIT  # it ended after the zygote did (init reaped it)
+        return code
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):  # it just ended: the zygote reaped it
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._zygote.ended:
+            while (code := self.returncode) is None:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise subprocess.TimeoutExpired(str(self.pid), timeout or 0)
+                # Woken by the zygote's reports; polled while it is gone (no report will come).
+                self._zygote.ended.wait(min(left or 0.05, 0.05) if self._zygote.gone else left)
+        return code
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class _Proc:
     def __init__(self, name: str, argv: list[str], log_path: Path, ready: Path, env: dict[str, str]) -> None:
         self.name, self.argv, self.log_path, self.ready, self.env = name, argv, log_path, ready, env
-        self.popen: subprocess.Popen | None = None
+        self.popen: subprocess.Popen | _Forked | None = None
         self.info: dict[str, Any] = {}
         self.paused = False
 
     def start(self) -> None:
         self.ready.unlink(missing_ok=True)
+        if self.argv[1:3] == ["-m", "kvcc"]:
+            self.popen = _Forked(self.argv[3:], self.log_path, self.env)
+            return
         log = open(self.log_path, "ab")  # noqa: SIM115 (the child owns it)
         try:
-            self.popen = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                          start_new_session=True)  # fmt: skip
+            self.popen = procs.spawn(self.argv, log, env=self.env)
         finally:
             log.close()
 
@@ -74,39 +257,51 @@ class _Proc:
         raise ClusterError(f"{self.name} not ready after {timeout_s} s:\n{self.tail()}")
 
     def tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
+        return procs.log_tail(self.log_path, lines)
 
     @property
     def alive(self) -> bool:
-        return self.popen is not None and self.popen.poll() is None
+        return procs.is_running(self.popen)
 
-    def signal(self, sig: int) -> None:
+    def kill(self) -> None:
+        """SIGKILL and reap."""
+        if self.popen is not None:
+            procs.stop_process(self.popen, timeout_s=STOP_GRACE_S)
+        self.paused = False
+
+    def pause(self) -> None:
         if self.alive:
             assert self.popen is not None
-            os.kill(self.popen.pid, sig)
+            procs.pause(self.popen)
+            self.paused = True
+
+    def resume(self) -> None:
+        procs.resume(self.popen)
+        self.paused = False
+
+    def terminate(self) -> None:
+        """Ask the process to shut down (SIGTERM; SIGCONT first if paused); ``stop`` waits: a
+        cluster tells all its nodes at once, then waits for them together."""
+        if self.alive:
+            assert self.popen is not None
+            with contextlib.suppress(ProcessLookupError):  # a forked process that just ended
+                if self.paused:
+                    os.kill(self.popen.pid, signal.SIGCONT)
+                    self.paused = False
+                self.popen.terminate()
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
-        if self.popen is None:
-            return
-        if self.alive:
-            if self.paused:
-                self.signal(signal.SIGCONT)
-            self.signal(signal.SIGTERM)
-            try:
-                self.popen.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.popen.pid, signal.SIGKILL)
-                self.popen.wait(grace_s)
+        """SIGTERM (a paused process continued first), then SIGKILL to its process group."""
+        if self.popen is not None:
+            procs.stop_process(self.popen, grace_s=grace_s, paused=self.paused, group=True, timeout_s=grace_s)
         self.paused = False
 
 
 class LocalCluster:
     """``LocalCluster(workdir, nodes=3, tiers=DEFAULT_TIERS, lease_term_ms=2000, skew_ms=100,
-    namespaces=(), backend="sqlite", etcd_endpoints=None, pool=False)``; ``start()``/``stop()``
-    or a context manager."""
+    namespaces=(), backend="sqlite", etcd_endpoints=None, pool=False, metrics=False)``;
+    ``start()``/``stop()`` or a context manager. With ``metrics`` every process serves Prometheus
+    metrics on a free port (``metrics_url(name)``)."""
 
     def __init__(
         self,
@@ -123,6 +318,7 @@ class LocalCluster:
         etcd_prefix: str | None = None,
         pool: bool = False,
         verbose: bool = False,
+        metrics: bool = False,
     ) -> None:
         if nodes < 1:
             raise ValueError("a cluster has at least one node")
@@ -137,6 +333,7 @@ class LocalCluster:
         self.etcd_prefix = etcd_prefix or f"kvcc-{secrets.token_hex(4)}"
         self.pool = pool
         self.verbose = verbose
+        self.metrics = metrics
         digests = [ns.digest() if isinstance(ns, Namespace) else ns for ns in namespaces]
         self.engine_token = secrets.token_bytes(32)
         self.config = {
@@ -165,7 +362,8 @@ class LocalCluster:
 
     def _argv(self, *args: str) -> list[str]:
         verbose = ["--verbose"] if self.verbose else []
-        return [sys.executable, "-m", "kvcc", "serve", *args, "--config", str(self.config_path), *verbose]
+        metrics = ["--metrics-port", "0"] if self.metrics else []
+        return [sys.executable, "-m", "kvcc", "serve", *args, "--config", str(self.config_path), *verbose, *metrics]
 
     @property
     def config_path(self) -> Path:
@@ -174,6 +372,12 @@ class LocalCluster:
     @property
     def directory_address(self) -> tuple[str, int]:
         return ("127.0.0.1", int(self.procs["directory"].info["port"]))
+
+    def metrics_url(self, name: str) -> str:
+        """Where process ``name`` serves its Prometheus metrics (``metrics=True``)."""
+        if not self.metrics:
+            raise ClusterError("this cluster was started without metrics (LocalCluster(metrics=True))")
+        return f"http://127.0.0.1:{int(self.procs[name].info['metrics_port'])}/metrics"
 
     def start(self) -> LocalCluster:
         for sub in ("events", "logs", "state", "run"):
@@ -186,9 +390,11 @@ class LocalCluster:
                     "--events", str(self.workdir / "events" / "directory.ndjson")]  # fmt: skip
             if self.backend == "etcd":
                 argv += ["--etcd-endpoints", str(self.etcd_endpoints), "--etcd-prefix", self.etcd_prefix]
-            self._launch("directory", argv)
-            for node in self.node_ids:
-                self._launch(node, self._node_argv(node))
+            self._launch("directory", argv).wait_ready()
+            # The nodes need only the directory's address: they start side by side, so a
+            # deployment is up in about one process's start-up time, not one per node.
+            for proc in [self._launch(node, self._node_argv(node)) for node in self.node_ids]:
+                proc.wait_ready()
         except BaseException:
             self.stop()
             raise
@@ -205,12 +411,13 @@ class LocalCluster:
             argv += ["--pool", str(self.workdir / "state" / "pool")]
         return argv
 
-    def _launch(self, name: str, args: list[str]) -> None:
+    def _launch(self, name: str, args: list[str]) -> _Proc:
+        """Start ``name``; the caller waits until it is ready."""
         ready = self.workdir / "run" / f"{name}.ready"
         argv = self._argv(*args, "--ready-file", str(ready))
         proc = self.procs[name] = _Proc(name, argv, self.workdir / "logs" / f"{name}.log", ready, self._env())
         proc.start()
-        proc.wait_ready()
+        return proc
 
     def stop(self) -> None:
         for c in self._clients:
@@ -220,11 +427,16 @@ class LocalCluster:
                 pass
         self._clients.clear()
         # The directory first: a node it saw go away for a lease term would be declared down (P4),
-        # a step of the trace that no crash explains -- a stop is not a crash.
-        for name in ["directory", *self.node_ids]:
-            proc = self.procs.get(name)
-            if proc is not None:
-                proc.stop()
+        # a step of the trace that no crash explains -- a stop is not a crash. Then every node
+        # is told at once and waited for together (each syncs its tiers as it goes).
+        directory = self.procs.get("directory")
+        if directory is not None:
+            directory.stop()
+        nodes = [p for p in (self.procs.get(n) for n in self.node_ids) if p is not None]
+        for proc in nodes:
+            proc.terminate()
+        for proc in nodes:
+            proc.stop()
         if self._fault_log is not None:
             self._fault_log.close()
             self._fault_log = None
@@ -241,11 +453,7 @@ class LocalCluster:
     def kill(self, name: str) -> None:
         """SIGKILL: the process dies where it stands. The crash is logged (spec ``crash``) in the
         fault injector's event log, since the dead process cannot log it."""
-        proc = self.procs[name]
-        proc.signal(signal.SIGKILL)
-        assert proc.popen is not None
-        proc.popen.wait(STOP_GRACE_S)
-        proc.paused = False
+        self.procs[name].kill()
         if name != "directory":  # a directory crash is its restart_directory, logged on restart
             self.note_crash(name)
 
@@ -258,12 +466,10 @@ class LocalCluster:
         self._fault_log.emit("crash", crashed=name, lose_disk=lose_disk)
 
     def pause(self, name: str) -> None:
-        self.procs[name].signal(signal.SIGSTOP)
-        self.procs[name].paused = True
+        self.procs[name].pause()
 
     def resume(self, name: str) -> None:
-        self.procs[name].signal(signal.SIGCONT)
-        self.procs[name].paused = False
+        self.procs[name].resume()
 
     def restart(self, name: str) -> None:
         """Start ``name`` again on its state (a node comes back as a new incarnation)."""
@@ -286,6 +492,9 @@ class LocalCluster:
         proc.argv = [a for a in proc.argv]
         if "--port" not in proc.argv:
             proc.argv += ["--port", str(port)]
+        if self.metrics:  # and its metrics where a scraper looks for them
+            at = proc.argv.index("--metrics-port") + 1
+            proc.argv[at] = str(proc.info["metrics_port"])
         proc.start()
         proc.wait_ready()
 

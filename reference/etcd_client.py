@@ -690,7 +690,7 @@ class LeaseKeepAlive:
     @property
     def live_until(self) -> float:
         """``time.monotonic()`` until which the lease is surely live: the TTL counted from
-        when the last successful renewal was *sent* (DESIGN: leases), not answered."""
+        when the last successful renewal was *sent* (docs/protocol.md: leases), not answered."""
         return self._last_ok + (self.ttl or 0)
 
     def _run(self) -> None:

@@ -18,9 +18,9 @@ Processes are never left behind: ``stop()`` kills every member (also paused
 ones) and reaps it, an ``atexit`` hook stops any cluster still running, and
 where util-linux ``setpriv`` exists each member is started with
 ``--pdeathsig KILL`` so it dies with the Python process that started it even
-when that process is itself killed with SIGKILL. (Linux delivers the parent-death
-signal when the *thread* that forked the child exits: start clusters from a
-long-lived thread, normally the main one.)
+when that process is itself killed with SIGKILL (``kvcc.reference.procs``, which
+the other harnesses share: start clusters from a long-lived thread, normally the
+main one).
 
 etcd 3.4 serves the v3 JSON gateway under ``/v3/`` on the client port;
 ``--enable-grpc-gateway`` is passed explicitly (it is the 3.4 default).
@@ -33,11 +33,7 @@ import json
 import os
 import platform
 import shutil
-import signal
-import socket
 import subprocess
-import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -45,6 +41,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
+
+from . import procs
 
 __all__ = ["EtcdCluster", "EtcdHarnessError", "EtcdNotInstalled", "etcd_binary", "etcd_version", "live_pids"]
 
@@ -93,20 +91,6 @@ def _child_env() -> dict[str, str]:
     return env
 
 
-def _free_ports(n: int) -> list[int]:
-    """n distinct free TCP ports on 127.0.0.1 (held open together so they differ)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def _http_json(url: str, body: dict | None = None, timeout_s: float = 1.0) -> dict:
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, method="GET" if body is None else "POST")
@@ -114,45 +98,17 @@ def _http_json(url: str, body: dict | None = None, timeout_s: float = 1.0) -> di
         return json.loads(resp.read() or b"{}")
 
 
-_PDEATHSIG: list[str] = []
-_setpriv = shutil.which("setpriv")
-if _setpriv and platform.system() == "Linux":
-    try:
-        if subprocess.run([_setpriv, "--pdeathsig", "KILL", "--", "true"], capture_output=True, timeout=10).returncode == 0:
-            _PDEATHSIG = [_setpriv, "--pdeathsig", "KILL", "--"]
-    except (OSError, subprocess.SubprocessError):
-        pass
-
 _DIR_PREFIX = "kvcc-etcd-"
+GRACEFUL_STOP_S = 3.0  # a member with a given data dir gets SIGTERM and this long before SIGKILL
 
-
-def _sweep_stale_dirs() -> None:
-    """Remove temporary data dirs left by a process that was killed (SIGKILL skips atexit)."""
-    for d in Path(tempfile.gettempdir()).glob(_DIR_PREFIX + "*"):
-        try:
-            owner = int((d / "owner.pid").read_text())
-        except (OSError, ValueError):
-            continue
-        if owner == os.getpid():
-            continue
-        try:
-            os.kill(owner, 0)
-        except ProcessLookupError:
-            shutil.rmtree(d, ignore_errors=True)
-        except OSError:
-            pass  # alive (another user's) or unknown: leave it
-
-
-# Every process this module started and has not reaped yet (pid -> Popen).
-_LIVE: dict[int, subprocess.Popen] = {}
-_LIVE_LOCK = threading.Lock()
+# Every member this module started and has not reaped yet.
+_LIVE = procs.ProcessSet()
 _CLUSTERS: "set[EtcdCluster]" = set()
 
 
 def live_pids() -> list[int]:
     """PIDs of etcd members started by this process and still running (for leak checks)."""
-    with _LIVE_LOCK:
-        return [pid for pid, p in _LIVE.items() if p.poll() is None]
+    return _LIVE.live_pids()
 
 
 @dataclass
@@ -221,9 +177,7 @@ class EtcdCluster:
         _CLUSTERS.add(self)
         try:
             if self._own_dir:
-                _sweep_stale_dirs()
-                self.data_dir = Path(tempfile.mkdtemp(prefix=_DIR_PREFIX))
-                (self.data_dir / "owner.pid").write_text(str(os.getpid()))
+                self.data_dir = procs.owned_temp_dir(_DIR_PREFIX)
             else:
                 assert self._given_dir is not None
                 self._given_dir.mkdir(parents=True, exist_ok=True)
@@ -326,16 +280,16 @@ class EtcdCluster:
     def pause(self, member: int) -> None:
         """SIGSTOP one member (it keeps its sockets but answers nothing)."""
         m = self.members[member]
-        if m.proc is None or m.proc.poll() is not None:
+        if not procs.is_running(m.proc):
             raise EtcdHarnessError(f"{m.name} is not running")
-        os.kill(m.proc.pid, signal.SIGSTOP)
+        assert m.proc is not None
+        procs.pause(m.proc)
         m.paused = True
 
     def resume(self, member: int) -> None:
         """SIGCONT a paused member."""
         m = self.members[member]
-        if m.proc is not None and m.proc.poll() is None:
-            os.kill(m.proc.pid, signal.SIGCONT)
+        procs.resume(m.proc)
         m.paused = False
 
     def restart(self, member: int, wait: bool = True, timeout_s: float | None = None) -> None:
@@ -349,7 +303,7 @@ class EtcdCluster:
     # ------------------------------------------------------------------ internals
     def _layout(self, attempt: int) -> None:
         assert self.data_dir is not None
-        ports = _free_ports(2 * self.size)
+        ports = procs.free_ports(2 * self.size)
         self.members = []
         for i in range(self.size):
             name = f"m{i}"
@@ -383,18 +337,8 @@ class EtcdCluster:
         m.log_file = open(m.log_path, "ab", buffering=0)
         m.log_file.write(f"=== start #{m.starts} ({'initial' if initial else 'restart'}) ===\n".encode())
         m.starts += 1
-        m.proc = subprocess.Popen(
-            _PDEATHSIG + self._args(m),
-            stdin=subprocess.DEVNULL,
-            stdout=m.log_file,
-            stderr=subprocess.STDOUT,
-            env=_child_env(),
-            start_new_session=True,  # a ^C at the terminal does not reach it; we stop it ourselves
-            close_fds=True,
-        )
+        m.proc = _LIVE.register(procs.spawn(self._args(m), m.log_file, env=_child_env(), die_with_parent=True))
         m.paused = False
-        with _LIVE_LOCK:
-            _LIVE[m.proc.pid] = m.proc
 
     def _wait_healthy(self, members: list[_Member], timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -419,25 +363,8 @@ class EtcdCluster:
             m.member_id = str(st["header"]["member_id"])
 
     def _kill(self, m: _Member, graceful: bool = False) -> None:
-        p = m.proc
-        if p is not None:
-            try:
-                if p.poll() is None:
-                    if graceful and not m.paused:
-                        p.terminate()
-                        try:
-                            p.wait(timeout=3)
-                        except subprocess.TimeoutExpired:
-                            pass
-                    if p.poll() is None:
-                        p.kill()  # SIGKILL also ends a stopped (SIGSTOP) process
-                    p.wait(timeout=30)
-            except ProcessLookupError:
-                pass
-            finally:
-                with _LIVE_LOCK:
-                    if p.poll() is not None:
-                        _LIVE.pop(p.pid, None)
+        # A paused member gets no SIGTERM: it could not act on it.
+        _LIVE.reap(m.proc, grace_s=GRACEFUL_STOP_S if graceful and not m.paused else 0.0)
         if m.log_file is not None:
             try:
                 m.log_file.close()
@@ -458,11 +385,7 @@ class EtcdCluster:
 
     @staticmethod
     def _log_tail(m: _Member, lines: int) -> str:
-        try:
-            data = m.log_path.read_bytes()
-        except OSError:
-            return "(no log)"
-        return "\n".join(data.decode("utf-8", "replace").splitlines()[-lines:])
+        return procs.log_tail(m.log_path, lines)
 
     def __repr__(self) -> str:
         return f"EtcdCluster(members={self.size}, endpoints={self.endpoints})"
@@ -475,13 +398,5 @@ def _stop_all_clusters() -> None:
             c.stop()
         except Exception:
             pass
-    with _LIVE_LOCK:
-        procs = list(_LIVE.values())
-    for p in procs:
-        if p.poll() is None:
-            try:
-                p.kill()
-                p.wait(timeout=10)
-            except Exception:
-                pass
+    _LIVE.reap_all()
 

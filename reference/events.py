@@ -1,6 +1,6 @@
 """The protocol event log: one JSON object per line (NDJSON), one line per protocol step.
 
-Trace validation (DESIGN: "How the pieces check each other") replays what implementations did
+Trace validation (docs/protocol.md: "How the pieces check each other") replays what implementations did
 through the spec's successor function, so every event is named by the spec action it performs
 (``EVENTS``, a subset of ``spec/checker.py``'s ``ACTIONS``; a test keeps it so). What the spec
 only lets the *environment* do -- time passing, clock steps, the network losing or duplicating
@@ -14,7 +14,7 @@ A line::
 
 - ``seq`` starts at 1 and increases by one per line of one log; ``(node, incarnation)`` names the
   log. A node that restarts takes a new, higher incarnation; a restarted engine that reused its
-  incarnation would restart ``seq`` and be caught by ``read_events`` (DESIGN: "an engine restart
+  incarnation would restart ``seq`` and be caught by ``read_events`` (docs/protocol.md: "an engine restart
   that resets its event sequence → stale routing index").
 - ``t_local_ns`` is ``time.monotonic_ns()``: it orders one process's events and never steps back,
   but means nothing across machines. ``t_wall_ns`` is ``time.time_ns()``: the node's wall clock,

@@ -5,13 +5,13 @@ Theory of operation
 A node owns *locations*, one per tier, named ``"<node>/<tier>"`` (``n1/gpu``, ``n1/dram``,
 ``n1/nvme``), and may mount the shared pool (location ``"pool"``). It holds no protocol state of
 its own beyond what its tiers keep -- the blocks and, per key, the fence -- and it never decides
-whether a block may be dropped: the directory does (DESIGN: directory).
+whether a block may be dropped: the directory does (docs/protocol.md: directory).
 
 - **Data server** (``transport.Server``, data-sized frames). ``WriteBytes`` from a writer is
   stored under its epoch: a tier refuses a lower epoch than its fence (spec ``fence_stale_write``),
   so a writer that paused past its lease cannot land bytes after a newer owner. A full tier first
   makes room by eviction (below). ``ReadBytes`` returns the bytes of exactly (key, gen), verified
-  against their checksum, or ``ReadRefused("miss")``: never other bytes (DESIGN 4). ``Evict`` from
+  against their checksum, or ``ReadRefused("miss")``: never other bytes (protocol property 4). ``Evict`` from
   a client asks the directory on the client's behalf. Every request is authenticated per tenant
   (the same tokens as the directory's).
 - **Directory link** (``transport.Client`` with ``on_push``). The node says ``Hello`` on every
@@ -22,7 +22,7 @@ whether a block may be dropped: the directory does (DESIGN: directory).
   ``Copy`` (a transfer's new copy under ``epoch + 1``: ``store_copy``, then ``Copied``). It pings
   the directory every ``HEARTBEAT_INTERVAL_MS``: a node the directory stops hearing from is
   down (its keys voided, no lease pointed at it).
-- **Eviction** (DESIGN: eviction and tiering). When a tier is full the node walks its
+- **Eviction** (docs/protocol.md: eviction and tiering). When a tier is full the node walks its
   least-recently-used keys and asks the directory ``Evict`` for each; the directory refuses a copy
   under a live read lease (``leased``) or one whose children are still cached (``has_children``:
   leaves go before their ancestors), and the node frees only what was granted. The node never
@@ -44,7 +44,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvcc.spec.keys import BlockKey, LocationId, NodeId
 
@@ -79,6 +79,9 @@ from .wire import (
     WriteBytes,
 )
 
+if TYPE_CHECKING:
+    from .metrics import NodeCounts
+
 log = logging.getLogger("kvcc.node")
 
 POOL_LOCATION = "pool"
@@ -103,6 +106,8 @@ class CacheNode:
     pool's tier if this node mounts it. ``directory``: (host, port). ``directory_tenant``: the
     tenant this node authenticates as with the directory (its token is in ``tenants``).
     ``lost``: tier names that came back empty after a restart (volatile tiers always do).
+    ``counts`` (a ``metrics.NodeCounts``): count bytes read and written and fenced writes per
+    location for the metrics endpoint; ``None`` (the default) counts nothing.
     """
 
     def __init__(
@@ -120,6 +125,7 @@ class CacheNode:
         lost: Sequence[str] = (),
         events: EventLog | None = None,
         demote_watermark: float = DEMOTE_WATERMARK_DEFAULT,
+        counts: NodeCounts | None = None,
     ) -> None:
         assert tiers, "a node has at least one tier"
         assert 0 < demote_watermark <= 1
@@ -145,6 +151,7 @@ class CacheNode:
         self._evict_lock = asyncio.Lock()
         self.stats = {"stored": 0, "fenced": 0, "reads": 0, "misses": 0, "freed": 0, "evicted": 0,
                       "evict_refused": 0, "copies": 0, "demotions": 0}  # fmt: skip
+        self.counts = counts  # bytes and fenced writes per location, for the metrics; None: not counted
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -159,6 +166,18 @@ class CacheNode:
     @property
     def locations(self) -> tuple[LocationId, ...]:
         return tuple(self._locations)
+
+    def tier_locations(self) -> dict[LocationId, Tier]:
+        """Each location this node serves and its tier (the shared pool's too, if mounted)."""
+        return dict(self._locations)
+
+    @property
+    def connection_count(self) -> int:
+        return self._server.connection_count
+
+    @property
+    def directory_connected(self) -> bool:
+        return self._dir.connected
 
     async def start(self) -> CacheNode:
         await self._server.start()
@@ -267,6 +286,8 @@ class CacheNode:
             if data is None:
                 reason = REASON_MISS
             else:
+                if self.counts is not None:
+                    self.counts.read_bytes[msg.source] += len(data)
                 outcome = await self._store(dest, msg.location, msg.key, msg.gen, msg.epoch, data)
                 if isinstance(outcome, TierFenced):
                     reason = "fenced"
@@ -312,10 +333,14 @@ class CacheNode:
             outcome = await asyncio.to_thread(tier.write, key.digest, gen, epoch, data)
         if isinstance(outcome, TierFenced):
             self.stats["fenced"] += 1
+            if self.counts is not None:
+                self.counts.fenced_writes[location] += 1
             self._emit("fence_stale_write", key, gen=gen, epoch=epoch, lease=lease, result="fenced",
                        location=location, writer=writer, fence=outcome.fence)  # fmt: skip
         elif isinstance(outcome, Stored):
             self.stats["stored"] += 1
+            if self.counts is not None:
+                self.counts.written_bytes[location] += outcome.nbytes
             if writer is not None:
                 self._emit("store_bytes", key, gen=gen, epoch=epoch, lease=lease, location=location, writer=writer,
                            nbytes=outcome.nbytes)  # fmt: skip
@@ -330,6 +355,8 @@ class CacheNode:
         if data is None:
             self.stats["misses"] += 1
             return ReadRefused(msg.node, msg.key, msg.location, REASON_MISS)
+        if self.counts is not None:
+            self.counts.read_bytes[msg.location] += len(data)
         return BytesRead(msg.location, msg.key, msg.gen, tier.fence(msg.key.digest), data)
 
     async def _evict_for(self, tenant: str, msg: Evict) -> Any:

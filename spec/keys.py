@@ -4,7 +4,7 @@ Theory of operation
 -------------------
 A *block* is the KV of ``block_tokens`` consecutive tokens of one prompt, computed by one model
 in one configuration. Its **key** must change whenever anything that changes those bytes changes,
-or two engines would share KV that is not the same (DESIGN: "incomplete key identity → silent
+or two engines would share KV that is not the same (docs/protocol.md: "incomplete key identity → silent
 wrong KV"). So a key is a hash chain:
 
     namespace digest = SHA-256( CBOR {"v": 1, "model_id": ..., "model_revision": ..., "kv_dtype": ...,
@@ -52,7 +52,7 @@ from attrs import field, frozen
 
 Generation = NewType("Generation", int)  # a rewrite of a logical key is a new generation
 Epoch = NewType("Epoch", int)  # ownership epoch: the fencing token
-LeaseId = NewType("LeaseId", int)  # never reused (DESIGN property 8)
+LeaseId = NewType("LeaseId", int)  # never reused (protocol property 8)
 NodeId = NewType("NodeId", str)
 LocationId = NewType("LocationId", str)  # one tier of one node, or the shared pool
 NamespaceDigest = NewType("NamespaceDigest", bytes)  # Namespace.digest(): 32 bytes
@@ -326,7 +326,7 @@ def _salt(instance, attribute, value) -> None:
 class Namespace:
     """Everything that, if it differed, would make two blocks with the same tokens hold
     different KV bytes -- plus the tenant's cache salt, which keeps tenants from sharing (or
-    probing for) each other's blocks even when everything else matches (DESIGN property 11).
+    probing for) each other's blocks even when everything else matches (protocol property 11).
 
     - ``model_id``, ``model_revision``: weights (a revision is a commit hash or a version tag);
     - ``kv_dtype``: e.g. ``"bfloat16"``, ``"fp8_e4m3"``; ``kv_layout``: the engine's page layout

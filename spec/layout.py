@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from .config import ModelConfig
 
-# Record phases (DESIGN: ABSENT -> WRITING -> COMMITTED -> INVALIDATING -> ABSENT, generation + 1).
+# Record phases (docs/protocol.md: ABSENT -> WRITING -> COMMITTED -> INVALIDATING -> ABSENT, generation + 1).
 ABSENT, WRITING, COMMITTED, INVALIDATING = range(4)
 PHASE_NAMES = ("ABSENT", "WRITING", "COMMITTED", "INVALIDATING")
 
@@ -103,7 +103,7 @@ class Layout:
         self.writer = [var(f"record[k{k}].writer") for k in range(K)]
         self.w_id = [var(f"record[k{k}].write_lease") for k in range(K)]
         # ... the frees it owes: per location, the epoch of a Free not yet acknowledged (0: none).
-        # Durable: a restarted directory still owes them (DESIGN: deletion reaches everywhere).
+        # Durable: a restarted directory still owes them (docs/protocol.md: deletion reaches everywhere).
         self.to_free = [[var(f"record[k{k}].to_free[l{loc}]") for k in range(K)] for loc in range(LOCS)]
         # ... volatile lease timers and read-lease table ...
         self.w_left = [var(f"record[k{k}].write_lease_left") for k in range(K)]

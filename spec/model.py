@@ -264,7 +264,7 @@ class Model:
             # receipt-counted trust stays inside the directory's view and the bug is harmless).
             pending = {self.L.p_left[n][k] for n in range(cfg_.nodes) for k in range(cfg_.keys)}
             self.node_timers = [[t for t in timers if t[0] not in pending] for timers in self.node_timers]
-        # Which (node, key) pairs a tenant may touch (DESIGN property 11).
+        # Which (node, key) pairs a tenant may touch (protocol property 11).
         self.allowed = [[cfg_.namespaces[k] in cfg_.authorized[n] for k in range(cfg_.keys)] for n in range(cfg_.nodes)]
         self.loc_node = [cfg_.location_node(loc) for loc in range(cfg_.locations)]
         self.children = [cfg_.children(k) for k in range(cfg_.keys)]
@@ -527,6 +527,21 @@ class Model:
                 self._failures(s, fixed, net, out)
         return [st for st in out if st[0] == label and _params_match(params, st[1])]
 
+    def tick(self, s: bytes) -> bytes | None:
+        """The state after the ``tick`` step from ``s`` (``apply("tick", (), s)``'s one step), or
+        ``None`` where it is disabled (an urgent directory step is due): the clock steps
+        ``_time`` also generates are not built. Trace validation waits tick by tick between
+        events; ``tests/test_validate.py`` checks it against ``apply``."""
+        if self.urgent(s):
+            return None
+        L = self.L
+        b = bytearray(s[: L.fixed])
+        self._run_down(b, self._directory_timers(s), 1)
+        for n in range(self.N):
+            self._run_down(b, self.node_timers[n], 1)
+        self._age_ghosts(s, b)
+        return bytes(b) + s[L.fixed :]
+
     # -- time ---------------------------------------------------------------------------------
 
     def _run_down(self, b: bytearray, timers: list[tuple[int, tuple[int, ...]]], delta: int) -> None:
@@ -627,7 +642,7 @@ class Model:
             # Every request carries a fresh request number, echoed by its answer: a grant or a
             # renewal that answers an earlier request (delayed, duplicated, or addressed to the
             # node before a crash) is never taken for the answer to this one. The budget starts
-            # now, when the request leaves (DESIGN: leases).
+            # now, when the request leaves (docs/protocol.md: leases).
             req = s[L.req[n]] + 1
             b = bytearray(fixed)
             b[L.req[n]] = req
@@ -755,7 +770,7 @@ class Model:
             self._owe_free(b, net, k, s[L.owner[k]], s[L.epoch[k]])
 
     def _invalidate_actions(self, s: bytes, fixed: bytes, net: list[bytes], k: int, out: list[Step]) -> None:
-        """invalidate(key) voids the key and its whole prefix subtree (DESIGN: invalidation)."""
+        """invalidate(key) voids the key and its whole prefix subtree (docs/protocol.md: invalidation)."""
         keys = self.subtree[k] if "invalidate_without_cascade" not in self.bugs else (k,)
         out.append(("invalidate", (k,), self._start_invalidation(s, fixed, net, keys)))
 
@@ -1157,7 +1172,7 @@ class Model:
             out.append(("ignore_stale_freed", (k, loc1 - 1), self._pack(b, net)))
 
     def _refuse(self, b: bytearray, net: list[bytes], msg: bytes) -> None:
-        """Answer a request with a refusal (DESIGN progress: every lease request is answered)."""
+        """Answer a request with a refusal (docs/protocol.md progress: every lease request is answered)."""
         if "silent_refusal" not in self.bugs:
             self._reply(b, net, msg)
 
@@ -1305,7 +1320,7 @@ class Model:
         directory leases nothing there any more, and voids every COMMITTED key whose owner copy is
         there, with its subtree: the leases on it are revoked and expire, and the key is writable
         again within the failover deadline (P4). The copies themselves are freed when the
-        invalidation completes, and reach the node when it is back (DESIGN: deletion).
+        invalidation completes, and reach the node when it is back (docs/protocol.md: deletion).
 
         Why a detector with a bound and not the crash itself: the directory cannot see a kill -9;
         it sees a node stop renewing its registration (a lease of one term). A node that comes back

@@ -26,7 +26,7 @@ The checker, the proofs' re-check of counterexamples, the property tests, the re
 assertions and the conformance oracle all call these same functions. Each predicate receives the
 ``Model`` (for its configuration and layout) and a state (``bytes``).
 
-Numbering follows DESIGN.md's property list.
+Numbering follows docs/protocol.md's property list.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ StepPredicate = Callable[[Model, bytes, str, tuple, bytes], bool]
 @frozen
 class Invariant:
     name: str
-    design: str  # which DESIGN.md property this states
+    design: str  # which docs/protocol.md property this states
     text: str
     holds: StatePredicate
     kind: str = "safety"  # or "progress"

@@ -33,7 +33,7 @@ Standard library only: this module is part of the vocabulary every layer imports
 from __future__ import annotations
 
 # -- phases ---------------------------------------------------------------------------------------
-# A record's phase (DESIGN: ABSENT -> WRITING -> COMMITTED -> INVALIDATING -> ABSENT, gen + 1).
+# A record's phase (docs/protocol.md: ABSENT -> WRITING -> COMMITTED -> INVALIDATING -> ABSENT, gen + 1).
 # The values are the model's bytes (``spec/layout.py`` names them too; ``model.py`` asserts that
 # both agree).
 ABSENT, WRITING, COMMITTED, INVALIDATING = range(4)
@@ -72,7 +72,7 @@ REASONS = (
 assert len(set(REASONS)) == len(REASONS)
 
 # -- time -----------------------------------------------------------------------------------------
-# DESIGN (leases): clocks differ by at most epsilon. A holder stops trusting a lease at
+# docs/protocol.md (leases): clocks differ by at most epsilon. A holder stops trusting a lease at
 # ``term - epsilon`` on its own clock, counted from when it *sent* the request; the directory
 # treats it as live until ``term + epsilon`` on its clock, counted from the grant. Between the two
 # lie at least the 2 epsilon by which the two clocks may disagree.
@@ -151,8 +151,8 @@ def lease_live(now: int, expires_at: int) -> bool:
 
 
 def may_grant_read(phase: int, authorized: bool, holder_has_live_lease: bool, owner_down: bool = False) -> str | None:
-    """Acquire: a read lease only on a COMMITTED generation (DESIGN 3, 6), only in a namespace the
-    requester's tenant may use (DESIGN 11), one lease per holder and key (it renews that one), and
+    """Acquire: a read lease only on a COMMITTED generation (protocol properties 3, 6), only in a namespace the
+    requester's tenant may use (protocol property 11), one lease per holder and key (it renews that one), and
     never on a copy whose node the directory has declared down (``owner_down``: a lease there
     could not be read, and would hold the key's failover up for a whole term)."""
     if not authorized:
@@ -169,7 +169,7 @@ def may_grant_read(phase: int, authorized: bool, holder_has_live_lease: bool, ow
 def may_renew(
     phase: int, entry_live: bool, entry_id: int, lease_id: int, lease_location: object, owner: object
 ) -> str | None:
-    """Renew: extend only a *live* lease under its own id (DESIGN 8: renewal never revives one that
+    """Renew: extend only a *live* lease under its own id (protocol property 8: renewal never revives one that
     expired, was released or revoked), only on a COMMITTED key (no extension once an invalidation
     began), and only on the owner copy (a lease on a draining copy runs out so the copy can go).
 
@@ -201,7 +201,7 @@ def may_ack_revoke(phase: int, entry_id: int, lease_id: int) -> bool:
 def may_begin_write(phase: int, parent_phase: int | None, authorized: bool) -> str | None:
     """BeginWrite: only an ABSENT key (a key names immutable content; a rewrite is the next
     generation), only under a COMMITTED parent (``None``: a root) so that prefix chains are
-    written root first (DESIGN 10), only in an authorised namespace (DESIGN 11)."""
+    written root first (protocol property 10), only in an authorised namespace (protocol property 11)."""
     if not authorized:
         return REASON_UNAUTHORIZED
     if phase != ABSENT:
@@ -221,7 +221,7 @@ def may_commit(
     location_down: bool = False,
 ) -> str | None:
     """Commit: only the current write lease of a WRITING key, under the key's current epoch, before
-    that lease expired (DESIGN: a writer that paused past its lease is fenced, never published),
+    that lease expired (docs/protocol.md: a writer that paused past its lease is fenced, never published),
     and not onto a location whose node the directory has declared down: a commit in flight when
     its node crashed would publish a copy nobody can read and no failover voids (found by the
     checker: CrashedOwnerWritableInTime). The write lease then expires and its bytes are freed."""
@@ -246,12 +246,12 @@ def write_lease_must_expire(phase: int, write_lease_live: bool) -> bool:
 
 
 def fence_accepts(epoch: int, fence: int) -> bool:
-    """A slot accepts bytes, a free or a copy only under an epoch at least its fence (DESIGN 2)."""
+    """A slot accepts bytes, a free or a copy only under an epoch at least its fence (protocol property 2)."""
     return epoch >= fence
 
 
 def slot_accepts(epoch: int, fence: int, freed_epoch: int) -> bool:
-    """A slot stores bytes (a write or a copy) only under an epoch at least its fence (DESIGN 2)
+    """A slot stores bytes (a write or a copy) only under an epoch at least its fence (protocol property 2)
     and above the highest epoch freed there: bytes of a generation already deleted here that land
     late (a paused writer, a slow copy) are refused, or deletion would not stay done."""
     return fence_accepts(epoch, fence) and epoch > freed_epoch
@@ -294,7 +294,7 @@ def invalidation_step(phase: int) -> str | None:
 
 def may_complete_invalidation(phase: int, in_grace: bool, live_leases: int) -> bool:
     """An invalidation completes -- its copies are freed, the generation ends -- only when every
-    lease on it was acknowledged or expired (DESIGN 6; Gray & Cheriton's write rule), and never
+    lease on it was acknowledged or expired (protocol property 6; Gray & Cheriton's write rule), and never
     during a restarted directory's grace: it cannot know who still trusts a lease it forgot.
 
     ``live_leases``: how many read leases on the key are live (a bool says whether any is)."""
@@ -302,7 +302,7 @@ def may_complete_invalidation(phase: int, in_grace: bool, live_leases: int) -> b
 
 
 # -- deletion ---------------------------------------------------------------------------------------
-# DESIGN (progress): deletion reaches everywhere. Whenever a generation ends (an invalidation
+# docs/protocol.md (progress): deletion reaches everywhere. Whenever a generation ends (an invalidation
 # completes, a write lease expires, a write is aborted by an invalidation) or a copy is let go (a
 # drained copy, a cancelled transfer's destination), the directory *owes* a Free to each location
 # that may hold the bytes: it records (key, location) -> epoch in a durable to-free set, sends the
@@ -313,7 +313,7 @@ def may_complete_invalidation(phase: int, in_grace: bool, live_leases: int) -> b
 
 def free_takes(epoch: int, fence: int, slot_full: bool, slot_epoch: int) -> bool:
     """Does a Free under ``epoch`` empty the slot? It deletes bytes stored under that epoch or an
-    older one, and never bytes of a newer one (DESIGN 2: a lower epoch never destroys what a higher
+    older one, and never bytes of a newer one (protocol property 2: a lower epoch never destroys what a higher
     one wrote). The slot's own epoch decides, not only its fence: a fence raised without new bytes
     (a node that rejoins takes the directory's epoch as its fence) must not make an ended
     generation's bytes undeletable. (Found by the checker: DeletionReachesEverywhere.) An empty
@@ -361,8 +361,8 @@ def may_evict(
     owner_while_draining: bool = False,
 ) -> str | None:
     """Evict: a node may drop a COMMITTED copy the directory knows of (the owner or a draining
-    one), never during restart grace, leaves before their ancestors (DESIGN 10), never under a
-    live read lease on that location (DESIGN 5), and the owner copy last (while a draining copy
+    one), never during restart grace, leaves before their ancestors (protocol property 10), never under a
+    live read lease on that location (protocol property 5), and the owner copy last (while a draining copy
     exists, that one goes first). The order of the checks is the order of the reasons."""
     if phase != COMMITTED:
         return REASON_INVALIDATING if phase == INVALIDATING else REASON_NOT_COMMITTED

@@ -1,6 +1,6 @@
 """etcd fixtures: a real etcd (Debian's etcd-server) on loopback, started per need.
 
-Tests that use them are skipped, with the reason, when no ``etcd`` binary is on PATH.
+A missing ``etcd`` binary fails the tests that use it (scripts/system-deps.sh installs etcd-server).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def etcd_leak_check():
     try:
         etcd_harness.etcd_binary()
     except etcd_harness.EtcdNotInstalled as e:
-        pytest.fail(f"etcd is required (.ci/run installs etcd-server): {e}")
+        pytest.fail(f"etcd is required (scripts/system-deps.sh installs etcd-server): {e}")
 
     yield
     leaked = sorted(set(etcd_harness.live_pids()) | set(_etcd_children()))
@@ -76,3 +76,36 @@ def etcd_kv(etcd1):
 
 # The directory's store backends (sqlite, etcd) as one parameterised fixture; see tests/backends.py.
 from backends import directory_store_factory  # noqa: E402, F401
+
+
+# ---- cost markers -----------------------------------------------------------------------------
+# Every test module has one cost class, so that a developer can run a fast loop
+# (`bash scripts/test.sh -m unit`, seconds) while the README's command still runs everything:
+#   unit         in-process, no model search: milliseconds to seconds per test;
+#   model        the model checker, the z3 proofs or the trace validator over searched traces;
+#   suite        the conformance suite run in-process against adapters (many workloads per test);
+#   integration  real processes on loopback: directories, cache nodes, etcd members, Mooncake.
+# A new test module must be added here (test_every_module_has_a_cost_class fails otherwise).
+COST_CLASSES = {
+    "unit": {"test_rules", "test_keys", "test_names", "test_wire", "test_bench_tiers",
+             "test_bench_directory", "test_packaging", "test_docs", "test_render", "test_layers"},
+    "model": {"test_spec", "test_proofs", "test_validate", "test_cli", "test_directory_core"},
+    "suite": {"test_conformance", "test_example_adapter", "test_mutation"},
+    "integration": {"test_cluster_cli", "test_cluster_stateful", "test_deletion", "test_faults",
+                    "test_etcd", "test_mooncake", "test_directory_server", "test_directory_store",
+                    "test_transport", "test_tiers", "test_metrics", "test_procs", "test_vllm"},
+}
+
+
+def cost_class(module_name: str) -> str | None:
+    for cost, modules in COST_CLASSES.items():
+        if module_name in modules:
+            return cost
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        cost = cost_class(item.module.__name__.rpartition(".")[2])
+        if cost is not None:
+            item.add_marker(getattr(pytest.mark, cost))

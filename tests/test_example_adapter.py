@@ -59,8 +59,6 @@ def test_native_events_certify_with_every_trace_accepted():
     assert all(r.events for r in traced)  # native: the adapter's own records
 
 
-@pytest.mark.xfail(reason="inferred events: KVCC-LEASE-008 / KVCC-INVAL-006 traces are not yet inferred "
-                   "completely (REJECTED); see README, Status", strict=False)
 def test_inferred_events_certify():
     rep, lines = _certify(M.factory_inferred, 12)
     assert rep.capabilities["events"] == "inferred"

@@ -27,3 +27,13 @@ def test_torch_version():
     import torch
 
     assert torch.__version__.startswith("2.13.0"), torch.__version__
+
+
+def test_every_test_module_has_a_cost_class():
+    """The fast loop (`-m unit`) is only honest if no module escapes the classes (tests/conftest.py)."""
+    from conftest import COST_CLASSES, cost_class
+
+    modules = sorted(p.stem for p in Path(__file__).resolve().parent.glob("test_*.py"))
+    assert [m for m in modules if cost_class(m) is None] == []
+    classified = set().union(*COST_CLASSES.values())
+    assert len(classified) == sum(len(v) for v in COST_CLASSES.values()), "a module in two classes"

@@ -91,7 +91,7 @@ def test_every_property_is_proved_or_says_why_not():
     proved = {i.name for i in PROPERTIES + STEP_INVARIANTS}
     for p in P.INVARIANTS + P.TRANSITION_PROPERTIES:
         assert (p.name in proved) != (p.name in NOT_COVERED), p.name
-    assert "PrefixClosed" in proved  # DESIGN 10
+    assert "PrefixClosed" in proved  # protocol property 10
 
 
 def test_properties_are_the_predicates_of_properties_py():
@@ -190,6 +190,24 @@ def test_every_model_label_has_a_counterpart_in_the_encoding():
     for labels in reachable_labels().values():
         assert set(labels) <= set(MODEL_LABELS)
     assert set(reachable_labels()) <= set(CONFIGS)
+
+
+def test_reachable_labels_follow_the_manifest():
+    """Every configuration the manifest pins is compared with the encoding on every label of its
+    scope: the pinned labels are those ``kvcc check --all`` must cover there (every label not
+    argued out of scope), with the manifest's count and mode."""
+    from kvcc.spec.checker import LABELS, actions_outside_scope
+    from kvcc.spec.config import get_config, load_manifest
+
+    manifest = {name: entry for name, entry in load_manifest().items() if "distinct_states" in entry}
+    assert set(manifest) == set(CONFIGS)
+    scopes = pinned_scopes()
+    assert set(scopes) == set(manifest)
+    for name, entry in manifest.items():
+        assert scopes[name]["states"] == entry["distinct_states"], name
+        assert scopes[name].get("sampled", False) == (entry["mode"] == "sampled"), name
+        in_scope = set(LABELS) - set(actions_outside_scope(get_config(name)))
+        assert set(scopes[name]["labels"]) == in_scope, (name, set(scopes[name]["labels"]) ^ in_scope)
 
 
 def test_a_model_variable_the_encoding_lacks_must_be_projected_away(monkeypatch):

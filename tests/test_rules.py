@@ -30,7 +30,7 @@ def test_reasons_are_the_wires():
     for name, value in on_wire.items():
         assert getattr(rules, name) == value, name
     for reason in rules.REASONS:
-        assert wire._CODE_RE.fullmatch(reason), f"{reason!r} does not fit the wire's Code"
+        assert wire.CODE_RE.fullmatch(reason), f"{reason!r} does not fit the wire's Code"
 
 
 def test_configurations_derive_their_limits_from_the_rules():
@@ -44,7 +44,7 @@ def test_configurations_derive_their_limits_from_the_rules():
 
 @given(term=st.integers(1, 10**9), eps=st.integers(0, 10**9), sent=st.integers(0, 10**12), delay=st.integers(0, 10**9))
 def test_holder_trust_ends_before_the_directory_forgets(term, eps, sent, delay):
-    """The timing argument of DESIGN (leases): a holder counting from sending, on a clock up to
+    """The timing argument of docs/protocol.md (leases): a holder counting from sending, on a clock up to
     eps behind, stops trusting before a directory counting from the (later) grant, on a clock up
     to eps ahead, stops treating the lease as live."""
     if eps >= term:

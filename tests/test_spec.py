@@ -81,7 +81,7 @@ def test_every_safety_and_progress_property_has_a_mutant_it_catches():
 
 
 def test_design_non_vacuity_list_is_required_somewhere():
-    """DESIGN's sometimes list, plus two holders during one invalidation, each required (and so
+    """docs/protocol.md's sometimes list, plus two holders during one invalidation, each required (and so
     reached) in at least one configuration."""
     for name in (
         "RemoteReadUnderLease",
@@ -170,6 +170,39 @@ def test_symmetry_keeps_roles_and_verdicts():
     assert (reduced.ok, reduced.properties) == (full.ok, full.properties)
     assert set(reduced.coverage) == set(full.coverage)
     assert get_config("holders").symmetric_permutations() == ((0, 1, 2), (0, 2, 1))  # the writer stays
+
+
+def _reachable(model: Model) -> set[bytes]:
+    """Every reachable state, by a plain breadth-first search (no fingerprints, no symmetry)."""
+    (s0,) = model.init_states()
+    seen, frontier = {s0}, [s0]
+    while frontier:
+        frontier = [t for s in frontier for _, _, t in model.successors(s) if t not in seen and not seen.add(t)]
+    return seen
+
+
+def test_symmetry_canonical_form_is_one_per_orbit_and_workers_agree():
+    """Each image of a reachable state under a role-preserving permutation is reachable (the
+    permutation is a symmetry of the model) and has the state's canonical form; the reduced
+    search reaches exactly one state per orbit, with one worker and with two (two workers once
+    split an orbit between them by partitioning on a non-canonical state, and message senders
+    were permuted off by one, so images were states the model cannot reach)."""
+    import attrs
+
+    cfg = attrs.evolve(get_config("race"), max_epoch=1, max_lease_id=2, name="race-small")
+    states = _reachable(Model(attrs.evolve(cfg, symmetry=False)))
+    symmetry = checker_module.Symmetry(Model(cfg))
+    assert symmetry.perms
+    for s in states:
+        for perm in symmetry.perms:
+            image = symmetry._image(s, *perm)
+            assert image in states
+            assert symmetry.canonical(image) == symmetry.canonical(s)
+    orbits = len({symmetry.canonical(s) for s in states})
+    assert orbits < len(states)
+    one, two = check(cfg, workers=1), check(cfg, workers=2)
+    assert one.distinct_states == two.distinct_states == orbits
+    assert (one.ok, one.properties, one.coverage) == (two.ok, two.properties, two.coverage)
 
 
 def test_swarm_finds_a_mutant_and_labels_itself_sampled():
@@ -304,6 +337,32 @@ def test_check_all_prints_one_row_per_configuration_and_fails_on_uncovered_actio
     assert code == 1 and payload["ok"] is False
 
 
+def test_check_all_runs_a_sampled_configuration_by_its_pinned_walks(monkeypatch, capsys):
+    """A configuration the manifest marks ``sampled`` is checked by the seeded walks it pins, and
+    says so on its line; the walks are reproducible, so their state count is pinned, and another
+    count fails the configuration."""
+    import json
+
+    from kvcc import cli
+    from kvcc.spec import config as config_module
+
+    walks = {"seeds": 200, "first_seed": 7, "depth": 30, "max_states": 100_000}
+    reached = swarm(Model(get_config("tiny")), seeds=200, depth=30, max_states=100_000, first_seed=7)
+    monkeypatch.setattr(config_module, "CONFIGS", {"tiny": get_config("tiny")})
+    for pinned, ok in ((reached.distinct_states, True), (reached.distinct_states + 1, False)):
+        entry = {"mode": "sampled", "swarm": walks, "distinct_states": pinned, "ok": True}
+        monkeypatch.setattr(config_module, "load_manifest", lambda entry=entry: {"tiny": entry})
+        cli.main(["check", "--all", "--json"])
+        (row,) = json.loads(capsys.readouterr().out)["configs"]
+        assert row["mode"] == "sampled" and row["distinct_states"] == reached.distinct_states
+        assert row["coverage"] == reached.coverage
+        assert row["manifest"] == ("match" if ok else "mismatch")
+        assert row["ok"] is (ok and reached.ok)
+        cli.main(["check", "--all"])
+        line = capsys.readouterr().out.splitlines()[0]
+        assert "check tiny" in line and "sampled" in line
+
+
 def test_rewrite_scope_contains_a_parent_rewritten_under_a_cached_child():
     """A path of 20 steps in ``rewrite`` (the full search is left to ``kvcc check --all``): the
     parent is invalidated, the child's revocation lost, the parent's generation ends and is written
@@ -322,3 +381,25 @@ def test_rewrite_scope_contains_a_parent_rewritten_under_a_cached_child():
         assert not witness.reached_state(model, s)
         s = next(t for action, params, t in model.successors(s) if action == label and params[: len(prefix)] == prefix)
     assert witness.reached_state(model, s)
+
+
+def test_check_all_runs_the_fast_or_the_full_set(monkeypatch, capsys):
+    """``--set fast`` leaves out a configuration the manifest puts in the full set, ``--set full``
+    runs only those, and a label that only the other set covers fails only the whole run."""
+    import json
+
+    from kvcc import cli
+    from kvcc.spec import config as config_module
+
+    pinned = {name: dict(load_manifest()[name]) for name in FAST_CONFIGS}
+    slow = FAST_CONFIGS[-1]
+    pinned[slow]["set"] = "full"
+    monkeypatch.setattr(config_module, "CONFIGS", {name: get_config(name) for name in FAST_CONFIGS})
+    monkeypatch.setattr(config_module, "load_manifest", lambda: pinned)
+    for chosen, expected in (("fast", list(FAST_CONFIGS[:-1])), ("full", [slow])):
+        code = cli.main(["check", "--all", "--set", chosen, "--json", "--workers", "1"])
+        payload = json.loads(capsys.readouterr().out)
+        assert payload["set"] == chosen and [row["config"] for row in payload["configs"]] == expected
+        assert payload["uncovered_anywhere"] and code == 0 and payload["ok"] is True
+    assert cli.main(["check", "--all", "--json", "--workers", "1"]) == 1  # both: every label must be covered
+    capsys.readouterr()

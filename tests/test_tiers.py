@@ -192,10 +192,7 @@ def test_fence_survives_free(tier):
     assert tier.fence(K(1)) == 5
     assert tier.write(K(1), 2, 4, b"zombie") == Fenced(5)  # a stale writer after the free
     assert tier.read(K(1), 2) is None
-    if tier.name != "pool":  # rules.slot_accepts: the freed epoch's late bytes are refused too
-        assert tier.write(K(1), 2, 5, b"owner") == Fenced(5)
-    else:
-        assert tier.write(K(1), 2, 5, b"owner") == Stored(5)
+    assert tier.write(K(1), 2, 5, b"owner") == Fenced(5)  # rules.slot_accepts: the freed epoch's late bytes too
     assert tier.write(K(1), 3, 7, b"later") == Stored(5)
     assert tier.fence(K(1)) == 7
     assert tier.free(K(2), 0) == Absent()
@@ -205,8 +202,6 @@ def test_fence_survives_free(tier):
 def test_late_bytes_of_a_freed_epoch_are_refused(tier):
     """rules.slot_accepts: a free under epoch e refuses later writes under e (a paused writer's
     bytes landing after its generation was deleted), not the next grant's."""
-    if tier.name == "pool":
-        pytest.skip("the shared pool keeps no freed-epoch mark (its fence files only)")
     assert tier.write(K(2), 1, 3, b"abandoned") == Stored(9)
     assert tier.free(K(2), 3) == Freed()
     assert tier.write(K(2), 1, 3, b"abandoned") == Fenced(3), "late bytes of the freed epoch"
@@ -239,12 +234,9 @@ def test_restore_fences(tier):
     assert tier.fence(K(1)) == 9, "restore never lowers a fence"
     assert tier.read(K(1), 1) == b"x", "restoring fences does not drop blocks"
     assert tier.write(K(1), 2, 8, b"y") == Fenced(9)
-    if tier.name != "pool":
-        # rules.free_takes: the block's own epoch (3) decides, not the restored fence: a free
-        # under 8 drops bytes stored under 3 (an ended generation a rejoined node still held).
-        assert tier.free(K(1), 8) == Freed() and tier.fence(K(1)) == 9
-    else:
-        assert tier.free(K(1), 8) == Fenced(9)  # the pool judges by its fence file alone
+    # rules.free_takes: the block's own epoch (3) decides, not the restored fence: a free under 8
+    # drops bytes stored under 3 (an ended generation a rejoined node still held).
+    assert tier.free(K(1), 8) == Freed() and tier.fence(K(1)) == 9
     assert tier.write(K(2), 1, 3, b"y") == Fenced(4)
     assert tier.write(K(2), 1, 4, b"y") == Stored(1)
 
@@ -345,6 +337,34 @@ def test_truncation_reads_as_miss(kind, tmp_path, caplog):
     assert len(_events(caplog, "read_truncated")) == 1
     os.truncate(path, base + 100)  # into the header itself
     assert tier.read(K(1), 1) is None
+    tier.close()
+
+
+def test_dram_damage_is_a_logged_miss_and_the_key_is_writable_again(caplog):
+    """DramTier.damage (the conformance kit's corrupt fault) inverts one byte at rest: every
+    damaged header or payload byte is a logged Miss(corrupt) with ``out`` untouched, and the key
+    takes a new block once the damaged one is freed."""
+    tier = DramTier(4, BLOCK, pin_memory=False)
+    probes = [("header", i) for i in range(HEADER_BYTES)] + [("payload", 0), ("payload", 2999), ("payload", 3000)]
+    for i, (region, offset) in enumerate(probes):
+        k = K(100 + i)
+        assert tier.write(k, 1, 1, payload(k, 1, 3000)) == Stored(3000)
+        assert tier.damage(k, region, offset)
+        out = bytearray(3000)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="kvcc.tiers"):
+            assert tier.read_into(k, 1, out) == Miss(MissReason.CORRUPT), (region, offset)
+        assert out == bytes(3000)
+        assert len(_events(caplog, "read_corrupt")) == 1
+        assert tier.free(k, 1) == Freed()
+        assert tier.write(k, 2, 2, payload(k, 2, 3000)) == Stored(3000)
+        assert tier.read(k, 2) == payload(k, 2, 3000)
+        assert tier.free(k, 2) == Freed()
+    assert tier.damage(K(9), "payload", 0) is False
+    with pytest.raises(ValueError):
+        tier.damage(K(9), "footer", 0)
+    with pytest.raises(ValueError):
+        tier.damage(K(9), "payload", -1)
     tier.close()
 
 
@@ -802,7 +822,7 @@ class TierMachine(RuleBasedStateMachine):
         self.tier = make(self.kind, self.dir, slots=self.slots if self.kind != "pool" else 8, block=8192)
         self.blocks: dict[int, tuple[int, bytes]] = {}
         self.fences: dict[int, int] = {}
-        self.freed: dict[int, int] = {}  # rules.slot_accepts (slot tiers, in memory)
+        self.freed: dict[int, int] = {}  # rules.slot_accepts (in memory; the pool's in its fence files)
         self.epochs: dict[int, int] = {}  # the epoch each block was stored under
 
     def teardown(self) -> None:
@@ -831,15 +851,10 @@ class TierMachine(RuleBasedStateMachine):
     def free(self, k, epoch):
         got = self.tier.free(K(k), epoch)
         fence = self.fences.get(k, 0)
-        if self.kind == "pool":
-            takes = rules.fence_accepts(epoch, fence)  # the pool judges by its fence file alone
-        else:
-            takes = rules.free_takes(epoch, fence, k in self.blocks, self.epochs.get(k, 0))
-        if not takes:
+        if not rules.free_takes(epoch, fence, k in self.blocks, self.epochs.get(k, 0)):
             assert got == Fenced(fence)
             return
-        if self.kind != "pool":
-            self.freed[k] = max(epoch, self.freed.get(k, 0))
+        self.freed[k] = max(epoch, self.freed.get(k, 0))
         if k in self.blocks:
             assert got == Freed()
             del self.blocks[k]
@@ -869,7 +884,8 @@ class TierMachine(RuleBasedStateMachine):
     def reopen(self):
         if self.kind in DURABLE:
             self.tier = reopen(self.kind, self.tier, self.dir)
-            self.freed.clear()  # the marks are volatile; the fences are not
+            if self.kind != "pool":
+                self.freed.clear()  # the slot tiers' marks are volatile; the pool's are in its fence files
             r = self.tier.recovery
             assert (r.dropped_corrupt, r.dropped_truncated, r.dropped_uncommitted, r.lost) == (0, 0, 0, ())
 

@@ -290,6 +290,56 @@ def test_validate_file_and_cli(tmp_path, capsys):
     assert v.status == REJECTED and v.code == "malformed"
 
 
+def test_a_read_under_a_released_lease_id_is_rejected_once_its_spec_id_is_gone():
+    # Elements forget the pairs of leases in use nowhere any more (``_Replay._live``): the
+    # holder's first lease is released and forgotten, and a read under its real id, while the
+    # holder trusts a second lease, must still match no step (that id is bound to another).
+    again = [("acquire", (1, 0)), ("grant_read_lease", (1, 0, 3)), ("trust_read_lease", (1, 0, 3)), ("read", (1, 0, POOL))]
+    events, params = scenario(WRITE + READ + [("release", (1, 0)), ("release_lease", (1, 0, 2))] + again)
+    accepted(events, params)
+    first, last = index_of(events, "grant_read_lease"), index_of(events, "read", nth=1)
+    assert events[first]["lease"] != events[last]["lease"]
+    bad = copy.deepcopy(events)
+    bad[last]["lease"] = events[first]["lease"]
+    rejected_at(bad, params, last)
+
+
+def test_a_file_keeps_four_bytes_an_event_and_names_a_bad_line_by_its_number(tmp_path):
+    from kvcc.conformance.validate import _FileEvents
+
+    events, params = scenario(WRITE + READ)
+    path = tmp_path / "trace.ndjson"
+    # Blank lines hold no event: event indices and line numbers part ways after them.
+    lines = [json.dumps(e) for e in events]
+    path.write_text("\n" + "\n\n".join(lines) + "\n")
+    f = _FileEvents(path)
+    try:
+        assert f._offsets.itemsize == 4 and len(f) == len(events)
+        assert [f[i] for i in (0, len(events) - 1)] == [events[0], events[-1]]
+    finally:
+        f.close()
+    assert validate_file(path, params).status == ACCEPTED
+    lines[3] = "{not json"
+    path.write_text("\n" + "\n\n".join(lines) + "\n")
+    v = validate_file(path, params)
+    assert (v.status, v.code, v.event_index) == (REJECTED, "malformed", 3)
+    assert v.reason.startswith("line 8: not JSON"), v.reason  # 1 blank, then two lines an event
+
+
+def test_a_bad_shape_is_found_before_what_the_roles_reject():
+    # Shapes and roles are read in one pass: a malformed event still wins over a rejection the
+    # roles reach only once every event was read (two locations on no node: two shared pools).
+    events, params = scenario(WRITE + READ)
+    params = TraceParams(params.lease_term_ms, params.skew_ms, tick_ms=params.tick_ms)
+    two_pools = copy.deepcopy(events)
+    two_pools[index_of(two_pools, "read")]["location"] = "nowhere"
+    v = check(two_pools, params)
+    assert (v.status, v.code, v.event_index) == (REJECTED, "unknown_location", None), v
+    del two_pools[-1]["t_wall_ns"]
+    v = check(two_pools, params)
+    assert (v.status, v.code, v.event_index) == (REJECTED, "malformed", len(two_pools) - 1), v
+
+
 def test_params_are_checked():
     with pytest.raises(ValueError):
         TraceParams(1000, 1000)
@@ -516,6 +566,9 @@ def test_model_apply_is_successors_one_action_at_a_time(name):
                 want_loose = sorted(st for st in succ if st[0] == lab and all(a is None or a == b for a, b in zip(loose, st[1])))
                 assert sorted(model.apply(lab, loose, s)) == want_loose, (lab, loose)
         assert model.apply("teleport", (), s) == []
+        # The validator's wait, tick by tick: the tick step (a stutter too, which successors omit).
+        ticks = [s2 for _, _, s2 in model.apply("tick", (), s)]
+        assert model.tick(s) == (ticks[0] if ticks else None)
         for _, _, s2 in succ:
             if s2 not in seen:
                 seen.add(s2)
@@ -596,15 +649,26 @@ def test_a_projection_with_more_leases_than_a_state_byte_holds_gets_a_verdict():
 
 
 def test_shared_event_times_must_agree_across_projections():
-    from kvcc.conformance.validate import _shared_time_conflict
+    from kvcc.conformance.validate import _join_boxes, _shared_time_conflict
 
-    # Two failures (events 3 and 9): each projection's accepted assignments of ticks to them.
-    agree = [({}, {((3, 5), (9, 8)), ((3, 6), (9, 8))}, {}), ({3: 6}, {((9, 8),)}, {})]
+    def box(*pairs):
+        return tuple((i, frozenset(ts)) for i, ts in pairs)
+
+    # Two failures (events 3 and 9): each projection's accepted ticks for them, as boxes (a set
+    # of ticks per failure; the union of the boxes is what the projection accepts).
+    agree = [({}, {box((3, {5}), (9, {8})), box((3, {6}), (9, {8}))}, {}), ({3: frozenset({6})}, {box((9, {8}))}, {})]
     assert _shared_time_conflict(agree, [3, 9]) is None
     # Each tick of each failure is accepted by both, but no assignment of both is.
-    apart = [({}, {((3, 5), (9, 8)), ((3, 6), (9, 9))}, {}), ({}, {((3, 5), (9, 9)), ((3, 6), (9, 8))}, {})]
+    apart = [({}, {box((3, {5}), (9, {8})), box((3, {6}), (9, {9}))}, {}),
+             ({}, {box((3, {5}), (9, {9})), box((3, {6}), (9, {8}))}, {})]  # fmt: skip
     assert _shared_time_conflict(apart, [3, 9]) == 9
-    assert _shared_time_conflict([({3: 5}, set(), {}), ({3: 6}, set(), {})], [3]) == 3
+    assert _shared_time_conflict([({3: frozenset({5})}, set(), {}), ({3: frozenset({6})}, set(), {})], [3]) == 3
+    # A box meets another in every failure or not at all.
+    wide = [({}, {box((3, {5, 6}), (9, {8, 9}))}, {}), ({}, {box((3, {6, 7}), (9, {9, 10}))}, {})]
+    assert _shared_time_conflict(wide, [3, 9]) is None
+    # Two boxes join into one only where they differ in one failure's ticks (exact, no more).
+    assert _join_boxes(box((3, {5}), (9, {8})), box((3, {5}), (9, {9}))) == box((3, {5}), (9, {8, 9}))
+    assert _join_boxes(box((3, {5}), (9, {8})), box((3, {6}), (9, {9}))) is None
     # A cascade (event 4) must have one tick every projection of its subtree took it at.
     assert _shared_time_conflict([({}, set(), {4: {1, 2}}), ({}, set(), {4: {2, 3}})], []) is None
     assert _shared_time_conflict([({}, set(), {4: {1, 2}}), ({}, set(), {4: {3}})], []) == 4

@@ -142,7 +142,7 @@ def test_body_is_canonical_cbor_of_kind_and_fields():
 
 def _generic_body(msg) -> dict:
     body = {"kind": type(msg).__name__}
-    for name, _, to_wire, _ in wire._SCHEMA[type(msg)]:
+    for name, _, to_wire, _ in wire.codec._SCHEMA[type(msg)]:
         body[name] = to_wire(getattr(msg, name))
     return body
 
@@ -183,7 +183,7 @@ def test_fast_codec_paths_agree_with_the_generic_codec(msg, data):
              (env, 5, False, dict(max_depth=1, max_items=5, max_string_bytes=len(env)))]  # fmt: skip
     for valid, entries, arrays, limits in cases:
         for sample in (valid, _mutate(valid, data.draw), data.draw(st.binary(max_size=80))):
-            fast = wire._flat_map(sample, entries, arrays)
+            fast = wire.codec.flat_map(sample, entries, arrays)
             kind, value = _generic_outcome(sample, **limits)
             if sample is valid:
                 assert fast is not None and fast == value  # the fast path takes every valid frame
@@ -227,7 +227,7 @@ def test_fast_codec_paths_agree_with_the_generic_codec(msg, data):
     ],
 )
 def test_fast_map_leaves_non_canonical_and_odd_input_to_the_generic_decoder(data, entries, arrays):
-    assert wire._flat_map(data, entries, arrays) is None
+    assert wire.codec.flat_map(data, entries, arrays) is None
 
 
 def _body(**fields) -> bytes:
@@ -333,7 +333,7 @@ def test_request_and_reply_through_sessions():
 def test_mac_and_envelope_are_the_documented_formulas():
     client, _ = _pair()
     payload = client.send(Ping(9))[4:]
-    env = wire.cbor_decode(payload)
+    env = cbor_decode(payload)
     body = encode(Ping(9))
     expected_mac = hmac.new(TOKEN_A, cbor_encode(["c2s", "alpha", 1, 0, body]), hashlib.sha256).digest()
     assert env == {"tenant": "alpha", "seq": 1, "re": 0, "mac": expected_mac, "body": body}
@@ -343,7 +343,7 @@ def test_mac_and_envelope_are_the_documented_formulas():
 @pytest.mark.parametrize("size", [0, 100, 1 << 20])
 def test_mac_is_the_documented_formula_for_every_frame_of_a_session(size):
     body = bytes(range(256)) * (size // 256) + b"x" * (size % 256)
-    key = wire._MacKey(TOKEN_A)
+    key = wire.session._MacKey(TOKEN_A)
     for direction, seq, re in (("c2s", 1, 0), ("s2c", 2**40, 7), ("c2s", 3, 2)):  # the prefix is reused
         expected = hmac.new(TOKEN_A, cbor_encode([direction, "alpha", seq, re, body]), hashlib.sha256).digest()
         assert key.mac(direction, "alpha", seq, re, body) == expected
@@ -500,7 +500,7 @@ def test_error_codes_are_stable():
     for cls in (Malformed, FrameTooLarge, Unauthorized, Replayed):
         assert issubclass(cls, PeerViolation) and issubclass(cls, KvccError)
         assert not issubclass(cls, ProtocolViolation)
-        assert wire._check_code(cls.code) is None  # usable as Error.code
+        assert wire.codec._check_code(cls.code) is None  # usable as Error.code
     e = Malformed("bad", where="x")
     assert e.to_json() == {"error": "Malformed", "code": "malformed", "detail": "bad", "where": "x"}
 

@@ -173,6 +173,7 @@ class MooncakeKvccAdapter(MooncakeDeployment):
             scopes=frozenset({"key", "prefix", "namespace"}),
             events="native",
             leases="enforced",
+            frees_acknowledged=True,
             notes=(
                 "kvcc's directory core in the adapter process (leases, epochs, generations, "
                 "invalidation, prefix chains, tenants); Mooncake Store holds the bytes, one object per "
@@ -312,15 +313,22 @@ class MooncakeKvccAdapter(MooncakeDeployment):
         with self._lock:
             if location in self._down:
                 return  # the copy died with the node
-            if epoch < self._fence.get((location, key), 0):
+            fenced = epoch < self._fence.get((location, key), 0)
+            if fenced:
                 self.logs.emit(location, "fence_stale_free", key=key, epoch=epoch, location=location)
-                return
-            victims = sorted(self._objects.pop((location, key), set()))
-            self._fence[(location, key)] = max(epoch, self._fence.get((location, key), 0))
-        for gen, ep in victims:
-            self._remove_object(location, key, gen, ep)
+            else:
+                victims = sorted(self._objects.pop((location, key), set()))
+                self._fence[(location, key)] = max(epoch, self._fence.get((location, key), 0))
+        if not fenced:
+            for gen, ep in victims:
+                self._remove_object(location, key, gen, ep)
         with self._lock:
-            self.logs.emit(location, "free_slot", key=key, epoch=epoch, location=location)
+            if not fenced:
+                self.logs.emit(location, "free_slot", key=key, epoch=epoch, location=location)
+            # Acknowledge, as the reference node does (``Freed``): without it the directory keeps
+            # the free owed and sends it again, every retry wait, forever.
+            _, effects = self._handle(wire.Freed(LocationId(location), key, epoch))
+        self._carry_out(effects)
 
     def _remove_object(self, location: str, key: BlockKey, gen: int, epoch: int) -> None:
         """Forced remove (the store's own object lease is not kvcc's): by the location's node, or
@@ -702,7 +710,7 @@ class MooncakeKvccAdapter(MooncakeDeployment):
     def restart_directory(self) -> None:
         """The directory crashes and restarts on its durable log (a new incarnation and clock):
         records and tickets come back, the lease table does not, and for the restart grace it
-        grants nothing that could conflict with a lease it may have issued (DESIGN 12)."""
+        grants nothing that could conflict with a lease it may have issued (protocol property 12)."""
         from kvcc.reference.directory.store import DirectoryStore
 
         with self._lock:

@@ -29,9 +29,9 @@ while its late reply is dropped. A node that exits fails every outstanding reque
 No process is left behind: ``stop()`` SIGKILLs and reaps every node and the master (paused ones
 too), an ``atexit`` hook stops anything still running, nodes ask the kernel to kill them when
 their parent dies, and the master runs under ``setpriv --pdeathsig KILL`` where util-linux has it
-(the parent-death signal fires when the *thread* that started it exits: start deployments from a
-long-lived thread, normally the main one). ``live_pids()`` lists what is still running, for leak
-checks in tests.
+(``kvcc.reference.procs``, which the other harnesses share: the parent-death signal fires when the
+*thread* that started it exits, so start deployments from a long-lived thread, normally the main
+one). ``live_pids()`` lists what is still running, for leak checks in tests.
 
 Environment: every child gets ``MC_TCP_BIND_ADDRESS=127.0.0.1`` (the transfer engine would
 otherwise bind the first non-loopback interface) and the project's no-telemetry variables.
@@ -44,13 +44,9 @@ import importlib.metadata
 import importlib.util
 import itertools
 import os
-import platform
 import shutil
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.error
@@ -60,6 +56,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from kvcc.adapters.mooncake.protocol import READY_ID, FrameError, PipeClosed, encode, read_frame, write_all
+from kvcc.reference import procs
 
 __all__ = [
     "MOONCAKE_DIST",
@@ -81,7 +78,7 @@ MASTER_START_TIMEOUT_S = 30.0  # the master is ready in about 1 s here
 NODE_START_TIMEOUT_S = 60.0  # python start + import of the store + setup (~0.2 s of setup)
 NODE_CALL_TIMEOUT_S = 10.0  # default for one request to a node
 NODE_CLOSE_TIMEOUT_S = 5.0  # a graceful close (unmount) before SIGKILL
-REAP_TIMEOUT_S = 30.0
+REAP_TIMEOUT_S = procs.REAP_TIMEOUT_S
 SEGMENT_BYTES_DEFAULT = 64 << 20  # each node's share of the pool
 LOCAL_BUFFER_BYTES_DEFAULT = 16 << 20  # each node's transfer buffer
 LEASE_TTL_MS_DEFAULT = 5000  # the store's per-object read lease (--default_kv_lease_ttl)
@@ -153,98 +150,29 @@ def check_installed() -> None:
 
 # -- process bookkeeping ---------------------------------------------------------------------------
 
-_PDEATHSIG: list[str] = []
-_setpriv = shutil.which("setpriv")
-if _setpriv and platform.system() == "Linux":
-    try:
-        if subprocess.run([_setpriv, "--pdeathsig", "KILL", "--", "true"], capture_output=True, timeout=10).returncode == 0:
-            _PDEATHSIG = [_setpriv, "--pdeathsig", "KILL", "--"]
-    except (OSError, subprocess.SubprocessError):
-        pass
-
-_LIVE: dict[int, subprocess.Popen] = {}
-_LIVE_LOCK = threading.Lock()
+# Every master and store node this module started and has not reaped yet.
+_LIVE = procs.ProcessSet()
 _MASTERS: "set[MooncakeMaster]" = set()
 _DIR_PREFIX = "kvcc-mooncake-"
 
 
 def live_pids() -> list[int]:
     """PIDs of masters and store nodes started by this process and still running."""
-    with _LIVE_LOCK:
-        return [pid for pid, p in _LIVE.items() if p.poll() is None]
-
-
-def _register(p: subprocess.Popen) -> None:
-    with _LIVE_LOCK:
-        _LIVE[p.pid] = p
+    return _LIVE.live_pids()
 
 
 def _reap(p: subprocess.Popen | None) -> None:
     """SIGKILL (which also ends a SIGSTOPped process) and wait."""
-    if p is None:
-        return
-    try:
-        if p.poll() is None:
-            p.kill()
-        p.wait(timeout=REAP_TIMEOUT_S)
-    except ProcessLookupError:
-        pass
-    finally:
-        with _LIVE_LOCK:
-            if p.poll() is not None:
-                _LIVE.pop(p.pid, None)
+    _LIVE.reap(p, timeout_s=REAP_TIMEOUT_S)
 
 
 def _child_env() -> dict[str, str]:
     env = dict(os.environ)
-    env.update(
-        MC_TCP_BIND_ADDRESS="127.0.0.1",
-        DO_NOT_TRACK="1",
-        VLLM_NO_USAGE_STATS="1",
-        LMCACHE_TRACK_USAGE="false",
-        HF_HUB_OFFLINE="1",
-    )
+    env.update(procs.NO_TELEMETRY_ENV, MC_TCP_BIND_ADDRESS=procs.LOOPBACK_HOST)
     # The worker imports kvcc.adapters.mooncake.worker from the same installation as we do
     # (sys.executable, the project installed into its environment).
     return env
 
-
-def _free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def _sweep_stale_dirs() -> None:
-    """Remove temporary folders left by a harness process that was killed (SIGKILL skips atexit)."""
-    for d in Path(tempfile.gettempdir()).glob(_DIR_PREFIX + "*"):
-        try:
-            owner = int((d / "owner.pid").read_text())
-        except (OSError, ValueError):
-            continue
-        if owner == os.getpid():
-            continue
-        try:
-            os.kill(owner, 0)
-        except ProcessLookupError:
-            shutil.rmtree(d, ignore_errors=True)
-        except OSError:
-            pass
-
-
-def _tail(path: Path, lines: int) -> str:
-    try:
-        data = path.read_bytes()
-    except OSError:
-        return "(no log)"
-    return "\n".join(data.decode("utf-8", "replace").splitlines()[-lines:])
 
 
 # -- store nodes -------------------------------------------------------------------------------------
@@ -290,20 +218,12 @@ class StoreNode:
             f"--buffer-bytes={self.buffer_bytes}",
         ]
         try:
-            proc = subprocess.Popen(
-                args,
-                stdin=subprocess.DEVNULL,
-                stdout=self._log,
-                stderr=subprocess.STDOUT,
-                env=_child_env(),
-                cwd=str(self.master.workdir),
-                pass_fds=(req_r, resp_w),
-                start_new_session=True,
+            proc = _LIVE.register(
+                procs.spawn(args, self._log, env=_child_env(), cwd=self.master.workdir, pass_fds=(req_r, resp_w))
             )
         finally:
             os.close(req_r)
             os.close(resp_w)
-        _register(proc)
         ready: Future = Future()
         with self._lock:
             self.proc = proc
@@ -363,22 +283,18 @@ class StoreNode:
         self.paused = False
 
     def pause(self) -> None:
-        p = self._running()
-        os.kill(p.pid, signal.SIGSTOP)
+        procs.pause(self._running())
         self.paused = True
 
     def resume(self) -> None:
-        p = self.proc
-        if p is not None and p.poll() is None:
-            os.kill(p.pid, signal.SIGCONT)
+        procs.resume(self.proc)
         self.paused = False
 
     def is_running(self) -> bool:
-        p = self.proc
-        return p is not None and p.poll() is None
+        return procs.is_running(self.proc)
 
     def logs(self, lines: int = 40) -> str:
-        return f"--- node {self.name} ({self.log_path.name}) ---\n{_tail(self.log_path, lines)}"
+        return f"--- node {self.name} ({self.log_path.name}) ---\n{procs.log_tail(self.log_path, lines)}"
 
     def _running(self) -> subprocess.Popen:
         p = self.proc
@@ -502,23 +418,21 @@ class MooncakeMaster:
         _MASTERS.add(self)
         try:
             if self._given_dir is None:
-                _sweep_stale_dirs()
-                self.workdir = Path(tempfile.mkdtemp(prefix=_DIR_PREFIX))
-                (self.workdir / "owner.pid").write_text(str(os.getpid()))
+                self.workdir = procs.owned_temp_dir(_DIR_PREFIX)
                 self._own_dir = True
             else:
                 self._given_dir.mkdir(parents=True, exist_ok=True)
                 self.workdir = self._given_dir
             # A port picked free can be taken before the master binds it: retry with new ones.
             for attempt in range(3):
-                self.rpc_port, self.http_port, self.metrics_port = _free_ports(3)
+                self.rpc_port, self.http_port, self.metrics_port = procs.free_ports(3)
                 self._spawn()
                 try:
                     self._wait_ready(self.start_timeout_s)
                     break
                 except MooncakeHarnessError:
                     _reap(self.proc)
-                    if attempt == 2 or "in use" not in _tail(self.log_path, 80).lower():
+                    if attempt == 2 or "in use" not in procs.log_tail(self.log_path, 80).lower():
                         raise
         except BaseException:
             self.stop()
@@ -564,18 +478,10 @@ class MooncakeMaster:
         self._log = open(self.log_path, "ab", buffering=0)
         self._log.write(f"=== start #{self.starts} ===\n".encode())
         self.starts += 1
-        self.proc = subprocess.Popen(
-            _PDEATHSIG + self._args(),
-            stdin=subprocess.DEVNULL,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=_child_env(),
-            cwd=str(self.workdir),
-            start_new_session=True,
-            close_fds=True,
+        self.proc = _LIVE.register(
+            procs.spawn(self._args(), self._log, env=_child_env(), cwd=self.workdir, die_with_parent=True)
         )
         self.paused = False
-        _register(self.proc)
 
     def healthy(self, timeout_s: float = 1.0) -> bool:
         try:
@@ -604,7 +510,7 @@ class MooncakeMaster:
 
     # ---------------------------------------------------------------- master faults
     def is_running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        return procs.is_running(self.proc)
 
     def kill(self) -> None:
         """SIGKILL the master and reap it (nodes keep running and will try to reconnect)."""
@@ -628,13 +534,11 @@ class MooncakeMaster:
         if not self.is_running():
             raise MooncakeHarnessError("mooncake_master is not running")
         assert self.proc is not None
-        os.kill(self.proc.pid, signal.SIGSTOP)
+        procs.pause(self.proc)
         self.paused = True
 
     def resume(self) -> None:
-        if self.is_running():
-            assert self.proc is not None
-            os.kill(self.proc.pid, signal.SIGCONT)
+        procs.resume(self.proc)
         self.paused = False
 
     # ---------------------------------------------------------------- nodes
@@ -670,7 +574,7 @@ class MooncakeMaster:
         return node
 
     def logs(self, lines: int = 40) -> str:
-        parts = [f"--- mooncake_master ({self.log_path.name}) ---\n{_tail(self.log_path, lines)}"]
+        parts = [f"--- mooncake_master ({self.log_path.name}) ---\n{procs.log_tail(self.log_path, lines)}"]
         parts += [n.logs(lines) for n in self.nodes.values()]
         return "\n".join(parts)
 
@@ -685,10 +589,4 @@ def _stop_all() -> None:
             m.stop()
         except Exception:
             pass
-    with _LIVE_LOCK:
-        procs = list(_LIVE.values())
-    for p in procs:
-        try:
-            _reap(p)
-        except Exception:
-            pass
+    _LIVE.reap_all()

@@ -33,14 +33,14 @@ spec's state (``spec/layout.py``):
 - ``next_lease_id`` is ``directory.next_lease_id``. The spec keeps it durable; here lease ids are
   reserved in blocks of ``lease_id_block``: the high-water mark ``lease_id_limit`` is made durable
   (``ReserveLeaseIds``) *before* any id below it is handed out, and a restarted directory starts
-  at the durable mark, so ids are never reused (DESIGN 8), whatever was lost in the crash.
+  at the durable mark, so ids are never reused (protocol property 8), whatever was lost in the crash.
 - ``grace_until_ms`` is ``directory.restart_grace_left``: after ``restarted`` the directory frees
   nothing for ``rules.restart_grace`` (term + 2 epsilon), the longest lease it may have issued
-  plus the skew its own clock may have gathered (DESIGN 12).
+  plus the skew its own clock may have gathered (protocol property 12).
 - Tickets (``Ticket``) are not in the spec: they make an invalidation's completion observable
   (``WaitTicket``). A ticket completes when every key it voided has completed its invalidation.
 
-Deletion reaches everywhere (DESIGN: progress). Every state change that ends a generation --
+Deletion reaches everywhere (docs/protocol.md: progress). Every state change that ends a generation --
 an invalidation completing, a write aborted by one, a write lease expiring -- and every drained
 copy let go puts ``(location, epoch)`` into the record's durable to-free set (``Record.to_free``)
 *in the same* ``Persist``, and sends ``FreeAt``. A free is sent again after
@@ -175,7 +175,7 @@ TICKET_COMPLETED = "completed"
 # the server does not log it (a validator could not replay it).
 PROPOSED_EVENTS = ("mark_location_up",)
 FREE_RETRY_FIRST_MS_DEFAULT = 1_000  # a Free not acknowledged by then is sent again ...
-FREE_RETRY_MAX_MS_DEFAULT = 8_000  # ... with the wait doubling up to this (DESIGN: deletion reaches everywhere)
+FREE_RETRY_MAX_MS_DEFAULT = 8_000  # ... with the wait doubling up to this (docs/protocol.md: deletion reaches everywhere)
 # A node silent this long on an open connection is down (a stopped or hung process: the spec's
 # detector declares only crashed nodes, a paused one comes back). A node whose connection is
 # gone is declared after ``DirectoryConfig.disconnect_detection_ms`` (a lease term) instead.
@@ -273,7 +273,7 @@ class Record:
     under epoch ``e`` drops the key's block there, whatever generation it holds, unless the
     location's fence is above ``e`` -- and every free carries the key's epoch at the time, the
     highest ever issued, so a fence above it means a later grant at that location whose own
-    end is freed in turn (DESIGN: deletion reaches everywhere)."""
+    end is freed in turn (docs/protocol.md: deletion reaches everywhere)."""
 
     key: BlockKey
     namespace: NamespaceDigest
@@ -366,10 +366,21 @@ class Ticket:
 
 @frozen
 class Send:
-    """Send ``msg`` (a ``Revoke``) to ``node``."""
+    """Send ``msg`` (a ``Revoke``) to ``node`` -- only while ``due``: ``until_ms`` is when the
+    revoked lease runs out on the directory's clock. The core decides at the ``now_ms`` it is
+    given, but the runtime stamps that step in its event log later (after the durable commit,
+    and a loaded process may be descheduled in between): a lease live at the decision may have
+    run out by the stamp, and the spec's directory, stepping at the stamp, has no such lease to
+    revoke. Not sent, it is a lost directive, which the spec allows: the lease ends by expiry."""
 
     node: NodeId
     msg: Any
+    until_ms: int | None = None  # None: no deadline
+
+    def due(self, now_ms: int) -> bool:
+        """Whether the directive still means something at ``now_ms``, read after the step that
+        produced it was logged."""
+        return self.until_ms is None or lease_live(now_ms, self.until_ms)
 
 
 @frozen
@@ -447,7 +458,8 @@ Effect = Union[Send, FreeAt, CopyAt, Persist, PersistTicket, ForgetTicket, Reser
 DURABLE_EFFECTS = (Persist, PersistTicket, ForgetTicket, ReserveLeaseIds)
 
 Authorization = Callable[[str, bytes], bool]  # (tenant, namespace digest) -> may use it
-Placement = Callable[[NodeId, BlockKey], LocationId]  # (writer, key) -> where it writes
+# (writer, key) -> where it writes; None: no location the writer may write to is up
+Placement = Callable[[NodeId, BlockKey], Union[LocationId, None]]
 
 
 # -- the core ---------------------------------------------------------------------------------------------
@@ -589,7 +601,7 @@ class DirectoryCore:
 
     def lookup(self, namespace: bytes, keys: Iterable[BlockKey]) -> tuple[LocationId, ...]:
         """The owners of the longest prefix of ``keys`` (a prompt's chain, root first) that is
-        COMMITTED in ``namespace``: each key's parent must be the key before it (DESIGN 10)."""
+        COMMITTED in ``namespace``: each key's parent must be the key before it (protocol property 10)."""
         owners: list[LocationId] = []
         parent: BlockKey | None = None
         for key in keys:
@@ -694,12 +706,12 @@ class DirectoryCore:
         if not self._authorized(tenant, namespace):
             raise Unauthorized(f"tenant {tenant[:80]!r} may not use namespace {bytes(namespace).hex()[:16]}…")
 
-    # read leases (DESIGN: leases)
+    # read leases (docs/protocol.md: leases)
 
     def _acquire(self, msg: Acquire, tenant: str, effects: list[Effect]) -> Any:
         rec = self.records.get(msg.key)
         phase = ABSENT if rec is None else rec.phase
-        # Authorised for the key's own namespace, not merely the one the request names (DESIGN 11).
+        # Authorised for the key's own namespace, not merely the one the request names (protocol property 11).
         authorized = self._authorized(tenant, msg.namespace) and (rec is None or rec.namespace == msg.namespace)
         held = (msg.key, msg.node) in self._lease_of_holder
         # A copy on a node declared down is unreachable (P4): no lease there.
@@ -781,7 +793,7 @@ class DirectoryCore:
 
     def _allocate_lease_id(self, effects: list[Effect]) -> int:
         """A fresh lease id. The high-water mark goes to the durable log first (``ReserveLeaseIds``
-        precedes the reply carrying the id), so no restart can hand it out again (DESIGN 8)."""
+        precedes the reply carrying the id), so no restart can hand it out again (protocol property 8)."""
         if self.next_lease_id >= self.lease_id_limit:
             self.lease_id_limit = self.next_lease_id + self.config.lease_id_block
             effects.append(ReserveLeaseIds(self.lease_id_limit))
@@ -840,9 +852,9 @@ class DirectoryCore:
             self._emit(effects, "refuse_write_lease", rec, key=msg.key, result=reason, writer=msg.node)
             return LeaseRefused(msg.node, msg.key, msg.request, reason)
         location = self._place_write(msg.node, msg.key)
-        if location in self.down_locations:
-            # Placement avoids down nodes where it can (the server's); a fixed pool location
-            # that is down cannot take the bytes.
+        if location is None or location in self.down_locations:
+            # Placement avoids down nodes where it can (the server's), or finds no location the
+            # writer may write to up; a fixed pool location that is down cannot take the bytes.
             self._emit(effects, "refuse_write_lease", rec, key=msg.key, result=REASON_LOCATION_DOWN, writer=msg.node)
             return LeaseRefused(msg.node, msg.key, msg.request, REASON_LOCATION_DOWN)
         if rec is None:
@@ -929,7 +941,7 @@ class DirectoryCore:
             self._send_free(ended, loc, effects, retry=False)
         return ended
 
-    # deletion (DESIGN: deletion reaches everywhere)
+    # deletion (docs/protocol.md: deletion reaches everywhere)
 
     def _schedule_free(self, key: BlockKey, location: LocationId, due_ms: int) -> None:
         self._free_due[(key, location)] = due_ms
@@ -1054,7 +1066,7 @@ class DirectoryCore:
         self._check_effects(effects)
         return effects
 
-    # invalidation (DESIGN: invalidation)
+    # invalidation (docs/protocol.md: invalidation)
 
     def _invalidate(self, msg: Invalidate, tenant: str, effects: list[Effect]) -> Any:
         self._authorize(tenant, msg.namespace)
@@ -1105,7 +1117,8 @@ class DirectoryCore:
                     # under the transfer's epoch, which then refuses it (rules.slot_accepts).
                     self._send_free(rec, moving, effects, retry=False)
                 for entry in self.leases_on(key):
-                    effects.append(Send(entry.node, Revoke(entry.node, key, entry.lease, entry.gen)))
+                    revoke = Revoke(entry.node, key, entry.lease, entry.gen)
+                    effects.append(Send(entry.node, revoke, until_ms=entry.expires_at_ms))
             elif step == INVALIDATE_ABORT_WRITE:
                 # The write in progress below a voided prefix: its commit will find the generation
                 # gone; what bytes of it landed are freed.
@@ -1365,7 +1378,7 @@ class DirectoryCore:
 
     def _check_effects(self, effects: list[Effect]) -> None:
         """What every call's effects must satisfy: lease ids handed out are reserved, and no free
-        leaves while a lease on that copy is live or during restart grace (DESIGN 5, 12)."""
+        leaves while a lease on that copy is live or during restart grace (protocol properties 5, 12)."""
         for e in effects:
             if isinstance(e, FreeAt):
                 assert not self.in_grace, "nothing is freed during restart grace"

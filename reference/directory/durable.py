@@ -133,7 +133,9 @@ class StoreFailed(StoreError):
 @frozen
 class Loaded:
     """What a restart recovers: ``DirectoryCore.restarted(records, next_lease_id, now_ms,
-    tickets, next_ticket)``. ``fresh``: the log was empty (a first start).
+    tickets, next_ticket)``. ``fresh``: a first start -- no earlier incarnation loaded the log (a
+    restart whose predecessor wrote nothing is a restart: it logs ``restart_directory`` and waits
+    its grace).
     ``lease_horizon_ms``: how long, from the load, a lease granted by an earlier incarnation may
     still run (on the store's clock; add the skew), when the store mirrors leases and knows it;
     ``None`` when it does not (assume the full restart grace)."""

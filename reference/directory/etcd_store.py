@@ -139,6 +139,7 @@ __all__ = ["EtcdDirectoryStore", "RecordChange", "RecordWatch", "read_records", 
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
+FIRST_LOAD_INCARNATION = 2  # a first start: the open bumps the incarnation to 1, its load to 2
 DEFAULT_PREFIX = "kvcc"
 OWNER_LEASE_TTL_S = 10  # a crashed owner's key lingers this long (a standby waits for it)
 ETCD_MAX_TXN_OPS = 128  # etcd's --max-txn-ops default: operations in one branch of a transaction
@@ -444,7 +445,10 @@ class EtcdDirectoryStore:
         fresh = not records and not tickets and self._lease_id_limit is None
         next_ticket = max([self._ticket_high_water or FIRST_TICKET, *[t.ticket + 1 for t in tickets]])
         horizon = self._lease_horizon(markers, fresh)
-        return Loaded(tuple(records), self.lease_id_limit, tuple(tickets), next_ticket, self._incarnation, fresh, horizon)
+        # A first start: the open and this load are the log's first two incarnations. A restart
+        # with an empty log is a restart still (spec: restart_directory, its grace).
+        first = fresh and self._incarnation <= FIRST_LOAD_INCARNATION
+        return Loaded(tuple(records), self.lease_id_limit, tuple(tickets), next_ticket, self._incarnation, first, horizon)
 
     def _lease_horizon(self, markers: list[KeyValue], fresh: bool) -> int | None:
         """``Loaded.lease_horizon_ms`` (see "Read leases" in the module docstring)."""

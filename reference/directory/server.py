@@ -14,7 +14,9 @@ docstring requires:
    committed to the store in one transaction *before* the reply or any directive leaves. A store
    that fails raises, the request is answered ``Error("internal")``, and this directory stops
    serving (``fatal``): what the core believes is no longer what the log holds, and a restart
-   from the log is the only safe way on.
+   from the log is the only safe way on. The call's events are logged next, then its
+   directives leave in order -- a ``Revoke`` only if its lease is still live on the clock read
+   after the events were stamped (``Send.due``): the spec steps at the logged time.
 3. Directives go to nodes as **pushes** on the connection the node last said ``Hello`` on
    (``transport.current_connection``): ``Revoke`` to a holder, ``Free`` and ``Copy`` to the node
    serving the location (location ids are ``"<node>/<tier>"``; the shared pool, which every node
@@ -32,7 +34,7 @@ The clock is ``time.monotonic_ns`` in ms from the server's start (injectable): a
 directory starts a new clock, which the core allows (``restarted`` re-bases write leases).
 
 A first start (an empty log) serves at once; a restart (a log with an earlier incarnation)
-calls ``core.restarted`` and so grants nothing conflicting for the restart grace (DESIGN 12).
+calls ``core.restarted`` and so grants nothing conflicting for the restart grace (protocol property 12).
 
 Failure detection (P4, the spec's ``declare_node_down``). A node whose connection is gone -- a
 kill -9 closes it at once, so the loss dates the crash -- is declared down
@@ -59,7 +61,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvcc.spec.keys import BlockKey, LocationId, NodeId
 
@@ -104,6 +106,9 @@ from .core import (
 )
 from .store import Loaded
 
+if TYPE_CHECKING:
+    from ..metrics import DirectoryCounts
+
 log = logging.getLogger("kvcc.directory")
 
 POOL_LOCATION = "pool"  # the shared pool's location id: every node mounts it
@@ -134,16 +139,29 @@ def rendezvous_placement(nodes: Callable[[], dict[NodeId, tuple[LocationId, ...]
     next to a registered node writes to that node's fastest tier), else on the first location of
     the node with the highest hash of (node, key): blocks spread over the nodes, and a key stays
     with its node while membership holds (rendezvous hashing). With no node registered the
-    writer's own id names the location."""
+    writer's own id names the location. ``nodes()``: each node that is up, with its locations
+    (the shared pool among them where it mounts it).
+
+    A co-located writer whose home is not up -- not registered again yet after a directory
+    restart, or declared down -- goes to the shared pool if one is mounted, else nowhere
+    (``None``: the core refuses, ``location_down``). Its bytes on another node's tier would be
+    safe (fencing and leases do not care where a block lives), but the spec's node is holder,
+    writer and tiers in one and writes only to its own tiers or the pool
+    (``ModelConfig.write_targets``): that is the scope the model checker verified and the trace
+    validator holds a run to, so the reference stays inside it."""
     import hashlib
 
-    def place(writer: NodeId, key: BlockKey) -> LocationId:
-        candidates = {n: locs for n, locs in nodes().items() if locs}
-        if not candidates:
-            return LocationId(f"{writer}{LOCATION_SEPARATOR}dram")
-        home = writer.split(HOME_SEPARATOR, 1)[0]
+    def place(writer: NodeId, key: BlockKey) -> LocationId | None:
+        up = nodes()
+        own = {n: tuple(loc for loc in locs if loc != POOL_LOCATION) for n, locs in up.items()}
+        candidates = {n: locs for n, locs in own.items() if locs}
+        home, colocated, _ = writer.partition(HOME_SEPARATOR)
         if home in candidates:  # a client co-located with a node ("n1.engine") writes locally
             return candidates[home][0]
+        if colocated:
+            return POOL_LOCATION if any(POOL_LOCATION in locs for locs in up.values()) else None
+        if not candidates:
+            return LocationId(f"{writer}{LOCATION_SEPARATOR}dram")
         best = max(candidates, key=lambda n: hashlib.blake2b(n.encode() + key.digest, digest_size=8).digest())
         return candidates[best][0]
 
@@ -173,7 +191,9 @@ class _Member:
 
 class DirectoryServer:
     """``DirectoryServer(config, tenants, store, *, host, port, events=None)``; ``await start()``
-    (or ``async with``), then ``port``; ``await close()``. ``fatal`` is set once the store failed."""
+    (or ``async with``), then ``port``; ``await close()``. ``fatal`` is set once the store failed.
+    ``counts`` (a ``metrics.DirectoryCounts``): count grants, refusals and write leases for the
+    metrics endpoint; ``None`` (the default) counts nothing."""
 
     def __init__(
         self,
@@ -187,6 +207,7 @@ class DirectoryServer:
         events_factory: Callable[[int], EventLog] | None = None,
         monotonic_ns: Callable[[], int] = time.monotonic_ns,
         request_timeout_ms: int | None = None,
+        counts: DirectoryCounts | None = None,
     ) -> None:
         self.config = config
         self.tenants = tenants
@@ -216,6 +237,7 @@ class DirectoryServer:
         self.incarnation = 0
         self.restarted = False
         self.stats = {"requests": 0, "pushes": 0, "lost_directives": 0, "commits": 0}
+        self.counts = counts  # what the metrics export (``kvcc.reference.metrics``); None: not counted
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -226,6 +248,16 @@ class DirectoryServer:
     def now_ms(self) -> int:
         return (self._monotonic_ns() - self._start_ns) // 1_000_000
 
+    @property
+    def connection_count(self) -> int:
+        return self._server.connection_count
+
+    def member_counts(self) -> tuple[int, int]:
+        """Registered cache nodes (members with tiers): (up, declared down)."""
+        nodes = [m for m in self._members.values() if m.own_locations]
+        down = sum(m.down for m in nodes)
+        return len(nodes) - down, down
+
     async def start(self) -> DirectoryServer:
         loaded = self.store.load()
         self.incarnation = loaded.incarnation
@@ -235,12 +267,14 @@ class DirectoryServer:
         # and on load, so a first start there is incarnation 2 and the count proves nothing.
         fresh = loaded.fresh
         if not fresh:
-            # DESIGN 12: honour every lease the previous incarnation may have granted.
+            # protocol property 12: honour every lease the previous incarnation may have granted.
             self.restarted = True
             effects = self.core.restarted(
                 loaded.records, loaded.next_lease_id, self.now_ms(), loaded.tickets, loaded.next_ticket
             )
             self._apply(effects)
+            if self.counts is not None:
+                self.counts.seed(self.core.records.values())
         await self._server.start()
         self._timer_task = asyncio.create_task(self._timer())
         self._watch_task = asyncio.create_task(self._watch_members())
@@ -267,8 +301,9 @@ class DirectoryServer:
         await self.close()
 
     def _locations_by_node(self) -> dict[NodeId, tuple[LocationId, ...]]:
-        """Where writes may be placed: the tiers of every node not known to be down."""
-        return {n: m.own_locations for n, m in self._members.items() if not m.down}
+        """Where writes may be placed: the locations of every node not known to be down (its
+        tiers, and the shared pool where it mounts it)."""
+        return {n: m.locations for n, m in self._members.items() if not m.down}
 
     # ------------------------------------------------------------------ requests
 
@@ -296,11 +331,16 @@ class DirectoryServer:
                 nodes = sorted(n for n, m in self._members.items() if m.address)[:MAX_LOOKUP_KEYS]
                 return NodeList(tuple(nodes), tuple(self._members[n].address for n in nodes))
             case Transfer():
-                return self._transfer(tenant, msg)
+                reply = self._transfer(tenant, msg)
+                if self.counts is not None:
+                    self.counts.replied(msg, reply)
+                return reply
             case Free():
                 raise PeerViolation("Free is a directive, not a request", code="unexpected_message")
         reply, effects = self.core.handle(msg, self.now_ms(), tenant)
         self._apply(effects)
+        if self.counts is not None:
+            self.counts.replied(msg, reply)
         if reply is None:
             assert type(msg) in (RevokeAcked, Copied, Freed)
             return Noted({RevokeAcked: "revoke_acked", Copied: "copied", Freed: "freed"}[type(msg)])
@@ -411,17 +451,26 @@ class DirectoryServer:
                 log.critical("the durable log failed; this directory stops serving: %r", e)
                 raise
             self.stats["commits"] += 1
+        # The steps are logged first, then their directives leave: a step's event is stamped
+        # before anything it sends, and the clock is read again after the stamps -- a Revoke
+        # whose lease ran out by then is not sent (``Send.due``): the step, as logged, came too
+        # late for that lease in the spec.
+        for e in effects:
+            if type(e) is Emit:
+                # A retry to a location no connected node serves is not sent (its FreeAt, with
+                # the directives, is lost): no step to log -- the spec retries only to a location
+                # that is up. The core tries again later, and at once when the node is back.
+                unsent = e.event == "retry_free" and self._serving_node(e.fields["location"]) is None
+                if self.events is not None and e.is_spec_action and not unsent:
+                    self.events.emit(e.event, **dict(e.fields))
+        sent_ms = self.now_ms()
         for e in effects:
             match e:
-                case Emit():
-                    # A retry to a location no connected node serves is not sent (its FreeAt,
-                    # next, is lost): no step to log -- the spec retries only to a location that
-                    # is up. The core tries again later, and at once when the node is back.
-                    unsent = e.event == "retry_free" and self._serving_node(e.fields["location"]) is None
-                    if self.events is not None and e.is_spec_action and not unsent:
-                        self.events.emit(e.event, **dict(e.fields))
                 case Send():
-                    self._push(e.node, e.msg)
+                    if e.due(sent_ms):
+                        self._push(e.node, e.msg)
+                    else:
+                        self.stats["lost_directives"] += 1
                 case FreeAt():
                     self._push_to_location(e.location, Free(e.location, e.key, e.epoch))
                 case CopyAt():
@@ -430,6 +479,8 @@ class DirectoryServer:
                     ev = self._ticket_events.pop(e.ticket.ticket, None)
                     if ev is not None:
                         ev.set()
+        if self.counts is not None:
+            self.counts.applied(effects)
         deadline = self.core.next_deadline_ms()
         if deadline is not None and (self._timer_deadline_ms is None or deadline < self._timer_deadline_ms):
             self._wake.set()  # the next deadline moved earlier than the timer sleeps

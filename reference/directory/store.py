@@ -140,7 +140,10 @@ class DirectoryStore:
         tickets = tuple(self._ticket(row) for row in self._db.execute(
             f"SELECT {', '.join(_TICKET_COLUMNS)} FROM tickets ORDER BY ticket"
         ))  # fmt: skip
-        fresh = not records and not tickets and self._meta("lease_id_limit") is None
+        # A first start: no incarnation ever loaded this log. A restart with an empty log is a
+        # restart still (spec: restart_directory, its grace): the previous incarnation may have
+        # been killed before it wrote anything, and the trace of a deployment shows it restarting.
+        fresh = self.incarnation == 0 and not records and not tickets and self._meta("lease_id_limit") is None
         incarnation = self.incarnation + 1
         with self._transaction():
             self._set_meta("incarnation", incarnation)

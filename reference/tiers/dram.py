@@ -36,6 +36,7 @@ from .base import (
     SlotTier,
     _Entry,
     block_checksum,
+    check_key,
     copy_checksum,
     copy_into,
     decode_header,
@@ -121,6 +122,28 @@ class DramTier(SlotTier):
 
     def _erase(self, entry: _Entry, fence: int) -> None:
         self._header_at(entry.slot)[:] = bytes(HEADER_BYTES)
+
+    def damage(self, key: bytes, region: str, offset: int) -> bool:
+        """Fault injection for tests (the conformance kit's ``corrupt``): invert one byte of the
+        block of ``key`` in the arena -- of its payload (``region="payload"``) or of its header
+        (``"header"``), at ``offset`` modulo that region's length -- as a failing memory would,
+        without touching the index. Returns False when no block of ``key`` is here."""
+        if region not in ("payload", "header"):
+            raise ValueError(f"region is payload or header, got {region!r}")
+        if offset < 0:
+            raise ValueError(f"offset must be >= 0, got {offset}")
+        with self._mu:
+            self._check_open()
+            entry = self._by_key.get(check_key(key))
+            if entry is None:
+                return False
+            if region == "header" or entry.length == 0:
+                view, at = self._header_at(entry.slot), offset % HEADER_BYTES
+            else:
+                assert self._host is not None
+                view, at = self._host, entry.slot * self.block_bytes + offset % entry.length
+            view[at] ^= 0xFF
+            return True
 
     def close(self) -> None:
         super().close()

@@ -5,13 +5,14 @@ Theory of operation
 Layout, one directory per key (so that a key's generations are found without listing the pool)::
 
     <root>/<hex>/<hex>-<gen>     a block: header page + payload padded to a page (as on NVMe)
-    <root>/<hex>/<hex>.fence     the key's fence: magic, epoch, CRC-32; replaced by write-temp-rename
+    <root>/<hex>/<hex>.fence     the key's fence and freed mark: magic, epoch, freed epoch, CRC-32;
+                                 replaced by write-temp-rename
     <root>/<hex>/<hex>.lock      fcntl.flock target serialising writers and freers of the key
     <root>/<hex>/.tmp-...        a block or fence being written (invisible to readers)
 
 **Write**: the block goes to a temp file (flocked by its writer while it exists), fsynced; then,
-under the key's flock: read the fence, refuse a lower epoch (the temp file is removed: no state
-changed), raise the fence file first if the epoch is higher (its own temp file, fsynced and
+under the key's flock: read the fence, refuse a lower epoch, or one at or below the key's freed
+mark (``rules.slot_accepts``; the temp file is removed: no state changed), raise the fence file first if the epoch is higher (its own temp file, fsynced and
 renamed: other processes see the raised fence before the block), ``rename`` the temp file over
 ``<hex>-<gen>`` (the atomic publish), remove the key's other generations, and fsync the
 directory once for both renames. A crash may persist the block's rename and not the fence's; the
@@ -24,8 +25,14 @@ fencing holds across processes.
 block checksum are verified in a staging buffer before ``out`` is touched; a file shorter than its header
 says is ``Miss(truncated)``.
 
-**Free** (under the flock, fence checked) removes every generation, oldest first, then fsyncs the
-directory. The fence file stays.
+**Free** (under the flock) is taken by ``rules.free_takes``: the key's published block decides by
+its own epoch, an empty key by its fence. It first makes the freed mark durable in the fence file
+(the highest epoch freed: bytes under it that land late, from a paused writer or a slow copy, are
+refused as fenced, or a deletion would not stay done), then removes every generation, oldest
+first, and fsyncs the directory. The fence file stays. A crash between the two leaves the blocks
+and the mark; the free was not answered, and its retry removes them. Unlike the SlotTiers' mark,
+which is volatile, this one survives restarts with the fence (a fence file of the earlier format,
+without a mark, reads as none).
 
 **Recovery** (on open, and ``recover()``): per key, under its flock, removes temp files whose
 writer is gone (their flock is free), removes block files that fail verification, keeps the
@@ -94,6 +101,8 @@ from .base import (
     round_up,
     source_bytes,
 )
+from kvcc.spec.rules import fence_accepts, free_takes, slot_accepts
+
 from .nvme import AlignedBuffers, fsync_dir, pread_upto, pwrite_all, resolve_direct_io, write_file_atomic
 
 DEFAULT_THREADS = 4
@@ -102,9 +111,16 @@ TEMP_PREFIX = ".tmp-"
 FENCE_SUFFIX = ".fence"
 LOCK_SUFFIX = ".lock"
 FENCE_MAGIC = b"KVCF"
-_FENCE = struct.Struct("<4sQ")  # then CRC-32
+_FENCE_V1 = struct.Struct("<4sQ")  # magic, fence; then CRC-32 (no freed mark)
+_FENCE = struct.Struct("<4sQQ")  # magic, fence, freed mark + 1 (0: none); then CRC-32
 _ZERO_PAGE = bytes(PAGE_BYTES)
 _HEX_DIGITS = frozenset("0123456789abcdef")
+
+
+def _accepts(epoch: int, fence: int, freed: int | None) -> bool:
+    """Whether a write under ``epoch`` may land: at least the fence, and above the freed mark if
+    there is one (``rules.slot_accepts``)."""
+    return fence_accepts(epoch, fence) if freed is None else slot_accepts(epoch, fence, freed)
 
 
 def _is_key_dir(name: str) -> bool:
@@ -182,14 +198,19 @@ class SharedPoolTier(Tier):
     # -- fences -------------------------------------------------------------------------------
 
     def _read_fence(self, key: bytes) -> int:
+        return self._read_marks(key)[0]
+
+    def _read_marks(self, key: bytes) -> tuple[int, int | None]:
+        """(fence, the highest epoch freed or None) from the key's fence file; (0, None) without one."""
         try:
             raw = self._fence_path(key).read_bytes()
         except FileNotFoundError:
-            return 0
-        if len(raw) == _FENCE.size + 4:
-            magic, epoch = _FENCE.unpack(raw[:_FENCE.size])
-            if magic == FENCE_MAGIC and zlib.crc32(raw[:_FENCE.size]) == int.from_bytes(raw[_FENCE.size:], "little"):
-                return epoch
+            return 0, None
+        for form in (_FENCE, _FENCE_V1):
+            if len(raw) == form.size + 4 and zlib.crc32(raw[:form.size]) == int.from_bytes(raw[form.size:], "little"):
+                magic, epoch, *freed = form.unpack(raw[:form.size])
+                if magic == FENCE_MAGIC:
+                    return epoch, (freed[0] - 1 if freed and freed[0] else None)
         event(logging.ERROR, "fence_corrupt", self.name, key, path=str(self._fence_path(key)))
         raise CorruptFence(f"{self._fence_path(key)} cannot be read back; restore_fences it from the directory")
 
@@ -200,8 +221,8 @@ class SharedPoolTier(Tier):
         fence = self._read_fence(key)
         return max([fence] + [h.epoch for h in self._headers_of(key) if h.key == key])
 
-    def _write_fence(self, key: bytes, epoch: int, *, sync_dir: bool = True) -> None:
-        body = _FENCE.pack(FENCE_MAGIC, epoch)
+    def _write_fence(self, key: bytes, epoch: int, freed: int | None = None, *, sync_dir: bool = True) -> None:
+        body = _FENCE.pack(FENCE_MAGIC, epoch, 0 if freed is None else freed + 1)
         write_file_atomic(self._fence_path(key), body + zlib.crc32(body).to_bytes(4, "little"), sync_dir=sync_dir)
 
     # -- usage --------------------------------------------------------------------------------
@@ -231,10 +252,10 @@ class SharedPoolTier(Tier):
         with self._mu:
             self._check_open()
         try:
-            fence = self._read_fence(key)  # an early refusal; the check that counts is under the lock
+            fence, freed = self._read_marks(key)  # an early refusal; the check that counts is under the lock
         except CorruptFence:
-            fence = 0
-        if epoch < fence:
+            fence, freed = 0, None
+        if not _accepts(epoch, fence, freed):
             return Fenced(fence)
         size = PAGE_BYTES + round_up(n)
         if self.used_bytes + size > self._capacity:
@@ -256,13 +277,16 @@ class SharedPoolTier(Tier):
             os.fdatasync(fd)  # the data and the file size; the name is the directory's fsync
             with self._locked(key):
                 fence = self._locked_fence(key)
-                if epoch < fence:
+                freed = self._read_marks(key)[1]
+                if not _accepts(epoch, fence, freed):
+                    # A stale writer; or bytes of a generation already freed here, landing late.
                     return Fenced(fence)  # the finally removes the temp file: nothing changed
                 if epoch > fence:
                     # Renamed before the block, made durable by the same directory fsync below: a
                     # crash that keeps the block but not the fence is repaired by recovery (which
-                    # raises a fence behind its block), so one directory flush covers both.
-                    self._write_fence(key, epoch, sync_dir=False)
+                    # raises a fence behind its block), so one directory flush covers both. The
+                    # mark stays: below the new fence, it refuses nothing the fence does not.
+                    self._write_fence(key, epoch, freed, sync_dir=False)
                 final = self._block_path(key, gen)
                 old = [(g, p) for g, p in self._generations(key) if g != gen]
                 replaced = final.stat().st_size if final.exists() else 0
@@ -356,18 +380,23 @@ class SharedPoolTier(Tier):
         key, epoch = check_key(key), check_epoch(epoch)
         with self._mu:
             self._check_open()
-        if not self._dir(key).exists():
-            return Absent()  # never written here: its fence is 0, so no epoch is refused
         removed = 0
-        with self._locked(key) as d:
+        with self._locked(key) as d:  # a key never written here gets its directory: the mark lives there
             fence = self._locked_fence(key)
-            if epoch < fence:
-                return Fenced(fence)
             gens = self._generations(key)
+            # The block's own epoch decides, not only the fence (rules.free_takes): a fence raised
+            # without new bytes (restored on rejoin) must not make an ended generation's bytes
+            # undeletable; bytes of a newer epoch are never dropped.
+            block_epoch = max((h.epoch for h in self._headers_of(key) if h.key == key), default=0)
+            if not free_takes(epoch, fence, bool(gens), block_epoch):
+                return Fenced(fence)
+            kept, freed = self._read_marks(key)
+            if kept < fence or freed is None or freed < epoch:
+                # Durable before any block goes: the blocks carried the fence (keep it when they
+                # go), and late bytes under this epoch are refused from now on.
+                self._write_fence(key, fence, epoch if freed is None else max(freed, epoch))
             if not gens:
                 return Absent()
-            if self._read_fence(key) < fence:
-                self._write_fence(key, fence)  # the blocks carried the fence: keep it when they go
             for _, p in gens:  # oldest first: a crash part-way leaves the newest, which was current
                 removed += p.stat().st_size
                 p.unlink()
@@ -387,13 +416,14 @@ class SharedPoolTier(Tier):
             key, epoch = check_key(key), check_epoch(epoch)
             with self._locked(key):
                 try:
-                    current = self._read_fence(key)
+                    current, freed = self._read_marks(key)
                 except CorruptFence:
+                    # The mark went with the file, as a SlotTier's goes with a restart.
                     current = max((h.epoch for h in self._headers_of(key)), default=0)
                     self._write_fence(key, max(current, epoch))
                     continue
                 if epoch > current:
-                    self._write_fence(key, epoch)
+                    self._write_fence(key, epoch, freed)
 
     def _header_of(self, path: Path) -> Header | None:
         try:
@@ -527,15 +557,16 @@ class SharedPoolTier(Tier):
                 if damaged and not good:
                     lost.append(key)
                 try:
-                    fence = self._read_fence(key)
+                    fence, freed = self._read_marks(key)
                 except CorruptFence:
                     fences_corrupt.append(key)
-                    fence = None
+                    fence, freed = None, None
                 if good:
                     counts["kept"] += 1
                     top_epoch = good[-1][0][0]
                     if fence is not None and fence < top_epoch:
-                        self._write_fence(key, top_epoch)  # the fence is raised before a rename; repair if not
+                        # The fence is raised before a rename; repair if not.
+                        self._write_fence(key, top_epoch, freed)
                 elif fence and not damaged:
                     counts["tombstones"] += 1  # a freed key: only its fence is left
                 if changed:

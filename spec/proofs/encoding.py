@@ -55,7 +55,7 @@ Abstractions (each an over-approximation, so a proof here covers ``model.py``):
   reaches the model's successor, through states the invariant also covers (``refinement`` checks
   that it does, step by step). The other prefix guards are the model's: a write is granted only
   under a COMMITTED parent (``may_begin_write``), a copy is evicted only when every child is ABSENT
-  (``may_evict``). With them ``PrefixClosed`` (DESIGN 10) is proved like any other property.
+  (``may_evict``). With them ``PrefixClosed`` (protocol property 10) is proved like any other property.
 - ``tick`` is enabled even when a directory timer is due (the model's urgency rule only serves
   bounded response).
 - ``restart_node(n)`` is the model's restart without its invalidation part (see above).
@@ -207,13 +207,13 @@ def children_not_live(s: "State", k: z3.ExprRef) -> z3.BoolRef:
 
 
 def children_absent(s: "State", k: z3.ExprRef) -> z3.BoolRef:
-    """Every child of ``k`` is ABSENT (``may_evict``: leaves before their ancestors, DESIGN 10)."""
+    """Every child of ``k`` is ABSENT (``may_evict``: leaves before their ancestors, protocol property 10)."""
     c = z3.Const("ch_c", Key)
     return z3.ForAll([c], z3.Implies(z3.And(has_parent(c), parent(c) == k), s.phase[c] == ABSENT))
 
 
 def parent_committed(s: "State", k: z3.ExprRef) -> z3.BoolRef:
-    """A root, or a key whose parent is COMMITTED (``may_begin_write``, DESIGN 10)."""
+    """A root, or a key whose parent is COMMITTED (``may_begin_write``, protocol property 10)."""
     return z3.Implies(has_parent(k), s.phase[parent(k)] == COMMITTED)
 
 

@@ -9,10 +9,10 @@ Each BUNDLE is a report bundle of ``kvcc conform ... --no-validate`` (its ``trac
 case; then each mutation below that applies to it makes a case of its own:
 
 - ``read_after_ack``: a holder reads under a lease right after it acknowledged its revocation
-  (DESIGN 7);
-- ``lease_id_reused``: the directory grants a read lease under an id it granted before (DESIGN 8);
+  (protocol property 7);
+- ``lease_id_reused``: the directory grants a read lease under an id it granted before (protocol property 8);
 - ``commit_after_fencing``: the directory commits a write whose bytes were fenced (or one it
-  rejected as stale) (DESIGN 2);
+  rejected as stale) (protocol property 2);
 - ``time_warp``: one holder's events from a read on happen a lease term and three epsilons later
   than logged, beyond the clock bound (its read outlives its lease).
 

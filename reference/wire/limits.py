@@ -1,0 +1,31 @@
+"""The wire's limits: every size and count a frame, a message or a session may reach, named once.
+
+Relations between them are asserted here, at import: a frame without block data always fits the
+control limit, and a frame with a whole block always fits the data limit.
+"""
+
+from __future__ import annotations
+
+from kvcc.spec.keys import DIGEST_BYTES
+
+FRAME_HEADER_BYTES = 4
+MAX_BLOCK_BYTES = 64 << 20  # block data carried by WriteBytes / BytesRead
+MAX_CONTROL_FRAME_BYTES = 4 << 20  # any frame without block data fits (see the asserts below)
+MAX_FRAME_BYTES = MAX_BLOCK_BYTES + MAX_CONTROL_FRAME_BYTES  # data connections
+MAX_WIRE_INT = 2**63 - 1  # every int field: 0 .. 2**63-1, a signed 64-bit int in any language
+MAX_ID_BYTES = 128  # node and location ids (UTF-8)
+MAX_TENANT_BYTES = 128
+MAX_CODE_BYTES = 64  # error codes, refusal reasons, scopes: [a-z][a-z0-9_]*
+MAX_TEXT_BYTES = 4096  # Error.text (UTF-8)
+MAX_LOOKUP_KEYS = 16384  # keys in one Lookup, locations in one PrefixFound
+MAX_MESSAGE_FIELDS = 16  # entries of one message map, kind included
+MAX_WAIT_TICKET_MS = 30_000  # longest WaitTicket.timeout_ms; servers' request timeouts exceed it
+HEARTBEAT_INTERVAL_MS = 250  # a node pings the directory this often: silence means it is down
+MIN_TOKEN_BYTES = 16  # a tenant token shorter than 128 bits is refused at configuration
+MAC_BYTES = 32  # HMAC-SHA256
+
+_ENVELOPE_OVERHEAD_BYTES = 64 + MAX_TENANT_BYTES + MAC_BYTES  # map, field names, ints, heads
+assert MAX_FRAME_BYTES < 2**32, "the length header is 4 bytes"
+assert MAX_LOOKUP_KEYS * (DIGEST_BYTES + 3) + 1024 + _ENVELOPE_OVERHEAD_BYTES <= MAX_CONTROL_FRAME_BYTES
+assert MAX_LOOKUP_KEYS * (MAX_ID_BYTES + 3) + 1024 + _ENVELOPE_OVERHEAD_BYTES <= MAX_CONTROL_FRAME_BYTES
+assert MAX_BLOCK_BYTES + 4096 + _ENVELOPE_OVERHEAD_BYTES <= MAX_FRAME_BYTES

@@ -1,0 +1,502 @@
+"""The wire's messages: one frozen class per protocol noun, and the codes their fields carry.
+
+Kind names are the spec's message names (``spec/layout.py``: ``Acquire`` ... ``Copied``) plus the
+replies and client-facing requests the spec abstracts away. Every field's annotation names its wire
+type (``codec``), checked at import. No behaviour here beyond ``kind_of``: encoding and checking
+are the codec's.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, NewType, Union
+
+from attrs import frozen
+
+from kvcc.spec.keys import BlockKey, Epoch, Generation, LeaseId, LocationId, NamespaceDigest, NodeId
+
+from ..errors import ProtocolViolation
+from .limits import MAX_CODE_BYTES
+
+# -- vocabulary of codes ------------------------------------------------------------------------------
+
+Code = NewType("Code", str)  # a stable machine-readable word: [a-z][a-z0-9_]*, at most 64 bytes
+CODE_RE = re.compile(rf"[a-z][a-z0-9_]{{0,{MAX_CODE_BYTES - 1}}}")
+
+# Refusal reasons (LeaseRefused, CommitRejected, EvictRefused, ReadRefused, CopyFailed). Servers
+# may use others that fit ``Code``; these are the ones the spec's refusals name.
+REASON_NOT_COMMITTED = "not_committed"  # no committed generation to lease (ABSENT or WRITING)
+REASON_INVALIDATING = "invalidating"  # no new leases while an invalidation runs
+REASON_NOT_ABSENT = "not_absent"  # begin_write on a key that has a generation
+REASON_PARENT_NOT_COMMITTED = "parent_not_committed"  # prefix chains are written root first
+REASON_UNAUTHORIZED = "unauthorized"  # namespace not allowed for this tenant
+REASON_UNKNOWN_LEASE = "unknown_lease"  # expired, revoked, released or never granted
+REASON_STALE_EPOCH = "stale_epoch"  # a commit under an epoch that is no longer the key's
+REASON_LEASE_EXPIRED = "lease_expired"
+REASON_LEASED = "leased"  # eviction refused: a live read lease on that location
+REASON_HAS_CHILDREN = "has_children"  # eviction refused: leaves before their ancestors
+REASON_RESTARTING = "restarting"  # a restarted directory's grace period
+REASON_NOT_FOUND = "not_found"
+REASON_WRONG_GENERATION = "wrong_generation"
+
+# Invalidate.scope
+SCOPE_KEY = "key"  # one key's generation -- and, by the cascade rule, its descendants
+SCOPE_PREFIX = "prefix"  # the subtree under the last key of a prefix chain
+SCOPE_NAMESPACE = "namespace"  # every key of one namespace
+SCOPES = (SCOPE_KEY, SCOPE_PREFIX, SCOPE_NAMESPACE)
+
+# Error.code values sent by the transport itself (PeerViolation codes are also used verbatim).
+ERROR_BUSY = "busy"  # too many connections
+ERROR_IDLE = "idle"  # closed after the idle timeout
+ERROR_TIMEOUT = "timeout"  # the handler did not answer within the request timeout
+ERROR_INTERNAL = "internal"  # the handler failed: a bug on the server's side
+ERROR_SHUTDOWN = "shutdown"  # the server is closing
+
+# -- messages ----------------------------------------------------------------------------------------
+#
+# Field order and names follow spec/layout.py's message tuples where the spec has the message.
+# ``node`` is the node a request comes from, or the node a reply or directive is addressed to;
+# ``location`` names one tier of one node (or the shared pool). Lease terms travel as durations:
+# clocks differ, so a holder counts ``term_ms`` from when it *sent* its request and stops trusting
+# at ``term_ms - epsilon`` on its own clock (docs/protocol.md: leases); the directory keeps the lease live
+# for ``term_ms + epsilon`` on its clock from the grant.
+
+
+# Read leases: node <-> directory (M_ACQUIRE, M_RENEW, M_GRANT_READ, M_RENEWED, M_RELEASE).
+@frozen
+class Acquire:
+    """Ask for a read lease on ``key``; ``request`` is a fresh number the answer echoes."""
+
+    node: NodeId
+    key: BlockKey
+    namespace: NamespaceDigest
+    request: int
+
+
+@frozen
+class Renew:
+    node: NodeId
+    key: BlockKey
+    lease: LeaseId
+    location: LocationId
+    request: int
+
+
+@frozen
+class ReadLeaseGranted:
+    node: NodeId
+    key: BlockKey
+    lease: LeaseId
+    location: LocationId
+    gen: Generation
+    epoch: Epoch
+    term_ms: int
+    request: int
+
+
+@frozen
+class LeaseRenewed:
+    node: NodeId
+    key: BlockKey
+    lease: LeaseId
+    term_ms: int
+    request: int
+
+
+@frozen
+class LeaseRefused:
+    """Answer to Acquire, Renew or BeginWrite: no lease, and why (``REASON_*``)."""
+
+    node: NodeId
+    key: BlockKey
+    request: int
+    reason: Code
+
+
+@frozen
+class Release:
+    node: NodeId
+    key: BlockKey
+    lease: LeaseId
+
+
+@frozen
+class LeaseReleased:
+    node: NodeId
+    key: BlockKey
+    lease: LeaseId
+
+
+# Writes (M_BEGIN_WRITE, M_GRANT_WRITE, M_WRITE_BYTES, M_COMMIT).
+@frozen
+class BeginWrite:
+    """Ask for the write lease of ``key`` (ABSENT, its ``parent`` COMMITTED, or None at the root)."""
+
+    node: NodeId
+    key: BlockKey
+    namespace: NamespaceDigest
+    parent: BlockKey | None
+    request: int
+
+
+@frozen
+class WriteLeaseGranted:
+    node: NodeId
+    key: BlockKey
+    lease: LeaseId
+    location: LocationId
+    gen: Generation
+    epoch: Epoch
+    term_ms: int
+    request: int
+
+
+@frozen
+class WriteBytes:
+    """Writer -> location: the block's bytes, tagged with the epoch the location fences on."""
+
+    node: NodeId
+    key: BlockKey
+    lease: LeaseId
+    location: LocationId
+    gen: Generation
+    epoch: Epoch
+    data: bytes
+
+
+@frozen
+class BytesStored:
+    location: LocationId
+    key: BlockKey
+    gen: Generation
+    epoch: Epoch
+
+
+@frozen
+class Commit:
+    node: NodeId
+    key: BlockKey
+    lease: LeaseId
+    gen: Generation
+    epoch: Epoch
+
+
+@frozen
+class Committed:
+    node: NodeId
+    key: BlockKey
+    lease: LeaseId
+    gen: Generation
+    epoch: Epoch
+
+
+@frozen
+class CommitRejected:
+    node: NodeId
+    key: BlockKey
+    lease: LeaseId
+    reason: Code
+
+
+# Revocation (M_REVOKE, M_ACK).
+@frozen
+class Revoke:
+    """Directory -> holder: drop your copy and trust in ``lease``, then acknowledge."""
+
+    node: NodeId
+    key: BlockKey
+    lease: LeaseId
+    gen: Generation
+
+
+@frozen
+class RevokeAcked:
+    node: NodeId
+    key: BlockKey
+    lease: LeaseId
+
+
+# The data plane at a location (M_FREE, M_COPY, M_COPIED) and remote reads.
+@frozen
+class Free:
+    """Directory -> location: drop the key's block unless the location's fence is above
+    ``epoch``; then acknowledge with ``Freed``. Sent again until acknowledged."""
+
+    location: LocationId
+    key: BlockKey
+    epoch: Epoch
+
+
+@frozen
+class Freed:
+    """Location -> directory (one-way, answered ``Noted``): the ``Free`` under ``epoch`` was
+    carried out -- the block is gone, was not there, or the fence showed a later epoch there
+    (whose bytes are not this free's to drop)."""
+
+    location: LocationId
+    key: BlockKey
+    epoch: Epoch
+
+
+@frozen
+class Copy:
+    """Directory -> destination location: copy generation ``gen`` from ``source``, under ``epoch``."""
+
+    location: LocationId
+    key: BlockKey
+    source: LocationId
+    gen: Generation
+    epoch: Epoch
+
+
+@frozen
+class Copied:
+    location: LocationId
+    key: BlockKey
+    epoch: Epoch
+
+
+@frozen
+class CopyFailed:
+    location: LocationId
+    key: BlockKey
+    reason: Code
+
+
+@frozen
+class Fenced:
+    """A location refused WriteBytes, Free or Copy: ``epoch`` is below its ``fence``."""
+
+    location: LocationId
+    key: BlockKey
+    epoch: Epoch
+    fence: Epoch
+
+
+@frozen
+class ReadBytes:
+    """Holder -> location: the bytes of ``gen``, under read lease ``lease``."""
+
+    node: NodeId
+    key: BlockKey
+    lease: LeaseId
+    location: LocationId
+    gen: Generation
+
+
+@frozen
+class BytesRead:
+    location: LocationId
+    key: BlockKey
+    gen: Generation
+    epoch: Epoch
+    data: bytes
+
+
+@frozen
+class ReadRefused:
+    node: NodeId
+    key: BlockKey
+    location: LocationId
+    reason: Code
+
+
+# Client-facing: lookup, invalidation, eviction.
+@frozen
+class Lookup:
+    """Longest cached prefix: ``keys`` are a prompt's chain keys, root first."""
+
+    namespace: NamespaceDigest
+    keys: tuple[BlockKey, ...]
+
+
+@frozen
+class PrefixFound:
+    """The first ``blocks_matched`` keys are COMMITTED; ``locations[i]`` owns key ``i``."""
+
+    namespace: NamespaceDigest
+    blocks_matched: int
+    locations: tuple[LocationId, ...]
+
+
+@frozen
+class Invalidate:
+    """Void a generation: ``scope`` is ``"key"`` or ``"prefix"`` (with ``key``) or
+    ``"namespace"`` (``key`` None). Answered at once by InvalidationStarted."""
+
+    namespace: NamespaceDigest
+    scope: Code
+    key: BlockKey | None
+
+
+@frozen
+class InvalidationStarted:
+    """``keys``: how many keys the invalidation voided (0: nothing was cached under the scope)."""
+
+    ticket: int
+    keys: int
+
+
+@frozen
+class WaitTicket:
+    """Wait up to ``timeout_ms`` (at most ``MAX_WAIT_TICKET_MS``) for an invalidation."""
+
+    ticket: int
+    timeout_ms: int
+
+
+@frozen
+class InvalidationCompleted:
+    ticket: int
+
+
+@frozen
+class InvalidationPending:
+    ticket: int
+
+
+@frozen
+class Evict:
+    """Node -> directory: may I drop my copy of ``key`` at ``location``?"""
+
+    node: NodeId
+    key: BlockKey
+    location: LocationId
+
+
+@frozen
+class Evicted:
+    node: NodeId
+    key: BlockKey
+    location: LocationId
+
+
+@frozen
+class EvictRefused:
+    node: NodeId
+    key: BlockKey
+    location: LocationId
+    reason: Code
+
+
+# Membership and tiering: node/client <-> directory.
+@frozen
+class Hello:
+    """Node or client -> directory, first on every connection: who is on this connection (the
+    directory pushes the directives for ``node`` -- ``Revoke``, ``Free``, ``Copy`` -- on it), its
+    ``incarnation`` (higher after every restart), where its data server listens (``address``
+    "host:port", "" for a client without one), the ``locations`` it serves and those of them that
+    came back empty after a restart (``lost``)."""
+
+    node: NodeId
+    incarnation: int
+    address: str
+    locations: tuple[LocationId, ...]
+    lost: tuple[LocationId, ...]
+
+
+@frozen
+class Welcome:
+    """Directory -> a node that said Hello. After a restart (a new ``incarnation``) it carries the
+    fences the node must restore: for every key owned at (or moving to) one of its locations, the
+    key's epoch, which bounds every epoch ever issued for it (``rules.restored_fence``)."""
+
+    node: NodeId
+    incarnation: int
+    fence_keys: tuple[BlockKey, ...]
+    fence_epochs: tuple[int, ...]
+
+
+@frozen
+class ListNodes:
+    nonce: int
+
+
+@frozen
+class NodeList:
+    """The nodes that said Hello with a data address, and those addresses ("host:port")."""
+
+    nodes: tuple[NodeId, ...]
+    addresses: tuple[NodeId, ...]
+
+
+@frozen
+class Transfer:
+    """Node -> directory: move the owner copy of ``key`` to ``destination`` (promotion or
+    demotion between tiers: an ownership transfer under ``epoch + 1``)."""
+
+    node: NodeId
+    key: BlockKey
+    destination: LocationId
+
+
+@frozen
+class TransferStarted:
+    key: BlockKey
+    destination: LocationId
+    epoch: Epoch
+
+
+@frozen
+class TransferRefused:
+    key: BlockKey
+    destination: LocationId
+    reason: Code
+
+
+@frozen
+class Noted:
+    """The directory took a one-way message (``RevokeAcked``, ``Copied``, ``Freed``): the
+    transport answers every request, and this answer says only that it arrived."""
+
+    what: Code
+
+
+# Generic.
+@frozen
+class Error:
+    """Something failed. As a reply (``re`` > 0) it answers one request; with ``re == 0`` it is
+    final: the sender closes the connection after it."""
+
+    code: Code
+    text: str
+
+
+@frozen
+class Ping:
+    nonce: int
+
+
+@frozen
+class Pong:
+    nonce: int
+
+
+_ALL = (
+    Acquire, Renew, ReadLeaseGranted, LeaseRenewed, LeaseRefused, Release, LeaseReleased,
+    BeginWrite, WriteLeaseGranted, WriteBytes, BytesStored, Commit, Committed, CommitRejected,
+    Revoke, RevokeAcked,
+    Free, Freed, Copy, Copied, CopyFailed, Fenced, ReadBytes, BytesRead, ReadRefused,
+    Lookup, PrefixFound, Invalidate, InvalidationStarted, WaitTicket, InvalidationCompleted,
+    InvalidationPending, Evict, Evicted, EvictRefused,
+    Hello, Welcome, ListNodes, NodeList, Transfer, TransferStarted, TransferRefused, Noted,
+    Error, Ping, Pong,
+)  # fmt: skip
+
+Message = Union[_ALL]  # type: ignore[valid-type]
+MESSAGE_TYPES: dict[str, type] = {cls.__name__: cls for cls in _ALL}
+# The messages the spec models (spec/layout.py MESSAGE_NAMES), by the same names.
+SPEC_MESSAGES = (
+    "Acquire", "Renew", "ReadLeaseGranted", "LeaseRenewed", "Release", "BeginWrite",
+    "WriteLeaseGranted", "WriteBytes", "Commit", "Revoke", "RevokeAcked", "Free", "Copy", "Copied",
+    "LeaseRefused", "Freed",
+)  # fmt: skip
+assert set(SPEC_MESSAGES) <= set(MESSAGE_TYPES)
+
+
+def kind_of(msg: Any) -> str:
+    """The wire kind name of a message (its class name); ``ProtocolViolation`` for a non-message."""
+    name = type(msg).__name__
+    if MESSAGE_TYPES.get(name) is not type(msg):
+        raise ProtocolViolation(f"not a wire message: {type(msg).__name__}")
+    return name
