@@ -201,10 +201,10 @@ class KvccClient:
         self._requests = itertools.count(1)
         self._leases: dict[BlockKey, ReadLease] = {}
         self._pending: dict[BlockKey, int] = {}  # key -> request id of an acquire in flight
-        self._cancelled: set[int] = set()  # acquires a Revoke overtook
+        self._cancelled: set[int] = set()  # acquires and renewals a Revoke overtook
         self._writes: dict[tuple[BlockKey, int], str] = {}  # (key, write lease) -> progress
         self._writing: dict[BlockKey, WriteLease | None] = {}  # writes under way: begin_write .. commit/abort
-        self._renewing: set[BlockKey] = set()
+        self._renewing: dict[BlockKey, int] = {}  # key -> request id of a renewal in flight (0: not sent yet)
         self._nodes: dict[str, str] = {}
         self._peers: dict[str, Client] = {}
         self._acks: set[asyncio.Task] = set()
@@ -322,9 +322,15 @@ class KvccClient:
             # may be another grant of the same generation).
             del self._leases[msg.key]  # drop first ...
             self.stats["revoked"] += 1
+        # ... and a request still on its way is over: a grant answering it is never trusted, a
+        # refusal is not an abandonment (the spec's drop_and_ack ends the holder's pending request,
+        # acquire or renewal; logging ``abandon`` after it logs a request the holder no longer has).
         pending = self._pending.pop(msg.key, None)
         if pending is not None:
-            self._cancelled.add(pending)  # ... and a grant still on its way is never trusted
+            self._cancelled.add(pending)
+        renewing = self._renewing.get(msg.key)
+        if renewing:
+            self._cancelled.add(renewing)
         self._emit("drop_and_ack", key=msg.key, gen=msg.gen, lease=msg.lease)
         task = asyncio.create_task(self._ack(msg))  # ... then acknowledge
         self._acks.add(task)
@@ -367,13 +373,13 @@ class KvccClient:
         finally:
             if self._pending.get(key) == request:
                 del self._pending[key]
+        if request in self._cancelled:
+            self._cancelled.discard(request)
+            return Refused(REASON_REVOKED, "revoked before the answer arrived")
         if type(reply) is LeaseRefused:
             self._emit("abandon", key=key, request=request, result=reply.reason)  # nothing to wait for
             return Refused(reply.reason)
         assert type(reply) is ReadLeaseGranted and reply.request == request
-        if request in self._cancelled:
-            self._cancelled.discard(request)
-            return Refused(REASON_REVOKED, "revoked before the grant arrived")
         lease = ReadLease(key, reply.lease, reply.location, reply.gen, reply.epoch, reply.term_ms, sent,
                           sent + self._budget_ns(reply.term_ms))  # fmt: skip
         self._leases[key] = lease
@@ -393,17 +399,21 @@ class KvccClient:
         if lease.key in self._renewing:
             return Refused(REASON_BUSY, "a renewal of this lease is under way here")
         lease = held
-        self._renewing.add(lease.key)
+        self._renewing[lease.key] = 0
         try:
             return await self._renew(lease)
         finally:
-            self._renewing.discard(lease.key)
+            self._renewing.pop(lease.key, None)
 
     async def _renew(self, lease: ReadLease) -> ReadLease | Refused:
         request = next(self._requests)
         sent = self._now_ns()
+        self._renewing[lease.key] = request
         self._emit("renew", key=lease.key, gen=lease.gen, lease=lease.lease, request=request)
         reply = await self._ask(Renew(self.client_id, lease.key, lease.lease, lease.location, request))
+        if request in self._cancelled:
+            self._cancelled.discard(request)
+            return Refused(REASON_REVOKED, "revoked while renewing")
         if type(reply) is LeaseRefused:
             self._emit("abandon", key=lease.key, lease=lease.lease, request=request, result=reply.reason)
             return Refused(reply.reason)

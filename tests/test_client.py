@@ -1,0 +1,87 @@
+"""The client library's holder against answers that race a revocation, without a server: the
+directory's answers are scripted, so the interleaving that a loaded cluster hits now and then
+(``KVCC-LOAD-001`` rejected a trace of it) happens every run.
+
+The spec's ``drop_and_ack`` ends the holder's pending request on the key, acquire or renewal: an
+answer that arrives after it ends nothing, so the holder logs no ``abandon`` for it (a validator
+finds no pending request to abandon) and never trusts a grant it carries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+
+from kvcc.reference.client import REASON_REVOKED, KvccClient, ReadLease, Refused
+from kvcc.reference.events import EventLog
+from kvcc.spec.keys import BlockKey
+from kvcc.reference.wire import LeaseRefused, LeaseRenewed, ReadLeaseGranted, Revoke
+
+KEY = BlockKey(b"k" * 32)
+NODE = "n1.engine"
+
+
+def _holder() -> tuple[KvccClient, io.StringIO]:
+    sink = io.StringIO()
+    client = KvccClient(("127.0.0.1", 9), "t", b"s" * 32, client_id=NODE, skew_ms=10, events=EventLog(sink, NODE, 1))
+    return client, sink
+
+
+def _events(sink: io.StringIO) -> list[str]:
+    return [json.loads(line)["event"] for line in sink.getvalue().splitlines()]
+
+
+def _answer_after_revoke(client: KvccClient, answer) -> None:
+    """The directory revokes the key while the request is in flight, then answers it."""
+
+    async def ask(msg):
+        client._on_push(Revoke(NODE, KEY, 7, 1))
+        await asyncio.sleep(0)
+        return answer(msg)
+
+    async def no_ack(msg):
+        raise OSError("no directory in this test")
+
+    client._ask = ask
+    client._dir.request = no_ack
+
+
+def test_a_refusal_after_a_revocation_is_not_an_abandonment():
+    async def main():
+        client, sink = _holder()
+        _answer_after_revoke(client, lambda m: LeaseRefused(NODE, KEY, m.request, "invalidating"))
+        out = await client.acquire(b"n" * 32, KEY)
+        assert isinstance(out, Refused) and out.reason == REASON_REVOKED
+        assert _events(sink) == ["acquire", "drop_and_ack"]
+        assert client._cancelled == set() and client._pending == {}
+
+    asyncio.run(main())
+
+
+def test_a_grant_after_a_revocation_is_never_trusted():
+    async def main():
+        client, sink = _holder()
+        _answer_after_revoke(client, lambda m: ReadLeaseGranted(NODE, KEY, 7, "n1/dram", 1, 1, 1000, m.request))
+        out = await client.acquire(b"n" * 32, KEY)
+        assert isinstance(out, Refused) and client.lease_of(KEY) is None
+        assert _events(sink) == ["acquire", "drop_and_ack"]
+
+    asyncio.run(main())
+
+
+def test_a_renewal_answered_after_a_revocation_logs_no_abandon():
+    async def main():
+        for answer in (lambda m: LeaseRefused(NODE, KEY, m.request, "invalidating"),
+                       lambda m: LeaseRenewed(NODE, KEY, m.lease, 1000, m.request)):  # fmt: skip
+            client, sink = _holder()
+            now = client._now_ns()
+            lease = ReadLease(KEY, 7, "n1/dram", 1, 1, 1000, now, now + 10**12)
+            client._leases[KEY] = lease
+            _answer_after_revoke(client, answer)
+            out = await client.renew(lease)
+            assert isinstance(out, Refused) and out.reason == REASON_REVOKED
+            assert _events(sink) == ["renew", "drop_and_ack"]
+            assert client._cancelled == set() and client._renewing == {} and client.lease_of(KEY) is None
+
+    asyncio.run(main())
