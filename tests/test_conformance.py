@@ -320,6 +320,34 @@ def test_deadline_probes_catch_a_holder_that_trusts_past_its_skew():
         assert r.status == "FAIL" and "holder_deadline" in r.message, (tid, r.message)
 
 
+def _late_sleeps(monkeypatch, late: int) -> None:
+    """The suite's first ``late`` sleeps overrun by 3 epsilon (a loaded machine woke it late)."""
+    calls = iter(range(1 << 30))
+    sleep = Session.sleep_ms
+
+    def overrun(self, ms):
+        sleep(self, ms + (3 * self.skew_ms if next(calls) < late else 0))
+
+    monkeypatch.setattr(Session, "sleep_ms", overrun)
+
+
+def test_a_late_deadline_probe_is_tried_again_on_a_fresh_lease(monkeypatch):
+    """A probe woken 3 epsilon late lands past the broken holder's window, and that holder passed
+    LEASE-003; the probe now sees it started late and probes again under a fresh lease."""
+    _late_sleeps(monkeypatch, 1)
+    rep = run(testing.TrustsPastSkewAdapter, profiles=["leases"], ids=["KVCC-LEASE-003"], validate=False,
+              lease_term_ms=1000, skew_ms=100)  # fmt: skip
+    r = rep.by_id()["KVCC-LEASE-003"]
+    assert r.status == "FAIL" and "holder_deadline" in r.message, r.message
+
+
+def test_a_probe_that_is_always_late_is_an_error_not_a_pass(monkeypatch):
+    _late_sleeps(monkeypatch, 1 << 20)
+    rep = run(testing.CoreAdapter, profiles=["leases"], ids=["KVCC-LEASE-003"], validate=False)
+    r = rep.by_id()["KVCC-LEASE-003"]
+    assert r.status == "ERROR" and "ProbeLate" in r.message, r.message
+
+
 def test_core_client_stays_in_spec_under_load(tmp_path):
     """CoreAdapter's client under the load workload, on a short term: it abandons a refused
     request, acquires no second lease of a key it trusts, and begins no second write of a key it
