@@ -367,17 +367,20 @@ _MUTATION_TESTS: tuple[TestCase, ...] = (
 )
 
 
-def _before_audits(tests: tuple[TestCase, ...], extra: tuple[TestCase, ...]) -> tuple[TestCase, ...]:
-    out = list(tests)
+def _append(extra: tuple[TestCase, ...]) -> None:
+    """Add a block of tests to ``CATALOGUE`` and ``BY_ID``, each before its profile's audit (audits
+    come last in a profile)."""
+    global CATALOGUE
+    out = list(CATALOGUE)
     for t in extra:
-        at = next(i for i, u in enumerate(out) if u.profile == t.profile and u.audit)
+        assert t.id not in BY_ID, f"test ids are unique: {t.id}"
+        at = next((i for i, u in enumerate(out) if u.profile == t.profile and u.audit), len(out))
         out.insert(at, t)
-    return tuple(out)
+        BY_ID[t.id] = t
+    CATALOGUE = tuple(out)
 
 
-CATALOGUE = _before_audits(CATALOGUE, _MUTATION_TESTS)
-BY_ID = {t.id: t for t in CATALOGUE}
-assert len(BY_ID) == len(CATALOGUE), "test ids are unique"
+_append(_MUTATION_TESTS)
 
 
 # -- deletion reaches everywhere (KVCC-INVAL-009) ---------------------------------------------------
@@ -397,10 +400,8 @@ _DELETION = TestCase(
     "invalidation", ("DeletionReachesEverywhere",), "progress", "deletion_reaches_everywhere",
     time_limit_s=DEFAULT_TIME_LIMIT_S, covers={"deletion"},
 )  # fmt: skip
-_at = next((i for i, t in enumerate(CATALOGUE) if t.profile == _DELETION.profile and t.audit), len(CATALOGUE))
-CATALOGUE = CATALOGUE[:_at] + (_DELETION,) + CATALOGUE[_at:]
-BY_ID[_DELETION.id] = _DELETION
-del _at, _DELETION
+_append((_DELETION,))
+del _DELETION
 
 
 # -- tiers: reclaimed space, late and corrupt bytes, fences after a restart (KVCC-TIER-004/005, KVCC-FAULT-010..012)
@@ -446,11 +447,8 @@ _TIER_TESTS = (
              "faults", ("FencingHolds", "CommittedBytesIntact"), "2,4,progress", "free_after_restart",
              faults={"kill", "restart"}, covers={"caching", "trace_complete"}),
 )  # fmt: skip
-for _t in _TIER_TESTS:
-    _at = next((i for i, t in enumerate(CATALOGUE) if t.profile == _t.profile and t.audit), len(CATALOGUE))
-    CATALOGUE = CATALOGUE[:_at] + (_t,) + CATALOGUE[_at:]
-    BY_ID[_t.id] = _t
-del _at, _t, _TIER_TESTS
+_append(_TIER_TESTS)
+del _TIER_TESTS
 
 
 # -- one request per client, grants of one node, timers under load, overlapping invalidations, paused and
@@ -502,8 +500,7 @@ _CLIENTS_AND_FAULTS: tuple[TestCase, ...] = (
              "faults", ("NoStaleRead", "InvalidationCompletesInTime", "CommittedBytesIntact"), "4,6,9",
              "dead_nodes_in_invalidation", faults={"kill", "restart"}, covers={"caching", "trace_complete"}),
 )  # fmt: skip
-CATALOGUE = _before_audits(CATALOGUE, _CLIENTS_AND_FAULTS)
-BY_ID.update((t.id, t) for t in _CLIENTS_AND_FAULTS)
+_append(_CLIENTS_AND_FAULTS)
 
 
 # -- a write across its writer's restart, frees held back by a directory restart's grace
@@ -528,8 +525,7 @@ _GRACE_FREES = (
              "faults", ("OneWriterPerGeneration", "EpochMonotonic", "WriteLeaseEndsInTime", "CommittedBytesIntact"),
              "1,2", "write_across_writer_restart", faults={"kill", "restart"}, covers={"caching", "trace_complete"}),
 )  # fmt: skip
-CATALOGUE = _before_audits(CATALOGUE, _GRACE_FREES)
-BY_ID.update((t.id, t) for t in _GRACE_FREES)
+_append(_GRACE_FREES)
 
 
 # -- a revocation that finds its holder no longer trusting, an invalidation through a foreign namespace
@@ -550,5 +546,4 @@ _LATE_REVOKES = (
              "invalidation", ("NamespaceIsolation", "CommittedBytesIntact"), "11", "invalidate_foreign_namespace",
              scopes={"key"}, covers={"caching", "trace_complete"}),
 )  # fmt: skip
-CATALOGUE = _before_audits(CATALOGUE, _LATE_REVOKES)
-BY_ID.update((t.id, t) for t in _LATE_REVOKES)
+_append(_LATE_REVOKES)
