@@ -50,8 +50,8 @@ from kvcc.conformance.contract import (
     WriteGrant,
 )
 from kvcc.spec.keys import BlockKey, Namespace
+from kvcc.spec.vocabulary import REASON_NOT_FOUND, REASON_REVOKED, REASON_UNAUTHORIZED, REASON_UNKNOWN_LEASE
 
-REASON_NOT_FOUND = "not_found"
 CLIENT_SUFFIX = ".engine"
 NODE_TIERS = ("dram=4MiB", "nvme=16MiB")
 NODE_BLOCK_BYTES = 64 << 10
@@ -210,7 +210,7 @@ class ReferenceAdapter(Adapter):
         try:
             return self._call(node, "lookup", ns, list(keys)).blocks
         except AdapterError as e:
-            if "unauthorized" in e.reason or "Unauthorized" in e.reason:
+            if REASON_UNAUTHORIZED in e.reason or "Unauthorized" in e.reason:
                 return 0
             raise
         except Unauthorized:
@@ -289,7 +289,7 @@ class ReferenceAdapter(Adapter):
         c = self._client(grant.node)
         current = c.lease_of(grant.key)
         if current is None or current.lease != grant.lease:
-            return Refused("unknown_lease", "not held (released, revoked or expired)")
+            return Refused(REASON_UNKNOWN_LEASE, "not held (released, revoked or expired)")
         out = self._call(grant.node, "renew", current)
         return self._refused(out) if isinstance(out, R) else self._grant(grant.node, out)
 
@@ -301,7 +301,7 @@ class ReferenceAdapter(Adapter):
         lease = current if current is not None and current.lease == grant.lease else self._read_lease(grant)
         out = self._call(grant.node, "read", lease)
         if isinstance(out, R):
-            reason = "unknown_lease" if out.reason == "revoked" else out.reason
+            reason = REASON_UNKNOWN_LEASE if out.reason == REASON_REVOKED else out.reason
             return Refused(reason, out.detail)
         return out
 

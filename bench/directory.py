@@ -141,6 +141,7 @@ class _Load:
 
     async def start(self) -> None:
         from kvcc.reference.client import KvccClient, Refused
+        from kvcc.spec.vocabulary import REASON_NOT_ABSENT
 
         address = self.cluster.directory_address
         for i in range(self.n_clients):
@@ -152,7 +153,7 @@ class _Load:
         parent = None
         for key in self.keys:  # a chain: each block's parent is the one before (a prompt's blocks)
             out = await writer.put(self.ns, key, parent, key.digest * (BLOCK_BYTES // len(key.digest)))
-            if isinstance(out, Refused) and out.reason != "not_absent":
+            if isinstance(out, Refused) and out.reason != REASON_NOT_ABSENT:
                 raise BenchError(f"committing the benchmark's blocks: {out}")
             parent = key
 

@@ -72,6 +72,28 @@ from typing import Literal
 from attrs import field, frozen, validators
 
 from kvcc.spec.keys import BlockKey, Namespace
+from kvcc.spec.vocabulary import (
+    REASON_ALREADY_LEASED,
+    REASON_BUSY,
+    REASON_FENCED,
+    REASON_HAS_CHILDREN,
+    REASON_INVALIDATING,
+    REASON_LEASE_EXPIRED,
+    REASON_LEASED,
+    REASON_MISS,
+    REASON_NOT_ABSENT,
+    REASON_NOT_COMMITTED,
+    REASON_NOT_FOUND,
+    REASON_NOT_OWNER,
+    REASON_PARENT_NOT_COMMITTED,
+    REASON_RESTARTING,
+    REASON_STALE_EPOCH,
+    REASON_UNAUTHORIZED,
+    REASON_UNKNOWN_LEASE,
+    REASON_WRONG_GENERATION,
+    REASONS,
+    SCOPES,
+)
 
 # -- vocabulary ------------------------------------------------------------------------------------
 
@@ -80,36 +102,11 @@ FAULTS = ("kill", "restart", "pause", "resume", "skew_clock", "restart_directory
 CORRUPT_REGIONS = ("payload", "header")  # what ``Adapter.corrupt`` damages of a stored block
 # Faults no profile needs: a test that needs one is required only of an adapter that declares it.
 OPTIONAL_FAULTS = frozenset({"corrupt"})
-SCOPES = ("key", "prefix", "namespace")
 EVENT_SOURCES = ("native", "inferred")
 LEASE_MODES = ("enforced", "advisory", "none")
 
-# Refusal reasons (kvcc.reference.wire REASON_* where one fits, plus "miss" and "fenced").
-REASON_NOT_COMMITTED = "not_committed"
-REASON_INVALIDATING = "invalidating"
-REASON_NOT_ABSENT = "not_absent"
-REASON_PARENT_NOT_COMMITTED = "parent_not_committed"
-REASON_UNAUTHORIZED = "unauthorized"
-REASON_UNKNOWN_LEASE = "unknown_lease"
-REASON_STALE_EPOCH = "stale_epoch"
-REASON_LEASE_EXPIRED = "lease_expired"
-REASON_LEASED = "leased"
-REASON_HAS_CHILDREN = "has_children"
-REASON_RESTARTING = "restarting"
-REASON_NOT_FOUND = "not_found"
-REASON_WRONG_GENERATION = "wrong_generation"
-REASON_ALREADY_LEASED = "already_leased"  # the directory holds a live lease of this node on the key
-REASON_NOT_OWNER = "not_owner"  # renewal of a lease on a copy that is draining after a transfer
-REASON_BUSY = "busy"  # a client's own refusal: this node has that write (or its bytes) under way already
-REASON_MISS = "miss"  # a read found no valid bytes at the leased location
-REASON_FENCED = "fenced"  # a location refused an operation carrying a stale epoch
-REASONS = (
-    REASON_NOT_COMMITTED, REASON_INVALIDATING, REASON_NOT_ABSENT, REASON_PARENT_NOT_COMMITTED,
-    REASON_UNAUTHORIZED, REASON_UNKNOWN_LEASE, REASON_STALE_EPOCH, REASON_LEASE_EXPIRED,
-    REASON_LEASED, REASON_HAS_CHILDREN, REASON_RESTARTING, REASON_NOT_FOUND,
-    REASON_WRONG_GENERATION, REASON_ALREADY_LEASED, REASON_NOT_OWNER, REASON_BUSY, REASON_MISS, REASON_FENCED,
-)  # fmt: skip
-assert len(set(REASONS)) == len(REASONS)
+# Refusal reasons: the protocol's words (``kvcc.spec.vocabulary``: the directory's, and the ones a
+# holder, writer or location gives on its own, such as "miss" and "fenced").
 
 # Deletion reaches everywhere (docs/protocol.md progress). The longest a location that is up may keep an
 # ended generation's bytes once the generation ended, unless an adapter declares its own

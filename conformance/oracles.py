@@ -53,6 +53,23 @@ from typing import Any
 from attrs import define, field
 
 from kvcc.spec.keys import BlockKey, Namespace
+from kvcc.spec.vocabulary import (
+    REASON_ALREADY_LEASED,
+    REASON_BUSY,
+    REASON_FENCED,
+    REASON_INVALIDATING,
+    REASON_LEASE_EXPIRED,
+    REASON_LEASED,
+    REASON_MISS,
+    REASON_NOT_ABSENT,
+    REASON_NOT_COMMITTED,
+    REASON_NOT_FOUND,
+    REASON_NOT_OWNER,
+    REASON_PARENT_NOT_COMMITTED,
+    REASON_STALE_EPOCH,
+    REASON_UNKNOWN_LEASE,
+    REASON_WRONG_GENERATION,
+)
 
 from .contract import (
     REASON_LEASED,
@@ -69,7 +86,7 @@ from .contract import (
 INFERRED_INCARNATION = 0  # a node's first incarnation in an inferred trace (a restart takes the next)
 INFERRED_DIRECTORY = "directory"  # the node name of the directory's inferred events
 # Refusals a correct client gives on its own, without asking the directory (no event).
-LOCAL_REFUSALS = frozenset({"already_leased", "busy"})
+LOCAL_REFUSALS = frozenset({REASON_ALREADY_LEASED, REASON_BUSY})
 
 
 class OracleFailure(AssertionError):
@@ -389,7 +406,7 @@ class Session:
                     self.stored_epochs[(grant.key, grant.location)] = max(top, grant.epoch)
             if landed:  # the spec's writer sends its bytes once; a second store is the same bytes
                 self._emit(host, "store_bytes", **fields)
-        elif r.reason == "fenced":
+        elif r.reason == REASON_FENCED:
             with self.lock:
                 self.audit.fenced_writes += 1
                 self.writing.pop((grant.key, grant.lease), None)
@@ -452,7 +469,7 @@ class Session:
                 self.committed[(grant.key, r.gen)] = (data, grant.node, grant.lease)
                 self._drop_committing(slot, grant.lease)
         else:
-            if data is not None and r.reason not in ("not_found", *LOCAL_REFUSALS):
+            if data is not None and r.reason not in (REASON_NOT_FOUND, *LOCAL_REFUSALS):
                 with self.lock:
                     # The directory turned down the commit of the write it still had open: only
                     # its timer can have ended that lease, and it ran before the commit arrived.
@@ -467,7 +484,7 @@ class Session:
             if early is not None:
                 raise OracleFailure("NoDirtyRead", f"history #{early} read bytes of generation {grant.gen} while its "
                                     f"commit was under way, and the commit was refused ({r.reason})", i)  # fmt: skip
-            if r.reason in ("stale_epoch", "unknown_lease", "lease_expired", "wrong_generation", "fenced"):
+            if r.reason in (REASON_STALE_EPOCH, REASON_UNKNOWN_LEASE, REASON_LEASE_EXPIRED, REASON_WRONG_GENERATION, REASON_FENCED):
                 with self.lock:
                     self.audit.stale_commits_refused += 1
         return r
@@ -591,9 +608,9 @@ class Session:
                     self.audit.remote_hits += 1
             self._emit(grant.node, "read", key=grant.key, gen=grant.gen, epoch=grant.epoch, lease=grant.lease,
                        location=grant.location, result="ok")  # fmt: skip
-        elif data.reason == "miss" and self._trusted_ns(grant.node, grant.lease, t0):
+        elif data.reason == REASON_MISS and self._trusted_ns(grant.node, grant.lease, t0):
             self._emit(grant.node, "read", key=grant.key, gen=grant.gen, epoch=grant.epoch, lease=grant.lease,
-                       location=grant.location, result="miss")  # fmt: skip
+                       location=grant.location, result=REASON_MISS)  # fmt: skip
         return data
 
     @_ordered
@@ -744,7 +761,7 @@ class Session:
         with self.lock:
             if isinstance(r, Evicted):
                 self.audit.evictions += 1
-            elif r.reason == "leased" and leased:
+            elif r.reason == REASON_LEASED and leased:
                 self.audit.refused_evictions_leased += 1
             location = self.copies.get(key, node)
         if location.partition("/")[0] != node:
@@ -762,7 +779,7 @@ class Session:
                     # The owner's copy went: the generation ended with it (lookup finds nothing).
                     tops = [gen for (k, gen) in self.committed if k == key]
                     self.completed[key] = max([self.completed.get(key, 0), *(t + 1 for t in tops)])
-        elif r.reason == "leased":
+        elif r.reason == REASON_LEASED:
             self._emit_dir("evict_refused", key=key, location=location)
         return r
 
@@ -833,10 +850,10 @@ _REFUSAL_EVENTS = ("refuse_read_lease", "refuse_renewal", "refuse_write_lease", 
 # lease it no longer holds, ``not_found``), and refusals a client may give knowing its own earlier
 # requests (``_maybe_local``), imply nothing.
 _DIRECTORY_REFUSALS = {
-    "acquire": ("refuse_read_lease", frozenset({"not_committed", "invalidating"})),
-    "renew": ("refuse_renewal", frozenset({"not_committed", "invalidating", "not_owner"})),
-    "begin_write": ("refuse_write_lease", frozenset({"not_absent", "parent_not_committed"})),
-    "commit": ("reject_stale_commit", frozenset({"stale_epoch", "lease_expired", "wrong_generation"})),
+    "acquire": ("refuse_read_lease", frozenset({REASON_NOT_COMMITTED, REASON_INVALIDATING})),
+    "renew": ("refuse_renewal", frozenset({REASON_NOT_COMMITTED, REASON_INVALIDATING, REASON_NOT_OWNER})),
+    "begin_write": ("refuse_write_lease", frozenset({REASON_NOT_ABSENT, REASON_PARENT_NOT_COMMITTED})),
+    "commit": ("reject_stale_commit", frozenset({REASON_STALE_EPOCH, REASON_LEASE_EXPIRED, REASON_WRONG_GENERATION})),
 }  # fmt: skip
 
 
@@ -872,7 +889,7 @@ def _implied(h: dict, local: set[int] = frozenset()) -> list[tuple]:
     grant = res.get("WriteGrant") or res.get("ReadGrant") if isinstance(res, dict) else None
     out: list[tuple] = []
     refused = res.get("refused") if isinstance(res, dict) and h.get("i", -1) not in local else None
-    if op == "commit" and refused == "unknown_lease":
+    if op == "commit" and refused == REASON_UNKNOWN_LEASE:
         # A commit whose grant was neither committed nor aborted: only the directory knows it is gone.
         out.append(("reject_stale_commit", key, None))
     if op in _DIRECTORY_REFUSALS and refused in _DIRECTORY_REFUSALS[op][1]:
@@ -890,7 +907,7 @@ def _implied(h: dict, local: set[int] = frozenset()) -> list[tuple]:
         out += [("trust_renewal", key, lease), ("renew_lease", key, lease)]
     elif op == "write_bytes" and res == "Stored":
         out.append(("store_bytes", key, lease))
-    elif op == "write_bytes" and isinstance(res, dict) and res.get("refused") == "fenced":
+    elif op == "write_bytes" and isinstance(res, dict) and res.get("refused") == REASON_FENCED:
         out.append(("fence_stale_write", key, lease))
     elif op == "commit" and isinstance(res, dict) and "committed" in res:
         out.append(("commit_write", key, lease))

@@ -90,7 +90,17 @@ from kvcc.reference.wire import Committed as WireCommitted
 from kvcc.reference.wire import Evicted as WireEvicted
 from kvcc.reference.wire import Freed as WireFreed
 from kvcc.spec.keys import BlockKey, Namespace
-from kvcc.spec.rules import REASON_ALREADY_LEASED
+from kvcc.spec.vocabulary import (
+    REASON_ALREADY_LEASED,
+    REASON_BUSY,
+    REASON_FENCED,
+    REASON_LEASED,
+    REASON_LEASE_EXPIRED,
+    REASON_MISS,
+    REASON_NOT_FOUND,
+    REASON_NO_SPACE,
+    REASON_UNKNOWN_LEASE,
+)
 
 from .contract import (
     CORRUPT_REGIONS,
@@ -116,7 +126,6 @@ DIRECTORY_NODE = "directory"
 BLOCK_SLOTS = 512  # blocks each node's DRAM tier holds
 BLOCK_BYTES = 4096  # the largest block a workload writes
 TICK_IDLE_MS = 20  # the ticker wakes at least this often while nothing is timed
-REASON_BUSY = "busy"  # this node's client has a write of the key under way (the reference client's word)
 PAUSED_WAIT_S = 0.05  # how often an operation on a paused node re-checks
 EMPTY_TICKETS_FROM = 1 << 40  # ids of the empty tickets of invalidations in a namespace the tenant may not use
 
@@ -428,7 +437,7 @@ class CoreAdapter(Adapter):
                 raise AdapterError(f"write grant {grant.lease} was not issued to {grant.node}")
             loc = self._nodes.get(grant.location)
             if loc is None or not loc.alive:
-                return Refused("not_found", f"location {grant.location} is down")
+                return Refused(REASON_NOT_FOUND, f"location {grant.location} is down")
             return self._location_write(loc, grant, data)
 
     def _location_write(self, loc: _Node, grant: WriteGrant, data: bytes) -> Stored | Refused:
@@ -436,11 +445,11 @@ class CoreAdapter(Adapter):
         fields = dict(key=grant.key, gen=grant.gen, epoch=grant.epoch, lease=grant.lease, writer=grant.node, location=loc.id)
         writer = self._nodes[grant.node]
         if isinstance(outcome, TierFenced):
-            loc.log.emit("fence_stale_write", **fields, result="fenced", fence=outcome.fence)
+            loc.log.emit("fence_stale_write", **fields, result=REASON_FENCED, fence=outcome.fence)
             self._write_over(writer, grant)
-            return Refused("fenced", f"fence {outcome.fence} > epoch {grant.epoch}")
+            return Refused(REASON_FENCED, f"fence {outcome.fence} > epoch {grant.epoch}")
         if not isinstance(outcome, TierStored):
-            return Refused("no_space", str(outcome))
+            return Refused(REASON_NO_SPACE, str(outcome))
         loc.log.emit("store_bytes", **fields)
         writer.stored.add((grant.key, grant.lease))
         self._write_over(writer, grant)
@@ -456,7 +465,7 @@ class CoreAdapter(Adapter):
         with self._lock:
             n = self._node(grant.node)
             if (grant.key, grant.lease) not in n.stored:
-                return Refused("not_found", "no bytes stored under this grant")
+                return Refused(REASON_NOT_FOUND, "no bytes stored under this grant")
             reply = self._dir(Commit(grant.node, grant.key, grant.lease, grant.gen, grant.epoch))
             if isinstance(reply, CommitRejected):
                 return Refused(reply.reason)
@@ -519,7 +528,7 @@ class CoreAdapter(Adapter):
             n = self._node(grant.node)
             trust = self._trusted(n, grant)
             if trust is None:
-                return Refused("lease_expired", "the holder no longer trusts this lease")
+                return Refused(REASON_LEASE_EXPIRED, "the holder no longer trusts this lease")
             req = self._next_request()
             sent_ns = self._node_now_ns(n)
             n.log.emit("renew", key=grant.key, lease=grant.lease, request=req)
@@ -530,7 +539,7 @@ class CoreAdapter(Adapter):
             assert isinstance(reply, LeaseRenewed)
             current = n.trusts.get(grant.key)
             if current is None or current.lease != grant.lease:
-                return Refused("unknown_lease", "revoked while renewing")
+                return Refused(REASON_UNKNOWN_LEASE, "revoked while renewing")
             current.deadline_ns = sent_ns + (reply.term_ms - self._ctx.skew_ms) * 1_000_000
             n.log.emit("trust_renewal", key=grant.key, gen=current.gen, epoch=current.epoch, lease=grant.lease)
             return attrs.evolve(grant, term_ms=reply.term_ms, requested_at_ns=sent_ns)
@@ -540,7 +549,7 @@ class CoreAdapter(Adapter):
             n = self._node(grant.node)
             trust = self._trusted(n, grant)
             if trust is None:
-                return Refused("lease_expired", "no trusted lease")
+                return Refused(REASON_LEASE_EXPIRED, "no trusted lease")
             return self._read_at(n, grant, trust)
 
     def _read_at(self, n: _Node, grant: ReadGrant, trust: _Trust) -> bytes | Refused:
@@ -548,7 +557,7 @@ class CoreAdapter(Adapter):
         data = loc.tier.read(grant.key.digest, trust.gen) if loc is not None and loc.alive else None
         n.log.emit("read", key=grant.key, gen=trust.gen, epoch=trust.epoch, lease=trust.lease, location=trust.location,
                    result="ok" if data is not None else "miss")  # fmt: skip
-        return data if data is not None else Refused("miss")
+        return data if data is not None else Refused(REASON_MISS)
 
     def release(self, grant: ReadGrant) -> None:
         with self._lock:
@@ -764,7 +773,7 @@ class EvictsLeasedAdapter(CoreAdapter):
     BROKEN_RULE = "evict_under_lease"
 
     def _evict_refused(self, n, key, reason):
-        if reason != "leased":
+        if reason != REASON_LEASED:
             return Refused(reason)
         rec = self._core.records[key]
         n.tier.free(key.digest, n.tier.fence(key.digest))
@@ -797,7 +806,7 @@ class NeverEvictsAdapter(CoreAdapter):
     def evict(self, node, ns, key):
         with self._lock:
             self._node(node)
-            return Refused("leased", "this cache never evicts")
+            return Refused(REASON_LEASED, "this cache never evicts")
 
 
 class ReusedLeaseIdsAdapter(CoreAdapter):
@@ -866,7 +875,7 @@ class SilentReadsAdapter(CoreAdapter):
     def _read_at(self, n, grant, trust):
         loc = self._nodes.get(trust.location)
         data = loc.tier.read(grant.key.digest, trust.gen) if loc is not None and loc.alive else None
-        return data if data is not None else Refused("miss")
+        return data if data is not None else Refused(REASON_MISS)
 
 
 class NeverFreesAdapter(CoreAdapter):

@@ -205,6 +205,15 @@ from kvcc.spec import model as model_module
 from kvcc.spec import properties
 from kvcc.spec.model import SILENT_ACTIONS, Model
 from kvcc.spec.properties import INVARIANTS, TRANSITION_PROPERTIES
+from kvcc.spec.vocabulary import (
+    HOLDER,
+    LOCATION,
+    REASON_LOCATION_DOWN,
+    REASON_PARENT_NOT_COMMITTED,
+    REASON_UNAUTHORIZED,
+    WRITER,
+    taken_by,
+)
 
 from ._render import RenderedWalk, ScriptError, events_from_spec_walk, render, scripted_walk, spec_walk  # noqa: F401 (re-exported)
 
@@ -242,15 +251,12 @@ DIRECTORY_EVENTS = frozenset({
     "finish_transfer", "free_drained", "cancel_transfer", "retry_free", "free_acked", "declare_node_down",
     "restart_node", "restart_directory",
 })  # fmt: skip
-HOLDER_EVENTS = frozenset({"acquire", "renew", "abandon", "read", "release", "trust_read_lease", "trust_renewal",
-                           "drop_and_ack"})  # fmt: skip
-WRITER_EVENTS = frozenset({"begin_write", "abort", "start_writing"})
+HOLDER_EVENTS, WRITER_EVENTS, LOCATION_EVENTS = taken_by(HOLDER), taken_by(WRITER), taken_by(LOCATION)
 # Refusals for reasons the one-key model has no rule for: each is replayed as the request's loss.
 _DROPPING_REFUSALS = {
-    "refuse_read_lease": ("unauthorized", "parent_not_committed"),
-    "refuse_write_lease": ("unauthorized", "parent_not_committed", "location_down"),
+    "refuse_read_lease": (REASON_UNAUTHORIZED, REASON_PARENT_NOT_COMMITTED),
+    "refuse_write_lease": (REASON_UNAUTHORIZED, REASON_PARENT_NOT_COMMITTED, REASON_LOCATION_DOWN),
 }
-LOCATION_EVENTS = frozenset({"store_bytes", "fence_stale_write", "store_copy", "free_slot", "fence_stale_free"})
 FAILURE_EVENTS = frozenset({"crash", "restart_node", "restart_directory", "declare_node_down"})
 assert DIRECTORY_EVENTS | HOLDER_EVENTS | WRITER_EVENTS | LOCATION_EVENTS | FAILURE_EVENTS == set(EVENTS)
 

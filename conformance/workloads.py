@@ -18,6 +18,20 @@ from collections.abc import Callable
 import attrs
 
 from kvcc.spec.keys import BlockKey, Namespace, chain_keys
+from kvcc.spec.vocabulary import (
+    REASON_FENCED,
+    REASON_HAS_CHILDREN,
+    REASON_LEASED,
+    REASON_LEASE_EXPIRED,
+    REASON_MISS,
+    REASON_NOT_ABSENT,
+    REASON_NOT_COMMITTED,
+    REASON_NOT_FOUND,
+    REASON_PARENT_NOT_COMMITTED,
+    REASON_STALE_EPOCH,
+    REASON_UNAUTHORIZED,
+    REASON_UNKNOWN_LEASE,
+)
 
 from .contract import Committed, Evicted, ReadGrant, Refused, Stored, WriteGrant
 from .oracles import OracleFailure, Session
@@ -162,14 +176,14 @@ def one_writer(s: Session) -> None:
     won = [g for g in grants if isinstance(g, WriteGrant)]
     s.check(len(grants) == len(threads), "write", "a begin_write did not answer")
     s.check(len(won) == 1, "OneWriterPerGeneration", f"{len(won)} of {len(grants)} concurrent begin_write were granted")
-    s.check(all(g.reason == "not_absent" for g in grants if isinstance(g, Refused)), "OneWriterPerGeneration",
+    s.check(all(g.reason == REASON_NOT_ABSENT for g in grants if isinstance(g, Refused)), "OneWriterPerGeneration",
             f"refusals other than not_absent: {[g.reason for g in grants if isinstance(g, Refused)]}")  # fmt: skip
     g = won[0]
     data = s.payload()
     s.check(isinstance(s.write_bytes(g, data), Stored), "write", "write_bytes refused")
     s.check(isinstance(s.commit(g), Committed), "write", "commit refused")
     again = s.begin_write(reader(s, g.node), s.ns, key, None)
-    s.check(isinstance(again, Refused) and again.reason == "not_absent", "OneWriterPerGeneration",
+    s.check(isinstance(again, Refused) and again.reason == REASON_NOT_ABSENT, "OneWriterPerGeneration",
             f"begin_write on a COMMITTED key answered {again}")  # fmt: skip
     read_back(s, reader(s, g.node), key, data, "the winner's block")
 
@@ -198,7 +212,7 @@ def no_dirty_read(s: Session) -> None:
     for i, stage in enumerate(("granted", "stored")):
         for n in [others[i % len(others)]]:
             a = s.acquire(n, s.ns, key)
-            s.check(isinstance(a, Refused) and a.reason == "not_committed", "NoDirtyRead",
+            s.check(isinstance(a, Refused) and a.reason == REASON_NOT_COMMITTED, "NoDirtyRead",
                     f"acquire of a WRITING block ({stage}) from {n} answered {a}")  # fmt: skip
         if stage == "granted":
             s.check(isinstance(s.write_bytes(g, s.payload()), Stored), "write", "write_bytes refused")
@@ -212,11 +226,11 @@ def prefix_order(s: Session) -> None:
     w = s.nodes[0]
     keys = chain(s, 3)
     g = s.begin_write(w, s.ns, keys[1], keys[0])
-    s.check(isinstance(g, Refused) and g.reason == "parent_not_committed", "PrefixClosed",
+    s.check(isinstance(g, Refused) and g.reason == REASON_PARENT_NOT_COMMITTED, "PrefixClosed",
             f"begin_write under an ABSENT parent answered {g}")  # fmt: skip
     put(s, w, keys[0], None)
     g = s.begin_write(w, s.ns, keys[2], keys[1])
-    s.check(isinstance(g, Refused) and g.reason == "parent_not_committed", "PrefixClosed",
+    s.check(isinstance(g, Refused) and g.reason == REASON_PARENT_NOT_COMMITTED, "PrefixClosed",
             f"begin_write under an ABSENT parent answered {g}")  # fmt: skip
     put(s, w, keys[1], keys[0])
     put(s, w, keys[2], keys[1])
@@ -229,12 +243,12 @@ def namespace_isolation(s: Session) -> None:
     mine, theirs = chain_keys(s.ns, tokens), chain_keys(s.foreign, tokens)
     s.check(not set(mine) & set(theirs), "NamespaceIsolation", "the same tokens gave the same keys in two namespaces")
     g = s.begin_write(w, s.foreign, theirs[0], None)
-    s.check(isinstance(g, Refused) and g.reason == "unauthorized", "NamespaceIsolation",
+    s.check(isinstance(g, Refused) and g.reason == REASON_UNAUTHORIZED, "NamespaceIsolation",
             f"begin_write in a foreign namespace answered {g}")  # fmt: skip
     put_chain(s, w, mine)
     for n in s.nodes:
         a = s.acquire(n, s.foreign, mine[0])
-        s.check(isinstance(a, Refused) and a.reason == "unauthorized", "NamespaceIsolation",
+        s.check(isinstance(a, Refused) and a.reason == REASON_UNAUTHORIZED, "NamespaceIsolation",
                 f"acquire of a block through a foreign namespace answered {a}")  # fmt: skip
         s.check(s.lookup(n, s.foreign, theirs) == 0, "NamespaceIsolation", "lookup counted blocks of a foreign namespace")
 
@@ -250,7 +264,7 @@ def abort_frees(s: Session) -> None:
         g2 = s.begin_write(reader(s, w), s.ns, key, None)
         if isinstance(g2, WriteGrant):
             break
-        s.check(g2.reason == "not_absent", "write", f"begin_write after abort answered {g2}")
+        s.check(g2.reason == REASON_NOT_ABSENT, "write", f"begin_write after abort answered {g2}")
         s.check(time.monotonic() < deadline, "WriteLeaseEndsInTime", "the key stayed WRITING after the writer aborted")
         s.sleep_ms(s.lease_term_ms / 10)
     s.check(g2.epoch > g.epoch, "EpochMonotonic", f"new write epoch {g2.epoch} not above {g.epoch}")
@@ -348,7 +362,7 @@ def evict_under_lease(s: Session) -> None:
     g = s.acquire(reader(s, w), s.ns, key)
     s.check(isinstance(g, ReadGrant), "caching", f"acquire refused: {g}")
     e = s.evict(w, s.ns, key, leased=True)
-    s.check(isinstance(e, Refused) and e.reason == "leased", "NoReclaimUnderLease", f"eviction under a live lease answered {e}")
+    s.check(isinstance(e, Refused) and e.reason == REASON_LEASED, "NoReclaimUnderLease", f"eviction under a live lease answered {e}")
     s.release(g)
     e = s.evict(w, s.ns, key)
     s.check(isinstance(e, Evicted), "eviction", f"eviction of an unleased copy answered {e}")
@@ -374,7 +388,7 @@ def stale_writer(s: Session) -> None:
     s.check(isinstance(s.commit(fresh), Committed), "write", "commit refused")
     late = s.write_bytes(stale, s.payload())
     s.check(isinstance(late, Refused), "FencingHolds", f"bytes under a superseded epoch answered {late}")
-    s.check(late.reason in ("fenced", "lease_expired", "stale_epoch"), "FencingHolds", f"unexpected refusal {late}")
+    s.check(late.reason in (REASON_FENCED, REASON_LEASE_EXPIRED, REASON_STALE_EPOCH), "FencingHolds", f"unexpected refusal {late}")
     late_commit = s.commit(stale)
     s.check(isinstance(late_commit, Refused), "OneWriterPerGeneration", f"a superseded commit answered {late_commit}")
     # The fenced bytes must not have changed the committed block: read it, exactly.
@@ -496,7 +510,7 @@ def leaves_first(s: Session) -> None:
     parent, child = chain(s, 2)
     put_chain(s, w, [parent, child])
     e = s.evict(w, s.ns, parent)
-    s.check(isinstance(e, Refused) and e.reason == "has_children", "PrefixClosed", f"evicting a parent first answered {e}")
+    s.check(isinstance(e, Refused) and e.reason == REASON_HAS_CHILDREN, "PrefixClosed", f"evicting a parent first answered {e}")
     e = s.evict(w, s.ns, child)
     s.check(isinstance(e, Evicted), "eviction", f"evicting an unleased leaf answered {e}")
     e = s.evict(w, s.ns, parent)
@@ -728,7 +742,7 @@ def namespace_bound(s: Session) -> None:
     s.check(isinstance(g, Refused), "NamespaceIsolation", f"begin_write of a known key through another namespace answered {g}")
     read_back(s, w, keys[0], data[0], "a block of the namespace it was written in", ns=a)
     g = s.acquire(w, s.foreign, chain(s, 1, s.foreign)[0])
-    s.check(isinstance(g, Refused) and g.reason == "unauthorized", "NamespaceIsolation",
+    s.check(isinstance(g, Refused) and g.reason == REASON_UNAUTHORIZED, "NamespaceIsolation",
             f"acquire of a never-written key in a namespace the tenant may not use answered {g}")  # fmt: skip
 
 
@@ -746,7 +760,7 @@ def renewal_protects(s: Session) -> None:
     # epsilon more for the clocks), well inside the renewed one.
     s.sleep_ms(g.term_ms * 0.5 + 2 * s.skew_ms + 5)
     e = s.evict(w, s.ns, key, leased=True)
-    s.check(isinstance(e, Refused) and e.reason == "leased", "NoReclaimUnderLease",
+    s.check(isinstance(e, Refused) and e.reason == REASON_LEASED, "NoReclaimUnderLease",
             f"evicting a copy under a renewed lease, past its first expiry, answered {e}")  # fmt: skip
     # Past the renewed lease's bound (term + epsilon from the renewal, epsilon more for the
     # clocks): it has expired, and the copy is no longer protected.
@@ -1005,7 +1019,7 @@ CORRUPT_HEADER_BYTES = 96
 
 # Refusals a slow client earns on its own (its lease ran out between two calls, as a loaded machine
 # can make it): the step is done again (a write under a fresh key), a bounded number of times.
-LEASE_RAN_OUT = ("fenced", "lease_expired", "unknown_lease", "not_found")
+LEASE_RAN_OUT = (REASON_FENCED, REASON_LEASE_EXPIRED, REASON_UNKNOWN_LEASE, REASON_NOT_FOUND)
 RETRIES = 3
 
 
@@ -1037,7 +1051,7 @@ def _read_on_time(s: Session, node: str, key: BlockKey, expected: bytes, what: s
         s.check(isinstance(g, ReadGrant), "caching", f"acquire of {what} refused: {g}")
         got = s.read(g)
         s.release(g)
-        if not (isinstance(got, Refused) and got.reason == "lease_expired"):
+        if not (isinstance(got, Refused) and got.reason == REASON_LEASE_EXPIRED):
             s.check(got == expected, "caching", f"a leased read of {what} answered {got!r:.60}")
             return
         s.sleep_ms(s.lease_term_ms + 2 * s.skew_ms)
@@ -1079,7 +1093,7 @@ def corrupt_is_a_miss(s: Session) -> None:
         g = s.acquire(r, s.ns, key)
         s.check(isinstance(g, ReadGrant), "caching", f"acquire of {what} refused: {g}")
         got = s.read(g)
-        s.check(isinstance(got, Refused) and got.reason == "miss", "CommittedBytesIntact",
+        s.check(isinstance(got, Refused) and got.reason == REASON_MISS, "CommittedBytesIntact",
                 f"a read of {what} answered {got!r:.60}, not a miss")  # fmt: skip
         s.release(g)
         e = s.evict(w, s.ns, key)
@@ -1098,7 +1112,7 @@ def _write_after_expiry(s: Session, w: str, other: str, key: BlockKey) -> tuple[
         g = s.begin_write(other, s.ns, key, None)
         if isinstance(g, WriteGrant):
             break
-        s.check(g.reason == "not_absent", "write", f"begin_write while the first write lease runs out answered {g}")
+        s.check(g.reason == REASON_NOT_ABSENT, "write", f"begin_write while the first write lease runs out answered {g}")
         s.check(time.monotonic() < deadline, "WriteLeaseEndsInTime", "the key stayed WRITING past its write lease")
         s.sleep_ms(s.lease_term_ms / 10)
     s.check(g.epoch > stale.epoch, "EpochMonotonic", f"new write epoch {g.epoch} not above {stale.epoch}")

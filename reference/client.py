@@ -52,7 +52,18 @@ from typing import Any
 from attrs import frozen
 
 from kvcc.spec.keys import BlockKey, LocationId, Namespace
-from kvcc.spec.rules import REASON_ALREADY_LEASED, holder_budget
+from kvcc.spec.rules import holder_budget
+from kvcc.spec.vocabulary import (
+    REASON_ALREADY_LEASED,
+    REASON_BUSY,
+    REASON_FENCED,
+    REASON_LEASE_EXPIRED,
+    REASON_MISS,
+    REASON_NO_SPACE,
+    REASON_NOT_FOUND,
+    REASON_REVOKED,
+    REASON_UNREACHABLE,
+)
 
 from .errors import ConnectionFailed
 from .events import EventLog
@@ -101,14 +112,6 @@ from .wire import (
 
 log = logging.getLogger("kvcc.client")
 
-REASON_LEASE_EXPIRED = "lease_expired"
-REASON_REVOKED = "revoked"
-REASON_MISS = "miss"
-REASON_FENCED = "fenced"
-REASON_NO_SPACE = "no_space"
-REASON_UNREACHABLE = "unreachable"
-REASON_BUSY = "busy"  # this client already has a request or write of that key under way
-REASON_NOT_FOUND = "not_found"
 _GRANTED, _STORED, _ABORTED, _FENCED = "granted", "stored", "aborted", "fenced"  # a write lease's progress here
 SYNC_CALL_TIMEOUT_S = 120.0  # SyncClient: longest any one call may take (WaitTicket included)
 

@@ -24,6 +24,7 @@ import time
 from typing import Any
 
 from kvcc.spec.keys import Namespace, chain_keys
+from kvcc.spec.vocabulary import REASON_NOT_ABSENT
 
 from .client import Refused
 
@@ -52,7 +53,7 @@ def run_demo(cluster: Any, block_bytes: int | None = None) -> list[tuple[str, st
         parent = None
         for key in keys:
             out = a.put(ns, key, parent, _block(key, size))
-            if isinstance(out, Refused) and out.reason != "not_absent":  # the shared prefix exists
+            if isinstance(out, Refused) and out.reason != REASON_NOT_ABSENT:  # the shared prefix exists
                 raise RuntimeError(f"demo write refused: {out}")
             parent = key
     hit = a.lookup(ns, keys_a)

@@ -2,7 +2,7 @@
 
 Trace validation (docs/protocol.md: "How the pieces check each other") replays what implementations did
 through the spec's successor function, so every event is named by the spec action it performs
-(``EVENTS``, a subset of ``spec/checker.py``'s ``ACTIONS``; a test keeps it so). What the spec
+(``EVENTS``: ``kvcc.spec.vocabulary``, the model's ``ACTIONS`` but the environment's). What the spec
 only lets the *environment* do -- time passing, clock steps, the network losing or duplicating
 a message -- no process can observe, so it is not an event.
 
@@ -39,30 +39,12 @@ from collections.abc import Callable, Iterable
 from typing import IO, Any
 
 from kvcc.spec.keys import BlockKey
+from kvcc.spec.vocabulary import ENVIRONMENT_ACTIONS, EVENTS
 
 from .errors import Malformed, ProtocolViolation
 
-# The spec's action names that a process can log (spec/checker.py ACTIONS minus ENVIRONMENT).
-EVENTS = (
-    # holder (reader) side
-    "acquire", "renew", "abandon", "read", "release", "trust_read_lease", "trust_renewal", "drop_and_ack",
-    # writer side
-    "begin_write", "abort", "start_writing",
-    # directory
-    "grant_read_lease", "refuse_read_lease", "renew_lease", "refuse_renewal", "release_lease",
-    "grant_write_lease", "refuse_write_lease", "commit_write", "reject_stale_commit",
-    "expire_write_lease", "expire_write_lease_of_crashed",
-    "invalidate", "invalidate_namespace", "revoke_acked", "complete_invalidation",
-    "evict", "evict_refused",
-    "start_transfer", "finish_transfer", "free_drained", "cancel_transfer",
-    "retry_free", "free_acked", "declare_node_down",
-    # locations (data plane)
-    "store_bytes", "fence_stale_write", "store_copy", "free_slot", "fence_stale_free",
-    # failures a process (or a fault injector) observes and logs
-    "crash", "restart_node", "restart_directory",
-)  # fmt: skip
-# Spec actions of the environment alone: never logged.
-ENVIRONMENT_ACTIONS = ("tick", "clock_forward", "clock_back", "drop", "duplicate")
+# The spec's action names that a process can log, and the environment's, which none logs: the
+# protocol's words (``kvcc.spec.vocabulary``).
 _EVENT_SET = frozenset(EVENTS)
 assert len(_EVENT_SET) == len(EVENTS)
 assert not _EVENT_SET & set(ENVIRONMENT_ACTIONS)

@@ -47,6 +47,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvcc.spec.keys import BlockKey, LocationId, NodeId
+from kvcc.spec.vocabulary import REASON_FENCED, REASON_MISS, REASON_NO_SPACE, REASON_NOT_FOUND
 
 from .errors import ConnectionFailed, PeerViolation, TimeoutError_
 from .events import EventLog
@@ -91,8 +92,6 @@ DEMOTE_WATERMARK_DEFAULT = 0.9
 DEMOTE_BATCH = 8
 DIRECTORY_RETRY_MS = 200
 HEARTBEAT_TIMEOUT_MS = 4 * HEARTBEAT_INTERVAL_MS  # one Ping waits this long (the next one follows anyway)
-REASON_MISS = "miss"
-REASON_NO_SPACE = "no_space"
 
 
 def location_id(node: NodeId, tier: str) -> LocationId:
@@ -267,7 +266,7 @@ class CacheNode:
             return  # not acknowledged: the directory tries again (the pool: maybe another node)
         outcome = await asyncio.to_thread(tier.free, msg.key.digest, msg.epoch)
         if isinstance(outcome, TierFenced):
-            self._emit("fence_stale_free", msg.key, epoch=msg.epoch, result="fenced", location=msg.location,
+            self._emit("fence_stale_free", msg.key, epoch=msg.epoch, result=REASON_FENCED, location=msg.location,
                        fence=outcome.fence)  # fmt: skip
         else:
             self.stats["freed"] += isinstance(outcome, TierFreed)
@@ -290,7 +289,7 @@ class CacheNode:
                     self.counts.read_bytes[msg.source] += len(data)
                 outcome = await self._store(dest, msg.location, msg.key, msg.gen, msg.epoch, data)
                 if isinstance(outcome, TierFenced):
-                    reason = "fenced"
+                    reason = REASON_FENCED
                 elif not isinstance(outcome, Stored):
                     reason = REASON_NO_SPACE
         if reason is not None:
@@ -335,7 +334,7 @@ class CacheNode:
             self.stats["fenced"] += 1
             if self.counts is not None:
                 self.counts.fenced_writes[location] += 1
-            self._emit("fence_stale_write", key, gen=gen, epoch=epoch, lease=lease, result="fenced",
+            self._emit("fence_stale_write", key, gen=gen, epoch=epoch, lease=lease, result=REASON_FENCED,
                        location=location, writer=writer, fence=outcome.fence)  # fmt: skip
         elif isinstance(outcome, Stored):
             self.stats["stored"] += 1
@@ -367,7 +366,7 @@ class CacheNode:
             location = next((loc for loc, t in self._locations.items() if loc != POOL_LOCATION
                              and msg.key.digest in t.keys()), None)  # fmt: skip
             if location is None:
-                return EvictRefused(msg.node, msg.key, msg.location, "not_found")
+                return EvictRefused(msg.node, msg.key, msg.location, REASON_NOT_FOUND)
         tier = self._tier(location)
         if tier is None:
             return EvictRefused(msg.node, msg.key, msg.location, "not_here")

@@ -29,25 +29,9 @@ from .config import ModelConfig
 from .layout import LOCATION_MESSAGES, MESSAGE_WIDTH, M_COPY, M_GRANT_READ, M_GRANT_WRITE, M_RENEW, M_WRITE_BYTES
 from .model import SILENT_ACTIONS, Model
 from .properties import INVARIANTS, SOMETIMES, TRANSITION_PROPERTIES, Invariant, TransitionProperty, scope_exemptions
+from .vocabulary import ACTIONS
 
-# Every action label the model can produce; an action never taken is reported as uncovered.
-ACTIONS = (
-    "tick", "clock_forward", "clock_back",
-    "acquire", "renew", "abandon", "read", "release",
-    "begin_write", "abort",
-    "grant_read_lease", "refuse_read_lease", "renew_lease", "refuse_renewal", "release_lease",
-    "grant_write_lease", "refuse_write_lease", "commit_write", "reject_stale_commit",
-    "expire_write_lease", "expire_write_lease_of_crashed",
-    "invalidate", "invalidate_namespace", "drop_and_ack", "revoke_acked", "complete_invalidation",
-    "evict", "evict_refused",
-    "start_transfer", "store_copy", "finish_transfer", "free_drained", "cancel_transfer",
-    "trust_read_lease", "trust_renewal", "start_writing",
-    "store_bytes", "fence_stale_write", "free_slot", "fence_stale_free",
-    "retry_free", "free_acked", "declare_node_down",
-    "drop", "duplicate", "crash", "restart_node", "restart_directory",
-)
-
-# Every label a step can carry: the actions above (what an implementation logs, and the
+# Every label a step can carry: the model's actions (``vocabulary.ACTIONS``: what an implementation logs, and the
 # environment's) and the deliveries a receiver ignores, each with its reason (``SILENT_ACTIONS``:
 # from outside they look like a loss, in the model they are steps of their own). Coverage is
 # counted over all of them.

@@ -43,33 +43,27 @@ PHASES = (ABSENT, WRITING, COMMITTED, INVALIDATING)
 READABLE_PHASES = (COMMITTED, INVALIDATING)
 
 # -- refusal reasons ------------------------------------------------------------------------------
-# The same words as ``kvcc.reference.wire.REASON_*`` (a test keeps them equal); the last three are
-# refusals the wire module does not name yet.
-REASON_NOT_COMMITTED = "not_committed"  # no committed generation to lease (ABSENT or WRITING)
-REASON_INVALIDATING = "invalidating"  # no new leases, renewals or evictions while an invalidation runs
-REASON_NOT_ABSENT = "not_absent"  # begin_write on a key that has a generation
-REASON_PARENT_NOT_COMMITTED = "parent_not_committed"  # prefix chains are written root first
-REASON_UNAUTHORIZED = "unauthorized"  # namespace not allowed for this tenant
-REASON_UNKNOWN_LEASE = "unknown_lease"  # expired, revoked, released or never granted
-REASON_STALE_EPOCH = "stale_epoch"  # a commit under an epoch that is no longer the key's
-REASON_LEASE_EXPIRED = "lease_expired"  # a commit after its write lease expired
-REASON_LEASED = "leased"  # eviction refused: a live read lease on that location
-REASON_HAS_CHILDREN = "has_children"  # eviction refused: leaves before their ancestors
-REASON_RESTARTING = "restarting"  # a restarted directory's grace period: nothing is freed
-REASON_NOT_FOUND = "not_found"  # eviction of a location that holds no copy the directory knows
-REASON_WRONG_GENERATION = "wrong_generation"
-REASON_ALREADY_LEASED = "already_leased"  # the holder has a live lease on the key: renew it instead
-REASON_NOT_OWNER = "not_owner"  # renewal of a lease on a copy that is no longer the owner (draining)
-REASON_DRAINING_FIRST = "draining_first"  # the owner copy is the last one: the draining copy goes first
-REASON_LOCATION_DOWN = "location_down"  # the copy is on a node the directory has declared down
-
-REASONS = (
-    REASON_NOT_COMMITTED, REASON_INVALIDATING, REASON_NOT_ABSENT, REASON_PARENT_NOT_COMMITTED,
-    REASON_UNAUTHORIZED, REASON_UNKNOWN_LEASE, REASON_STALE_EPOCH, REASON_LEASE_EXPIRED,
-    REASON_LEASED, REASON_HAS_CHILDREN, REASON_RESTARTING, REASON_NOT_FOUND, REASON_WRONG_GENERATION,
-    REASON_ALREADY_LEASED, REASON_NOT_OWNER, REASON_DRAINING_FIRST, REASON_LOCATION_DOWN,
-)  # fmt: skip
-assert len(set(REASONS)) == len(REASONS)
+# The protocol's words (``vocabulary``); ``REASONS`` here are the directory's, the ones its rules give.
+from .vocabulary import (  # noqa: E402
+    DIRECTORY_REASONS as REASONS,
+    REASON_ALREADY_LEASED,
+    REASON_DRAINING_FIRST,
+    REASON_HAS_CHILDREN,
+    REASON_INVALIDATING,
+    REASON_LEASE_EXPIRED,
+    REASON_LEASED,
+    REASON_LOCATION_DOWN,
+    REASON_NOT_ABSENT,
+    REASON_NOT_COMMITTED,
+    REASON_NOT_FOUND,
+    REASON_NOT_OWNER,
+    REASON_PARENT_NOT_COMMITTED,
+    REASON_RESTARTING,
+    REASON_STALE_EPOCH,
+    REASON_UNAUTHORIZED,
+    REASON_UNKNOWN_LEASE,
+    REASON_WRONG_GENERATION,
+)
 
 # -- time -----------------------------------------------------------------------------------------
 # docs/protocol.md (leases): clocks differ by at most epsilon. A holder stops trusting a lease at

@@ -25,7 +25,7 @@ the adapter process, and leaves the bytes to the store:
 - **Bytes** are stored under ``kvcc/<key>/g<gen>/e<epoch>``: a generation's bytes can never be
   read as another's, and a stale writer can never overwrite anything. Each value carries a header
   (magic, key, gen, epoch, length, SHA-256 of the data) that the reader verifies: anything else
-  (a torn transfer, a missing object, an object of another key) is ``Refused("miss")``, never
+  (a torn transfer, a missing object, an object of another key) is ``Refused(REASON_MISS)``, never
   wrong bytes.
 - **Holders** (each node's client, in the adapter process) trust a lease from when they *sent*
   the request until ``sent + term - skew`` on their own clock (``skew_clock`` offsets it), refuse
@@ -84,6 +84,7 @@ from kvcc.reference.directory.core import (
 )
 from kvcc.reference.errors import PeerViolation, Unauthorized
 from kvcc.spec.keys import BlockKey, LocationId, Namespace, NodeId
+from kvcc.spec.vocabulary import REASON_ALREADY_LEASED, REASON_FENCED, REASON_MISS, REASON_NOT_ABSENT
 
 from .base import RC_OBJECT_NOT_FOUND, RC_OK, MooncakeDeployment
 
@@ -362,7 +363,7 @@ class MooncakeKvccAdapter(MooncakeDeployment):
             if (node, key) in self._write_in_progress and not self._abandon_dead_write(node, key):
                 # A client has one write of a key in progress at a time (as the spec's writer):
                 # a second request of the same node is answered by the client itself.
-                return Refused("not_absent", "this node's client already has a write of the key in progress")
+                return Refused(REASON_NOT_ABSENT, "this node's client already has a write of the key in progress")
             self._write_in_progress.add((node, key))
             sent = time.monotonic_ns()
             request = self.next_id()
@@ -425,7 +426,7 @@ class MooncakeKvccAdapter(MooncakeDeployment):
                 self._writing[grant.lease] = attrs.evolve(w, fenced=True)
                 if not w.zombie:
                     self._write_in_progress.discard((grant.node, grant.key))
-                return Refused("fenced", f"location {loc} has seen epoch {self._fence[(loc, grant.key)]}")
+                return Refused(REASON_FENCED, f"location {loc} has seen epoch {self._fence[(loc, grant.key)]}")
         value = encode_value(grant.key, grant.gen, grant.epoch, bytes(data))
         segment = self.segment(loc) if loc in self.nodes() else ""
         rc = self.rc(grant.node, "put", key=object_name(grant.key, grant.gen, grant.epoch), payload=value, preferred_segment=segment)
@@ -440,7 +441,7 @@ class MooncakeKvccAdapter(MooncakeDeployment):
                     self._writing[grant.lease] = attrs.evolve(w, fenced=True)
                 if not w.zombie:
                     self._write_in_progress.discard((grant.node, grant.key))
-                return Refused("fenced", "a higher epoch landed first")
+                return Refused(REASON_FENCED, "a higher epoch landed first")
             self._fence[(loc, grant.key)] = grant.epoch
             self._objects.setdefault((loc, grant.key), set()).add((grant.gen, grant.epoch))
             self.logs.emit(loc, "store_bytes", key=grant.key, gen=grant.gen, epoch=grant.epoch, lease=grant.lease, writer=grant.node, location=loc)
@@ -496,7 +497,7 @@ class MooncakeKvccAdapter(MooncakeDeployment):
             if held is not None and authorized:
                 if self._node_now_ns(node) < held.trusted_until_ns:
                     # The spec's holder has one slot per key: renew the lease it trusts instead.
-                    return Refused("already_leased", "this node holds a live lease on the key")
+                    return Refused(REASON_ALREADY_LEASED, "this node holds a live lease on the key")
                 del self._held[(node, key)]  # past its own deadline: trusted no more
             sent = time.monotonic_ns()
             own_sent = self._node_now_ns(node)

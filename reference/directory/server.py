@@ -64,6 +64,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvcc.spec.keys import BlockKey, LocationId, NodeId
+from kvcc.spec.vocabulary import REASON_NOT_FOUND
 
 from ..errors import PeerViolation
 from ..events import EventLog
@@ -416,7 +417,7 @@ class DirectoryServer:
     def _transfer(self, tenant: str, msg: Transfer) -> Any:
         rec = self.core.records.get(msg.key)
         if rec is None or not self.tenants.allows(tenant, rec.namespace):
-            return TransferRefused(msg.key, msg.destination, "not_found")
+            return TransferRefused(msg.key, msg.destination, REASON_NOT_FOUND)
         ok, effects = self.core.start_transfer(msg.key, msg.destination, self.now_ms())
         self._apply(effects)
         if not ok:

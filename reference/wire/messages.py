@@ -23,27 +23,32 @@ from .limits import MAX_CODE_BYTES
 Code = NewType("Code", str)  # a stable machine-readable word: [a-z][a-z0-9_]*, at most 64 bytes
 CODE_RE = re.compile(rf"[a-z][a-z0-9_]{{0,{MAX_CODE_BYTES - 1}}}")
 
-# Refusal reasons (LeaseRefused, CommitRejected, EvictRefused, ReadRefused, CopyFailed). Servers
-# may use others that fit ``Code``; these are the ones the spec's refusals name.
-REASON_NOT_COMMITTED = "not_committed"  # no committed generation to lease (ABSENT or WRITING)
-REASON_INVALIDATING = "invalidating"  # no new leases while an invalidation runs
-REASON_NOT_ABSENT = "not_absent"  # begin_write on a key that has a generation
-REASON_PARENT_NOT_COMMITTED = "parent_not_committed"  # prefix chains are written root first
-REASON_UNAUTHORIZED = "unauthorized"  # namespace not allowed for this tenant
-REASON_UNKNOWN_LEASE = "unknown_lease"  # expired, revoked, released or never granted
-REASON_STALE_EPOCH = "stale_epoch"  # a commit under an epoch that is no longer the key's
-REASON_LEASE_EXPIRED = "lease_expired"
-REASON_LEASED = "leased"  # eviction refused: a live read lease on that location
-REASON_HAS_CHILDREN = "has_children"  # eviction refused: leaves before their ancestors
-REASON_RESTARTING = "restarting"  # a restarted directory's grace period
-REASON_NOT_FOUND = "not_found"
-REASON_WRONG_GENERATION = "wrong_generation"
-
-# Invalidate.scope
-SCOPE_KEY = "key"  # one key's generation -- and, by the cascade rule, its descendants
-SCOPE_PREFIX = "prefix"  # the subtree under the last key of a prefix chain
-SCOPE_NAMESPACE = "namespace"  # every key of one namespace
-SCOPES = (SCOPE_KEY, SCOPE_PREFIX, SCOPE_NAMESPACE)
+# Refusal reasons (LeaseRefused, CommitRejected, EvictRefused, ReadRefused, CopyFailed) and
+# Invalidate.scope: the protocol's words (``kvcc.spec.vocabulary``). Servers may use other reasons
+# that fit ``Code``; these are the ones the spec's refusals name.
+from kvcc.spec.vocabulary import (  # noqa: E402
+    REASON_ALREADY_LEASED,
+    REASON_DRAINING_FIRST,
+    REASON_HAS_CHILDREN,
+    REASON_INVALIDATING,
+    REASON_LEASE_EXPIRED,
+    REASON_LEASED,
+    REASON_LOCATION_DOWN,
+    REASON_NOT_ABSENT,
+    REASON_NOT_COMMITTED,
+    REASON_NOT_FOUND,
+    REASON_NOT_OWNER,
+    REASON_PARENT_NOT_COMMITTED,
+    REASON_RESTARTING,
+    REASON_STALE_EPOCH,
+    REASON_UNAUTHORIZED,
+    REASON_UNKNOWN_LEASE,
+    REASON_WRONG_GENERATION,
+    SCOPE_KEY,
+    SCOPE_NAMESPACE,
+    SCOPE_PREFIX,
+    SCOPES,
+)
 
 # Error.code values sent by the transport itself (PeerViolation codes are also used verbatim).
 ERROR_BUSY = "busy"  # too many connections
