@@ -50,7 +50,7 @@ from kvcc.conformance.contract import (
     WriteGrant,
 )
 from kvcc.spec.keys import BlockKey, Namespace
-from kvcc.spec.vocabulary import REASON_NOT_FOUND, REASON_REVOKED, REASON_UNAUTHORIZED, REASON_UNKNOWN_LEASE
+from kvcc.spec.vocabulary import REASON_NOT_FOUND, REASON_REVOKED, REASON_UNAUTHORIZED, REASON_UNKNOWN_LEASE, SCOPES
 
 CLIENT_SUFFIX = ".engine"
 NODE_TIERS = ("dram=4MiB", "nvme=16MiB")
@@ -90,7 +90,7 @@ class ReferenceAdapter(Adapter):
         return Capabilities(
             profiles=frozenset(PROFILES),
             faults=frozenset(FAULTS) - {"corrupt"},
-            scopes=frozenset({"key", "prefix", "namespace"}),
+            scopes=frozenset(SCOPES),
             events="native",
             leases="enforced",
             frees_acknowledged=True,

@@ -84,7 +84,7 @@ from kvcc.reference.directory.core import (
 )
 from kvcc.reference.errors import PeerViolation, Unauthorized
 from kvcc.spec.keys import BlockKey, LocationId, Namespace, NodeId
-from kvcc.spec.vocabulary import REASON_ALREADY_LEASED, REASON_FENCED, REASON_MISS, REASON_NOT_ABSENT
+from kvcc.spec.vocabulary import REASON_ALREADY_LEASED, REASON_FENCED, REASON_MISS, REASON_NOT_ABSENT, SCOPES
 
 from .base import RC_OBJECT_NOT_FOUND, RC_OK, MooncakeDeployment
 
@@ -171,7 +171,7 @@ class MooncakeKvccAdapter(MooncakeDeployment):
         return Capabilities(
             profiles=frozenset({"core", "leases", "invalidation", "faults"}),
             faults=frozenset({"kill", "restart", "pause", "resume", "skew_clock", "restart_directory"}),
-            scopes=frozenset({"key", "prefix", "namespace"}),
+            scopes=frozenset(SCOPES),
             events="native",
             leases="enforced",
             frees_acknowledged=True,
