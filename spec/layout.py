@@ -34,8 +34,9 @@ NO_LOCATION = 0  # stored as location + 1
 NO_NODE = 0  # stored as node + 1
 NO_LEASE = 0  # lease ids start at 1
 
-# Messages: (kind, node, key, a, b, c, d). ``node`` is the sender of a request or the addressee of
-# a reply; data-plane messages (write bytes, free, copy) address a location in field ``a``.
+# Messages: (kind, node, key, four payload fields named per kind in ``MESSAGE_FIELDS``). ``node`` is
+# the sender of a request or the addressee of a reply; data-plane messages (free, copy, copied,
+# freed) address a location in their first field.
 MESSAGE_WIDTH = 7
 (
     M_ACQUIRE,  # node -> directory: acquire a read lease, request a        (n, k, req)
@@ -78,8 +79,99 @@ MESSAGE_NAMES = {
 LOCATION_MESSAGES = frozenset((M_FREE, M_COPY, M_COPIED, M_FREED))
 
 
-def message(kind: int, node: int = 0, key: int = 0, a: int = 0, b: int = 0, c: int = 0, d: int = 0) -> bytes:
-    return bytes((kind, node, key, a, b, c, d))
+# What each kind carries in its four payload fields (positions 3 to 6 of the message), by name
+# ("-": unused, always 0). A ``location`` or ``source`` is stored as location + 1; ``what`` is
+# REFUSED_READ or REFUSED_WRITE. The constructors below are the only writers of these positions.
+MESSAGE_FIELDS = {
+    M_ACQUIRE: ("request", "-", "-", "-"),
+    M_RENEW: ("lease", "location", "request", "-"),
+    M_GRANT_READ: ("lease", "location", "gen", "request"),
+    M_RENEWED: ("lease", "-", "-", "request"),
+    M_RELEASE: ("lease", "-", "-", "-"),
+    M_BEGIN_WRITE: ("-", "-", "-", "-"),
+    M_GRANT_WRITE: ("lease", "location", "gen", "epoch"),
+    M_WRITE_BYTES: ("lease", "location", "gen", "epoch"),
+    M_COMMIT: ("lease", "-", "-", "epoch"),
+    M_REVOKE: ("lease", "-", "gen", "-"),
+    M_ACK: ("lease", "-", "-", "-"),
+    M_FREE: ("location", "-", "-", "epoch"),
+    M_COPY: ("location", "source", "gen", "epoch"),
+    M_COPIED: ("location", "-", "-", "epoch"),
+    M_REFUSE: ("request", "what", "-", "-"),
+    M_FREED: ("location", "-", "-", "epoch"),
+}
+assert set(MESSAGE_FIELDS) == set(MESSAGE_NAMES)
+
+
+def message(kind: int, node: int = 0, key: int = 0, *fields: int) -> bytes:
+    """A message from its kind, node, key and payload fields in ``MESSAGE_FIELDS`` order (the raw
+    packer: the model uses the named constructors below)."""
+    return bytes((kind, node, key, *fields, *(0,) * (4 - len(fields))))
+
+
+# One constructor per kind, its parameters named as in ``MESSAGE_FIELDS`` (``loc1``: location + 1).
+def acquire_msg(node: int, key: int, request: int) -> bytes:
+    return bytes((M_ACQUIRE, node, key, request, 0, 0, 0))
+
+
+def renew_msg(node: int, key: int, lease: int, loc1: int, request: int) -> bytes:
+    return bytes((M_RENEW, node, key, lease, loc1, request, 0))
+
+
+def grant_read_msg(node: int, key: int, lease: int, loc1: int, gen: int, request: int) -> bytes:
+    return bytes((M_GRANT_READ, node, key, lease, loc1, gen, request))
+
+
+def renewed_msg(node: int, key: int, lease: int, request: int) -> bytes:
+    return bytes((M_RENEWED, node, key, lease, 0, 0, request))
+
+
+def release_msg(node: int, key: int, lease: int) -> bytes:
+    return bytes((M_RELEASE, node, key, lease, 0, 0, 0))
+
+
+def begin_write_msg(node: int, key: int) -> bytes:
+    return bytes((M_BEGIN_WRITE, node, key, 0, 0, 0, 0))
+
+
+def grant_write_msg(node: int, key: int, lease: int, loc1: int, gen: int, epoch: int) -> bytes:
+    return bytes((M_GRANT_WRITE, node, key, lease, loc1, gen, epoch))
+
+
+def write_bytes_msg(node: int, key: int, lease: int, loc1: int, gen: int, epoch: int) -> bytes:
+    return bytes((M_WRITE_BYTES, node, key, lease, loc1, gen, epoch))
+
+
+def commit_msg(node: int, key: int, lease: int, epoch: int) -> bytes:
+    return bytes((M_COMMIT, node, key, lease, 0, 0, epoch))
+
+
+def revoke_msg(node: int, key: int, lease: int, gen: int) -> bytes:
+    return bytes((M_REVOKE, node, key, lease, 0, gen, 0))
+
+
+def ack_msg(node: int, key: int, lease: int) -> bytes:
+    return bytes((M_ACK, node, key, lease, 0, 0, 0))
+
+
+def free_msg(key: int, loc1: int, epoch: int) -> bytes:
+    return bytes((M_FREE, 0, key, loc1, 0, 0, epoch))
+
+
+def copy_msg(key: int, loc1: int, source1: int, gen: int, epoch: int) -> bytes:
+    return bytes((M_COPY, 0, key, loc1, source1, gen, epoch))
+
+
+def copied_msg(key: int, loc1: int, epoch: int) -> bytes:
+    return bytes((M_COPIED, 0, key, loc1, 0, 0, epoch))
+
+
+def refuse_msg(node: int, key: int, request: int, what: int) -> bytes:
+    return bytes((M_REFUSE, node, key, request, what, 0, 0))
+
+
+def freed_msg(key: int, loc1: int, epoch: int) -> bytes:
+    return bytes((M_FREED, 0, key, loc1, 0, 0, epoch))
 
 
 class Layout:
@@ -246,36 +338,19 @@ class Layout:
 
     @staticmethod
     def message_text(msg: bytes) -> str:
-        kind, node, key, a, b, c, d = msg
-        name = MESSAGE_NAMES[kind]
-        if kind in (M_WRITE_BYTES,):
-            return f"{name}(from=n{node}, k{key}, lease={a}, to=l{b - 1}, gen={c}, epoch={d})"
-        if kind in (M_FREE, M_FREED):
-            return f"{name}(l{a - 1}, k{key}, epoch={d})"
-        if kind == M_REFUSE:
-            what = "write" if b == REFUSED_WRITE else f"request={a}"
-            return f"{name}(n{node}, k{key}, {what})"
-        if kind == M_REVOKE:
-            return f"{name}(n{node}, k{key}, lease={a}, gen={c})"
-        if kind == M_COPY:
-            return f"{name}(to=l{a - 1}, k{key}, from=l{b - 1}, gen={c}, epoch={d})"
-        if kind == M_COPIED:
-            return f"{name}(l{a - 1}, k{key}, epoch={d})"
-        if kind == M_ACQUIRE:
-            return f"{name}(n{node}, k{key}, request={a})"
-        if kind == M_BEGIN_WRITE:
-            return f"{name}(n{node}, k{key})"
-        if kind == M_RENEW:
-            return f"{name}(n{node}, k{key}, lease={a}, l{b - 1}, request={c})"
-        if kind == M_RENEWED:
-            return f"{name}(n{node}, k{key}, lease={a}, request={d})"
-        if kind == M_GRANT_READ:
-            return f"{name}(n{node}, k{key}, lease={a}, l{b - 1}, gen={c}, request={d})"
-        if kind == M_GRANT_WRITE:
-            return f"{name}(n{node}, k{key}, lease={a}, l{b - 1}, gen={c}, epoch={d})"
-        if kind == M_COMMIT:
-            return f"{name}(n{node}, k{key}, lease={a}, epoch={d})"
-        return f"{name}(n{node}, k{key}, lease={a})"
+        kind, node, key = msg[0], msg[1], msg[2]
+        parts = [] if kind in LOCATION_MESSAGES else [f"n{node}"]
+        parts.append(f"k{key}")
+        for name, value in zip(MESSAGE_FIELDS[kind], msg[3:]):
+            if name == "-":
+                continue
+            if name in ("location", "source"):
+                parts.append(f"{name}=l{value - 1}")
+            elif name == "what":
+                parts.append("write" if value == REFUSED_WRITE else "read")
+            else:
+                parts.append(f"{name}={value}")
+        return f"{MESSAGE_NAMES[kind]}({', '.join(parts)})"
 
     def variables(self, state: bytes) -> dict[str, str]:
         """Every fixed variable by name, as text (messages separately)."""

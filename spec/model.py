@@ -99,7 +99,22 @@ from .layout import (
     W_NONE,
     W_REQUESTED,
     Layout,
-    message,
+    ack_msg,
+    acquire_msg,
+    begin_write_msg,
+    commit_msg,
+    copied_msg,
+    copy_msg,
+    free_msg,
+    freed_msg,
+    grant_read_msg,
+    grant_write_msg,
+    refuse_msg,
+    release_msg,
+    renew_msg,
+    renewed_msg,
+    revoke_msg,
+    write_bytes_msg,
 )
 from .rules import (
     ABSENT,
@@ -650,10 +665,10 @@ class Model:
             b[L.p_left[n][k]] = self.holder_budget
             if h_id == NO_LEASE:
                 b[L.p_kind[n][k]] = P_ACQUIRE
-                out.append(("acquire", (n, k), self._pack(b, net + [message(M_ACQUIRE, n, k, req)])))
+                out.append(("acquire", (n, k), self._pack(b, net + [acquire_msg(n, k, req)])))
             else:
                 b[L.p_kind[n][k]] = P_RENEW
-                renew = message(M_RENEW, n, k, h_id, s[L.h_loc[n][k]], req)
+                renew = renew_msg(n, k, h_id, s[L.h_loc[n][k]], req)
                 out.append(("renew", (n, k), self._pack(b, net + [renew])))
         if s[L.p_kind[n][k]] != P_NONE:
             # The client gives up on its request before its answer or its timeout (a caller that
@@ -672,7 +687,7 @@ class Model:
             if s[L.p_kind[n][k]] == P_RENEW:
                 self._end_pending(b, n, k)
             rest = list(net)
-            self._send(rest, message(M_RELEASE, n, k, h_id))
+            self._send(rest, release_msg(n, k, h_id))
             out.append(("release", (n, k), self._pack(b, rest)))
 
     # -- writer side --------------------------------------------------------------------------
@@ -685,7 +700,7 @@ class Model:
                 b = bytearray(fixed)
                 b[L.w_stage[n][k]] = W_REQUESTED
                 b[L.write_lost[n][k]] = 0
-                out.append(("begin_write", (n, k), self._pack(b, net + [message(M_BEGIN_WRITE, n, k)])))
+                out.append(("begin_write", (n, k), self._pack(b, net + [begin_write_msg(n, k)])))
             return
         if stage in (W_REQUESTED, W_BYTES_SENT) and "writer_never_gives_up" not in self.bugs:
             # The client gives up (a timeout): a late grant finds nobody waiting, bytes still in
@@ -710,7 +725,7 @@ class Model:
                 # The owed Free or its Freed may have been lost (or a down location swallowed
                 # it): again. Idempotent at the location; due once nothing of it is on its way.
                 rest = list(net)
-                self._send(rest, message(M_FREE, 0, k, loc + 1, 0, 0, s[L.to_free[loc][k]]))
+                self._send(rest, free_msg(k, loc + 1, s[L.to_free[loc][k]]))
                 out.append(("retry_free", (k, loc), self._pack(bytearray(fixed), rest)))
         if phase == WRITING:
             if write_lease_must_expire(phase, s[L.w_left[k]] > 0) and "write_lease_never_expires" not in self.bugs:
@@ -753,7 +768,7 @@ class Model:
         L = self.L
         i = L.to_free[loc1 - 1][k]
         b[i] = owe_free(b[i], epoch)
-        self._send(net, message(M_FREE, 0, k, loc1, 0, 0, epoch))
+        self._send(net, free_msg(k, loc1, epoch))
 
     def _free_copies(self, s: bytes, b: bytearray, net: list[bytes], k: int) -> None:
         L = self.L
@@ -795,7 +810,7 @@ class Model:
                 for n in range(self.N):
                     lease = b[L.r_id[j][n]]
                     if lease != NO_LEASE:
-                        self._send(net, message(M_REVOKE, n, j, lease, 0, s[L.gen[j]]))
+                        self._send(net, revoke_msg(n, j, lease, s[L.gen[j]]))
             elif step == INVALIDATE_ABORT_WRITE:
                 # A write in progress below an invalidated prefix is aborted; its commit will
                 # find the generation gone, and whatever it stored is freed.
@@ -871,7 +886,7 @@ class Model:
             b = bytearray(fixed)
             b[L.epoch[k]] = s[L.epoch[k]] if "transfer_keeps_epoch" in self.bugs else next_epoch(s[L.epoch[k]])
             b[L.moving[k]] = dest + 1
-            copy = message(M_COPY, 0, k, dest + 1, owner, s[L.gen[k]], b[L.epoch[k]])
+            copy = copy_msg(k, dest + 1, owner, s[L.gen[k]], b[L.epoch[k]])
             out.append(("start_transfer", (k, dest), self._pack(b, net + [copy])))
 
     # -- message delivery ---------------------------------------------------------------------
@@ -894,7 +909,7 @@ class Model:
         if refusal is not None or s[L.next_id] > cfg.max_lease_id:
             b = bytearray(fixed)
             rest = list(net)
-            self._refuse(b, rest, message(M_REFUSE, n, k, req, REFUSED_READ))
+            self._refuse(b, rest, refuse_msg(n, k, req, REFUSED_READ))
             out.append(("refuse_read_lease", (n, k), self._pack(b, rest)))
             return
         b = bytearray(fixed)
@@ -906,7 +921,7 @@ class Model:
         b[L.r_left[k][n]] = self.directory_view
         rest = list(net)
         grant_loc1 = s[L.draining[k]] or loc1 if "grant_names_draining_copy" in self.bugs else loc1
-        self._reply(b, rest, message(M_GRANT_READ, n, k, lease, grant_loc1, s[L.gen[k]], req))
+        self._reply(b, rest, grant_read_msg(n, k, lease, grant_loc1, s[L.gen[k]], req))
         out.append(("grant_read_lease", (n, k, lease), self._pack(b, rest)))
 
     def _on_renew(self, s, fixed, net, msg, out):
@@ -926,12 +941,12 @@ class Model:
             b[L.r_loc[k][n]] = loc1
             b[L.r_left[k][n]] = self.directory_view
             rest = list(net)
-            self._reply(b, rest, message(M_RENEWED, n, k, lease, 0, 0, req))
+            self._reply(b, rest, renewed_msg(n, k, lease, req))
             out.append(("renew_lease", (n, k, lease), self._pack(b, rest)))
         else:
             b = bytearray(fixed)
             rest = list(net)
-            self._refuse(b, rest, message(M_REFUSE, n, k, req, REFUSED_READ))
+            self._refuse(b, rest, refuse_msg(n, k, req, REFUSED_READ))
             out.append(("refuse_renewal", (n, k, lease), self._pack(b, rest)))
 
     def _on_release(self, s, fixed, net, msg, out):
@@ -955,7 +970,7 @@ class Model:
         if refusal is not None or s[L.epoch[k]] >= cfg.max_epoch or s[L.next_id] > cfg.max_lease_id:
             b = bytearray(fixed)
             rest = list(net)
-            self._refuse(b, rest, message(M_REFUSE, n, k, 0, REFUSED_WRITE))
+            self._refuse(b, rest, refuse_msg(n, k, 0, REFUSED_WRITE))
             out.append(("refuse_write_lease", (n, k), self._pack(b, rest)))
             return
         lease = s[L.next_id]
@@ -972,7 +987,7 @@ class Model:
             b[L.w_id[k]] = lease
             b[L.w_left[k]] = self.directory_view
             rest = list(net)
-            self._reply(b, rest, message(M_GRANT_WRITE, n, k, lease, loc + 1, s[L.gen[k]], epoch))
+            self._reply(b, rest, grant_write_msg(n, k, lease, loc + 1, s[L.gen[k]], epoch))
             out.append(("grant_write_lease", (n, k, loc), self._pack(b, rest)))
 
     def _on_commit(self, s, fixed, net, msg, out):
@@ -1070,7 +1085,7 @@ class Model:
             b[L.wr_epoch[n][k]] = epoch
             b[L.wr_loc[n][k]] = loc1
             rest = list(net)
-            self._send(rest, message(M_WRITE_BYTES, n, k, lease, loc1, gen, epoch))
+            self._send(rest, write_bytes_msg(n, k, lease, loc1, gen, epoch))
             out.append(("start_writing", (n, k, lease), self._pack(b, rest)))
         else:
             out.append(("ignore_stale_write_grant", (n, k, lease), self._pack(b, net)))
@@ -1096,7 +1111,7 @@ class Model:
                 self._end_pending(b, n, k)
             if gen == s[L.gen[k]]:
                 b[L.acked[n][k]] = 1  # ghost: this node acknowledged the current generation's end
-            self._send(rest, message(M_ACK, n, k, lease))
+            self._send(rest, ack_msg(n, k, lease))
         out.append(("drop_and_ack", (n, k, lease), self._pack(b, rest)))
 
     # data plane, at a location
@@ -1126,7 +1141,7 @@ class Model:
             # Published (written, synced, then made visible): the writer asks to commit.
             self._clear_writer(b, n, k)
             rest = list(net)
-            self._send(rest, message(M_COMMIT, n, k, lease, 0, 0, epoch))
+            self._send(rest, commit_msg(n, k, lease, epoch))
         out.append(("store_bytes", (n, k, loc), self._pack(b, rest)))
 
     def _slot_accepts(self, s: bytes, loc: int, k: int, epoch: int) -> bool:
@@ -1149,7 +1164,7 @@ class Model:
         if not free_takes(epoch, s[L.fence[loc][k]], full, s[L.s_epoch[loc][k]]) and "no_fencing" not in self.bugs:
             # Newer bytes are here (or a newer epoch was seen by an empty slot): whatever that
             # Free was for is gone already.
-            self._send(rest, message(M_FREED, 0, k, loc1, 0, 0, epoch))
+            self._send(rest, freed_msg(k, loc1, epoch))
             out.append(("fence_stale_free", (k, loc), self._pack(b, rest)))
         else:
             b[L.s_status[loc][k]] = EMPTY
@@ -1157,7 +1172,7 @@ class Model:
             b[L.freed[loc][k]] = max(epoch, s[L.freed[loc][k]])
             if b[L.fence[loc][k]] > b[L.freed[loc][k]]:
                 b[L.freed[loc][k]] = 0  # the fence refuses all it did
-            self._send(rest, message(M_FREED, 0, k, loc1, 0, 0, epoch))
+            self._send(rest, freed_msg(k, loc1, epoch))
             out.append(("free_slot", (k, loc), self._pack(b, rest)))
 
     def _on_freed(self, s, fixed, net, msg, out):
@@ -1213,7 +1228,7 @@ class Model:
         b[L.fence[dest][k]] = max(epoch, s[L.fence[dest][k]])
         b[L.freed[dest][k]] = 0  # the fence now refuses all it did
         rest = list(net)
-        self._send(rest, message(M_COPIED, 0, k, dest1, 0, 0, epoch))
+        self._send(rest, copied_msg(k, dest1, epoch))
         out.append(("store_copy", (k, dest), self._pack(b, rest)))
 
     _handlers: dict[int, Callable] = {
