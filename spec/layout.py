@@ -338,17 +338,22 @@ class Layout:
 
     @staticmethod
     def message_text(msg: bytes) -> str:
+        """``WriteBytes(from=n0, k0, lease=1, to=l0, gen=1, epoch=1)``, ``Free(l1, k0, epoch=2)``:
+        the fields of ``MESSAGE_FIELDS`` by name; a data move's locations as ``to=`` and ``from=``."""
         kind, node, key = msg[0], msg[1], msg[2]
-        parts = [] if kind in LOCATION_MESSAGES else [f"n{node}"]
+        moves = kind in (M_WRITE_BYTES, M_COPY)
+        parts = [] if kind in LOCATION_MESSAGES else [f"from=n{node}" if moves else f"n{node}"]
         parts.append(f"k{key}")
         for name, value in zip(MESSAGE_FIELDS[kind], msg[3:]):
-            if name == "-":
-                continue
-            if name in ("location", "source"):
-                parts.append(f"{name}=l{value - 1}")
+            if name == "location" and moves:
+                parts.append(f"to=l{value - 1}")
+            elif name == "location":  # a location message names its location first
+                parts.insert(0 if kind in LOCATION_MESSAGES else len(parts), f"l{value - 1}")
+            elif name == "source":
+                parts.append(f"from=l{value - 1}")
             elif name == "what":
                 parts.append("write" if value == REFUSED_WRITE else "read")
-            else:
+            elif name != "-":
                 parts.append(f"{name}={value}")
         return f"{MESSAGE_NAMES[kind]}({', '.join(parts)})"
 
