@@ -84,6 +84,7 @@ from kvcc.reference.directory.core import (
 )
 from kvcc.reference.errors import PeerViolation, Unauthorized
 from kvcc.spec.keys import BlockKey, LocationId, Namespace, NodeId
+from kvcc.spec.rules import fence_accepts
 from kvcc.spec.vocabulary import REASON_ALREADY_LEASED, REASON_FENCED, REASON_MISS, REASON_NOT_ABSENT, SCOPES
 
 from .base import RC_OBJECT_NOT_FOUND, RC_OK, MooncakeDeployment
@@ -314,7 +315,7 @@ class MooncakeKvccAdapter(MooncakeDeployment):
         with self._lock:
             if location in self._down:
                 return  # the copy died with the node
-            fenced = epoch < self._fence.get((location, key), 0)
+            fenced = not fence_accepts(epoch, self._fence.get((location, key), 0))
             if fenced:
                 self.logs.emit(location, "fence_stale_free", key=key, epoch=epoch, location=location)
             else:
@@ -421,7 +422,7 @@ class MooncakeKvccAdapter(MooncakeDeployment):
                 w = self._writing[grant.lease] = attrs.evolve(w, started=True)
             if loc in self._down:
                 return Refused(REASON_MISS, f"location {loc} is down")
-            if grant.epoch < self._fence.get((loc, grant.key), 0):
+            if not fence_accepts(grant.epoch, self._fence.get((loc, grant.key), 0)):
                 self.logs.emit(loc, "fence_stale_write", key=grant.key, gen=grant.gen, epoch=grant.epoch, lease=grant.lease, writer=grant.node, location=loc)
                 self._writing[grant.lease] = attrs.evolve(w, fenced=True)
                 if not w.zombie:
@@ -433,7 +434,7 @@ class MooncakeKvccAdapter(MooncakeDeployment):
         if rc != RC_OK:
             return Refused(REASON_MISS, f"the store refused the put: {rc}")
         with self._lock:
-            if grant.epoch < self._fence.get((loc, grant.key), 0):
+            if not fence_accepts(grant.epoch, self._fence.get((loc, grant.key), 0)):
                 # A higher epoch landed while ours was in flight: ours is fenced after all.
                 self.logs.emit(loc, "fence_stale_write", key=grant.key, gen=grant.gen, epoch=grant.epoch, lease=grant.lease, writer=grant.node, location=loc)
                 w = self._writing.get(grant.lease)
