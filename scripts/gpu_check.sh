@@ -10,7 +10,7 @@
 #
 # Exit 0 only when CUDA is there, every selected test passed with none skipped, and the benchmark
 # ran. Without CUDA it exits 3 after saying so (the same tests then skip with their reason in a
-# plain `pytest tests/test_tiers.py -rs`). Environment: PYTHON (default: .venv/bin/python if it
+# plain `pytest tests/test_tiers*.py -rs`). Environment: PYTHON (default: .venv/bin/python if it
 # exists, else python3), TIMEOUT_S per step (default 300), BENCH_ARGS (extra benchmark flags).
 set -uo pipefail
 
@@ -64,7 +64,7 @@ cat "$RESULTS/gpu-env.txt"
 
 # 2. The GPU-tier tests, the pool forced onto cuda (a CPU fallback fails them instead).
 export KVCC_TEST_GPU_DEVICE=cuda
-timeout "$STEP_S" "$PYTHON" -m pytest tests/test_tiers.py -k "gpu or cuda" -rs -q -n 0 \
+timeout "$STEP_S" "$PYTHON" -m pytest tests/test_tiers.py tests/test_tiers_recovery.py tests/test_tiers_stateful.py -k "gpu or cuda" -rs -q -n 0 \
     --junitxml="$RESULTS/gpu-tests.xml" 2>&1 | tee "$RESULTS/gpu-tests.txt"
 tests_rc=${PIPESTATUS[0]}
 skipped=$(grep -Eo '[0-9]+ skipped' "$RESULTS/gpu-tests.txt" | tail -1 | cut -d' ' -f1)

@@ -93,7 +93,8 @@ COST_CLASSES = {
     "suite": {"test_conformance", "test_example_adapter", "test_mutation"},
     "integration": {"test_cluster_cli", "test_cluster_stateful", "test_deletion", "test_faults",
                     "test_etcd", "test_mooncake", "test_directory_server", "test_directory_store",
-                    "test_transport", "test_tiers", "test_metrics", "test_procs", "test_vllm"},
+                    "test_transport", "test_tiers", "test_tiers_recovery", "test_tiers_stateful", "test_metrics",
+                    "test_procs", "test_vllm"},
 }
 
 

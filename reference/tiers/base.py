@@ -412,7 +412,7 @@ def event(level: int, name: str, tier: str, key: bytes | None = None, **fields: 
 class Tier(abc.ABC):
     """One storage location's slots. Every method is thread-safe.
 
-    Implementations must keep the rules of the module docstring; ``tests/test_tiers.py`` checks them
+    Implementations must keep the rules of the module docstring; ``tests/test_tiers*.py`` check them
     for every tier in this package and can be pointed at a new one.
     """
 
