@@ -53,7 +53,7 @@ from attrs import frozen
 
 from kvcc.spec.keys import BlockKey, LocationId, Namespace
 from kvcc.spec.rules import holder_budget
-from kvcc.spec.vocabulary import (
+from kvcc.spec.vocabulary import (  # noqa: F401 (re-exported: the reasons a client answers with)
     REASON_ALREADY_LEASED,
     REASON_BUSY,
     REASON_FENCED,

@@ -44,7 +44,7 @@ READABLE_PHASES = (COMMITTED, INVALIDATING)
 
 # -- refusal reasons ------------------------------------------------------------------------------
 # The protocol's words (``vocabulary``); ``REASONS`` here are the directory's, the ones its rules give.
-from .vocabulary import (  # noqa: E402
+from .vocabulary import (  # noqa: E402, F401 (re-exported: the rules give these reasons)
     DIRECTORY_REASONS as REASONS,
     REASON_ALREADY_LEASED,
     REASON_DRAINING_FIRST,

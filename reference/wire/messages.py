@@ -26,7 +26,7 @@ CODE_RE = re.compile(rf"[a-z][a-z0-9_]{{0,{MAX_CODE_BYTES - 1}}}")
 # Refusal reasons (LeaseRefused, CommitRejected, EvictRefused, ReadRefused, CopyFailed) and
 # Invalidate.scope: the protocol's words (``kvcc.spec.vocabulary``). Servers may use other reasons
 # that fit ``Code``; these are the ones the spec's refusals name.
-from kvcc.spec.vocabulary import (  # noqa: E402
+from kvcc.spec.vocabulary import (  # noqa: E402, F401 (re-exported: the wire speaks these words)
     REASON_ALREADY_LEASED,
     REASON_DRAINING_FIRST,
     REASON_HAS_CHILDREN,
