@@ -53,6 +53,8 @@ def add_parsers(sub: Any) -> None:
     u.add_argument("--etcd-endpoints", metavar="URL[,URL...]", help="an etcd to use (default with --backend "
                    "etcd: start one on loopback)")
     u.add_argument("--serve", action="store_true", help="after the demo, keep serving until Ctrl-C")
+    u.add_argument("--metrics", action="store_true", help="every process serves Prometheus metrics on a free "
+                   "loopback port (printed, and in --json as metrics_urls)")
     u.add_argument("--json", action="store_true", help="print one JSON object and nothing else")
     u.set_defaults(func=cmd_cluster_up)
 
@@ -121,13 +123,16 @@ def cmd_cluster_up(args: argparse.Namespace) -> int:
             etcd.start()
             endpoints = ",".join(etcd.endpoints)
         cluster = LocalCluster(workdir, nodes=args.nodes, namespaces=[DEMO_NAMESPACE], backend=args.backend,
-                               etcd_endpoints=endpoints)  # fmt: skip
+                               etcd_endpoints=endpoints, metrics=args.metrics)  # fmt: skip
         with console.status(f"starting a directory and {args.nodes} nodes ..."):
             cluster.start()
         try:
             pids = {name: p.popen.pid for name, p in cluster.procs.items() if p.popen}
             console.print(f"[bold]kvcc cluster[/]: directory on 127.0.0.1:{cluster.directory_address[1]} "
                           f"({args.backend}), nodes {', '.join(cluster.node_ids)}; pids {pids}")
+            metrics_urls = {name: cluster.metrics_url(name) for name in cluster.procs} if args.metrics else {}
+            for name, url in metrics_urls.items():
+                console.print(f"metrics of {name}: {url}")
             rows = run_demo(cluster)
             table = Table(title="demo workload", show_lines=True)
             for col in ("step", "what", "outcome"):
@@ -156,7 +161,7 @@ def cmd_cluster_up(args: argparse.Namespace) -> int:
                       else f"[red]processes left running: {leftovers}[/]")  # fmt: skip
         if args.json:
             print(json.dumps({"ok": not leftovers, "workdir": str(workdir), "steps": [list(r) for r in rows],
-                              "events": counts}))  # fmt: skip
+                              "events": counts, "metrics_urls": metrics_urls}))  # fmt: skip
         return 0 if not leftovers else 1
     except ClusterError as e:
         console.print(f"[red]kvcc cluster up: {e}[/]")

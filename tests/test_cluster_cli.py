@@ -35,10 +35,13 @@ def _alive(pid: int) -> bool:
 
 
 def test_cluster_up_runs_the_demo_and_stops_cleanly(tmp_path):
-    r = _kvcc("cluster", "up", "--nodes", "3", "--workdir", str(tmp_path), "--json")
+    r = _kvcc("cluster", "up", "--nodes", "3", "--workdir", str(tmp_path), "--json", "--metrics")
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout)
     assert out["ok"] is True
+    # --metrics: every process served them on loopback (what they show: tests/test_metrics.py)
+    assert len(out["metrics_urls"]) == 4
+    assert all(u.startswith("http://127.0.0.1:") and u.endswith("/metrics") for u in out["metrics_urls"].values())
     steps = {s[0]: s[2] for s in out["steps"]}
     assert "6/6 leased reads from" in steps["lookup+read"]
     assert "returned the committed bytes" in steps["lookup+read"]
