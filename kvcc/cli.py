@@ -1,4 +1,4 @@
-"""kvcc's command line: ``kvcc check | mutants | prove | verify | bench checker | bench tiers | bench directory | bench validator``.
+"""kvcc's command line: ``kvcc check | mutants | prove | verify | bench checker | bench tiers | bench directory | bench validator | bench routing``.
 
 Exit codes: 0 when everything asked for holds, 1 when something fails (a violation, an unreached
 ``sometimes``, a manifest mismatch, a mutant not caught by its property, an unproved obligation),
@@ -619,6 +619,12 @@ def cmd_bench_validator(args: argparse.Namespace) -> int:
     return bench_validator.cli(args)
 
 
+def cmd_bench_routing(args: argparse.Namespace) -> int:
+    from kvcc.bench import routing as bench_routing
+
+    return bench_routing.cli(args)
+
+
 # ---------------------------------------------------------------------------------------- parser
 
 
@@ -701,6 +707,14 @@ def build_parser() -> argparse.ArgumentParser:
                                     "copy must be REJECTED.")
     add_validator_arguments(b)
     b.set_defaults(func=cmd_bench_validator)
+    from kvcc.bench.routing import add_arguments as add_routing_arguments
+
+    b = bsub.add_parser("routing", help="request routing policies replayed on Mooncake's traces, against hit-ratio bounds",
+                        description="Hit ratio, load balance and modelled TTFT of each routing policy on a simulated "
+                                    "cluster replaying Mooncake's request traces, beside the infinite-cache and "
+                                    "pooled-LRU bounds.")
+    add_routing_arguments(b)
+    b.set_defaults(func=cmd_bench_routing)
 
     from kvcc.cli_runtime import add_parsers as add_runtime_parsers
 

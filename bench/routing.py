@@ -1,0 +1,154 @@
+"""Benchmark: request routing on Mooncake's traces (``kvcc bench routing``).
+
+What is measured
+----------------
+``kvcc.reference.routing.sim`` replays each trace through each routing policy on a simulated
+cluster (N nodes, LRU caches of a fraction F of the trace's unique blocks in all, arrivals scaled
+to a utilisation U) and reports, per (trace, N, F, U, policy): ``hit_ratio`` (cached blocks used /
+block refs), ``bound_infinite`` and ``bound_pooled`` (one LRU of the total capacity),
+``vs_pooled`` = hit_ratio / bound_pooled, ``max_mean_load`` (the busiest node's assigned service
+work / the mean) and ``ttft_p50`` / ``ttft_p99`` (queueing + service, ms). Service times are
+modelled, not measured (``sim.Costs``).
+
+Target (the routing issue): a kvcc policy (``KVCC_POLICIES``) at least ``TARGET_VS_POOLED`` of
+the pooled bound with max/mean load at most ``TARGET_MAX_MEAN_LOAD``, and a hit ratio above the
+SGLang and Dynamo baselines', on the conversation trace. A benchmark reports; it does not fail on a
+missed target. Exit code 2 on bad input (a missing or malformed trace, a configuration out of
+range).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Iterable, Sequence
+from itertools import groupby
+from pathlib import Path
+from typing import Any
+
+from kvcc.reference.routing import sim
+from kvcc.reference.routing.policies import KVCC_POLICIES, POLICIES
+
+DEFAULT_NODES = (4, 8)
+DEFAULT_CAPACITIES = (0.25, 0.5)
+DEFAULT_UTILISATIONS = (0.7, 0.9)
+TARGET_VS_POOLED = 0.95
+TARGET_MAX_MEAN_LOAD = 1.1
+BASELINES = ("sglang_cache_aware", "dynamo_cost")
+CONFIG_KEYS = ("trace", "nodes", "capacity", "utilisation")
+
+
+def check_target(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """For one configuration's rows: kvcc's best policy within the load bound, and whether it
+    reaches the pooled-bound fraction and beats each baseline that was run."""
+    by_policy = {r["policy"]: r for r in rows}
+    balanced = [r for r in rows if r["policy"] in KVCC_POLICIES and r["max_mean_load"] <= TARGET_MAX_MEAN_LOAD]
+    best = max(balanced, key=lambda r: r["hit_ratio"], default=None)
+    out = {k: rows[0][k] for k in CONFIG_KEYS}
+    if best is None:
+        return {**out, "best": None, "met": False}
+    ahead = all(best["hit_ratio"] > by_policy[b]["hit_ratio"] for b in BASELINES if b in by_policy)
+    met = (best["vs_pooled"] or 0) >= TARGET_VS_POOLED and ahead
+    return {**out, "best": best["policy"], "vs_pooled": best["vs_pooled"], "ahead_of_baselines": ahead, "met": met}
+
+
+def targets(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``check_target`` for each configuration that ran at least one kvcc policy."""
+    out = []
+    for _, group in groupby(rows, key=lambda r: tuple(r[k] for k in CONFIG_KEYS)):
+        group = list(group)
+        if any(r["policy"] in KVCC_POLICIES for r in group):
+            out.append(check_target(group))
+    return out
+
+
+def measure(traces: Iterable[Path], nodes: Sequence[int], capacities: Sequence[float],
+            utilisations: Sequence[float], policies: Sequence[str]) -> dict[str, Any]:  # fmt: skip
+    costs = sim.Costs()
+    rows = []
+    for path in traces:
+        rows += sim.run(sim.load_trace(path), nodes, capacities, utilisations, policies, costs)
+    return {
+        "costs": {"prefill_ms_per_block": costs.prefill_ms, "load_ms_per_block": costs.load_ms,
+                  "block_tokens": sim.BLOCK_TOKENS, "prefill_tokens_per_s": costs.prefill_tokens_per_s,
+                  "load_gbps": costs.load_gbps, "kv_bytes_per_token": costs.kv_bytes_per_token},
+        "rows": rows,
+        "targets": targets(rows),
+        "beats_pooled": [{k: r[k] for k in (*CONFIG_KEYS, "policy", "vs_pooled")}
+                         for r in rows if r["hit_ratio"] > r["bound_pooled"]],
+    }  # fmt: skip
+
+
+def render(console: Any, r: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    c = r["costs"]
+    t = Table(title=f"routing on Mooncake traces (modelled: prefill {c['prefill_ms_per_block']:.1f} ms/block, "
+                    f"load {c['load_ms_per_block']:.1f} ms/block)")  # fmt: skip
+    for col in ("trace", "N", "cap", "U", "policy", "hit", "pooled", "infinite", "vs pooled", "max/mean",
+                "p50 ms", "p99 ms"):  # fmt: skip
+        t.add_column(col, justify="left" if col in ("trace", "policy") else "right")
+    for x in r["rows"]:
+        t.add_row(x["trace"].split("_trace")[0], str(x["nodes"]), f"{x['capacity']:g}", f"{x['utilisation']:g}",
+                  x["policy"], f"{x['hit_ratio']:.4f}", f"{x['bound_pooled']:.4f}", f"{x['bound_infinite']:.4f}",
+                  "-" if x["vs_pooled"] is None else f"{x['vs_pooled']:.3f}", f"{x['max_mean_load']:.3f}",
+                  f"{x['ttft_p50']:,.0f}", f"{x['ttft_p99']:,.0f}")  # fmt: skip
+    console.print(t)
+    for x in r["targets"]:
+        verdict = "met" if x["met"] else "missed"
+        if x["best"] and not x["ahead_of_baselines"]:
+            verdict += " (a baseline hits more)"
+        best = f"{x['best']} {x['vs_pooled']:.3f} of pooled" if x["best"] else "no kvcc policy within the load bound"
+        console.print(f"target {x['trace'].split('_trace')[0]} N={x['nodes']} cap={x['capacity']:g} "
+                      f"U={x['utilisation']:g}: {best}: {verdict}")  # fmt: skip
+    for x in r["beats_pooled"]:
+        console.print(f"[dim]{x['policy']} beats the pooled LRU on {x['trace']} N={x['nodes']} "
+                      f"cap={x['capacity']:g} U={x['utilisation']:g} ({x['vs_pooled']:.4f})[/]")  # fmt: skip
+
+
+# ------------------------------------------------------------------------------- entry points
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--trace", type=Path, action="append", metavar="FILE",
+                        help="a Mooncake JSON Lines trace, repeatable (default: both shared traces)")
+    parser.add_argument("--nodes", type=int, nargs="+", default=list(DEFAULT_NODES), metavar="N",
+                        help=f"cluster sizes (default {' '.join(map(str, DEFAULT_NODES))})")
+    parser.add_argument("--capacity", type=float, nargs="+", default=list(DEFAULT_CAPACITIES), metavar="F",
+                        help="total cache as a fraction of the trace's unique blocks, in (0, 1] "
+                             f"(default {' '.join(map(str, DEFAULT_CAPACITIES))})")
+    parser.add_argument("--utilisation", type=float, nargs="+", default=list(DEFAULT_UTILISATIONS), metavar="U",
+                        help="target utilisation at the pooled bound's hit ratio "
+                             f"(default {' '.join(map(str, DEFAULT_UTILISATIONS))})")
+    parser.add_argument("--policy", nargs="+", choices=list(POLICIES), default=list(POLICIES), metavar="NAME",
+                        help=f"policies (default all: {', '.join(POLICIES)})")
+    parser.add_argument("--json", action="store_true", help="print one JSON object and nothing else")  # fmt: skip
+
+
+def cli(args: argparse.Namespace) -> int:
+    from kvcc.console import print_json, stdout_console
+
+    try:
+        for nodes in args.nodes:
+            for capacity in args.capacity:
+                for utilisation in args.utilisation:
+                    sim.check_configuration(nodes, capacity, utilisation)
+        r = measure(args.trace or sim.default_traces(), args.nodes, args.capacity, args.utilisation, args.policy)
+    except (ValueError, sim.TraceError) as exc:
+        print(f"kvcc bench routing: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print_json(r)
+    else:
+        render(stdout_console(), r)
+    return 0
+
+
+def main(argv: Iterable[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvcc.bench.routing", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return cli(parser.parse_args(list(argv) if argv is not None else None))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
