@@ -72,28 +72,7 @@ from typing import Literal
 from attrs import field, frozen, validators
 
 from kvcc.spec.keys import BlockKey, Namespace
-from kvcc.spec.vocabulary import (
-    REASON_ALREADY_LEASED,
-    REASON_BUSY,
-    REASON_FENCED,
-    REASON_HAS_CHILDREN,
-    REASON_INVALIDATING,
-    REASON_LEASE_EXPIRED,
-    REASON_LEASED,
-    REASON_MISS,
-    REASON_NOT_ABSENT,
-    REASON_NOT_COMMITTED,
-    REASON_NOT_FOUND,
-    REASON_NOT_OWNER,
-    REASON_PARENT_NOT_COMMITTED,
-    REASON_RESTARTING,
-    REASON_STALE_EPOCH,
-    REASON_UNAUTHORIZED,
-    REASON_UNKNOWN_LEASE,
-    REASON_WRONG_GENERATION,
-    REASONS,
-    SCOPES,
-)
+from kvcc.spec.vocabulary import REASONS, SCOPES
 
 # -- vocabulary ------------------------------------------------------------------------------------
 

@@ -72,7 +72,6 @@ from kvcc.spec.vocabulary import (
 )
 
 from .contract import (
-    REASON_LEASED,
     Adapter,
     Committed,
     Evicted,

@@ -26,7 +26,7 @@ node verifies the block's checksum and generation: the bytes a read returns are 
 bytes of exactly that generation, or the read fails (protocol property 4). ``read`` copies into the
 caller's buffer when given one (bytearray, memoryview, numpy array, ``torch.uint8`` tensor).
 
-**Results.** Expected refusals are values (``Refused(reason)``, reasons from ``wire.REASON_*``
+**Results.** Expected refusals are values (``Refused(reason)``, reasons from ``kvcc.spec.vocabulary``
 plus ``"miss"``, ``"fenced"``, ``"revoked"``, ``"no_space"``); infrastructure failure raises
 ``ConnectionFailed`` / ``TimeoutError_``; a caller's mistake raises ``ValueError``/``TypeError``.
 
@@ -53,16 +53,18 @@ from attrs import frozen
 
 from kvcc.spec.keys import BlockKey, LocationId, Namespace
 from kvcc.spec.rules import holder_budget
-from kvcc.spec.vocabulary import (  # noqa: F401 (re-exported: the reasons a client answers with)
+from kvcc.spec.vocabulary import (
     REASON_ALREADY_LEASED,
     REASON_BUSY,
     REASON_FENCED,
     REASON_LEASE_EXPIRED,
     REASON_MISS,
-    REASON_NO_SPACE,
     REASON_NOT_FOUND,
     REASON_REVOKED,
+    REASON_UNKNOWN_LEASE,
     REASON_UNREACHABLE,
+    SCOPE_KEY,
+    SCOPES,
 )
 
 from .errors import ConnectionFailed
@@ -72,9 +74,6 @@ from .transport import Client
 from .wire import (
     MAX_FRAME_BYTES,
     MAX_WAIT_TICKET_MS,
-    SCOPE_KEY,
-    REASON_UNKNOWN_LEASE,
-    SCOPES,
     Acquire,
     BeginWrite,
     BytesRead,
@@ -118,7 +117,7 @@ SYNC_CALL_TIMEOUT_S = 120.0  # SyncClient: longest any one call may take (WaitTi
 
 @frozen
 class Refused:
-    """An expected refusal: ``reason`` is a ``wire.REASON_*`` code or one of this module's."""
+    """An expected refusal: ``reason`` is a ``kvcc.spec.vocabulary`` reason or one of this module's."""
 
     reason: str
     detail: str = ""

@@ -122,7 +122,6 @@ from .rules import (
     INVALIDATE_ABORT_WRITE,
     INVALIDATE_START,
     INVALIDATING,
-    REASON_LEASED,
     WRITING,
     directory_view,
     down_owner_invalidates,
@@ -156,6 +155,7 @@ from .rules import (
     write_lease_deadline,
     write_lease_must_expire,
 )
+from .vocabulary import REASON_LEASED
 
 # The packed state stores phases as the rules number them.
 assert (layout.ABSENT, layout.WRITING, layout.COMMITTED, layout.INVALIDATING) == (ABSENT, WRITING, COMMITTED, INVALIDATING)

@@ -43,9 +43,8 @@ PHASES = (ABSENT, WRITING, COMMITTED, INVALIDATING)
 READABLE_PHASES = (COMMITTED, INVALIDATING)
 
 # -- refusal reasons ------------------------------------------------------------------------------
-# The protocol's words (``vocabulary``); ``REASONS`` here are the directory's, the ones its rules give.
-from .vocabulary import (  # noqa: E402, F401 (re-exported: the rules give these reasons)
-    DIRECTORY_REASONS as REASONS,
+# The protocol's words (``vocabulary``): the reasons the rules give.
+from .vocabulary import (  # noqa: E402
     REASON_ALREADY_LEASED,
     REASON_DRAINING_FIRST,
     REASON_HAS_CHILDREN,
@@ -62,7 +61,6 @@ from .vocabulary import (  # noqa: E402, F401 (re-exported: the rules give these
     REASON_STALE_EPOCH,
     REASON_UNAUTHORIZED,
     REASON_UNKNOWN_LEASE,
-    REASON_WRONG_GENERATION,
 )
 
 # -- time -----------------------------------------------------------------------------------------

@@ -13,7 +13,8 @@ import asyncio
 import io
 import json
 
-from kvcc.reference.client import REASON_REVOKED, KvccClient, ReadLease, Refused
+from kvcc.reference.client import KvccClient, ReadLease, Refused
+from kvcc.spec.vocabulary import REASON_REVOKED
 from kvcc.reference.events import EventLog
 from kvcc.spec.keys import BlockKey
 from kvcc.reference.wire import LeaseRefused, LeaseRenewed, ReadLeaseGranted, Revoke

@@ -41,10 +41,11 @@ from kvcc.reference.directory import (
 from kvcc.reference.directory.core import PROPOSED_EVENTS
 from kvcc.reference.errors import PeerViolation, Unauthorized
 from kvcc.reference.events import EVENTS, EventLog, events_from_text
-from kvcc.spec import rules
+from kvcc.spec import rules, vocabulary
 from kvcc.spec.keys import BlockKey, Namespace, chain_keys
 from kvcc.spec.properties import INVARIANTS, TRANSITION_PROPERTIES
-from kvcc.spec.rules import ABSENT, COMMITTED, INVALIDATING, REASON_LOCATION_DOWN, WRITING
+from kvcc.spec.rules import ABSENT, COMMITTED, INVALIDATING, WRITING
+from kvcc.spec.vocabulary import REASON_LOCATION_DOWN
 
 TERM_MS, EPS_MS = 100, 10
 CFG = DirectoryConfig(lease_term_ms=TERM_MS, skew_ms=EPS_MS, lease_id_block=8, max_completed_tickets=4, pool_location="pool")
@@ -129,7 +130,7 @@ class Directory:
         assert isinstance(reply, wire.Committed), reply
         return grant
 
-    def invalidate(self, key=None, scope=wire.SCOPE_KEY, namespace=None, tenant="t-all"):
+    def invalidate(self, key=None, scope=vocabulary.SCOPE_KEY, namespace=None, tenant="t-all"):
         ns = namespace or NAMESPACE[key]
         return self.send(wire.Invalidate(ns, scope, key), tenant)
 
@@ -183,21 +184,21 @@ def test_grant_on_a_committed_key(d):
 
 def test_refuse_when_not_committed_or_already_leased(d):
     reply, effects = d.acquire(A0)
-    assert (reply.reason, events(effects)) == (rules.REASON_NOT_COMMITTED, ["refuse_read_lease"])
+    assert (reply.reason, events(effects)) == (vocabulary.REASON_NOT_COMMITTED, ["refuse_read_lease"])
     grant, _ = d.begin_write(A0)
-    assert d.acquire(A0)[0].reason == rules.REASON_NOT_COMMITTED  # WRITING: no dirty read
+    assert d.acquire(A0)[0].reason == vocabulary.REASON_NOT_COMMITTED  # WRITING: no dirty read
     d.commit(grant)
     assert isinstance(d.acquire(A0)[0], wire.ReadLeaseGranted)
-    assert d.acquire(A0)[0].reason == rules.REASON_ALREADY_LEASED
+    assert d.acquire(A0)[0].reason == vocabulary.REASON_ALREADY_LEASED
     assert isinstance(d.acquire(A0, node="r2")[0], wire.ReadLeaseGranted)
 
 
 def test_refuse_unauthorised_namespaces(d):
     d.write(B0)
-    assert d.acquire(B0, tenant="t-a")[0].reason == rules.REASON_UNAUTHORIZED
+    assert d.acquire(B0, tenant="t-a")[0].reason == vocabulary.REASON_UNAUTHORIZED
     # Naming a namespace the tenant may use does not help: the key's own namespace decides.
-    assert d.acquire(B0, tenant="t-a", namespace=NS_A)[0].reason == rules.REASON_UNAUTHORIZED
-    assert d.begin_write(B0, tenant="t-a")[0].reason == rules.REASON_UNAUTHORIZED
+    assert d.acquire(B0, tenant="t-a", namespace=NS_A)[0].reason == vocabulary.REASON_UNAUTHORIZED
+    assert d.begin_write(B0, tenant="t-a")[0].reason == vocabulary.REASON_UNAUTHORIZED
     with pytest.raises(Unauthorized):
         d.send(wire.Lookup(NS_B, (B0,)), tenant="t-a")
     with pytest.raises(Unauthorized):
@@ -220,7 +221,7 @@ def test_renew_never_revives_an_expired_lease(d):
     d.write(A0)
     grant, _ = d.acquire(A0)
     reply, effects = d.send(wire.Renew("r1", A0, grant.lease, grant.location, 2), dt=VIEW_MS)
-    assert (reply.reason, events(effects)) == (rules.REASON_UNKNOWN_LEASE, ["refuse_renewal"])
+    assert (reply.reason, events(effects)) == (vocabulary.REASON_UNKNOWN_LEASE, ["refuse_renewal"])
     assert grant.lease not in d.core.read_leases
 
 
@@ -228,11 +229,11 @@ def test_renew_refused_once_revoked_and_for_another_tenant(d):
     d.write(A0)
     grant, _ = d.acquire(A0)
     renew = wire.Renew("r1", A0, grant.lease, grant.location, 3)
-    assert d.send(renew, tenant="t-a")[0].reason == rules.REASON_UNKNOWN_LEASE  # not its lease
+    assert d.send(renew, tenant="t-a")[0].reason == vocabulary.REASON_UNKNOWN_LEASE  # not its lease
     d.invalidate(A0)
-    assert d.send(renew)[0].reason == rules.REASON_INVALIDATING  # no extension once it began
+    assert d.send(renew)[0].reason == vocabulary.REASON_INVALIDATING  # no extension once it began
     d.send(wire.RevokeAcked("r1", A0, grant.lease))
-    assert d.send(renew)[0].reason == rules.REASON_UNKNOWN_LEASE
+    assert d.send(renew)[0].reason == vocabulary.REASON_UNKNOWN_LEASE
 
 
 def test_release_ends_only_the_lease_it_names(d):
@@ -266,9 +267,9 @@ def test_commit_the_current_write(d):
 def test_reject_a_stale_epoch(d):
     grant, _ = d.begin_write(A0)
     reply, effects = d.commit(grant, epoch=grant.epoch - 1)
-    assert (reply.reason, events(effects)) == (rules.REASON_STALE_EPOCH, ["reject_stale_commit"])
+    assert (reply.reason, events(effects)) == (vocabulary.REASON_STALE_EPOCH, ["reject_stale_commit"])
     assert d.core.records[A0].phase == WRITING
-    assert d.commit(grant, node="other")[0].reason == rules.REASON_UNKNOWN_LEASE  # not the writer
+    assert d.commit(grant, node="other")[0].reason == vocabulary.REASON_UNKNOWN_LEASE  # not the writer
 
 
 def test_reject_a_commit_after_the_write_lease_expired(d):
@@ -279,7 +280,7 @@ def test_reject_a_commit_after_the_write_lease_expired(d):
     second, _ = d.begin_write(A0, node="w2")
     assert (second.gen, second.epoch) == (1, 2)  # the next grant fences the late writer
     reply, _ = d.commit(grant)
-    assert reply.reason == rules.REASON_UNKNOWN_LEASE
+    assert reply.reason == vocabulary.REASON_UNKNOWN_LEASE
     assert isinstance(d.commit(second, node="w2")[0], wire.Committed)
 
 
@@ -289,12 +290,12 @@ def test_commit_just_before_expiry_lands(d):
 
 
 def test_begin_write_needs_an_absent_key_under_a_committed_parent(d):
-    assert d.begin_write(A1)[0].reason == rules.REASON_PARENT_NOT_COMMITTED
+    assert d.begin_write(A1)[0].reason == vocabulary.REASON_PARENT_NOT_COMMITTED
     d.write(A0)
-    assert d.begin_write(A0)[0].reason == rules.REASON_NOT_ABSENT
+    assert d.begin_write(A0)[0].reason == vocabulary.REASON_NOT_ABSENT
     # A parent in another namespace is no parent.
     assert d.begin_write(A1, parent=A0, namespace=NS_B)[0].reason in (
-        rules.REASON_PARENT_NOT_COMMITTED, rules.REASON_UNAUTHORIZED)
+        vocabulary.REASON_PARENT_NOT_COMMITTED, vocabulary.REASON_UNAUTHORIZED)
     d.write(A1)
     with pytest.raises(PeerViolation):
         d.begin_write(A1, parent=None)  # one key, two parents
@@ -322,7 +323,7 @@ def test_invalidation_completes_by_acks(d):
     assert events(effects) == ["invalidate"]
     revokes = sorted((e.node, e.msg.lease) for e in of(effects, Send))
     assert revokes == [("r1", g1.lease), ("r2", g2.lease)]
-    assert d.acquire(A0, node="r3")[0].reason == rules.REASON_INVALIDATING
+    assert d.acquire(A0, node="r3")[0].reason == vocabulary.REASON_INVALIDATING
     assert d.send(wire.WaitTicket(started.ticket, 0))[0] == wire.InvalidationPending(started.ticket)
     _, effects = d.send(wire.RevokeAcked("r1", A0, g1.lease))
     assert events(effects) == ["revoke_acked"] and d.core.records[A0].phase == INVALIDATING
@@ -374,7 +375,7 @@ def test_invalidation_cascades_to_descendants(d):
     assert phases == {A0: ABSENT, A1: ABSENT, A2: INVALIDATING, A1X: ABSENT}
     assert d.core.records[A1X].gen == 2  # its write in progress was aborted
     assert [e.msg.lease for e in of(effects, Send)] == [held.lease]
-    assert d.commit(writing)[0].reason == rules.REASON_UNKNOWN_LEASE
+    assert d.commit(writing)[0].reason == vocabulary.REASON_UNKNOWN_LEASE
     assert d.send(wire.Lookup(NS_A, (A0, A1, A2)))[0].blocks_matched == 0
     assert d.core.tickets[started.ticket].pending == frozenset({A2})
 
@@ -383,7 +384,7 @@ def test_prefix_scope_voids_the_subtree_under_the_last_key(d):
     d.write(A0)
     d.write(A1)
     d.write(A2)
-    d.invalidate(A1, scope=wire.SCOPE_PREFIX)
+    d.invalidate(A1, scope=vocabulary.SCOPE_PREFIX)
     assert [d.core.records[k].phase for k in (A0, A1, A2)] == [COMMITTED, ABSENT, ABSENT]
 
 
@@ -391,7 +392,7 @@ def test_namespace_invalidation(d):
     d.write(A0)
     d.write(A1)
     d.write(B0)
-    _, effects = d.invalidate(scope=wire.SCOPE_NAMESPACE, namespace=NS_A)
+    _, effects = d.invalidate(scope=vocabulary.SCOPE_NAMESPACE, namespace=NS_A)
     assert "invalidate_namespace" in events(effects)
     assert [d.core.records[k].phase for k in (A0, A1, B0)] == [ABSENT, ABSENT, COMMITTED]
 
@@ -412,7 +413,7 @@ def test_eviction_refused_under_lease(d):
     d.write(A0)
     grant, _ = d.acquire(A0)
     reply, effects = d.send(wire.Evict("pool-node", A0, "pool"))
-    assert (reply.reason, events(effects)) == (rules.REASON_LEASED, ["evict_refused"])
+    assert (reply.reason, events(effects)) == (vocabulary.REASON_LEASED, ["evict_refused"])
     d.send(wire.Release("r1", A0, grant.lease))
     reply, effects = d.send(wire.Evict("pool-node", A0, "pool"))
     assert isinstance(reply, wire.Evicted) and events(effects) == ["evict"]
@@ -423,17 +424,17 @@ def test_eviction_of_a_parent_with_cached_children_refused(d):
     d.write(A0)
     d.write(A1)
     reply, effects = d.send(wire.Evict("pool-node", A0, "pool"))
-    assert reply.reason == rules.REASON_HAS_CHILDREN and events(effects) == ["ignore_evict"]
+    assert reply.reason == vocabulary.REASON_HAS_CHILDREN and events(effects) == ["ignore_evict"]
     assert isinstance(d.send(wire.Evict("pool-node", A1, "pool"))[0], wire.Evicted)  # leaves first
     assert isinstance(d.send(wire.Evict("pool-node", A0, "pool"))[0], wire.Evicted)
 
 
 def test_eviction_of_an_unknown_copy_or_key(d):
-    assert d.send(wire.Evict("n", A0, "pool"))[0].reason == rules.REASON_NOT_FOUND
+    assert d.send(wire.Evict("n", A0, "pool"))[0].reason == vocabulary.REASON_NOT_FOUND
     d.write(A0)
-    assert d.send(wire.Evict("n", A0, "elsewhere"))[0].reason == rules.REASON_NOT_FOUND
+    assert d.send(wire.Evict("n", A0, "elsewhere"))[0].reason == vocabulary.REASON_NOT_FOUND
     d.write(B0)
-    assert d.send(wire.Evict("n", B0, "pool"), tenant="t-a")[0].reason == rules.REASON_UNAUTHORIZED
+    assert d.send(wire.Evict("n", B0, "pool"), tenant="t-a")[0].reason == vocabulary.REASON_UNAUTHORIZED
 
 
 # ------------------------------------------------------------------------------------------- transfer
@@ -452,9 +453,9 @@ def test_transfer_moves_the_owner_and_frees_the_drained_copy(d):
     assert events(effects) == ["finish_transfer"] and not of(effects, FreeAt)  # still leased
     rec = d.core.records[A0]
     assert (rec.owner, rec.draining) == ("n1/gpu", "pool")
-    assert d.send(wire.Renew("r1", A0, old.lease, "pool", 9))[0].reason == rules.REASON_NOT_OWNER
+    assert d.send(wire.Renew("r1", A0, old.lease, "pool", 9))[0].reason == vocabulary.REASON_NOT_OWNER
     assert d.acquire(A0, node="r2")[0].location == "n1/gpu"
-    assert d.send(wire.Evict("n1", A0, "n1/gpu"))[0].reason == rules.REASON_LEASED
+    assert d.send(wire.Evict("n1", A0, "n1/gpu"))[0].reason == vocabulary.REASON_LEASED
     _, effects = d.send(wire.Release("r1", A0, old.lease))
     assert of(effects, FreeAt) == [FreeAt("pool", A0, 2)]
     assert d.core.records[A0].draining is None
@@ -480,7 +481,7 @@ def test_grace_after_restart_blocks_frees_and_completions(dstore):
     _, effects = d.restart(dt=5)
     assert events(effects) == ["restart_directory"]
     assert d.core.records[A0].phase == INVALIDATING and not d.core.read_leases
-    assert d.send(wire.Evict("n", B0, "pool"))[0].reason == rules.REASON_RESTARTING
+    assert d.send(wire.Evict("n", B0, "pool"))[0].reason == vocabulary.REASON_RESTARTING
     restarted_at = d.now
     assert not of(d.tick(to=restarted_at + GRACE_MS - 1), FreeAt)
     assert d.send(wire.WaitTicket(started.ticket, 0))[0] == wire.InvalidationPending(started.ticket)
@@ -519,7 +520,7 @@ def test_restart_expires_an_unfinished_write_after_grace(dstore):
     d.restart()
     d.tick(dt=GRACE_MS)
     assert d.core.records[A1].phase == ABSENT
-    assert d.commit(grant)[0].reason == rules.REASON_UNKNOWN_LEASE
+    assert d.commit(grant)[0].reason == vocabulary.REASON_UNKNOWN_LEASE
 
 
 def test_rejoin_after_disk_loss_invalidates_lost_copies():
@@ -669,13 +670,13 @@ def test_a_down_location_gets_no_lease_no_write_and_its_keys_come_back():
     # The dead owner's key is voided (its lease revoked) and leased no more; others are untouched.
     assert d.core.records[A0].phase == INVALIDATING and d.core.records[B0].phase == COMMITTED
     assert [(e.node, e.msg.lease) for e in of(effects, Send)] == [("r1", held.lease)]
-    assert d.acquire(A0, node="r2")[0].reason == rules.REASON_INVALIDATING  # voided: the rule's reason first
+    assert d.acquire(A0, node="r2")[0].reason == vocabulary.REASON_INVALIDATING  # voided: the rule's reason first
     assert isinstance(d.acquire(B0, node="r2")[0], wire.ReadLeaseGranted)
     # No write placed on it, nor committed there.
     root = chain_keys(_NS_A, [7, 7])[0]
     assert d.begin_write(root, node="n1", parent=None, namespace=NS_A)[0].reason == REASON_LOCATION_DOWN
     # Writable again only once the lease on the lost copy ended -- its expiry, at the latest.
-    assert d.begin_write(A0, node="n2")[0].reason == rules.REASON_NOT_ABSENT
+    assert d.begin_write(A0, node="n2")[0].reason == vocabulary.REASON_NOT_ABSENT
     d.tick(dt=VIEW_MS - 1)
     assert d.core.records[A0].phase == INVALIDATING
     effects = d.tick(dt=1)
@@ -1229,7 +1230,7 @@ class DirectoryMachine(RuleBasedStateMachine):
 
     # -- the directory's clients and its own actions ----------------------------------------------
 
-    @rule(data=st.data(), scope=st.sampled_from((wire.SCOPE_KEY, wire.SCOPE_PREFIX)), rarely=RARELY)
+    @rule(data=st.data(), scope=st.sampled_from((vocabulary.SCOPE_KEY, vocabulary.SCOPE_PREFIX)), rarely=RARELY)
     def invalidate(self, data, scope, rarely):
         if not rarely:
             return
@@ -1242,7 +1243,7 @@ class DirectoryMachine(RuleBasedStateMachine):
     def invalidate_a_leased_key(self, data):
         """Where invalidation is interesting: holders to revoke, acks or expiry to wait for."""
         key = data.draw(st.sampled_from(sorted({e.key for e in self.core.read_leases.values()})))
-        self._handle(wire.Invalidate(NAMESPACE[key], wire.SCOPE_KEY, key), "t-all")
+        self._handle(wire.Invalidate(NAMESPACE[key], vocabulary.SCOPE_KEY, key), "t-all")
 
     @precondition(lambda self: self.core.read_leases)
     @rule(data=st.data())
@@ -1250,7 +1251,7 @@ class DirectoryMachine(RuleBasedStateMachine):
         """Every holder online and prompt: revokes delivered and acked at once, so the ticket can
         complete by acknowledgement (the ``sometimes`` of the ack path)."""
         key = data.draw(st.sampled_from(sorted({e.key for e in self.core.read_leases.values()})))
-        self._handle(wire.Invalidate(NAMESPACE[key], wire.SCOPE_KEY, key), "t-all")
+        self._handle(wire.Invalidate(NAMESPACE[key], vocabulary.SCOPE_KEY, key), "t-all")
         while self.to_nodes:
             node = self.to_nodes[0].node
             ack = self._deliver_revoke(0)
@@ -1263,7 +1264,7 @@ class DirectoryMachine(RuleBasedStateMachine):
         """Every revoke lost, time passing: the invalidation completes by expiry (the
         ``sometimes`` of the expiry path, which the other rules reach only by chance)."""
         key = data.draw(st.sampled_from(sorted({e.key for e in self.core.read_leases.values()})))
-        self._handle(wire.Invalidate(NAMESPACE[key], wire.SCOPE_KEY, key), "t-all")
+        self._handle(wire.Invalidate(NAMESPACE[key], vocabulary.SCOPE_KEY, key), "t-all")
         self.to_nodes = [send for send in self.to_nodes if send.msg.key != key]
         self._advance(VIEW_MS + EPS_MS)
 
@@ -1271,7 +1272,7 @@ class DirectoryMachine(RuleBasedStateMachine):
     def invalidate_namespace(self, namespace, rarely):
         if not rarely:
             return
-        self._handle(wire.Invalidate(namespace, wire.SCOPE_NAMESPACE, None), "t-all")
+        self._handle(wire.Invalidate(namespace, vocabulary.SCOPE_NAMESPACE, None), "t-all")
 
     @rule(data=st.data())
     def evict(self, data):

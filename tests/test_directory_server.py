@@ -22,7 +22,7 @@ import os
 import attrs
 import pytest
 
-from kvcc.reference.client import REASON_LEASE_EXPIRED, KvccClient, Refused
+from kvcc.reference.client import KvccClient, Refused
 from kvcc.reference.directory import DirectoryConfig
 from kvcc.reference.directory.server import DirectoryServer
 from kvcc.reference.errors import ConnectionFailed
@@ -30,9 +30,6 @@ from kvcc.reference.node import CacheNode
 from kvcc.reference.tiers import DramTier
 from kvcc.reference.transport import Client
 from kvcc.reference.wire import (
-    SCOPE_KEY,
-    SCOPE_NAMESPACE,
-    SCOPE_PREFIX,
     Acquire,
     BeginWrite,
     Commit,
@@ -50,10 +47,10 @@ from kvcc.reference.wire import (
     WaitTicket,
 )
 from kvcc.spec.keys import Namespace, chain_keys
-from kvcc.spec.rules import (
-    COMMITTED,
-    INVALIDATING,
+from kvcc.spec.rules import COMMITTED, INVALIDATING, WRITING
+from kvcc.spec.vocabulary import (
     REASON_HAS_CHILDREN,
+    REASON_LEASE_EXPIRED,
     REASON_LEASED,
     REASON_LOCATION_DOWN,
     REASON_NOT_ABSENT,
@@ -64,7 +61,9 @@ from kvcc.spec.rules import (
     REASON_STALE_EPOCH,
     REASON_UNAUTHORIZED,
     REASON_UNKNOWN_LEASE,
-    WRITING,
+    SCOPE_KEY,
+    SCOPE_NAMESPACE,
+    SCOPE_PREFIX,
 )
 
 QUIET_ENV = {"DO_NOT_TRACK": "1", "VLLM_NO_USAGE_STATS": "1", "LMCACHE_TRACK_USAGE": "false", "HF_HUB_OFFLINE": "1"}

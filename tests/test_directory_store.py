@@ -36,6 +36,7 @@ from kvcc.bench.directory_store import bench_store
 from kvcc.reference.etcd_client import EtcdIndeterminate
 from kvcc.spec.keys import BlockKey, Namespace, chain_keys
 from kvcc.spec.rules import ABSENT, COMMITTED, INVALIDATING, WRITING
+from kvcc.spec import vocabulary
 from test_directory_core import _NS_A, A0, A1, A1X, A2, B0, CFG, NS_A, Directory, authorize, of
 
 TESTS = Path(__file__).resolve().parent
@@ -357,7 +358,7 @@ def test_large_batches_go_through_a_journal_and_survive_a_crash(etcd_factory, mo
     f = etcd_factory
     keys = chain(12, 100)
     small = dict(max_txn_ops=8)  # 12 records and a ticket cannot go in one transaction
-    invalidate_all = wire.Invalidate(NS_A, wire.SCOPE_NAMESPACE, None)
+    invalidate_all = wire.Invalidate(NS_A, vocabulary.SCOPE_NAMESPACE, None)
     journal = f.spec["prefix"] + "/journal/"
 
     def log_records():

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcc.spec import rules
+from kvcc.spec import rules, vocabulary
 from kvcc.spec.properties import INVARIANTS, SOMETIMES, TRANSITION_PROPERTIES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,7 +100,7 @@ def test_rules_the_document_cites_exist():
 
 
 def test_refusal_reasons_the_document_cites_exist():
-    """The refusals the document quotes are words of ``rules.REASONS`` (the wire's too)."""
+    """The refusals the document quotes are words of ``vocabulary.DIRECTORY_REASONS`` (the wire's too)."""
     text = _text()
     quoted = {
         "unauthorized", "parent_not_committed", "lease_expired", "stale_epoch", "unknown_lease",
@@ -108,7 +108,7 @@ def test_refusal_reasons_the_document_cites_exist():
     }  # fmt: skip
     for reason in sorted(quoted):
         assert f"`{reason}`" in text, reason
-        assert reason in rules.REASONS, reason
+        assert reason in vocabulary.DIRECTORY_REASONS, reason
 
 
 # -- citations across the tree ---------------------------------------------------------------------

@@ -36,7 +36,7 @@ from kvcc.reference.cluster import ENGINE_TENANT, LocalCluster
 from kvcc.reference.errors import ConnectionFailed, TimeoutError_
 from kvcc.reference.wire import Committed
 from kvcc.spec.keys import Namespace, chain_keys
-from kvcc.spec.rules import REASON_NOT_ABSENT, REASON_NOT_COMMITTED
+from kvcc.spec.vocabulary import REASON_NOT_ABSENT, REASON_NOT_COMMITTED
 
 QUIET_ENV = {"DO_NOT_TRACK": "1", "VLLM_NO_USAGE_STATS": "1", "LMCACHE_TRACK_USAGE": "false", "HF_HUB_OFFLINE": "1"}
 for _k, _v in QUIET_ENV.items():

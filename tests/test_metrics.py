@@ -26,7 +26,7 @@ from kvcc.reference.metrics import DirectoryCounts, MetricsEndpoint, directory_r
 from kvcc.reference.transport import Client
 from kvcc.reference.wire import Acquire, BeginWrite, Committed, LeaseRefused, ReadLeaseGranted, Tenants
 from kvcc.spec.keys import Namespace, chain_keys
-from kvcc.spec.rules import REASON_INVALIDATING, REASON_NOT_ABSENT
+from kvcc.spec.vocabulary import REASON_INVALIDATING, REASON_NOT_ABSENT
 
 QUIET_ENV = {"DO_NOT_TRACK": "1", "VLLM_NO_USAGE_STATS": "1", "LMCACHE_TRACK_USAGE": "false", "HF_HUB_OFFLINE": "1"}
 for _k, _v in QUIET_ENV.items():

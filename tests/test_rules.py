@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvcc.spec import layout, rules
+from kvcc.spec import layout, rules, vocabulary
 from kvcc.spec.config import CONFIGS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -60,9 +60,9 @@ def test_may_grant_read(phase, authorized, has):
     reason = rules.may_grant_read(phase, authorized, has)
     assert (reason is None) == (authorized and phase == rules.COMMITTED and not has)
     if not authorized:
-        assert reason == rules.REASON_UNAUTHORIZED
+        assert reason == vocabulary.REASON_UNAUTHORIZED
     elif phase == rules.INVALIDATING:
-        assert reason == rules.REASON_INVALIDATING
+        assert reason == vocabulary.REASON_INVALIDATING
 
 
 @given(phase=phases, live=st.booleans(), entry=ids, lease=ids, loc=ids, owner=ids)
@@ -70,7 +70,7 @@ def test_may_renew_never_revives(phase, live, entry, lease, loc, owner):
     reason = rules.may_renew(phase, live, entry, lease, loc, owner)
     assert (reason is None) == (live and entry == lease and phase == rules.COMMITTED and loc == owner)
     if not live:
-        assert reason == rules.REASON_UNKNOWN_LEASE
+        assert reason == vocabulary.REASON_UNKNOWN_LEASE
 
 
 @given(phase=phases, parent=st.one_of(st.none(), phases), authorized=st.booleans())
@@ -85,9 +85,9 @@ def test_may_commit(phase, wid, lease, repoch, epoch, live):
     reason = rules.may_commit(phase, wid, lease, repoch, epoch, live)
     assert (reason is None) == (phase == rules.WRITING and wid == lease and repoch == epoch and live)
     if phase == rules.WRITING and wid == lease and repoch != epoch:
-        assert reason == rules.REASON_STALE_EPOCH
+        assert reason == vocabulary.REASON_STALE_EPOCH
     if phase == rules.WRITING and wid == lease and repoch == epoch and not live:
-        assert reason == rules.REASON_LEASE_EXPIRED
+        assert reason == vocabulary.REASON_LEASE_EXPIRED
 
 
 @given(epoch=ids, fence=ids)
@@ -119,9 +119,9 @@ def test_may_evict(phase, known, leaves, leased, grace, last):
     reason = rules.may_evict(phase, known, leaves, leased, grace, last)
     assert (reason is None) == (phase == rules.COMMITTED and known and leaves and not leased and not grace and not last)
     if phase == rules.COMMITTED and known and not grace and leaves and leased:
-        assert reason == rules.REASON_LEASED
+        assert reason == vocabulary.REASON_LEASED
     if phase == rules.COMMITTED and known and not grace and not leaves:
-        assert reason == rules.REASON_HAS_CHILDREN
+        assert reason == vocabulary.REASON_HAS_CHILDREN
 
 
 def test_transfer_rules():
@@ -203,7 +203,7 @@ def test_no_lease_on_a_copy_declared_down(phase, authorized, has, down):
     if not down:
         assert reason == rules.may_grant_read(phase, authorized, has)
     if down and authorized and phase == rules.COMMITTED:
-        assert reason == rules.REASON_LOCATION_DOWN
+        assert reason == vocabulary.REASON_LOCATION_DOWN
 
 
 @given(epoch=ids, fence=ids, freed=ids)

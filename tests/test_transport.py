@@ -34,6 +34,7 @@ from kvcc.reference.wire import (
     WaitTicket,
 )
 from kvcc.spec.keys import BlockKey
+from kvcc.spec import vocabulary
 
 TOKEN = b"t" * 32
 OTHER_TOKEN = b"o" * 32
@@ -47,7 +48,7 @@ async def directory_like(tenant: str, msg):
     match msg:
         case Acquire(node=node, key=key, namespace=ns, request=request):
             if not TENANTS.allows(tenant, ns):
-                return LeaseRefused(node=node, key=key, request=request, reason=wire.REASON_UNAUTHORIZED)
+                return LeaseRefused(node=node, key=key, request=request, reason=vocabulary.REASON_UNAUTHORIZED)
             return ReadLeaseGranted(node=node, key=key, lease=request, location="n1/gpu", gen=1, epoch=1,
                                     term_ms=1000, request=request)  # fmt: skip
         case WaitTicket(ticket=ticket, timeout_ms=timeout_ms):

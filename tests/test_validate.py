@@ -35,6 +35,7 @@ from kvcc.reference.events import EVENTS, EventLog, events_from_text
 from kvcc.spec.config import ModelConfig
 from kvcc.spec.keys import Namespace, chain_keys
 from kvcc.spec.model import Model
+from kvcc.spec import vocabulary
 
 for _var, _val in (("DO_NOT_TRACK", "1"), ("VLLM_NO_USAGE_STATS", "1"), ("LMCACHE_TRACK_USAGE", "false"), ("HF_HUB_OFFLINE", "1")):
     os.environ.setdefault(_var, _val)
@@ -432,7 +433,7 @@ def test_a_trace_of_the_reference_directory_is_accepted():
     # Invalidate: r1 acknowledges, r2 never does; the invalidation completes when r2's lease
     # expires on the directory's clock (term + epsilon after its grant), then the pool frees.
     run.now_ms += 5
-    _, effects = run.send(wire.Invalidate(_NS.digest(), wire.SCOPE_KEY, A0))
+    _, effects = run.send(wire.Invalidate(_NS.digest(), vocabulary.SCOPE_KEY, A0))
     revokes = [e for e in effects if type(e).__name__ == "Send"]
     assert {e.node for e in revokes} == {"r1", "r2"}
     run.log("r1", "drop_and_ack", key=A0, lease=g1.lease)
@@ -466,7 +467,7 @@ def test_a_trace_of_the_reference_directory_is_accepted():
 def test_reference_logs_invalidate_before_its_immediate_completion():
     run = Run()
     run.write(A0)
-    run.send(wire.Invalidate(_NS.digest(), wire.SCOPE_KEY, A0), dt=1)
+    run.send(wire.Invalidate(_NS.digest(), vocabulary.SCOPE_KEY, A0), dt=1)
     accepted(run.events(), TraceParams(TERM_MS, EPS_MS))
 
 

@@ -56,10 +56,6 @@ import attrs
 from attrs import frozen
 
 from kvcc.conformance.contract import (
-    REASON_LEASE_EXPIRED,
-    REASON_MISS,
-    REASON_NOT_COMMITTED,
-    REASON_UNKNOWN_LEASE,
     AdapterError,
     Capabilities,
     Committed,
@@ -85,7 +81,17 @@ from kvcc.reference.directory.core import (
 from kvcc.reference.errors import PeerViolation, Unauthorized
 from kvcc.spec.keys import BlockKey, LocationId, Namespace, NodeId
 from kvcc.spec.rules import fence_accepts
-from kvcc.spec.vocabulary import REASON_ALREADY_LEASED, REASON_FENCED, REASON_MISS, REASON_NOT_ABSENT, SCOPES
+from kvcc.spec.vocabulary import (
+    REASON_ALREADY_LEASED,
+    REASON_FENCED,
+    REASON_LEASE_EXPIRED,
+    REASON_MISS,
+    REASON_NOT_ABSENT,
+    REASON_NOT_COMMITTED,
+    REASON_UNKNOWN_LEASE,
+    SCOPE_NAMESPACE,
+    SCOPES,
+)
 
 from .base import RC_OBJECT_NOT_FOUND, RC_OK, MooncakeDeployment
 
@@ -617,9 +623,9 @@ class MooncakeKvccAdapter(MooncakeDeployment):
 
     # ------------------------------------------------------------------ invalidation, eviction
     def invalidate(self, node: str, ns: Namespace, scope: str, key: BlockKey | None) -> InvalidationTicket:
-        if scope not in wire.SCOPES:
+        if scope not in SCOPES:
             raise NotSupported(f"invalidate scope {scope!r}")
-        if (key is None) != (scope == wire.SCOPE_NAMESPACE):
+        if (key is None) != (scope == SCOPE_NAMESPACE):
             raise ValueError(f"scope {scope!r} {'needs' if key is None else 'takes no'} key")
         self._node_up(node)
         with self._lock:

@@ -50,12 +50,6 @@ from collections.abc import Sequence
 from attrs import frozen
 
 from kvcc.conformance.contract import (
-    REASON_LEASED,
-    REASON_MISS,
-    REASON_NOT_ABSENT,
-    REASON_NOT_COMMITTED,
-    REASON_NOT_FOUND,
-    REASON_UNKNOWN_LEASE,
     AdapterError,
     Capabilities,
     Committed,
@@ -68,6 +62,14 @@ from kvcc.conformance.contract import (
     WriteGrant,
 )
 from kvcc.spec.keys import BlockKey, Namespace
+from kvcc.spec.vocabulary import (
+    REASON_LEASED,
+    REASON_MISS,
+    REASON_NOT_ABSENT,
+    REASON_NOT_COMMITTED,
+    REASON_NOT_FOUND,
+    REASON_UNKNOWN_LEASE,
+)
 
 from . import harness
 from .base import (

@@ -95,12 +95,6 @@ from kvcc.spec.rules import (
     PHASE_NAMES,
     PHASES,
     READABLE_PHASES,
-    REASON_LEASED,
-    REASON_LOCATION_DOWN,
-    REASON_NOT_FOUND,
-    REASON_UNAUTHORIZED,
-    REASON_UNKNOWN_LEASE,
-    REASON_WRONG_GENERATION,
     WRITING,
     directory_view,
     down_owner_invalidates,
@@ -128,13 +122,20 @@ from kvcc.spec.rules import (
     restart_grace,
     write_lease_must_expire,
 )
+from kvcc.spec.vocabulary import (
+    REASON_LEASED,
+    REASON_LOCATION_DOWN,
+    REASON_NOT_FOUND,
+    REASON_UNAUTHORIZED,
+    REASON_UNKNOWN_LEASE,
+    REASON_WRONG_GENERATION,
+    SCOPE_NAMESPACE,
+)
 
 from ..errors import PeerViolation, Unauthorized
 from ..events import EVENTS
 from ..wire import (
     HEARTBEAT_INTERVAL_MS,
-    SCOPE_KEY,
-    SCOPE_NAMESPACE,
     Acquire,
     BeginWrite,
     Commit,

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 import attrs
 
 from kvcc.spec.keys import DIGEST_BYTES, BlockKey, CborError, cbor_decode, cbor_encode, cbor_head
+from kvcc.spec.vocabulary import SCOPE_NAMESPACE, SCOPES
 
 from ..errors import Malformed, ProtocolViolation
 from .limits import (
@@ -27,18 +28,7 @@ from .limits import (
     MAX_WAIT_TICKET_MS,
     MAX_WIRE_INT,
 )
-from .messages import (
-    CODE_RE,
-    MESSAGE_TYPES,
-    SCOPE_NAMESPACE,
-    SCOPES,
-    Invalidate,
-    NodeList,
-    PrefixFound,
-    WaitTicket,
-    Welcome,
-    kind_of,
-)
+from .messages import CODE_RE, MESSAGE_TYPES, Invalidate, NodeList, PrefixFound, WaitTicket, Welcome, kind_of
 
 # -- field codecs ----------------------------------------------------------------------------------
 

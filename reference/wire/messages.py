@@ -22,33 +22,8 @@ from .limits import MAX_CODE_BYTES
 
 Code = NewType("Code", str)  # a stable machine-readable word: [a-z][a-z0-9_]*, at most 64 bytes
 CODE_RE = re.compile(rf"[a-z][a-z0-9_]{{0,{MAX_CODE_BYTES - 1}}}")
-
-# Refusal reasons (LeaseRefused, CommitRejected, EvictRefused, ReadRefused, CopyFailed) and
-# Invalidate.scope: the protocol's words (``kvcc.spec.vocabulary``). Servers may use other reasons
-# that fit ``Code``; these are the ones the spec's refusals name.
-from kvcc.spec.vocabulary import (  # noqa: E402, F401 (re-exported: the wire speaks these words)
-    REASON_ALREADY_LEASED,
-    REASON_DRAINING_FIRST,
-    REASON_HAS_CHILDREN,
-    REASON_INVALIDATING,
-    REASON_LEASE_EXPIRED,
-    REASON_LEASED,
-    REASON_LOCATION_DOWN,
-    REASON_NOT_ABSENT,
-    REASON_NOT_COMMITTED,
-    REASON_NOT_FOUND,
-    REASON_NOT_OWNER,
-    REASON_PARENT_NOT_COMMITTED,
-    REASON_RESTARTING,
-    REASON_STALE_EPOCH,
-    REASON_UNAUTHORIZED,
-    REASON_UNKNOWN_LEASE,
-    REASON_WRONG_GENERATION,
-    SCOPE_KEY,
-    SCOPE_NAMESPACE,
-    SCOPE_PREFIX,
-    SCOPES,
-)
+# Refusal reasons and Invalidate.scope are the protocol's words (``kvcc.spec.vocabulary``). Servers
+# may use other reasons that fit ``Code``; those are the ones the spec's refusals name.
 
 # Error.code values sent by the transport itself (PeerViolation codes are also used verbatim).
 ERROR_BUSY = "busy"  # too many connections
