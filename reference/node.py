@@ -47,7 +47,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvcc.spec.keys import BlockKey, LocationId, NodeId
-from kvcc.spec.vocabulary import REASON_FENCED, REASON_MISS, REASON_NO_SPACE, REASON_NOT_FOUND
+from kvcc.spec.vocabulary import REASON_FENCED, REASON_MISS, REASON_NO_SPACE, REASON_NOT_FOUND, REASON_TOO_LARGE
 
 from .errors import ConnectionFailed, PeerViolation, TimeoutError_
 from .events import EventLog
@@ -284,6 +284,8 @@ class CacheNode:
             data = await asyncio.to_thread(src.read, msg.key.digest, msg.gen)
             if data is None:
                 reason = REASON_MISS
+            elif not dest.fits(len(data)):
+                reason = REASON_TOO_LARGE
             else:
                 if self.counts is not None:
                     self.counts.read_bytes[msg.source] += len(data)
@@ -316,6 +318,8 @@ class CacheNode:
         tier = self._tier(msg.location)
         if tier is None:
             return Error("not_here", f"{msg.location} is not a location of {self.node_id}")
+        if not tier.fits(len(msg.data)):  # a typed refusal, before any state changes
+            return Error(REASON_TOO_LARGE, f"a {len(msg.data)}-byte block does not fit {msg.location}'s slots")
         outcome = await self._store(tier, msg.location, msg.key, msg.gen, msg.epoch, msg.data, writer=msg.node,
                                     lease=msg.lease)  # fmt: skip
         if isinstance(outcome, TierFenced):

@@ -83,7 +83,9 @@ REASON_MISS = "miss"  # a read found no valid bytes at the leased location
 REASON_FENCED = "fenced"  # a location refused an operation carrying a stale epoch
 REASON_NO_SPACE = "no_space"  # a location has no room for the bytes
 REASON_UNREACHABLE = "unreachable"  # the location could not be reached
-LOCAL_REASONS = (REASON_BUSY, REASON_REVOKED, REASON_MISS, REASON_FENCED, REASON_NO_SPACE, REASON_UNREACHABLE)
+REASON_TOO_LARGE = "too_large"  # the block is larger than the location's slots: it never fits there
+LOCAL_REASONS = (REASON_BUSY, REASON_REVOKED, REASON_MISS, REASON_FENCED, REASON_NO_SPACE, REASON_UNREACHABLE,
+                 REASON_TOO_LARGE)
 REASONS = DIRECTORY_REASONS + LOCAL_REASONS
 assert len(set(REASONS)) == len(REASONS), "reasons are unique"
 

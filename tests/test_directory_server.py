@@ -59,6 +59,7 @@ from kvcc.spec.vocabulary import (
     REASON_PARENT_NOT_COMMITTED,
     REASON_RESTARTING,
     REASON_STALE_EPOCH,
+    REASON_TOO_LARGE,
     REASON_UNAUTHORIZED,
     REASON_UNKNOWN_LEASE,
     SCOPE_KEY,
@@ -277,6 +278,28 @@ def test_refusals_name_their_reason(directory_store_factory):
         assert rejected == CommitRejected("a", ks[2], 5, REASON_UNKNOWN_LEASE)
         assert ks[2] not in w.core.records
         assert not w.core.read_leases
+
+    world_test(directory_store_factory, body)
+
+
+
+def test_a_block_larger_than_the_slots_is_refused_too_large_and_stores_nothing(directory_store_factory):
+    """A node answers a write that can never fit its slots with a typed refusal (not ``internal``
+    and a traceback), stores nothing, and goes on serving."""
+
+    async def body(w: World):
+        a = await w.client("a")
+        k0, k1, k2 = keys(3, salt=3)
+        wl = await a.begin_write(NS, k0, None)
+        assert not isinstance(wl, Refused), wl
+        refused = await a.write_bytes(wl, b"x" * (BLOCK_BYTES + 1))
+        assert isinstance(refused, Refused) and refused.reason == REASON_TOO_LARGE, refused
+        assert "does not fit" in refused.detail
+        refused = await a.put(NS, k1, None, b"y" * (2 * BLOCK_BYTES))
+        assert isinstance(refused, Refused) and refused.reason == REASON_TOO_LARGE, refused
+        assert sum(n.stats["stored"] for n in w.nodes) == 0
+        assert isinstance(await a.put(NS, k2, None, block(k2)), Committed)
+        assert await read_leased(a, k2) == block(k2)
 
     world_test(directory_store_factory, body)
 

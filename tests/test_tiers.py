@@ -99,7 +99,9 @@ def test_caller_errors_raise(tier):
         tier.write(K(1), -1, 1, b"x")
     with pytest.raises(TypeError):
         tier.read_into(K(1), 1, b"read-only" * 20)
+    assert tier.fits(BLOCK)
     if tier.name != "pool":
+        assert not tier.fits(BLOCK + 1), "fits() says what write() refuses"
         with pytest.raises(ValueError):
             tier.write(K(2), 1, 1, bytes(BLOCK + 1))
     tier.close()

@@ -434,6 +434,11 @@ class Tier(abc.ABC):
         Raises ``ValueError`` for a block larger than the tier's slots, ``TierClosed`` after close.
         """
 
+    def fits(self, nbytes: int) -> bool:
+        """Whether a block of ``nbytes`` can ever be stored here (``write`` raises ``ValueError``
+        for one that cannot); tiers without a per-block limit say yes."""
+        return True
+
     @abc.abstractmethod
     def read_into(self, key: bytes, gen: int, out: Any) -> ReadOutcome:
         """Copy block (key, gen) into ``out`` (bytearray, writable memoryview, numpy array, or a
@@ -635,6 +640,9 @@ class SlotTier(Tier):
             self._release_locked(entry)
 
     # -- contract ---------------------------------------------------------------------------
+
+    def fits(self, nbytes: int) -> bool:
+        return nbytes <= self.block_bytes
 
     def write(self, key: bytes, gen: int, epoch: int, data: Any) -> WriteOutcome:
         key, gen, epoch = check_key(key), check_gen(gen), check_epoch(epoch)
