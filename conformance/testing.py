@@ -99,6 +99,7 @@ from kvcc.spec.vocabulary import (
     REASON_MISS,
     REASON_NOT_FOUND,
     REASON_NO_SPACE,
+    REASON_TOO_LARGE,
     REASON_UNKNOWN_LEASE,
 )
 
@@ -441,6 +442,8 @@ class CoreAdapter(Adapter):
             return self._location_write(loc, grant, data)
 
     def _location_write(self, loc: _Node, grant: WriteGrant, data: bytes) -> Stored | Refused:
+        if not loc.tier.fits(len(data)):
+            return Refused(REASON_TOO_LARGE, f"a {len(data)}-byte block does not fit {loc.id}'s slots")
         outcome = loc.tier.write(grant.key.digest, grant.gen, grant.epoch, data)
         fields = dict(key=grant.key, gen=grant.gen, epoch=grant.epoch, lease=grant.lease, writer=grant.node, location=loc.id)
         writer = self._nodes[grant.node]

@@ -1,4 +1,4 @@
-"""kvcc's command line: ``kvcc check | mutants | prove | verify | bench checker | bench tiers | bench directory | bench validator | bench routing``.
+"""kvcc's command line: ``kvcc check | mutants | prove | verify | bench checker | bench tiers | bench directory | bench validator | bench routing | bench suite | bench compare``.
 
 Exit codes: 0 when everything asked for holds, 1 when something fails (a violation, an unreached
 ``sometimes``, a manifest mismatch, a mutant not caught by its property, an unproved obligation),
@@ -11,6 +11,7 @@ The spec (``kvcc.spec``) is imported inside the commands, so ``kvcc --help`` sta
 from __future__ import annotations
 
 import argparse
+import importlib
 import multiprocessing
 import os
 import sys
@@ -601,28 +602,29 @@ def cmd_bench_checker(args: argparse.Namespace) -> int:
     return bench_checker.run(args)
 
 
-def cmd_bench_tiers(args: argparse.Namespace) -> int:
-    from kvcc.bench import tiers as bench_tiers
-
-    return bench_tiers.cli(args)
-
-
-def cmd_bench_directory(args: argparse.Namespace) -> int:
-    from kvcc.bench import directory as bench_directory
-
-    return bench_directory.cli(args)
-
-
-def cmd_bench_validator(args: argparse.Namespace) -> int:
-    from kvcc.bench import validator as bench_validator
-
-    return bench_validator.cli(args)
-
-
-def cmd_bench_routing(args: argparse.Namespace) -> int:
-    from kvcc.bench import routing as bench_routing
-
-    return bench_routing.cli(args)
+# name -> (help, description) of the benchmarks whose module ``kvcc.bench.<name>`` has
+# ``add_arguments(parser)`` and ``cli(args) -> int``.
+BENCHMARKS = {
+    "tiers": ("storage-tier bandwidth as a fraction of the raw limit",
+              "Read and write bandwidth of each storage tier (DRAM, GPU, NVMe, pool) per block size, as a "
+              "fraction of the raw limit measured in the same run."),
+    "directory": ("lease acquire+release throughput and latency, embedded and etcd",
+                  "Read-lease acquire+release pairs per second and p50/p99 latency over loopback TCP with "
+                  "concurrent clients, for the directory on SQLite (embedded) and on etcd, each beside a raw "
+                  "baseline from the same run (Ping round trips; raw etcd puts)."),
+    "validator": ("trace validator throughput and memory, on a load trace and a generated one",
+                  "Events per second and peak RSS of the trace validator on the load profile's trace of a real "
+                  "run and on a trace of at least a million events made from it; a mutated copy must be REJECTED."),
+    "routing": ("request routing policies replayed on Mooncake's traces, against hit-ratio bounds",
+                "Hit ratio, load balance and modelled TTFT of each routing policy on a simulated cluster "
+                "replaying Mooncake's request traces, beside the infinite-cache and pooled-LRU bounds."),
+    "suite": ("the performance suite every adapter runs, into a bundle",
+              "Lease and lookup latency, block bandwidth, invalidation completion and a Mooncake trace replay "
+              "through the adapter contract, each figure beside a baseline from the same run; writes "
+              "results.json, plots, report.html and a MANIFEST into --out."),
+    "compare": ("adapters side by side from their bench suite bundles",
+                "Verify each bundle's MANIFEST, then print every workload's metrics with one column per bundle."),
+}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------- parser
@@ -684,37 +686,11 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Distinct states per second and bytes per state of the model checker.")
     add_arguments(b)
     b.set_defaults(func=cmd_bench_checker)
-    from kvcc.bench.tiers import add_arguments as add_tiers_arguments
-
-    b = bsub.add_parser("tiers", help="storage-tier bandwidth as a fraction of the raw limit",
-                        description="Read and write bandwidth of each storage tier (DRAM, GPU, NVMe, pool) "
-                                    "per block size, as a fraction of the raw limit measured in the same run.")
-    add_tiers_arguments(b)
-    b.set_defaults(func=cmd_bench_tiers)
-    from kvcc.bench.directory import add_arguments as add_directory_arguments
-
-    b = bsub.add_parser("directory", help="lease acquire+release throughput and latency, embedded and etcd",
-                        description="Read-lease acquire+release pairs per second and p50/p99 latency over loopback "
-                                    "TCP with concurrent clients, for the directory on SQLite (embedded) and on etcd, "
-                                    "each beside a raw baseline from the same run (Ping round trips; raw etcd puts).")
-    add_directory_arguments(b)
-    b.set_defaults(func=cmd_bench_directory)
-    from kvcc.bench.validator import add_arguments as add_validator_arguments
-
-    b = bsub.add_parser("validator", help="trace validator throughput and memory, on a load trace and a generated one",
-                        description="Events per second and peak RSS of the trace validator on the load profile's trace "
-                                    "of a real run and on a trace of at least a million events made from it; a mutated "
-                                    "copy must be REJECTED.")
-    add_validator_arguments(b)
-    b.set_defaults(func=cmd_bench_validator)
-    from kvcc.bench.routing import add_arguments as add_routing_arguments
-
-    b = bsub.add_parser("routing", help="request routing policies replayed on Mooncake's traces, against hit-ratio bounds",
-                        description="Hit ratio, load balance and modelled TTFT of each routing policy on a simulated "
-                                    "cluster replaying Mooncake's request traces, beside the infinite-cache and "
-                                    "pooled-LRU bounds.")
-    add_routing_arguments(b)
-    b.set_defaults(func=cmd_bench_routing)
+    for name, (help_, description) in BENCHMARKS.items():
+        module = importlib.import_module(f"kvcc.bench.{name}")
+        b = bsub.add_parser(name, help=help_, description=description)
+        module.add_arguments(b)
+        b.set_defaults(func=module.cli)
 
     from kvcc.cli_runtime import add_parsers as add_runtime_parsers
 
