@@ -14,7 +14,15 @@ Target (the routing issue): a kvcc policy (``KVCC_POLICIES``) at least ``TARGET_
 the pooled bound with max/mean load at most ``TARGET_MAX_MEAN_LOAD``, and a hit ratio above the
 SGLang and Dynamo baselines', on the conversation trace. A benchmark reports; it does not fail on a
 missed target. Exit code 2 on bad input (a missing or malformed trace, a configuration out of
-range).
+range, ``--smg`` without the smg router installed, smg failing to start or to route every request
+once).
+
+``--smg`` adds the real SGLang router (``smg``, ``bench/smg_router.py``): for each trace, N and
+``--smg-policy``, smg routes the trace's requests to N stand-in workers on loopback, and its
+assignment is replayed through the simulator as the row ``smg:<policy>`` of every (F, U)
+configuration, so that the ``sglang_cache_aware`` model can be read against the router itself.
+``smg:cache_aware`` then counts as a baseline for the target. ``--limit N`` keeps the first N
+requests of each trace (a live run sends every request through smg).
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from itertools import groupby
 from pathlib import Path
 from typing import Any
 
+from kvcc.bench import smg_router
 from kvcc.reference.routing import sim
 from kvcc.reference.routing.policies import KVCC_POLICIES, POLICIES
 
@@ -34,7 +43,7 @@ DEFAULT_CAPACITIES = (0.25, 0.5)
 DEFAULT_UTILISATIONS = (0.7, 0.9)
 TARGET_VS_POOLED = 0.95
 TARGET_MAX_MEAN_LOAD = 1.1
-BASELINES = ("sglang_cache_aware", "dynamo_cost")
+BASELINES = ("sglang_cache_aware", "dynamo_cost", "smg:cache_aware")
 CONFIG_KEYS = ("trace", "nodes", "capacity", "utilisation")
 
 
@@ -62,21 +71,45 @@ def targets(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def smg_replays(trace: sim.Trace, nodes: Sequence[int], policies: Sequence[str],
+                concurrency: int) -> tuple[dict[str, dict[int, tuple[int, ...]]], list[dict[str, Any]]]:  # fmt: skip
+    """Route ``trace`` through smg once per (policy, N): the assignments (row name -> N -> node per
+    request) and what each run took."""
+    replays: dict[str, dict[int, tuple[int, ...]]] = {}
+    runs = []
+    for policy in policies:
+        for n in nodes:
+            run = smg_router.route(trace.blocks, policy, n, concurrency)
+            replays.setdefault(f"smg:{policy}", {})[n] = run.assignment
+            runs.append({"trace": trace.name, "nodes": n, "policy": policy, "requests": len(trace.blocks),
+                         "wall_s": run.wall_s, "probes": sorted(run.probes)})  # fmt: skip
+    return replays, runs
+
+
 def measure(traces: Iterable[Path], nodes: Sequence[int], capacities: Sequence[float],
-            utilisations: Sequence[float], policies: Sequence[str]) -> dict[str, Any]:  # fmt: skip
+            utilisations: Sequence[float], policies: Sequence[str], limit: int | None = None,
+            smg_policies: Sequence[str] = (), smg_concurrency: int = 1) -> dict[str, Any]:  # fmt: skip
     costs = sim.Costs()
     rows = []
+    smg_runs: list[dict[str, Any]] = []
     for path in traces:
-        rows += sim.run(sim.load_trace(path), nodes, capacities, utilisations, policies, costs)
-    return {
+        trace = sim.load_trace(path, limit)
+        replays, runs = smg_replays(trace, nodes, smg_policies, smg_concurrency)
+        smg_runs += runs
+        rows += sim.run(trace, nodes, capacities, utilisations, policies, costs, replays=replays)
+    out = {
         "costs": {"prefill_ms_per_block": costs.prefill_ms, "load_ms_per_block": costs.load_ms,
                   "block_tokens": sim.BLOCK_TOKENS, "prefill_tokens_per_s": costs.prefill_tokens_per_s,
                   "load_gbps": costs.load_gbps, "kv_bytes_per_token": costs.kv_bytes_per_token},
+        "limit": limit,
         "rows": rows,
         "targets": targets(rows),
         "beats_pooled": [{k: r[k] for k in (*CONFIG_KEYS, "policy", "vs_pooled")}
                          for r in rows if r["hit_ratio"] > r["bound_pooled"]],
     }  # fmt: skip
+    if smg_policies:
+        out["smg"] = {"concurrency": smg_concurrency, "runs": smg_runs}
+    return out
 
 
 def render(console: Any, r: dict[str, Any]) -> None:
@@ -101,6 +134,9 @@ def render(console: Any, r: dict[str, Any]) -> None:
         best = f"{x['best']} {x['vs_pooled']:.3f} of pooled" if x["best"] else "no kvcc policy within the load bound"
         console.print(f"target {x['trace'].split('_trace')[0]} N={x['nodes']} cap={x['capacity']:g} "
                       f"U={x['utilisation']:g}: {best}: {verdict}")  # fmt: skip
+    for x in r.get("smg", {}).get("runs", []):
+        console.print(f"[dim]smg {x['policy']} routed {x['requests']} requests of {x['trace']} over {x['nodes']} "
+                      f"stand-in workers in {x['wall_s']:.1f} s[/]")  # fmt: skip
     for x in r["beats_pooled"]:
         console.print(f"[dim]{x['policy']} beats the pooled LRU on {x['trace']} N={x['nodes']} "
                       f"cap={x['capacity']:g} U={x['utilisation']:g} ({x['vs_pooled']:.4f})[/]")  # fmt: skip
@@ -122,19 +158,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"(default {' '.join(map(str, DEFAULT_UTILISATIONS))})")
     parser.add_argument("--policy", nargs="+", choices=list(POLICIES), default=list(POLICIES), metavar="NAME",
                         help=f"policies (default all: {', '.join(POLICIES)})")
+    parser.add_argument("--limit", type=int, metavar="N",
+                        help="the first N requests of each trace (default all)")
+    parser.add_argument("--smg", action="store_true",
+                        help="also route each trace through the real SGLang router (smg) over stand-in workers "
+                             "and replay its assignment as rows smg:<policy>")
+    parser.add_argument("--smg-policy", nargs="+", choices=list(smg_router.SMG_POLICIES), metavar="NAME",
+                        help="smg's policies (implies --smg; default cache_aware): "
+                             + ", ".join(smg_router.SMG_POLICIES))
+    parser.add_argument("--smg-concurrency", type=int, default=1, metavar="C",
+                        help="requests in flight at smg at most (default 1: smg routes in the trace's order; "
+                             "the stand-ins answer at once, so smg's load rules see at most C outstanding)")
     parser.add_argument("--json", action="store_true", help="print one JSON object and nothing else")  # fmt: skip
 
 
 def cli(args: argparse.Namespace) -> int:
     from kvcc.console import print_json, stdout_console
 
+    smg_policies = args.smg_policy or (["cache_aware"] if args.smg else [])
     try:
         for nodes in args.nodes:
             for capacity in args.capacity:
                 for utilisation in args.utilisation:
                     sim.check_configuration(nodes, capacity, utilisation)
-        r = measure(args.trace or sim.default_traces(), args.nodes, args.capacity, args.utilisation, args.policy)
-    except (ValueError, sim.TraceError) as exc:
+        if smg_policies:
+            smg_router.require_smg()
+            if args.smg_concurrency < 1:
+                raise ValueError(f"--smg-concurrency must be at least 1: {args.smg_concurrency}")
+        r = measure(args.trace or sim.default_traces(), args.nodes, args.capacity, args.utilisation, args.policy,
+                    args.limit, smg_policies, args.smg_concurrency)  # fmt: skip
+    except (ValueError, sim.TraceError, smg_router.SmgError) as exc:
         print(f"kvcc bench routing: error: {exc}", file=sys.stderr)
         return 2
     if args.json:

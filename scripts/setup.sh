@@ -51,9 +51,10 @@ else
 fi
 
 if [ "$needs_install" = 1 ]; then
-    # [mooncake]: a real Mooncake Store for the mooncake adapters (no torch; see pyproject.toml).
-    extras=mooncake
-    if [ "$with_vllm" = 1 ]; then extras=mooncake,vllm; fi
+    # [mooncake]: a real Mooncake Store for the mooncake adapters; [smg]: the real SGLang router
+    # for the routing benchmark (neither pulls torch; see pyproject.toml).
+    extras=mooncake,smg
+    if [ "$with_vllm" = 1 ]; then extras=mooncake,smg,vllm; fi
     echo "setup: pip install -c constraints.txt -e .[$extras] (quiet)" >&2
     "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check \
         -c constraints.txt -e ".[$extras]"

@@ -6,6 +6,7 @@ and errors."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -286,3 +287,50 @@ def test_bench_routing_malformed_trace(tmp_path, capsys):
     assert cli.main(["bench", "routing", "--trace", str(bad)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"{bad}:2: hash_ids is not a list of integers" in err
+
+
+# ------------------------------------------------------------------- recorded assignments (smg)
+
+
+def test_replay_follows_the_recorded_assignment_and_nothing_else():
+    t = sim.Trace("hand", (0.0, 0.0, 1000.0), ((1, 2), (1, 2), (1, 2, 3)))
+    replayed = sim.simulate(t, p.Replay([0, 1, 0]), nodes=2, capacity=4, scale=1.0, costs=sim.Costs())
+    assert replayed == sim.simulate(t, p.RoundRobin(2), nodes=2, capacity=4, scale=1.0, costs=sim.Costs())
+    with pytest.raises(ValueError, match="routed to node 2, not one of 2"):
+        sim.simulate(t, p.Replay([0, 2, 0]), nodes=2, capacity=4, scale=1.0, costs=sim.Costs())
+    with pytest.raises(ValueError, match="has 2 requests; the trace has more"):
+        sim.simulate(t, p.Replay([0, 1]), nodes=2, capacity=4, scale=1.0, costs=sim.Costs())
+
+
+def test_run_adds_a_row_per_replay_after_the_policies():
+    t = sim.Trace("hand", (0.0, 0.0, 1000.0), ((1, 2), (1, 2), (1, 2, 3)))
+    rows = sim.run(t, [2], [1.0], [0.7], ["round_robin"], replays={"smg:round_robin": {2: [0, 1, 0], 4: [0, 1, 2]}})
+    assert [r["policy"] for r in rows] == ["round_robin", "smg:round_robin"]
+    assert {k: v for k, v in rows[1].items() if k != "policy"} == {k: v for k, v in rows[0].items() if k != "policy"}
+    with pytest.raises(ValueError, match="smg:x at N=2: 2 recorded requests, 3 in hand"):
+        sim.run(t, [2], [1.0], [0.7], [], replays={"smg:x": {2: [0, 1]}})
+
+
+def test_load_trace_limit_keeps_the_first_requests():
+    t = sim.load_trace(TRACES["conversation"], limit=5)
+    assert len(t.blocks) == 5 and t.blocks == sim.load_trace(TRACES["conversation"]).blocks[:5]
+    with pytest.raises(ValueError, match="limit must be at least 1"):
+        sim.load_trace(TRACES["conversation"], limit=0)
+
+
+def test_bench_routing_limit(small_trace, capsys):
+    argv = ["bench", "routing", "--trace", str(small_trace), "--nodes", "2", "--capacity", "1", "--utilisation", "0.7",
+            "--policy", "round_robin", "--limit", "10", "--json"]  # fmt: skip
+    assert cli.main(argv) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["limit"] == 10 and "smg" not in r
+    assert r["rows"][0]["bound_infinite"] == sim.bound_infinite(sim.load_trace(small_trace, 10))
+
+
+def test_bench_routing_smg_without_smg_is_an_error(small_trace, capsys, monkeypatch):
+    """``--smg`` with no smg importable: one line and exit 2, never a table without its rows."""
+    monkeypatch.setitem(sys.modules, "smg", None)  # find_spec("smg") is None: as if not installed
+    assert cli.main(["bench", "routing", "--trace", str(small_trace), "--smg", "--json"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert captured.err.startswith("kvcc bench routing: error: the smg router is not installed: pip install smg==")

@@ -255,7 +255,30 @@ class LlmdPrefix:
         return _argmin([(-self._weight * view.matched[n], view.outstanding[n]) for n in range(view.nodes)])
 
 
-Policy = RoundRobin | ConsistentHash | Capacity | CacheAware | TierCost | SglangCacheAware | DynamoCost | LlmdPrefix
+# ---------------------------------------------------------------------------------- replay
+
+
+class Replay:
+    """A recorded assignment, request i to node ``assignment[i]``: the decisions of a router that
+    ran outside the simulator (the real SGLang router, bench/smg_router.py), replayed so that they
+    get the same hit ratio, load and TTFT figures as the policies here."""
+
+    def __init__(self, assignment: Sequence[int]) -> None:
+        self._assignment = assignment
+        self._next = 0
+
+    def choose(self, request: Request, view: View) -> int:
+        if self._next >= len(self._assignment):
+            raise ValueError(f"the recorded assignment has {len(self._assignment)} requests; the trace has more")
+        node = self._assignment[self._next]
+        if not 0 <= node < view.nodes:
+            raise ValueError(f"request {self._next} was routed to node {node}, not one of {view.nodes}")
+        self._next += 1
+        return node
+
+
+Policy = (RoundRobin | ConsistentHash | Capacity | CacheAware | TierCost | SglangCacheAware | DynamoCost | LlmdPrefix
+          | Replay)
 
 POLICIES: dict[str, Callable[[int, int], Policy]] = {
     "round_robin": RoundRobin,

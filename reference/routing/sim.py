@@ -34,12 +34,12 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .policies import POLICIES, Policy, Request, View
+from .policies import POLICIES, Policy, Replay, Request, View
 
 BLOCK_TOKENS = 512
 DEFAULT_PREFILL_TOKENS_PER_S = 10_000.0
@@ -93,8 +93,11 @@ def _parse_line(line: str, where: str) -> tuple[float, tuple[int, ...]]:
     return float(timestamp), tuple(hash_ids)
 
 
-def load_trace(path: Path) -> Trace:
-    """Read a JSON Lines trace (blank lines skipped); timestamps must not decrease."""
+def load_trace(path: Path, limit: int | None = None) -> Trace:
+    """Read a JSON Lines trace (blank lines skipped), its first ``limit`` requests if given (a short
+    slice, for a run that sends the requests to a real router); timestamps must not decrease."""
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be at least 1: {limit}")
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -102,6 +105,8 @@ def load_trace(path: Path) -> Trace:
     timestamps: list[float] = []
     blocks: list[tuple[int, ...]] = []
     for number, line in enumerate(text.splitlines(), start=1):
+        if limit is not None and len(timestamps) == limit:
+            break
         if not line.strip():
             continue
         timestamp, hash_ids = _parse_line(line, f"{path}:{number}")
@@ -300,11 +305,28 @@ def check_configuration(nodes: int, capacity: float, utilisation: float) -> None
         raise ValueError(f"utilisation must be positive: {utilisation}")
 
 
+def _row(trace: Trace, nodes: int, capacity: float, utilisation: float, name: str, result: dict[str, float],
+         infinite: float, bound_pooled: float) -> dict[str, Any]:  # fmt: skip
+    return {
+        "trace": trace.name, "nodes": nodes, "capacity": capacity, "utilisation": utilisation,
+        "policy": name, **result, "bound_infinite": infinite, "bound_pooled": bound_pooled,
+        "vs_pooled": result["hit_ratio"] / bound_pooled if bound_pooled > 0 else None,
+    }  # fmt: skip
+
+
 def run(trace: Trace, nodes_list: Sequence[int], capacities: Sequence[float], utilisations: Sequence[float],
-        policy_names: Sequence[str], costs: Costs = Costs(), seed: int = DEFAULT_SEED) -> list[dict[str, Any]]:  # fmt: skip
-    """One row per (nodes, capacity, utilisation, policy) on ``trace``, with the bounds."""
+        policy_names: Sequence[str], costs: Costs = Costs(), seed: int = DEFAULT_SEED,
+        replays: Mapping[str, Mapping[int, Sequence[int]]] | None = None) -> list[dict[str, Any]]:  # fmt: skip
+    """One row per (nodes, capacity, utilisation, policy) on ``trace``, with the bounds; then, per
+    configuration, one row per recorded assignment in ``replays`` (row name -> nodes -> the node of
+    each request, as a router outside the simulator chose it) that has one for its N."""
     infinite = bound_infinite(trace)
     refs = max(block_refs(trace), 1)
+    for name, by_nodes in (replays or {}).items():
+        for nodes, assignment in by_nodes.items():
+            if len(assignment) != len(trace.blocks):
+                raise ValueError(f"{name} at N={nodes}: {len(assignment)} recorded requests, "
+                                 f"{len(trace.blocks)} in {trace.name}")  # fmt: skip
     rows = []
     for capacity in capacities:
         total = capacity_blocks(trace, capacity)
@@ -314,11 +336,10 @@ def run(trace: Trace, nodes_list: Sequence[int], capacities: Sequence[float], ut
             for utilisation in utilisations:
                 check_configuration(nodes, capacity, utilisation)
                 scale = time_scale(trace, pooled, nodes, utilisation, costs)
-                for name in policy_names:
-                    result = simulate(trace, POLICIES[name](nodes, seed), nodes, total, scale, costs)
-                    rows.append({
-                        "trace": trace.name, "nodes": nodes, "capacity": capacity, "utilisation": utilisation,
-                        "policy": name, **result, "bound_infinite": infinite, "bound_pooled": bound_pooled,
-                        "vs_pooled": result["hit_ratio"] / bound_pooled if bound_pooled > 0 else None,
-                    })  # fmt: skip
+                policies: list[tuple[str, Policy]] = [(name, POLICIES[name](nodes, seed)) for name in policy_names]
+                policies += [(name, Replay(by_nodes[nodes])) for name, by_nodes in (replays or {}).items()
+                             if nodes in by_nodes]  # fmt: skip
+                for name, policy in policies:
+                    result = simulate(trace, policy, nodes, total, scale, costs)
+                    rows.append(_row(trace, nodes, capacity, utilisation, name, result, infinite, bound_pooled))
     return rows
