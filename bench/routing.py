@@ -88,15 +88,19 @@ def smg_replays(trace: sim.Trace, nodes: Sequence[int], policies: Sequence[str],
 
 def measure(traces: Iterable[Path], nodes: Sequence[int], capacities: Sequence[float],
             utilisations: Sequence[float], policies: Sequence[str], limit: int | None = None,
-            smg_policies: Sequence[str] = (), smg_concurrency: int = 1) -> dict[str, Any]:  # fmt: skip
+            smg_policies: Sequence[str] = (), smg_concurrency: int = 1,
+            sla_ms: float | None = None) -> dict[str, Any]:  # fmt: skip
     costs = sim.Costs()
     rows = []
+    sla_rows: list[dict[str, Any]] = []
     smg_runs: list[dict[str, Any]] = []
     for path in traces:
         trace = sim.load_trace(path, limit)
         replays, runs = smg_replays(trace, nodes, smg_policies, smg_concurrency)
         smg_runs += runs
         rows += sim.run(trace, nodes, capacities, utilisations, policies, costs, replays=replays)
+        if sla_ms is not None:
+            sla_rows += sim.sla(trace, nodes, capacities, policies, sla_ms, costs)
     out = {
         "costs": {"prefill_ms_per_block": costs.prefill_ms, "load_ms_per_block": costs.load_ms,
                   "block_tokens": sim.BLOCK_TOKENS, "prefill_tokens_per_s": costs.prefill_tokens_per_s,
@@ -109,6 +113,9 @@ def measure(traces: Iterable[Path], nodes: Sequence[int], capacities: Sequence[f
     }  # fmt: skip
     if smg_policies:
         out["smg"] = {"concurrency": smg_concurrency, "runs": smg_runs}
+    if sla_ms is not None:
+        out["sla"] = {"bound": f"p99 TTFT <= {sla_ms:g} ms", "rows": sla_rows,
+                      "recompute_vs_load_per_block": costs.prefill_ms / costs.load_ms}  # fmt: skip
     return out
 
 
@@ -137,9 +144,31 @@ def render(console: Any, r: dict[str, Any]) -> None:
     for x in r.get("smg", {}).get("runs", []):
         console.print(f"[dim]smg {x['policy']} routed {x['requests']} requests of {x['trace']} over {x['nodes']} "
                       f"stand-in workers in {x['wall_s']:.1f} s[/]")  # fmt: skip
+    if "sla" in r:
+        render_sla(console, r["sla"])
     for x in r["beats_pooled"]:
         console.print(f"[dim]{x['policy']} beats the pooled LRU on {x['trace']} N={x['nodes']} "
                       f"cap={x['capacity']:g} U={x['utilisation']:g} ({x['vs_pooled']:.4f})[/]")  # fmt: skip
+
+
+def render_sla(console: Any, s: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    t = Table(title=f"throughput at {s['bound']} (recompute baseline: no cache; round robin: node-local caches; "
+                    f"a cached block loads {s['recompute_vs_load_per_block']:.1f}x faster than it recomputes)")
+    for col in ("trace", "N", "cap", "policy", "max req/s", "vs recompute", "vs round robin", "hit", "p50 ms",
+                "p99 ms"):  # fmt: skip
+        t.add_column(col, justify="left" if col in ("trace", "policy") else "right")
+    for x in s["rows"]:
+        rps = "misses the bound" if x["max_rps"] is None else f"{x['max_rps']:.3f}" + ("+" if x["capped"] else "")
+        t.add_row(x["trace"].split("_trace")[0], str(x["nodes"]), f"{x['capacity']:g}", x["policy"], rps,
+                  _fmt_ratio(x["vs_recompute"]), _fmt_ratio(x["vs_round_robin"]), f"{x['hit_ratio']:.4f}",
+                  f"{x['ttft_p50']:,.0f}", f"{x['ttft_p99']:,.0f}")  # fmt: skip
+    console.print(t)
+
+
+def _fmt_ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
 
 
 # ------------------------------------------------------------------------------- entry points
@@ -169,6 +198,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--smg-concurrency", type=int, default=1, metavar="C",
                         help="requests in flight at smg at most (default 1: smg routes in the trace's order; "
                              "the stand-ins answer at once, so smg's load rules see at most C outstanding)")
+    parser.add_argument("--sla-ms", type=float, metavar="MS",
+                        help="also report each policy's throughput at p99 TTFT <= MS (MLPerf-style), beside a "
+                             "recompute baseline (no cache) and round robin with node-local caches")
     parser.add_argument("--json", action="store_true", help="print one JSON object and nothing else")  # fmt: skip
 
 
@@ -185,8 +217,10 @@ def cli(args: argparse.Namespace) -> int:
             smg_router.require_smg()
             if args.smg_concurrency < 1:
                 raise ValueError(f"--smg-concurrency must be at least 1: {args.smg_concurrency}")
+        if args.sla_ms is not None and not args.sla_ms > 0:
+            raise ValueError(f"--sla-ms must be positive: {args.sla_ms}")
         r = measure(args.trace or sim.default_traces(), args.nodes, args.capacity, args.utilisation, args.policy,
-                    args.limit, smg_policies, args.smg_concurrency)  # fmt: skip
+                    args.limit, smg_policies, args.smg_concurrency, args.sla_ms)  # fmt: skip
     except (ValueError, sim.TraceError, smg_router.SmgError) as exc:
         print(f"kvcc bench routing: error: {exc}", file=sys.stderr)
         return 2

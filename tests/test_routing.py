@@ -334,3 +334,56 @@ def test_bench_routing_smg_without_smg_is_an_error(small_trace, capsys, monkeypa
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err.count("\n") == 1
     assert captured.err.startswith("kvcc bench routing: error: the smg router is not installed: pip install smg==")
+
+
+# -- throughput at a TTFT bound ---------------------------------------------------------------------
+
+
+def _three_lone_blocks() -> sim.Trace:
+    """Three one-block requests, no block shared, evenly spaced: nothing is ever a hit."""
+    return sim.Trace("three", (0.0, 1000.0, 2000.0), ((1,), (2,), (3,)))
+
+
+def test_sla_point_hand_computed():
+    # One node, no cache, each request one block: service 51.2 ms. Arrivals ``gap`` apart queue up
+    # when gap < 51.2: the third waits for two, TTFT = 3 x 51.2 - 2 gap, the largest (the p99 of
+    # three). Bound 60 ms: gap >= 46.8 ms, so at most 3 requests in 2 x 46.8 ms = 32.05 req/s.
+    costs = sim.Costs()
+    trace = _three_lone_blocks()
+    point = sim.sla_point(trace, lambda: p.RoundRobin(1), 1, 0, [0, 0, 0], 60.0, costs)
+    assert not point["capped"] and point["ttft_p99"] <= 60.0
+    gap_ms = (3 * costs.prefill_ms - 60.0) / 2
+    assert point["max_rps"] == pytest.approx(3 / (2 * gap_ms / 1000), rel=1e-3)
+
+
+def test_sla_point_misses_a_bound_below_one_service_time_and_caps_a_loose_one():
+    costs, trace = sim.Costs(), _three_lone_blocks()
+    missed = sim.sla_point(trace, lambda: p.RoundRobin(1), 1, 0, [0, 0, 0], costs.prefill_ms / 2, costs)
+    assert missed["max_rps"] is None and missed["utilisation"] is None
+    loose = sim.sla_point(trace, lambda: p.RoundRobin(1), 1, 0, [0, 0, 0], 10 * costs.prefill_ms, costs)
+    assert loose["capped"] and loose["utilisation"] == sim.SLA_UTILISATION_RANGE[1]
+
+
+def test_sla_rows_carry_the_recompute_and_round_robin_baselines(trace):
+    _, whole = trace
+    small = sim.Trace(whole.name, whole.timestamps[:400], whole.blocks[:400])
+    rows = sim.sla(small, [2], [0.5], ["cache_aware"], 30_000.0)
+    by = {r["policy"]: r for r in rows}
+    assert list(by) == [sim.RECOMPUTE, "round_robin", "cache_aware"]
+    assert by[sim.RECOMPUTE]["hit_ratio"] == 0 and by[sim.RECOMPUTE]["vs_recompute"] == 1
+    assert by["round_robin"]["vs_round_robin"] == 1
+    for r in rows:
+        assert r["max_rps"] is None or r["ttft_p99"] <= 30_000.0
+    # Caching and routing to the cache serve more within the same bound than recomputing everything.
+    assert by["cache_aware"]["hit_ratio"] > 0 and by["cache_aware"]["vs_recompute"] > 1
+
+
+def test_bench_routing_sla_json(small_trace, capsys):
+    argv = ["bench", "routing", "--trace", str(small_trace), "--nodes", "2", "--capacity", "0.5",
+            "--utilisation", "0.7", "--policy", "cache_aware", "--sla-ms", "30000", "--json"]  # fmt: skip
+    assert cli.main(argv) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["sla"]["bound"] == "p99 TTFT <= 30000 ms"
+    assert [x["policy"] for x in r["sla"]["rows"]] == [sim.RECOMPUTE, "round_robin", "cache_aware"]
+    assert cli.main(["bench", "routing", "--trace", str(small_trace), "--sla-ms", "0"]) == 2
+    assert "--sla-ms must be positive" in capsys.readouterr().err

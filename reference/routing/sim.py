@@ -33,8 +33,9 @@ slightly (N separate LRUs evict differently from one), never the infinite cache.
 from __future__ import annotations
 
 import json
+import math
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -293,6 +294,79 @@ def simulate(trace: Trace, policy: Policy, nodes: int, capacity: int, scale: flo
         "ttft_p50": _percentile(ttfts, 50),
         "ttft_p99": _percentile(ttfts, 99),
     }
+
+
+# ---------------------------------------------------------------------------------- SLA
+
+
+SLA_UTILISATION_RANGE = (0.02, 2.0)  # the utilisations the search spans (at the pooled bound's hits)
+SLA_STEPS = 14  # bisection steps: the range to about 1/8000 of its width
+RECOMPUTE = "recompute"  # the baseline row: no cache at all, round robin
+
+
+def throughput_rps(trace: Trace, scale: float) -> float:
+    """Requests per second when the trace's arrivals are stretched by ``scale``."""
+    span_s = trace.span_ms * scale / 1000.0
+    return len(trace.blocks) / span_s if span_s > 0 else math.inf
+
+
+def sla_point(trace: Trace, make_policy: Callable[[], Policy], nodes: int, capacity: int, pooled: Sequence[int],
+              bound_ms: float, costs: Costs) -> dict[str, Any]:  # fmt: skip
+    """The highest load at which the p99 TTFT stays within ``bound_ms`` (MLPerf's server scenario:
+    throughput at a latency bound), by bisection over the utilisation the arrivals are scaled to
+    (``time_scale``, against the pooled bound's hits, so that every policy is offered the same
+    arrival rates). ``max_rps`` is None when even the lightest load in ``SLA_UTILISATION_RANGE``
+    misses the bound; ``capped`` says the heaviest load still met it."""
+    lo, hi = SLA_UTILISATION_RANGE
+    at_lo = simulate(trace, make_policy(), nodes, capacity, time_scale(trace, pooled, nodes, lo, costs), costs)
+    if at_lo["ttft_p99"] > bound_ms:
+        return {"max_rps": None, "utilisation": None, **at_lo, "capped": False}
+    at_hi = simulate(trace, make_policy(), nodes, capacity, time_scale(trace, pooled, nodes, hi, costs), costs)
+    if at_hi["ttft_p99"] <= bound_ms:
+        best, best_u, capped = at_hi, hi, True
+    else:
+        best, best_u, capped = at_lo, lo, False
+        for _ in range(SLA_STEPS):
+            mid = (lo + hi) / 2
+            result = simulate(trace, make_policy(), nodes, capacity, time_scale(trace, pooled, nodes, mid, costs), costs)
+            if result["ttft_p99"] <= bound_ms:
+                lo, best, best_u = mid, result, mid
+            else:
+                hi = mid
+    scale = time_scale(trace, pooled, nodes, best_u, costs)
+    return {"max_rps": throughput_rps(trace, scale), "utilisation": best_u, **best, "capped": capped}
+
+
+def sla(trace: Trace, nodes_list: Sequence[int], capacities: Sequence[float], policy_names: Sequence[str],
+        bound_ms: float, costs: Costs = Costs(), seed: int = DEFAULT_SEED) -> list[dict[str, Any]]:  # fmt: skip
+    """Per (N, F): each policy's throughput at the p99 TTFT bound, beside the ``RECOMPUTE`` baseline
+    (no cache, round robin) and round robin with its node-local caches (caching without routing for
+    it), each as a ratio (``vs_recompute``, ``vs_round_robin``)."""
+    if bound_ms <= 0:
+        raise ValueError(f"the TTFT bound must be positive: {bound_ms}")
+    rows = []
+    for capacity in capacities:
+        total = capacity_blocks(trace, capacity)
+        pooled = pooled_hits(trace, total)
+        for nodes in nodes_list:
+            check_configuration(nodes, capacity, 1.0)
+            points = {RECOMPUTE: sla_point(trace, lambda: POLICIES["round_robin"](nodes, seed), nodes, 0, pooled,
+                                           bound_ms, costs)}  # fmt: skip
+            for name in dict.fromkeys(("round_robin", *policy_names)):
+                points[name] = sla_point(trace, lambda name=name: POLICIES[name](nodes, seed), nodes, total, pooled,
+                                         bound_ms, costs)  # fmt: skip
+            base, local = points[RECOMPUTE]["max_rps"], points["round_robin"]["max_rps"]
+            for name, p in points.items():
+                rows.append({
+                    "trace": trace.name, "nodes": nodes, "capacity": capacity, "bound_ms": bound_ms, "policy": name,
+                    **p,
+                    "vs_recompute": _ratio(p["max_rps"], base), "vs_round_robin": _ratio(p["max_rps"], local),
+                })  # fmt: skip
+    return rows
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
 
 
 def check_configuration(nodes: int, capacity: float, utilisation: float) -> None:
