@@ -20,7 +20,8 @@ Every error carries a stable ``code`` string (for ``Error`` frames, logs and rep
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+import copy
+from typing import Any, ClassVar, TypeVar
 
 
 class KvccError(Exception):
@@ -60,6 +61,19 @@ class PeerViolation(KvccError):
         super().__init__(detail, **context)
         if code is not None:
             self.code = code  # instance attribute shadows the class default
+
+
+PeerViolationT = TypeVar("PeerViolationT", bound=PeerViolation)
+
+
+def detached(violation: PeerViolationT) -> PeerViolationT:
+    """A copy of ``violation`` with no traceback and no chained exception. A session keeps its
+    failure to raise it again; the original's traceback holds the frames it was raised through,
+    whose locals hold the session and the offending frame's bytes: kept, that is a reference cycle
+    that pins megabytes per rejected connection until the cycle collector happens to run."""
+    clone = copy.copy(violation)
+    clone.__traceback__ = clone.__context__ = clone.__cause__ = None
+    return clone
 
 
 class Malformed(PeerViolation):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import struct
 
-from ..errors import FrameTooLarge, Malformed, PeerViolation, ProtocolViolation
+from ..errors import FrameTooLarge, Malformed, PeerViolation, ProtocolViolation, detached
 from .limits import FRAME_HEADER_BYTES, MAX_FRAME_BYTES
 
 _LENGTH = struct.Struct(">I")
@@ -46,12 +46,12 @@ class FrameDecoder:
 
     def add(self, data: bytes) -> None:
         if self._failure is not None:
-            raise self._failure
+            raise detached(self._failure)
         self._buffer += data
 
     def next_frame(self) -> bytes | None:
         if self._failure is not None:
-            raise self._failure
+            raise detached(self._failure)
         buf, pos = self._buffer, self._pos
         if len(buf) - pos < FRAME_HEADER_BYTES:
             self._compact()
@@ -83,8 +83,14 @@ class FrameDecoder:
             del self._buffer[: self._pos]
             self._pos = 0
 
-    def _fail(self, violation: PeerViolation) -> None:
-        self._failure = violation
-        self._buffer = bytearray()  # nothing more of this connection is kept
+    def discard(self) -> None:
+        """Let go of everything buffered (the connection failed: nothing more of it is read)."""
+        self._buffer = bytearray()
         self._pos = 0
-        raise violation
+
+    def _fail(self, violation: PeerViolation) -> None:
+        # Kept, and raised, as copies: the one raised carries this frame (which holds ``violation``),
+        # so raising ``violation`` itself would make a cycle that pins the decoder until a collection.
+        self._failure = detached(violation)
+        self.discard()  # nothing more of this connection is kept
+        raise detached(violation)

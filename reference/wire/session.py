@@ -18,7 +18,7 @@ from attrs import frozen
 
 from kvcc.spec.keys import CborError, cbor_decode, cbor_encode, cbor_head
 
-from ..errors import Malformed, PeerViolation, ProtocolViolation, Replayed, Unauthorized
+from ..errors import Malformed, PeerViolation, ProtocolViolation, Replayed, Unauthorized, detached
 from .codec import decode, encode, flat_map
 from .frames import FrameDecoder, encode_frame
 from .limits import MAX_FRAME_BYTES, MAX_TEXT_BYTES, MAX_WIRE_INT, MIN_TOKEN_BYTES
@@ -214,7 +214,7 @@ class Session:
 
     def receive_data(self, data: bytes) -> list[Received]:
         if self.failure is not None:
-            raise self.failure
+            raise detached(self.failure)
         try:
             self._frames.add(data)
             out = []
@@ -224,7 +224,10 @@ class Session:
                 out.append(self._open(payload))
             return out
         except PeerViolation as violation:
-            self.failure = violation
+            # Kept without its traceback (``detached``), and the buffered input let go: a rejected
+            # connection must not pin its frames in memory.
+            self.failure = detached(violation)
+            self._frames.discard()
             raise
 
     def _open(self, payload: bytes) -> Received:
