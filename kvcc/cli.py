@@ -624,6 +624,11 @@ BENCHMARKS = {
               "results.json, plots, report.html and a MANIFEST into --out."),
     "compare": ("adapters side by side from their bench suite bundles",
                 "Verify each bundle's MANIFEST, then print every workload's metrics with one column per bundle."),
+    "fuzz": ("live fuzzing of a running deployment: no crash, no state change, memory bounded",
+             "Start a directory and two cache nodes as processes on loopback, commit a known state, then attack "
+             "every port for --seconds with random, mutated, oversized and slow frames, connection floods and "
+             "replays; check that every process lives, the state is unchanged, RSS stayed bounded and a "
+             "legitimate client is served after each flood."),
 }  # fmt: skip
 
 
