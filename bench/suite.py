@@ -46,7 +46,6 @@ one failed, 2 on bad input. No figure is a target: the suite reports.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import platform
 import random
@@ -129,14 +128,6 @@ Step = Callable[[str], None]
 
 
 # ------------------------------------------------------------------------------------ helpers
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The ``q``-th percentile (nearest rank) of ``values``; None for none."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
 
 
 def bench_namespace(rng: random.Random) -> Namespace:
@@ -237,7 +228,7 @@ def _run_clients(clients: int, op: Callable[[int, int], bool], ops: int) -> dict
         raise errors[0]
     flat = [x / 1000 for per in latencies for x in per]
     return {"clients": clients, "ops": len(flat), "seconds": seconds, "ops_per_s": len(flat) / seconds,
-            "p50_us": percentile(flat, 50), "p99_us": percentile(flat, 99), "failed": sum(failed)}  # fmt: skip
+            "p50_us": sim.percentile(flat, 50), "p99_us": sim.percentile(flat, 99), "failed": sum(failed)}  # fmt: skip
 
 
 def lease_lookup(d: Deployment, step: Step) -> dict[str, Any]:
@@ -388,7 +379,7 @@ def _invalidation_row(d: Deployment, mode: str, holders: int) -> dict[str, Any]:
     runs = [_invalidate_with_holders(d, holders, mode == "expiry") for _ in range(d.profile.invalidation_reps)]
     ms = [r[0] * 1000 for r in runs]
     return {"mode": mode, "holders": holders, "reps": len(runs), "grants": sum(r[1] for r in runs),
-            "ticket_keys": sum(r[2] for r in runs), "p50_ms": percentile(ms, 50), "max_ms": max(ms)}  # fmt: skip
+            "ticket_keys": sum(r[2] for r in runs), "p50_ms": sim.percentile(ms, 50), "max_ms": max(ms)}  # fmt: skip
 
 
 def expiry_skip_reason(d: Deployment) -> str | None:
@@ -541,10 +532,10 @@ def trace_replay_on(d: Deployment, trace: sim.Trace, step: Step) -> dict[str, An
         "bytes_read": rep.bytes_read, "bytes_written": rep.bytes_written,
         "bytes_moved": rep.bytes_read + rep.bytes_written, "blocks_written": rep.written,
         "refused": rep.refused,
-        "cache_ms_p50": percentile(rep.cache_ms, 50), "cache_ms_p99": percentile(rep.cache_ms, 99),
-        "write_ms_p50": percentile(rep.write_ms, 50), "write_ms_p99": percentile(rep.write_ms, 99),
-        "ttft_ms_mean": statistics.fmean(rep.ttft_ms), "ttft_ms_p50": percentile(rep.ttft_ms, 50),
-        "ttft_ms_p99": percentile(rep.ttft_ms, 99), "no_cache_ttft_ms_mean": statistics.fmean(no_cache),
+        "cache_ms_p50": sim.percentile(rep.cache_ms, 50), "cache_ms_p99": sim.percentile(rep.cache_ms, 99),
+        "write_ms_p50": sim.percentile(rep.write_ms, 50), "write_ms_p99": sim.percentile(rep.write_ms, 99),
+        "ttft_ms_mean": statistics.fmean(rep.ttft_ms), "ttft_ms_p50": sim.percentile(rep.ttft_ms, 50),
+        "ttft_ms_p99": sim.percentile(rep.ttft_ms, 99), "no_cache_ttft_ms_mean": statistics.fmean(no_cache),
         "vs_no_cache": statistics.fmean(rep.ttft_ms) / statistics.fmean(no_cache),
         "baseline": "hit ratio: bound_infinite of the same slice (a block id seen before is a hit), same run; "
                     "TTFT: every block recomputed (vs_no_cache = mean modelled TTFT over mean no-cache TTFT)",

@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import math
 from bisect import bisect_right
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
 
 
@@ -60,6 +60,17 @@ class View:
         load the cached prefix."""
         hit = self.matched[node]
         return (len(request.blocks) - hit) * self.prefill_ms + hit * self.load_ms
+
+
+def cached_prefix(blocks: Sequence[int], held: Container[int]) -> int:
+    """How many of ``blocks``, from the first, are in ``held``: a prefix is reusable up to its first
+    miss (an id covers its block and every earlier one)."""
+    n = 0
+    for b in blocks:
+        if b not in held:
+            break
+        n += 1
+    return n
 
 
 def _argmin(keys: Sequence[tuple[float, ...]]) -> int:
@@ -195,19 +206,13 @@ class SglangCacheAware:
         self._trees: list[set[int]] = [set() for _ in range(nodes)]
         self._threshold, self._abs, self._rel = cache_threshold, balance_abs, balance_rel
 
-    def _match(self, node: int, blocks: tuple[int, ...]) -> int:
-        tree, n = self._trees[node], 0
-        while n < len(blocks) and blocks[n] in tree:
-            n += 1
-        return n
-
     def choose(self, request: Request, view: View) -> int:
         loads = view.outstanding
         hi, lo = max(loads), min(loads)
         if hi - lo > self._abs and hi > lo * self._rel:
             node = _argmin([(loads[n],) for n in range(view.nodes)])
         else:
-            matches = [self._match(n, request.blocks) for n in range(view.nodes)]
+            matches = [cached_prefix(request.blocks, tree) for tree in self._trees]
             best = _argmin([(-m,) for m in matches])
             if request.blocks and matches[best] / len(request.blocks) > self._threshold:
                 node = best

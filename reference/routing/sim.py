@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .policies import POLICIES, Policy, Replay, Request, View
+from .policies import POLICIES, Policy, Replay, Request, View, cached_prefix
 
 BLOCK_TOKENS = 512
 DEFAULT_PREFILL_TOKENS_PER_S = 10_000.0
@@ -157,12 +157,7 @@ class LruCache:
 
     def prefix(self, blocks: Sequence[int]) -> int:
         """How many of ``blocks``, from the first, are cached (a walk until the first miss)."""
-        n = 0
-        for b in blocks:
-            if b not in self._blocks:
-                break
-            n += 1
-        return n
+        return cached_prefix(blocks, self._blocks)
 
     def touch(self, blocks: Iterable[int]) -> None:
         """Use ``blocks`` in order: each becomes the most recent; evict the least recent beyond capacity."""
@@ -257,10 +252,13 @@ def time_scale(trace: Trace, hits: Sequence[int], nodes: int, utilisation: float
     return work / (nodes * utilisation * trace.span_ms)
 
 
-def _percentile(sorted_values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile of an ascending list."""
-    rank = max(1, -(-len(sorted_values) * q // 100))
-    return sorted_values[int(rank) - 1]
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The ``q``-th percentile (nearest rank) of ``values``; None for none."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, -(-len(ordered) * q // 100))  # ceil(n q / 100) in integers: no float rounding up
+    return ordered[int(rank) - 1]
 
 
 def simulate(trace: Trace, policy: Policy, nodes: int, capacity: int, scale: float, costs: Costs) -> dict[str, float]:
@@ -286,13 +284,12 @@ def simulate(trace: Trace, policy: Policy, nodes: int, capacity: int, scale: flo
         node.active_blocks += len(blocks)
         hits, refs = hits + hit, refs + len(blocks)
         ttfts.append(node.busy_until - now)
-    ttfts.sort()
     mean_work = sum(n.assigned_ms for n in cluster) / nodes
     return {
         "hit_ratio": hits / max(refs, 1),
         "max_mean_load": max(n.assigned_ms for n in cluster) / mean_work if mean_work > 0 else 1.0,
-        "ttft_p50": _percentile(ttfts, 50),
-        "ttft_p99": _percentile(ttfts, 99),
+        "ttft_p50": percentile(ttfts, 50),
+        "ttft_p99": percentile(ttfts, 99),
     }
 
 
