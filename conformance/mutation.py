@@ -12,7 +12,9 @@ broken deployment, and counts how many the suite refuses to certify.
   guard and state update, and the call sites of the spec's rules -- the rules themselves,
   ``spec/rules.py``, are not mutated, because the trace validator replays the spec through the same
   rules: a mutant there would change the oracle together with the implementation); the holder,
-  writer and location logic of ``CoreAdapter`` (``conformance/testing.py``); the slot-tier logic
+  writer and location logic of ``CoreAdapter`` (``conformance/testing.py``), the holder it shares with
+  the client (``reference/holder.py``) and the host of its directory (``reference/directory/host.py``:
+  the durable commit, the logged steps and the directives in order); the slot-tier logic
   its DRAM tiers run (``reference/tiers/base.py``, ``reference/tiers/dram.py``). What a target
   leaves out is listed with the reason (``Target.skip``): code the in-process deployment never runs
   (transfers, the ``WaitTicket`` message, other tiers' hooks).
@@ -174,6 +176,19 @@ TARGETS: tuple[Target, ...] = (
                        "_check_running", "_tick_loop", "_fault")),
         *((f"CoreAdapter.{name}", "fault injection: the environment the suite controls, not the deployment")
           for name in ("kill", "pause", "skew_clock", "corrupt")),
+    )),  # fmt: skip
+    Target("kvcc.reference.holder", skip=(
+        ("Holder.may_renew", "the client's renewal check; the kit checks a renewal's lease with trusted"),
+        ("Holder.held", "read only by the known-bad kits (trusts-expired); the deployment never calls it"),
+        ("Holder.leases", "a reader for tests and tools; the deployment never calls it"),
+        ("Holder.forget", "called by the kit's kill only (fault injection), whose node is replaced, with a new "
+                          "holder, on restart: nothing reads the forgotten holder again"),
+    )),  # fmt: skip
+    Target("kvcc.reference.directory.host", skip=(
+        ("CoreHost.__init__", "construction; the kit passes its commit and emit"),
+        ("CoreHost.due", "the Mooncake adapter's timer asks it; the kit's ticker ticks at every wake"),
+        ("CoreHost.wait_s", "a wake-up hint: the kit's ticker wakes at least every TICK_IDLE_MS whatever it says, "
+                            "and every entry point first lets time pass (a late tick only delays)"),
     )),  # fmt: skip
     Target("kvcc.reference.tiers.base", only={"SlotTier", "Tier", "Header", "decode_header", "block_checksum",
                                                "piece_digests", "combine_digests", "copy_checksum"}, skip=(

@@ -16,7 +16,9 @@ Every piece logs the spec actions it performs (``kvcc.reference.events``), one l
 - directory: the core's ``Emit`` effects that are spec actions (its ``ignore_*`` diagnostics
   are not);
 - holder side: ``acquire`` / ``trust_read_lease``, ``renew`` / ``trust_renewal``, ``read``,
-  ``release``, ``drop_and_ack`` (on a revocation: drop the trust first, then acknowledge);
+  ``release``, ``drop_and_ack`` (on a revocation: drop the trust first, then acknowledge),
+  ``abandon``; each node's decisions are a ``kvcc.reference.holder.Holder``, the one the client
+  and the Mooncake adapter use;
 - writer side: ``begin_write`` / ``start_writing``, ``abort``;
 - locations: ``store_bytes`` / ``fence_stale_write``, ``free_slot`` / ``fence_stale_free``;
 - faults: ``crash`` on the killed incarnation's log (the directory logs ``restart_node`` and
@@ -60,8 +62,10 @@ from kvcc.reference.directory.core import (
     ReserveLeaseIds,
     Send,
 )
+from kvcc.reference.directory.host import CoreHost
 from kvcc.reference.errors import Unauthorized
 from kvcc.reference.events import EventLog
+from kvcc.reference.holder import Holder, Trust
 from kvcc.reference.tiers.base import Fenced as TierFenced
 from kvcc.reference.tiers.base import Freed as TierFreed
 from kvcc.reference.tiers.base import Stored as TierStored
@@ -91,7 +95,6 @@ from kvcc.reference.wire import Evicted as WireEvicted
 from kvcc.reference.wire import Freed as WireFreed
 from kvcc.spec.keys import BlockKey, Namespace
 from kvcc.spec.vocabulary import (
-    REASON_ALREADY_LEASED,
     REASON_BUSY,
     REASON_FENCED,
     REASON_LEASED,
@@ -99,6 +102,7 @@ from kvcc.spec.vocabulary import (
     REASON_MISS,
     REASON_NOT_FOUND,
     REASON_NO_SPACE,
+    REASON_REVOKED,
     REASON_TOO_LARGE,
     REASON_UNKNOWN_LEASE,
 )
@@ -132,17 +136,6 @@ EMPTY_TICKETS_FROM = 1 << 40  # ids of the empty tickets of invalidations in a n
 
 
 @define
-class _Trust:
-    """A holder's belief in one read lease (spec: h_id, h_loc, h_gen, h_left)."""
-
-    lease: int
-    gen: int
-    epoch: int
-    location: str
-    deadline_ns: int  # on the holder's own clock: sent + term - skew
-
-
-@define
 class _Node:
     id: str
     incarnation: int
@@ -152,7 +145,7 @@ class _Node:
     alive: bool = True
     paused: bool = False
     offset_ns: int = 0
-    trusts: dict = attrs.Factory(dict)  # BlockKey -> _Trust
+    holder: Holder = attrs.Factory(lambda: Holder(0))  # its read leases (kvcc.reference.holder), on its own clock
     writing: dict = attrs.Factory(dict)  # BlockKey -> WriteGrant: this node's write under way (until commit/abort)
     issued: set = attrs.Factory(set)  # (key, lease) of the write grants this node was given, in any incarnation
     stored: set = attrs.Factory(set)  # (key, lease) whose bytes landed
@@ -204,8 +197,7 @@ class CoreAdapter(Adapter):
             self._ctx = ctx
             self._config = DirectoryConfig(lease_term_ms=ctx.lease_term_ms, skew_ms=ctx.skew_ms)
             self._allowed = frozenset(ns.digest() for ns in ctx.namespaces)
-            self._t0_ns = time.monotonic_ns()
-            self._core = self._new_core()
+            self._host = CoreHost(self._new_core(), commit=self._commit, emit=self._emit_step)
             self._dir_incarnation = 1
             self._dir_log = self._new_log(DIRECTORY_NODE, 1)
             self._durable_records: dict[BlockKey, Any] = {}
@@ -265,10 +257,14 @@ class CoreAdapter(Adapter):
     def _new_node(self, node_id: str, incarnation: int) -> _Node:
         log = self._new_log(node_id, incarnation)
         return _Node(node_id, incarnation, DramTier(BLOCK_SLOTS, BLOCK_BYTES, pin_memory=False, name=node_id), log,
-                     self._logs[-1])  # fmt: skip
+                     self._logs[-1], holder=Holder(self._ctx.skew_ms))  # fmt: skip
+
+    @property
+    def _core(self) -> DirectoryCore:
+        return self._host.core
 
     def _now_ms(self) -> int:
-        return (time.monotonic_ns() - self._t0_ns) // 1_000_000
+        return self._host.now_ms()
 
     def _node_now_ns(self, node: _Node) -> int:
         return time.monotonic_ns() + node.offset_ns
@@ -302,17 +298,15 @@ class CoreAdapter(Adapter):
     def _dir(self, msg: Any) -> Any:
         """One request to the directory, its effects applied in order, then the messages they
         caused delivered (after, so that the logs keep the causal order)."""
-        reply, effects = self._core.handle(msg, self._now_ms(), TENANT)
-        self._apply(effects)
+        reply, directives = self._host.handle(msg, TENANT)
+        self._carry_out(directives)
         self._drain()
         return reply
 
-    def _apply(self, effects: Sequence[Any]) -> None:
-        for e in effects:
+    def _commit(self, durable: Sequence[Any]) -> None:
+        """The durable log (a dict that survives ``restart_directory``)."""
+        for e in durable:
             match e:
-                case Emit():
-                    if e.is_spec_action:
-                        self._dir_log.emit(e.event, **e.fields)
                 case Persist():
                     self._durable_records[e.record.key] = e.record
                 case PersistTicket():
@@ -321,6 +315,18 @@ class CoreAdapter(Adapter):
                     self._durable_tickets.pop(e.ticket, None)
                 case ReserveLeaseIds():
                     self._durable_lease_limit = max(self._durable_lease_limit, e.limit)
+
+    def _emit_step(self, e: Emit) -> None:
+        self._dir_log.emit(e.event, **e.fields)
+
+    def _apply(self, effects: Sequence[Any]) -> None:
+        self._carry_out(self._host.record(effects))
+
+    def _carry_out(self, directives: Sequence[Any]) -> None:
+        """The directives of one core call, in order: revocations and frees wait in the inbox
+        until the call's reply is back (``_drain``), so the logs keep the causal order."""
+        for e in directives:
+            match e:
                 case Send():
                     self._inbox.append(e)
                 case FreeAt():
@@ -349,16 +355,14 @@ class CoreAdapter(Adapter):
 
     def _holder_revoked(self, node: _Node, msg: Revoke) -> None:
         """Spec ``drop_and_ack``: drop the trust first, then acknowledge (flush-then-ack)."""
-        trust = node.trusts.get(msg.key)
-        if trust is not None and (trust.lease == msg.lease or trust.gen == msg.gen):  # the generation's end
-            self._drop_on_revoke(node, msg.key)
+        self._drop_on_revoke(node, msg)
         node.log.emit("drop_and_ack", key=msg.key, gen=msg.gen, lease=msg.lease)
-        reply, effects = self._core.handle(RevokeAcked(node.id, msg.key, msg.lease), self._now_ms(), TENANT)
+        reply, directives = self._host.handle(RevokeAcked(node.id, msg.key, msg.lease), TENANT)
         assert reply is None
-        self._apply(effects)
+        self._carry_out(directives)
 
-    def _drop_on_revoke(self, node: _Node, key: BlockKey) -> None:
-        del node.trusts[key]
+    def _drop_on_revoke(self, node: _Node, msg: Revoke) -> None:
+        node.holder.revoked(msg.key, msg.lease, msg.gen)  # the generation's end
 
     def _free_at(self, location: str, key: BlockKey, epoch: int) -> None:
         node = self._nodes.get(location)
@@ -375,24 +379,22 @@ class CoreAdapter(Adapter):
     def _ack_free(self, location: str, key: BlockKey, epoch: int) -> None:
         """Acknowledge, as the reference node does: without the ``Freed`` the directory keeps the
         free owed and sends it again forever (docs/protocol.md: deletion reaches everywhere)."""
-        reply, effects = self._core.handle(WireFreed(location, key, epoch), self._now_ms(), TENANT)
+        reply, directives = self._host.handle(WireFreed(location, key, epoch), TENANT)
         assert reply is None
-        self._apply(effects)
+        self._carry_out(directives)
 
     def _tick_loop(self) -> None:
         with self._cond:
             while not self._stopping:
                 try:
-                    self._apply(self._core.tick(self._now_ms()))
+                    self._carry_out(self._host.tick())
                     self._drain()
                 except Exception as e:  # noqa: BLE001 - a broken core shows up as errors of operations
                     if self._stopping:
                         return
                     self._ticker_failed = e  # every later operation fails with it (_check_running)
                     raise
-                deadline = self._core.next_deadline_ms()
-                wait_ms = TICK_IDLE_MS if deadline is None else max(1, min(TICK_IDLE_MS, deadline - self._now_ms() + 1))
-                self._cond.wait(wait_ms / 1000)
+                self._cond.wait(max(0.001, self._host.wait_s(TICK_IDLE_MS / 1000)))
 
     # -- data plane ------------------------------------------------------------------------------
 
@@ -491,25 +493,31 @@ class CoreAdapter(Adapter):
     def acquire(self, node: str, ns: Namespace, key: BlockKey) -> ReadGrant | Refused:
         with self._lock:
             n = self._node(node)
-            held = n.trusts.get(key)
-            if held is not None:
-                if self._node_now_ns(n) < held.deadline_ns:
-                    # The spec's holder has one lease per key: it renews a trusted one, never
-                    # acquires a second (the reference client refuses the same way).
-                    return Refused(REASON_ALREADY_LEASED, "this node trusts a live lease on the key: renew it")
-                del n.trusts[key]  # past the holder's own deadline: it trusts it no more
+            refusal = n.holder.may_acquire(key, self._node_now_ns(n))
+            if refusal is not None:
+                # The spec's holder has one lease per key: it renews a trusted one, never acquires
+                # a second (the reference client refuses the same way).
+                return Refused(refusal, "this node trusts a live lease on the key: renew it")
             req = self._next_request()
             sent_ns = self._node_now_ns(n)
+            n.holder.acquiring(key, req)
             n.log.emit("acquire", key=key, request=req)
-            reply = self._dir(Acquire(node, key, ns.digest(), req))
+            try:
+                reply = self._dir(Acquire(node, key, ns.digest(), req))
+            except BaseException:
+                n.holder.answered(key, req)
+                raise
             if isinstance(reply, LeaseRefused):
                 # A refusal answers the request: the holder stops waiting (spec: abandon), so
                 # that its next acquire of the key is a new request, not a second pending one.
-                n.log.emit("abandon", key=key, request=req, result=reply.reason)
+                if n.holder.answered(key, req):
+                    n.log.emit("abandon", key=key, request=req, result=reply.reason)
                 return Refused(reply.reason)
             assert isinstance(reply, ReadLeaseGranted)
-            deadline = sent_ns + (reply.term_ms - self._ctx.skew_ms) * 1_000_000
-            n.trusts[key] = _Trust(reply.lease, reply.gen, reply.epoch, reply.location, deadline)
+            trust = n.holder.granted(key, req, lease=reply.lease, gen=reply.gen, epoch=reply.epoch,
+                                     location=reply.location, term_ms=reply.term_ms, sent_ns=sent_ns)  # fmt: skip
+            if trust is None:
+                return Refused(REASON_REVOKED, "revoked before the answer arrived")
             n.log.emit("trust_read_lease", key=key, gen=reply.gen, epoch=reply.epoch, lease=reply.lease,
                        location=reply.location)  # fmt: skip
             return self._read_grant(node, key, reply.gen, reply.epoch, reply.lease, reply.location, reply.term_ms, sent_ns)
@@ -517,14 +525,8 @@ class CoreAdapter(Adapter):
     def _read_grant(self, node, key, gen, epoch, lease, location, term_ms, sent_ns) -> ReadGrant:
         return ReadGrant(node, key, gen, epoch, lease, location, term_ms, sent_ns)
 
-    def _trusted(self, n: _Node, grant: ReadGrant) -> _Trust | None:
-        trust = n.trusts.get(grant.key)
-        if trust is None or trust.lease != grant.lease:
-            return None
-        if self._node_now_ns(n) >= trust.deadline_ns:
-            del n.trusts[grant.key]  # the holder's own deadline passed: it stops trusting
-            return None
-        return trust
+    def _trusted(self, n: _Node, grant: ReadGrant) -> Trust | None:
+        return n.holder.trusted(grant.key, grant.lease, self._node_now_ns(n))
 
     def renew(self, grant: ReadGrant) -> ReadGrant | Refused:
         with self._lock:
@@ -534,16 +536,21 @@ class CoreAdapter(Adapter):
                 return Refused(REASON_LEASE_EXPIRED, "the holder no longer trusts this lease")
             req = self._next_request()
             sent_ns = self._node_now_ns(n)
+            n.holder.renewing(grant.key, req)
             n.log.emit("renew", key=grant.key, lease=grant.lease, request=req)
-            reply = self._dir(Renew(grant.node, grant.key, grant.lease, trust.location, req))
+            try:
+                reply = self._dir(Renew(grant.node, grant.key, grant.lease, trust.location, req))
+            except BaseException:
+                n.holder.answered(grant.key, req)
+                raise
             if isinstance(reply, LeaseRefused):
-                n.log.emit("abandon", key=grant.key, lease=grant.lease, request=req, result=reply.reason)
+                if n.holder.answered(grant.key, req):
+                    n.log.emit("abandon", key=grant.key, lease=grant.lease, request=req, result=reply.reason)
                 return Refused(reply.reason)
             assert isinstance(reply, LeaseRenewed)
-            current = n.trusts.get(grant.key)
-            if current is None or current.lease != grant.lease:
+            current = n.holder.renewed(grant.key, req, lease=grant.lease, term_ms=reply.term_ms, sent_ns=sent_ns)
+            if current is None:
                 return Refused(REASON_UNKNOWN_LEASE, "revoked while renewing")
-            current.deadline_ns = sent_ns + (reply.term_ms - self._ctx.skew_ms) * 1_000_000
             n.log.emit("trust_renewal", key=grant.key, gen=current.gen, epoch=current.epoch, lease=grant.lease)
             return attrs.evolve(grant, term_ms=reply.term_ms, requested_at_ns=sent_ns)
 
@@ -555,7 +562,7 @@ class CoreAdapter(Adapter):
                 return Refused(REASON_LEASE_EXPIRED, "no trusted lease")
             return self._read_at(n, grant, trust)
 
-    def _read_at(self, n: _Node, grant: ReadGrant, trust: _Trust) -> bytes | Refused:
+    def _read_at(self, n: _Node, grant: ReadGrant, trust: Trust) -> bytes | Refused:
         loc = self._nodes.get(trust.location)
         data = loc.tier.read(grant.key.digest, trust.gen) if loc is not None and loc.alive else None
         n.log.emit("read", key=grant.key, gen=trust.gen, epoch=trust.epoch, lease=trust.lease, location=trust.location,
@@ -565,10 +572,9 @@ class CoreAdapter(Adapter):
     def release(self, grant: ReadGrant) -> None:
         with self._lock:
             n = self._node(grant.node)
-            trust = n.trusts.get(grant.key)
-            if trust is None or trust.lease != grant.lease:
-                return
-            del n.trusts[grant.key]
+            trust = n.holder.release(grant.key, grant.lease, self._node_now_ns(n))
+            if trust is None:
+                return  # not trusted (any more): the directory lets it expire
             n.log.emit("release", key=grant.key, gen=trust.gen, lease=grant.lease)
             self._dir(Release(grant.node, grant.key, grant.lease))
 
@@ -643,7 +649,7 @@ class CoreAdapter(Adapter):
             n.log.emit("crash", lose_disk=True)
             n.alive = False
             n.paused = False
-            n.trusts.clear()
+            n.holder.forget()
             n.writing.clear()
             n.tier.close()
             self._cond.notify_all()
@@ -704,7 +710,7 @@ class CoreAdapter(Adapter):
         self._fault("restart_directory")
         with self._cond:
             self._check_running()
-            self._core = self._new_core()
+            self._host.restart(self._new_core())
             self._dir_incarnation += 1
             self._dir_log = self._new_log(DIRECTORY_NODE, self._dir_incarnation)
             tickets = list(self._durable_tickets.values())
@@ -735,7 +741,7 @@ class StaleReadAdapter(CoreAdapter):
         self._cache: dict[tuple[str, BlockKey, int], bytes] = {}
         super().start(ctx)
 
-    def _drop_on_revoke(self, node: _Node, key: BlockKey) -> None:
+    def _drop_on_revoke(self, node: _Node, msg: Revoke) -> None:
         pass  # keeps trusting
 
     def _read_at(self, n, grant, trust):
@@ -844,7 +850,7 @@ class TrustsExpiredAdapter(CoreAdapter):
     BROKEN_RULE = "holder_expiry"
 
     def _trusted(self, n, grant):
-        trust = n.trusts.get(grant.key)
+        trust = n.holder.held(grant.key)
         return trust if trust is not None and trust.lease == grant.lease else None
 
 
@@ -859,13 +865,7 @@ class TrustsPastSkewAdapter(CoreAdapter):
     BROKEN_RULE = "holder_expiry"
 
     def _trusted(self, n, grant):
-        trust = n.trusts.get(grant.key)
-        if trust is None or trust.lease != grant.lease:
-            return None
-        if self._node_now_ns(n) >= trust.deadline_ns + 3 * self._ctx.skew_ms * 1_000_000:
-            del n.trusts[grant.key]
-            return None
-        return trust
+        return n.holder.trusted(grant.key, grant.lease, self._node_now_ns(n) - 3 * self._ctx.skew_ms * 1_000_000)
 
 
 class SilentReadsAdapter(CoreAdapter):

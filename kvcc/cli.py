@@ -635,7 +635,9 @@ BENCHMARKS = {
 # ---------------------------------------------------------------------------------------- parser
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The whole parser; with ``argv``, a bench module is imported only when ``argv`` names it
+    (each costs tens of milliseconds of imports, on every start)."""
     parser = argparse.ArgumentParser(prog=PROG, description="kvcc: a formally checked KV-cache coherence protocol.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
@@ -691,11 +693,13 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Distinct states per second and bytes per state of the model checker.")
     add_arguments(b)
     b.set_defaults(func=cmd_bench_checker)
+    wanted = argv[1] if argv is not None and len(argv) > 1 and argv[0] == "bench" else None
     for name, (help_, description) in BENCHMARKS.items():
-        module = importlib.import_module(f"kvcc.bench.{name}")
         b = bsub.add_parser(name, help=help_, description=description)
-        module.add_arguments(b)
-        b.set_defaults(func=module.cli)
+        if argv is None or name == wanted:
+            module = importlib.import_module(f"kvcc.bench.{name}")
+            module.add_arguments(b)
+            b.set_defaults(func=module.cli)
 
     from kvcc.cli_runtime import add_parsers as add_runtime_parsers
 
@@ -708,7 +712,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    parser = build_parser(list(sys.argv[1:] if argv is None else argv))
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, or argparse's own usage errors

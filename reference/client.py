@@ -52,7 +52,6 @@ from typing import Any
 from attrs import frozen
 
 from kvcc.spec.keys import BlockKey, LocationId, Namespace
-from kvcc.spec.rules import holder_budget
 from kvcc.spec.vocabulary import (
     REASON_ALREADY_LEASED,
     REASON_BUSY,
@@ -69,6 +68,7 @@ from kvcc.spec.vocabulary import (
 
 from .errors import ConnectionFailed
 from .events import EventLog
+from .holder import Holder, Trust
 from .tiers.base import copy_into, sink_bytes, source_bytes
 from .transport import Client
 from .wire import (
@@ -168,6 +168,10 @@ class PrefixHit:
     locations: tuple[LocationId, ...]
 
 
+def _read_lease(t: Trust) -> ReadLease:
+    return ReadLease(t.key, t.lease, LocationId(t.location), t.gen, t.epoch, t.term_ms, t.sent_ns, t.until_ns)
+
+
 def _digest(ns: Namespace | bytes) -> bytes:
     if isinstance(ns, Namespace):
         return ns.digest()
@@ -201,12 +205,9 @@ class KvccClient:
         self._dir = Client(*directory, tenant, token, on_push=self._on_push, **kwargs)
         self._hello_connects = -1
         self._requests = itertools.count(1)
-        self._leases: dict[BlockKey, ReadLease] = {}
-        self._pending: dict[BlockKey, int] = {}  # key -> request id of an acquire in flight
-        self._cancelled: set[int] = set()  # acquires and renewals a Revoke overtook
+        self.holder = Holder(skew_ms)  # the read leases this client trusts (kvcc.reference.holder)
         self._writes: dict[tuple[BlockKey, int], str] = {}  # (key, write lease) -> progress
         self._writing: dict[BlockKey, WriteLease | None] = {}  # writes under way: begin_write .. commit/abort
-        self._renewing: dict[BlockKey, int] = {}  # key -> request id of a renewal in flight (0: not sent yet)
         self._nodes: dict[str, str] = {}
         self._peers: dict[str, Client] = {}
         self._acks: set[asyncio.Task] = set()
@@ -260,19 +261,13 @@ class KvccClient:
         if self.events is not None:
             self.events.emit(event, **fields)
 
-    def _budget_ns(self, term_ms: int) -> int:
-        return holder_budget(term_ms, self.skew_ms) * 1_000_000
-
     def forget_everything(self) -> None:
         """The process embedding this client crashed with its node (a co-located client,
         ``"<node>.<name>"``): every lease it trusted, every request it waited on and every write it
         had under way are gone. The node's rejoin makes the directory forget them too."""
-        self._leases.clear()
-        self._pending.clear()
-        self._cancelled.clear()
+        self.holder.forget()
         self._writes.clear()
         self._writing.clear()
-        self._renewing.clear()
 
     async def refresh_nodes(self) -> dict[str, str]:
         reply = await self._ask(ListNodes(0))
@@ -317,22 +312,10 @@ class KvccClient:
         if type(msg) is not Revoke:
             log.warning("%s ignores a pushed %s", self.client_id, type(msg).__name__)
             return
-        held = self._leases.get(msg.key)
-        if held is not None and (held.lease == msg.lease or held.gen == msg.gen):
-            # A revocation of the generation ends every lease of it this holder trusts, not only
-            # the one it names (the spec's drop_and_ack: after a directory restart the revoked lease
-            # may be another grant of the same generation).
-            del self._leases[msg.key]  # drop first ...
+        # Drop first (every lease of the revoked generation; a request of the key still on its
+        # way is over: a grant answering it is never trusted) ...
+        if self.holder.revoked(msg.key, msg.lease, msg.gen) is not None:
             self.stats["revoked"] += 1
-        # ... and a request still on its way is over: a grant answering it is never trusted, a
-        # refusal is not an abandonment (the spec's drop_and_ack ends the holder's pending request,
-        # acquire or renewal; logging ``abandon`` after it logs a request the holder no longer has).
-        pending = self._pending.pop(msg.key, None)
-        if pending is not None:
-            self._cancelled.add(pending)
-        renewing = self._renewing.get(msg.key)
-        if renewing:
-            self._cancelled.add(renewing)
         self._emit("drop_and_ack", key=msg.key, gen=msg.gen, lease=msg.lease)
         task = asyncio.create_task(self._ack(msg))  # ... then acknowledge
         self._acks.add(task)
@@ -354,107 +337,92 @@ class KvccClient:
     # ------------------------------------------------------------------ read leases
 
     def lease_of(self, key: BlockKey) -> ReadLease | None:
-        return self._leases.get(key)
+        trust = self.holder.held(key)
+        return None if trust is None else _read_lease(trust)
 
     async def acquire(self, ns: Namespace | bytes, key: BlockKey) -> ReadLease | Refused:
         """A new read lease. One request per key at a time, and none while a lease on it is
         trusted (renew that instead): the spec's holder has one slot per key."""
-        held = self._leases.get(key)
-        if held is not None:
-            if self.trusted(held):
-                return Refused(REASON_ALREADY_LEASED, "this client holds a live lease on the key: renew it")
-            del self._leases[key]  # past the holder's own deadline: it trusts it no more
-        if key in self._pending or key in self._renewing:
-            return Refused(REASON_BUSY, "an acquire or renewal of this key is under way here")
+        refusal = self.holder.may_acquire(key, self._now_ns())
+        if refusal is not None:
+            detail = ("this client trusts a live lease on the key: renew it" if refusal == REASON_ALREADY_LEASED
+                      else "an acquire or renewal of this key is under way here")  # fmt: skip
+            return Refused(refusal, detail)
         request = next(self._requests)
         sent = self._now_ns()
-        self._pending[key] = request
+        self.holder.acquiring(key, request)
         self._emit("acquire", key=key, request=request)
         try:
             reply = await self._ask(Acquire(self.client_id, key, _digest(ns), request))
-        finally:
-            if self._pending.get(key) == request:
-                del self._pending[key]
-        if request in self._cancelled:
-            self._cancelled.discard(request)
-            return Refused(REASON_REVOKED, "revoked before the answer arrived")
+        except BaseException:
+            self.holder.answered(key, request)
+            raise
         if type(reply) is LeaseRefused:
+            if not self.holder.answered(key, request):
+                return Refused(REASON_REVOKED, "revoked before the answer arrived")
             self._emit("abandon", key=key, request=request, result=reply.reason)  # nothing to wait for
             return Refused(reply.reason)
         assert type(reply) is ReadLeaseGranted and reply.request == request
-        lease = ReadLease(key, reply.lease, reply.location, reply.gen, reply.epoch, reply.term_ms, sent,
-                          sent + self._budget_ns(reply.term_ms))  # fmt: skip
-        self._leases[key] = lease
+        trust = self.holder.granted(key, request, lease=reply.lease, gen=reply.gen, epoch=reply.epoch,
+                                    location=reply.location, term_ms=reply.term_ms, sent_ns=sent)  # fmt: skip
+        if trust is None:
+            return Refused(REASON_REVOKED, "revoked before the answer arrived")
         self._emit("trust_read_lease", key=key, gen=reply.gen, epoch=reply.epoch, lease=reply.lease,
                    location=reply.location, request=request)  # fmt: skip
-        return lease
+        return _read_lease(trust)
 
     async def renew(self, lease: ReadLease) -> ReadLease | Refused:
-        held = self._leases.get(lease.key)
-        if held is None or held.lease != lease.lease:
+        held = self.holder.may_renew(lease.key, lease.lease, self._now_ns())
+        if held == REASON_UNKNOWN_LEASE:
             return Refused(REASON_REVOKED, "not held")
-        if not self.trusted(held):
-            # Past its own deadline the holder trusts nothing: a renewal would revive a lease
-            # the directory may already have let go of (protocol property 8). Forget it; acquire anew.
-            del self._leases[lease.key]
+        if held == REASON_LEASE_EXPIRED:
+            # Past its own budget the holder trusts nothing: a renewal would revive a lease the
+            # directory may already have let go of (protocol property 8). Acquire anew.
             return Refused(REASON_LEASE_EXPIRED, "the holder's budget ran out")
-        if lease.key in self._renewing:
-            return Refused(REASON_BUSY, "a renewal of this lease is under way here")
-        lease = held
-        self._renewing[lease.key] = 0
-        try:
-            return await self._renew(lease)
-        finally:
-            self._renewing.pop(lease.key, None)
-
-    async def _renew(self, lease: ReadLease) -> ReadLease | Refused:
+        if isinstance(held, str):
+            return Refused(held, "a request of this key is under way here")
         request = next(self._requests)
         sent = self._now_ns()
-        self._renewing[lease.key] = request
-        self._emit("renew", key=lease.key, gen=lease.gen, lease=lease.lease, request=request)
-        reply = await self._ask(Renew(self.client_id, lease.key, lease.lease, lease.location, request))
-        if request in self._cancelled:
-            self._cancelled.discard(request)
-            return Refused(REASON_REVOKED, "revoked while renewing")
+        self.holder.renewing(lease.key, request)
+        self._emit("renew", key=lease.key, gen=held.gen, lease=held.lease, request=request)
+        try:
+            reply = await self._ask(Renew(self.client_id, lease.key, held.lease, held.location, request))
+        except BaseException:
+            self.holder.answered(lease.key, request)
+            raise
         if type(reply) is LeaseRefused:
-            self._emit("abandon", key=lease.key, lease=lease.lease, request=request, result=reply.reason)
+            if not self.holder.answered(lease.key, request):
+                return Refused(REASON_REVOKED, "revoked while renewing")
+            self._emit("abandon", key=lease.key, lease=held.lease, request=request, result=reply.reason)
             return Refused(reply.reason)
         assert type(reply) is LeaseRenewed
-        if self._leases.get(lease.key) is None or self._leases[lease.key].lease != lease.lease:
+        renewed = self.holder.renewed(lease.key, request, lease=held.lease, term_ms=reply.term_ms, sent_ns=sent)
+        if renewed is None:
             return Refused(REASON_REVOKED, "revoked while renewing")
-        renewed = ReadLease(lease.key, lease.lease, lease.location, lease.gen, lease.epoch, reply.term_ms, sent,
-                            max(lease.trusted_until_ns, sent + self._budget_ns(reply.term_ms)))  # fmt: skip
-        self._leases[lease.key] = renewed
-        self._emit("trust_renewal", key=lease.key, gen=lease.gen, lease=lease.lease, request=request)
-        return renewed
+        self._emit("trust_renewal", key=lease.key, gen=held.gen, lease=held.lease, request=request)
+        return _read_lease(renewed)
 
     async def release(self, lease: ReadLease) -> None:
         """Stop trusting ``lease``, then tell the directory -- only if it was still trusted: a
-        lease past the holder's own deadline, revoked or released is already gone here, and the
+        lease past the holder's own budget, revoked or released is already gone here, and the
         directory lets it expire."""
-        held = self._leases.get(lease.key)
-        if held is None or held.lease != lease.lease:
-            return
-        del self._leases[lease.key]
-        if not self.trusted(held, assume_held=True):
+        if self.holder.release(lease.key, lease.lease, self._now_ns()) is None:
             return
         self._emit("release", key=lease.key, gen=lease.gen, lease=lease.lease)
         await self._ask(Release(self.client_id, lease.key, lease.lease))
 
-    def trusted(self, lease: ReadLease, now_ns: int | None = None, *, assume_held: bool = False) -> bool:
-        held = lease if assume_held else self._leases.get(lease.key)
+    def trusted(self, lease: ReadLease, now_ns: int | None = None) -> bool:
         now = self._now_ns() if now_ns is None else now_ns
-        return held is not None and held.lease == lease.lease and now < held.trusted_until_ns
+        return self.holder.trusted(lease.key, lease.lease, now) is not None
 
     async def read(self, lease: ReadLease, out: Any = None) -> bytes | int | Refused:
         """The block's bytes (or, with ``out``, their length, copied into ``out``)."""
-        if not self.trusted(lease):
-            held = self._leases.get(lease.key)
-            if held is not None and held.lease == lease.lease:
-                self.stats["expired_reads"] += 1
-                return Refused(REASON_LEASE_EXPIRED)
+        held = self.holder.held(lease.key)
+        if held is None or held.lease != lease.lease:
             return Refused(REASON_REVOKED, "the lease is no longer held")
-        held = self._leases[lease.key]
+        if not self.trusted(lease):
+            self.stats["expired_reads"] += 1
+            return Refused(REASON_LEASE_EXPIRED)
         try:
             reply = await self._to_peer(held.location, ReadBytes(self.client_id, held.key, held.lease, held.location,
                                                                  held.gen))  # fmt: skip
@@ -465,7 +433,7 @@ class KvccClient:
             self.stats["misses"] += 1
             reason = reply.reason if type(reply) is ReadRefused else REASON_MISS
             return Refused(reason)
-        if not self.trusted(held):
+        if not self.trusted(lease):
             # Revoked (dropped and acknowledged) or expired while the bytes were on their way:
             # serving them now would be a read after the ack (protocol property 7), or past the holder's
             # own deadline. The read happens -- and is logged -- only under trust.
@@ -520,7 +488,7 @@ class KvccClient:
                    location=reply.location)  # fmt: skip
         self._writes[(key, reply.lease)] = _GRANTED
         return WriteLease(key, digest, parent, reply.lease, reply.location, reply.gen, reply.epoch, reply.term_ms,
-                          sent, sent + self._budget_ns(reply.term_ms))  # fmt: skip
+                          sent, sent + self.holder.budget_ns(reply.term_ms))  # fmt: skip
 
     async def write_bytes(self, wl: WriteLease, data: Any) -> None | Refused:
         """Send the block to its location (once; a stored block is not sent again)."""

@@ -87,7 +87,7 @@ from backends import directory_store_factory  # noqa: E402, F401
 #   integration  real processes on loopback: directories, cache nodes, etcd members, Mooncake.
 # A new test module must be added here (test_every_module_has_a_cost_class fails otherwise).
 COST_CLASSES = {
-    "unit": {"test_rules", "test_client", "test_keys", "test_names", "test_wire", "test_bench_tiers",
+    "unit": {"test_rules", "test_client", "test_holder", "test_keys", "test_names", "test_wire", "test_bench_tiers",
              "test_bench_directory", "test_packaging", "test_docs", "test_render", "test_layers", "test_routing",
              "test_bench_suite"},
     "model": {"test_spec", "test_proofs", "test_validate", "test_cli", "test_directory_core"},

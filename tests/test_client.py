@@ -55,7 +55,7 @@ def test_a_refusal_after_a_revocation_is_not_an_abandonment():
         out = await client.acquire(b"n" * 32, KEY)
         assert isinstance(out, Refused) and out.reason == REASON_REVOKED
         assert _events(sink) == ["acquire", "drop_and_ack"]
-        assert client._cancelled == set() and client._pending == {}
+        assert client.holder._cancelled == set() and not client.holder.busy(KEY)
 
     asyncio.run(main())
 
@@ -76,13 +76,15 @@ def test_a_renewal_answered_after_a_revocation_logs_no_abandon():
         for answer in (lambda m: LeaseRefused(NODE, KEY, m.request, "invalidating"),
                        lambda m: LeaseRenewed(NODE, KEY, m.lease, 1000, m.request)):  # fmt: skip
             client, sink = _holder()
-            now = client._now_ns()
-            lease = ReadLease(KEY, 7, "n1/dram", 1, 1, 1000, now, now + 10**12)
-            client._leases[KEY] = lease
+            client.holder.acquiring(KEY, 99)
+            client.holder.granted(KEY, 99, lease=7, gen=1, epoch=1, location="n1/dram", term_ms=10**6,
+                                  sent_ns=client._now_ns())  # fmt: skip
+            lease = client.lease_of(KEY)
+            assert isinstance(lease, ReadLease)
             _answer_after_revoke(client, answer)
             out = await client.renew(lease)
             assert isinstance(out, Refused) and out.reason == REASON_REVOKED
             assert _events(sink) == ["renew", "drop_and_ack"]
-            assert client._cancelled == set() and client._renewing == {} and client.lease_of(KEY) is None
+            assert client.holder._cancelled == set() and not client.holder.busy(KEY) and client.lease_of(KEY) is None
 
     asyncio.run(main())

@@ -78,11 +78,12 @@ from kvcc.reference.directory.core import (
     Send,
     TICKET_COMPLETED,
 )
+from kvcc.reference.directory.host import CoreHost
 from kvcc.reference.errors import PeerViolation, Unauthorized
+from kvcc.reference.holder import Holder, Trust
 from kvcc.spec.keys import BlockKey, LocationId, Namespace, NodeId
 from kvcc.spec.rules import fence_accepts
 from kvcc.spec.vocabulary import (
-    REASON_ALREADY_LEASED,
     REASON_FENCED,
     REASON_LEASE_EXPIRED,
     REASON_MISS,
@@ -130,17 +131,6 @@ def decode_value(blob: bytes, key: BlockKey, gen: int, epoch: int) -> bytes | No
 
 
 @frozen
-class _Held:
-    """A holder's own view of one read lease."""
-
-    lease: int
-    gen: int
-    epoch: int
-    location: str
-    trusted_until_ns: int  # on the holder's (possibly skewed) clock
-
-
-@frozen
 class _Writing:
     grant: WriteGrant
     stored: bool = False
@@ -158,9 +148,8 @@ class MooncakeKvccAdapter(MooncakeDeployment):
         super().__init__()
         self._lock = threading.RLock()  # the core, holders, writers, fences, stored objects
         self._changed = threading.Condition(self._lock)
-        self._core: DirectoryCore | None = None
-        self._t0_ns = 0
-        self._held: dict[tuple[str, BlockKey], _Held] = {}
+        self._host: CoreHost | None = None  # the directory core, its clock and its durable log
+        self._holders: dict[str, Holder] = {}  # each node's client's read leases, on its own clock
         self._writing: dict[int, _Writing] = {}
         self._write_in_progress: set[tuple[str, BlockKey]] = set()  # (writer, key): one at a time
         self._fence: dict[tuple[str, BlockKey], int] = {}  # (location, key) -> highest epoch landed
@@ -211,8 +200,7 @@ class MooncakeKvccAdapter(MooncakeDeployment):
         self._store_path = ctx.workdir / "directory.db"
         self._store = DirectoryStore(self._store_path)  # the directory's durable log (SQLite WAL)
         self._store.load()
-        self._core = self._new_core(ctx)
-        self._t0_ns = time.monotonic_ns()
+        self._host = CoreHost(self._new_core(ctx), commit=self._commit, emit=self._emit_step)
         self.logs.log(DIRECTORY_LOG)
         super().start(ctx)
         for node in self.nodes():
@@ -244,7 +232,7 @@ class MooncakeKvccAdapter(MooncakeDeployment):
 
     # ------------------------------------------------------------------ clocks
     def _dir_now_ms(self) -> int:
-        return (time.monotonic_ns() - self._t0_ns) // 1_000_000
+        return self._host.now_ms() if self._host is not None else 0
 
     def _node_now_ns(self, node: str) -> int:
         return time.monotonic_ns() + self._skew_ns.get(node, 0)
@@ -257,37 +245,29 @@ class MooncakeKvccAdapter(MooncakeDeployment):
     # ------------------------------------------------------------------ the directory
     @property
     def core(self) -> DirectoryCore:
-        if self._core is None:
+        if self._host is None:
             raise AdapterError("the adapter was not started")
-        return self._core
+        return self._host.core
+
+    def _commit(self, durable: list) -> None:
+        if getattr(self, "_store", None) is not None:
+            self._store.commit(durable)  # before any reply or directive of this call leaves
+
+    def _emit_step(self, e: Emit) -> None:
+        self.logs.emit(DIRECTORY_LOG, e.event, **dict(e.fields))
 
     def _handle(self, msg: Any) -> tuple[Any, list]:
         """One message through the core (lock held by the caller); Emit lines are logged now, in
-        the core's order; the other effects are returned for ``_carry_out`` after the lock."""
+        the core's order; the directives are returned for ``_carry_out`` after the lock."""
         reply, effects = self.core.handle(msg, self._dir_now_ms(), TENANT)
         return reply, self._log_emits(effects)
 
     def _log_emits(self, effects: list) -> list:
-        from kvcc.reference.directory.core import DURABLE_EFFECTS
-
-        durable = [e for e in effects if isinstance(e, DURABLE_EFFECTS)]
-        if durable and getattr(self, "_store", None) is not None:
-            self._store.commit(durable)  # before any reply or directive of this call leaves
-        return self._emit_in_order(effects)
-
-    def _emit_in_order(self, effects: list) -> list:
         # The core emits an invalidation's own step after the steps it caused (a key completed at
         # once because no lease was on it); the spec's order is the invalidation first.
         first = [e for e in effects if isinstance(e, Emit) and e.event in _INVALIDATE_EVENTS]
-        effects = first + [e for e in effects if not (isinstance(e, Emit) and e.event in _INVALIDATE_EVENTS)]
-        rest = []
-        for e in effects:
-            if isinstance(e, Emit):
-                if e.is_spec_action:
-                    self.logs.emit(DIRECTORY_LOG, e.event, **dict(e.fields))
-            else:
-                rest.append(e)
-        return rest
+        rest = [e for e in effects if not (isinstance(e, Emit) and e.event in _INVALIDATE_EVENTS)]
+        return self._host.record(first + rest)
 
     def _carry_out(self, effects: list) -> None:
         """The I/O effects of one core call, in order, without the lock."""
@@ -306,13 +286,11 @@ class MooncakeKvccAdapter(MooncakeDeployment):
     def _timer_loop(self) -> None:
         while not self._stopped.is_set():
             with self._lock:
-                deadline = self.core.next_deadline_ms()
-                now = self._dir_now_ms()
-                effects = self._log_emits(self.core.tick(now)) if deadline is not None and deadline <= now else []
-            if effects:
-                self._carry_out(effects)
+                directives = self._host.tick() if self._host.due() else []
+                wait_s = self._host.wait_s(TIMER_MAX_SLEEP_S)
+            if directives:
+                self._carry_out(directives)
                 continue
-            wait_s = TIMER_MAX_SLEEP_S if deadline is None else min(TIMER_MAX_SLEEP_S, max(0.0, (deadline - now) / 1000))
             self._stopped.wait(wait_s)
 
     # ------------------------------------------------------------------ locations
@@ -496,28 +474,41 @@ class MooncakeKvccAdapter(MooncakeDeployment):
             self._writing[grant.lease] = attrs.evolve(w, zombie=True, started=True)
 
     # ------------------------------------------------------------------ reads
+    def _holder(self, node: str) -> Holder:
+        """(Lock held.) The node's client's holder (``kvcc.reference.holder``)."""
+        h = self._holders.get(node)
+        if h is None:
+            h = self._holders[node] = Holder(self.ctx.skew_ms)
+        return h
+
     def acquire(self, node: str, ns: Namespace, key: BlockKey) -> ReadGrant | Refused:
         self._node_up(node)
         with self._lock:
-            held = self._held.get((node, key))
+            h = self._holder(node)
             authorized = any(ns.digest() == n.digest() for n in self._ctx_for_restart.namespaces)
-            if held is not None and authorized:
-                if self._node_now_ns(node) < held.trusted_until_ns:
-                    # The spec's holder has one slot per key: renew the lease it trusts instead.
-                    return Refused(REASON_ALREADY_LEASED, "this node holds a live lease on the key")
-                del self._held[(node, key)]  # past its own deadline: trusted no more
+            refusal = h.may_acquire(key, self._node_now_ns(node)) if authorized else None
+            if refusal is not None:
+                # The spec's holder has one slot per key: renew the lease it trusts instead.
+                return Refused(refusal, "this node holds a live lease on the key")
             sent = time.monotonic_ns()
             own_sent = self._node_now_ns(node)
             request = self.next_id()
+            h.acquiring(key, request)
             self.logs.emit(node, "acquire", key=key, holder=node)
-            reply, effects = self._handle(wire.Acquire(NodeId(node), key, ns.digest(), request))
+            try:
+                reply, effects = self._handle(wire.Acquire(NodeId(node), key, ns.digest(), request))
+            except BaseException:
+                h.answered(key, request)
+                raise
             if isinstance(reply, wire.LeaseRefused):
-                self.logs.emit(node, "abandon", key=key, result=reply.reason)  # nothing to wait for (spec: abandon)
+                if h.answered(key, request):
+                    self.logs.emit(node, "abandon", key=key, result=reply.reason)  # nothing to wait for (spec: abandon)
                 out: ReadGrant | Refused = Refused(reply.reason)
             else:
                 assert isinstance(reply, wire.ReadLeaseGranted)
-                budget_ns = (reply.term_ms - self.ctx.skew_ms) * 1_000_000
-                self._held[(node, key)] = _Held(reply.lease, reply.gen, reply.epoch, str(reply.location), own_sent + budget_ns)
+                trust = h.granted(key, request, lease=reply.lease, gen=reply.gen, epoch=reply.epoch,
+                                  location=str(reply.location), term_ms=reply.term_ms, sent_ns=own_sent)  # fmt: skip
+                assert trust is not None, "no revocation can overtake a grant under the adapter's lock"
                 self.logs.emit(node, "trust_read_lease", key=key, gen=reply.gen, epoch=reply.epoch, lease=reply.lease, holder=node, location=str(reply.location))
                 out = ReadGrant(
                     node=node, key=key, gen=reply.gen, epoch=reply.epoch, lease=reply.lease,
@@ -526,14 +517,16 @@ class MooncakeKvccAdapter(MooncakeDeployment):
         self._carry_out(effects)
         return out
 
-    def _trusted(self, grant: ReadGrant) -> _Held | Refused:
-        """The holder's own check (lock held): the lease is still its own and not past its deadline."""
-        held = self._held.get((grant.node, grant.key))
+    def _trusted(self, grant: ReadGrant) -> Trust | Refused:
+        """The holder's own check (lock held): the lease is still its own and not past its budget."""
+        h = self._holder(grant.node)
+        held = h.held(grant.key)
         if held is None or held.lease != grant.lease:
             return Refused(REASON_UNKNOWN_LEASE, "the holder has no such lease (released, revoked or expired)")
-        if self._node_now_ns(grant.node) >= held.trusted_until_ns:
+        trust = h.trusted(grant.key, grant.lease, self._node_now_ns(grant.node))
+        if trust is None:
             return Refused(REASON_LEASE_EXPIRED, "past the holder's own deadline (sent + term - skew)")
-        return held
+        return trust
 
     def renew(self, grant: ReadGrant) -> ReadGrant | Refused:
         self._node_up(grant.node)
@@ -541,20 +534,27 @@ class MooncakeKvccAdapter(MooncakeDeployment):
             held = self._trusted(grant)
             if isinstance(held, Refused):
                 return held
+            h = self._holder(grant.node)
             sent = time.monotonic_ns()
             own_sent = self._node_now_ns(grant.node)
+            request = self.next_id()
+            h.renewing(grant.key, request)
             self.logs.emit(grant.node, "renew", key=grant.key, lease=grant.lease, holder=grant.node)
-            reply, effects = self._handle(
-                wire.Renew(NodeId(grant.node), grant.key, grant.lease, LocationId(held.location), self.next_id())
-            )
+            try:
+                reply, effects = self._handle(
+                    wire.Renew(NodeId(grant.node), grant.key, grant.lease, LocationId(held.location), request)
+                )
+            except BaseException:
+                h.answered(grant.key, request)
+                raise
             if isinstance(reply, wire.LeaseRefused):
-                self._held.pop((grant.node, grant.key), None)
-                self.logs.emit(grant.node, "abandon", key=grant.key, lease=grant.lease, result=reply.reason)
+                if h.answered(grant.key, request):
+                    self.logs.emit(grant.node, "abandon", key=grant.key, lease=grant.lease, result=reply.reason)
                 out: ReadGrant | Refused = Refused(reply.reason)
             else:
                 assert isinstance(reply, wire.LeaseRenewed)
-                budget_ns = (reply.term_ms - self.ctx.skew_ms) * 1_000_000
-                self._held[(grant.node, grant.key)] = attrs.evolve(held, trusted_until_ns=own_sent + budget_ns)
+                renewed = h.renewed(grant.key, request, lease=grant.lease, term_ms=reply.term_ms, sent_ns=own_sent)
+                assert renewed is not None, "no revocation can overtake a renewal under the adapter's lock"
                 self.logs.emit(grant.node, "trust_renewal", key=grant.key, lease=grant.lease, holder=grant.node)
                 out = attrs.evolve(grant, term_ms=reply.term_ms, requested_at_ns=sent)
         self._carry_out(effects)
@@ -584,12 +584,9 @@ class MooncakeKvccAdapter(MooncakeDeployment):
 
     def release(self, grant: ReadGrant) -> None:
         with self._lock:
-            held = self._held.get((grant.node, grant.key))
-            if held is None or held.lease != grant.lease:
-                return
-            del self._held[(grant.node, grant.key)]
-            if grant.node in self._down:
-                return
+            trust = self._holder(grant.node).release(grant.key, grant.lease, self._node_now_ns(grant.node))
+            if trust is None or grant.node in self._down:
+                return  # not trusted (any more): the directory lets it expire
             self.logs.emit(grant.node, "release", key=grant.key, lease=grant.lease, holder=grant.node)
             _, effects = self._handle(wire.Release(NodeId(grant.node), grant.key, grant.lease))
         self._carry_out(effects)
@@ -614,9 +611,7 @@ class MooncakeKvccAdapter(MooncakeDeployment):
             if node in self._paused:
                 self._held_back.setdefault(node, []).append(msg)
                 return
-            held = self._held.get((node, msg.key))
-            if held is not None and (held.lease == msg.lease or held.gen == msg.gen):  # the generation's end
-                del self._held[(node, msg.key)]  # drop first, then acknowledge
+            self._holder(node).revoked(msg.key, msg.lease, msg.gen)  # drop first, then acknowledge
             self.logs.emit(node, "drop_and_ack", key=msg.key, gen=msg.gen, lease=msg.lease, holder=node)
             _, effects = self._handle(wire.RevokeAcked(NodeId(node), msg.key, msg.lease))
         self._carry_out(effects)
@@ -680,8 +675,7 @@ class MooncakeKvccAdapter(MooncakeDeployment):
             self._down.add(node)
             self._paused.discard(node)
             self._held_back.pop(node, None)
-            for k in [k for k in self._held if k[0] == node]:
-                del self._held[k]
+            self._holder(node).forget()
             for lease in [lease for lease, w in self._writing.items() if w.grant.node == node]:
                 del self._writing[lease]
             self._write_in_progress = {(n, k) for n, k in self._write_in_progress if n != node}
@@ -726,9 +720,8 @@ class MooncakeKvccAdapter(MooncakeDeployment):
             self._store = DirectoryStore(self._store_path)
             loaded = self._store.load()
             core = self._new_core(self._ctx_for_restart)
-            self._t0_ns = time.monotonic_ns()
+            self._host.restart(core, new_clock=True)
             self.logs.new_incarnation(DIRECTORY_LOG)
-            self._core = core
             effects = self._log_emits(
                 core.restarted(loaded.records, loaded.next_lease_id, 0, loaded.tickets, loaded.next_ticket)
             )

@@ -3,7 +3,8 @@
 Theory of operation
 -------------------
 ``DirectoryCore`` decides; this module carries its decisions out, in the order the core's
-docstring requires:
+docstring requires (the clock, the durable commit and the logging of steps are ``CoreHost``'s,
+``host.py``, shared with the suite's kit and the Mooncake adapter):
 
 1. Every request is one ``core.handle(msg, now_ms, tenant)`` call on the event loop's thread --
    the core is never entered twice at once, and nothing awaits between the call and carrying out
@@ -94,7 +95,6 @@ from ..wire import (
 )
 from .core import (
     COLOCATED_SEPARATOR,
-    DURABLE_EFFECTS,
     TICKET_PENDING,
     CompleteTicket,
     CopyAt,
@@ -105,6 +105,7 @@ from .core import (
     FreeAt,
     Send,
 )
+from .host import CoreHost
 from .store import Loaded
 
 if TYPE_CHECKING:
@@ -215,10 +216,9 @@ class DirectoryServer:
         self.store = store
         self.events = events
         self._events_factory = events_factory  # incarnation -> the event log (known once loaded)
-        self._monotonic_ns = monotonic_ns
-        self._start_ns = monotonic_ns()
         self._members: dict[NodeId, _Member] = {}
-        self.core = DirectoryCore(config, tenants.allows, rendezvous_placement(self._locations_by_node))
+        core = DirectoryCore(config, tenants.allows, rendezvous_placement(self._locations_by_node))
+        self.host = CoreHost(core, commit=self._commit, emit=self._emit_step, monotonic_ns=monotonic_ns)
         kwargs = {} if request_timeout_ms is None else {"request_timeout_ms": request_timeout_ms}
         self._server = Server(self._handle, tenants, host=host, port=port, max_frame_bytes=MAX_CONTROL_FRAME_BYTES,
                               handler_now=self._handle_now, **kwargs)  # fmt: skip
@@ -246,8 +246,12 @@ class DirectoryServer:
     def port(self) -> int:
         return self._server.port
 
+    @property
+    def core(self) -> DirectoryCore:
+        return self.host.core
+
     def now_ms(self) -> int:
-        return (self._monotonic_ns() - self._start_ns) // 1_000_000
+        return self.host.now_ms()
 
     @property
     def connection_count(self) -> int:
@@ -442,30 +446,31 @@ class DirectoryServer:
 
     # ------------------------------------------------------------------ effects
 
+    def _commit(self, durable: list[Effect]) -> None:
+        try:
+            self.store.commit(durable)
+        except BaseException as e:
+            self.fatal = e
+            log.critical("the durable log failed; this directory stops serving: %r", e)
+            raise
+        self.stats["commits"] += 1
+
+    def _emit_step(self, e: Emit) -> None:
+        # A retry to a location no connected node serves is not sent (its FreeAt, with the
+        # directives, is lost): no step to log -- the spec retries only to a location that is up.
+        # The core tries again later, and at once when the node is back.
+        unsent = e.event == "retry_free" and self._serving_node(e.fields["location"]) is None
+        if self.events is not None and not unsent:
+            self.events.emit(e.event, **dict(e.fields))
+
     def _apply(self, effects: list[Effect]) -> None:
-        durable = [e for e in effects if isinstance(e, DURABLE_EFFECTS)]
-        if durable:
-            try:
-                self.store.commit(durable)
-            except BaseException as e:
-                self.fatal = e
-                log.critical("the durable log failed; this directory stops serving: %r", e)
-                raise
-            self.stats["commits"] += 1
-        # The steps are logged first, then their directives leave: a step's event is stamped
-        # before anything it sends, and the clock is read again after the stamps -- a Revoke
-        # whose lease ran out by then is not sent (``Send.due``): the step, as logged, came too
-        # late for that lease in the spec.
-        for e in effects:
-            if type(e) is Emit:
-                # A retry to a location no connected node serves is not sent (its FreeAt, with
-                # the directives, is lost): no step to log -- the spec retries only to a location
-                # that is up. The core tries again later, and at once when the node is back.
-                unsent = e.event == "retry_free" and self._serving_node(e.fields["location"]) is None
-                if self.events is not None and e.is_spec_action and not unsent:
-                    self.events.emit(e.event, **dict(e.fields))
+        # The host commits the durable effects, then logs the steps; then the directives leave: a
+        # step's event is stamped before anything it sends, and the clock is read again after the
+        # stamps -- a Revoke whose lease ran out by then is not sent (``Send.due``): the step, as
+        # logged, came too late for that lease in the spec.
+        directives = self.host.record(effects)
         sent_ms = self.now_ms()
-        for e in effects:
+        for e in directives:
             match e:
                 case Send():
                     if e.due(sent_ms):

@@ -1,0 +1,103 @@
+"""The one host of the directory core: its clock, its durable effects first, its steps logged in
+order, its directives handed on in order, its timers.
+
+Theory of operation
+-------------------
+``DirectoryCore`` decides and does no I/O. Every deployment of it -- the directory server (TCP on
+asyncio, ``server.py``), the suite's in-process kit (``kvcc.conformance.testing``) and the
+Mooncake adapter (``kvcc.adapters.mooncake.adapter``) -- does the same things around each call,
+in the order the core's docstring requires, and ``CoreHost`` is that, once:
+
+1. **The clock**: milliseconds since the host started, on an injectable monotonic clock
+   (``monotonic_ns``; tests pass a manual one). ``restart`` installs a new core -- a directory
+   restarted on its durable log -- and, if asked, a new clock (the core allows it: ``restarted``
+   re-bases write leases).
+2. **Durable effects first** (``Persist``, ``PersistTicket``, ``ForgetTicket``,
+   ``ReserveLeaseIds``): handed to ``commit`` in one call before anything of the same step is
+   logged or leaves. A ``commit`` that raises stops the step there (the caller decides what a
+   failed durable log means: the server stops serving).
+3. **The steps logged**: each ``Emit`` that is a spec action goes to ``emit``, in the core's order,
+   before any directive of the step leaves (a step's event is stamped before what it sends).
+4. **The directives** (``Send``, ``FreeAt``, ``CopyAt``, ``CompleteTicket``) come back in order
+   from ``record`` / ``handle`` / ``tick``: how one travels -- a push on a connection, a call in
+   the same process, a queue to a thread -- is all that differs between the hosts, so each
+   carries them out itself (under its lock, or after it).
+5. **Timers**: ``due`` says whether the core's next deadline has come, ``tick`` runs it, and
+   ``wait_s`` says how long a timer may sleep before the next one (capped: a host's timer
+   re-reads the deadline at least that often).
+
+The host holds no lock: the server calls it from its event loop's one thread, the threaded hosts
+under their own lock, so the core is never entered twice at once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .core import DURABLE_EFFECTS, DirectoryCore, Effect, Emit
+
+
+class CoreHost:
+    """``CoreHost(core, *, commit=None, emit=None, monotonic_ns=time.monotonic_ns)`` (see the
+    module docstring). ``commit(durable_effects)``: make them durable (``None``: nothing is);
+    ``emit(Emit)``: log one spec action (``None``: nothing is logged)."""
+
+    def __init__(
+        self,
+        core: DirectoryCore,
+        *,
+        commit: Callable[[list[Effect]], Any] | None = None,
+        emit: Callable[[Emit], Any] | None = None,
+        monotonic_ns: Callable[[], int] = time.monotonic_ns,
+    ) -> None:
+        self.core = core
+        self._commit = commit
+        self._emit = emit
+        self._monotonic_ns = monotonic_ns
+        self._start_ns = monotonic_ns()
+
+    def now_ms(self) -> int:
+        return (self._monotonic_ns() - self._start_ns) // 1_000_000
+
+    def restart(self, core: DirectoryCore, *, new_clock: bool = False) -> None:
+        """Host ``core`` from now on (a directory restarted on its durable log); with
+        ``new_clock`` its clock starts again at 0, as a restarted process's would."""
+        self.core = core
+        if new_clock:
+            self._start_ns = self._monotonic_ns()
+
+    def record(self, effects: Sequence[Effect]) -> list[Effect]:
+        """Commit the durable effects, then log the spec steps, in order; the directives, in order."""
+        durable = [e for e in effects if isinstance(e, DURABLE_EFFECTS)]
+        if durable and self._commit is not None:
+            self._commit(durable)
+        directives = []
+        for e in effects:
+            if type(e) is Emit:
+                if e.is_spec_action and self._emit is not None:
+                    self._emit(e)
+            elif not isinstance(e, DURABLE_EFFECTS):
+                directives.append(e)
+        return directives
+
+    def handle(self, msg: Any, tenant: str) -> tuple[Any, list[Effect]]:
+        """One request: the core's reply and the directives it left, its step recorded."""
+        reply, effects = self.core.handle(msg, self.now_ms(), tenant)
+        return reply, self.record(effects)
+
+    def due(self) -> bool:
+        deadline = self.core.next_deadline_ms()
+        return deadline is not None and deadline <= self.now_ms()
+
+    def tick(self) -> list[Effect]:
+        """Let time pass to now (expiries, completions, retries): the directives it left."""
+        return self.record(self.core.tick(self.now_ms()))
+
+    def wait_s(self, cap_s: float) -> float:
+        """How long a timer may sleep: until the core's next deadline, at most ``cap_s``."""
+        deadline = self.core.next_deadline_ms()
+        if deadline is None:
+            return cap_s
+        return min(cap_s, max(0.0, (deadline - self.now_ms()) / 1000))
