@@ -140,7 +140,8 @@ CATALOGUE: tuple[TestCase, ...] = (
       covers={"fencing", "caching", "trace_complete"}),
     T("KVCC-LEASE-006", "Renewal extends a live lease",
       "Renewing a live lease MUST extend the holder's deadline from when the renewal was sent; a read after the "
-      "first deadline and before the renewed one MUST be served.",
+      "first deadline and before the renewed one MUST be served. Once released, the key MUST be leased again by "
+      "the same holder; a release after the holder's own deadline MUST NOT be a release of a trusted lease.",
       "leases", ("RenewalNeverRevives",), "8", "renewal_extends", covers={"caching", "trace_complete"}),
     T("KVCC-LEASE-900", "Audit: refused evictions and fenced writes",
       "A leases run MUST show an eviction refused because of a lease and a stale write refused by a fence.",

@@ -31,7 +31,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -299,7 +299,7 @@ class _Proc:
 
 class LocalCluster:
     """``LocalCluster(workdir, nodes=3, tiers=DEFAULT_TIERS, lease_term_ms=2000, skew_ms=100,
-    namespaces=(), backend="sqlite", etcd_endpoints=None, pool=False, metrics=False)``;
+    namespaces=(), backend="sqlite", etcd_endpoints=None, pool=False, metrics=False, transport=None)``;
     ``start()``/``stop()`` or a context manager. With ``metrics`` every process serves Prometheus
     metrics on a free port (``metrics_url(name)``)."""
 
@@ -319,6 +319,7 @@ class LocalCluster:
         pool: bool = False,
         verbose: bool = False,
         metrics: bool = False,
+        transport: Mapping[str, int] | None = None,
     ) -> None:
         if nodes < 1:
             raise ValueError("a cluster has at least one node")
@@ -345,6 +346,8 @@ class LocalCluster:
                 NODE_TENANT: {"token": secrets.token_bytes(32).hex(), "operator": True},
             },
         }
+        if transport:
+            self.config["transport"] = dict(transport)  # the servers' ServerLimits (kvcc.reference.serve)
         self.procs: dict[str, _Proc] = {}
         self._clients: list[Any] = []
         self._fault_log: Any = None

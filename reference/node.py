@@ -53,8 +53,8 @@ from .errors import ConnectionFailed, PeerViolation, TimeoutError_
 from .events import EventLog
 from .tiers import Fenced as TierFenced
 from .tiers import Freed as TierFreed
-from .tiers import Hit, NoSpace, Stored, Tier
-from .transport import Client, Server
+from .tiers import NoSpace, Stored, Tier
+from .transport import Client, Server, ServerLimits
 from .wire import (
     HEARTBEAT_INTERVAL_MS,
     MAX_FRAME_BYTES,
@@ -62,7 +62,6 @@ from .wire import (
     BytesStored,
     Copied,
     Copy,
-    CopyFailed,
     Error,
     Evict,
     Evicted,
@@ -98,6 +97,9 @@ def location_id(node: NodeId, tier: str) -> LocationId:
     return LocationId(f"{node}/{tier}")
 
 
+NODE_MAX_IN_FLIGHT = 8  # requests in flight per connection to a node (each may hold a block)
+
+
 class CacheNode:
     """``CacheNode(node_id, tiers, tenants, directory, *, incarnation, ...)``.
 
@@ -125,6 +127,7 @@ class CacheNode:
         events: EventLog | None = None,
         demote_watermark: float = DEMOTE_WATERMARK_DEFAULT,
         counts: NodeCounts | None = None,
+        limits: ServerLimits | None = None,
     ) -> None:
         assert tiers, "a node has at least one tier"
         assert 0 < demote_watermark <= 1
@@ -143,7 +146,10 @@ class CacheNode:
         assert token is not None, f"no token for tenant {directory_tenant!r}"
         self._dir = Client(*directory, directory_tenant, token, on_push=self._on_push)
         self._hello_connects = -1
-        self._server = Server(self._handle, tenants, host=host, port=port, max_frame_bytes=MAX_FRAME_BYTES)
+        # Few requests in flight per connection: each read holds its block until the reply leaves,
+        # and a peer that pipelines reads and never collects them holds no more than these.
+        self._server = Server(self._handle, tenants, host=host, port=port, max_frame_bytes=MAX_FRAME_BYTES, limits=limits,
+                              max_in_flight_per_connection=NODE_MAX_IN_FLIGHT)  # fmt: skip
         self._tasks: set[asyncio.Task] = set()
         self._demoter: asyncio.Task | None = None
         self._heart: asyncio.Task | None = None

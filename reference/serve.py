@@ -5,7 +5,11 @@ A deployment is described by one JSON file shared by every process (``ClusterCon
     {"lease_term_ms": 2000, "skew_ms": 100,
      "tenants": {"engine-a": {"token": "<hex, >= 16 bytes>", "namespaces": ["<64 hex>", ...]},
                  "nodes":    {"token": "<hex>", "operator": true}},
-     "node_tenant": "nodes"}
+     "node_tenant": "nodes",
+     "transport": {"handshake_timeout_ms": 5000, ...}}
+
+``transport`` (optional) sets the servers' ``kvcc.reference.transport.ServerLimits`` (what
+unauthenticated and slow peers may hold); the defaults stand for what it leaves out.
 
 ``operator`` tenants act on every namespace (cache nodes evict and demote whatever they store);
 engines get only their namespaces (protocol property 11). Each process writes its protocol events to an
@@ -37,6 +41,7 @@ from typing import Any
 
 from attrs import frozen
 
+from .transport import ServerLimits
 from .wire import Tenants
 
 log = logging.getLogger("kvcc.serve")
@@ -57,6 +62,7 @@ class ClusterConfig:
     skew_ms: int
     tenants: Tenants
     node_tenant: str
+    transport: ServerLimits = ServerLimits()
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> ClusterConfig:
@@ -71,7 +77,8 @@ class ClusterConfig:
             node_tenant = raw["node_tenant"]
             if node_tenant not in operators:
                 raise ConfigError(f"node_tenant {node_tenant!r} must be an operator tenant")
-            return cls(int(raw["lease_term_ms"]), int(raw["skew_ms"]), tenants, node_tenant)
+            transport = ServerLimits.from_dict(raw.get("transport", {}))
+            return cls(int(raw["lease_term_ms"]), int(raw["skew_ms"]), tenants, node_tenant, transport)
         except ConfigError:
             raise
         except (KeyError, TypeError, ValueError) as e:
@@ -217,7 +224,8 @@ async def serve_directory(config: ClusterConfig, *, state: Path, host: str, port
         from .metrics import DirectoryCounts
 
         counts = DirectoryCounts()
-    server = DirectoryServer(cfg, config.tenants, store, host=host, port=port, events_factory=factory, counts=counts)
+    server = DirectoryServer(cfg, config.tenants, store, host=host, port=port, events_factory=factory, counts=counts,
+                             limits=config.transport)  # fmt: skip
     endpoint = None
     try:
         await server.start()
@@ -287,7 +295,7 @@ async def serve_node(config: ClusterConfig, *, node_id: str, directory: str, sta
         counts = NodeCounts()
     node = CacheNode(node_id, opened, config.tenants, (dhost, int(dport)), directory_tenant=config.node_tenant,
                      incarnation=incarnation, host=host, port=port, pool=pool_tier, lost=lost, events=ev,
-                     counts=counts)  # fmt: skip
+                     counts=counts, limits=config.transport)  # fmt: skip
     endpoint = None
     try:
         await node.start()  # its Hello is the spec's restart_node, logged by the directory

@@ -60,6 +60,9 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
+import attrs
+from attrs import frozen
+
 from .errors import ConnectionFailed, PeerViolation, ProtocolViolation, TimeoutError_
 from .wire import (
     ERROR_BUSY,
@@ -96,6 +99,47 @@ CONNECT_TIMEOUT_MS_DEFAULT = 5_000
 IDLE_TIMEOUT_MS_DEFAULT = 300_000
 CLOSE_TIMEOUT_MS = 1_000  # how long a closing connection waits for its last frames to leave
 READ_CHUNK_BYTES = 256 << 10
+
+
+@frozen
+class ServerLimits:
+    """What a server spends on peers that have not proved who they are, and on slow ones.
+
+    - ``max_connections``: beyond it a new connection gets a final ``Error("busy")``.
+    - ``handshake_timeout_ms``: a connection that has not authenticated a frame by then is closed
+      (``Error("idle")``); until then it may send nothing above ``MAX_UNAUTHENTICATED_FRAME_BYTES``.
+    - ``max_unauthenticated``: connections not authenticated yet; one more closes the oldest (so a
+      flood of idle sockets delays a legitimate peer by one round trip, never locks it out).
+    - ``max_connections_per_tenant``: authenticated connections of one tenant; beyond it the new one
+      gets ``Error("busy")`` (one tenant cannot take every connection).
+    - ``frame_grace_ms`` and ``min_transfer_bytes_per_s``: a frame begun must be whole within
+      ``frame_grace_ms + its length / min_transfer_bytes_per_s`` (a slow sender, one byte at a time,
+      is closed with ``Error("idle")``; a 64 MiB block has 74 s by default). Replies likewise: a
+      connection takes one reply at a time into its buffer, and a peer that does not read what
+      is there within that deadline is closed (it cannot grow the server's memory by not reading).
+    """
+
+    max_connections: int = MAX_CONNECTIONS_DEFAULT
+    handshake_timeout_ms: int = 5_000
+    max_unauthenticated: int = 32
+    max_connections_per_tenant: int = 192
+    frame_grace_ms: int = 10_000
+    min_transfer_bytes_per_s: int = 1 << 20
+
+    def __attrs_post_init__(self) -> None:
+        for name in ("max_connections", "handshake_timeout_ms", "max_unauthenticated", "max_connections_per_tenant", "frame_grace_ms",
+                     "min_transfer_bytes_per_s"):  # fmt: skip
+            value = getattr(self, name)
+            if type(value) is not int or value <= 0:
+                raise ValueError(f"transport limit {name} must be a positive int, got {value!r}")
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> ServerLimits:
+        """From a deployment file's ``"transport"`` section (``kvcc.reference.serve``)."""
+        unknown = set(raw) - set(attrs.fields_dict(cls))
+        if unknown:
+            raise ValueError(f"unknown transport limits {sorted(unknown)} (known: {sorted(attrs.fields_dict(cls))})")
+        return cls(**dict(raw))
 
 assert MAX_WAIT_TICKET_MS < SERVER_REQUEST_TIMEOUT_MS_DEFAULT < CLIENT_REQUEST_TIMEOUT_MS_DEFAULT
 assert CONNECT_TIMEOUT_MS_DEFAULT < CLIENT_REQUEST_TIMEOUT_MS_DEFAULT
@@ -139,6 +183,12 @@ class _ServerConnection:
         self.idle_timer: asyncio.TimerHandle | None = None
         self.peer = writer.get_extra_info("peername")
         self.on_close: list[Callable[[_ServerConnection], None]] = []
+        self.authenticated = False  # a frame of this connection authenticated (``session.tenant``)
+        self.handshake_timer: asyncio.TimerHandle | None = None
+        self.frame_timer: asyncio.TimerHandle | None = None
+        self.frame_started = 0.0  # loop time the frame partly received began (with ``frame_timer``)
+        self.frame_length = 0  # its announced length when the timer was set (0: header not whole)
+        self.write_lock = asyncio.Lock()  # one reply at a time, each only once the last has left
 
     @property
     def tenant(self) -> str | None:
@@ -167,6 +217,7 @@ class _ServerConnection:
         self.last_input = loop.time()
         # One timer per connection, moved lazily (``_idle_check``), not a timeout per read.
         self.idle_timer = loop.call_at(self.last_input + server.idle_timeout_ms / 1000, self._idle_check)
+        self.handshake_timer = loop.call_later(server.limits.handshake_timeout_ms / 1000, self._handshake_check)
         try:
             while True:
                 # While closing, keep reading (and discarding) until the peer closes or the
@@ -176,7 +227,6 @@ class _ServerConnection:
                 data = await self.reader.read(READ_CHUNK_BYTES)
                 if not data:
                     return  # the peer closed, or the linger time is up
-                self.last_input = loop.time()
                 if self.closing:
                     continue  # discarded: nothing after a final Error is processed
                 try:
@@ -186,6 +236,13 @@ class _ServerConnection:
                     log.info("peer violation from %s: %s", self.peer, violation)
                     self.fail(violation.code, violation.detail)
                     continue
+                # Progress is whole frames, not bytes: a peer that trickles a frame does not keep
+                # its connection alive (``_frame_check``).
+                if received:
+                    self.last_input = loop.time()
+                    if not self.authenticated and self.session.tenant is not None and not self._authenticated():
+                        continue
+                self._watch_frame(loop, bool(received))
                 answered = False  # replies written from this loop: drain once below
                 for r in received:
                     if r.final:
@@ -222,11 +279,83 @@ class _ServerConnection:
                     callback(self)
                 except Exception:
                     log.exception("on_close callback failed")
-            if self.idle_timer is not None:
-                self.idle_timer.cancel()
+            for timer in (self.idle_timer, self.handshake_timer, self.frame_timer):
+                if timer is not None:
+                    timer.cancel()
+            self.server._unauthenticated.pop(self, None)
             await _close_writer(self.writer)
             if self.linger_timer is not None:
                 self.linger_timer.cancel()
+
+    async def _drained(self) -> bool:
+        """Wait until what we wrote has left (below the transport's high-water mark); a peer that
+        does not take it within ``frame_grace_ms`` plus its size at ``min_transfer_bytes_per_s``
+        does not read its replies: the connection fails. ``False`` if it is gone."""
+        if self.closing:
+            return False
+        limits = self.server.limits
+        pending = self.writer.transport.get_write_buffer_size()
+        try:
+            async with asyncio.timeout(limits.frame_grace_ms / 1000 + pending / limits.min_transfer_bytes_per_s):
+                await self.writer.drain()
+        except TimeoutError:
+            self.server.stats["slow_readers"] += 1
+            self.fail(ERROR_IDLE, "the peer did not read its replies in time (below the minimum transfer rate)")
+            return False
+        except (ConnectionError, OSError):
+            return False
+        return not self.closing
+
+    def _authenticated(self) -> bool:
+        """The connection's first frame authenticated: it counts against its tenant's quota now,
+        not against the unauthenticated; ``False`` if the quota is full (the connection fails)."""
+        self.authenticated = True
+        server = self.server
+        server._unauthenticated.pop(self, None)
+        if self.handshake_timer is not None:
+            self.handshake_timer.cancel()
+        tenant = self.session.tenant
+        assert tenant is not None
+        count = server._per_tenant.get(tenant, 0) + 1
+        server._per_tenant[tenant] = count
+        self.on_close.append(lambda conn: server._tenant_closed(tenant))
+        if count > server.limits.max_connections_per_tenant:
+            server.stats["refused_tenant_quota"] += 1
+            self.fail(ERROR_BUSY, f"more than {server.limits.max_connections_per_tenant} connections of tenant {tenant!r}")
+            return False
+        return True
+
+    def _handshake_check(self) -> None:
+        if not self.closing and not self.authenticated:
+            self.server.stats["handshake_timeouts"] += 1
+            self.fail(ERROR_IDLE, f"no authenticated frame within {self.server.limits.handshake_timeout_ms} ms")
+
+    def _watch_frame(self, loop: asyncio.AbstractEventLoop, new_frame: bool) -> None:
+        """Time the frame partly received, if any: one begun since the last whole frame gets
+        ``frame_grace_ms`` plus its length at ``min_transfer_bytes_per_s`` (the grace alone
+        while its length header is not whole; re-timed from its start once it is)."""
+        pending = self.session.pending_frame_bytes
+        if pending is None:
+            if self.frame_timer is not None:
+                self.frame_timer.cancel()
+                self.frame_timer = None
+            return
+        if self.frame_timer is not None and not new_frame and (self.frame_length or not pending):
+            return  # the same frame, still on its way: its deadline stands
+        if self.frame_timer is not None:
+            self.frame_timer.cancel()
+        if self.frame_timer is None or new_frame:
+            self.frame_started = loop.time()
+        limits = self.server.limits
+        self.frame_length = pending
+        deadline = self.frame_started + limits.frame_grace_ms / 1000 + pending / limits.min_transfer_bytes_per_s
+        self.frame_timer = loop.call_at(deadline, self._frame_check)
+
+    def _frame_check(self) -> None:
+        self.frame_timer = None
+        if not self.closing and self.session.pending_frame_bytes is not None:
+            self.server.stats["slow_frames"] += 1
+            self.fail(ERROR_IDLE, "a frame did not arrive whole in time (below the minimum transfer rate)")
 
     def _idle_check(self) -> None:
         """The idle timer: nothing received and nothing in flight for ``idle_timeout_ms`` ends the
@@ -319,9 +448,14 @@ class _ServerConnection:
                     log.exception("handler failed on %s", kind_of(r.msg))
                     server.stats["handler_errors"] += 1
                     reply = Error(ERROR_INTERNAL, f"the server failed on {kind_of(r.msg)}")
-            self.reply(reply, r.seq)
-            with contextlib.suppress(ConnectionError, OSError):
-                await self.writer.drain()
+            # One reply at a time, each written only once the one before has left (drain: below
+            # the transport's high-water mark): a peer that never reads holds at most one reply
+            # in our buffer, not one per request in flight -- and is dropped once it has not
+            # taken it within the frame deadline (``_drained``).
+            async with self.write_lock:
+                if await self._drained():
+                    self.reply(reply, r.seq)
+            await self._drained()
         finally:
             self.slots.release()
 
@@ -339,29 +473,36 @@ class Server:
         *,
         host: str = "127.0.0.1",
         port: int = 0,
-        max_connections: int = MAX_CONNECTIONS_DEFAULT,
+        max_connections: int | None = None,
         request_timeout_ms: int = SERVER_REQUEST_TIMEOUT_MS_DEFAULT,
         idle_timeout_ms: int = IDLE_TIMEOUT_MS_DEFAULT,
         max_frame_bytes: int = MAX_FRAME_BYTES,
         max_in_flight_per_connection: int = MAX_IN_FLIGHT_PER_CONNECTION_DEFAULT,
         answer_ping: bool = True,
         handler_now: ImmediateHandler | None = None,
+        limits: ServerLimits | None = None,
     ) -> None:
-        assert max_connections > 0 and request_timeout_ms > 0 and idle_timeout_ms > 0
+        self.limits = limits if limits is not None else ServerLimits()
+        if max_connections is not None:
+            self.limits = attrs.evolve(self.limits, max_connections=max_connections)
+        assert request_timeout_ms > 0 and idle_timeout_ms > 0
         assert 0 < max_frame_bytes <= MAX_FRAME_BYTES and max_in_flight_per_connection > 0
         self.handler = handler
         self.handler_now = handler_now
         self.tenants = tenants if isinstance(tenants, Tenants) else Tenants(tenants)
         self.host = host
         self._port = port
-        self.max_connections = max_connections
+        self.max_connections = self.limits.max_connections
         self.request_timeout_ms = request_timeout_ms
         self.idle_timeout_ms = idle_timeout_ms
         self.max_frame_bytes = max_frame_bytes
         self.max_in_flight_per_connection = max_in_flight_per_connection
         self.answer_ping = answer_ping
         self.stats = {"connections": 0, "refused_busy": 0, "requests": 0, "peer_violations": 0,
-                      "handler_errors": 0, "timeouts": 0, "pushes": 0}  # fmt: skip
+                      "handler_errors": 0, "timeouts": 0, "pushes": 0, "handshake_timeouts": 0,
+                      "evicted_unauthenticated": 0, "refused_tenant_quota": 0, "slow_frames": 0, "slow_readers": 0}  # fmt: skip
+        self._unauthenticated: dict[_ServerConnection, None] = {}  # oldest first
+        self._per_tenant: dict[str, int] = {}  # authenticated connections per tenant
         self._server: asyncio.base_events.Server | None = None
         self._connections: dict[asyncio.Task, _ServerConnection] = {}
         self._orphans: set[asyncio.Task] = set()  # handlers still running after their connection ended
@@ -382,7 +523,8 @@ class Server:
         return self
 
     async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self._closing or len(self._connections) >= self.max_connections:
+        # Connections already failed (lingering for their last frames) hold no slot.
+        if self._closing or sum(not c.closing for c in self._connections.values()) >= self.max_connections:
             self.stats["refused_busy"] += 1
             refusal = Session.server(self.tenants).send_error(
                 ERROR_SHUTDOWN if self._closing else ERROR_BUSY,
@@ -401,6 +543,12 @@ class Server:
         assert task is not None
         conn = _ServerConnection(self, reader, writer)
         self._connections[task] = conn
+        if len(self._unauthenticated) >= self.limits.max_unauthenticated:
+            oldest = next(iter(self._unauthenticated))
+            self._unauthenticated.pop(oldest)
+            self.stats["evicted_unauthenticated"] += 1
+            oldest.fail(ERROR_BUSY, f"more than {self.limits.max_unauthenticated} connections not authenticated")
+        self._unauthenticated[conn] = None
         self.stats["connections"] += 1
         try:
             await conn.run()
@@ -417,6 +565,13 @@ class Server:
                 if not t.done():
                     self._orphans.add(t)
                     t.add_done_callback(self._orphans.discard)
+
+    def _tenant_closed(self, tenant: str) -> None:
+        left = self._per_tenant.get(tenant, 0) - 1
+        if left > 0:
+            self._per_tenant[tenant] = left
+        else:
+            self._per_tenant.pop(tenant, None)
 
     async def close(self) -> None:
         self._closing = True
@@ -513,6 +668,12 @@ class _ClientConnection:
         return ConnectionFailed(self.failure.detail, code=self.failure.code)
 
 
+def _forget(future: asyncio.Future) -> None:
+    """Retrieve an answer no one waits for (so a failed one is not logged as never retrieved)."""
+    if not future.cancelled():
+        future.exception()
+
+
 class Client:
     """``Client(host, port, tenant, token, *, timeout_ms=..., connect_timeout_ms=...,
     max_frame_bytes=..., max_in_flight=...)``. ``await request(msg, timeout_ms=None) -> reply``;
@@ -580,9 +741,17 @@ class Client:
                 raise TimeoutError_(f"connect to {where}", self.connect_timeout_ms) from None
             except OSError as e:
                 raise ConnectionFailed(f"connect to {where}: {e}", code="refused") from e
-            self._conn = _ClientConnection(self, reader, writer)
+            conn = self._conn = _ClientConnection(self, reader, writer)
             self.stats["connects"] += 1
-            return self._conn
+            # Every connection opens with a Ping: it authenticates the session before anything
+            # larger than MAX_UNAUTHENTICATED_FRAME_BYTES (a block) may follow. Its Pong is
+            # awaited by no one (frames are taken in order: the next request may go at once).
+            opening = asyncio.get_running_loop().create_future()
+            opening.add_done_callback(_forget)
+            frame = conn.session.send(Ping(0))
+            conn.pending[conn.session.last_sent_seq] = opening
+            writer.write(frame)
+            return conn
 
     async def request(self, msg: Any, *, timeout_ms: int | None = None) -> Any:
         check_message(msg)  # our bug, before anything is sent

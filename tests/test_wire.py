@@ -26,6 +26,7 @@ from kvcc.reference.errors import (
     Unauthorized,
 )
 from kvcc.reference.wire import (
+    MAX_UNAUTHENTICATED_FRAME_BYTES,
     MESSAGE_TYPES,
     Acquire,
     Error,
@@ -354,6 +355,7 @@ def test_mac_is_the_documented_formula_for_every_frame_of_a_session(size):
 
 def test_large_block_bytes_travel():
     client, server = _pair()
+    server.receive_data(client.send(Ping(1)))  # a connection opens with a small frame (Client does)
     data = random.Random(1).randbytes(3 << 20)
     msg = WriteBytes(node="n1", key=KEY, lease=1, location="n2/dram", gen=1, epoch=2, data=data)
     frame = client.send(msg)
@@ -361,6 +363,21 @@ def test_large_block_bytes_travel():
     for i in range(0, len(frame), 1 << 16):
         got += server.receive_data(frame[i : i + (1 << 16)])
     assert [r.msg for r in got] == [msg]
+
+
+def test_nothing_above_the_unauthenticated_limit_before_a_frame_authenticated():
+    # A block as a connection's first frame is refused on its length header alone: an
+    # unauthenticated peer never makes a server buffer more than MAX_UNAUTHENTICATED_FRAME_BYTES.
+    client, server = _pair()
+    data = random.Random(1).randbytes(1 << 20)
+    frame = client.send(WriteBytes(node="n1", key=KEY, lease=1, location="n2/dram", gen=1, epoch=2, data=data))
+    with pytest.raises(FrameTooLarge):
+        server.receive_data(frame[: 1 << 16])
+    client, server = _pair()
+    server.receive_data(client.send(Ping(1)))
+    big = client.send(WriteBytes(node="n1", key=KEY, lease=1, location="n2/dram", gen=1, epoch=2, data=data))
+    assert [type(r.msg) for r in server.receive_data(big)] == [WriteBytes]
+    assert MAX_UNAUTHENTICATED_FRAME_BYTES < len(big)
 
 
 def test_replayed_frame_is_refused():

@@ -69,7 +69,7 @@ from kvcc.spec.vocabulary import REASON_NOT_FOUND
 
 from ..errors import PeerViolation
 from ..events import EventLog
-from ..transport import DEFER, Server, current_connection
+from ..transport import DEFER, Server, ServerLimits, current_connection
 from ..wire import (
     HEARTBEAT_INTERVAL_MS,
     MAX_CONTROL_FRAME_BYTES,
@@ -210,6 +210,7 @@ class DirectoryServer:
         monotonic_ns: Callable[[], int] = time.monotonic_ns,
         request_timeout_ms: int | None = None,
         counts: DirectoryCounts | None = None,
+        limits: ServerLimits | None = None,
     ) -> None:
         self.config = config
         self.tenants = tenants
@@ -221,7 +222,7 @@ class DirectoryServer:
         self.host = CoreHost(core, commit=self._commit, emit=self._emit_step, monotonic_ns=monotonic_ns)
         kwargs = {} if request_timeout_ms is None else {"request_timeout_ms": request_timeout_ms}
         self._server = Server(self._handle, tenants, host=host, port=port, max_frame_bytes=MAX_CONTROL_FRAME_BYTES,
-                              handler_now=self._handle_now, **kwargs)  # fmt: skip
+                              handler_now=self._handle_now, limits=limits, **kwargs)  # fmt: skip
         self._member_of_conn: dict[Any, NodeId] = {}
         self._watch_task: asyncio.Task | None = None
         self._gone_timers: set[asyncio.TimerHandle] = set()

@@ -28,7 +28,9 @@ socket, the clock and the event loop; ``kvcc.reference.transport`` is one such c
    before a byte of that frame is buffered. Limits: ``MAX_FRAME_BYTES`` (64 MiB of block data
    plus ``MAX_CONTROL_FRAME_BYTES`` of headroom) for connections that carry block bytes (nodes,
    locations); ``MAX_CONTROL_FRAME_BYTES`` (4 MiB, enough for a ``Lookup`` of the longest prompt)
-   for connections that carry only control messages (the directory) -- the receiver chooses.
+   for connections that carry only control messages (the directory) -- the receiver chooses. A
+   server takes nothing above ``MAX_UNAUTHENTICATED_FRAME_BYTES`` (64 KiB) before a frame of the
+   connection authenticated: clients open each connection with a ``Ping``.
 
 3. **Sessions** authenticate frames per tenant. A payload is the canonical CBOR map
    ``{"tenant", "seq", "re", "mac", "body"}``: ``body`` is an encoded message, ``seq`` numbers the
@@ -82,6 +84,7 @@ from .limits import (
     MAX_MESSAGE_FIELDS,
     MAX_TENANT_BYTES,
     MAX_TEXT_BYTES,
+    MAX_UNAUTHENTICATED_FRAME_BYTES,
     MAX_WAIT_TICKET_MS,
     MAX_WIRE_INT,
     MIN_TOKEN_BYTES,

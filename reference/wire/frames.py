@@ -35,7 +35,7 @@ class FrameDecoder:
 
     def __init__(self, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
         assert 0 < max_frame_bytes < 2**32
-        self.max_frame_bytes = max_frame_bytes
+        self.max_frame_bytes = max_frame_bytes  # may be raised between frames (``Session``: once authenticated)
         self._buffer = bytearray()
         self._pos = 0  # start of the unread part of _buffer
         self._failure: PeerViolation | None = None
@@ -43,6 +43,17 @@ class FrameDecoder:
     @property
     def buffered_bytes(self) -> int:
         return len(self._buffer) - self._pos
+
+    @property
+    def pending_frame_bytes(self) -> int | None:
+        """The announced length of the frame partly received (0 while its length header is not
+        whole yet), or None when nothing is buffered."""
+        left = len(self._buffer) - self._pos
+        if left == 0:
+            return None
+        if left < FRAME_HEADER_BYTES:
+            return 0
+        return _LENGTH.unpack_from(self._buffer, self._pos)[0]
 
     def add(self, data: bytes) -> None:
         if self._failure is not None:

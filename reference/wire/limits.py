@@ -12,6 +12,10 @@ FRAME_HEADER_BYTES = 4
 MAX_BLOCK_BYTES = 64 << 20  # block data carried by WriteBytes / BytesRead
 MAX_CONTROL_FRAME_BYTES = 4 << 20  # any frame without block data fits (see the asserts below)
 MAX_FRAME_BYTES = MAX_BLOCK_BYTES + MAX_CONTROL_FRAME_BYTES  # data connections
+# A server accepts no frame above this before one frame of the connection authenticated (the MAC
+# is checked only once a frame is whole): an unauthenticated peer can make it buffer this much, not
+# a block. Clients open every connection with a Ping, so a block may be the next frame.
+MAX_UNAUTHENTICATED_FRAME_BYTES = 64 << 10
 MAX_WIRE_INT = 2**63 - 1  # every int field: 0 .. 2**63-1, a signed 64-bit int in any language
 MAX_ID_BYTES = 128  # node and location ids (UTF-8)
 MAX_TENANT_BYTES = 128
@@ -26,6 +30,7 @@ MAC_BYTES = 32  # HMAC-SHA256
 
 _ENVELOPE_OVERHEAD_BYTES = 64 + MAX_TENANT_BYTES + MAC_BYTES  # map, field names, ints, heads
 assert MAX_FRAME_BYTES < 2**32, "the length header is 4 bytes"
+assert 1024 + _ENVELOPE_OVERHEAD_BYTES <= MAX_UNAUTHENTICATED_FRAME_BYTES <= MAX_CONTROL_FRAME_BYTES
 assert MAX_LOOKUP_KEYS * (DIGEST_BYTES + 3) + 1024 + _ENVELOPE_OVERHEAD_BYTES <= MAX_CONTROL_FRAME_BYTES
 assert MAX_LOOKUP_KEYS * (MAX_ID_BYTES + 3) + 1024 + _ENVELOPE_OVERHEAD_BYTES <= MAX_CONTROL_FRAME_BYTES
 assert MAX_BLOCK_BYTES + 4096 + _ENVELOPE_OVERHEAD_BYTES <= MAX_FRAME_BYTES

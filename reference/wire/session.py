@@ -21,7 +21,7 @@ from kvcc.spec.keys import CborError, cbor_decode, cbor_encode, cbor_head
 from ..errors import Malformed, PeerViolation, ProtocolViolation, Replayed, Unauthorized, detached
 from .codec import decode, encode, flat_map
 from .frames import FrameDecoder, encode_frame
-from .limits import MAX_FRAME_BYTES, MAX_TEXT_BYTES, MAX_WIRE_INT, MIN_TOKEN_BYTES
+from .limits import MAX_FRAME_BYTES, MAX_TEXT_BYTES, MAX_UNAUTHENTICATED_FRAME_BYTES, MAX_WIRE_INT, MIN_TOKEN_BYTES
 from .messages import Error
 from .tenants import Tenants, tenant_problem
 
@@ -119,6 +119,9 @@ class Session:
     - ``receive_data(data) -> list[Received]``: raises ``PeerViolation`` subclasses only; the
       first one closes the session (``failure``) and every later call raises it again.
 
+    A server session accepts no frame above ``MAX_UNAUTHENTICATED_FRAME_BYTES`` until a frame
+    authenticated (a larger length header is ``FrameTooLarge`` before its payload is buffered).
+
     State worth reading: ``tenant`` (None on a server until a frame authenticated),
     ``last_sent_seq`` (the seq of the frame ``send`` just returned: a client files its request
     under it and matches the reply's ``re``), ``last_received_seq``, ``failure``,
@@ -136,7 +139,9 @@ class Session:
     ) -> None:
         self.role = role
         self.max_frame_bytes = max_frame_bytes
-        self._frames = FrameDecoder(max_frame_bytes)
+        # A server takes no frame above MAX_UNAUTHENTICATED_FRAME_BYTES until one authenticated.
+        first_limit = max_frame_bytes if role is Role.CLIENT else min(max_frame_bytes, MAX_UNAUTHENTICATED_FRAME_BYTES)
+        self._frames = FrameDecoder(first_limit)
         if role is Role.CLIENT:
             assert tenant is not None and token is not None, "a client session has a tenant and a token"
             problem = tenant_problem(tenant)
@@ -212,6 +217,11 @@ class Session:
 
     # -- receiving -----------------------------------------------------------------------------
 
+    @property
+    def pending_frame_bytes(self) -> int | None:
+        """The announced length of the frame partly received (see ``FrameDecoder``)."""
+        return self._frames.pending_frame_bytes
+
     def receive_data(self, data: bytes) -> list[Received]:
         if self.failure is not None:
             raise detached(self.failure)
@@ -258,6 +268,7 @@ class Session:
             raise Unauthorized(f"bad MAC on frame {seq} of tenant {tenant[:80]!r}")
         if self.tenant is None:
             self.tenant = tenant
+            self._frames.max_frame_bytes = self.max_frame_bytes  # a block may come now
         if seq != self.last_received_seq + 1:
             raise Replayed(f"frame {seq} after frame {self.last_received_seq}", seq=seq, last_seq=self.last_received_seq)
         if re > self.last_sent_seq:
