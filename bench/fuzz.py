@@ -26,10 +26,12 @@ target (alone: it fills the server's connection table):
    refused by ``codec.decode``: none is a valid message by accident.
 3. **oversized**: a header announcing 2**32-1 bytes; a header announcing the limit plus one,
    its body streamed until the server answers; once per target and run, an authenticated
-   message just over a message limit (a ``Lookup`` of ``MAX_LOOKUP_KEYS + 1`` keys at the
-   directory; a ``WriteBytes`` of ``MAX_BLOCK_BYTES + 1`` bytes at a node); and, after the
+   message just over a message limit after an authenticated ``Ping`` (a ``Lookup`` of
+   ``MAX_LOOKUP_KEYS + 1`` keys at the directory; a ``WriteBytes`` of ``MAX_BLOCK_BYTES + 1``
+   bytes at a node); and, after the
    last round, ``BURST_FRAMES`` frames of exactly the limit (4 MiB at the directory, 68 MiB at
-   a node) holding garbage, at every target at once.
+   a node) holding garbage, each after an authenticated ``Ping`` (a server reads nothing above
+   ``MAX_UNAUTHENTICATED_FRAME_BYTES`` before a frame authenticated), at every target at once.
 4. **slow**: a valid ``Ping`` frame a byte every ``SLOW_BYTE_INTERVAL_S`` (it must still be
    answered); a header, then silence; half a valid frame, then silence; random bytes, a byte at
    a time.
@@ -94,6 +96,7 @@ from kvcc.reference.wire import (
     ListNodes,
     Lookup,
     Ping,
+    Pong,
     ReadBytes,
     Release,
     Session,
@@ -628,14 +631,25 @@ def oversized_attack(d: Deployment, target: Target, rng: random.Random, big_done
         body = cbor_encode({"kind": "WriteBytes", "node": "fuzz", "key": bytes(32), "lease": 1,
                             "location": f"{target.name}/dram", "gen": 0, "epoch": 1,
                             "data": bytes(MAX_BLOCK_BYTES + 1)})  # fmt: skip
-    return Attack((seal(credential, body, limit),), credential, expect_code="malformed", wait_s=EXPECT_WAIT_S)
+    # After an authenticated Ping: before one, nothing above MAX_UNAUTHENTICATED_FRAME_BYTES is read.
+    return Attack((_opening(credential, limit), seal(credential, body, limit, seq=2)), credential, sent=2,
+                  expect_code="malformed", wait_s=EXPECT_WAIT_S)  # fmt: skip
+
+
+def _opening(credential: Credential, limit: int) -> bytes:
+    """An authenticated ``Ping`` as a connection's first frame (seq 1), as clients open."""
+    return seal(credential, encode(Ping(0)), limit)
 
 
 def burst_attack(d: Deployment, target: Target) -> Attack:
-    """A frame of exactly the limit holding garbage: the most a server buffers for one frame
-    before it can check anything. Sent ``BURST_FRAMES`` times at once, last (see ``attack``)."""
+    """A frame of exactly the limit holding garbage, after an authenticated ``Ping``: the most a
+    server buffers for one frame of an authenticated peer before it can check it (an
+    unauthenticated one is refused on the header: ``MAX_UNAUTHENTICATED_FRAME_BYTES``). Sent
+    ``BURST_FRAMES`` times at once, last (see ``attack``)."""
     frame = target.max_frame_bytes.to_bytes(4, "big") + bytes(target.max_frame_bytes)
-    return Attack((frame,), d.credentials[0], expect_code="malformed", wait_s=BURST_WAIT_S)
+    credential = d.credentials[0]
+    return Attack((_opening(credential, target.max_frame_bytes), frame), credential, sent=1, expect_code="malformed",
+                  wait_s=BURST_WAIT_S)  # fmt: skip
 
 
 def slow_attack(d: Deployment, target: Target, rng: random.Random) -> Attack:
@@ -717,8 +731,12 @@ class Run:
             self.problem(f"{where}: the server sent bytes that are not a valid frame")
         if outcome.code == "internal":
             self.problem(f"{where}: answered Error(internal), a bug on the server's side")
-        if kind in ("random", "mutated", "oversized") and outcome.replies:
-            self.problem(f"{where}: broken input answered as if valid: {outcome.replies[0]!r}"[:300])
+        # An attack that opens with an authenticated Ping (``_opening``) gets its Pong; nothing more.
+        opened = (attack is not None and len(attack.chunks) > 1
+                  and attack.chunks[0] == _opening(attack.credential, target.max_frame_bytes))  # fmt: skip
+        answers = outcome.replies[1:] if opened and outcome.replies[:1] == (Pong(0),) else outcome.replies
+        if kind in ("random", "mutated", "oversized") and answers:
+            self.problem(f"{where}: broken input answered as if valid: {answers[0]!r}"[:300])
         if attack is None:
             return
         if len(outcome.replies) < attack.expect:
