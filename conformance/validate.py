@@ -236,6 +236,11 @@ REJECT_CODES = (
 )
 PROPERTY_MEMO_MAX = 200_000  # memoised property verdicts per projection (then the memo starts over)
 ADVANCE_MEMO_MAX = 100_000  # memoised ticks per projection (then the memo starts over)
+MATCH_MEMO_MAX = 200_000  # memoised matches per model (``_Replay._matched``; then the memo starts over)
+# The fields of an event that matching it reads (``_Replay._match``, ``_check``, ``_step_params``),
+# but its lease id, which only the binding reads: with the event's mode, the event in model terms.
+_MATCHED_FIELDS = ("event", "node", "location", "gen", "epoch", "result", "holder", "writer", "down", "crashed",
+                   "lose_disk", "rejoined", "lost", "_cascade")
 INCONCLUSIVE_CODES = ("frontier_limit", "network_limit", "scope_limit")
 
 # Spec steps no process logs: the environment's, and deliveries the receiver ignores (their state
@@ -770,13 +775,46 @@ class _PEvent:
     local: int
 
 
+def _event_signature(pe: _PEvent) -> tuple:
+    """What matching reads of ``pe`` (``_MATCHED_FIELDS`` and its mode), hashable."""
+    values = tuple(map(pe.ev.get, _MATCHED_FIELDS))
+    try:
+        hash(values)
+    except TypeError:  # a list ("lost") or another unhashable value: as JSON text
+        values = tuple(json.dumps(v, sort_keys=True, default=str) if isinstance(v, (list, dict)) else v for v in values)
+    return (pe.mode,) + values
+
+
+class _SpecContext:
+    """One ``Model`` and the memos of its pure functions (successors, a tick, the invariants,
+    the step properties, the steps an event may be), shared by every projection of one
+    ``validate_trace`` call with the same model configuration (and ghost-age merging): each memo
+    is keyed by everything its value depends on (states as bytes, events in model terms), so an
+    entry is valid in any projection with the same model."""
+
+    def __init__(self, cfg: ModelConfig, contexts: dict) -> None:
+        model = None
+        for other in contexts.values():
+            if other.model.cfg == cfg:
+                model = other.model  # the same model, with or without merging ghost ages
+                break
+        self.model = model if model is not None else Model(cfg)
+        self.succ: dict[bytes, list] = {}
+        self.tick_memo: dict[bytes, bytes | None] = {}
+        self.invariant_memo: dict[bytes, str | None] = {}
+        self.property_memo: dict[tuple, str | None] = {}
+        self.match_memo: dict[tuple, tuple] = {}
+        self.signatures: dict[tuple, int] = {}  # ``_event_signature`` -> a small int, its name in ``match_memo``
+        self.next_signature = 0
+
+
 class _Replay:
     """The frontier search over one key's projection."""
 
     def __init__(
         self, key: str, pevents: list[_PEvent], roles: _Roles, params: TraceParams, counts: dict, clock_steps: bool,
         narrow: bool = False, shared: frozenset[int] = frozenset(), cascades: frozenset[int] = frozenset(),
-        merge_ages: bool = True,
+        merge_ages: bool = True, contexts: dict | None = None, share_matches: bool = False,
     ) -> None:
         self.key, self.roles, self.params = key, roles, params
         # Events in other projections too (failures, cascades): the ticks each accepted
@@ -793,7 +831,6 @@ class _Replay:
         self.narrow = narrow
         self._tick_ns = params.effective_tick_ms * 1_000_000
         self._eligible_memo: dict[tuple[int, ...], list[int]] = {}
-        self._property_memo: dict[tuple, str | None] = {}
         tick = params.effective_tick_ms
         nodes = len(roles.nodes)
         for name, value in counts.items():
@@ -801,17 +838,30 @@ class _Replay:
                 continue  # renumbered as the replay goes (``_renumber``): no bound
             if value + 2 > MAX_PROJECTION_COUNT:
                 raise _inconclusive(None, None, "scope_limit", f"key {key[:16]}…: {value} {name} in one projection, over the model's {MAX_PROJECTION_COUNT}")
+        # The epoch, lease-id and request budgets are guards only (``Model``: a grant or a request
+        # the budget refuses), never state: each is set to the most the state's bytes allow
+        # (``MAX_PROJECTION_COUNT``), not to the projection's own count. In a projection the
+        # spec's epoch rises only at the key's own logged grants and transfers, its lease counter
+        # only at its logged grants (renumbering only lowers it) and a node's request number only
+        # at its logged requests, so a budget of the projection's count never refused a step of
+        # any element either: the successors of every reachable state are the same. So
+        # projections alike in nodes, tiers, failures and tiering share one ``Model`` and the
+        # memos of its pure functions (``_SpecContext``).
         self.cfg = ModelConfig(
-            name=f"trace:{key[:12]}", nodes=nodes, parents=(-1,), namespaces=(0,),
+            name="trace", nodes=nodes, parents=(-1,), namespaces=(0,),
             authorized=tuple(frozenset({0}) for _ in range(nodes)), tiers_per_node=roles.tiers_per_node,
             shared_pool=True, tiering=counts["transfers"] > 0,
             lease_term_ticks=params.lease_term_ms // tick, skew_ticks=params.skew_ms // tick,
-            max_epoch=counts["epochs"] + 1, max_lease_id=min(counts["leases"] + 1, MAX_PROJECTION_COUNT),
-            max_requests=min(counts["requests"] + 1, MAX_PROJECTION_COUNT),
+            max_epoch=MAX_PROJECTION_COUNT, max_lease_id=MAX_PROJECTION_COUNT, max_requests=MAX_PROJECTION_COUNT,
             max_messages=params.max_messages, max_duplications=params.max_duplications,
             max_node_crashes=counts["crashes"], max_directory_restarts=counts["restarts"],
         )  # fmt: skip
-        self.model = Model(self.cfg)
+        if contexts is None:
+            contexts = {}
+        ctx = contexts.get((self.cfg, merge_ages))
+        if ctx is None:
+            ctx = contexts[(self.cfg, merge_ages)] = _SpecContext(self.cfg, contexts)
+        self.model = ctx.model
         self.L = self.model.L
         # The ghost ages (true ticks since a phase began, a request left, an owner went down, bytes
         # were orphaned) only the progress properties read, each as "age <= its bound"; no guard
@@ -834,9 +884,16 @@ class _Replay:
         names = list(logs)
         self._earlier = [[e for e, (p2, i2) in enumerate(names) if p2 == p and i2 < i] for p, i in names]
         self.total = len(pevents)
-        self._succ: dict[bytes, list] = {}
-        self._tick_memo: dict[bytes, bytes | None] = {}
-        self._invariant_memo: dict[bytes, str | None] = {}
+        self._succ = ctx.succ
+        self._tick_memo = ctx.tick_memo
+        self._invariant_memo = ctx.invariant_memo
+        self._property_memo = ctx.property_memo
+        self._match_memo = ctx.match_memo
+        self._signatures = ctx.signatures
+        self._context = ctx
+        self._signature: dict[int, tuple] = {}  # each event's ``_event_signature``, by index
+        if not share_matches:
+            self._matched = self._matched_uncached  # type: ignore[method-assign]
         self.states_explored = 0
         self.frontier_max = 1
         # Whether any element's network ever filled (a send into it was lost): the spec's
@@ -1420,7 +1477,7 @@ class _Replay:
         first_only, lazy = how == "first", how == "lazy"
         max_frontier = self.params.max_frontier
         for (s, T, pos, binding, gt), (last_lo, last_hi, ages) in frontier.items():
-            if ages:
+            if ages and any(ages):
                 s = self._with_ages(s, ages)
             before = len(nxt)
             choices = eligible_memo.get(pos)
@@ -1482,7 +1539,73 @@ class _Replay:
     def _matched(self, pe: _PEvent, x: bytes, binding: tuple) -> list[tuple[bytes, tuple, tuple, str | None, bool]]:
         """The steps ``pe`` may be from ``x``, each as ``(post without ghost ages, its ages,
         binding, the property it breaks or None, whether the network was full)``: posts with
-        ids renumbered and stale replies dropped, once for every element that meets ``x``."""
+        ids renumbered and stale replies dropped, once for every element that meets ``x``.
+
+        Memoised across levels and projections of one model (``_SpecContext.match_memo``) by
+        the event in model terms (``_event_signature``: every field matching reads but the real
+        lease id), the state, and the binding in the event's terms: its spec ids, and where the
+        event's real lease id falls among its real ids (equal to one, or between two). Real ids
+        are only compared, for equality and (keeping bindings sorted) order, so the steps, the
+        spec ids and which real id each new pair holds are the same for any two (event, binding)
+        alike in those terms; the memo keeps each new binding as references to the old one's
+        pairs and to the event's lease."""
+        sig = self._signature.get(pe.index)
+        if sig is None:
+            # Interned as a small int per model (cheaper to hash than the tuple, at every call).
+            sigs = self._signatures
+            full = _event_signature(pe)
+            sig = sigs.get(full)
+            if sig is None:
+                # Never an int given before, even once the memo started over (below): a
+                # projection's own cache of its events' ints never names another signature.
+                sig = sigs[full] = self._context.next_signature
+                self._context.next_signature += 1
+            self._signature[pe.index] = sig
+        lease = pe.ev.get("lease")
+        if not binding:
+            mkey = (sig, x, (), None if lease is None else 0)
+        elif lease is None:
+            mkey = (sig, x, tuple([sp for _, sp in binding]), None)
+        else:
+            rel = len(binding)
+            for i, (r, _) in enumerate(binding):
+                if r >= lease:
+                    rel = i if r > lease else -1 - i  # before the i-th real id, or equal to it
+                    break
+            mkey = (sig, x, tuple([sp for _, sp in binding]), rel)
+        memo = self._match_memo
+        coded = memo.get(mkey)
+        if coded is not None:
+            if not coded:
+                return coded
+            return [(q, ages, binding if code is None else tuple([(binding[i][0] if i >= 0 else lease, sp) for i, sp in code]),
+                     bad, filled) for q, ages, code, bad, filled in coded]  # fmt: skip
+        out = self._matched_uncached(pe, x, binding)
+        coded = []
+        index = None
+        for q, ages, b2, bad, filled in out:
+            if b2 is binding or b2 == binding:
+                code = None
+            else:
+                if index is None:
+                    index = {r: i for i, (r, _) in enumerate(binding)}
+                code = []
+                for r, sp in b2:
+                    i = index.get(r, -1)
+                    if i < 0 and r != lease:
+                        return out  # a real id from neither: not expressible, not memoised
+                    code.append((i, sp))
+                code = tuple(code)
+            coded.append((q, ages, code, bad, filled))
+        if len(memo) >= MATCH_MEMO_MAX:
+            memo.clear()
+            self._signatures.clear()
+        # A tuple, not a list: once its items are, it is untracked by the cyclic garbage
+        # collector, which would otherwise walk every entry of the memo at each full collection.
+        memo[mkey] = tuple(coded)
+        return out
+
+    def _matched_uncached(self, pe: _PEvent, x: bytes, binding: tuple) -> list[tuple[bytes, tuple, tuple, str | None, bool]]:
         out = []
         check = self.params.check_invariants
         limit = self.L.fixed + MESSAGE_WIDTH * self.cfg.max_messages
@@ -1709,8 +1832,13 @@ def _validate(events: Sequence[dict], params: TraceParams) -> Verdict:
     per_key: dict[str, array] = {}
     counts: dict[str, dict[str, int]] = {}
     failures: list[int] = []  # indices of the global events so far
+    failure_names: list[str] = []  # and their event names
     cascades: set[int] = set()  # indices of invalidations in more than one projection
     requests: dict[tuple[str, str], int] = {}
+    # Each key's own events in model terms, hashed: keys alike (a workload repeated on fresh keys)
+    # replay alike, so only their replays memoise matches across projections (``_matched``; a
+    # memo that never hits costs a trace of unlike keys more than it saves).
+    shape: dict[str, int] = {}
 
     def projection(k: str) -> array:
         got = per_key.get(k)
@@ -1719,8 +1847,9 @@ def _validate(events: Sequence[dict], params: TraceParams) -> Verdict:
             got = per_key[k] = _int_array(4 * len(events))
             got.extend(i * 4 + _GLOBAL for i in failures)
             counts[k] = {"epochs": 0, "leases": 0, "requests": 0, "transfers": 0, "crashes": 0, "restarts": 0}
-            for i in failures:
-                name = events[i]["event"]
+            # The failures' names as kept, not read again: reading ``events[i]`` of a file
+            # (``_FileEvents``) here would move the file under the pass iterating it.
+            for name in failure_names:
                 if name != "declare_node_down":
                     counts[k]["restarts" if name == "restart_directory" else "crashes"] += 1
         return got
@@ -1746,9 +1875,14 @@ def _validate(events: Sequence[dict], params: TraceParams) -> Verdict:
                 if name != "declare_node_down":
                     counts[k]["crashes" if name != "restart_directory" else "restarts"] += 1
             failures.append(i)
+            failure_names.append(name)
             continue
         if own is not None:
             per_key[own].append(i * 4 + _OWN)
+            try:
+                shape[own] = hash((shape.get(own), tuple(map(ev.get, _MATCHED_FIELDS))))
+            except TypeError:
+                shape[own] = hash((shape.get(own), name))
             c = counts[own]
             if name in ("grant_write_lease", "start_transfer"):
                 c["epochs"] += 1
@@ -1777,9 +1911,13 @@ def _validate(events: Sequence[dict], params: TraceParams) -> Verdict:
         return out
 
     explored, fmax = 0, 1
+    contexts: dict[tuple, _SpecContext] = {}  # shared by the projections alike (``_SpecContext``)
     verdicts: list[Verdict] = []
     timings: list[tuple[dict[int, int], set[tuple], dict[int, set[int]]]] = []
     frozen_shared, frozen_cascades = frozenset(failures), frozenset(cascades)
+    twins: dict[int, int] = {}
+    for h in shape.values():
+        twins[h] = twins.get(h, 0) + 1
     # Passes, each run only if the one before rejected the projection: the narrow search (every
     # element keeps the caller's order unless none can), the lazy one (each element leaves it
     # where it is stuck), the lazy one without merging ghost ages, then with clock steps. Each
@@ -1798,7 +1936,7 @@ def _validate(events: Sequence[dict], params: TraceParams) -> Verdict:
             replay = None
             try:
                 replay = _Replay(k, pevents(k), roles, params, counts[k], clock_steps, narrow, frozen_shared, frozen_cascades,
-                                 merge_ages)
+                                 merge_ages, contexts, twins.get(shape.get(k), 0) > 1)
                 replay.run()
                 verdict = None
             except _Stop as stop:
