@@ -1,0 +1,509 @@
+"""A vLLM KV connector (``KVConnectorBase_V1``) that stores and loads KV blocks through kvcc.
+
+    --kv-transfer-config '{"kv_connector": "KvccConnector",
+                           "kv_connector_module_path": "kvcc.adapters.vllm.connector",
+                           "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                           "kv_connector_extra_config": {"directory": "127.0.0.1:7000",
+                               "tenant": "engine", "token_hex": "...", "skew_ms": 100,
+                               "model_id": "kvcc/tiny-llama", "client_id": "vllm-a"}}'
+
+Extra config: ``directory`` (``host:port``), ``tenant`` (default ``engine``), ``token_hex`` or
+``token_file`` (a file holding the token in hex), ``skew_ms`` (the deployment's epsilon, default
+100), ``timeout_ms`` (one kvcc request, default 10 s), ``model_id`` (default: the served model
+name), ``client_id`` (default ``vllm<pid>``), ``stats_path`` (optional; see Counting). The tenant must
+be allowed the engine's namespace (``engine_namespace``, plus each cache salt used).
+
+Theory of operation
+-------------------
+vLLM builds two instances of a connector: one beside the scheduler (``KVConnectorRole.SCHEDULER``)
+and one in each worker (``KVConnectorRole.WORKER``), possibly in another process. Each is its own
+kvcc client (``<client_id>-s`` and ``<client_id>-w``; no ``.`` in them, since ``<node>.<name>``
+means a client co-located with a cache node), connected lazily on first use so that no thread
+exists before a fork.
+
+**Keys.** A kvcc block is one vLLM block: ``block_size`` tokens of one request's prompt, the KV of
+*every* layer. Its key is ``kvcc.adapters.vllm.events.KeyMapper``'s -- the same chain the KV-events
+view gives the blocks an engine announces -- over the namespace
+``kvcc.adapters.vllm.model.engine_namespace`` derives from the served model folder (model id,
+revision = content digest, KV dtype, block size, layer layout ``L<layers>.H<kv heads>.D<head dim>``,
+tensor-parallel rank) with the request's cache salt. Requests with LoRA, multimodal or
+prompt-embedding inputs are neither looked up nor saved (their KV depends on more than tokens).
+
+**Byte layout of a block** (independent of the engine's own paged layout): for each attention
+layer in model order (``extract_layer_index``), K then V, each ``[block_tokens, kv_heads,
+head_dim]`` in row-major order, elements in the KV dtype, native (little-endian) byte order. So
+``L * 2 * block_tokens * kv_heads * head_dim * itemsize`` bytes; 32 KiB for the tiny Llama
+(2 x 2 x 32 x 2 x 64 x 2). vLLM's CPU attention keeps a layer's cache as ``[num_blocks, kv_heads,
+block_size, 2 * head_dim]``, but the inside of a block is its kernel's business and depends on
+the instruction set it picked (on this machine's ``vec`` kernel K is stored head-dim major, V
+token major; other instruction sets may pack otherwise). So the worker does not assume it:
+``CpuBlockLayout.probe`` runs vLLM's own ``cpu_attn_reshape_and_cache``, with the instruction set
+the engine uses, on a scratch block filled with each element's token, head, dim and K/V index,
+and reads off where each canonical element lands: a permutation, checked to be one, that packs and
+unpacks whole blocks with one gather or scatter per layer. Any other cache shape, and quantized
+(fp8) KV caches, are refused at ``register_kv_caches``.
+
+**Scheduler side.** ``get_num_new_matched_tokens`` asks the directory one ``Lookup`` for the keys
+of the request's full prompt blocks (not the block holding the last prompt token: vLLM must compute
+at least one token) and answers how many tokens past the engine's own hit the committed prefix
+covers. It changes nothing in kvcc and answers the same for the same cache, however often it is
+called (it only remembers, per request, where the engine's own hit ended). ``update_state_after_alloc``
+turns a positive answer into a load plan (key -> the block vLLM allocated for it);
+``build_connector_meta`` hands the step's loads to the worker, with the saves of the step: every
+prompt block that becomes full in this step (``num_computed_tokens`` to ``+ num_scheduled``), that
+is, neither found in the engine's cache nor loaded.
+
+**Worker side, loads** (``start_load_kv``, before the forward pass: vLLM starts synchronous loads
+there). Per planned block, in prefix order: take a read lease (``Acquire``), read the bytes into a
+staging buffer, check their length, copy them into every layer's paged tensor, release the lease.
+A read lease is the only thing that makes bytes trustworthy, and a lease belongs to the client
+that acquired it; on CPU the worker is another process than the scheduler (vLLM's CPU platform
+switches the executor to ``mp``), so the worker -- the process that reads -- holds it: taken as
+the step that scheduled the load begins, released as soon as the block is copied. A refused acquire (the key was invalidated, is being written or drained), a
+read refused because the lease was revoked or expired (the client refuses a read whose lease ended
+while the bytes were in flight), a miss or an unreachable node: that block *and every later block
+of the request* are reported by ``get_block_ids_with_load_errors`` and never copied. With
+``kv_load_failure_policy: "recompute"`` vLLM then recomputes from the first failed block; with
+vLLM's default (``"fail"``) it fails the request. The request's saves of that step are dropped
+(they were computed over the blocks that failed).
+
+**Worker side, saves** (``wait_for_save``, after the forward pass, when every layer's KV of the
+step is in the paged tensors; ``save_kv_layer`` does nothing). Per planned block, in prefix order:
+``begin_write`` (the write lease; the parent must be committed: chains are written root first),
+``write_bytes``, ``commit``. A refusal is a lost save, never an error: ``not_absent`` (someone
+committed it first), ``parent_not_committed``, ``invalidating``, a fenced or expired write. Saves
+are synchronous, so ``request_finished`` never holds the request's blocks.
+
+**Counting.** Each instance keeps counters (``stats``) and, with ``stats_path`` in the extra config,
+writes them after each step that changed them to ``<stats_path>.<scheduler|worker>.json``
+(replaced atomically): the tests count loads there.
+
+Limits: tensor and pipeline parallelism are refused (the scheduler's lookup would speak for rank 0
+only); one KV cache group; saves and loads block the engine's step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from attrs import evolve
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvcc.adapters.vllm.events import KeyMapper
+from kvcc.adapters.vllm.model import engine_namespace
+from kvcc.spec.keys import BlockKey
+from kvcc.spec.vocabulary import REASON_NOT_ABSENT
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+__all__ = ["KvccConnector", "KvccConnectorMetadata", "block_layout"]
+
+log = logging.getLogger("kvcc.vllm.connector")
+
+SKEW_MS_DEFAULT = 100
+CLIENT_TIMEOUT_MS_DEFAULT = 10_000  # one directory or node request; a slow kvcc is a miss, not a hang
+MAX_BLOCKS_PER_LOOKUP = 4096  # a prompt longer than this many blocks is looked up only this far
+
+
+# -- metadata (scheduler -> worker; pickled when the worker is another process) --------------------
+
+
+@dataclass
+class _Load:
+    req_id: str
+    namespace: bytes  # the namespace digest
+    blocks: list[tuple[BlockKey, int]]  # (key, vLLM block id), in prefix order
+
+
+@dataclass
+class _Save:
+    req_id: str
+    namespace: bytes
+    blocks: list[tuple[BlockKey, BlockKey | None, int]]  # (key, parent key, vLLM block id)
+
+
+@dataclass
+class KvccConnectorMetadata(KVConnectorMetadata):
+    loads: list[_Load] = field(default_factory=list)
+    saves: list[_Save] = field(default_factory=list)
+
+
+# -- scheduler-side bookkeeping -------------------------------------------------------------------------
+
+
+@dataclass
+class _Request:
+    keys: list[BlockKey]  # of every full prompt block
+    namespace: bytes
+    prompt_tokens: int
+    block_ids: list[int] = field(default_factory=list)
+    local_hit_tokens: int | None = None  # what get_num_new_matched_tokens was last told
+
+
+def block_layout(namespace_layout: str) -> tuple[int, int, int]:
+    """``(layers, kv_heads, head_dim)`` from a namespace layout ``"L<n>.H<n>.D<n>"``."""
+    try:
+        parts = dict((p[0], int(p[1:])) for p in namespace_layout.split("."))
+        return parts["L"], parts["H"], parts["D"]
+    except (KeyError, ValueError, IndexError):
+        raise ValueError(f"namespace layout {namespace_layout!r} is not L<layers>.H<kv heads>.D<head dim>") from None
+
+
+def _token(extra: dict[str, Any]) -> bytes:
+    if "token_hex" in extra:
+        return bytes.fromhex(str(extra["token_hex"]))
+    if "token_file" in extra:
+        return bytes.fromhex(Path(extra["token_file"]).read_text().strip())
+    raise ValueError("kv_connector_extra_config needs token_hex or token_file (the tenant's token, hex)")
+
+
+def _layer_order(name: str) -> tuple[int, str]:
+    try:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        return extract_layer_index(name), name
+    except Exception:  # a name without one index: keep vLLM's name order among those
+        return 1 << 30, name
+
+
+PROBE_EXACT_MAX = 256  # the largest integer up to which every one is exact in bfloat16
+
+
+class CpuBlockLayout:
+    """Where each element of a canonical block (``[2, block_size, kv_heads, head_dim]``: K, V)
+    lives inside one block of vLLM's CPU attention cache (``[kv_heads, block_size, 2 * head_dim]``),
+    learnt from vLLM's own cache-writing kernel (see the module docstring)."""
+
+    def __init__(self, canon_of_slot: torch.Tensor) -> None:
+        n = canon_of_slot.numel()
+        if not torch.equal(torch.sort(canon_of_slot).values, torch.arange(n)):
+            raise NotImplementedError("vLLM's CPU kernel does not store a block as a permutation of its K and V")
+        self.canon_of_slot = canon_of_slot  # slot s of the paged block holds canonical element canon_of_slot[s]
+        self.slot_of_canon = torch.argsort(canon_of_slot)
+
+    @classmethod
+    def probe(cls, dtype: torch.dtype, block_size: int, kv_heads: int, head_dim: int, isa: str) -> CpuBlockLayout:
+        from vllm import _custom_ops as ops
+
+        if max(block_size, kv_heads, head_dim) > PROBE_EXACT_MAX:
+            raise NotImplementedError(f"probing a block of {block_size}x{kv_heads}x{head_dim}: indices over {PROBE_EXACT_MAX}")
+        shape = (block_size, kv_heads, head_dim)
+        index = {
+            "t": torch.arange(block_size).view(-1, 1, 1).expand(shape),
+            "h": torch.arange(kv_heads).view(1, -1, 1).expand(shape),
+            "d": torch.arange(head_dim).view(1, 1, -1).expand(shape),
+        }
+        zeros = torch.zeros(shape, dtype=torch.int64)
+        found = {}
+        for name, (k_ids, v_ids) in {"part": (zeros, zeros + 1), **{n: (i, i) for n, i in index.items()}}.items():
+            cache = torch.full((1, kv_heads, block_size, 2 * head_dim), -1, dtype=dtype)
+            key_cache, value_cache = cache.view(1, kv_heads, 2 * block_size, head_dim).chunk(2, dim=2)
+            ops.cpu_attn_reshape_and_cache(k_ids.to(dtype).contiguous(), v_ids.to(dtype).contiguous(), key_cache,
+                                           value_cache, torch.arange(block_size, dtype=torch.int64), isa,
+                                           kv_cache_dtype="auto")  # fmt: skip
+            found[name] = cache.reshape(-1).to(torch.int64)
+            if bool((found[name] < 0).any()):
+                raise NotImplementedError("vLLM's CPU kernel left part of a block unwritten")
+        canon = ((found["part"] * block_size + found["t"]) * kv_heads + found["h"]) * head_dim + found["d"]
+        return cls(canon)
+
+    def pack(self, layers: list[torch.Tensor], block_id: int) -> torch.Tensor:
+        """The canonical ``[layers, 2 * block_size * kv_heads * head_dim]`` of one block."""
+        return torch.stack([t[block_id].reshape(-1)[self.slot_of_canon] for t in layers])
+
+    def unpack(self, layers: list[torch.Tensor], block_id: int, canonical: torch.Tensor) -> None:
+        """Write a canonical block into vLLM's tensors, every layer."""
+        for layer, t in enumerate(layers):
+            t[block_id].view(-1).copy_(canonical[layer][self.canon_of_slot])
+
+
+def engine_isa(dtype: torch.dtype, block_size: int, head_dim: int) -> str:
+    """The instruction set vLLM's CPU attention picks for this cache (it sets it on each layer
+    from the same function; vLLM has no public name for it)."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    return _get_attn_isa(dtype, block_size, head_dim, "auto")
+
+
+class KvccConnector(KVConnectorBase_V1):
+    """kvcc as vLLM's external KV cache. See the module docstring."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        parallel = vllm_config.parallel_config
+        if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+            raise NotImplementedError("KvccConnector: tensor and pipeline parallelism are not supported yet")
+        self.block_size = int(vllm_config.cache_config.block_size)
+        model = vllm_config.model_config
+        served = model.served_model_name
+        served = served[0] if isinstance(served, (list, tuple)) and served else served
+        model_id = str(extra.get("model_id") or served or model.model)
+        namespace = engine_namespace(Path(model.model), model_id, block_tokens=self.block_size)
+        self.kv_cache_dtype = str(vllm_config.cache_config.cache_dtype)
+        if self.kv_cache_dtype != "auto":
+            namespace = evolve(namespace, kv_dtype=self.kv_cache_dtype)
+        self.mapper = KeyMapper(namespace)
+        self.layers, self.kv_heads, self.head_dim = block_layout(namespace.kv_layout)
+        host, _, port = str(extra["directory"]).rpartition(":")
+        self._address = (host, int(port))
+        self._tenant = str(extra.get("tenant", "engine"))
+        self._token = _token(extra)
+        self._skew_ms = int(extra.get("skew_ms", SKEW_MS_DEFAULT))
+        self._timeout_ms = int(extra.get("timeout_ms", CLIENT_TIMEOUT_MS_DEFAULT))
+        side = "s" if role == KVConnectorRole.SCHEDULER else "w"
+        self.client_id = f"{extra.get('client_id') or f'vllm{os.getpid()}'}-{side}"
+        assert "." not in self.client_id, "a '.' would make the client co-located with a cache node"
+        stats_path = extra.get("stats_path")
+        self._stats_file = None if not stats_path else Path(f"{stats_path}.{'scheduler' if side == 's' else 'worker'}.json")
+        self._client: Any = None
+        self.stats: dict[str, Any] = {}
+        # scheduler side
+        self._requests: dict[str, _Request] = {}
+        self._loads: list[_Load] = []
+        # worker side
+        self._kv: list[torch.Tensor] = []
+        self._load_errors: set[int] = set()
+        self._failed_requests: set[str] = set()  # requests whose load failed in this step
+
+    # ---------------------------------------------------------------- plumbing
+    @property
+    def client(self) -> Any:
+        if self._client is None:
+            from kvcc.reference.client import SyncClient
+
+            self._client = SyncClient(self._address, self._tenant, self._token, client_id=self.client_id,
+                                      skew_ms=self._skew_ms, timeout_ms=self._timeout_ms)  # fmt: skip
+        return self._client
+
+    def _count(self, name: str, n: int = 1) -> None:
+        self.stats[name] = self.stats.get(name, 0) + n
+
+    def _publish_stats(self) -> None:
+        if self._stats_file is None:
+            return
+        tmp = self._stats_file.with_name(self._stats_file.name + ".tmp")
+        tmp.write_text(json.dumps(self.stats, sort_keys=True))
+        os.replace(tmp, self._stats_file)
+
+    def shutdown(self) -> None:
+        if self._client is not None:
+            try:
+                self._client.close()
+            except Exception as e:  # the engine is going away either way
+                log.info("kvcc client %s: close failed: %s", self.client_id, e)
+            self._client = None
+
+    # ================================================================ scheduler side
+    def on_new_request(self, request: Request) -> None:
+        tokens = request.prompt_token_ids
+        if tokens is None or request.lora_request is not None or request.mm_features or request.prompt_embeds is not None:
+            return  # KV that depends on more than the tokens: not ours to key
+        keys = self.mapper.keys(tokens[: MAX_BLOCKS_PER_LOOKUP * self.block_size], request.cache_salt)
+        ns = self.mapper.namespace(request.cache_salt).digest()
+        self._requests[request.request_id] = _Request(keys, bytes(ns), len(tokens))
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            return 0, False
+        assert num_computed_tokens % self.block_size == 0, "vLLM presents a block-aligned local hit"
+        # The block that holds the last prompt token is never loaded: vLLM computes at least one.
+        candidates = min(len(state.keys), (state.prompt_tokens - 1) // self.block_size)
+        local_blocks = num_computed_tokens // self.block_size
+        state.local_hit_tokens = num_computed_tokens
+        if candidates <= local_blocks:
+            return 0, False
+        try:
+            hit = self.client.lookup(state.namespace, state.keys[:candidates])
+        except Exception as e:  # kvcc unreachable: a miss
+            log.warning("kvcc lookup failed: %s", e)
+            self._count("lookup_failures")
+            return 0, False
+        self._count("lookups")
+        assert 0 <= hit.blocks <= candidates
+        if hit.blocks <= local_blocks:
+            return 0, False
+        return (hit.blocks - local_blocks) * self.block_size, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        if num_external_tokens <= 0:
+            return
+        state = self._requests[request.request_id]
+        assert state.local_hit_tokens is not None, "a load vLLM scheduled without asking us"
+        assert num_external_tokens % self.block_size == 0
+        first = state.local_hit_tokens // self.block_size
+        count = num_external_tokens // self.block_size
+        (block_ids,) = blocks.get_block_ids()
+        assert first + count <= len(block_ids) and first + count <= len(state.keys)
+        plan = [(state.keys[i], block_ids[i]) for i in range(first, first + count)]
+        self._loads.append(_Load(request.request_id, state.namespace, plan))
+        self._count("loads_scheduled")
+        self._count("blocks_scheduled", count)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvccConnectorMetadata:
+        meta = KvccConnectorMetadata(loads=self._loads)
+        self._loads = []
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self._requests.get(new.req_id)
+            if state is not None:
+                state.block_ids = list(new.block_ids[0])
+                self._plan_saves(meta, new.req_id, state, new.num_computed_tokens, scheduled.get(new.req_id, 0))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:  # after a preemption: the whole list, anew
+                state.block_ids = list(new_ids[0]) if new_ids else []
+            elif new_ids:
+                state.block_ids.extend(new_ids[0])
+            self._plan_saves(meta, req_id, state, cached.num_computed_tokens[i], scheduled.get(req_id, 0))
+        if meta.loads or meta.saves:
+            self._publish_stats()
+        return meta
+
+    def _plan_saves(self, meta: KvccConnectorMetadata, req_id: str, state: _Request, computed: int, scheduled: int) -> None:
+        """The prompt blocks that become full in this step: block ``b`` does iff
+        ``computed < (b + 1) * block_size <= computed + scheduled``."""
+        first = computed // self.block_size
+        last = min(computed + scheduled, state.prompt_tokens) // self.block_size
+        last = min(last, len(state.keys), len(state.block_ids))
+        blocks = [(state.keys[b], state.keys[b - 1] if b else None, state.block_ids[b]) for b in range(first, last)]
+        if blocks:
+            meta.saves.append(_Save(req_id, state.namespace, blocks))
+            self._count("blocks_planned_for_save", len(blocks))
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._requests.pop(request.request_id, None)
+        return False, None  # saves are synchronous: nothing of the request is still in flight
+
+    # ================================================================ worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        names = sorted(kv_caches, key=_layer_order)
+        tensors = [kv_caches[n] for n in names]
+        if len(tensors) != self.layers:
+            raise ValueError(f"KvccConnector: {len(tensors)} KV layers, the namespace says {self.layers}")
+        for name, t in zip(names, tensors):
+            expected = (self.kv_heads, self.block_size, 2 * self.head_dim)
+            if t.dim() != 4 or tuple(t.shape[1:]) != expected or not t[0].is_contiguous():
+                raise NotImplementedError(
+                    f"KvccConnector: layer {name} has a KV cache of shape {tuple(t.shape)}; only vLLM's CPU "
+                    f"attention layout [num_blocks, {expected[0]}, {expected[1]}, {expected[2]}] is supported"
+                )
+        if self.kv_cache_dtype != "auto":
+            raise NotImplementedError(f"KvccConnector: KV cache dtype {self.kv_cache_dtype} (quantized) is not supported")
+        self._kv = tensors
+        dtype = tensors[0].dtype
+        self.layout = CpuBlockLayout.probe(dtype, self.block_size, self.kv_heads, self.head_dim,
+                                           engine_isa(dtype, self.block_size, self.head_dim))  # fmt: skip
+        self.block_bytes = self.layers * 2 * self.block_size * self.kv_heads * self.head_dim * tensors[0].element_size()
+        log.info("KvccConnector %s: %d layers, %d bytes a block, namespace %s", self.client_id, len(tensors),
+                 self.block_bytes, self.mapper.base)  # fmt: skip
+
+    def _block_bytes(self, block_id: int) -> bytes:
+        canonical = self.layout.pack(self._kv, block_id)
+        assert canonical.numel() * canonical.element_size() == self.block_bytes
+        return canonical.view(torch.uint8).numpy().tobytes()
+
+    def _copy_in(self, block_id: int, staging: torch.Tensor) -> None:
+        self.layout.unpack(self._kv, block_id, staging.view(self._kv[0].dtype).view(self.layers, -1))
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvccConnectorMetadata)
+        self._failed_requests = set()
+        if not meta.loads:
+            return
+        staging = torch.empty(self.block_bytes, dtype=torch.uint8)
+        for load in meta.loads:
+            for i, (key, block_id) in enumerate(load.blocks):
+                reason = self._load_block(load.namespace, key, block_id, staging)
+                if reason is not None:
+                    failed = [b for _, b in load.blocks[i:]]
+                    self._load_errors.update(failed)
+                    self._failed_requests.add(load.req_id)
+                    self._count("load_errors", len(failed))
+                    self._count(f"load_refused_{reason}")
+                    log.warning("kvcc load of %s refused (%s): %d blocks to recompute", key.hex[:16], reason, len(failed))
+                    break
+                self._count("loaded_blocks")
+        self._publish_stats()
+
+    def _load_block(self, namespace: bytes, key: BlockKey, block_id: int, staging: torch.Tensor) -> str | None:
+        """Copy one committed block into vLLM's tensors under a read lease; ``None`` if it was
+        copied, else why not (nothing was copied then)."""
+        from kvcc.reference.client import Refused
+
+        try:
+            lease = self.client.acquire(namespace, key)
+        except Exception as e:
+            return f"acquire_failed:{type(e).__name__}"
+        if isinstance(lease, Refused):
+            return lease.reason
+        try:
+            got = self.client.read(lease, out=staging)
+            if isinstance(got, Refused):
+                return got.reason
+            if got != self.block_bytes:
+                return "wrong_size"
+            self._copy_in(block_id, staging)
+            return None
+        except Exception as e:
+            return f"read_failed:{type(e).__name__}"
+        finally:
+            try:
+                self.client.release(lease)
+            except Exception as e:  # the lease then ends by expiry: slower, never unsafe
+                log.info("kvcc release failed: %s", e)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are synchronous: done before the forward pass
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
+        return  # a kvcc block holds every layer: saved whole in wait_for_save
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvccConnectorMetadata)
+        if not meta.saves:
+            return
+        from kvcc.reference.client import Refused
+
+        for save in meta.saves:
+            if save.req_id in self._failed_requests:
+                self._count("saves_dropped_after_load_error", len(save.blocks))
+                continue  # computed over blocks that did not load
+            for key, parent, block_id in save.blocks:
+                try:
+                    out = self.client.put(save.namespace, key, parent, self._block_bytes(block_id))
+                except Exception as e:
+                    out = Refused(f"put_failed:{type(e).__name__}")
+                if isinstance(out, Refused):
+                    self._count("already_stored" if out.reason == REASON_NOT_ABSENT else f"save_refused_{out.reason}")
+                else:
+                    self._count("saved_blocks")
+        self._publish_stats()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
