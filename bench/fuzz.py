@@ -88,6 +88,7 @@ from kvcc.reference.wire import (
     MAX_CONTROL_FRAME_BYTES,
     MAX_FRAME_BYTES,
     MAX_LOOKUP_KEYS,
+    MAX_UNAUTHENTICATED_FRAME_BYTES,
     BeginWrite,
     Commit,
     Committed,
@@ -603,10 +604,10 @@ def mutated_attack(d: Deployment, target: Target, rng: random.Random) -> Attack:
         return Attack((valid[: rng.randrange(1, len(valid))],), credential)
     if how == "cut_framed":
         cut = _frame(valid[4 : rng.randrange(5, len(valid))])
-        return Attack((cut,), credential, expect_code="malformed", wait_s=EXPECT_WAIT_S)
+        return Attack((cut,), credential, expect_code=_first_frame_code(cut), wait_s=EXPECT_WAIT_S)
     if how == "body":
         broken = _broken_body_frame(msg, credential, target, rng)
-        return Attack((broken,), credential, expect_code="malformed", wait_s=EXPECT_WAIT_S)
+        return Attack((broken,), credential, expect_code=_first_frame_code(broken), wait_s=EXPECT_WAIT_S)
     return Attack((_broken_envelope_frame(msg, credential, other, target, rng),), credential)
 
 
@@ -634,6 +635,12 @@ def oversized_attack(d: Deployment, target: Target, rng: random.Random, big_done
     # After an authenticated Ping: before one, nothing above MAX_UNAUTHENTICATED_FRAME_BYTES is read.
     return Attack((_opening(credential, limit), seal(credential, body, limit, seq=2)), credential, sent=2,
                   expect_code="malformed", wait_s=EXPECT_WAIT_S)  # fmt: skip
+
+
+def _first_frame_code(frame: bytes) -> str:
+    """The refusal of a broken ``frame`` sent first on a connection: ``malformed``, unless it is
+    larger than a server reads before a frame authenticated (then refused on its header)."""
+    return "frame_too_large" if len(frame) - 4 > MAX_UNAUTHENTICATED_FRAME_BYTES else "malformed"
 
 
 def _opening(credential: Credential, limit: int) -> bytes:

@@ -399,7 +399,8 @@ def renewal_extends(s: Session) -> None:
     w = s.nodes[0]
     key = chain(s, 1)[0]
     data = put(s, w, key, None)
-    g = s.acquire(reader(s, w), s.ns, key)
+    h = reader(s, w)
+    g = s.acquire(h, s.ns, key)
     s.check(isinstance(g, ReadGrant), "caching", f"acquire refused: {g}")
     s.sleep_ms(g.term_ms * 0.5)
     r = s.renew(g)
@@ -411,8 +412,8 @@ def renewal_extends(s: Session) -> None:
     s.release(r)
     # The renewal is over with its answer: the holder leases the key again (one that kept counting
     # it as under way would refuse every later acquire of the key).
-    g2 = s.acquire(reader(s, w), s.ns, key)
-    s.check(isinstance(g2, ReadGrant), "caching", f"an acquire after a renewal and a release answered {g2}")
+    g2 = s.acquire(h, s.ns, key)
+    s.check(isinstance(g2, ReadGrant), "caching", f"the holder's acquire after its renewal and release answered {g2}")
     # Past the holder's own deadline the lease is no longer its to release: the spec's holder
     # dropped it then, so a release it logs later is no spec step (the trace is rejected).
     s.sleep_ms(g2.term_ms + 2 * s.skew_ms)
@@ -759,7 +760,8 @@ def renewal_protects(s: Session) -> None:
     w = s.nodes[0]
     key = chain(s, 1)[0]
     put(s, w, key, None)
-    g = s.acquire(reader(s, w), s.ns, key)
+    h = reader(s, w)
+    g = s.acquire(h, s.ns, key)
     s.check(isinstance(g, ReadGrant), "caching", f"acquire refused: {g}")
     s.sleep_ms(g.term_ms * 0.5)
     r = s.renew(g)
