@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvcc.reference.serve import ClusterConfig, ConfigError, parse_size, parse_tier
+from kvcc.reference.transport import ServerLimits
 
 ENV = dict(os.environ, PYTHONSAFEPATH="1", DO_NOT_TRACK="1", VLLM_NO_USAGE_STATS="1",
            LMCACHE_TRACK_USAGE="false", HF_HUB_OFFLINE="1")  # fmt: skip
@@ -100,11 +101,22 @@ def test_serve_node_and_directory_shut_down_on_sigterm(tmp_path):
         {"lease_term_ms": 2000, "skew_ms": 100, "node_tenant": "nodes", "tenants": {"nodes": {"token": "ab"}}},
         {"lease_term_ms": 2000, "skew_ms": 100, "node_tenant": "x",
          "tenants": {"x": {"token": "ab" * 16}}},  # a node tenant must be an operator
+        *({"lease_term_ms": 2000, "skew_ms": 100, "node_tenant": "nodes",
+           "tenants": {"nodes": {"token": "ab" * 16, "operator": True}}, "transport": transport}
+          for transport in ({"handshake_timeout_ms": 0}, {"frame_grace_ms": "10"}, {"max_conections": 3}, [1])),
     ],
 )
 def test_bad_deployment_files_are_typed_errors(raw):
     with pytest.raises(ConfigError):
         ClusterConfig.from_dict(raw)
+
+
+def test_transport_limits_come_from_the_deployment_file():
+    raw = {"lease_term_ms": 2000, "skew_ms": 100, "node_tenant": "nodes",
+           "tenants": {"nodes": {"token": "ab" * 16, "operator": True}}}  # fmt: skip
+    assert ClusterConfig.from_dict(raw).transport == ServerLimits()
+    got = ClusterConfig.from_dict({**raw, "transport": {"handshake_timeout_ms": 250, "max_unauthenticated": 4}})
+    assert got.transport == ServerLimits(handshake_timeout_ms=250, max_unauthenticated=4)
 
 
 def test_serve_with_a_bad_config_exits_2(tmp_path):
