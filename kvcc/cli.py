@@ -629,6 +629,12 @@ BENCHMARKS = {
              "every port for --seconds with random, mutated, oversized and slow frames, connection floods and "
              "replays; check that every process lives, the state is unchanged, RSS stayed bounded and a "
              "legitimate client is served after each flood."),
+    "soak": ("a bounded soak of a real deployment under load and faults: nothing committed lost, no wrong bytes",
+             "Start a directory and three cache nodes as processes on loopback, run --clients threads of seeded "
+             "puts, reads, lookups and invalidations for the duration (at most 60 minutes), with --faults also "
+             "node kill -9/restart, SIGSTOP/SIGCONT and directory kill -9/restart; then check every acknowledged "
+             "commit is still readable with its exact bytes unless invalidated or lost with a killed node's DRAM, "
+             "and validate the run's merged trace."),
 }  # fmt: skip
 
 

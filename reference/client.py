@@ -355,7 +355,10 @@ class KvccClient:
         try:
             reply = await self._ask(Acquire(self.client_id, key, _digest(ns), request))
         except BaseException:
-            self.holder.answered(key, request)
+            # No answer (the directory unreachable, the call timed out or was cancelled): the holder
+            # gives up the request (spec: abandon), so that its next one is explained.
+            if self.holder.answered(key, request):
+                self._emit("abandon", key=key, request=request, result=REASON_UNREACHABLE)
             raise
         if type(reply) is LeaseRefused:
             if not self.holder.answered(key, request):
@@ -388,7 +391,8 @@ class KvccClient:
         try:
             reply = await self._ask(Renew(self.client_id, lease.key, held.lease, held.location, request))
         except BaseException:
-            self.holder.answered(lease.key, request)
+            if self.holder.answered(lease.key, request):  # no answer: given up (spec: abandon)
+                self._emit("abandon", key=lease.key, lease=held.lease, request=request, result=REASON_UNREACHABLE)
             raise
         if type(reply) is LeaseRefused:
             if not self.holder.answered(lease.key, request):
@@ -477,7 +481,13 @@ class KvccClient:
         sent = self._now_ns()
         digest = _digest(ns)
         self._emit("begin_write", key=key, request=request, parent=None if parent is None else parent.hex)
-        reply = await self._ask(BeginWrite(self.client_id, key, digest, parent, request))
+        try:
+            reply = await self._ask(BeginWrite(self.client_id, key, digest, parent, request))
+        except BaseException:
+            # No answer: this writer gives up the write it asked for (spec: abort), so that its next
+            # begin_write of the key is explained; a grant that still comes is one nobody waits for.
+            self._emit("abort", key=key, request=request, result=REASON_UNREACHABLE)
+            raise
         if type(reply) is LeaseRefused:
             self._emit("abort", key=key, request=request, result=reply.reason)  # this writer gives up
             return Refused(reply.reason)

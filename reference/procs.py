@@ -129,8 +129,13 @@ def spawn(
     die_with_parent: bool = False,
 ) -> subprocess.Popen:
     """Start ``argv`` in a session of its own, stdout and stderr to ``log``, no stdin. With
-    ``die_with_parent``, under ``PDEATHSIG_PREFIX`` (where it exists)."""
-    prefix = PDEATHSIG_PREFIX if die_with_parent else []
+    ``die_with_parent``, under ``PDEATHSIG_PREFIX`` (where it exists) -- from the main thread only:
+    Linux sends the parent-death signal when the *thread* that forked the child exits, so a child
+    started from a worker thread (a fault injector's) would die with that thread, not with this
+    process (found by ``kvcc bench soak``: an etcd member restarted from a fault thread died when
+    the thread ended). Elsewhere the caller's stop is what ends it."""
+    main = threading.current_thread() is threading.main_thread()
+    prefix = PDEATHSIG_PREFIX if die_with_parent and main else []
     return subprocess.Popen(
         [*prefix, *argv],
         stdin=subprocess.DEVNULL,

@@ -13,7 +13,10 @@ import asyncio
 import io
 import json
 
+import pytest
+
 from kvcc.reference.client import KvccClient, ReadLease, Refused
+from kvcc.reference.errors import ConnectionFailed
 from kvcc.spec.vocabulary import REASON_REVOKED
 from kvcc.reference.events import EventLog
 from kvcc.spec.keys import BlockKey
@@ -86,5 +89,37 @@ def test_a_renewal_answered_after_a_revocation_logs_no_abandon():
             assert isinstance(out, Refused) and out.reason == REASON_REVOKED
             assert _events(sink) == ["renew", "drop_and_ack"]
             assert client.holder._cancelled == set() and not client.holder.busy(KEY) and client.lease_of(KEY) is None
+
+    asyncio.run(main())
+
+
+def test_an_unanswered_request_is_given_up_and_logged():
+    # The directory crashed before answering: the spec's holder abandons the acquire, and its
+    # writer aborts the write it asked for; unlogged, the next request of the key was unexplained
+    # (found by kvcc bench soak: a trace REJECTED at "no request pending on the key").
+    async def main():
+        client, sink = _holder()
+
+        async def unreachable(msg):
+            raise ConnectionFailed("the directory is gone", code="reset")
+
+        client._ask = unreachable
+        for call in (lambda: client.acquire(b"n" * 32, KEY), lambda: client.begin_write(b"n" * 32, KEY, None)):
+            with pytest.raises(ConnectionFailed):
+                await call()
+        assert _events(sink) == ["acquire", "abandon", "begin_write", "abort"]
+        assert not client.holder.busy(KEY) and client.lease_of(KEY) is None
+        # A revocation that already ended the request: nothing left to abandon.
+        client2, sink2 = _holder()
+        client2._dir.request = unreachable
+
+        async def revoked_then_gone(msg):
+            client2._on_push(Revoke(NODE, KEY, 7, 1))
+            raise ConnectionFailed("the directory is gone", code="reset")
+
+        client2._ask = revoked_then_gone
+        with pytest.raises(ConnectionFailed):
+            await client2.acquire(b"n" * 32, KEY)
+        assert _events(sink2) == ["acquire", "drop_and_ack"]
 
     asyncio.run(main())
