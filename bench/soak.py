@@ -101,6 +101,7 @@ from typing import Any, NamedTuple
 from kvcc.reference.client import Refused
 from kvcc.reference.cluster import ClusterError, LocalCluster
 from kvcc.reference.errors import KvccError
+from kvcc.reference.routing.sim import percentile
 from kvcc.spec.keys import BlockKey, Namespace, chain_keys
 from kvcc.spec.vocabulary import SCOPE_KEY, SCOPE_NAMESPACE, SCOPE_PREFIX
 
@@ -538,12 +539,8 @@ async def _forget(client: Any) -> None:
 def _percentiles(samples: list[float]) -> dict[str, Any]:
     if not samples:
         return {"n": 0, "p50_ms": None, "p99_ms": None, "max_ms": None}
-    s = sorted(samples)
-    def at(q: float) -> float:
-        return s[min(len(s) - 1, int(q * len(s)))]
-
-    return {"n": len(s), "p50_ms": round(at(0.5) * 1000, 2), "p99_ms": round(at(0.99) * 1000, 2),
-            "max_ms": round(s[-1] * 1000, 2)}  # fmt: skip
+    return {"n": len(samples), "p50_ms": round(percentile(samples, 50) * 1000, 2),
+            "p99_ms": round(percentile(samples, 99) * 1000, 2), "max_ms": round(max(samples) * 1000, 2)}  # fmt: skip
 
 
 # ------------------------------------------------------------------------------- the soak
