@@ -146,21 +146,31 @@ def read_trace(path: Path) -> list[dict]:
 # ---------------------------------------------------------------------------------- measuring
 
 
-def child_main(trace: str, lease_term_ms: int, skew_ms: int) -> None:
-    """In the fresh interpreter: validate one file, print one JSON object."""
+def _cpu_seconds() -> float:
+    """User + system time of this process and of its children reaped so far (the validator's
+    forked workers)."""
+    import resource
+
+    return sum(r.ru_utime + r.ru_stime for r in map(resource.getrusage, (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)))
+
+
+def child_main(trace: str, lease_term_ms: int, skew_ms: int, jobs: int | None = None) -> None:
+    """In the fresh interpreter: validate one file, print one JSON object. ``cpu_seconds``
+    counts the validator's worker processes too; ``peak_rss_bytes`` is the largest of this
+    process and each worker."""
     import resource
 
     from kvcc.conformance.validate import TraceParams, validate_file
 
-    params = TraceParams(lease_term_ms, skew_ms)
-    started, cpu0 = time.perf_counter(), time.process_time()
+    params = TraceParams(lease_term_ms, skew_ms, jobs=jobs)
+    started, cpu0 = time.perf_counter(), _cpu_seconds()
     verdict = validate_file(trace, params)
-    seconds, cpu = time.perf_counter() - started, time.process_time() - cpu0
+    seconds, cpu = time.perf_counter() - started, _cpu_seconds() - cpu0
     with open(trace, "rb") as f:
         events = sum(1 for line in f if line.strip())
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rss = max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
     print(json.dumps({
-        "events": events, "seconds": seconds, "cpu_seconds": cpu,
+        "events": events, "jobs": jobs, "seconds": seconds, "cpu_seconds": cpu,
         "events_per_second": events / seconds if seconds else None,
         "events_per_cpu_second": events / cpu if cpu else None,
         "peak_rss_bytes": rss if sys.platform == "darwin" else rss * 1024,
@@ -169,9 +179,11 @@ def child_main(trace: str, lease_term_ms: int, skew_ms: int) -> None:
     }))  # fmt: skip
 
 
-def _measure_file(path: Path, lease_term_ms: int, skew_ms: int) -> dict[str, Any]:
+def _measure_file(path: Path, lease_term_ms: int, skew_ms: int, jobs: int | None = None) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "kvcc.bench.validator", "--child", str(path),
            "--lease-term-ms", str(lease_term_ms), "--skew-ms", str(skew_ms)]  # fmt: skip
+    if jobs is not None:
+        cmd += ["--jobs", str(jobs)]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, check=False)
     except subprocess.TimeoutExpired as e:
@@ -182,7 +194,7 @@ def _measure_file(path: Path, lease_term_ms: int, skew_ms: int) -> dict[str, Any
 
 
 def measure(trace: Path | None, events: int, seed: int, lease_term_ms: int, skew_ms: int,
-            on_step: Any = None) -> dict[str, Any]:
+            on_step: Any = None, jobs: int | None = None) -> dict[str, Any]:
     """Every figure of the benchmark (see the module docstring)."""
     step = on_step or (lambda text: None)
     with tempfile.TemporaryDirectory(prefix="kvcc-bench-validator-") as tmp:
@@ -196,13 +208,15 @@ def measure(trace: Path | None, events: int, seed: int, lease_term_ms: int, skew
         base = read_trace(trace)
         copies = max(1, -(-events // len(base)))
         step(f"validating the load trace ({len(base)} events)")
-        load = _measure_file(trace, lease_term_ms, skew_ms)
+        load = _measure_file(trace, lease_term_ms, skew_ms, jobs)
+        step("validating it again in one process (the baseline of the workers' speed-up)")
+        load_one = _measure_file(trace, lease_term_ms, skew_ms, 1)
         generated_path = work / "generated.ndjson"
         step(f"writing {copies} copies of it ({copies * len(base)} events)")
         with open(generated_path, "w", encoding="utf-8") as f:
             n = replicate(base, copies, f, lease_term_ms=lease_term_ms, skew_ms=skew_ms)
         step(f"validating the generated trace ({n} events)")
-        generated = _measure_file(generated_path, lease_term_ms, skew_ms)
+        generated = _measure_file(generated_path, lease_term_ms, skew_ms, jobs)
         mutated_events, at = mutate_read_after_release(base)
         mutated_path = work / "mutated.ndjson"
         with open(mutated_path, "w", encoding="utf-8") as f:
@@ -210,16 +224,18 @@ def measure(trace: Path | None, events: int, seed: int, lease_term_ms: int, skew
                       mutated_copy=min(MUTATED_COPY, copies - 1))  # fmt: skip
         generated_path.unlink()
         step("validating the mutated copy")
-        mutated = _measure_file(mutated_path, lease_term_ms, skew_ms)
+        mutated = _measure_file(mutated_path, lease_term_ms, skew_ms, jobs)
         expected_at = min(MUTATED_COPY, copies - 1) * len(base) + at
     rates = [r["events_per_second"] or 0.0 for r in (load, generated)]
     return {
         "source": source, "lease_term_ms": lease_term_ms, "skew_ms": skew_ms,
-        "load": load, "generated": dict(generated, copies=copies),
+        "jobs": jobs, "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "load": load, "load_one_process": load_one, "generated": dict(generated, copies=copies),
+        "speedup_of_workers": load_one["seconds"] / load["seconds"] if load["seconds"] else None,
         "mutated": dict(mutated, mutation="read after release", expected_event_index=expected_at),
         "events_per_second": min(rates),
         "events_per_cpu_second": min(r["events_per_cpu_second"] or 0.0 for r in (load, generated)),
-        "peak_rss_bytes": max(r["peak_rss_bytes"] for r in (load, generated, mutated)),
+        "peak_rss_bytes": max(r["peak_rss_bytes"] for r in (load, load_one, generated, mutated)),
         "target_events_per_second": TARGET_EVENTS_PER_S,
         "verdicts_ok": load["verdict"] == "ACCEPTED" and generated["verdict"] == "ACCEPTED"
         and mutated["verdict"] == "REJECTED" and mutated["event_index"] == expected_at,
@@ -234,7 +250,7 @@ def render(console: Any, r: dict[str, Any]) -> None:
     t = Table(title=f"trace validator ({r['source']}; term {r['lease_term_ms']} ms, epsilon {r['skew_ms']} ms)")
     for col in ("trace", "events", "verdict", "seconds", "CPU s", "events/s", "events/CPU-s", "peak RSS"):
         t.add_column(col, justify="left" if col in ("trace", "verdict") else "right")
-    for name in ("load", "generated", "mutated"):
+    for name in ("load", "load_one_process", "generated", "mutated"):
         x = r[name]
         verdict = x["verdict"] + (f" at {x['event_index']} ({x['code']})" if x["verdict"] != "ACCEPTED" else "")
         t.add_row(name, fmt_int(x["events"]), verdict, fmt_seconds(x["seconds"]), fmt_seconds(x["cpu_seconds"]),
@@ -262,6 +278,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help=f"seed of the load run (default {DEFAULT_SEED})")
     parser.add_argument("--lease-term-ms", type=positive_int, default=1000, metavar="MS")
     parser.add_argument("--skew-ms", type=int, default=50, metavar="MS")
+    parser.add_argument("--jobs", type=positive_int, default=None, metavar="N",
+                        help="processes replaying key projections (default: one per CPU; the load trace is also measured in one)")
     parser.add_argument("--json", action="store_true", help="print one JSON object and nothing else")  # fmt: skip
 
 
@@ -271,7 +289,7 @@ def cli(args: argparse.Namespace) -> int:
     err = stderr_console()
     step = None if args.json else (lambda text: err.print(f"[dim]{text}[/]"))
     try:
-        r = measure(args.trace, args.events, args.seed, args.lease_term_ms, args.skew_ms, on_step=step)
+        r = measure(args.trace, args.events, args.seed, args.lease_term_ms, args.skew_ms, on_step=step, jobs=args.jobs)
     except BenchError as exc:
         print(f"kvcc bench validator: error: {exc}", file=sys.stderr)
         return 1
@@ -288,7 +306,7 @@ def main(argv: Iterable[str] | None = None) -> int:
     add_arguments(parser)
     args = parser.parse_args(list(argv) if argv is not None else None)
     if args.child:
-        child_main(args.child, args.lease_term_ms, args.skew_ms)
+        child_main(args.child, args.lease_term_ms, args.skew_ms, args.jobs)
         return 0
     return cli(args)
 

@@ -175,12 +175,18 @@ import json
 import math
 import operator
 import os
+import pickle
 import sys
 from array import array
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from attrs import field, frozen
+
+try:  # parsing is most of the validator's single-process passes over a file
+    from orjson import loads as _fast_loads
+except ImportError:  # optional: the standard parser gives the same events
+    _fast_loads = None
 
 from kvcc.reference.events import ENVIRONMENT_ACTIONS, EVENTS, STANDARD_FIELDS
 from kvcc.spec.config import STATE_VALUE_LIMIT, ModelConfig
@@ -410,6 +416,7 @@ class TraceParams:
     diff_states: int = 3
     drift_ppm: int = 200  # how far a monotonic clock's rate may be off true time
     clock_steps: str = "on_reject"  # "never", "on_reject" (re-check a rejection with them), "always"
+    jobs: int | None = None  # processes replaying key projections (None: one per CPU, on long traces)
 
     def __attrs_post_init__(self) -> None:
         if type(self.skew_ms) is not int or not 0 <= self.skew_ms < self.lease_term_ms:
@@ -426,6 +433,8 @@ class TraceParams:
         for name in ("max_frontier", "max_messages"):
             if type(getattr(self, name)) is not int or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an int >= 1")
+        if self.jobs is not None and (type(self.jobs) is not int or self.jobs < 1):
+            raise ValueError("jobs must be None or an int >= 1")
 
     @property
     def effective_tick_ms(self) -> int:
@@ -1928,10 +1937,10 @@ def _validate(events: Sequence[dict], params: TraceParams) -> Verdict:
         "on_reject": ((True, False, True), (False, False, True), (False, False, False), (False, True, False)),
         "always": ((True, True, True), (False, True, True), (False, True, False)),
     }[params.clock_steps]
-    for k in keys:
-        first = [v.event_index for v in verdicts if v.status == REJECTED and v.event_index is not None]
-        if first and per_key[k][0] // 4 > min(first):
-            break  # this key's events, and every later key's, all come after a rejection
+    def replay_key(k: str) -> tuple[Verdict | None, tuple | None, int, int]:
+        """One key's projection through its passes: (verdict or None, its shared timing or
+        None, states explored, largest frontier)."""
+        explored, fmax, verdict = 0, 1, None
         for narrow, clock_steps, merge_ages in passes:
             replay = None
             try:
@@ -1946,10 +1955,42 @@ def _validate(events: Sequence[dict], params: TraceParams) -> Verdict:
                 fmax = max(fmax, replay.frontier_max)
             if verdict is None or verdict.status != REJECTED or verdict.code not in ("no_spec_step", "invariant"):
                 break  # accepted, inconclusive, or rejected for a reason clocks cannot change
+        timing = None
+        if verdict is None and replay is not None and (frozen_shared or frozen_cascades):
+            timing = (replay.settled, replay.shared_ticks, replay.cascade_ticks)
+        return verdict, timing, explored, fmax
+
+    def replay_keys(ks: Sequence[str]) -> dict[str, tuple]:
+        # Keys in the trace's order; once one is rejected, a key whose events all come after
+        # that rejection cannot give an earlier one (the verdict is the earliest rejection).
+        out: dict[str, tuple] = {}
+        first: int | None = None
+        for k in ks:
+            if first is not None and per_key[k][0] // 4 > first:
+                break
+            out[k] = got = replay_key(k)
+            v = got[0]
+            if v is not None and v.status == REJECTED and v.event_index is not None:
+                first = v.event_index if first is None else min(first, v.event_index)
+        return out
+
+    results = _replay_in_parallel(keys, replay_keys, events, per_key, shape, _jobs(params, len(events), len(keys)))
+    # Gathered in the trace's key order with the same stopping rule, so the verdict does not
+    # depend on how the keys were shared out.
+    for k in keys:
+        first = [v.event_index for v in verdicts if v.status == REJECTED and v.event_index is not None]
+        if first and per_key[k][0] // 4 > min(first):
+            break  # this key's events, and every later key's, all come after a rejection
+        got = results.get(k)
+        if got is None:
+            got = replay_key(k)  # a worker stopped before it (or failed): replay it here
+        verdict, timing, n_explored, n_fmax = got
+        explored += n_explored
+        fmax = max(fmax, n_fmax)
         if verdict is not None:
             verdicts.append(verdict)
-        elif replay is not None and (frozen_shared or frozen_cascades):
-            timings.append((replay.settled, replay.shared_ticks, replay.cascade_ticks))
+        elif timing is not None:
+            timings.append(timing)
     rejected = [v for v in verdicts if v.status == REJECTED]
     conflict = _shared_time_conflict(timings, failures)
     if conflict is not None:
@@ -1963,6 +2004,86 @@ def _validate(events: Sequence[dict], params: TraceParams) -> Verdict:
     if verdicts:
         return _with_stats(verdicts[0], fmax, explored)
     return Verdict(ACCEPTED, reason=f"{len(events)} events, {len(keys)} keys", frontier_max=fmax, states_explored=explored)
+
+
+# Traces shorter than this are replayed in one process: a fork costs more than it saves.
+PARALLEL_MIN_EVENTS = 5_000
+MAX_JOBS = 8
+
+
+def _jobs(params: TraceParams, n_events: int, n_keys: int) -> int:
+    """How many processes replay the key projections: ``params.jobs``, or by default one per
+    CPU this process may run on for a trace of at least ``PARALLEL_MIN_EVENTS`` events; never
+    more than there are keys, and one where ``fork`` is unavailable."""
+    if not hasattr(os, "fork") or n_keys < 2:
+        return 1
+    if params.jobs is not None:
+        return min(params.jobs, n_keys)
+    if n_events < PARALLEL_MIN_EVENTS:
+        return 1
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(cpus, n_keys, MAX_JOBS))
+
+
+def _share_out(keys: Sequence[str], per_key: Mapping[str, Sequence[int]], shape: Mapping[str, int], jobs: int) -> list[list[str]]:
+    """``keys`` in ``jobs`` groups of about equal events, each in the trace's key order. Keys
+    alike (one shape: a workload repeated on fresh keys) go to one group, where they share the
+    memo of matches (``_SpecContext``)."""
+    alike: dict[int | str, list[str]] = {}
+    for k in keys:
+        alike.setdefault(shape.get(k, k), []).append(k)
+    units = sorted(alike.values(), key=lambda ks: -sum(len(per_key[k]) for k in ks))
+    loads, groups = [0] * jobs, [[] for _ in range(jobs)]  # type: list[int], list[list[str]]
+    for unit in units:  # the largest first, each to the least loaded group
+        g = loads.index(min(loads))
+        groups[g].extend(unit)
+        loads[g] += sum(len(per_key[k]) for k in unit)
+    order = {k: n for n, k in enumerate(keys)}
+    return [sorted(g, key=order.__getitem__) for g in groups if g]
+
+
+def _replay_in_parallel(keys: Sequence[str], replay_keys: Any, events: Sequence[dict], per_key: Mapping[str, Sequence[int]],
+                        shape: Mapping[str, int], jobs: int) -> dict[str, tuple]:
+    """``replay_keys`` over ``keys`` shared out among ``jobs`` processes: this one and
+    ``jobs - 1`` forked workers, each sending back its keys' results pickled through a pipe.
+    Projections are independent (memos are caches of pure functions), so each key's result is
+    the one this process would get. A worker that fails sends nothing: the caller replays the
+    keys missing from the result itself."""
+    if jobs <= 1:
+        return replay_keys(keys)
+    groups = _share_out(keys, per_key, shape, jobs)
+    workers: list[tuple[int, int]] = []
+    for group in groups[1:]:
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the worker: nothing of the parent's but this computation, then _exit
+            code = 1
+            try:
+                os.close(r)
+                if isinstance(events, _FileEvents):
+                    events.reopen()
+                data = pickle.dumps(replay_keys(group), protocol=pickle.HIGHEST_PROTOCOL)
+                with os.fdopen(w, "wb") as out:
+                    out.write(data)
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(w)
+        workers.append((pid, r))
+    results: dict[str, tuple] = {}
+    try:
+        results.update(replay_keys(groups[0]))
+    finally:
+        for pid, r in workers:
+            with os.fdopen(r, "rb") as f:
+                data = f.read()
+            _, status = os.waitpid(pid, 0)
+            if status == 0 and data:
+                results.update(pickle.loads(data))
+    return results
 
 
 class _FileEvents(Sequence):
@@ -1981,10 +2102,19 @@ class _FileEvents(Sequence):
     def close(self) -> None:
         self._file.close()
 
+    def reopen(self) -> None:
+        """A file of its own (in a forked worker: the parent's shares one read position)."""
+        self._file = open(self._file.name, "rb")  # noqa: SIM115 (closed in close())
+
     def __len__(self) -> int:
         return len(self._offsets)
 
     def _parse(self, i: int, line: bytes) -> Any:
+        if _fast_loads is not None:
+            try:
+                return _fast_loads(line)
+            except ValueError:
+                pass  # the standard parser's verdict and words (it also takes NaN and big ints)
         try:
             return json.loads(line)
         except ValueError as e:

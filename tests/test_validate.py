@@ -812,3 +812,49 @@ def test_a_projection_whose_network_filled_is_never_rejected_for_it():
     accepted(events, params)
     v = check(events, attrs.evolve(params, max_messages=1))
     assert (v.status, v.code) == (INCONCLUSIVE, "network_limit"), v
+
+
+# ---------------------------------------------------------------------- projections in workers
+
+
+def test_projections_replayed_in_workers_give_the_verdicts_of_one_process(tmp_path):
+    """``TraceParams.jobs``: key projections shared out among forked workers (each reading the
+    file on its own) give the verdict one process gives, reason and all, on an accepted trace
+    and on one whose mutated copy comes in the middle of the keys."""
+    import attrs
+
+    from kvcc.bench.validator import mutate_read_after_release, replicate
+
+    script = WRITE + READ + [("release", (1, 0)), ("release_lease", (1, 0, 2))] + INVALIDATE[:1] + INVALIDATE[3:]
+    events, params = scenario(script)
+    path = tmp_path / "copies.ndjson"
+    mutated, at = mutate_read_after_release(events)
+    for copy in (None, 3):
+        with open(path, "w") as f:
+            replicate(events, 6, f, lease_term_ms=params.lease_term_ms, skew_ms=params.skew_ms,
+                      mutated=mutated if copy is not None else None, mutated_copy=copy)  # fmt: skip
+        alone = validate_file(path, attrs.evolve(params, jobs=1))
+        for jobs in (2, 3):
+            shared = validate_file(path, attrs.evolve(params, jobs=jobs))
+            assert (shared.status, shared.code, shared.event_index, shared.reason) == (
+                alone.status, alone.code, alone.event_index, alone.reason)
+        assert alone.status == (ACCEPTED if copy is None else REJECTED)
+        if copy is not None:
+            assert alone.event_index == copy * len(events) + at
+
+
+def _keys_of(case) -> int:
+    with open(os.path.join(CORPUS, case["file"])) as f:
+        return len({json.loads(line).get("key") for line in f if line.strip()} - {None})
+
+
+@pytest.mark.parametrize("case", [c for c in _corpus_cases() if _keys_of(c) > 1], ids=lambda c: c["file"])
+def test_corpus_verdicts_with_workers(case):
+    """Every corpus trace of more than one key, its projections shared out between two workers."""
+    from kvcc.conformance import validate
+
+    with open(os.path.join(CORPUS, case["file"])) as f:
+        events = [json.loads(line) for line in f if line.strip()]
+    params = validate.TraceParams(case["lease_term_ms"], case["skew_ms"], jobs=2)
+    v = validate.validate_trace(events, params)
+    assert {"status": v.status, "code": v.code, "event_index": v.event_index} == case["expected"]
