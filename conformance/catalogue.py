@@ -548,3 +548,29 @@ _LATE_REVOKES = (
              scopes={"key"}, covers={"caching", "trace_complete"}),
 )  # fmt: skip
 _append(_LATE_REVOKES)
+
+
+# -- overwrites, and rewrites racing readers (KVCC-CORE-013, KVCC-INVAL-013) -------------------------
+# Appended as one block, each test before its profile's audit. The store a real system gets wrong
+# here keeps a key's first bytes for good (write-once, content-addressed: ``WriteOnceAdapter``).
+RULES = RULES + ("overwrite",)
+_OVERWRITES = (
+    TestCase("KVCC-CORE-013", "A committed key is not overwritten in place",
+             "begin_write of a key that holds committed bytes MUST be refused as not absent (`not_absent`), by its "
+             "writer and by any other node, and the block MUST still read back exactly. Once an invalidation of the "
+             "key completed, new bytes of the same size written as its next generation -- by the node whose "
+             "location held the old bytes, then by another -- MUST read back exactly on every node, under a higher "
+             "generation each time; a write that succeeds and keeps the old bytes fails.",
+             "core", ("OneWriterPerGeneration", "CommittedBytesIntact", "EpochMonotonic"), "1,2,4", "overwrite_refused",
+             covers={"overwrite", "caching", "trace_complete"}),
+    TestCase("KVCC-INVAL-013", "Rewrites racing readers",
+             "A key invalidated and rewritten with new bytes of the same size, six times by the nodes in turn, while "
+             "three readers spread over the nodes keep acquiring, reading and releasing it: every read that returns "
+             "bytes MUST return exactly the bytes of the generation its lease names -- never a mix of two, never a "
+             "generation not committed, never one whose invalidation had completed when the read started -- and a "
+             "refusal is allowed. Each generation MUST be read by some reader within four terms of its commit, and "
+             "the last MUST read back exactly.",
+             "invalidation", ("NoStaleRead", "NoDirtyRead", "CommittedBytesIntact"), "3,4,6", "rewrite_racing_readers",
+             covers={"overwrite", "caching", "trace_complete"}),
+)  # fmt: skip
+_append(_OVERWRITES)

@@ -908,10 +908,30 @@ class NeverAcksFreesAdapter(CoreAdapter):
         pass  # no Freed: the directory is never told
 
 
+class WriteOnceAdapter(CoreAdapter):
+    """Its locations are write-once and content-addressed, as L3 KV stores assume (the same key
+    always has the same bytes): a location that ever stored bytes of a key, asked to store bytes
+    of it again of the same size -- the only check it makes -- stores its first bytes again
+    ("already have it") and says ``Stored`` (breaks protocol property 4: the committed
+    generation's bytes are the ones written under it). Only a rewrite of the same size at the
+    same location shows it."""
+
+    name = "bad-write-once"
+    BROKEN_RULE = "overwrite"
+
+    def start(self, ctx: RunContext) -> None:
+        self._first: dict[tuple[str, BlockKey], bytes] = {}
+        super().start(ctx)
+
+    def _location_write(self, loc, grant, data):
+        first = self._first.setdefault((loc.id, grant.key), data)
+        return super()._location_write(loc, grant, first if len(first) == len(data) else data)
+
+
 KNOWN_BAD: tuple[type[CoreAdapter], ...] = (
     StaleReadAdapter, NoFencingAdapter, EvictsLeasedAdapter, NeverCachesAdapter, NeverEvictsAdapter,
     ReusedLeaseIdsAdapter, EarlyCompletionAdapter, TrustsExpiredAdapter, TrustsPastSkewAdapter,
-    SilentReadsAdapter, NeverFreesAdapter, NeverAcksFreesAdapter,
+    SilentReadsAdapter, NeverFreesAdapter, NeverAcksFreesAdapter, WriteOnceAdapter,
 )  # fmt: skip
 
 

@@ -1631,3 +1631,126 @@ def invalidate_foreign_namespace(s: Session) -> None:
 
 
 BODIES["invalidate_foreign_namespace"] = invalidate_foreign_namespace
+
+
+# -- overwrites and rewrites racing readers (KVCC-CORE-013, KVCC-INVAL-013) ------------------------
+
+
+def _different_payload(s: Session, old: bytes) -> bytes:
+    """New bytes of the size of ``old`` that differ from them (a rewrite that kept the old bytes
+    must not read back as a pass)."""
+    while True:
+        new = s.payload(len(old))
+        if new != old:
+            return new
+
+
+def _rewrite(s: Session, node: str, key: BlockKey, data: bytes) -> WriteGrant:
+    """Write and commit ``data`` as a new generation of ``key`` (ABSENT again: its invalidation
+    completed); the grant it was written under."""
+    g = s.begin_write(node, s.ns, key, None)
+    s.check(isinstance(g, WriteGrant), "write", f"begin_write of a key whose invalidation completed refused: {g}")
+    s.check(isinstance(s.write_bytes(g, data), Stored), "write", "write_bytes of a rewrite refused")
+    s.check(isinstance(s.commit(g), Committed), "write", "commit of a rewrite refused")
+    return g
+
+
+def overwrite_refused(s: Session) -> None:
+    """Writing a key that holds committed bytes (contract: ``begin_write``) MUST be refused as not
+    absent, by the key's own writer and by another node, and the block MUST still read back
+    exactly. Once an invalidation of the key completed, the key takes new bytes of the same size:
+    written first by the node whose location held the old bytes, then by another, each MUST read
+    back exactly on every node -- a store that keeps a key's first bytes (write-once, content
+    addressed) fails here."""
+    w = s.nodes[0]
+    other = reader(s, w)
+    key = chain(s, 1)[0]
+    data = put(s, w, key, None)
+    for node in dict.fromkeys((w, other)):
+        g = s.begin_write(node, s.ns, key, None)
+        s.check(isinstance(g, Refused) and g.reason == REASON_NOT_ABSENT, "OneWriterPerGeneration",
+                f"begin_write of a committed key by {node} answered {g}")  # fmt: skip
+    read_back(s, other, key, data, "a committed block after refused overwrites")
+    gen = -1
+    for node in dict.fromkeys((w, other)):
+        wait_done(s, s.invalidate(w, s.ns, "key", key), [key])
+        data = _different_payload(s, data)
+        g = _rewrite(s, node, key, data)
+        s.check(g.gen > gen, "EpochMonotonic", f"a rewrite's generation {g.gen} is not above the one before ({gen})")
+        gen = g.gen
+        for r in dict.fromkeys((node, other, w)):
+            read_back(s, r, key, data, f"a block rewritten by {node}")
+
+
+BODIES["overwrite_refused"] = overwrite_refused
+
+REWRITE_ROUNDS = 6
+RACING_READERS = 3
+
+
+def rewrite_racing_readers(s: Session) -> None:
+    """A key invalidated and rewritten with new bytes of the same size, round after round, by each
+    node in turn, while ``RACING_READERS`` readers spread over the nodes keep acquiring, reading
+    and releasing it: a read that returns bytes MUST return exactly the bytes of the generation its
+    lease names (the session's oracles: never a mix of two, never a generation that was not
+    committed, never one read after its invalidation completed); a refusal is allowed. Every
+    generation MUST be read by some reader within a few terms of its commit (a cache that refuses
+    every racing read would otherwise pass), and the last one MUST read back exactly."""
+    w = s.nodes[0]
+    key = chain(s, 1)[0]
+    data = put(s, w, key, None, data=s.payload(4096))
+    read_gens: set[int] = set()
+    lock = threading.Lock()
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def read_loop(i: int) -> None:
+        node = s.nodes[i % len(s.nodes)]
+        try:
+            while not stop.is_set():
+                g = s.acquire(node, s.ns, key)
+                if not isinstance(g, ReadGrant):
+                    s.sleep_ms(s.lease_term_ms / 50)  # the key is being invalidated or written
+                    continue
+                got = s.read(g)  # checked by the session against the generation's committed bytes
+                s.release(g)
+                if isinstance(got, bytes):
+                    with lock:
+                        read_gens.add(g.gen)
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread
+            errors.append(e)
+            stop.set()
+
+    threads = [threading.Thread(target=read_loop, args=(i,), daemon=True) for i in range(RACING_READERS)]
+    for t in threads:
+        t.start()
+    try:
+        gen = None
+        for rnd in range(REWRITE_ROUNDS + 1):
+            if rnd:
+                writer = s.nodes[rnd % len(s.nodes)]
+                wait_done(s, s.invalidate(writer, s.ns, "key", key), [key])
+                data = _different_payload(s, data)
+                gen = _rewrite(s, writer, key, data).gen
+            deadline = time.monotonic() + INVALIDATION_SLACK * s.term_s
+            while not errors:
+                with lock:
+                    seen = gen is None and bool(read_gens) or gen in read_gens
+                if seen:
+                    break
+                s.check(time.monotonic() < deadline, "caching",
+                        f"no racing reader read {'the first generation' if gen is None else f'generation {gen}'} "
+                        f"within {INVALIDATION_SLACK} terms of its commit")  # fmt: skip
+                s.sleep_ms(s.lease_term_ms / 50)
+            if errors:
+                break
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    if errors:
+        raise errors[0]
+    read_back(s, reader(s, w), key, data, "the last rewrite after the race")
+
+
+BODIES["rewrite_racing_readers"] = rewrite_racing_readers
