@@ -70,7 +70,7 @@ from .errors import ConnectionFailed
 from .events import EventLog
 from .holder import Holder, Trust
 from .tiers.base import copy_into, sink_bytes, source_bytes
-from .transport import Client
+from .transport import Client, TlsConfig
 from .wire import (
     MAX_FRAME_BYTES,
     MAX_WAIT_TICKET_MS,
@@ -181,7 +181,9 @@ def _digest(ns: Namespace | bytes) -> bytes:
 
 
 class KvccClient:
-    """``KvccClient(directory, tenant, token, *, client_id, skew_ms, events=None)``; ``await start()``."""
+    """``KvccClient(directory, tenant, token, *, client_id, skew_ms, events=None, tls=None)``; ``await
+    start()``. ``tls``: the deployment's ``TlsConfig`` (``kvcc.reference.transport``), for its
+    connections to the directory and to every node; ``None``: plaintext."""
 
     def __init__(
         self,
@@ -194,6 +196,7 @@ class KvccClient:
         events: EventLog | None = None,
         incarnation: int = 1,
         timeout_ms: int | None = None,
+        tls: TlsConfig | None = None,
     ) -> None:
         self.client_id = client_id or f"c{os.getpid()}-{id(self) & 0xFFFF:x}"
         self.tenant = tenant
@@ -202,7 +205,8 @@ class KvccClient:
         self.events = events
         self.incarnation = incarnation
         kwargs = {} if timeout_ms is None else {"timeout_ms": timeout_ms}
-        self._dir = Client(*directory, tenant, token, on_push=self._on_push, **kwargs)
+        self.tls = tls
+        self._dir = Client(*directory, tenant, token, on_push=self._on_push, tls=tls, **kwargs)
         self._hello_connects = -1
         self._requests = itertools.count(1)
         self.holder = Holder(skew_ms)  # the read leases this client trusts (kvcc.reference.holder)
@@ -288,7 +292,8 @@ class KvccClient:
         if client is None:
             host, port = address.rsplit(":", 1)
             kwargs = {} if self._timeout_ms is None else {"timeout_ms": self._timeout_ms}
-            client = self._peers[address] = Client(host, int(port), self.tenant, self.token, max_frame_bytes=MAX_FRAME_BYTES, **kwargs)
+            client = self._peers[address] = Client(host, int(port), self.tenant, self.token, max_frame_bytes=MAX_FRAME_BYTES,
+                                                   tls=self.tls, **kwargs)  # fmt: skip
         return client
 
     async def _to_peer(self, location: LocationId, msg: Any) -> Any:

@@ -15,7 +15,8 @@ incarnation on the same state directory), ``restart_directory()``.
 Every process writes its protocol events to ``<workdir>/events/<name>.ndjson``; ``events()``
 reads them all back (``kvcc.reference.events.read_events``), the input of trace validation.
 
-Clients for the cluster: ``client(client_id)`` returns a ``SyncClient`` of the engine tenant.
+Clients for the cluster: ``client(client_id)`` returns a ``SyncClient`` of the engine tenant (under
+TLS when the cluster was given a ``tls`` section: ``LocalCluster(tls=...)``).
 """
 
 from __future__ import annotations
@@ -299,9 +300,11 @@ class _Proc:
 
 class LocalCluster:
     """``LocalCluster(workdir, nodes=3, tiers=DEFAULT_TIERS, lease_term_ms=2000, skew_ms=100,
-    namespaces=(), backend="sqlite", etcd_endpoints=None, pool=False, metrics=False, transport=None)``;
-    ``start()``/``stop()`` or a context manager. With ``metrics`` every process serves Prometheus
-    metrics on a free port (``metrics_url(name)``)."""
+    namespaces=(), backend="sqlite", etcd_endpoints=None, pool=False, metrics=False, transport=None,
+    tls=None)``; ``start()``/``stop()`` or a context manager. With ``metrics`` every process serves
+    Prometheus metrics on a free port (``metrics_url(name)``). ``tls``: the deployment file's
+    ``"tls"`` section (``kvcc.reference.serve``; relative paths from ``workdir``): every process
+    serves TLS, and ``client()`` connects with it."""
 
     def __init__(
         self,
@@ -320,6 +323,7 @@ class LocalCluster:
         verbose: bool = False,
         metrics: bool = False,
         transport: Mapping[str, int] | None = None,
+        tls: Mapping[str, Any] | None = None,
     ) -> None:
         if nodes < 1:
             raise ValueError("a cluster has at least one node")
@@ -348,6 +352,12 @@ class LocalCluster:
         }
         if transport:
             self.config["transport"] = dict(transport)  # the servers' ServerLimits (kvcc.reference.serve)
+        self.tls = None  # the TlsConfig that clients of this cluster connect with
+        if tls is not None:
+            from .transport import TlsConfig
+
+            self.config["tls"] = dict(tls)
+            self.tls = TlsConfig.from_dict(tls, base=self.workdir)  # a bad section fails here, not in a process
         self.procs: dict[str, _Proc] = {}
         self._clients: list[Any] = []
         self._fault_log: Any = None
@@ -380,7 +390,8 @@ class LocalCluster:
         """Where process ``name`` serves its Prometheus metrics (``metrics=True``)."""
         if not self.metrics:
             raise ClusterError("this cluster was started without metrics (LocalCluster(metrics=True))")
-        return f"http://127.0.0.1:{int(self.procs[name].info['metrics_port'])}/metrics"
+        scheme = "https" if self.tls is not None and self.tls.on else "http"
+        return f"{scheme}://127.0.0.1:{int(self.procs[name].info['metrics_port'])}/metrics"
 
     def start(self) -> LocalCluster:
         for sub in ("events", "logs", "state", "run"):
@@ -512,7 +523,7 @@ class LocalCluster:
 
         ev = EventLog(self.workdir / "events" / f"{client_id}.ndjson", client_id, 1) if events else None
         c = SyncClient(self.directory_address, ENGINE_TENANT, self.engine_token, client_id=client_id,
-                       skew_ms=self.skew_ms, events=ev, timeout_ms=timeout_ms)  # fmt: skip
+                       skew_ms=self.skew_ms, events=ev, timeout_ms=timeout_ms, tls=self.tls)  # fmt: skip
         self._clients.append(c)
         return c
 

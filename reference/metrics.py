@@ -52,6 +52,7 @@ from kvcc.spec.keys import BlockKey
 from kvcc.spec.rules import WRITING
 
 from .directory.core import CompleteTicket, Persist
+from .transport import TlsConfig, check_listen
 from .wire import (
     Acquire,
     BeginWrite,
@@ -299,11 +300,15 @@ class MetricsEndpoint:
     ``HEAD``) with the registry in the Prometheus text format; any other path 404, any other
     method 405, a request head too long or too slow is dropped. Serves on the caller's event
     loop; ``off_loop``: render each scrape in a worker thread, for collectors that may block
-    and are safe to call from one (see the module docstring)."""
+    and are safe to call from one (see the module docstring). ``tls``: the deployment's
+    ``transport.TlsConfig``, as for its other servers: on, HTTPS with the same certificate (and the
+    same client certificates required); ``None``, plaintext on loopback only (``TlsRequired``)."""
 
-    def __init__(self, registry: CollectorRegistry, host: str, port: int = 0, *, off_loop: bool = False) -> None:
+    def __init__(self, registry: CollectorRegistry, host: str, port: int = 0, *, off_loop: bool = False,
+                 tls: TlsConfig | None = None) -> None:  # fmt: skip
         self.registry = registry
         self.off_loop = off_loop
+        self.tls = tls
         self.host = host
         self._port = port
         self._server: asyncio.base_events.Server | None = None
@@ -314,8 +319,19 @@ class MetricsEndpoint:
         assert self._server is not None, "start() first"
         return self._port
 
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls is not None and self.tls.on else "http"
+
     async def start(self) -> MetricsEndpoint:
-        self._server = await asyncio.start_server(self._serve, self.host, self._port, limit=MAX_REQUEST_HEAD_BYTES)
+        check_listen(self.host, self.tls)
+        if self.scheme == "http":
+            self._server = await asyncio.start_server(self._serve, self.host, self._port, limit=MAX_REQUEST_HEAD_BYTES)
+        else:
+            assert self.tls is not None
+            self._server = await asyncio.start_server(self._serve, self.host, self._port, limit=MAX_REQUEST_HEAD_BYTES,
+                                                      ssl=self.tls.server_context(),
+                                                      ssl_handshake_timeout=REQUEST_TIMEOUT_S)  # fmt: skip
         self._port = self._server.sockets[0].getsockname()[1]
         return self
 

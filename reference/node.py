@@ -54,7 +54,7 @@ from .events import EventLog
 from .tiers import Fenced as TierFenced
 from .tiers import Freed as TierFreed
 from .tiers import NoSpace, Stored, Tier
-from .transport import Client, Server, ServerLimits
+from .transport import Client, Server, ServerLimits, TlsConfig
 from .wire import (
     HEARTBEAT_INTERVAL_MS,
     MAX_FRAME_BYTES,
@@ -108,7 +108,8 @@ class CacheNode:
     tenant this node authenticates as with the directory (its token is in ``tenants``).
     ``lost``: tier names that came back empty after a restart (volatile tiers always do).
     ``counts`` (a ``metrics.NodeCounts``): count bytes read and written and fenced writes per
-    location for the metrics endpoint; ``None`` (the default) counts nothing.
+    location for the metrics endpoint; ``None`` (the default) counts nothing. ``limits``, ``tls``:
+    the transport's (``kvcc.reference.transport``); ``tls`` also for its connections to the directory.
     """
 
     def __init__(
@@ -128,6 +129,7 @@ class CacheNode:
         demote_watermark: float = DEMOTE_WATERMARK_DEFAULT,
         counts: NodeCounts | None = None,
         limits: ServerLimits | None = None,
+        tls: TlsConfig | None = None,
     ) -> None:
         assert tiers, "a node has at least one tier"
         assert 0 < demote_watermark <= 1
@@ -144,12 +146,13 @@ class CacheNode:
         self._lost = tuple(location_id(self.node_id, n) for n in lost)
         token = tenants.token(directory_tenant)
         assert token is not None, f"no token for tenant {directory_tenant!r}"
-        self._dir = Client(*directory, directory_tenant, token, on_push=self._on_push)
+        self.tls = tls  # its server's, and its connections' to the directory
+        self._dir = Client(*directory, directory_tenant, token, on_push=self._on_push, tls=tls)
         self._hello_connects = -1
         # Few requests in flight per connection: each read holds its block until the reply leaves,
         # and a peer that pipelines reads and never collects them holds no more than these.
         self._server = Server(self._handle, tenants, host=host, port=port, max_frame_bytes=MAX_FRAME_BYTES, limits=limits,
-                              max_in_flight_per_connection=NODE_MAX_IN_FLIGHT)  # fmt: skip
+                              max_in_flight_per_connection=NODE_MAX_IN_FLIGHT, tls=tls)  # fmt: skip
         self._tasks: set[asyncio.Task] = set()
         self._demoter: asyncio.Task | None = None
         self._heart: asyncio.Task | None = None
@@ -383,7 +386,7 @@ class CacheNode:
         token = self.tenants.token(tenant)
         assert token is not None
         fence = tier.fence(msg.key.digest)  # before asking: see _drop_evicted
-        async with Client(self._dir.host, self._dir.port, tenant, token) as dir_as_tenant:
+        async with Client(self._dir.host, self._dir.port, tenant, token, tls=self.tls) as dir_as_tenant:
             reply = await dir_as_tenant.request(Evict(self.node_id, msg.key, location))
         if type(reply) is Evicted:
             await self._drop_evicted(tier, location, msg.key, fence)

@@ -6,10 +6,20 @@ A deployment is described by one JSON file shared by every process (``ClusterCon
      "tenants": {"engine-a": {"token": "<hex, >= 16 bytes>", "namespaces": ["<64 hex>", ...]},
                  "nodes":    {"token": "<hex>", "operator": true}},
      "node_tenant": "nodes",
-     "transport": {"handshake_timeout_ms": 5000, ...}}
+     "transport": {"handshake_timeout_ms": 5000, ...},
+     "tls": {"cert": "server.crt", "key": "server.key", "ca": "ca.crt", "require_client_cert": false}}
 
 ``transport`` (optional) sets the servers' ``kvcc.reference.transport.ServerLimits`` (what
 unauthenticated and slow peers may hold); the defaults stand for what it leaves out.
+
+``tls`` (optional) is the ``kvcc.reference.transport.TlsConfig`` of every connection: the
+directory's and each node's listener, and every client of them (a node to the directory, an engine
+to the directory and to the nodes). Relative paths are from the deployment file's directory.
+Without a ``tls`` section a process serves plaintext on loopback only: asked to listen on any
+other address it refuses to start (``TlsRequired``, exit 2) unless the file says ``"tls":
+{"mode": "off"}``. The TLS files are read, and the address checked, before a process changes any
+state (its incarnation, its durable log). With ``--metrics-port`` the metrics endpoint takes the
+same settings (HTTPS when on, the same loopback rule).
 
 ``operator`` tenants act on every namespace (cache nodes evict and demote whatever they store);
 engines get only their namespaces (protocol property 11). Each process writes its protocol events to an
@@ -41,7 +51,7 @@ from typing import Any
 
 from attrs import frozen
 
-from .transport import ServerLimits
+from .transport import ServerLimits, TlsConfig, TlsConfigError, check_listen
 from .wire import Tenants
 
 log = logging.getLogger("kvcc.serve")
@@ -56,6 +66,11 @@ class ConfigError(ValueError):
     """The deployment file or a command-line option is wrong; the message says which."""
 
 
+class TlsSettingError(ConfigError, TlsConfigError):
+    """A ``ConfigError`` about TLS: the ``tls`` section, its files, or a listen address that needs
+    TLS (``cause`` is the transport's ``TlsConfigError`` or ``TlsRequired``)."""
+
+
 @frozen
 class ClusterConfig:
     lease_term_ms: int
@@ -63,9 +78,11 @@ class ClusterConfig:
     tenants: Tenants
     node_tenant: str
     transport: ServerLimits = ServerLimits()
+    tls: TlsConfig | None = None  # None: no section (plaintext, loopback only)
 
     @classmethod
-    def from_dict(cls, raw: Mapping[str, Any]) -> ClusterConfig:
+    def from_dict(cls, raw: Mapping[str, Any], *, base: str | os.PathLike[str] | None = None) -> ClusterConfig:
+        """``base``: where the file's relative TLS paths are from (``load``: the file's directory)."""
         try:
             tokens, namespaces, operators = {}, {}, set()
             for name, t in dict(raw["tenants"]).items():
@@ -78,9 +95,12 @@ class ClusterConfig:
             if node_tenant not in operators:
                 raise ConfigError(f"node_tenant {node_tenant!r} must be an operator tenant")
             transport = ServerLimits.from_dict(raw.get("transport", {}))
-            return cls(int(raw["lease_term_ms"]), int(raw["skew_ms"]), tenants, node_tenant, transport)
+            tls = None if raw.get("tls") is None else TlsConfig.from_dict(raw["tls"], base=base)
+            return cls(int(raw["lease_term_ms"]), int(raw["skew_ms"]), tenants, node_tenant, transport, tls)
         except ConfigError:
             raise
+        except TlsConfigError as e:
+            raise TlsSettingError(f"bad deployment file: {e}") from e
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"bad deployment file: {type(e).__name__}: {e}") from None
 
@@ -90,7 +110,19 @@ class ClusterConfig:
             raw = json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise ConfigError(f"cannot read deployment file {path}: {e}") from None
-        return cls.from_dict(raw)
+        return cls.from_dict(raw, base=Path(path).resolve().parent)
+
+    def check_serving(self, *hosts: str) -> None:
+        """Before a process changes any state: every address it will listen on may be used with
+        this deployment's TLS (``check_listen``), and the TLS files load. Raises
+        ``TlsSettingError``."""
+        try:
+            for host in hosts:
+                check_listen(host, self.tls)
+            if self.tls is not None:
+                self.tls.check()
+        except TlsConfigError as e:
+            raise TlsSettingError(str(e)) from e
 
     def token(self, tenant: str) -> bytes:
         token = self.tenants.token(tenant)
@@ -166,16 +198,17 @@ def check_metrics_port(port: int | None) -> None:
         raise ConfigError(f"--metrics-port takes 0 .. 65535 (0: any free port), got {port}")
 
 
-async def _start_metrics(registry: Any, host: str, port: int, *, off_loop: bool = False) -> Any:
-    """Serve ``registry`` on ``GET http://host:port/metrics`` (port 0: any free one); ``off_loop``:
-    render scrapes in a worker thread (a node's tiers may go to disk)."""
+async def _start_metrics(registry: Any, host: str, port: int, *, off_loop: bool = False,
+                         tls: TlsConfig | None = None) -> Any:  # fmt: skip
+    """Serve ``registry`` on ``GET http://host:port/metrics`` (port 0: any free one; ``https``
+    under ``tls``); ``off_loop``: render scrapes in a worker thread (a node's tiers may go to disk)."""
     from .metrics import MetricsEndpoint
 
     try:
-        endpoint = await MetricsEndpoint(registry, host, port, off_loop=off_loop).start()
+        endpoint = await MetricsEndpoint(registry, host, port, off_loop=off_loop, tls=tls).start()
     except OSError as e:
         raise ConfigError(f"cannot serve metrics on {host}:{port}: {e}") from None
-    log.info("metrics on http://%s:%d/metrics", host, endpoint.port)
+    log.info("metrics on %s://%s:%d/metrics", endpoint.scheme, host, endpoint.port)
     return endpoint
 
 
@@ -216,6 +249,7 @@ async def serve_directory(config: ClusterConfig, *, state: Path, host: str, port
     from .directory.server import DirectoryServer
 
     check_metrics_port(metrics_port)
+    config.check_serving(host, *([metrics_host] if metrics_port is not None else []))  # before the store opens
     store = open_store(backend, state, etcd_endpoints, etcd_prefix)
     cfg = DirectoryConfig(lease_term_ms=config.lease_term_ms, skew_ms=config.skew_ms)
     factory = None if not events else (lambda incarnation: _event_log(events, "directory", incarnation))
@@ -225,14 +259,14 @@ async def serve_directory(config: ClusterConfig, *, state: Path, host: str, port
 
         counts = DirectoryCounts()
     server = DirectoryServer(cfg, config.tenants, store, host=host, port=port, events_factory=factory, counts=counts,
-                             limits=config.transport)  # fmt: skip
+                             limits=config.transport, tls=config.tls)  # fmt: skip
     endpoint = None
     try:
         await server.start()
         if metrics_port is not None:
             from .metrics import directory_registry
 
-            endpoint = await _start_metrics(directory_registry(server), metrics_host, metrics_port)
+            endpoint = await _start_metrics(directory_registry(server), metrics_host, metrics_port, tls=config.tls)
         write_ready(ready_file, port=server.port, incarnation=server.incarnation, restarted=server.restarted,
                     **_metrics_fields(endpoint))  # fmt: skip
         log.info("directory serving on %s:%d (backend %s, incarnation %d%s)", host, server.port, backend,
@@ -279,6 +313,7 @@ async def serve_node(config: ClusterConfig, *, node_id: str, directory: str, sta
         raise ConfigError(f"--directory takes HOST:PORT, got {directory!r}")
     if not tiers:
         raise ConfigError("a node needs at least one --tier")
+    config.check_serving(host, *([metrics_host] if metrics_port is not None else []))  # before the incarnation
     incarnation = next_incarnation(state)
     opened = open_tiers(node_id, state, tiers, block_bytes)
     pool_tier = None
@@ -295,14 +330,14 @@ async def serve_node(config: ClusterConfig, *, node_id: str, directory: str, sta
         counts = NodeCounts()
     node = CacheNode(node_id, opened, config.tenants, (dhost, int(dport)), directory_tenant=config.node_tenant,
                      incarnation=incarnation, host=host, port=port, pool=pool_tier, lost=lost, events=ev,
-                     counts=counts, limits=config.transport)  # fmt: skip
+                     counts=counts, limits=config.transport, tls=config.tls)  # fmt: skip
     endpoint = None
     try:
         await node.start()  # its Hello is the spec's restart_node, logged by the directory
         if metrics_port is not None:
             from .metrics import node_registry
 
-            endpoint = await _start_metrics(node_registry(node), metrics_host, metrics_port, off_loop=True)
+            endpoint = await _start_metrics(node_registry(node), metrics_host, metrics_port, off_loop=True, tls=config.tls)
         write_ready(ready_file, port=node.port, incarnation=incarnation, **_metrics_fields(endpoint))
         log.info("node %s (incarnation %d) serving on %s, tiers %s", node_id, incarnation, node.address,
                  ", ".join(node.locations))  # fmt: skip

@@ -48,6 +48,22 @@ processed; the caller retries, and the protocol's request numbers make that safe
 ``TimeoutError_`` naming the request; the connection stays up for the others. An ``Error`` reply
 is returned like any other reply; a *final* ``Error`` from the server fails every outstanding
 request with ``ConnectionFailed(code=<its code>)``.
+
+*TLS.* A ``TlsConfig`` (a deployment file's ``"tls"`` section, ``kvcc.reference.serve``) given to
+``Server`` and ``Client`` puts every connection under TLS (1.2 at least; 1.3 is what two of ours
+negotiate): the server presents ``cert``, a client verifies it against ``ca`` and the name it
+dialled (or ``server_name``), and with ``require_client_cert`` the server verifies the client's in
+turn (mutual TLS). The server accepts TLS connections itself (``Server._accept``), so that a
+handshake is a connection not authenticated yet like any other: it spends the connection's
+``handshake_timeout_ms`` (one deadline from accept to the first authenticated frame) and counts
+against ``max_unauthenticated`` (one more closes the oldest handshake). The frames, MACs and limits
+are the same inside TLS; TLS adds confidentiality and server (optionally client) identity, the MAC
+still says which tenant. A server refuses to *listen* beyond loopback without TLS (``TlsRequired``)
+unless the deployment says ``{"mode": "off"}``; plaintext on loopback is unchanged, byte for byte.
+A client whose handshake fails (an untrusted certificate or name, a plaintext server) gets
+``ConnectionFailed(code="tls")`` saying why; one a server closes before any answer (a plaintext
+client of a TLS server; under TLS 1.3, a client certificate refused after the client's side of the
+handshake ended) gets ``"eof"`` or ``"reset"``, its message naming that as a likely cause.
 """
 
 from __future__ import annotations
@@ -55,9 +71,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import ipaddress
 import logging
+import socket
+import ssl
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -99,6 +120,8 @@ CONNECT_TIMEOUT_MS_DEFAULT = 5_000
 IDLE_TIMEOUT_MS_DEFAULT = 300_000
 CLOSE_TIMEOUT_MS = 1_000  # how long a closing connection waits for its last frames to leave
 READ_CHUNK_BYTES = 256 << 10
+LISTEN_BACKLOG = 100  # asyncio.start_server's
+ACCEPT_RETRY_MS = 100  # after a failed accept (out of descriptors): how long before the next
 
 
 @frozen
@@ -140,6 +163,221 @@ class ServerLimits:
         if unknown:
             raise ValueError(f"unknown transport limits {sorted(unknown)} (known: {sorted(attrs.fields_dict(cls))})")
         return cls(**dict(raw))
+
+
+# -- TLS ------------------------------------------------------------------------------------------
+TLS_MODE_ON = "on"
+TLS_MODE_OFF = "off"  # plaintext, said explicitly: the only way to listen beyond loopback without TLS
+TLS_MIN_VERSION = ssl.TLSVersion.TLSv1_2  # no maximum: two of ours negotiate 1.3
+ERROR_CODE_TLS = "tls"  # ConnectionFailed.code of a failed TLS handshake or a refused TLS session
+LOOPBACK_NAMES = ("localhost",)  # names taken as loopback without resolving them
+
+
+class TlsConfigError(ValueError):
+    """The TLS settings are wrong: an unknown key or mode, a file missing or unreadable, a key that
+    does not match its certificate. Raised before anything listens or connects."""
+
+
+class TlsRequired(TlsConfigError):
+    """A server was asked to listen beyond loopback without TLS and without the deployment saying
+    ``"tls": {"mode": "off"}``: it refuses to start."""
+
+
+def is_loopback(host: str | None) -> bool:
+    """``host`` names only this machine: a loopback address (127.0.0.0/8, ::1) or ``localhost``.
+    Anything else -- ``0.0.0.0``, ``""``/``None`` (every interface), any other name -- is beyond
+    loopback; names are not resolved (a name that resolves elsewhere tomorrow is not loopback)."""
+    if not host:
+        return False
+    if host.lower() in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_listen(host: str | None, tls: TlsConfig | None) -> None:
+    """Raise ``TlsRequired`` if a server may not listen on ``host`` with ``tls`` (see ``TlsConfig``)."""
+    if tls is None and not is_loopback(host):
+        raise TlsRequired(
+            f"refusing to listen on {host or 'every interface'!r} without TLS: beyond loopback a deployment "
+            'needs a "tls" section with cert, key and ca, or says "tls": {"mode": "off"} to serve plaintext'
+        )
+
+
+@frozen
+class TlsConfig:
+    """A deployment's TLS settings (its file's ``"tls"`` section); every server and client of the
+    deployment takes the same one.
+
+    - ``mode``: ``"on"`` (the default: every connection under TLS) or ``"off"`` (plaintext, said
+      explicitly; needed to listen beyond loopback without TLS). No section at all is plaintext on
+      loopback only.
+    - ``cert``, ``key``: the server's certificate chain and private key (PEM). Required when on.
+    - ``ca``: the CA certificates (PEM) a client verifies the server's certificate against -- and,
+      with ``require_client_cert``, the server the client's. Required when on.
+    - ``require_client_cert``: mutual TLS; a client without a certificate ``ca`` signed is refused.
+    - ``client_cert``, ``client_key``: what a client presents (default: ``cert`` and ``key`` when
+      ``require_client_cert``, none otherwise).
+    - ``server_name``: the name a client checks the server's certificate for (default: the host
+      it dialled, e.g. ``127.0.0.1`` against an IP SAN).
+
+    Files are read when a context is first asked for (``server_context``, ``client_context``,
+    ``check``), and the context is kept. Errors: ``TlsConfigError``.
+    """
+
+    mode: str = TLS_MODE_ON
+    cert: str | None = None
+    key: str | None = None
+    ca: str | None = None
+    require_client_cert: bool = False
+    client_cert: str | None = None
+    client_key: str | None = None
+    server_name: str | None = None
+    _contexts: dict[str, ssl.SSLContext] = attrs.field(factory=dict, init=False, eq=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        if self.mode not in (TLS_MODE_ON, TLS_MODE_OFF):
+            raise TlsConfigError(f"tls mode must be {TLS_MODE_ON!r} or {TLS_MODE_OFF!r}, got {self.mode!r}")
+        if type(self.require_client_cert) is not bool:
+            raise TlsConfigError(f"tls require_client_cert must be true or false, got {self.require_client_cert!r}")
+        paths = ("cert", "key", "ca", "client_cert", "client_key", "server_name")
+        for name in paths:
+            value = getattr(self, name)
+            if value is not None and (type(value) is not str or not value):
+                raise TlsConfigError(f"tls {name} must be a non-empty string, got {value!r}")
+        if self.mode == TLS_MODE_OFF:
+            given = [n for n in paths if getattr(self, n) is not None] + ["require_client_cert"] * self.require_client_cert
+            if given:
+                raise TlsConfigError(f"tls mode 'off' with {given}: either serve TLS or say off, not both")
+            return
+        missing = [n for n in ("cert", "key", "ca") if getattr(self, n) is None]
+        if missing:
+            raise TlsConfigError(f"tls is on but {missing} not given (cert, key: the server's; ca: what clients verify)")
+        if (self.client_cert is None) != (self.client_key is None):
+            raise TlsConfigError("tls client_cert and client_key go together")
+
+    @property
+    def on(self) -> bool:
+        return self.mode == TLS_MODE_ON
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any], *, base: str | Path | None = None) -> TlsConfig:
+        """From a deployment file's ``"tls"`` section; relative paths are taken from ``base`` (the
+        file's directory)."""
+        if not isinstance(raw, Mapping):
+            raise TlsConfigError(f"the tls section must be an object, got {raw!r}")
+        known = [f.name.lstrip("_") for f in attrs.fields(cls) if f.init]
+        unknown = set(raw) - set(known)
+        if unknown:
+            raise TlsConfigError(f"unknown tls settings {sorted(unknown)} (known: {sorted(known)})")
+        values = dict(raw)
+        if base is not None:
+            for name in ("cert", "key", "ca", "client_cert", "client_key"):
+                if isinstance(values.get(name), str) and values[name]:
+                    values[name] = str(Path(base) / values[name])  # an absolute path stays as it is
+        return cls(**values)
+
+    def check(self) -> None:
+        """Read every file now (server and client side): a bad setting fails here, before any
+        state changes, not at the first connection."""
+        if self.on:
+            self.server_context()
+            self.client_context()
+
+    def server_context(self) -> ssl.SSLContext:
+        assert self.on, "a plaintext deployment has no TLS context"
+        ctx = self._contexts.get("server")
+        if ctx is None:
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            ctx.minimum_version = TLS_MIN_VERSION
+            assert self.cert is not None and self.key is not None and self.ca is not None
+            _load_chain(ctx, self.cert, self.key, "")
+            if self.require_client_cert:
+                _load_ca(ctx, self.ca)
+                ctx.verify_mode = ssl.CERT_REQUIRED
+            ctx = self._contexts.setdefault("server", ctx)
+        return ctx
+
+    def client_context(self) -> ssl.SSLContext:
+        assert self.on, "a plaintext deployment has no TLS context"
+        ctx = self._contexts.get("client")
+        if ctx is None:
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # verifies the chain and the host name
+            ctx.minimum_version = TLS_MIN_VERSION
+            assert self.ca is not None
+            _load_ca(ctx, self.ca)
+            if self.client_cert is not None:
+                assert self.client_key is not None
+                _load_chain(ctx, self.client_cert, self.client_key, "client_")
+            elif self.require_client_cert:
+                assert self.cert is not None and self.key is not None
+                _load_chain(ctx, self.cert, self.key, "")
+            ctx = self._contexts.setdefault("client", ctx)
+        return ctx
+
+    def server_hostname(self, host: str) -> str:
+        """The name a client checks the server's certificate for when it dials ``host``."""
+        return self.server_name or host
+
+
+def _readable(path: str, setting: str) -> None:
+    try:
+        with open(path, "rb") as f:
+            f.read(1)
+    except OSError as e:
+        raise TlsConfigError(f"tls {setting} {path}: {e.strerror or e}") from None
+
+
+def _load_chain(ctx: ssl.SSLContext, cert: str, key: str, prefix: str) -> None:
+    _readable(cert, f"{prefix}cert")
+    _readable(key, f"{prefix}key")
+    try:
+        ctx.load_cert_chain(cert, key)
+    except ssl.SSLError as e:
+        raise TlsConfigError(f"tls {prefix}cert {cert} and {prefix}key {key}: not a PEM certificate and its "
+                             f"matching private key ({e.reason or e})") from None  # fmt: skip
+
+
+def _load_ca(ctx: ssl.SSLContext, ca: str) -> None:
+    _readable(ca, "ca")
+    try:
+        ctx.load_verify_locations(cafile=ca)
+    except ssl.SSLError as e:
+        raise TlsConfigError(f"tls ca {ca}: no PEM CA certificate in it ({e.reason or e})") from None
+
+
+async def _listen(host: str, port: int) -> list[socket.socket]:
+    """Listening sockets on every address ``host`` resolves to (as ``asyncio.start_server``), all on
+    one port: the first one's when ``port`` is 0."""
+    loop = asyncio.get_running_loop()
+    infos = await loop.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    socks: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            socks.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            if len(socks) > 1:
+                address = (address[0], socks[0].getsockname()[1], *address[2:])
+            sock.bind(address)
+            sock.listen(LISTEN_BACKLOG)
+            sock.setblocking(False)
+    except OSError:
+        for sock in socks:
+            sock.close()
+        raise
+    return socks
+
+
+def _tls_context(tls: TlsConfig | None, side: str) -> ssl.SSLContext | None:
+    if tls is None or not tls.on:
+        return None
+    return tls.server_context() if side == "server" else tls.client_context()
+
 
 assert MAX_WAIT_TICKET_MS < SERVER_REQUEST_TIMEOUT_MS_DEFAULT < CLIENT_REQUEST_TIMEOUT_MS_DEFAULT
 assert CONNECT_TIMEOUT_MS_DEFAULT < CLIENT_REQUEST_TIMEOUT_MS_DEFAULT
@@ -217,7 +455,8 @@ class _ServerConnection:
         self.last_input = loop.time()
         # One timer per connection, moved lazily (``_idle_check``), not a timeout per read.
         self.idle_timer = loop.call_at(self.last_input + server.idle_timeout_ms / 1000, self._idle_check)
-        self.handshake_timer = loop.call_later(server.limits.handshake_timeout_ms / 1000, self._handshake_check)
+        accepted_at = server._accepted_at.pop(self.reader, self.last_input)  # under TLS: before its handshake
+        self.handshake_timer = loop.call_at(accepted_at + server.limits.handshake_timeout_ms / 1000, self._handshake_check)
         try:
             while True:
                 # While closing, keep reading (and discarding) until the peer closes or the
@@ -461,10 +700,12 @@ class _ServerConnection:
 
 
 class Server:
-    """``Server(handler, tenants, *, host="127.0.0.1", port=0, ...)``; ``await server.start()``
-    (or ``async with``), then ``server.port`` is the bound port; ``await server.close()`` stops
-    listening, sends each connection a final ``Error("shutdown")``, cancels connections and
-    running handlers, and returns when they are gone."""
+    """``Server(handler, tenants, *, host="127.0.0.1", port=0, ..., limits=None, tls=None)``;
+    ``await server.start()`` (or ``async with``), then ``server.port`` is the bound port; ``await
+    server.close()`` stops listening, sends each connection a final ``Error("shutdown")``, cancels
+    connections and running handlers, and returns when they are gone. ``tls``: a ``TlsConfig``
+    (on: every connection under TLS; off: plaintext, anywhere); ``None``: plaintext, on loopback
+    only (``start`` raises ``TlsRequired`` beyond it)."""
 
     def __init__(
         self,
@@ -481,8 +722,10 @@ class Server:
         answer_ping: bool = True,
         handler_now: ImmediateHandler | None = None,
         limits: ServerLimits | None = None,
+        tls: TlsConfig | None = None,
     ) -> None:
         self.limits = limits if limits is not None else ServerLimits()
+        self.tls = tls  # None: plaintext, and only on loopback (``check_listen``)
         if max_connections is not None:
             self.limits = attrs.evolve(self.limits, max_connections=max_connections)
         assert request_timeout_ms > 0 and idle_timeout_ms > 0
@@ -500,17 +743,25 @@ class Server:
         self.answer_ping = answer_ping
         self.stats = {"connections": 0, "refused_busy": 0, "requests": 0, "peer_violations": 0,
                       "handler_errors": 0, "timeouts": 0, "pushes": 0, "handshake_timeouts": 0,
-                      "evicted_unauthenticated": 0, "refused_tenant_quota": 0, "slow_frames": 0, "slow_readers": 0}  # fmt: skip
+                      "evicted_unauthenticated": 0, "refused_tenant_quota": 0, "slow_frames": 0, "slow_readers": 0,
+                      "tls_handshake_failures": 0}  # fmt: skip
         self._unauthenticated: dict[_ServerConnection, None] = {}  # oldest first
         self._per_tenant: dict[str, int] = {}  # authenticated connections per tenant
         self._server: asyncio.base_events.Server | None = None
         self._connections: dict[asyncio.Task, _ServerConnection] = {}
         self._orphans: set[asyncio.Task] = set()  # handlers still running after their connection ended
         self._closing = False
+        # Under TLS (``_accept``): the listening sockets, their accept loops, the connections still
+        # in their TLS handshake (oldest first), and when each connection was accepted (its
+        # handshake deadline runs from then).
+        self._listeners: list[socket.socket] = []
+        self._acceptors: list[asyncio.Task] = []
+        self._handshaking: dict[asyncio.Task, None] = {}
+        self._accepted_at: weakref.WeakKeyDictionary[asyncio.StreamReader, float] = weakref.WeakKeyDictionary()
 
     @property
     def port(self) -> int:
-        assert self._server is not None, "start() first"
+        assert self._server is not None or self._listeners, "start() first"
         return self._port
 
     @property
@@ -518,9 +769,81 @@ class Server:
         return len(self._connections)
 
     async def start(self) -> Server:
-        self._server = await asyncio.start_server(self._on_connect, self.host, self._port, limit=READ_CHUNK_BYTES)
-        self._port = self._server.sockets[0].getsockname()[1]
+        """Listen. Raises ``TlsRequired`` (beyond loopback without TLS), ``TlsConfigError`` (the
+        TLS files), ``OSError`` (the address) -- before anything listens."""
+        check_listen(self.host, self.tls)
+        ctx = _tls_context(self.tls, "server")
+        if ctx is None:
+            self._server = await asyncio.start_server(self._on_connect, self.host, self._port, limit=READ_CHUNK_BYTES)
+            self._port = self._server.sockets[0].getsockname()[1]
+            return self
+        # Under TLS we accept ourselves (``asyncio.start_server(ssl=...)`` would run handshakes
+        # we cannot see: they would hold no slot and could not be closed to make room).
+        self._listeners = await _listen(self.host, self._port)
+        self._port = self._listeners[0].getsockname()[1]
+        self._acceptors = [asyncio.create_task(self._accept(sock, ctx)) for sock in self._listeners]
         return self
+
+    async def _accept(self, sock: socket.socket, ctx: ssl.SSLContext) -> None:
+        """Accept TLS connections on ``sock``: each handshake is a task that counts as a connection
+        not authenticated yet (one more than ``max_unauthenticated`` closes the oldest handshake,
+        else the oldest connection waiting to authenticate), and must end by the handshake deadline.
+        A connection whose handshake succeeded goes on as a plaintext one does (``_on_connect``)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(sock)
+            except OSError as e:  # out of descriptors, say: the listener itself stays
+                if self._closing:
+                    return
+                log.warning("accept on %s failed: %s", self.host, e)
+                await asyncio.sleep(ACCEPT_RETRY_MS / 1000)
+                continue
+            if self._closing:
+                conn.close()
+                continue
+            if len(self._handshaking) + len(self._unauthenticated) >= self.limits.max_unauthenticated:
+                self.stats["evicted_unauthenticated"] += 1
+                if self._handshaking:
+                    oldest_handshake = next(iter(self._handshaking))
+                    del self._handshaking[oldest_handshake]  # gone now, though its task ends later
+                    oldest_handshake.cancel()  # closes its socket
+                else:
+                    oldest = next(iter(self._unauthenticated))
+                    self._unauthenticated.pop(oldest)
+                    oldest.fail(ERROR_BUSY, f"more than {self.limits.max_unauthenticated} connections not authenticated")
+            task = asyncio.create_task(self._handshake(conn, ctx, loop.time()))
+            self._handshaking[task] = None
+            task.add_done_callback(self._handshake_done)
+
+    def _handshake_done(self, task: asyncio.Task) -> None:
+        self._handshaking.pop(task, None)
+
+    async def _handshake(self, conn: socket.socket, ctx: ssl.SSLContext, accepted_at: float) -> None:
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader(limit=READ_CHUNK_BYTES, loop=loop)
+        protocol = asyncio.StreamReaderProtocol(reader, self._on_connect, loop=loop)
+        self._accepted_at[reader] = accepted_at
+        deadline_s = self.limits.handshake_timeout_ms / 1000
+        peer = None
+        with contextlib.suppress(OSError):
+            peer = conn.getpeername()
+        try:
+            async with asyncio.timeout(deadline_s):
+                # The loop's own handshake timeout is only a backstop; the transport owns ``conn``
+                # from here, and closes it if the handshake fails or is cancelled.
+                await loop.connect_accepted_socket(lambda: protocol, conn, ssl=ctx,
+                                                   ssl_handshake_timeout=deadline_s + CLOSE_TIMEOUT_MS / 1000)  # fmt: skip
+        except TimeoutError:
+            self.stats["handshake_timeouts"] += 1
+            log.info("TLS handshake from %s not done within %d ms", peer, self.limits.handshake_timeout_ms)
+        except asyncio.CancelledError:
+            pass  # closed to make room for a newer connection, or the server is closing
+        except (OSError, ssl.SSLError) as e:
+            # A plaintext client, an untrusted or missing client certificate, a peer gone: the
+            # peer sees the TLS alert or the close; nothing of it reached a handler.
+            self.stats["tls_handshake_failures"] += 1
+            log.info("TLS handshake from %s failed: %s", peer, e)
 
     async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         # Connections already failed (lingering for their last frames) hold no slot.
@@ -577,6 +900,12 @@ class Server:
         self._closing = True
         if self._server is not None:
             self._server.close()
+        # (A handshake closed to make room is out of ``_handshaking`` already, and ends by itself.)
+        for t in (*self._acceptors, *self._handshaking):
+            t.cancel()
+        await asyncio.gather(*self._acceptors, *self._handshaking, return_exceptions=True)
+        for sock in self._listeners:
+            sock.close()
         tasks = list(self._connections)
         handlers = [t for conn in self._connections.values() for t in conn.handlers]
         handlers += list(self._orphans)
@@ -613,15 +942,32 @@ class _ClientConnection:
         self.session = Session.client(client.tenant, client.token, max_frame_bytes=client.max_frame_bytes)
         self.pending: dict[int, asyncio.Future] = {}
         self.failure: ConnectionFailed | None = None
+        self.received = False  # any bytes from the server on this connection
         self.reader_task = asyncio.create_task(self.read_loop())
+
+    def _eof_detail(self) -> str:
+        return "the server closed the connection" + self._unanswered_hint()
+
+    def lost(self, e: OSError) -> ConnectionFailed:
+        return ConnectionFailed(f"connection lost: {e}{self._unanswered_hint()}", code="reset")
+
+    def _unanswered_hint(self) -> str:
+        if self.received:
+            return ""
+        # Closed before a byte came back: a TLS server closes a plaintext client so (it cannot
+        # read its frames), and a mutual-TLS server a client whose certificate it refused.
+        hint = "it went away, or it is serving TLS and this client is not" if self.client.tls is None else (
+            "it went away, or it refused this client's certificate")  # fmt: skip
+        return f" before answering ({hint})"
 
     async def read_loop(self) -> None:
         try:
             while True:
                 data = await self.reader.read(READ_CHUNK_BYTES)
                 if not data:
-                    self.fail(ConnectionFailed("the server closed the connection", code="eof"))
+                    self.fail(ConnectionFailed(self._eof_detail(), code="eof"))
                     return
+                self.received = True
                 try:
                     received = self.session.receive_data(data)
                 except PeerViolation as violation:
@@ -645,8 +991,13 @@ class _ClientConnection:
                         self.client.stats["stale_replies"] += 1
                         continue
                     future.set_result(r.msg)
+        except ssl.SSLError as e:
+            # Under TLS 1.3 the server checks our certificate after our handshake ended: its
+            # refusal arrives here, as an alert.
+            where = f"{self.client.host}:{self.client.port}"
+            self.fail(ConnectionFailed(f"the server at {where} ended the TLS session: {_tls_reason(e)}", code=ERROR_CODE_TLS))
         except (ConnectionError, OSError) as e:
-            self.fail(ConnectionFailed(f"connection lost: {e}", code="reset"))
+            self.fail(self.lost(e))
         except asyncio.CancelledError:
             self.fail(ConnectionFailed("the client closed the connection", code="closed"))
             raise
@@ -668,6 +1019,15 @@ class _ClientConnection:
         return ConnectionFailed(self.failure.detail, code=self.failure.code)
 
 
+def _tls_reason(e: ssl.SSLError) -> str:
+    """What a TLS failure says, without the C source location (``(_ssl.c:1006)``)."""
+    if isinstance(e, ssl.SSLCertVerificationError):
+        return f"the server's certificate is not trusted: {e.verify_message} (check the deployment's tls ca)"
+    if e.reason == "WRONG_VERSION_NUMBER":
+        return "the server did not answer in TLS (wrong version number): is it serving plaintext?"
+    return e.reason.replace("_", " ").lower() if e.reason else str(e)
+
+
 def _forget(future: asyncio.Future) -> None:
     """Retrieve an answer no one waits for (so a failed one is not logged as never retrieved)."""
     if not future.cancelled():
@@ -676,13 +1036,16 @@ def _forget(future: asyncio.Future) -> None:
 
 class Client:
     """``Client(host, port, tenant, token, *, timeout_ms=..., connect_timeout_ms=...,
-    max_frame_bytes=..., max_in_flight=...)``. ``await request(msg, timeout_ms=None) -> reply``;
-    ``await ping()`` -> round-trip seconds; ``await close()``; also an async context manager.
+    max_frame_bytes=..., max_in_flight=..., on_push=None, tls=None)``. ``await request(msg,
+    timeout_ms=None) -> reply``; ``await ping()`` -> round-trip seconds; ``await close()``; also an
+    async context manager. ``tls``: a ``TlsConfig`` that is on connects under TLS.
 
     Raises from ``request``: ``TimeoutError_`` (the request, or the connect, took too long),
     ``ConnectionFailed`` (could not connect; the connection broke or was ended by the server while
-    the request was outstanding, ``code`` saying why; or the server broke the protocol, ``code``
-    being that violation's code), ``ProtocolViolation`` (``msg`` is not a valid message).
+    the request was outstanding, ``code`` saying why -- ``"tls"`` when the TLS handshake or session
+    failed; or the server broke the protocol, ``code`` being that violation's code),
+    ``ProtocolViolation`` (``msg`` is not a valid message). The constructor raises
+    ``TlsConfigError`` (the TLS files).
     """
 
     def __init__(
@@ -697,9 +1060,12 @@ class Client:
         max_frame_bytes: int = MAX_FRAME_BYTES,
         max_in_flight: int = MAX_IN_FLIGHT_PER_CONNECTION_DEFAULT,
         on_push: Callable[[Any], None] | None = None,
+        tls: TlsConfig | None = None,
     ) -> None:
         assert timeout_ms > 0 and connect_timeout_ms > 0 and max_in_flight > 0
         Session.client(tenant, token)  # validates tenant and token now, not at first use
+        self.tls = tls if tls is not None and tls.on else None  # None: plaintext
+        self._ssl = _tls_context(self.tls, "client")  # its files read now, not at first use
         self.host = host
         self.port = port
         self.tenant = tenant
@@ -736,10 +1102,21 @@ class Client:
             where = f"{self.host}:{self.port}"
             try:
                 async with asyncio.timeout(self.connect_timeout_ms / 1000):
-                    reader, writer = await asyncio.open_connection(self.host, self.port, limit=READ_CHUNK_BYTES)
+                    if self.tls is None:
+                        reader, writer = await asyncio.open_connection(self.host, self.port, limit=READ_CHUNK_BYTES)
+                    else:
+                        reader, writer = await asyncio.open_connection(
+                            self.host, self.port, limit=READ_CHUNK_BYTES, ssl=self._ssl,
+                            server_hostname=self.tls.server_hostname(self.host),
+                            ssl_handshake_timeout=self.connect_timeout_ms / 1000)  # fmt: skip
             except TimeoutError:
                 raise TimeoutError_(f"connect to {where}", self.connect_timeout_ms) from None
+            except ssl.SSLError as e:
+                raise ConnectionFailed(f"TLS handshake with {where} failed: {_tls_reason(e)}", code=ERROR_CODE_TLS) from e
             except OSError as e:
+                if self.tls is not None and isinstance(e, ConnectionError) and not isinstance(e, ConnectionRefusedError):
+                    raise ConnectionFailed(f"TLS handshake with {where} failed: the server closed the connection "
+                                           f"({e or type(e).__name__}; is it serving TLS?)", code=ERROR_CODE_TLS) from e  # fmt: skip
                 raise ConnectionFailed(f"connect to {where}: {e}", code="refused") from e
             conn = self._conn = _ClientConnection(self, reader, writer)
             self.stats["connects"] += 1
@@ -772,7 +1149,7 @@ class Client:
                         await conn.writer.drain()
                         return await future
                     except (ConnectionError, OSError) as e:
-                        conn.fail(ConnectionFailed(f"connection lost: {e}", code="reset"))
+                        conn.fail(conn.lost(e))
                         raise conn.error() from None
                     finally:
                         conn.pending.pop(seq, None)

@@ -69,7 +69,7 @@ from kvcc.spec.vocabulary import REASON_NOT_FOUND
 
 from ..errors import PeerViolation
 from ..events import EventLog
-from ..transport import DEFER, Server, ServerLimits, current_connection
+from ..transport import DEFER, Server, ServerLimits, TlsConfig, current_connection
 from ..wire import (
     HEARTBEAT_INTERVAL_MS,
     MAX_CONTROL_FRAME_BYTES,
@@ -195,7 +195,8 @@ class DirectoryServer:
     """``DirectoryServer(config, tenants, store, *, host, port, events=None)``; ``await start()``
     (or ``async with``), then ``port``; ``await close()``. ``fatal`` is set once the store failed.
     ``counts`` (a ``metrics.DirectoryCounts``): count grants, refusals and write leases for the
-    metrics endpoint; ``None`` (the default) counts nothing."""
+    metrics endpoint; ``None`` (the default) counts nothing. ``limits``, ``tls``: the transport's
+    (``kvcc.reference.transport.Server``)."""
 
     def __init__(
         self,
@@ -211,6 +212,7 @@ class DirectoryServer:
         request_timeout_ms: int | None = None,
         counts: DirectoryCounts | None = None,
         limits: ServerLimits | None = None,
+        tls: TlsConfig | None = None,
     ) -> None:
         self.config = config
         self.tenants = tenants
@@ -222,7 +224,7 @@ class DirectoryServer:
         self.host = CoreHost(core, commit=self._commit, emit=self._emit_step, monotonic_ns=monotonic_ns)
         kwargs = {} if request_timeout_ms is None else {"request_timeout_ms": request_timeout_ms}
         self._server = Server(self._handle, tenants, host=host, port=port, max_frame_bytes=MAX_CONTROL_FRAME_BYTES,
-                              handler_now=self._handle_now, limits=limits, **kwargs)  # fmt: skip
+                              handler_now=self._handle_now, limits=limits, tls=tls, **kwargs)  # fmt: skip
         self._member_of_conn: dict[Any, NodeId] = {}
         self._watch_task: asyncio.Task | None = None
         self._gone_timers: set[asyncio.TimerHandle] = set()
