@@ -1,4 +1,4 @@
-"""kvcc's command line: ``kvcc check | mutants | prove | verify | bench checker | bench tiers | bench directory | bench validator | bench routing | bench suite | bench compare``.
+"""kvcc's command line: ``kvcc check | mutants | prove | verify | bench checker | bench tiers | bench directory | bench validator | bench routing | bench suite | bench compare | bench sglang``.
 
 Exit codes: 0 when everything asked for holds, 1 when something fails (a violation, an unreached
 ``sometimes``, a manifest mismatch, a mutant not caught by its property, an unproved obligation),
@@ -622,6 +622,10 @@ BENCHMARKS = {
               "Lease and lookup latency, block bandwidth, invalidation completion and a Mooncake trace replay "
               "through the adapter contract, each figure beside a baseline from the same run; writes "
               "results.json, plots, report.html and a MANIFEST into --out."),
+    "sglang": ("kvcc's SGLang HiCache backend vs SGLang's HiCacheFile: bandwidth and batch_exists latency",
+               "batch_set and batch_get bandwidth per page size and batch_exists p50/p99 latency through kvcc's "
+               "SGLang HiCache storage backend on a LocalCluster started on loopback, beside SGLang's own "
+               "HiCacheFile on the same pages in the same run (interleaved trials, medians, ratio kvcc/file)."),
     "compare": ("adapters side by side from their bench suite bundles",
                 "Verify each bundle's MANIFEST, then print every workload's metrics with one column per bundle."),
     "fuzz": ("live fuzzing of a running deployment: no crash, no state change, memory bounded",
