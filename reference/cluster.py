@@ -17,6 +17,10 @@ reads them all back (``kvcc.reference.events.read_events``), the input of trace 
 
 Clients for the cluster: ``client(client_id)`` returns a ``SyncClient`` of the engine tenant (under
 TLS when the cluster was given a ``tls`` section: ``LocalCluster(tls=...)``).
+
+Credentials: the deployment file gives the engine tenant its namespaces, and every node a credential
+of its own (a ``nodes`` section, ``kvcc.reference.serve``), generated here: a tenant can never act as
+a node, nor a node as another (issue 14). ``node_token(node)`` is a node's.
 """
 
 from __future__ import annotations
@@ -344,11 +348,15 @@ class LocalCluster:
         self.config = {
             "lease_term_ms": lease_term_ms,
             "skew_ms": skew_ms,
-            "node_tenant": NODE_TENANT,
             "tenants": {
                 ENGINE_TENANT: {"token": self.engine_token.hex(), "namespaces": [d.hex() for d in digests]},
-                NODE_TENANT: {"token": secrets.token_bytes(32).hex(), "operator": True},
+                # A tenant of no namespace, under the name the nodes shared before they had
+                # credentials of their own: kept for the tools that connect as a second tenant.
+                NODE_TENANT: {"token": secrets.token_bytes(32).hex()},
             },
+            # Each node's own credential, bound to its id (issue 14): the directory takes a node's
+            # messages only under it, and a tenant's credential can never act as a node.
+            "nodes": {node: {"token": secrets.token_bytes(32).hex()} for node in self.node_ids},
         }
         if transport:
             self.config["transport"] = dict(transport)  # the servers' ServerLimits (kvcc.reference.serve)
@@ -516,6 +524,10 @@ class LocalCluster:
         return self.procs[name].alive
 
     # ------------------------------------------------------------------ use
+
+    def node_token(self, node: str) -> bytes:
+        """Node ``node``'s own credential's token (its name is ``wire.node_credential(node)``)."""
+        return bytes.fromhex(self.config["nodes"][node]["token"])
 
     def client(self, client_id: str, *, events: bool = True, timeout_ms: int | None = None) -> Any:
         from .client import SyncClient

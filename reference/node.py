@@ -13,7 +13,7 @@ whether a block may be dropped: the directory does (docs/protocol.md: directory)
   makes room by eviction (below). ``ReadBytes`` returns the bytes of exactly (key, gen), verified
   against their checksum, or ``ReadRefused("miss")``: never other bytes (protocol property 4). ``Evict`` from
   a client asks the directory on the client's behalf. Every request is authenticated per tenant
-  (the same tokens as the directory's).
+  (the same tenant tokens as the directory's; no node credential: nodes do not dial each other).
 - **Directory link** (``transport.Client`` with ``on_push``). The node says ``Hello`` on every
   new connection (its incarnation, data address, locations, and the locations that came back empty
   after a restart); the ``Welcome`` carries the fences to restore (spec ``restart_node``). The
@@ -105,7 +105,9 @@ class CacheNode:
 
     ``tiers``: tier name -> ``Tier``, fastest first (the demotion order); ``pool``: the shared
     pool's tier if this node mounts it. ``directory``: (host, port). ``directory_tenant``: the
-    tenant this node authenticates as with the directory (its token is in ``tenants``).
+    credential this node authenticates as with the directory (its token is in ``tenants``): its own node
+    credential (``wire.node_credential(node_id)``), or a deployment's shared one. The data server
+    takes tenants' credentials only (``Tenants.without_nodes``).
     ``lost``: tier names that came back empty after a restart (volatile tiers always do).
     ``counts`` (a ``metrics.NodeCounts``): count bytes read and written and fenced writes per
     location for the metrics endpoint; ``None`` (the default) counts nothing. ``limits``, ``tls``:
@@ -151,7 +153,7 @@ class CacheNode:
         self._hello_connects = -1
         # Few requests in flight per connection: each read holds its block until the reply leaves,
         # and a peer that pipelines reads and never collects them holds no more than these.
-        self._server = Server(self._handle, tenants, host=host, port=port, max_frame_bytes=MAX_FRAME_BYTES, limits=limits,
+        self._server = Server(self._handle, tenants.without_nodes(), host=host, port=port, max_frame_bytes=MAX_FRAME_BYTES, limits=limits,
                               max_in_flight_per_connection=NODE_MAX_IN_FLIGHT, tls=tls)  # fmt: skip
         self._tasks: set[asyncio.Task] = set()
         self._demoter: asyncio.Task | None = None

@@ -3,9 +3,8 @@
 A deployment is described by one JSON file shared by every process (``ClusterConfig``)::
 
     {"lease_term_ms": 2000, "skew_ms": 100,
-     "tenants": {"engine-a": {"token": "<hex, >= 16 bytes>", "namespaces": ["<64 hex>", ...]},
-                 "nodes":    {"token": "<hex>", "operator": true}},
-     "node_tenant": "nodes",
+     "tenants": {"engine-a": {"token": "<hex, >= 16 bytes>", "namespaces": ["<64 hex>", ...]}},
+     "nodes": {"n1": {"token": "<hex, >= 16 bytes>"}, "n2": {"token": "<hex>"}},
      "transport": {"handshake_timeout_ms": 5000, ...},
      "tls": {"cert": "server.crt", "key": "server.key", "ca": "ca.crt", "require_client_cert": false}}
 
@@ -21,8 +20,16 @@ other address it refuses to start (``TlsRequired``, exit 2) unless the file says
 state (its incarnation, its durable log). With ``--metrics-port`` the metrics endpoint takes the
 same settings (HTTPS when on, the same loopback rule).
 
-``operator`` tenants act on every namespace (cache nodes evict and demote whatever they store);
-engines get only their namespaces (protocol property 11). Each process writes its protocol events to an
+``nodes`` gives each cache node a credential of its own, bound to its id (issue 14; on the wire it
+is named ``node:<id>``, ``wire.node_credential``): the directory takes a node's messages (its
+``Hello``, ``Freed``, ``Copied``, ``Transfer``, its evictions) only under that node's credential and
+about its own locations, and no client request under it. The directory needs every node's entry; a
+node needs only its own (and the tenants', to check its clients' frames): a node's copy of the file
+may list only its own entry. Tenants are clients only: they get their namespaces (protocol property
+11), every namespace for an ``operator`` tenant, and can never act as a node. A file without a
+``nodes`` section is the older form: its ``node_tenant`` (an ``operator`` tenant) is every node's
+shared credential and may act as any node, as before -- nodes are not told apart there, tenants
+still may not be nodes. Each process writes its protocol events to an
 NDJSON file (``--events``) and, once it serves, a ready file (``--ready-file``: JSON with ``port``
 and ``pid``, written atomically; ``metrics_port`` too with ``--metrics-port``) that scripts and
 ``kvcc cluster`` wait for. With ``--metrics-port`` a process also serves Prometheus metrics on
@@ -52,7 +59,7 @@ from typing import Any
 from attrs import frozen
 
 from .transport import ServerLimits, TlsConfig, TlsConfigError, check_listen
-from .wire import Tenants
+from .wire import Tenants, node_credential
 
 log = logging.getLogger("kvcc.serve")
 
@@ -76,7 +83,7 @@ class ClusterConfig:
     lease_term_ms: int
     skew_ms: int
     tenants: Tenants
-    node_tenant: str
+    node_tenant: str | None  # the older files' shared node credential; None with a ``nodes`` section
     transport: ServerLimits = ServerLimits()
     tls: TlsConfig | None = None  # None: no section (plaintext, loopback only)
 
@@ -90,10 +97,19 @@ class ClusterConfig:
                 namespaces[name] = [bytes.fromhex(h) for h in t.get("namespaces", ())]
                 if t.get("operator"):
                     operators.add(name)
-            tenants = Tenants(tokens, namespaces, operators=frozenset(operators))
-            node_tenant = raw["node_tenant"]
-            if node_tenant not in operators:
+            node_credentials = {}
+            for node_id, n in dict(raw.get("nodes") or {}).items():
+                name = node_credential(node_id)
+                if name in tokens:
+                    raise ConfigError(f"tenant {name!r} has the name of node {node_id!r}'s credential")
+                tokens[name] = bytes.fromhex(n["token"])
+                node_credentials[name] = node_id
+            tenants = Tenants(tokens, namespaces, operators=frozenset(operators), nodes=node_credentials)
+            node_tenant = raw.get("node_tenant") if node_credentials else raw["node_tenant"]
+            if node_tenant is not None and node_tenant not in operators:
                 raise ConfigError(f"node_tenant {node_tenant!r} must be an operator tenant")
+            if node_credentials:
+                node_tenant = None  # every node has its own credential: no shared one
             transport = ServerLimits.from_dict(raw.get("transport", {}))
             tls = None if raw.get("tls") is None else TlsConfig.from_dict(raw["tls"], base=base)
             return cls(int(raw["lease_term_ms"]), int(raw["skew_ms"]), tenants, node_tenant, transport, tls)
@@ -123,6 +139,16 @@ class ClusterConfig:
                 self.tls.check()
         except TlsConfigError as e:
             raise TlsSettingError(str(e)) from e
+
+    def node_credential(self, node_id: str) -> str:
+        """The credential node ``node_id`` says Hello under: its own (a ``nodes`` section), or the
+        older files' shared ``node_tenant``."""
+        if self.node_tenant is not None:
+            return self.node_tenant
+        name = node_credential(node_id)
+        if self.tenants.node_of(name) != node_id:
+            raise ConfigError(f"no credential for node {node_id!r} in the deployment file's \"nodes\" section")
+        return name
 
     def token(self, tenant: str) -> bytes:
         token = self.tenants.token(tenant)
@@ -308,6 +334,7 @@ async def serve_node(config: ClusterConfig, *, node_id: str, directory: str, sta
     from .node import CacheNode
 
     check_metrics_port(metrics_port)
+    credential = config.node_credential(node_id)  # before anything changes
     dhost, _, dport = directory.rpartition(":")
     if not dhost or not dport.isdigit():
         raise ConfigError(f"--directory takes HOST:PORT, got {directory!r}")
@@ -328,7 +355,7 @@ async def serve_node(config: ClusterConfig, *, node_id: str, directory: str, sta
         from .metrics import NodeCounts
 
         counts = NodeCounts()
-    node = CacheNode(node_id, opened, config.tenants, (dhost, int(dport)), directory_tenant=config.node_tenant,
+    node = CacheNode(node_id, opened, config.tenants, (dhost, int(dport)), directory_tenant=credential,
                      incarnation=incarnation, host=host, port=port, pool=pool_tier, lost=lost, events=ev,
                      counts=counts, limits=config.transport, tls=config.tls)  # fmt: skip
     endpoint = None

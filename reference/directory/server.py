@@ -49,6 +49,18 @@ sweeps of the watchdog, so neither a clock jump nor a stalled loop fakes it. Dow
 Hello: ``core.locations_up``. The shared pool is never down with one node. Placement skips down
 nodes.
 
+Identities (issue 14). Every request is checked against its credential before anything else
+(``_check_identity``), and a request its credential may not make is refused with
+``Unauthorized`` -- the connection's final ``Error("unauthorized")`` -- before any state changes
+or any event is logged. A cache node's messages (a ``Hello`` with an address, locations or lost
+locations; ``Freed``, ``Copied``, ``Transfer``; an ``Evict`` in its own name) are taken only under
+the credential bound to that node (``Tenants.nodes``), and only about its own locations (its
+tiers, and the shared pool if it mounts it); a node credential makes no client request. A tenant
+registers only as a client (a ``Hello`` with no address, locations or losses), never under a
+node's id, nor under a client id another credential registered. A deployment without node
+credentials keeps one shared one for all its nodes (``Tenants.shared_node_credential``): it may
+act as any node, as before; tenants still may not.
+
 Membership: ``Hello(node, incarnation, address, locations, lost)`` registers the connection.
 A node seen before under another incarnation, or one that lost locations, has restarted:
 ``core.node_rejoined`` forgets its leases and voids what it lost, and the ``Welcome`` carries
@@ -67,7 +79,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from kvcc.spec.keys import BlockKey, LocationId, NodeId
 from kvcc.spec.vocabulary import REASON_NOT_FOUND
 
-from ..errors import PeerViolation
+from ..errors import PeerViolation, Unauthorized
 from ..events import EventLog
 from ..transport import DEFER, Server, ServerLimits, TlsConfig, current_connection
 from ..wire import (
@@ -75,15 +87,23 @@ from ..wire import (
     MAX_CONTROL_FRAME_BYTES,
     MAX_LOOKUP_KEYS,
     MAX_WAIT_TICKET_MS,
+    Acquire,
+    BeginWrite,
+    Commit,
     Copied,
+    Evict,
     Free,
     Freed,
     Hello,
+    Invalidate,
     InvalidationCompleted,
     InvalidationPending,
     ListNodes,
+    Lookup,
     NodeList,
     Noted,
+    Release,
+    Renew,
     RevokeAcked,
     Tenants,
     Transfer,
@@ -117,6 +137,10 @@ POOL_LOCATION = "pool"  # the shared pool's location id: every node mounts it
 LOCATION_SEPARATOR = "/"  # "<node>/<tier>"
 HOME_SEPARATOR = COLOCATED_SEPARATOR  # a client id "<node>.<name>" lives next to <node>
 TIMER_SLACK_MS = 1  # sleep this much past a deadline: the core expires at deadline, not before
+# What only a client (a tenant's credential) asks: a node credential is refused each (issue 14).
+CLIENT_REQUESTS = (Acquire, Renew, Release, BeginWrite, Commit, RevokeAcked, Lookup, Invalidate, WaitTicket)
+# What only a cache node sends, about its own locations (issue 14).
+NODE_REQUESTS = (Freed, Copied, Transfer)
 
 
 class Store(Protocol):
@@ -171,12 +195,15 @@ def rendezvous_placement(nodes: Callable[[], dict[NodeId, tuple[LocationId, ...]
 
 
 class _Member:
-    __slots__ = ("node", "incarnation", "address", "locations", "conn", "last_heard_ms", "silent_sweeps", "down")
+    __slots__ = ("node", "incarnation", "address", "locations", "conn", "last_heard_ms", "silent_sweeps", "down",
+                 "credential")  # fmt: skip
 
     def __init__(
-        self, node: NodeId, incarnation: int, address: str, locations: tuple[LocationId, ...], conn: Any, now_ms: int
+        self, node: NodeId, incarnation: int, address: str, locations: tuple[LocationId, ...], conn: Any, now_ms: int,
+        credential: str = "",
     ) -> None:
         self.node = node
+        self.credential = credential  # what it said Hello under: a client id stays that credential's
         self.incarnation = incarnation
         self.address = address
         self.locations = locations
@@ -317,6 +344,7 @@ class DirectoryServer:
 
     async def _handle(self, tenant: str, msg: Any) -> Any:
         if type(msg) is WaitTicket:
+            self._check_identity(tenant, msg)
             if self.fatal is not None:
                 raise RuntimeError(f"the directory stopped serving: its store failed ({self.fatal})")
             self.stats["requests"] += 1
@@ -328,6 +356,7 @@ class DirectoryServer:
         in its read loop (``handler_now``), with no task per request."""
         if type(msg) is WaitTicket:
             return DEFER
+        self._check_identity(tenant, msg)  # before anything changes: a refusal leaves no trace
         if self.fatal is not None:
             raise RuntimeError(f"the directory stopped serving: its store failed ({self.fatal})")
         self.stats["requests"] += 1
@@ -354,6 +383,77 @@ class DirectoryServer:
             return Noted({RevokeAcked: "revoke_acked", Copied: "copied", Freed: "freed"}[type(msg)])
         return reply
 
+    # ------------------------------------------------------------------ identities (issue 14)
+
+    def _check_identity(self, credential: str, msg: Any) -> None:
+        """Raise ``Unauthorized`` unless ``credential`` may send ``msg`` (see the module's
+        "Identities"). Reads state, changes none."""
+        node = self.tenants.node_of(credential)
+        if node is None and self.tenants.shared_node_credential(credential):
+            # The shared node credential of a deployment without node credentials: any node, as
+            # before issue 14; its locations are still its own (below, for a Hello).
+            if type(msg) is Hello:
+                self._check_own_locations(msg.node, msg.locations, msg.lost, msg.locations)
+            return
+        if node is None:
+            self._check_tenant(credential, msg)
+            return
+        match msg:
+            case Hello():
+                if msg.node != node:
+                    raise Unauthorized(f"the credential of node {node!r} said Hello as {msg.node[:80]!r}",
+                                       tenant=credential)  # fmt: skip
+                self._check_own_locations(node, msg.locations, msg.lost, msg.locations)
+            case Freed() | Copied():
+                self._check_own_locations(node, (msg.location,), (), self._registered_locations(node))
+            case Transfer():
+                if msg.node != node:
+                    raise Unauthorized(f"node {node!r} asked a transfer as {msg.node[:80]!r}", tenant=credential)
+                # Where the key is now is the transfer's to refuse (``_transfer``): a node's stale
+                # LRU may name a key that moved away meanwhile, which is no attack.
+                self._check_own_locations(node, (msg.destination,), (), self._registered_locations(node))
+            case Evict():
+                if msg.node != node:
+                    raise Unauthorized(f"node {node!r} asked an eviction as {msg.node[:80]!r}", tenant=credential)
+                self._check_own_locations(node, (msg.location,), (), self._registered_locations(node))
+            case _ if isinstance(msg, CLIENT_REQUESTS):
+                raise Unauthorized(f"node {node!r}'s credential is not a client's: no {kind_of(msg)}",
+                                   tenant=credential)  # fmt: skip
+
+    def _check_tenant(self, tenant: str, msg: Any) -> None:
+        if isinstance(msg, NODE_REQUESTS):
+            raise Unauthorized(f"tenant {tenant[:80]!r} may not send {kind_of(msg)}: only a cache node does",
+                               tenant=tenant)  # fmt: skip
+        if type(msg) is not Hello:
+            return
+        if msg.address or msg.locations or msg.lost:
+            raise Unauthorized(f"tenant {tenant[:80]!r} said Hello as a cache node ({msg.node[:80]!r}, address "
+                               f"{msg.address[:80]!r}, locations {list(msg.locations)[:4]}): a tenant registers "
+                               "clients only", tenant=tenant)  # fmt: skip
+        known = self._members.get(msg.node)
+        if self.tenants.is_node_id(msg.node) or (known is not None and (known.own_locations or known.address)):
+            raise Unauthorized(f"tenant {tenant[:80]!r} may not use cache node {msg.node[:80]!r}'s id",
+                               tenant=tenant)  # fmt: skip
+        if known is not None and known.credential != tenant:
+            raise Unauthorized(f"client {msg.node[:80]!r} is another credential's", tenant=tenant)
+
+    def _registered_locations(self, node: NodeId) -> tuple[LocationId, ...]:
+        m = self._members.get(node)
+        return () if m is None else m.locations
+
+    @staticmethod
+    def _check_own_locations(node: NodeId, locations: Any, lost: Any, mounted: Any) -> None:
+        """Every location named is ``node``'s own tier (``"<node>/<tier>"``) or the shared pool
+        it mounts; what it reports lost is among what it serves."""
+        for loc in (*locations, *lost):
+            owner = node_of(loc)
+            if owner is None and loc not in mounted:
+                raise Unauthorized(f"node {node!r} does not mount the shared pool")
+            if owner is not None and owner != node:
+                raise Unauthorized(f"node {node!r} named {loc[:80]!r}, a location of node {owner[:80]!r}")
+        if not set(lost) <= set(locations):
+            raise Unauthorized(f"node {node!r} reported lost a location it does not serve")
+
     def _heard_from(self, conn: Any) -> None:
         """A request on a node's connection: it is alive. One that was taken for down is up again
         (it was paused, or its heartbeats were late): what it may serve again."""
@@ -373,6 +473,11 @@ class DirectoryServer:
         known = self._members.get(msg.node)
         fence_keys: list[BlockKey] = []
         fence_epochs: list[int] = []
+        if known is not None and known.credential != tenant and not known.own_locations and not known.address:
+            # A client that took this id first (a shared-credential deployment cannot tell a node's
+            # id from a client's before the node says Hello): not this node, whatever its
+            # incarnation. The node takes its id over.
+            known = None
         rejoined = (known is not None and known.incarnation != msg.incarnation) or bool(msg.lost)
         if known is not None and msg.incarnation < known.incarnation:
             raise PeerViolation(
@@ -389,7 +494,8 @@ class DirectoryServer:
                     fence_keys.append(key)
                     fence_epochs.append(epoch)
             fence_keys, fence_epochs = fence_keys[:MAX_LOOKUP_KEYS], fence_epochs[:MAX_LOOKUP_KEYS]
-        self._members[msg.node] = _Member(msg.node, msg.incarnation, msg.address, msg.locations, conn, self.now_ms())
+        self._members[msg.node] = _Member(msg.node, msg.incarnation, msg.address, msg.locations, conn, self.now_ms(),
+                                          tenant)  # fmt: skip
         if conn is not None:
             self._member_of_conn[conn] = msg.node
             conn.on_close.append(lambda c, node=msg.node: self._disconnected(node, c))
@@ -425,6 +531,9 @@ class DirectoryServer:
         rec = self.core.records.get(msg.key)
         if rec is None or not self.tenants.allows(tenant, rec.namespace):
             return TransferRefused(msg.key, msg.destination, REASON_NOT_FOUND)
+        node = self.tenants.node_of(tenant)
+        if node is not None and rec.owner is not None and node_of(rec.owner) not in (node, None):
+            return TransferRefused(msg.key, msg.destination, "not_transferable")  # another node's copy
         ok, effects = self.core.start_transfer(msg.key, msg.destination, self.now_ms())
         self._apply(effects)
         if not ok:

@@ -7,7 +7,7 @@ One module per job, each importable on its own; this package re-exports their pu
 - ``messages``: the message classes and the codes (refusal reasons, scopes, error codes);
 - ``codec``: ``check_message``, ``encode``, ``decode``;
 - ``frames``: ``encode_frame``, ``FrameDecoder``;
-- ``tenants``: ``Tenants``, tokens and namespace authorisation;
+- ``tenants``: ``Tenants``, tokens, namespace authorisation and node credentials;
 - ``session``: ``Session``, ``Received``, the MAC and the envelope.
 
 Theory of operation
@@ -64,7 +64,9 @@ socket, the clock and the event loop; ``kvcc.reference.transport`` is one such c
    over TLS (or a tunnel) where the network is not trusted.
 
 ``Tenants`` holds each tenant's token and the namespace digests it may use; ``authorize`` raises
-``Unauthorized`` for any other namespace (protocol property 11). The directory calls it.
+``Unauthorized`` for any other namespace (protocol property 11). The directory calls it. It also
+holds the node credentials, each bound to one node id (``node_credential``): the directory takes a
+node's messages only under that node's own credential, and no client request under one (issue 14).
 """
 
 from __future__ import annotations
@@ -149,4 +151,4 @@ from .messages import (
     kind_of,
 )
 from .session import Received, Role, Session, encode_envelope, frame_mac
-from .tenants import Tenants
+from .tenants import NODE_CREDENTIAL_PREFIX, Tenants, node_credential

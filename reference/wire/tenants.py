@@ -1,7 +1,22 @@
-"""Tenants: who may connect, with which shared secret, and which namespaces each may use.
+"""Credentials: who may connect, with which shared secret, and what each may do.
 
-A session authenticates every frame under its tenant's token (``session``); the directory then
-calls ``Tenants.authorize`` on the namespace a request names.
+A session authenticates every frame under its credential's token (``session``: the envelope's
+``tenant`` field names the credential). There are two kinds (issue 14):
+
+- a **tenant** credential is a client's: it may use the namespaces ``namespaces`` gives it (every
+  namespace for an ``operators`` tenant), and the directory calls ``Tenants.authorize`` on the
+  namespace a request names. It may register only as a *client* (a ``Hello`` with no address, no
+  locations, nothing lost) and never under a cache node's id;
+- a **node** credential (``nodes``: credential name -> node id, named ``node_credential(node)``)
+  is one cache node's: the directory takes a node's messages -- its ``Hello`` (address, locations,
+  lost locations), ``Freed``, ``Copied``, ``Transfer``, its own ``Evict`` -- only under the
+  credential bound to that very node, and only about that node's own locations. A node credential
+  is never a client: the directory refuses it every client request (leases, writes, lookups,
+  invalidations), and a node's data server does not accept it at all (``without_nodes``).
+
+A deployment that names no node credential (``nodes`` empty: the deployment files before issue 14,
+whose nodes share one ``operators`` tenant) keeps the old rule for that shared credential: it may
+act as any node (``shared_node_credential``). Tenants still may not.
 """
 
 from __future__ import annotations
@@ -23,6 +38,14 @@ def tenant_problem(name: Any) -> str | None:
     if len(name.encode("utf-8", "surrogatepass")) > MAX_TENANT_BYTES:
         return f"tenant name longer than {MAX_TENANT_BYTES} bytes"
     return None
+
+
+NODE_CREDENTIAL_PREFIX = "node:"  # a node's credential is named "node:<node id>"
+
+
+def node_credential(node_id: str) -> str:
+    """The name of ``node_id``'s own credential (the envelope's ``tenant`` field on its frames)."""
+    return f"{NODE_CREDENTIAL_PREFIX}{node_id}"
 
 
 def _tokens(value: Mapping[str, bytes]) -> dict[str, bytes]:
@@ -47,6 +70,15 @@ def _namespaces(value: Mapping[str, Any]) -> dict[str, frozenset[bytes]]:
     return out
 
 
+def _node_ids(value: Mapping[str, str]) -> dict[str, str]:
+    out = {}
+    for credential, node in dict(value).items():
+        if type(node) is not str or not node:
+            raise ValueError(f"credential {credential!r}: a node id is non-empty text")
+        out[credential] = node
+    return out
+
+
 @frozen(eq=False)
 class Tenants:
     """Who may connect (``tokens``: tenant -> shared secret, at least ``MIN_TOKEN_BYTES``) and
@@ -55,14 +87,48 @@ class Tenants:
 
     tokens: Mapping[str, bytes] = field(converter=_tokens)
     namespaces: Mapping[str, frozenset[bytes]] = field(factory=dict, converter=_namespaces)
-    # Tenants that act on every namespace: the cache nodes' own identity (a node evicts and
-    # demotes whatever it stores). Never give it to an engine.
+    # Tenants that act on every namespace. Before node credentials (``nodes`` empty) the cache
+    # nodes' shared identity was one, and acts as any node still. Never give it to an engine.
     operators: frozenset[str] = field(default=frozenset(), converter=frozenset)
+    # Node credentials: credential name -> the one node id it may act as (its token is in
+    # ``tokens``). Not tenants: no namespaces, not operators.
+    nodes: Mapping[str, str] = field(factory=dict, converter=_node_ids)
+
+    def __attrs_post_init__(self) -> None:
+        for credential in self.nodes:
+            if credential not in self.tokens:
+                raise ValueError(f"node credential {credential!r} has no token")
+            if credential in self.namespaces or credential in self.operators:
+                raise ValueError(f"{credential!r} is a node credential: it has no namespaces and is no operator")
 
     def token(self, tenant: str) -> bytes | None:
         return self.tokens.get(tenant)
 
+    def node_of(self, credential: str) -> str | None:
+        """The node ``credential`` is bound to, or ``None`` for a tenant's."""
+        return self.nodes.get(credential)
+
+    def shared_node_credential(self, credential: str) -> bool:
+        """A deployment without node credentials: its ``operators`` act as any node (the rule
+        before issue 14, kept for those files; nodes are not told apart there)."""
+        return not self.nodes and credential in self.operators
+
+    def is_node_id(self, node_id: str) -> bool:
+        """``node_id`` is a node's that has a credential of its own: no tenant may use it."""
+        return node_id in self.nodes.values()
+
+    def without_nodes(self) -> Tenants:
+        """The tenants alone: what a node's data server accepts (nodes do not dial each other)."""
+        if not self.nodes:
+            return self
+        return Tenants({t: k for t, k in self.tokens.items() if t not in self.nodes}, self.namespaces,
+                       operators=self.operators)  # fmt: skip
+
     def allows(self, tenant: str, namespace_digest: bytes) -> bool:
+        # A node stores, evicts, demotes and frees every tenant's blocks; what else it may send is
+        # the directory server's to refuse (it refuses a node credential every client request).
+        if tenant in self.nodes:
+            return True
         return tenant in self.operators or namespace_digest in self.namespaces.get(tenant, frozenset())
 
     def authorize(self, tenant: str, namespace_digest: bytes) -> None:
