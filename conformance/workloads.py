@@ -57,18 +57,34 @@ def chain(s: Session, blocks: int, ns: Namespace | None = None) -> list[BlockKey
     return chain_keys(ns, s.fresh_tokens(blocks, ns))
 
 
+PUT_RETRIES = 2  # writes of one put whose lease ran out before their answer (a stalled machine)
+
+
 def put(s: Session, node: str, key: BlockKey, parent: BlockKey | None, ns: Namespace | None = None,
         data: bytes | None = None) -> bytes:  # fmt: skip
-    """Write and commit one block; the test fails if a plain write is refused."""
+    """Write and commit one block; the test fails if a plain write is refused. A write or commit
+    refused only once the writer's own lease had run out (its answer came after the grant's
+    ``trusted_until_ns``: the machine stalled for a term) is the protocol working, not a fault:
+    the block is written again under a new grant, ``PUT_RETRIES`` times at most."""
     ns = ns or s.ns
-    g = s.begin_write(node, ns, key, parent)
-    s.check(isinstance(g, WriteGrant), "write", f"begin_write of a fresh key refused: {g}")
     data = s.payload() if data is None else data
-    r = s.write_bytes(g, data)
-    s.check(isinstance(r, Stored), "write", f"write_bytes under a fresh grant refused: {r}")
-    c = s.commit(g)
-    s.check(isinstance(c, Committed), "write", f"commit under a fresh grant refused: {c}")
-    return data
+    retries, until = 0, 0.0
+    while True:
+        g = s.begin_write(node, ns, key, parent)
+        if retries and isinstance(g, Refused) and g.reason == REASON_NOT_ABSENT and time.monotonic() < until:
+            s.sleep_ms(s.lease_term_ms / 10)  # the stalled write's lease is not expired yet
+            continue
+        s.check(isinstance(g, WriteGrant), "write", f"begin_write of a fresh key refused: {g}")
+        r = s.write_bytes(g, data)
+        c = s.commit(g) if isinstance(r, Stored) else None
+        if isinstance(c, Committed):
+            return data
+        if retries < PUT_RETRIES and time.monotonic_ns() >= g.trusted_until_ns(s.skew_ms):
+            retries += 1
+            until = time.monotonic() + INVALIDATION_SLACK * s.term_s
+            continue
+        s.check(isinstance(r, Stored), "write", f"write_bytes under a fresh grant refused: {r}")
+        s.check(False, "write", f"commit under a fresh grant refused: {c}")
 
 
 def put_chain(s: Session, node: str, keys: list[BlockKey], ns: Namespace | None = None) -> list[bytes]:
