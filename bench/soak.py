@@ -423,12 +423,13 @@ class Run:
         with contextlib.ExitStack() as held:
             for w in home:
                 held.enter_context(w.lock)
+            for w in home:  # down first: a Revoke it took after the node's crash would be a dead node's step
+                w.client.crash()
             self.ledger.kill(node)
             self.cluster.kill(node)
-            for w in home:
-                w.client._call_sync(_forget(w.client.client))  # on the client's own loop
             self.cluster.restart(node)
             for w in home:
+                w.client.rejoin()
                 with contextlib.suppress(KvccError, concurrent.futures.TimeoutError):
                     w.client.refresh_nodes()
 
@@ -530,10 +531,6 @@ class Run:
                 last = type(e).__name__
             time.sleep(FINAL_RETRY_S)
         return "unreadable", last
-
-
-async def _forget(client: Any) -> None:
-    client.forget_everything()
 
 
 def _percentiles(samples: list[float]) -> dict[str, Any]:

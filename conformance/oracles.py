@@ -356,28 +356,33 @@ class Session:
         with self.lock:
             answered = [h["t_ns"] + h["dt_ns"] for h in self.history if h.get("op") == "begin_write"
                         and ((h.get("result") or {}).get("WriteGrant") or {}).get("lease") == lease]  # fmt: skip
-            if not answered:
-                return
-            rec = self.inferred[-1]
-            due = answered[-1] + (self.lease_term_ms + self.skew_ms) * 1_000_000
-            local = max(self._last_local(rec["node"]), min(rec["t_local_ns"], due))
-            rec["t_wall_ns"] -= rec["t_local_ns"] - local
-            rec["t_local_ns"] = local
+        if answered:
+            self._backdate_newest(answered[-1] + (self.lease_term_ms + self.skew_ms) * 1_000_000)
 
     def _emit_later(self, node: str, event: str, **fields: Any) -> Callable[[], None]:
         """An event of a request whose answer decides whether it was sent: call the result to log
         it, stamped with the time it was sent (now)."""
         if not self.infer:
             return lambda: None
-        t_local, t_wall = time.monotonic_ns(), time.time_ns()
+        t_local = time.monotonic_ns()
 
         def emit() -> None:
             self._emit(node, event, **fields)
-            with self.lock:
-                self.inferred[-1]["t_local_ns"] = min(self.inferred[-1]["t_local_ns"], max(t_local, self._last_local(node)))
-                self.inferred[-1]["t_wall_ns"] = t_wall
+            self._backdate_newest(t_local)
 
         return emit
+
+    def _backdate_newest(self, t_local: int) -> None:
+        """Stamp the newest inferred event at ``t_local``, the earliest the suite saw it can have
+        happened (its call's start), never before its node's previous event: the suite learns of
+        it only from an answer that, on a loaded machine, can come back long after."""
+        if not self.infer:
+            return
+        with self.lock:
+            rec = self.inferred[-1]
+            local = min(rec["t_local_ns"], max(t_local, self._last_local(rec["node"])))
+            rec["t_wall_ns"] -= rec["t_local_ns"] - local
+            rec["t_local_ns"] = local
 
     def _last_local(self, node: str) -> int:
         """The last t_local_ns of ``node``'s current inferred log before its newest event."""
@@ -452,7 +457,11 @@ class Session:
         with self.lock:
             early = self.read_while_committing.pop((grant.key, grant.gen, grant.lease), None)
         if isinstance(r, Committed):
+            # The directory decided while the call ran, under a write lease it still held live then:
+            # stamped at the call's start, not when its answer came back (CI saw an answer late
+            # enough on a loaded machine that the write lease had run out by the suite's clock).
             self._emit_dir("commit_write", key=grant.key, gen=r.gen, epoch=r.epoch, lease=grant.lease, writer=grant.node)
+            self._backdate_newest(t0)
             with self.lock:
                 self.copies[grant.key] = grant.location
                 if self.open_writes.get(grant.key) == grant:

@@ -215,6 +215,7 @@ class KvccClient:
         self._nodes: dict[str, str] = {}
         self._peers: dict[str, Client] = {}
         self._acks: set[asyncio.Task] = set()
+        self._down = False  # crashed with its node (``crash``) until ``rejoin``
         self._timeout_ms = timeout_ms
         # A holder's clock may be off by up to epsilon (docs/protocol.md: leases); tests and the
         # conformance suite's clock-skew fault set this offset on this holder's clock.
@@ -265,13 +266,22 @@ class KvccClient:
         if self.events is not None:
             self.events.emit(event, **fields)
 
-    def forget_everything(self) -> None:
+    async def crash(self) -> None:
         """The process embedding this client crashed with its node (a co-located client,
-        ``"<node>.<name>"``): every lease it trusted, every request it waited on and every write it
-        had under way are gone. The node's rejoin makes the directory forget them too."""
+        ``"<node>.<name>"``, which the trace validator takes for that node): every lease it
+        trusted, every request it waited on and every write it had under way are gone, and until
+        ``rejoin`` nothing the directory pushes reaches it -- a ``Revoke`` to a dead process is
+        lost, and its lease ends by expiry. The node's rejoin makes the directory forget them too.
+        Call it before the node is killed (a harness that keeps this client alive across its node's
+        crash): a revocation handled in between would be a step of a node the trace shows down."""
         self.holder.forget()
         self._writes.clear()
         self._writing.clear()
+        self._down = True
+
+    async def rejoin(self) -> None:
+        """The process came back with its node (``crash``): pushes reach it again."""
+        self._down = False
 
     async def refresh_nodes(self) -> dict[str, str]:
         reply = await self._ask(ListNodes(0))
@@ -314,6 +324,9 @@ class KvccClient:
             return await (await self._peer(location)).request(msg)
 
     def _on_push(self, msg: Any) -> None:
+        if self._down:
+            log.info("%s is down (crashed with its node): %s lost", self.client_id, type(msg).__name__)
+            return
         if type(msg) is not Revoke:
             log.warning("%s ignores a pushed %s", self.client_id, type(msg).__name__)
             return
@@ -442,12 +455,17 @@ class KvccClient:
             self.stats["misses"] += 1
             reason = reply.reason if type(reply) is ReadRefused else REASON_MISS
             return Refused(reason)
-        if not self.trusted(lease):
+        now, latest = self._now_ns(), self.holder.held(lease.key)  # a renewal may have moved the deadline
+        if not self.trusted(lease, now):
             # Revoked (dropped and acknowledged) or expired while the bytes were on their way:
             # serving them now would be a read after the ack (protocol property 7), or past the holder's
-            # own deadline. The read happens -- and is logged -- only under trust.
+            # own deadline. The read happens -- and is logged -- only under trust. The two are told
+            # apart: an expiry is the caller's to retry under a fresh lease (a loaded machine).
+            if latest is not None and latest.lease == lease.lease and now >= latest.until_ns:
+                self.stats["expired_reads"] += 1
+                return Refused(REASON_LEASE_EXPIRED, "the lease ran out while the read was in flight")
             self.stats["revoked_in_flight"] += 1
-            return Refused(REASON_REVOKED, "revoked or expired while the read was in flight")
+            return Refused(REASON_REVOKED, "revoked while the read was in flight")
         self.stats["hits"] += 1
         self._emit("read", key=held.key, gen=held.gen, epoch=held.epoch, lease=held.lease, location=held.location,
                    nbytes=len(reply.data))  # fmt: skip

@@ -123,3 +123,33 @@ def test_an_unanswered_request_is_given_up_and_logged():
         assert _events(sink2) == ["acquire", "drop_and_ack"]
 
     asyncio.run(main())
+
+
+def test_a_client_down_with_its_node_takes_no_revocation():
+    """A co-located client crashed with its node (``crash``): the validator takes ``"<node>.<name>"``
+    for that node, so a Revoke it handled while the node was down was a dead node's step (the soak's
+    trace was REJECTED at the directory's ``revoke_acked`` of it). Down, a push is lost: no event,
+    no ack, and nothing trusted; after ``rejoin`` a push is handled again."""
+
+    async def main():
+        client, sink = _holder()
+        acks: list = []
+
+        async def ack(msg):
+            acks.append(msg)
+
+        client._dir.request = ack
+        client.holder.acquiring(KEY, 99)
+        client.holder.granted(KEY, 99, lease=7, gen=1, epoch=1, location="n1/dram", term_ms=10**6,
+                              sent_ns=client._now_ns())  # fmt: skip
+        await client.crash()
+        assert client.lease_of(KEY) is None, "a crash forgets every lease"
+        client._on_push(Revoke(NODE, KEY, 7, 1))
+        await asyncio.sleep(0)
+        assert _events(sink) == [] and acks == []
+        await client.rejoin()
+        client._on_push(Revoke(NODE, KEY, 7, 1))
+        await asyncio.sleep(0.01)
+        assert _events(sink) == ["drop_and_ack"] and len(acks) == 1
+
+    asyncio.run(main())

@@ -164,11 +164,13 @@ class ProcessMachine(RuleBasedStateMachine):
     def kill_and_restart_node(self, node, rarely):
         if rarely:
             return
+        home = [client for c, client in self.clients.items() if PROC_HOME[c] == node]
+        for client in home:
+            client.crash()  # it crashes with its node: down before the kill
         self.cluster.kill(node)
-        for c, client in self.clients.items():
-            if PROC_HOME[c] == node:
-                client.forget_everything()  # it crashed with its node
         self.cluster.restart(node)
+        for client in home:
+            client.rejoin()
         for c in self.clients.values():
             c.refresh_nodes()  # the node came back on a new port
         SEEN["p_node_restarted"] += 1
