@@ -517,14 +517,15 @@ _GRACE_FREES = (
              "location and checks only that the generations are gone from the directory.",
              "faults", ("DeletionReachesEverywhere",), "progress", "freed_after_grace",
              faults={"restart_directory"}, covers={"deletion"}),
-    TestCase("KVCC-FAULT-015", "A writer's restart does not end its write early",
+    TestCase("KVCC-FAULT-015", "A writer's restart ends its write, which is never committed",
              "A write whose bytes were stored and whose writer is then killed and restarted without its memory "
-             "before the write lease ran out MUST keep the key WRITING until the lease runs out: another node's "
-             "begin_write MUST be refused while the lease surely lives (within a term of the request that granted "
-             "it) and MUST be granted, under a higher epoch, once it ran out (within a few terms); the new block "
-             "MUST read back exactly on the restarted node.",
-             "faults", ("OneWriterPerGeneration", "EpochMonotonic", "WriteLeaseEndsInTime", "CommittedBytesIntact"),
-             "1,2", "write_across_writer_restart", faults={"kill", "restart"}, covers={"caching", "trace_complete"}),
+             "MUST NOT be committed afterwards: its commit MUST be refused (the node's rejoin ends every write in "
+             "progress to it, and a commit already on its way would publish bytes the node lost); another node's "
+             "begin_write MUST be granted, under a higher epoch, once the node rejoined or the write lease ran out "
+             "(within a few terms), and the new block MUST read back exactly on the restarted node.",
+             "faults", ("OneWriterPerGeneration", "EpochMonotonic", "WriteLeaseEndsInTime", "CommittedBytesIntact",
+                        "LostCopyVoidedOnRejoin"),
+             "1,2,4", "write_across_writer_restart", faults={"kill", "restart"}, covers={"caching", "trace_complete"}),
 )  # fmt: skip
 _append(_GRACE_FREES)
 

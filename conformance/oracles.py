@@ -816,6 +816,10 @@ class Session:
             with self.lock:
                 self.down.discard(node)
                 lost = sorted({loc for loc in self.copies.values() if loc.partition("/")[0] == node} | {node})
+                # The rejoin ends every write in progress to one of the node's tiers
+                # (``rules.lost_copy_invalidates``): no expiry of it is left to infer.
+                for key in [k for k, g in self.open_writes.items() if g.location.partition("/")[0] == node]:
+                    del self.open_writes[key]
             self._emit_dir("restart_node", rejoined=node, lost=lost)
         elif op == "restart_directory":
             with self.lock:

@@ -528,8 +528,10 @@ class _Shadow:
         elif name == "restart_node":
             lost = set(map(str, ev["lost"]))
             voided: list[str] = []
+            home = f"{ev['rejoined']}{LOCATION_SEPARATOR}"
             for k in sorted(self.phase):
-                if self.phase[k] == COMMITTED and str(self.owner.get(k)) in lost:
+                owner = str(self.owner.get(k))
+                if (self.phase[k] == COMMITTED and owner in lost) or (self.phase[k] == WRITING and owner.startswith(home)):
                     voided += [j for j in self.subtree(k) if j not in voided]
             self.void(voided)
             return voided

@@ -188,6 +188,7 @@ MUTANT_FLAGS = frozenset(
         "completion_ignores_grace",
         "grant_names_draining_copy",
         "lost_copy_ends_generation",
+        "write_survives_rejoin",
         # progress and deletion (issue 8, section 3)
         "deadline_ignores_lag",
         "free_not_retried",
@@ -1296,7 +1297,8 @@ class Model:
         """The node comes back (recovery scan done) and re-registers with the directory, which
         forgets the node's leases and every copy the node lost. A lost owner copy is invalidated
         like any other: other nodes may still trust leases on it, so the key becomes writable
-        again only once those have been acknowledged or expired."""
+        again only once those have been acknowledged or expired. A write in progress to the node is
+        aborted: its commit may be on its way, and the bytes it would publish may be gone."""
         L, cfg = self.L, self.cfg
         b = bytearray(fixed)
         rest = list(net)
@@ -1325,9 +1327,12 @@ class Model:
                 if idx == L.moving[k]:
                     b[idx] = NO_LOCATION  # the copy in progress died with the node (or landed):
                     self._owe_free(b, rest, k, loc1, s[L.epoch[k]])
-                elif lost_copy_invalidates(b[L.phase[k]], idx == L.owner[k], s[L.s_status[loc1 - 1][k]] == LOST):
+                elif lost_copy_invalidates(b[L.phase[k]], idx == L.owner[k], s[L.s_status[loc1 - 1][k]] == LOST) and not (
+                    "write_survives_rejoin" in self.bugs and b[L.phase[k]] == WRITING  # bug: the write goes on
+                ):
+                    committed = b[L.phase[k]] == COMMITTED
                     self._invalidate_into(s, b, rest, self.subtree[k])
-                    b[L.gen[k]] += "lost_copy_ends_generation" in self.bugs  # bug: the next generation at once
+                    b[L.gen[k]] += committed and "lost_copy_ends_generation" in self.bugs  # bug: the next generation at once
         return self._pack(b, rest)
 
     def _declare_down(self, s: bytes, fixed: bytes, net: list[bytes], n: int) -> bytes:

@@ -71,6 +71,9 @@ MUTANTS: dict[str, Mutant] = {
                "a read grant points the holder at the copy being drained, which the directory then frees"),
         Mutant("lost-copy-ends-generation", ("lost_copy_ends_generation",), "NoStaleRead", "tiering",
                "a node that rejoined without its disk makes the directory move to the key's next generation at once"),
+        Mutant("write-survives-rejoin", ("write_survives_rejoin",), "LostCopyVoidedOnRejoin", "failover",
+               "a node that rejoins leaves a write in progress to it open: its commit, already on its way, commits bytes "
+               "the node lost"),
         # Progress and deletion (issue 8, section 3): each caught by its bounded-response property.
         Mutant("deadline-ignores-lag", ("deadline_ignores_lag",), "InvalidationCompletesInTime", "lagging",
                "the invalidation deadline argued with the directory's clock running ahead only (term + epsilon): a lagging clock breaks it"),

@@ -220,6 +220,23 @@ def committed_bytes_intact(m: Model, s: bytes) -> bool:
     return True
 
 
+def lost_copy_voided_on_rejoin(m: Model, s: bytes) -> bool:
+    """A COMMITTED key's owner copy is LOST only while its node is down: a node that rejoins
+    without it voids the key (``rules.lost_copy_invalidates``), and a commit of bytes its location
+    lost is refused. Otherwise the key stays COMMITTED with no bytes anywhere: every lookup finds
+    it, every read misses, and it can never be written again (issue 14: a commit that reached the
+    directory after the writer's node restarted without its memory)."""
+    L = m.L
+    for k in range(m.K):
+        if s[L.phase[k]] != COMMITTED or s[L.owner[k]] == NO_LOCATION:
+            continue
+        loc = s[L.owner[k]] - 1
+        node = m.loc_node[loc]
+        if node >= 0 and s[L.up[node]] and s[L.s_status[loc][k]] == LOST:
+            return False
+    return True
+
+
 def no_reclaim_under_lease(m: Model, s: bytes) -> bool:
     """No location a holder trusts a lease on has been freed, evicted, moved or overwritten."""
     for _, k, _, loc, gen, _ in _trusted(m, s):
@@ -561,6 +578,13 @@ def _crash_handoff(m: Model, pre: bytes, action: str, params: tuple, post: bytes
     return False
 
 
+def _write_aborted_on_rejoin(m: Model, pre: bytes, action: str, params: tuple, post: bytes) -> bool:
+    if action != "restart_node":
+        return False
+    L = m.L
+    return any(pre[L.phase[k]] == WRITING and post[L.phase[k]] == ABSENT for k in range(m.K))
+
+
 def _renewal(m: Model, pre: bytes, action: str, params: tuple, post: bytes) -> bool:
     return action == "trust_renewal"
 
@@ -751,6 +775,14 @@ def _no_owner_crash(cfg: ModelConfig) -> str | None:
     return None
 
 
+def _no_write_to_a_crashing_node(cfg: ModelConfig) -> str | None:
+    if cfg.max_node_crashes == 0:
+        return "no node crashes"
+    if cfg.writes_to_pool_only:
+        return "every write goes to the shared pool, which no node crash takes down"
+    return None
+
+
 def _no_restart(cfg: ModelConfig) -> str | None:
     if cfg.max_directory_restarts == 0:
         return "the directory never restarts"
@@ -831,6 +863,7 @@ INVARIANTS: tuple[Invariant, ...] = (
     Invariant("EpochsBoundFences", "2", "no fence, copy or message carries an epoch above the directory's", epochs_bound_fences, reads=('epochs', 'slots', 'messages')),
     Invariant("NoDirtyRead", "3", "holders trust leases only on committed generations", no_dirty_read, reads=('holders', 'records')),
     Invariant("CommittedBytesIntact", "4", "the committed generation's bytes sit unchanged at its owner", committed_bytes_intact, reads=('records', 'slots')),
+    Invariant("LostCopyVoidedOnRejoin", "4", "a committed key's owner copy is lost only while its node is down", lost_copy_voided_on_rejoin, reads=('records', 'slots', 'nodes')),
     Invariant("NoReclaimUnderLease", "5", "no location under a trusted lease is freed, evicted, moved or overwritten", no_reclaim_under_lease, reads=('holders', 'slots')),
     Invariant("NoStaleRead", "6", "after an invalidation completes nobody trusts the old generation", no_stale_read, reads=('holders', 'records')),
     Invariant("NoReadAfterAck", "7", "a holder that acked a revocation no longer trusts the lease", no_read_after_ack, reads=('holders', 'messages')),
@@ -881,6 +914,9 @@ SOMETIMES: tuple[Sometimes, ...] = (
     Sometimes("Eviction", "an unleased copy is evicted", reached_step=_step("evict"), on_actions=('evict',)),
     Sometimes("OwnershipHandoffAfterCrash", "a crashed owner's key becomes writable again", reached_step=_crash_handoff, on_actions=('expire_write_lease_of_crashed', 'restart_node'),
               outside_scope=_no_crash),
+    Sometimes("WriteAbortedOnRejoin", "a node rejoins while a write to it is in progress, and the write is aborted",
+              reached_step=_write_aborted_on_rejoin, companion_of=("LostCopyVoidedOnRejoin",), on_actions=('restart_node',),
+              outside_scope=_no_write_to_a_crashing_node),
     Sometimes("OwnerCrashedWhileDraining", "an owner's node is down while its previous copy drains on a second node under a third's lease",
               reached_state=_owner_crashed_while_draining, companion_of=("NoReclaimUnderLease",), outside_scope=_no_draining_third),
     Sometimes("TrustedDuringInvalidation", "a holder still trusts a lease while its key is invalidating", reached_state=_trusting_while_invalidating,

@@ -402,5 +402,9 @@ def down_owner_invalidates(phase: int, owner_on_down_node: bool) -> bool:
 def lost_copy_invalidates(phase: int, is_owner: bool, lost: bool) -> bool:
     """A node that rejoins without the disk holding a COMMITTED key's owner copy voids the key (and
     its subtree) like any invalidation: others may still trust leases on it, so it becomes
-    writable again only once those were acknowledged or expired."""
-    return phase == COMMITTED and is_owner and lost
+    writable again only once those were acknowledged or expired. A write in progress to the
+    rejoining node is aborted whether or not its bytes survived (the node cannot say which writes
+    landed before the crash): its commit, which may already be on its way, is refused. Taken, it
+    could commit bytes the node lost, leaving a key that every lookup finds, every read misses and
+    nobody can write again (found by the checker, ``LostCopyVoidedOnRejoin``; issue 14)."""
+    return is_owner and (phase == WRITING or (phase == COMMITTED and lost))

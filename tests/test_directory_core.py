@@ -539,6 +539,25 @@ def test_rejoin_after_disk_loss_invalidates_lost_copies():
     assert d.core.records[A0].phase == ABSENT
 
 
+def test_rejoin_aborts_every_write_in_progress_to_the_node_and_none_to_the_pool():
+    """Issue 14: a commit that reached the directory after its location's node restarted empty
+    committed bytes no node held. The rejoin aborts every write to the node's tiers -- landed or
+    not, kept on disk or not: the node cannot say -- so the commit is refused (stale) and the key
+    is writable again; a write to the shared pool, which no node's restart takes, goes on."""
+    placed = {A0: "n1/nvme", B0: "pool"}
+    d = Directory(place_write=lambda node, key: placed[key])
+    on_node, _ = d.begin_write(A0, node="n1")
+    in_pool, _ = d.begin_write(B0, node="n1")
+    fences, effects = d.core.node_rejoined("n1", [], d.now, locations=["n1/nvme", "pool"])  # nothing lost
+    d.apply(effects)
+    assert "restart_node" in events(effects) and d.core.records[A0].phase == ABSENT
+    assert d.core.records[B0].phase == WRITING
+    assert d.commit(on_node, node="n1")[0].reason in (vocabulary.REASON_UNKNOWN_LEASE, vocabulary.REASON_STALE_EPOCH)
+    assert isinstance(d.commit(in_pool, node="n1")[0], wire.Committed)
+    again, _ = d.begin_write(A0, node="n1")
+    assert isinstance(again, wire.WriteLeaseGranted) and again.gen == on_node.gen + 1
+
+
 def test_rejoin_forgets_leases_so_invalidations_can_complete(d):
     d.write(A0)
     grant, _ = d.acquire(A0, node="r1")

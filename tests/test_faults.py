@@ -340,6 +340,38 @@ def test_stopped_writer_is_fenced_and_its_late_commit_rejected(tmp_path):
         assert late == "not_found" and not rejected
 
 
+def test_a_commit_after_its_location_lost_its_memory_is_refused(tmp_path):
+    """Issue 14: a writer's bytes on a node's DRAM, the node killed -9 and restarted (its DRAM
+    comes back empty), then the writer's commit. The directory committed it, and kept a block
+    that no node held: every lookup found it, every read missed, and rewriting the key was refused
+    forever. The spec's checker finds the same in seven steps (a commit in flight across the crash,
+    ``LostCopyVoidedOnRejoin``); a node's rejoin now aborts every write in progress to it
+    (``rules.lost_copy_invalidates``: it cannot say which landed), so the commit is refused and the
+    key is writable at once. The writer is not co-located with the node (no ``<node>.`` in its
+    name): it outlives it."""
+    with cluster(tmp_path, nodes=1, tiers=("dram=8MiB",)) as cl:
+        w = cl.client("w")
+        key = chain_keys(NS, [11] * NS.block_tokens)[0]
+        wl = w.begin_write(NS, key, None)
+        assert not isinstance(wl, Refused), wl
+        assert wl.location.startswith("n1/"), wl
+        assert w.write_bytes(wl, payload("lost", SMALL_BLOCK_BYTES)) is None
+        cl.kill("n1")
+        cl.restart("n1")
+        until("n1 registered again", lambda: nodes_registered(w, ["n1"]))
+        refused = w.commit(wl)
+        assert isinstance(refused, Refused), f"a commit of bytes the node no longer holds was taken: {refused}"
+        assert w.lookup(NS, [key]).blocks == 0
+        again = w.begin_write(NS, key, None)  # at once: the write was aborted, not left to expire
+        assert not isinstance(again, Refused), again
+        assert again.gen > wl.gen and again.epoch > wl.epoch
+        assert w.write_bytes(again, payload("kept", SMALL_BLOCK_BYTES)) is None
+        assert isinstance(w.commit(again), Committed)
+        assert read_leased(w, key) == payload("kept", SMALL_BLOCK_BYTES)
+        [rejoin] = [e for e in cl.events() if e["event"] == "restart_node"]
+        assert rejoin["lost"] == ["n1/dram"] and rejoin["voided"] == 1, rejoin
+
+
 def test_stopped_reader_lets_invalidation_complete_by_expiry_and_is_refused_after(tmp_path):
     with cluster(tmp_path, nodes=1) as cl:
         a = cl.client("a")

@@ -167,6 +167,7 @@ from ..wire import (
 
 NO_LEASE = 0  # lease ids start at 1, as in the spec
 COLOCATED_SEPARATOR = "."  # a holder "<node>.<name>" is a client co-located with <node>
+LOCATION_SEPARATOR = "/"  # a location "<node>/<tier>" is a tier of <node>; the shared pool has none
 FIRST_LEASE_ID = 1
 FIRST_TICKET = 1
 TICKET_PENDING = "pending"
@@ -1285,7 +1286,8 @@ class DirectoryCore:
         """``node`` restarted and re-registers (spec: restart_node). The directory forgets its
         leases (it trusts none after a crash), cancels transfers to its ``locations``, and voids
         every COMMITTED key whose owner copy was at one of ``lost_locations`` (a disk that came
-        back empty), with the key's subtree -- others may still trust leases on it. Returns the
+        back empty), with the key's subtree -- others may still trust leases on it -- and aborts
+        every write in progress to one of its tiers (``rules.lost_copy_invalidates``). Returns the
         fences the node must restore: every key's epoch, which bounds any epoch ever issued
         (``rules.restored_fence``), so nothing sent before the crash can land."""
         effects: list[Effect] = []
@@ -1299,7 +1301,10 @@ class DirectoryCore:
         seen: set[BlockKey] = set()
         for key in sorted(self.records):
             rec = self.records[key]
-            if rec.owner in mine and lost_copy_invalidates(rec.phase, True, rec.owner in lost):
+            # The owner copy (or write) is the node's own: one of its tiers, never the shared pool,
+            # which every node mounts and no node's restart takes away.
+            owned = rec.owner in mine and rec.owner.partition(LOCATION_SEPARATOR)[0] == node
+            if owned and lost_copy_invalidates(rec.phase, True, rec.owner in lost):
                 for k in self.subtree(key):
                     if k not in seen:
                         seen.add(k)
