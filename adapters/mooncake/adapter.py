@@ -89,6 +89,7 @@ from kvcc.spec.vocabulary import (
     REASON_MISS,
     REASON_NOT_ABSENT,
     REASON_NOT_COMMITTED,
+    REASON_NOT_FOUND,
     REASON_UNKNOWN_LEASE,
     SCOPE_NAMESPACE,
     SCOPES,
@@ -442,7 +443,9 @@ class MooncakeKvccAdapter(MooncakeDeployment):
         with self._lock:
             w = self._writing.get(grant.lease)
             if w is None or w.grant != grant:
-                return Refused(REASON_UNKNOWN_LEASE, "no such write in this client")
+                # Refused here without asking (as the reference client refuses a write it never
+                # stored): nothing reaches the directory, so no step of it is logged.
+                return Refused(REASON_NOT_FOUND, "no such write in this client (its node restarted, or never asked)")
             if not w.stored:
                 return Refused(REASON_NOT_COMMITTED, "no bytes were stored under this grant")
             reply, effects = self._handle(
