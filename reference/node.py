@@ -90,6 +90,7 @@ DEMOTE_INTERVAL_MS = 200
 DEMOTE_WATERMARK_DEFAULT = 0.9
 DEMOTE_BATCH = 8
 DIRECTORY_RETRY_MS = 200
+WELCOME_WAIT_S = 30.0  # a pushed Free or Copy waits this long for its connection's Hello to restore the fences
 HEARTBEAT_TIMEOUT_MS = 4 * HEARTBEAT_INTERVAL_MS  # one Ping waits this long (the next one follows anyway)
 
 
@@ -151,6 +152,9 @@ class CacheNode:
         self.tls = tls  # its server's, and its connections' to the directory
         self._dir = Client(*directory, directory_tenant, token, on_push=self._on_push, tls=tls)
         self._hello_connects = -1
+        # Set once the current directory connection's Hello restored the fences the Welcome carried:
+        # a Free or Copy the directory pushes right behind the Welcome waits for it (``_welcome_first``).
+        self._welcomed = asyncio.Event()
         # Few requests in flight per connection: each read holds its block until the reply leaves,
         # and a peer that pipelines reads and never collects them holds no more than these.
         self._server = Server(self._handle, tenants.without_nodes(), host=host, port=port, max_frame_bytes=MAX_FRAME_BYTES, limits=limits,
@@ -222,6 +226,7 @@ class CacheNode:
         if self._hello_connects == self._dir.stats["connects"]:
             return
         self._hello_connects = self._dir.stats["connects"]
+        self._welcomed.clear()
         reply = await self._dir.request(
             Hello(self.node_id, self.incarnation, self.address, self.locations, self._lost)
         )
@@ -233,6 +238,22 @@ class CacheNode:
                 await asyncio.to_thread(tier.restore_fences, fences)
             log.info("%s restored %d fences", self.node_id, len(fences))
         self._lost = ()  # reported once
+        self._welcomed.set()
+
+    async def _welcome_first(self) -> bool:
+        """Whether the directory connection's Hello has restored the fences its Welcome carried.
+        The directory sends the frees it owes a rejoining node at once, on the connection the
+        Hello came on, and the Welcome's future resolves a loop turn after the push is handled: a
+        Free applied before the fences would free under the fences from before the crash, which
+        the spec's ``restart_node`` never does (the soak's trace was REJECTED at the ``free_slot``
+        of a Free the restored fence refuses). Not welcomed in time: the push is dropped unanswered,
+        and the directory sends it again."""
+        try:
+            await asyncio.wait_for(self._welcomed.wait(), WELCOME_WAIT_S)
+        except TimeoutError:
+            log.warning("%s: a push waited %.0f s for the directory's Welcome; dropped", self.node_id, WELCOME_WAIT_S)
+            return False
+        return True
 
     async def _to_directory(self, msg: Any) -> Any:
         await self._ensure_hello()
@@ -271,6 +292,8 @@ class CacheNode:
         bytes replaced the old ones or whose own end is freed in turn; holding the ack back would
         only make the directory send it forever. The directory sends a free again until it hears
         ``Freed``, so an ack lost on the way costs one more free, nothing else."""
+        if not await self._welcome_first():
+            return
         tier = self._tier(msg.location)
         if tier is None:
             log.warning("%s: Free for a location it does not serve: %s", self.node_id, msg.location)
@@ -287,6 +310,8 @@ class CacheNode:
             await self._to_directory(Freed(msg.location, msg.key, msg.epoch))
 
     async def _copy(self, msg: Copy) -> None:
+        if not await self._welcome_first():
+            return
         dest, src = self._tier(msg.location), self._tier(msg.source)
         reason = None
         if dest is None or src is None:
