@@ -115,6 +115,7 @@ from ..wire import (
 )
 from .core import (
     COLOCATED_SEPARATOR,
+    LOCATION_SEPARATOR,
     TICKET_PENDING,
     CompleteTicket,
     CopyAt,
@@ -134,7 +135,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvcc.directory")
 
 POOL_LOCATION = "pool"  # the shared pool's location id: every node mounts it
-LOCATION_SEPARATOR = "/"  # "<node>/<tier>"
 HOME_SEPARATOR = COLOCATED_SEPARATOR  # a client id "<node>.<name>" lives next to <node>
 TIMER_SLACK_MS = 1  # sleep this much past a deadline: the core expires at deadline, not before
 # What only a client (a tenant's credential) asks: a node credential is refused each (issue 14).
