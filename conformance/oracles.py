@@ -69,6 +69,7 @@ from kvcc.spec.vocabulary import (
     REASON_STALE_EPOCH,
     REASON_UNKNOWN_LEASE,
     REASON_WRONG_GENERATION,
+    location_host,
 )
 
 from .contract import (
@@ -400,7 +401,7 @@ class Session:
         self._record("write_bytes", grant.node, {"key": grant.key.hex, "lease": grant.lease, "bytes": len(data)}, r, t0)
         fields = dict(key=grant.key, gen=grant.gen, epoch=grant.epoch, lease=grant.lease, location=grant.location,
                       writer=grant.node)  # fmt: skip
-        host = grant.location.partition("/")[0]  # a location "<host>/<tier>" logs as its host
+        host = location_host(grant.location)  # a location "<host>/<tier>" logs as its host
         if isinstance(r, Stored):
             with self.lock:
                 self.pending_bytes[(grant.key, grant.lease)] = bytes(data)
@@ -431,7 +432,7 @@ class Session:
                 del self.open_writes[grant.key]
         if expired:
             self._emit_write_expired(grant)
-        self._emit(grant.location.partition("/")[0], "free_slot", key=grant.key, epoch=grant.epoch,
+        self._emit(location_host(grant.location), "free_slot", key=grant.key, epoch=grant.epoch,
                    location=grant.location, result="ok")  # fmt: skip
 
     @_ordered
@@ -772,7 +773,7 @@ class Session:
             elif r.reason == REASON_LEASED and leased:
                 self.audit.refused_evictions_leased += 1
             location = self.copies.get(key, node)
-        if location.partition("/")[0] != node:
+        if location_host(location) != node:
             location = node
         if isinstance(r, Evicted):
             with self.lock:
@@ -815,10 +816,10 @@ class Session:
             node = args[0]
             with self.lock:
                 self.down.discard(node)
-                lost = sorted({loc for loc in self.copies.values() if loc.partition("/")[0] == node} | {node})
+                lost = sorted({loc for loc in self.copies.values() if location_host(loc) == node} | {node})
                 # The rejoin ends every write in progress to one of the node's tiers
                 # (``rules.lost_copy_invalidates``): no expiry of it is left to infer.
-                for key in [k for k, g in self.open_writes.items() if g.location.partition("/")[0] == node]:
+                for key in [k for k, g in self.open_writes.items() if location_host(g.location) == node]:
                     del self.open_writes[key]
             self._emit_dir("restart_node", rejoined=node, lost=lost)
         elif op == "restart_directory":

@@ -316,8 +316,8 @@ class CoreAdapter(Adapter):
                 case ReserveLeaseIds():
                     self._durable_lease_limit = max(self._durable_lease_limit, e.limit)
 
-    def _emit_step(self, e: Emit) -> None:
-        self._dir_log.emit(e.event, **e.fields)
+    def _emit_step(self, e: Emit, late_ns: int) -> None:
+        self._dir_log.emit(e.event, late_ns=late_ns, **e.fields)
 
     def _apply(self, effects: Sequence[Any]) -> None:
         self._carry_out(self._host.record(effects))

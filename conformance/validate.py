@@ -178,7 +178,7 @@ import os
 import pickle
 import sys
 from array import array
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from attrs import field, frozen
@@ -214,10 +214,12 @@ from kvcc.spec.properties import INVARIANTS, TRANSITION_PROPERTIES
 from kvcc.spec.vocabulary import (
     HOLDER,
     LOCATION,
+    LOCATION_SEPARATOR,
     REASON_LOCATION_DOWN,
     REASON_PARENT_NOT_COMMITTED,
     REASON_UNAUTHORIZED,
     WRITER,
+    location_host,
     taken_by,
 )
 
@@ -225,7 +227,6 @@ from ._render import RenderedWalk, ScriptError, events_from_spec_walk, render, s
 
 ACCEPTED, REJECTED, INCONCLUSIVE = "ACCEPTED", "REJECTED", "INCONCLUSIVE"
 COLOCATED_SEPARATOR = "."  # "<host>.<name>" logs as part of spec node <host> (see _Roles)
-LOCATION_SEPARATOR = "/"  # a location "<host>/<tier>" is a tier of node <host> unless said otherwise
 REJECT_CODES = (
     "malformed",  # not an object, a standard field missing or of the wrong type
     "unknown_event",  # an event name that is not a spec action a process logs
@@ -569,7 +570,8 @@ class _Shadow:
     """The directory's records as its own events tell them (phase, owner, parent, namespace), for
     what a one-key projection cannot see: chains, cascades, lease-id uniqueness."""
 
-    def __init__(self) -> None:
+    def __init__(self, host_of: Callable[[Any], str | None]) -> None:
+        self.host_of = host_of  # the node a location is a tier of (None: the pool), as _Roles places it
         self.phase: dict[str, int] = {}
         self.owner: dict[str, Any] = {}
         self.parent: dict[str, str | None] = {}
@@ -637,12 +639,13 @@ class _Shadow:
         elif name == "restart_node":
             lost = set(map(str, ev["lost"]))
             voided: list[str] = []
-            home = f"{ev['rejoined']}{LOCATION_SEPARATOR}"
+            home = ev["rejoined"]
             for k in sorted(self.phase):
                 # A committed copy the node came back without, or a write in progress to one of its
                 # tiers (``rules.lost_copy_invalidates``): the key is voided, the write aborted.
-                owner = str(self.owner.get(k))
-                if (self.phase[k] == COMMITTED and owner in lost) or (self.phase[k] == WRITING and owner.startswith(home)):
+                owner = self.owner.get(k)
+                ph = self.phase[k]
+                if (ph == COMMITTED and str(owner) in lost) or (ph == WRITING and self.host_of(owner) == home):
                     voided += [j for j in self.subtree(k) if j not in voided]
             self.void(voided)
             return voided
@@ -669,7 +672,7 @@ class _Roles:
             processes.add(ev["node"])
             loc = ev.get("location")
             if isinstance(loc, str) and LOCATION_SEPARATOR in loc:
-                named_hosts.add(loc.split(LOCATION_SEPARATOR, 1)[0])
+                named_hosts.add(location_host(loc))
             if name in HOLDER_EVENTS or name in WRITER_EVENTS:
                 raw_nodes.setdefault(ev["node"])
             if name in DIRECTORY_EVENTS:
@@ -689,7 +692,7 @@ class _Roles:
                 for lost in ev.get("lost") or ():
                     seen.setdefault(str(lost))
                     if LOCATION_SEPARATOR in str(lost):
-                        named_hosts.add(str(lost).split(LOCATION_SEPARATOR, 1)[0])
+                        named_hosts.add(location_host(str(lost)))
                 if isinstance(ev.get("rejoined"), str) and ev["rejoined"]:
                     named_hosts.add(ev["rejoined"])
             if name in LOCATION_EVENTS and loc is not None:
@@ -724,7 +727,7 @@ class _Roles:
                 hosts[loc] = host if host in self.node_index else None
         for loc in seen:
             if loc not in hosts:
-                named = loc.split(LOCATION_SEPARATOR, 1)[0]
+                named = location_host(loc)
                 hosts[loc] = loc if loc in self.node_index else (named if named in self.node_index else None)
         pools = [loc for loc in seen if hosts.get(loc) is None]
         if len(pools) > 1:
@@ -737,6 +740,7 @@ class _Roles:
                     node(h)
                     self.node_index[h] = len(self.nodes) - 1
                 tiers.setdefault(h, []).append(loc)
+        self.hosts = hosts
         self.tiers_per_node = max([1] + [len(v) for v in tiers.values()])
         self.pool = pools[0] if pools else None
         self.location_index: dict[str, int] = {}
@@ -754,6 +758,10 @@ class _Roles:
 
     def loc(self, name: Any) -> int | None:
         return None if name is None else self.location_index.get(str(name))
+
+    def host(self, location: Any) -> str | None:
+        """The node (as the trace names it) that ``location`` is a tier of; ``None``: the pool."""
+        return None if location is None else self.hosts.get(str(location))
 
 
 GHOST_AGES = ("phase_age", "owner_down_age", "orphan_age", "p_age")  # Layout fields; see _Replay
@@ -1845,7 +1853,7 @@ def _validate(events: Sequence[dict], params: TraceParams) -> Verdict:
     w0 = shapes.w0
     if w0 is None:
         return Verdict(ACCEPTED, reason="an empty trace", frontier_max=1)
-    shadow = _Shadow()
+    shadow = _Shadow(roles.host)
     per_key: dict[str, array] = {}
     counts: dict[str, dict[str, int]] = {}
     failures: list[int] = []  # indices of the global events so far

@@ -164,13 +164,13 @@ from kvcc.spec.layout import (
     ABSENT,
 )
 from kvcc.spec.model import SILENT_ACTIONS, Model
+from kvcc.spec.vocabulary import LOCATION_SEPARATOR, location_host
 from kvcc.spec.properties import INVARIANTS, TRANSITION_PROPERTIES
 
 from ._render import RenderedWalk, ScriptError, events_from_spec_walk, render, scripted_walk, spec_walk  # noqa: F401 (re-exported)
 
 ACCEPTED, REJECTED, INCONCLUSIVE = "ACCEPTED", "REJECTED", "INCONCLUSIVE"
 COLOCATED_SEPARATOR = "."  # "<host>.<name>" logs as part of spec node <host> (see _Roles)
-LOCATION_SEPARATOR = "/"  # a location "<host>/<tier>" is a tier of node <host> unless said otherwise
 REJECT_CODES = (
     "malformed",  # not an object, a standard field missing or of the wrong type
     "unknown_event",  # an event name that is not a spec action a process logs
@@ -460,7 +460,8 @@ class _Shadow:
     """The directory's records as its own events tell them (phase, owner, parent, namespace), for
     what a one-key projection cannot see: chains, cascades, lease-id uniqueness."""
 
-    def __init__(self) -> None:
+    def __init__(self, host_of: Any) -> None:
+        self.host_of = host_of  # the node a location is a tier of (None: the pool), as _Roles places it
         self.phase: dict[str, int] = {}
         self.owner: dict[str, Any] = {}
         self.parent: dict[str, str | None] = {}
@@ -528,10 +529,9 @@ class _Shadow:
         elif name == "restart_node":
             lost = set(map(str, ev["lost"]))
             voided: list[str] = []
-            home = f"{ev['rejoined']}{LOCATION_SEPARATOR}"
             for k in sorted(self.phase):
-                owner = str(self.owner.get(k))
-                if (self.phase[k] == COMMITTED and owner in lost) or (self.phase[k] == WRITING and owner.startswith(home)):
+                owner, ph = self.owner.get(k), self.phase[k]
+                if (ph == COMMITTED and str(owner) in lost) or (ph == WRITING and self.host_of(owner) == ev["rejoined"]):
                     voided += [j for j in self.subtree(k) if j not in voided]
             self.void(voided)
             return voided
@@ -551,7 +551,7 @@ class _Roles:
         # spec's node is holder, writer and locations in one.
         # A location "<host>/<tier>" names its host likewise (LOCATION_SEPARATOR).
         hosts_named = {ev["node"] for ev in events} | {
-            str(ev["location"]).split(LOCATION_SEPARATOR, 1)[0]
+            location_host(str(ev["location"]))
             for ev in events if isinstance(ev.get("location"), str) and LOCATION_SEPARATOR in ev["location"]
         }  # fmt: skip
         self._alias = {p: p.split(COLOCATED_SEPARATOR, 1)[0] for p in {ev["node"] for ev in events}
@@ -597,7 +597,7 @@ class _Roles:
                     hosts[loc] = host if host in self.node_index else None
         for loc in seen:
             if loc not in hosts:
-                named = loc.split(LOCATION_SEPARATOR, 1)[0]
+                named = location_host(loc)
                 hosts[loc] = loc if loc in self.node_index else (named if named in self.node_index else None)
         pools = [loc for loc in seen if hosts.get(loc) is None]
         if len(pools) > 1:
@@ -610,6 +610,7 @@ class _Roles:
                     node(h)
                     self.node_index[h] = len(self.nodes) - 1
                 tiers.setdefault(h, []).append(loc)
+        self.hosts = hosts
         self.tiers_per_node = max([1] + [len(v) for v in tiers.values()])
         self.pool = pools[0] if pools else None
         self.location_index: dict[str, int] = {}
@@ -624,6 +625,10 @@ class _Roles:
 
     def n(self, name: Any) -> int | None:
         return self.node_index.get(self._alias.get(name, name)) if isinstance(name, str) else None
+
+    def host(self, location: Any) -> str | None:
+        """The node (as the trace names it) that ``location`` is a tier of; ``None``: the pool."""
+        return None if location is None else self.hosts.get(str(location))
 
     def loc(self, name: Any) -> int | None:
         return None if name is None else self.location_index.get(str(name))
@@ -1113,7 +1118,7 @@ def _validate(events: Sequence[dict], params: TraceParams) -> Verdict:
         for f in ("holder", "writer", "rejoined"):
             if ev.get(f) is not None and roles.n(ev[f]) is None:
                 raise _reject(i, ev, "malformed", f"event {i}: {f} {ev[f]!r} is not a node name")
-    shadow = _Shadow()
+    shadow = _Shadow(roles.host)
     w0 = min(ev["t_wall_ns"] for ev in events)
     keys: list[str] = []
     for ev in events:

@@ -25,7 +25,10 @@ A line::
   become hex and ``bytes`` become hex text.
 
 ``EventLog.emit`` is thread-safe and writes each line in one call, flushed at once unless
-``flush_each_line=False``.
+``flush_each_line=False``. ``emit(..., late_ns=d)`` stamps a step that a timer took ``d`` ns after it
+fell due at its due time (both clocks ``d`` earlier), never before the log's previous line: the
+spec's directory timers are urgent, and a host that took one late took the step the spec takes on
+time, unobserved in between (``CoreHost.late_ns``).
 """
 
 from __future__ import annotations
@@ -100,6 +103,8 @@ class EventLog:
         self._wall_ns = wall_ns
         self._lock = threading.Lock()
         self._seq = 0
+        self._last_local_ns = 0
+        self._last_wall_ns = 0
         self._closed = False
 
     @property
@@ -115,6 +120,7 @@ class EventLog:
         epoch: int | None = None,
         lease: int | None = None,
         result: str | None = None,
+        late_ns: int = 0,
         **fields: Any,
     ) -> dict[str, Any]:
         if event not in _EVENT_SET:
@@ -132,12 +138,16 @@ class EventLog:
         with self._lock:
             if self._closed:
                 raise ProtocolViolation("emit on a closed EventLog")
+            t_local, t_wall = self._monotonic_ns(), self._wall_ns()
+            if late_ns > 0:  # back to the due time, but not before the previous line
+                t_local = max(t_local - late_ns, min(self._last_local_ns, t_local))
+                t_wall = max(t_wall - late_ns, min(self._last_wall_ns, t_wall))
             record: dict[str, Any] = {
                 "node": self.node_id,
                 "incarnation": self.incarnation,
                 "seq": self._seq + 1,
-                "t_local_ns": self._monotonic_ns(),
-                "t_wall_ns": self._wall_ns(),
+                "t_local_ns": t_local,
+                "t_wall_ns": t_wall,
                 "event": event,
                 "key": key,
                 "gen": gen,
@@ -154,6 +164,7 @@ class EventLog:
             if self.flush_each_line:
                 self._stream.flush()
             self._seq += 1
+            self._last_local_ns, self._last_wall_ns = t_local, t_wall
         return record
 
     def flush(self) -> None:

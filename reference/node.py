@@ -43,7 +43,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvcc.spec.keys import BlockKey, LocationId, NodeId
@@ -255,6 +255,11 @@ class CacheNode:
             return False
         return True
 
+    async def _after_welcome(self, handle: Callable[[Any], Awaitable[None]], msg: Any) -> None:
+        """A pushed Free or Copy, handled once the Welcome's fences are restored."""
+        if await self._welcome_first():
+            await handle(msg)
+
     async def _to_directory(self, msg: Any) -> Any:
         await self._ensure_hello()
         return await self._dir.request(msg)
@@ -262,9 +267,9 @@ class CacheNode:
     def _on_push(self, msg: Any) -> None:
         match msg:
             case Free():
-                self._spawn(self._free(msg))
+                self._spawn(self._after_welcome(self._free, msg))
             case Copy():
-                self._spawn(self._copy(msg))
+                self._spawn(self._after_welcome(self._copy, msg))
             case Revoke():
                 # A node holds no read leases itself (clients do): nothing to drop. Acknowledge
                 # anyway, so the directory is not left waiting for an expiry.
@@ -292,8 +297,6 @@ class CacheNode:
         bytes replaced the old ones or whose own end is freed in turn; holding the ack back would
         only make the directory send it forever. The directory sends a free again until it hears
         ``Freed``, so an ack lost on the way costs one more free, nothing else."""
-        if not await self._welcome_first():
-            return
         tier = self._tier(msg.location)
         if tier is None:
             log.warning("%s: Free for a location it does not serve: %s", self.node_id, msg.location)
@@ -310,8 +313,6 @@ class CacheNode:
             await self._to_directory(Freed(msg.location, msg.key, msg.epoch))
 
     async def _copy(self, msg: Copy) -> None:
-        if not await self._welcome_first():
-            return
         dest, src = self._tier(msg.location), self._tier(msg.source)
         reason = None
         if dest is None or src is None:

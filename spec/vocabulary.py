@@ -94,3 +94,12 @@ SCOPE_KEY = "key"  # one key's generation -- and, by the cascade rule, its desce
 SCOPE_PREFIX = "prefix"  # the subtree under the last key of a prefix chain
 SCOPE_NAMESPACE = "namespace"  # every key of one namespace
 SCOPES = (SCOPE_KEY, SCOPE_PREFIX, SCOPE_NAMESPACE)
+
+# -- locations ------------------------------------------------------------------------------------
+LOCATION_SEPARATOR = "/"  # a location "<node>/<tier>" is a tier of <node>; one without it (the pool) is no node's
+
+
+def location_host(location: str) -> str:
+    """The node a location is a tier of (``"n1/dram"`` -> ``"n1"``), or the location itself when it
+    names no tier (the shared pool, or a node that has one location)."""
+    return location.partition(LOCATION_SEPARATOR)[0]

@@ -39,6 +39,7 @@ from kvcc.reference.directory import (
     Send,
 )
 from kvcc.reference.directory.core import PROPOSED_EVENTS
+from kvcc.reference.directory.host import CoreHost
 from kvcc.reference.errors import PeerViolation, Unauthorized
 from kvcc.reference.events import EVENTS, EventLog, events_from_text
 from kvcc.spec import rules, vocabulary
@@ -351,6 +352,40 @@ def test_invalidation_completes_by_expiry_and_never_before(d):
     assert events(effects) == ["complete_invalidation"]
     (done,) = of(effects, CompleteTicket)
     assert (done.ticket.ticket, done.ticket.completed_by) == (started.ticket, "expiry")
+
+
+def test_timers_taken_late_step_in_due_order_each_at_its_due_time(d):
+    # The spec's timers are urgent: a host that ticks late must still take them as the spec
+    # does, earliest first, each at its own time (the log stamps them there: CoreHost.late_ns).
+    d.write(A0)
+    d.send(wire.BeginWrite("w", B0, NS_B, None, 99))  # the write lease runs out at +VIEW_MS
+    write_due = d.now + VIEW_MS
+    d.acquire(A0)
+    d.now += 5
+    d.acquire(A0, node="r2")  # its directory view ends 5 ms after the write lease
+    d.invalidate(A0)
+    effects = d.tick(dt=3 * VIEW_MS)  # the host's timer comes very late
+    steps = [(e.event, e.due_ms) for e in effects if isinstance(e, Emit)]
+    assert steps == [("expire_write_lease", write_due), ("complete_invalidation", write_due + 5)]
+    assert d.core.now_ms == d.now
+    _, effects = d.acquire(A0)  # a request's own steps are not a timer's
+    assert {e.due_ms for e in effects if isinstance(e, Emit)} <= {None}
+
+
+def test_a_late_timer_step_is_stamped_at_its_due_time_never_before_the_previous_line():
+    clock = [100]
+    log = EventLog(io.StringIO(), "directory", 1, monotonic_ns=lambda: clock[0], wall_ns=lambda: clock[0] + 7)
+    first = log.emit("grant_read_lease", key=A0)
+    clock[0] = 200
+    due = log.emit("expire_write_lease", key=A0, late_ns=50)
+    clock[0] = 300
+    later = log.emit("complete_invalidation", key=A0, late_ns=500)  # due before the line above
+    assert [(r["t_local_ns"], r["t_wall_ns"]) for r in (first, due, later)] == [(100, 107), (150, 157), (150, 157)]
+    host = CoreHost(DirectoryCore(CFG, authorize), monotonic_ns=lambda: clock[0] * 1_000_000)
+    clock[0] = 340  # the host started at 300 ms: its clock reads 40 ms
+    assert host.late_ns(Emit("expire_write_lease", {}, due_ms=25)) == 15_000_000
+    assert host.late_ns(Emit("expire_write_lease", {}, due_ms=45)) == 0  # early: never stamped later
+    assert host.late_ns(Emit("grant_read_lease", {})) == 0  # a request's step
 
 
 def test_invalidation_without_leases_completes_at_once(d):

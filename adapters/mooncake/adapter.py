@@ -254,8 +254,8 @@ class MooncakeKvccAdapter(MooncakeDeployment):
         if getattr(self, "_store", None) is not None:
             self._store.commit(durable)  # before any reply or directive of this call leaves
 
-    def _emit_step(self, e: Emit) -> None:
-        self.logs.emit(DIRECTORY_LOG, e.event, **dict(e.fields))
+    def _emit_step(self, e: Emit, late_ns: int) -> None:
+        self.logs.emit(DIRECTORY_LOG, e.event, late_ns=late_ns, **dict(e.fields))
 
     def _handle(self, msg: Any) -> tuple[Any, list]:
         """One message through the core (lock held by the caller); Emit lines are logged now, in

@@ -130,6 +130,7 @@ from kvcc.spec.vocabulary import (
     REASON_UNKNOWN_LEASE,
     REASON_WRONG_GENERATION,
     SCOPE_NAMESPACE,
+    location_host,
 )
 
 from ..errors import PeerViolation, Unauthorized
@@ -167,7 +168,6 @@ from ..wire import (
 
 NO_LEASE = 0  # lease ids start at 1, as in the spec
 COLOCATED_SEPARATOR = "."  # a holder "<node>.<name>" is a client co-located with <node>
-LOCATION_SEPARATOR = "/"  # a location "<node>/<tier>" is a tier of <node>; the shared pool has none
 FIRST_LEASE_ID = 1
 FIRST_TICKET = 1
 TICKET_PENDING = "pending"
@@ -439,10 +439,13 @@ class ReserveLeaseIds:
 @frozen(eq=False)
 class Emit:
     """One line of the protocol event log: ``EventLog.emit(event, **fields)``. ``is_spec_action``
-    is false for the ``ignore_*`` diagnostics, which a trace validator does not replay."""
+    is false for the ``ignore_*`` diagnostics, which a trace validator does not replay.
+    ``due_ms``: for a step a timer took (an expiry, a completion, a retry), the directory time it
+    fell due; ``None`` for a step a request took (see ``CoreHost.late_ns``)."""
 
     event: str
     fields: Mapping[str, Any]
+    due_ms: int | None = None
 
     @property
     def is_spec_action(self) -> bool:
@@ -498,6 +501,7 @@ class DirectoryCore:
     def _reset(self, records: Iterable[Record], next_lease_id: int, now_ms: int) -> None:
         assert next_lease_id >= FIRST_LEASE_ID
         self.now_ms = now_ms
+        self._timer_step = False  # inside _advance: the steps taken are a timer's
         self.records: dict[BlockKey, Record] = {}
         self._children: dict[BlockKey, set[BlockKey]] = {}
         self._by_namespace: dict[bytes, set[BlockKey]] = {}
@@ -632,8 +636,24 @@ class DirectoryCore:
         return effects
 
     def _advance(self, now_ms: int, effects: list[Effect]) -> None:
+        """Take every timer due by ``now_ms``, earliest first, each at the time it fell due: the
+        spec's timers are urgent (no time passes while one is due), so a timer the host took late
+        is still the step the spec took on time -- nothing observed the directory in between,
+        for every request advances the clock first. The clock steps to each due time, so what a
+        step schedules (a free's retry) counts from then, and its events carry ``due_ms``."""
         assert now_ms >= self.now_ms, f"the directory clock went back: {now_ms} < {self.now_ms}"
+        self._timer_step = True
+        try:
+            while (due := self.next_deadline_ms()) is not None and due <= now_ms:
+                self.now_ms = max(self.now_ms, due)
+                self._take_due(effects)
+        finally:
+            self._timer_step = False
         self.now_ms = now_ms
+
+    def _take_due(self, effects: list[Effect]) -> None:
+        """Every timer due at ``now_ms``."""
+        now_ms = self.now_ms
         heap = self._lease_heap
         while heap and heap[0][0] <= now_ms:
             expires_at, lease = heapq.heappop(heap)
@@ -1303,7 +1323,7 @@ class DirectoryCore:
             rec = self.records[key]
             # The owner copy (or write) is the node's own: one of its tiers, never the shared pool,
             # which every node mounts and no node's restart takes away.
-            owned = rec.owner in mine and rec.owner.partition(LOCATION_SEPARATOR)[0] == node
+            owned = rec.owner in mine and location_host(rec.owner) == node
             if owned and lost_copy_invalidates(rec.phase, True, rec.owner in lost):
                 for k in self.subtree(key):
                     if k not in seen:
@@ -1380,7 +1400,7 @@ class DirectoryCore:
         base.update(fields)
         if base.get("result") is None:
             base["result"] = "ok"
-        effects.append(Emit(event, base))
+        effects.append(Emit(event, base, self.now_ms if self._timer_step else None))
 
     def _check_effects(self, effects: list[Effect]) -> None:
         """What every call's effects must satisfy: lease ids handed out are reserved, and no free

@@ -16,8 +16,10 @@ in the order the core's docstring requires, and ``CoreHost`` is that, once:
    ``ReserveLeaseIds``): handed to ``commit`` in one call before anything of the same step is
    logged or leaves. A ``commit`` that raises stops the step there (the caller decides what a
    failed durable log means: the server stops serving).
-3. **The steps logged**: each ``Emit`` that is a spec action goes to ``emit``, in the core's order,
-   before any directive of the step leaves (a step's event is stamped before what it sends).
+3. **The steps logged**: each ``Emit`` that is a spec action goes to ``emit(Emit, late_ns)``, in
+   the core's order, before any directive of the step leaves (a step's event is stamped before
+   what it sends). ``late_ns`` is how long after its due time a timer's step was taken: the log
+   stamps it back to then (``late_ns``).
 4. **The directives** (``Send``, ``FreeAt``, ``CopyAt``, ``CompleteTicket``) come back in order
    from ``record`` / ``handle`` / ``tick``: how one travels -- a push on a connection, a call in
    the same process, a queue to a thread -- is all that differs between the hosts, so each
@@ -42,14 +44,15 @@ from .core import DURABLE_EFFECTS, DirectoryCore, Effect, Emit
 class CoreHost:
     """``CoreHost(core, *, commit=None, emit=None, monotonic_ns=time.monotonic_ns)`` (see the
     module docstring). ``commit(durable_effects)``: make them durable (``None``: nothing is);
-    ``emit(Emit)``: log one spec action (``None``: nothing is logged)."""
+    ``emit(Emit, late_ns)``: log one spec action, stamped ``late_ns`` earlier (``None``:
+    nothing is logged)."""
 
     def __init__(
         self,
         core: DirectoryCore,
         *,
         commit: Callable[[list[Effect]], Any] | None = None,
-        emit: Callable[[Emit], Any] | None = None,
+        emit: Callable[[Emit, int], Any] | None = None,
         monotonic_ns: Callable[[], int] = time.monotonic_ns,
     ) -> None:
         self.core = core
@@ -60,6 +63,15 @@ class CoreHost:
 
     def now_ms(self) -> int:
         return (self._monotonic_ns() - self._start_ns) // 1_000_000
+
+    def late_ns(self, e: Emit) -> int:
+        """How long after it fell due the host took the timer step ``e`` logs (0 for a step a
+        request took, or one taken on time): the event log stamps it that much earlier, at its
+        due time, as the spec takes it (``EventLog.emit(late_ns=...)``; the log never stamps
+        before its previous line)."""
+        if e.due_ms is None:
+            return 0
+        return max(0, self._monotonic_ns() - self._start_ns - e.due_ms * 1_000_000)
 
     def restart(self, core: DirectoryCore, *, new_clock: bool = False) -> None:
         """Host ``core`` from now on (a directory restarted on its durable log); with
@@ -77,7 +89,7 @@ class CoreHost:
         for e in effects:
             if type(e) is Emit:
                 if e.is_spec_action and self._emit is not None:
-                    self._emit(e)
+                    self._emit(e, self.late_ns(e))
             elif not isinstance(e, DURABLE_EFFECTS):
                 directives.append(e)
         return directives

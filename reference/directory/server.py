@@ -77,7 +77,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvcc.spec.keys import BlockKey, LocationId, NodeId
-from kvcc.spec.vocabulary import REASON_NOT_FOUND
+from kvcc.spec.vocabulary import LOCATION_SEPARATOR, REASON_NOT_FOUND, location_host
 
 from ..errors import PeerViolation, Unauthorized
 from ..events import EventLog
@@ -115,7 +115,6 @@ from ..wire import (
 )
 from .core import (
     COLOCATED_SEPARATOR,
-    LOCATION_SEPARATOR,
     TICKET_PENDING,
     CompleteTicket,
     CopyAt,
@@ -157,7 +156,7 @@ def node_of(location: LocationId) -> NodeId | None:
     """The node serving ``location`` (``None`` for the shared pool: any node can)."""
     if location == POOL_LOCATION:
         return None
-    return NodeId(location.split(LOCATION_SEPARATOR, 1)[0])
+    return NodeId(location_host(location))
 
 
 def rendezvous_placement(nodes: Callable[[], dict[NodeId, tuple[LocationId, ...]]]) -> Callable:
@@ -567,13 +566,13 @@ class DirectoryServer:
             raise
         self.stats["commits"] += 1
 
-    def _emit_step(self, e: Emit) -> None:
+    def _emit_step(self, e: Emit, late_ns: int) -> None:
         # A retry to a location no connected node serves is not sent (its FreeAt, with the
         # directives, is lost): no step to log -- the spec retries only to a location that is up.
         # The core tries again later, and at once when the node is back.
         unsent = e.event == "retry_free" and self._serving_node(e.fields["location"]) is None
         if self.events is not None and not unsent:
-            self.events.emit(e.event, **dict(e.fields))
+            self.events.emit(e.event, late_ns=late_ns, **dict(e.fields))
 
     def _apply(self, effects: list[Effect]) -> None:
         # The host commits the durable effects, then logs the steps; then the directives leave: a
