@@ -575,3 +575,21 @@ _OVERWRITES = (
              covers={"overwrite", "caching", "trace_complete"}),
 )  # fmt: skip
 _append(_OVERWRITES)
+
+
+# -- a commit racing an invalidation (KVCC-INVAL-014) -------------------------------------------------
+# What a directory gets wrong that updates a key's record by read-modify-write with no revision
+# check: an invalidation landing inside a commit is undone when the commit writes its record back
+# (``CommitLostUpdateAdapter``). Only a race shows it: every sequential test sees whole commits.
+RULES = RULES + ("commit_race",)
+_COMMIT_RACES = (
+    TestCase("KVCC-INVAL-014", "A commit racing an invalidation",
+             "A fresh block's commit and an invalidation of its key, sent together from two nodes nine times with "
+             "the invalidation starting from just before to well after the commit, MUST each end as one of the two "
+             "orders: the invalidation counted the block (its ticket's keys) and, once it completed, no node is "
+             "granted the block and lookup does not count it; or it did not count it and a commit that was accepted "
+             "reads back exactly on another node. An invalidation MUST NOT count a block whose commit was refused.",
+             "invalidation", ("NoStaleRead", "NoDirtyRead", "CommittedBytesIntact", "InvalidationCompletesInTime"),
+             "3,4,6", "commit_racing_invalidation", covers={"commit_race", "caching", "trace_complete"}),
+)  # fmt: skip
+_append(_COMMIT_RACES)

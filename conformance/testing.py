@@ -928,10 +928,38 @@ class WriteOnceAdapter(CoreAdapter):
         return super()._location_write(loc, grant, first if len(first) == len(data) else data)
 
 
+class CommitLostUpdateAdapter(CoreAdapter):
+    """Its directory commits by read-modify-write without holding the key's record in between, as
+    a store updated with no revision check does: the commit lands, and ``commit_window_s`` later
+    (a tenth of a term) the record as the commit left it is written back whole. An invalidation
+    that voided the key in between is undone: the voided generation is COMMITTED again after its
+    invalidation completed, granted and counted by lookup, its bytes already freed (breaks
+    protocol property 6; the reference's core refuses such a write: generations never decrease).
+    Only an invalidation racing a commit shows it."""
+
+    name = "bad-commit-lost-update"
+    BROKEN_RULE = "commit_race"
+
+    def commit(self, grant):
+        r = super().commit(grant)
+        if not isinstance(r, Committed):
+            return r
+        with self._lock:
+            written = self._core.records[grant.key]
+        time.sleep(self._ctx.lease_term_ms / 10_000)
+        with self._lock:
+            now = self._core.records[grant.key]
+            if (now.phase, now.gen) != (written.phase, written.gen):
+                # Written back over the core's own guard (generations never decrease), as a store
+                # without one would: every index of the record is as the invalidation left it.
+                self._core.records[grant.key] = attrs.evolve(written, to_free=now.to_free)
+        return r
+
+
 KNOWN_BAD: tuple[type[CoreAdapter], ...] = (
     StaleReadAdapter, NoFencingAdapter, EvictsLeasedAdapter, NeverCachesAdapter, NeverEvictsAdapter,
     ReusedLeaseIdsAdapter, EarlyCompletionAdapter, TrustsExpiredAdapter, TrustsPastSkewAdapter,
-    SilentReadsAdapter, NeverFreesAdapter, NeverAcksFreesAdapter, WriteOnceAdapter,
+    SilentReadsAdapter, NeverFreesAdapter, NeverAcksFreesAdapter, WriteOnceAdapter, CommitLostUpdateAdapter,
 )  # fmt: skip
 
 

@@ -1768,3 +1768,92 @@ def rewrite_racing_readers(s: Session) -> None:
 
 
 BODIES["rewrite_racing_readers"] = rewrite_racing_readers
+
+
+# -- a commit racing an invalidation (KVCC-INVAL-014) -----------------------------------------------
+
+# Where the invalidation starts, as a fraction of a lease term after the commit started (negative:
+# before it): the moment a commit lands at the directory is the adapter's own, so the rounds spread
+# the invalidation over the commit's whole call, from just before it to well after it landed.
+COMMIT_RACE_OFFSETS = (-0.01, 0.0, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08)
+
+
+def _race(first: Callable[[], object], second: Callable[[], object], delay_s: float) -> tuple[object, object]:
+    """Run ``first`` and, ``delay_s`` after it started, ``second`` -- each on its own thread,
+    released together -- and return both answers (an exception in either is raised here)."""
+    answers: list[object] = [None, None]
+    errors: list[BaseException] = []
+    go = threading.Barrier(2)
+
+    def run(i: int, call: Callable[[], object], wait_s: float) -> None:
+        try:
+            go.wait()
+            if wait_s > 0:
+                time.sleep(wait_s)
+            answers[i] = call()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(0, first, 0.0), daemon=True),
+               threading.Thread(target=run, args=(1, second, delay_s), daemon=True)]  # fmt: skip
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return answers[0], answers[1]
+
+
+def commit_racing_invalidation(s: Session) -> None:
+    """A fresh block's commit and an invalidation of its key, sent at once from two nodes, round
+    after round with the invalidation a little earlier or later each time. Whatever the order the
+    directory took them in, the outcome MUST be one of the two orders: the invalidation counted
+    the block (the commit landed first) and, once complete, no node is granted it and lookup does
+    not count it; or it did not (it came first, the block was only being written) and the commit,
+    if accepted, reads back exactly. An invalidation that counted a block whose commit was
+    refused, a block acknowledged and then lost, or a voided block granted again fail."""
+    w = s.nodes[0]
+    other = reader(s, w)
+    for offset in COMMIT_RACE_OFFSETS:
+        key = chain(s, 1)[0]
+        g = s.begin_write(w, s.ns, key, None)
+        s.check(isinstance(g, WriteGrant), "write", f"begin_write of a fresh key refused: {g}")
+        data = s.payload()
+        s.check(isinstance(s.write_bytes(g, data), Stored), "write", "write_bytes under a fresh grant refused")
+        delay_s = abs(offset) * s.lease_term_ms / 1000
+        commit = lambda g=g: s.commit(g)  # noqa: E731
+        invalidate = lambda key=key: s.invalidate(other, s.ns, "key", key)  # noqa: E731
+        if offset < 0:
+            ticket, c = _race(invalidate, commit, delay_s)
+        else:
+            c, ticket = _race(commit, invalidate, delay_s)
+        counted = ticket.keys > 0
+        committed = isinstance(c, Committed)
+        s.check(committed or not counted, "NoDirtyRead",
+                f"an invalidation counted {ticket.keys} block(s) of a key whose only commit was refused ({c})")  # fmt: skip
+        wait_done(s, ticket, [key] if counted else [])
+        where = f"(the invalidation started {offset * s.lease_term_ms:+.1f} ms after the commit)"
+        if counted:
+            n = s.lookup(other, s.ns, [key])
+            s.check(n == 0, "NoStaleRead", f"lookup counted a block its completed invalidation had counted {where}")
+            for node in (w, other):
+                got = s.acquire(node, s.ns, key)
+                if isinstance(got, ReadGrant):
+                    s.release(got)
+                s.check(not isinstance(got, ReadGrant), "NoStaleRead",
+                        f"generation {got.gen if isinstance(got, ReadGrant) else '?'} was granted on {node} after the "
+                        f"invalidation that counted it completed {where}")  # fmt: skip
+        elif committed:
+            read_back(s, other, key, data, f"a block committed after a racing invalidation that did not count it {where}")
+            s.check(s.lookup(w, s.ns, [key]) == 1, "caching",
+                    f"lookup did not count a block committed after a racing invalidation {where}")  # fmt: skip
+        else:
+            got = s.acquire(other, s.ns, key)
+            if isinstance(got, ReadGrant):
+                s.release(got)
+            s.check(not isinstance(got, ReadGrant), "LeasesGrantedOnlyOnCommitted",
+                    f"a block whose commit was refused ({c}) was granted {where}")  # fmt: skip
+
+
+BODIES["commit_racing_invalidation"] = commit_racing_invalidation
