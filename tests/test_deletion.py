@@ -11,7 +11,10 @@ node itself, with no lease (``raw_read``): the bytes its tier would serve for (k
   directory frees the slot's epoch;
 - (c) a COMMITTED key whose owner node is killed stops being leased once the directory knows
   the node is down, and becomes writable again (on another node) once the leases on its lost
-  copy were acknowledged or ran out.
+  copy were acknowledged or ran out;
+- (d) an invalidation racing a tier transfer (issue 14): whichever lands first, once the
+  invalidation completes neither the source tier nor the transfer's destination serves the
+  voided generation, nothing finds or leases it, and the trace is ACCEPTED.
 
 Nothing asserts how long anything took: each check waits (up to ``UNTIL_S``, never reached
 unless broken) for a state to be reached.
@@ -22,6 +25,8 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -57,12 +62,12 @@ def cluster(tmp_path, **kw) -> LocalCluster:
     return LocalCluster(tmp_path / "cluster", namespaces=[NS], **kw)
 
 
-def raw_read(cl: LocalCluster, node: str, key, gen: int) -> bytes | None:
-    """What ``node``'s NVMe tier would serve for (key, gen), asked with no lease at all."""
+def raw_read(cl: LocalCluster, node: str, key, gen: int, tier: str = "nvme") -> bytes | None:
+    """What ``node``'s ``tier`` would serve for (key, gen), asked with no lease at all."""
 
     async def go():
         async with Client("127.0.0.1", int(cl.procs[node].info["port"]), ENGINE_TENANT, cl.engine_token) as c:
-            return await c.request(ReadBytes("probe", key, 1, f"{node}/nvme", gen))
+            return await c.request(ReadBytes("probe", key, 1, f"{node}/{tier}", gen))
 
     reply = asyncio.run(go())
     if type(reply) is ReadRefused:
@@ -177,3 +182,54 @@ def test_c_a_killed_owners_keys_stop_being_leased_and_become_writable_elsewhere(
         cl.restart("n1")
         until("n1 registered again", lambda: registered(other, "n1"))
         until("the voided generation's bytes left n1", lambda: raw_read(cl, "n1", key, lease.gen) is None)
+
+
+# -- (d) an invalidation racing a tier transfer -----------------------------------------------------------
+
+TRANSFER_RACE_OFFSETS_S = (0.0, 0.001, 0.002, 0.004, 0.008, 0.016)  # the invalidation after the transfer
+
+
+def test_d_an_invalidation_racing_a_tier_transfer_leaves_no_copy_at_either_end(tmp_path):
+    from test_identities import _ask  # a request under a node's own credential (only nodes move blocks)
+
+    from kvcc.conformance.validate import ACCEPTED, TraceParams, validate_trace
+    from kvcc.reference.wire import Lookup, Transfer, TransferRefused, TransferStarted
+
+    with cluster(tmp_path, nodes=1, tiers=("dram=8MiB", "nvme=8MiB")) as cl:
+        w = cl.client("n1.engine")  # co-located with n1: its blocks land on n1's DRAM
+        outcomes = []
+        for i, offset_s in enumerate(TRANSFER_RACE_OFFSETS_S):
+            key = chain_keys(NS, [40 + i] * NS.block_tokens)[0]
+            data = payload(f"moving-{i}", BLOCK_BYTES)
+            assert isinstance(w.put(NS, key, None, data), Committed)
+            lease = w.acquire(NS, key)
+            assert not isinstance(lease, Refused) and lease.location == "n1/dram", lease
+            w.release(lease)
+            moved: list = []
+            go = threading.Barrier(2)
+
+            def move(key=key):
+                go.wait()
+                moved.append(_ask(cl, "n1", Transfer("n1", key, "n1/nvme")))
+
+            mover = threading.Thread(target=move)
+            mover.start()
+            go.wait()
+            time.sleep(offset_s)
+            done = w.wait(w.invalidate(NS, "key", key), UNTIL_S)
+            mover.join()
+            assert done, "the invalidation did not complete"
+            assert type(moved[0]) in (TransferStarted, TransferRefused), moved
+            outcomes.append(type(moved[0]).__name__)
+            # Once complete: nothing finds or leases the voided generation, and neither end of the
+            # transfer serves its bytes (a Copy landing after the destination's free is fenced there).
+            assert _ask(cl, ENGINE_TENANT, Lookup(NS.digest(), (key,))).blocks_matched == 0
+            got = w.acquire(NS, key)
+            assert isinstance(got, Refused), got
+            for tier in ("dram", "nvme"):
+                until(f"the voided generation's bytes left n1/{tier} (round {i})",
+                      lambda tier=tier, key=key: raw_read(cl, "n1", key, lease.gen, tier) is None)  # fmt: skip
+        print(f"transfers: {outcomes}")
+        events = sorted(cl.events(), key=lambda e: (e["t_wall_ns"], e["node"], e["seq"]))
+        verdict = validate_trace(events, TraceParams(TERM_MS, SKEW_MS, locations={"n1/dram": "n1", "n1/nvme": "n1"}))
+        assert verdict.status == ACCEPTED, verdict.to_json()
