@@ -38,9 +38,11 @@ target (alone: it fills the server's connection table):
 5. **flood**: ``FLOOD_CONNECTIONS`` connections (the server's ``MAX_CONNECTIONS_DEFAULT`` and
    more) opened and held idle, unauthenticated, for ``FLOOD_HOLD_S``; then closed, and the time
    until a legitimate client connects and is answered is ``flood_recovery_ms``.
-6. **replay**: the recorded frames on a new connection: a whole recorded conversation (a
-   read-only one must be answered exactly as it was; the write -- ``BeginWrite`` and ``Commit``,
-   ``WriteBytes`` -- must change nothing), a later frame of one alone, its first frame twice.
+6. **replay**: the recorded frames on a new connection: a whole recorded conversation (its
+   opening ``Ping`` is answered, and nothing after it: every later frame was keyed by the old
+   connection's session key, so it is refused as ``unauthorized`` and the write -- ``BeginWrite``
+   and ``Commit``, ``WriteBytes`` -- changes nothing), a later frame of one alone (refused: no
+   session key), its first frame twice (``replayed``).
 
 An attack's outcome is ``typed_error`` (a final ``Error`` came back: its code is counted),
 ``answered`` (replies that are not a final ``Error``), ``closed`` (the server closed without a
@@ -56,7 +58,7 @@ Invariants (exit 1 names each one broken)
   the real client reads back exactly the committed blocks (same generation, same bytes);
 - memory bounded: each process's ``VmRSS`` grew by at most ``RSS_GROWTH_LIMIT_BYTES``;
 - no garbled answer, no ``internal`` error, no broken input answered as if valid, every probe
-  answered, a recorded read-only conversation answered as it was, and every flood recovered
+  answered, no recorded conversation answered past its opening Ping, and every flood recovered
   within ``FLOOD_RECOVERY_DEADLINE_S``.
 
 Exit code: 0 all held, 1 an invariant broke (or the deployment did not start), 2 bad input.
@@ -89,10 +91,12 @@ from kvcc.reference.wire import (
     MAX_FRAME_BYTES,
     MAX_LOOKUP_KEYS,
     MAX_UNAUTHENTICATED_FRAME_BYTES,
+    SESSION_NONCE_BYTES,
     BeginWrite,
     Commit,
     Committed,
     Evict,
+    FrameDecoder,
     Invalidate,
     ListNodes,
     Lookup,
@@ -108,6 +112,7 @@ from kvcc.reference.wire import (
     encode_envelope,
     encode_frame,
     frame_mac,
+    session_key,
 )
 from kvcc.spec.keys import BlockKey, Namespace, cbor_decode, cbor_encode, chain_keys
 
@@ -157,13 +162,12 @@ class Credential(NamedTuple):
 
 
 class Conversation(NamedTuple):
-    """Frames a legitimate raw session sent on one connection, the replies it got, and whether
-    replaying them must bring the same replies (a read-only conversation)."""
+    """Frames a legitimate raw session sent on one connection (its opening Ping first) and the
+    replies it got."""
 
     credential: Credential
     frames: tuple[bytes, ...]
     replies: tuple[Any, ...]
-    read_only: bool
 
 
 class Outcome(NamedTuple):
@@ -201,6 +205,7 @@ class RawConnection:
     async def ask(self, msg: Any) -> Any:
         if self._streams is None:
             self._streams = await asyncio.open_connection("127.0.0.1", self.port)
+            await self.ask(Ping(0))  # a connection opens with a Ping, whose Pong keys the session
         reader, writer = self._streams
         frame = self.session.send(msg)
         writer.write(frame)
@@ -214,8 +219,8 @@ class RawConnection:
                 self.replies.append(r.msg)
                 return r.msg
 
-    def recording(self, read_only: bool) -> Conversation:
-        return Conversation(self.credential, tuple(self.frames), tuple(self.replies), read_only)
+    def recording(self) -> Conversation:
+        return Conversation(self.credential, tuple(self.frames), tuple(self.replies))
 
     async def close(self) -> None:
         if self._streams is not None:
@@ -295,11 +300,11 @@ class Deployment:
         reads = RawConnection(engine, ports["directory"].port, MAX_CONTROL_FRAME_BYTES)
         await reads.ask(Lookup(self.namespace.digest(), tuple(self.keys)))
         await reads.ask(ListNodes(0))
-        self.recordings = {"directory": [reads.recording(True), writes.recording(False)]}
+        self.recordings = {"directory": [reads.recording(), writes.recording()]}
         for name in self.cluster.node_ids:
             fetch = RawConnection(engine, ports[name].port, MAX_FRAME_BYTES)
             await fetch.ask(ReadBytes(CLIENT_ID, key, granted.lease, granted.location, granted.gen))
-            self.recordings[name] = [fetch.recording(True)] + ([stores.recording(False)] if name == node else [])
+            self.recordings[name] = [fetch.recording()] + ([stores.recording()] if name == node else [])
             await fetch.close()
         for c in (writes, stores, reads):
             await c.close()
@@ -400,11 +405,14 @@ def tracebacks(d: Deployment) -> dict[str, int]:
 
 
 def seal(credential: Credential, body: bytes, max_frame_bytes: int, *, seq: int = 1, re: int = 0,
-         tenant: str | None = None, direction: str = "c2s") -> bytes:  # fmt: skip
-    """A frame around ``body`` with a MAC under ``credential``'s token (``tenant``: the name the
-    envelope claims, by default the credential's own)."""
-    mac = frame_mac(credential.token, direction, credential.tenant, seq, re, body)
-    return encode_frame(encode_envelope(tenant or credential.tenant, seq, re, mac, body), max_frame_bytes)
+         tenant: str | None = None, direction: str = "c2s", key: bytes | None = None) -> bytes:  # fmt: skip
+    """A frame around ``body`` (``tenant``: the name the envelope claims, by default the
+    credential's own): a first frame (seq 1) with a fresh nonce and a MAC under the credential's
+    token; a later one with a MAC under the session ``key`` (by default the token: refused)."""
+    nonce = random.randbytes(SESSION_NONCE_BYTES) if seq == 1 else None
+    mac = frame_mac(key if key is not None and seq != 1 else credential.token, direction, credential.tenant, seq, re,
+                    body, nonce)  # fmt: skip
+    return encode_frame(encode_envelope(tenant or credential.tenant, seq, re, mac, body, nonce), max_frame_bytes)
 
 
 def _frame(payload: bytes) -> bytes:
@@ -412,11 +420,25 @@ def _frame(payload: bytes) -> bytes:
     return len(payload).to_bytes(4, "big") + payload
 
 
+def _first_nonce(chunks: Sequence[bytes]) -> bytes | None:
+    """The nonce of the first frame in ``chunks``, if they begin with a whole valid one: the
+    server keys its later frames with it, so the reader of its answers must use it too."""
+    try:
+        frames = FrameDecoder(MAX_FRAME_BYTES).feed(b"".join(chunks[:1]))
+        env = cbor_decode(frames[0]) if frames else None
+    except (PeerViolation, ValueError, IndexError):
+        return None
+    nonce = env.get("nonce") if type(env) is dict else None
+    return nonce if type(nonce) is bytes and len(nonce) == SESSION_NONCE_BYTES else None
+
+
 async def _collect(reader: asyncio.StreamReader, credential: Credential, sent: int, expect: int,
-                   wait_s: float) -> Outcome:  # fmt: skip
+                   wait_s: float, decoder: Session | None = None) -> Outcome:  # fmt: skip
     """Read the server's answer: until a final Error, ``expect`` replies, EOF or ``wait_s``.
-    ``sent`` frames went out, so replies may name seqs up to it."""
-    decoder = Session.client(*credential)
+    ``sent`` frames went out, so replies may name seqs up to it; ``decoder``: the session that
+    opened the connection (else a new one)."""
+    if decoder is None:
+        decoder = Session.client(*credential)
     decoder.last_sent_seq = sent  # the frames were sealed elsewhere; replies name their seqs
     replies: list[Any] = []
     deadline = asyncio.get_running_loop().time() + wait_s
@@ -443,11 +465,29 @@ async def _collect(reader: asyncio.StreamReader, credential: Credential, sent: i
 
 
 async def exchange(port: int, chunks: Sequence[bytes], credential: Credential, *, sent: int = 1, expect: int = 0,
-                   pace_s: float = 0.0, wait_s: float = ANSWER_WAIT_S) -> Outcome:  # fmt: skip
+                   pace_s: float = 0.0, wait_s: float = ANSWER_WAIT_S, keyed: Sequence[bytes] = ()) -> Outcome:  # fmt: skip
     """One attack connection: write ``chunks`` (``pace_s`` apart), stopping early once the
-    server answered or closed, and return what came back."""
+    server answered or closed, and return what came back. With ``keyed`` bodies, the
+    connection is opened first as a client opens it (a Ping, the server's Pong, whose nonce
+    keys the session), and each body follows sealed under the session key, seq 2 on."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    answer = asyncio.ensure_future(_collect(reader, credential, sent, expect, wait_s + pace_s * len(chunks)))
+    decoder = Session.client(*credential)
+    if keyed:
+        writer.write(decoder.send(Ping(0)))
+        await writer.drain()
+        opening: list[Any] = []
+        while not decoder.keyed:
+            async with asyncio.timeout(wait_s):
+                data = await reader.read(1 << 20)
+            if not data:
+                writer.transport.abort()
+                return Outcome("closed")
+            opening += [r.msg for r in decoder.receive_data(data)]
+        key = session_key(credential.token, decoder.nonce, decoder.peer_nonce)
+        chunks = [seal(credential, body, MAX_FRAME_BYTES, seq=2 + i, key=key) for i, body in enumerate(keyed)]
+    else:
+        decoder.nonce = _first_nonce(chunks) or decoder.nonce
+    answer = asyncio.ensure_future(_collect(reader, credential, sent, expect, wait_s + pace_s * len(chunks), decoder))
     try:
         for chunk in chunks:
             if answer.done():
@@ -572,18 +612,17 @@ def _broken_envelope_frame(msg: Any, credential: Credential, other: Credential, 
 
 class Attack(NamedTuple):
     """One attack's connection plan (``exchange``'s arguments) and what its answer must be:
-    ``expect`` replies at least, a final Error of ``expect_code``, the replies of ``conv`` (a
-    recorded read-only conversation replayed whole)."""
+    ``expect`` replies at least, a final Error of ``expect_code``."""
 
     chunks: tuple[bytes, ...]
     credential: Credential
     sent: int = 1
     expect: int = 0
     expect_code: str | None = None
-    conv: Conversation | None = None
     pace_s: float = 0.0
     wait_s: float = ANSWER_WAIT_S
     opened: bool = False  # the first chunk is an authenticated Ping (``_opening``): its Pong is no answer
+    keyed: tuple[bytes, ...] = ()  # bodies sent under the session key once opened (``exchange``)
 
 
 def random_attack(d: Deployment, target: Target, rng: random.Random) -> Attack:
@@ -633,9 +672,10 @@ def oversized_attack(d: Deployment, target: Target, rng: random.Random, big_done
         body = cbor_encode({"kind": "WriteBytes", "node": "fuzz", "key": bytes(32), "lease": 1,
                             "location": f"{target.name}/dram", "gen": 0, "epoch": 1,
                             "data": bytes(MAX_BLOCK_BYTES + 1)})  # fmt: skip
-    # After an authenticated Ping: before one, nothing above MAX_UNAUTHENTICATED_FRAME_BYTES is read.
-    return Attack((_opening(credential, limit), seal(credential, body, limit, seq=2)), credential, sent=2,
-                  expect_code="malformed", wait_s=EXPECT_WAIT_S, opened=True)  # fmt: skip
+    # After the opening exchange, under the session key: before a frame authenticated, nothing
+    # above MAX_UNAUTHENTICATED_FRAME_BYTES is read; after, the body itself is refused.
+    return Attack((), credential, sent=2, expect_code="malformed", wait_s=EXPECT_WAIT_S, opened=True,
+                  keyed=(body,))  # fmt: skip
 
 
 def _first_frame_code(frame: bytes) -> str:
@@ -676,17 +716,19 @@ def slow_attack(d: Deployment, target: Target, rng: random.Random) -> Attack:
 
 
 def replay_attack(d: Deployment, target: Target, rng: random.Random) -> Attack:
-    """A recorded conversation replayed on a new connection: whole (every frame answered; a
-    read-only one exactly as it was), a later frame alone, or its first frame twice (both
-    refused as ``replayed``)."""
+    """A recorded conversation replayed on a new connection: whole (its opening Ping answered,
+    then refused as ``unauthorized``: the later frames were keyed by the recorded connection's
+    session key), a later frame alone (``unauthorized``: no session key yet), or its first frame
+    twice (``replayed``). Before session keys, the whole replay was answered frame by frame: a
+    read after its lease had ended returned the block, a replayed write changed state."""
     conv = rng.choice(d.recordings[target.name])
     how = rng.choice(("whole", "later_alone", "first_twice"))
     n = len(conv.frames)
     if how == "whole":
-        return Attack(conv.frames, conv.credential, sent=n, expect=n, conv=conv if conv.read_only else None,
-                      wait_s=EXPECT_WAIT_S)  # fmt: skip
+        return Attack(conv.frames, conv.credential, sent=n, expect_code="unauthorized", wait_s=EXPECT_WAIT_S,
+                      opened=True)  # fmt: skip
     if how == "later_alone" and n > 1:
-        return Attack((conv.frames[-1],), conv.credential, sent=n, expect_code="replayed", wait_s=EXPECT_WAIT_S)
+        return Attack((conv.frames[-1],), conv.credential, sent=n, expect_code="unauthorized", wait_s=EXPECT_WAIT_S)
     return Attack((conv.frames[0], conv.frames[0]), conv.credential, expect_code="replayed", wait_s=EXPECT_WAIT_S)
 
 
@@ -750,14 +792,13 @@ class Run:
             self.problem(f"{where}: {attack.expect} valid frames, {len(outcome.replies)} answered ({outcome.outcome})")
         if attack.expect_code is not None and outcome.code != attack.expect_code:
             self.problem(f"{where}: expected Error({attack.expect_code}), got {outcome.outcome} {outcome.code or ''}")
-        if attack.conv is not None and outcome.replies != attack.conv.replies:
-            self.problem(f"{where}: a recorded read-only conversation answered differently: {outcome.replies!r}"[:300])
 
 
 async def _one(run: Run, kind: str, target: Target, attack: Attack) -> None:
     try:
         outcome = await exchange(target.port, attack.chunks, attack.credential, sent=attack.sent,
-                                 expect=attack.expect, pace_s=attack.pace_s, wait_s=attack.wait_s)  # fmt: skip
+                                 expect=attack.expect, pace_s=attack.pace_s, wait_s=attack.wait_s,
+                                 keyed=attack.keyed)  # fmt: skip
     except OSError as e:
         run.problem(f"{kind} attack on {target.name}: could not connect: {e}")
         outcome = Outcome("closed")

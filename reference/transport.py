@@ -1091,11 +1091,11 @@ class Client:
 
     async def _connection(self) -> _ClientConnection:
         conn = self._conn
-        if conn is not None and conn.failure is None:
+        if conn is not None and conn.failure is None and conn.session.keyed:
             return conn
         async with self._connect_lock:
             conn = self._conn
-            if conn is not None and conn.failure is None:
+            if conn is not None and conn.failure is None and conn.session.keyed:
                 return conn
             if self._closed:
                 raise ConnectionFailed("the client is closed", code="closed")
@@ -1121,13 +1121,21 @@ class Client:
             conn = self._conn = _ClientConnection(self, reader, writer)
             self.stats["connects"] += 1
             # Every connection opens with a Ping: it authenticates the session before anything
-            # larger than MAX_UNAUTHENTICATED_FRAME_BYTES (a block) may follow. Its Pong is
-            # awaited by no one (frames are taken in order: the next request may go at once).
+            # larger than MAX_UNAUTHENTICATED_FRAME_BYTES (a block) may follow, and its Pong --
+            # the server's first frame -- brings the server's nonce: every later frame is keyed
+            # by both nonces (the session key), so nothing else may leave before it is back.
             opening = asyncio.get_running_loop().create_future()
             opening.add_done_callback(_forget)
             frame = conn.session.send(Ping(0))
             conn.pending[conn.session.last_sent_seq] = opening
             writer.write(frame)
+            try:
+                async with asyncio.timeout(self.connect_timeout_ms / 1000):
+                    await asyncio.shield(opening)
+            except TimeoutError:
+                conn.fail(ConnectionFailed(f"{where} did not answer the opening Ping", code="timeout"))
+                conn.reader_task.cancel()  # and the socket closes
+                raise TimeoutError_(f"the opening Ping to {where}", self.connect_timeout_ms) from None
             return conn
 
     async def request(self, msg: Any, *, timeout_ms: int | None = None) -> Any:

@@ -10,7 +10,10 @@ attack made with raw sockets as an outsider would. Each test failed before the l
   idle timer);
 - one tenant cannot hold more than its quota of connections, and the others still connect;
 - a peer that pipelines reads and never collects the replies is closed once it has not read them
-  in time, and the node serves others meanwhile.
+  in time, and the node serves others meanwhile;
+- a recorded connection replayed whole on a new one, after its lease ended, gets its opening Pong
+  and nothing else: the read is refused as ``unauthorized`` (every frame after a connection's
+  opening Ping is keyed by both sides' fresh nonces). Before session keys it returned the block.
 """
 
 from __future__ import annotations
@@ -58,6 +61,18 @@ def _connect(port: int) -> socket.socket:
     s = socket.create_connection(("127.0.0.1", port), timeout=WAIT_S)
     s.settimeout(WAIT_S)
     return s
+
+
+def _opened(s: socket.socket, credential: tuple[str, bytes]) -> Session:
+    """A session on ``s`` past the opening exchange, as ``Client`` opens one: our Ping, the
+    server's Pong (its first frame, whose nonce keys the session for every later frame)."""
+    session = Session.client(*credential)
+    s.sendall(session.send(Ping(0)))
+    while not session.keyed:
+        data = s.recv(1 << 16)
+        assert data, "the server closed before its opening Pong"
+        session.receive_data(data)
+    return session
 
 
 def _until_closed(s: socket.socket, credential: tuple[str, bytes] | Session) -> list:
@@ -117,8 +132,7 @@ def test_idle_unauthenticated_sockets_are_closed_and_cannot_lock_a_node_out(clus
 def test_a_sender_that_trickles_a_frame_is_closed(cluster):
     s = _connect(_port(cluster, "n1"))
     with s:
-        session = Session.client(*_engine(cluster))
-        s.sendall(session.send(Ping(1)))  # authenticated: only the frame deadline applies now
+        session = _opened(s, _engine(cluster))  # authenticated: only the frame deadline applies now
         frame = session.send(Ping(2))
         closed_at = None
         started = time.monotonic()
@@ -179,8 +193,7 @@ def test_a_peer_that_never_reads_its_replies_is_closed_and_others_are_served(clu
     lease = c.acquire(NS, keys[0])
     s = _connect(_port(cluster, lease.location.split("/")[0]))
     with s:
-        session = Session.client(*_engine(cluster))
-        s.sendall(session.send(Ping(0)))
+        session = _opened(s, _engine(cluster))
         read = ReadBytes("n1.writer", keys[0], lease.lease, lease.location, lease.gen)
         for _ in range(64):  # 64 MiB of replies asked for, none read
             try:
@@ -196,3 +209,38 @@ def test_a_peer_that_never_reads_its_replies_is_closed_and_others_are_served(clu
         # replies we did not take -- before the 64 replies asked for.
         msgs = _until_closed(s, session)
         assert sum(type(m) is BytesRead for m in msgs) < 64, "every reply was kept for a peer that never read"
+
+
+def test_a_recorded_connection_replayed_on_a_new_one_gets_nothing_past_its_ping(cluster):
+    c = cluster.client("n1.replayed")  # co-located with n1: it writes n1's DRAM
+    key = chain_keys(NS, [9, 10, 11, 12])[0]
+    data = os.urandom(BLOCK_BYTES)
+    assert not hasattr(c.put(NS, key, None, data), "reason")
+    lease = c.acquire(NS, key)
+    port = _port(cluster, lease.location.split("/")[0])
+    session = Session.client(*_engine(cluster))
+    opening = session.send(Ping(0))
+    with _connect(port) as s:  # recorded: the opening Ping, then a read under the live lease
+        s.sendall(opening)
+        while not session.keyed:
+            session.receive_data(s.recv(1 << 16))
+        read = session.send(ReadBytes("n1.replayed", key, lease.lease, lease.location, lease.gen))
+        s.sendall(read)
+        got: list = []
+        while not got:
+            got = [r.msg for r in session.receive_data(s.recv(1 << 20))]
+        assert type(got[0]) is BytesRead and got[0].data == data, "the recorded read itself is served"
+    c.release(lease)
+    with _connect(port) as s:  # the recording, replayed on a new connection after the lease ended
+        replies = Session.client(*_engine(cluster))
+        replies.nonce = session.nonce  # the recorded Ping's: the server keys its later frames with it
+        replies.last_sent_seq = 2  # the recorded frames were sealed by the recording session
+        s.sendall(opening)
+        pong: list = []
+        while not pong:
+            pong = [r.msg for r in replies.receive_data(s.recv(1 << 16))]
+        assert pong == [Pong(0)]  # the opening is answered: it gives nothing away
+        s.sendall(read)
+        msgs = _until_closed(s, replies)
+    assert not any(type(m) is BytesRead for m in msgs), msgs
+    assert _final_code(msgs) == "unauthorized", msgs

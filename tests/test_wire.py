@@ -35,6 +35,7 @@ from kvcc.reference.wire import (
     Ping,
     Pong,
     PrefixFound,
+    Release,
     Session,
     Tenants,
     NodeList,
@@ -324,6 +325,16 @@ def _pair(tenant="alpha", token=TOKEN_A):
     return Session.client(tenant, token), Session.server(Tenants(TENANTS))
 
 
+def _opened(tenant="alpha", token=TOKEN_A):
+    """A pair past the opening exchange (as ``Client`` does it): the client's Ping, the server's
+    Pong -- the first frame of each direction, with its nonce -- so both hold the session key."""
+    client, server = _pair(tenant, token)
+    (ping,) = server.receive_data(client.send(Ping(0)))
+    client.receive_data(server.send(Pong(0), re=ping.seq))
+    assert client.keyed and server.keyed
+    return client, server
+
+
 def test_request_and_reply_through_sessions():
     client, server = _pair()
     frame = client.send(Ping(1))
@@ -334,13 +345,57 @@ def test_request_and_reply_through_sessions():
 
 
 def test_mac_and_envelope_are_the_documented_formulas():
-    client, _ = _pair()
+    client, server = _pair()
     payload = client.send(Ping(9))[4:]
     env = cbor_decode(payload)
     body = encode(Ping(9))
-    expected_mac = hmac.new(TOKEN_A, cbor_encode(["c2s", "alpha", 1, 0, body]), hashlib.sha256).digest()
-    assert env == {"tenant": "alpha", "seq": 1, "re": 0, "mac": expected_mac, "body": body}
+    # A direction's first frame: keyed by the token, its nonce inside the MAC and the envelope.
+    expected_mac = hmac.new(TOKEN_A, cbor_encode(["c2s", "alpha", 1, 0, body, client.nonce]), hashlib.sha256).digest()
+    assert env == {"tenant": "alpha", "seq": 1, "re": 0, "mac": expected_mac, "body": body, "nonce": client.nonce}
     assert payload == cbor_encode(env)
+    server.receive_data(b"".join([len(payload).to_bytes(4, "big"), payload]))
+    pong = server.send(Pong(9), re=1)[4:]
+    assert cbor_decode(pong)["nonce"] == server.nonce != client.nonce
+    client.receive_data(len(pong).to_bytes(4, "big") + pong)
+    # Every later frame, both ways: keyed by HMAC(token, "kvcc session key\0" || client nonce || server nonce).
+    key = hmac.new(TOKEN_A, b"kvcc session key\x00" + client.nonce + server.nonce, hashlib.sha256).digest()
+    assert key == wire.session.session_key(TOKEN_A, client.nonce, server.nonce)
+    env = cbor_decode(client.send(Ping(10))[4:])
+    expected_mac = hmac.new(key, cbor_encode(["c2s", "alpha", 2, 0, encode(Ping(10))]), hashlib.sha256).digest()
+    assert env == {"tenant": "alpha", "seq": 2, "re": 0, "mac": expected_mac, "body": encode(Ping(10))}
+
+
+def test_a_frame_of_another_connection_does_not_verify():
+    """A recorded connection replayed whole on a new one (issue 14: a read after its lease ended,
+    an invalidation): its first frame opens the new session, but every later frame was keyed by
+    the old server's nonce and is refused. A client likewise refuses a recorded server's frames."""
+    client, server = _opened()
+    recorded = client.send(Ping(5))
+    assert [r.msg for r in server.receive_data(recorded)] == [Ping(5)]
+    replay = Session.server(Tenants(TENANTS))
+    replay.receive_data(_pair()[0].send(Ping(0)))  # any first frame of the tenant opens it
+    with pytest.raises(Unauthorized):
+        replay.receive_data(recorded)
+    # The server side: a frame for one client's session does not verify in another's.
+    other_client, _ = _opened()
+    with pytest.raises(Unauthorized):
+        other_client.receive_data(server.send(Pong(5), re=2))
+
+
+def test_a_connection_opens_with_a_ping():
+    """Only the first frame is keyed by the token alone: it must be one whose answer gives
+    nothing away, so that replaying a recorded one on a new connection gains nothing."""
+    client, server = _pair()
+    with pytest.raises(Unauthorized):
+        server.receive_data(client.send(Release("n1", KEY, 1)))
+
+
+def test_a_client_sends_nothing_after_its_first_frame_until_the_session_is_keyed():
+    client, _ = _pair()
+    client.send(Ping(0))
+    assert not client.keyed
+    with pytest.raises(ProtocolViolation):
+        client.send(Ping(1))
 
 
 @pytest.mark.parametrize("size", [0, 100, 1 << 20])
@@ -354,8 +409,7 @@ def test_mac_is_the_documented_formula_for_every_frame_of_a_session(size):
 
 
 def test_large_block_bytes_travel():
-    client, server = _pair()
-    server.receive_data(client.send(Ping(1)))  # a connection opens with a small frame (Client does)
+    client, server = _opened()  # a connection opens with a small frame (Client does)
     data = random.Random(1).randbytes(3 << 20)
     msg = WriteBytes(node="n1", key=KEY, lease=1, location="n2/dram", gen=1, epoch=2, data=data)
     frame = client.send(msg)
@@ -373,8 +427,7 @@ def test_nothing_above_the_unauthenticated_limit_before_a_frame_authenticated():
     frame = client.send(WriteBytes(node="n1", key=KEY, lease=1, location="n2/dram", gen=1, epoch=2, data=data))
     with pytest.raises(FrameTooLarge):
         server.receive_data(frame[: 1 << 16])
-    client, server = _pair()
-    server.receive_data(client.send(Ping(1)))
+    client, server = _opened()
     big = client.send(WriteBytes(node="n1", key=KEY, lease=1, location="n2/dram", gen=1, epoch=2, data=data))
     assert [type(r.msg) for r in server.receive_data(big)] == [WriteBytes]
     assert MAX_UNAUTHENTICATED_FRAME_BYTES < len(big)
@@ -389,15 +442,20 @@ def test_replayed_frame_is_refused():
 
 
 def test_reordered_and_deleted_frames_are_refused():
-    client, server = _pair()
-    f1, f2 = client.send(Ping(1)), client.send(Ping(2))
+    client, server = _opened()
+    f2, f3 = client.send(Ping(2)), client.send(Ping(3))
     with pytest.raises(Replayed):
-        server.receive_data(f2)  # frame 1 deleted (or arriving late)
-    client, server = _pair()
-    f1, f2, f3 = client.send(Ping(1)), client.send(Ping(2)), client.send(Ping(3))
-    server.receive_data(f1)
+        server.receive_data(f3)  # frame 2 deleted (or arriving late)
+    client, server = _opened()
+    f2, f3, f4 = client.send(Ping(2)), client.send(Ping(3)), client.send(Ping(4))
+    server.receive_data(f2)
     with pytest.raises(Replayed):
-        server.receive_data(f3)
+        server.receive_data(f4)
+    client, server = _pair()
+    client.send(Ping(1))
+    client._session_mac = _opened()[0]._session_mac  # a second frame sent before the first
+    with pytest.raises(Unauthorized):
+        server.receive_data(client.send(Ping(2)))  # the server has no session key: nothing verifies
 
 
 def test_wrong_token_unknown_tenant_and_tenant_switch_are_unauthorized():
@@ -409,10 +467,8 @@ def test_wrong_token_unknown_tenant_and_tenant_switch_are_unauthorized():
     with pytest.raises(Unauthorized):
         server.receive_data(client.send(Ping(1)))
 
-    alpha, server = _pair()
-    beta = Session.client("beta", TOKEN_B)
-    server.receive_data(alpha.send(Ping(1)))
-    beta.send(Ping(0))  # so that beta's next frame has seq 2, the next one the server expects
+    alpha, server = _opened()
+    beta, _ = _opened("beta", TOKEN_B)  # beta's next frame has seq 2, the next one the server expects
     with pytest.raises(Unauthorized):
         server.receive_data(beta.send(Ping(2)))
 
@@ -512,13 +568,21 @@ def test_local_misuse_is_a_protocol_violation():
 
 
 def test_reply_to_a_frame_never_sent_is_refused():
-    client, server = _pair()
-    server.receive_data(client.send(Ping(1)))
-    other_client, other_server = _pair()
-    for _ in range(5):
-        other_server.receive_data(other_client.send(Ping(1)))
+    client, server = _opened()
+    for _ in range(4):
+        server.receive_data(client.send(Ping(1)))
     with pytest.raises(Malformed):
-        client.receive_data(other_server.send(Pong(1), re=5))  # client sent only frame 1
+        client.receive_data(_reply_naming(server, client, 9))  # the client sent only frames 1 to 5
+
+
+def _reply_naming(server: Session, client: Session, re: int) -> bytes:
+    """A server frame answering frame ``re`` of the client, correctly keyed (which ``send``
+    refuses to build for a frame it never received)."""
+    server.last_received_seq, real = max(server.last_received_seq, re), server.last_received_seq
+    try:
+        return server.send(Pong(1), re=re)
+    finally:
+        server.last_received_seq = real
 
 
 def test_authorize_namespaces_per_tenant():
@@ -550,9 +614,16 @@ def test_error_codes_are_stable():
 # -- the fuzz invariant -----------------------------------------------------------------------------
 
 
-def _valid_stream(messages) -> bytes:
+def _valid_stream(messages) -> tuple[Session, bytes]:
+    """A client's opening Ping then its frames of ``messages``, and the fresh server they are
+    for: the client is keyed by a twin of that server (its nonce), which answered the Ping."""
+    server, twin = Session.server(TENANTS), Session.server(TENANTS)
+    twin.nonce = server.nonce
     client = Session.client("alpha", TOKEN_A)
-    return b"".join(client.send(m) for m in messages)
+    first = client.send(Ping(0))
+    (got,) = twin.receive_data(first)
+    client.receive_data(twin.send(Pong(0), re=got.seq))
+    return server, first + b"".join(client.send(m) for m in messages)
 
 
 def _feed_and_check(server: Session, stream: bytes, cuts: list[int]) -> list:
@@ -588,7 +659,8 @@ def test_fuzz_random_bytes(data, cuts):
 @settings(max_examples=200, suppress_health_check=[HealthCheck.too_slow])
 @given(_messages, st.data())
 def test_fuzz_mutated_valid_frames(messages, data):
-    stream = bytearray(_valid_stream(messages))
+    server, stream = _valid_stream(messages)
+    stream = bytearray(stream)
     mutation = data.draw(st.sampled_from(["flip", "insert", "delete", "truncate", "duplicate", "swap", "length"]))
     i = data.draw(st.integers(0, len(stream) - 1))
     if mutation == "flip":
@@ -613,18 +685,18 @@ def test_fuzz_mutated_valid_frames(messages, data):
         stream = bytearray(b"".join(framed))
     stream = bytes(stream)
     cuts = sorted(data.draw(st.lists(st.integers(0, len(stream)), max_size=4)))
-    out = _feed_and_check(Session.server(TENANTS), stream, cuts)
+    out = _feed_and_check(server, stream, cuts)
     # Whatever got through is a prefix of what was sent: nothing forged, nothing reordered.
-    assert [r.msg for r in out] == messages[: len(out)]
+    assert [r.msg for r in out] == [Ping(0), *messages][: len(out)]
 
 
 @settings(max_examples=60)
 @given(_messages, st.lists(st.integers(0, 10_000), max_size=6))
 def test_unmutated_streams_arrive_whole_in_any_chunking(messages, cuts):
-    stream = _valid_stream(messages)
-    out = _feed_and_check(Session.server(TENANTS), stream, sorted(c for c in cuts if c <= len(stream)))
-    assert [r.msg for r in out] == messages
-    assert [r.seq for r in out] == list(range(1, len(messages) + 1))
+    server, stream = _valid_stream(messages)
+    out = _feed_and_check(server, stream, sorted(c for c in cuts if c <= len(stream)))
+    assert [r.msg for r in out] == [Ping(0), *messages]
+    assert [r.seq for r in out] == list(range(1, len(messages) + 2))
 
 
 @settings(max_examples=100)

@@ -32,12 +32,23 @@ socket, the clock and the event loop; ``kvcc.reference.transport`` is one such c
    server takes nothing above ``MAX_UNAUTHENTICATED_FRAME_BYTES`` (64 KiB) before a frame of the
    connection authenticated: clients open each connection with a ``Ping``.
 
-3. **Sessions** authenticate frames per tenant. A payload is the canonical CBOR map
-   ``{"tenant", "seq", "re", "mac", "body"}``: ``body`` is an encoded message, ``seq`` numbers the
-   frames of one connection and direction from 1 with no gaps, ``re`` is the ``seq`` of the
-   peer's frame this one answers (0: answers nothing), and
+3. **Sessions** authenticate frames per tenant and per connection. A payload is the canonical
+   CBOR map ``{"tenant", "seq", "re", "mac", "body"}``: ``body`` is an encoded message, ``seq``
+   numbers the frames of one connection and direction from 1 with no gaps, ``re`` is the ``seq``
+   of the peer's frame this one answers (0: answers nothing). The first frame of each direction
+   also carries ``"nonce"``, 16 fresh random bytes, and is keyed by the token:
 
-       mac = HMAC-SHA256(tenant token, canonical CBOR [direction, tenant, seq, re, body])
+       mac = HMAC-SHA256(tenant token, canonical CBOR [direction, tenant, 1, re, body, nonce])
+
+   and every later frame, both ways, by the session key of both nonces:
+
+       key = HMAC-SHA256(tenant token, "kvcc session key\\0" || client nonce || server nonce)
+       mac = HMAC-SHA256(key, canonical CBOR [direction, tenant, seq, re, body])
+
+   A client's first frame must be a ``Ping`` (a server refuses any other as ``Unauthorized``),
+   and a client sends nothing more until the server's first frame (its ``Pong``) brought the
+   server's nonce (``Session.keyed``). So no frame of one connection verifies on another: a
+   recorded conversation replayed on a new connection gets its ``Pong`` and nothing else.
 
    with ``direction`` = ``"c2s"`` or ``"s2c"``. The design brief's MAC covers ``[tenant, seq,
    body]``; ``re`` is added because replies are pipelined and must name their request, and the
@@ -59,9 +70,9 @@ socket, the clock and the event loop; ``kvcc.reference.transport`` is one such c
    ``""``, empty MAC); a client accepts an unauthenticated frame only if it is such a final Error.
    Forging one can only close a connection, which anyone on the path can do with a TCP reset.
 
-   Known limit: the MAC authenticates frames, it does not hide them, and since sequence numbers
-   restart on every connection, a recorded connection can be replayed whole on a new one. Run
-   over TLS (or a tunnel) where the network is not trusted.
+   Known limit: the MAC authenticates frames, it does not hide them, and a recorded opening
+   ``Ping`` can be replayed (it is answered with a ``Pong``, nothing more). Run over TLS (or a
+   tunnel) where the network is not trusted.
 
 ``Tenants`` holds each tenant's token and the namespace digests it may use; ``authorize`` raises
 ``Unauthorized`` for any other namespace (protocol property 11). The directory calls it. It also
@@ -90,6 +101,7 @@ from .limits import (
     MAX_WAIT_TICKET_MS,
     MAX_WIRE_INT,
     MIN_TOKEN_BYTES,
+    SESSION_NONCE_BYTES,
 )
 from .messages import (
     CODE_RE,
@@ -150,5 +162,5 @@ from .messages import (
     WriteLeaseGranted,
     kind_of,
 )
-from .session import Received, Role, Session, encode_envelope, frame_mac
+from .session import Received, Role, Session, encode_envelope, frame_mac, session_key
 from .tenants import NODE_CREDENTIAL_PREFIX, Tenants, node_credential

@@ -27,8 +27,9 @@ MAX_WAIT_TICKET_MS = 30_000  # longest WaitTicket.timeout_ms; servers' request t
 HEARTBEAT_INTERVAL_MS = 250  # a node pings the directory this often: silence means it is down
 MIN_TOKEN_BYTES = 16  # a tenant token shorter than 128 bits is refused at configuration
 MAC_BYTES = 32  # HMAC-SHA256
+SESSION_NONCE_BYTES = 16  # each side's fresh random value, in its first frame: the session key binds both
 
-_ENVELOPE_OVERHEAD_BYTES = 64 + MAX_TENANT_BYTES + MAC_BYTES  # map, field names, ints, heads
+_ENVELOPE_OVERHEAD_BYTES = 64 + MAX_TENANT_BYTES + MAC_BYTES + SESSION_NONCE_BYTES  # map, names, ints, heads
 assert MAX_FRAME_BYTES < 2**32, "the length header is 4 bytes"
 assert 1024 + _ENVELOPE_OVERHEAD_BYTES <= MAX_UNAUTHENTICATED_FRAME_BYTES <= MAX_CONTROL_FRAME_BYTES
 assert MAX_LOOKUP_KEYS * (DIGEST_BYTES + 3) + 1024 + _ENVELOPE_OVERHEAD_BYTES <= MAX_CONTROL_FRAME_BYTES

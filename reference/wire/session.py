@@ -1,8 +1,10 @@
-"""Sessions: frames authenticated per tenant, numbered per direction, in order. No I/O.
+"""Sessions: frames authenticated per tenant and per connection, numbered per direction, in order.
+No I/O.
 
-A payload is the canonical CBOR map ``{"tenant", "seq", "re", "mac", "body"}`` (see the package's
-theory of operation for the MAC and the order of the checks). ``Session`` holds one connection's
-state in both directions; the first ``PeerViolation`` closes it for good.
+A payload is the canonical CBOR map ``{"tenant", "seq", "re", "mac", "body"}``, and the first frame
+of each direction also carries ``"nonce"`` (see the package's theory of operation for the MACs,
+the session key and the order of the checks). ``Session`` holds one connection's state in both
+directions; the first ``PeerViolation`` closes it for good.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import enum
 import functools
 import hashlib
 import hmac
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,8 +24,15 @@ from kvcc.spec.keys import CborError, cbor_decode, cbor_encode, cbor_head
 from ..errors import Malformed, PeerViolation, ProtocolViolation, Replayed, Unauthorized, detached
 from .codec import decode, encode, flat_map
 from .frames import FrameDecoder, encode_frame
-from .limits import MAX_FRAME_BYTES, MAX_TEXT_BYTES, MAX_UNAUTHENTICATED_FRAME_BYTES, MAX_WIRE_INT, MIN_TOKEN_BYTES
-from .messages import Error
+from .limits import (
+    MAX_FRAME_BYTES,
+    MAX_TEXT_BYTES,
+    MAX_UNAUTHENTICATED_FRAME_BYTES,
+    MAX_WIRE_INT,
+    MIN_TOKEN_BYTES,
+    SESSION_NONCE_BYTES,
+)
+from .messages import Error, Ping
 from .tenants import Tenants, tenant_problem
 
 class Role(enum.Enum):
@@ -33,12 +43,22 @@ class Role(enum.Enum):
 _DIRECTION = {Role.CLIENT: "c2s", Role.SERVER: "s2c"}  # the direction a role *sends* in
 _PEER = {Role.CLIENT: Role.SERVER, Role.SERVER: Role.CLIENT}
 _ENVELOPE_FIELDS = frozenset({"tenant", "seq", "re", "mac", "body"})
+_FIRST_ENVELOPE_FIELDS = _ENVELOPE_FIELDS | {"nonce"}  # a direction's first frame
+_SESSION_KEY_LABEL = b"kvcc session key\x00"
 
 
-def frame_mac(token: bytes, direction: str, tenant: str, seq: int, re: int, body: bytes) -> bytes:
-    """HMAC-SHA256(token, canonical CBOR [direction, tenant, seq, re, body]), streamed so that a
-    64 MiB body is not copied to compute it."""
-    return _MacKey(token).mac(direction, tenant, seq, re, body)
+def frame_mac(key: bytes, direction: str, tenant: str, seq: int, re: int, body: bytes, nonce: bytes | None = None) -> bytes:
+    """HMAC-SHA256(key, canonical CBOR [direction, tenant, seq, re, body]) -- with ``nonce``
+    appended to the array for a direction's first frame, keyed by the tenant's token; every later
+    frame is keyed by the session key -- streamed so that a 64 MiB body is not copied."""
+    return _MacKey(key).mac(direction, tenant, seq, re, body, nonce)
+
+
+def session_key(token: bytes, client_nonce: bytes, server_nonce: bytes) -> bytes:
+    """The key of every frame after the first of each direction:
+    HMAC-SHA256(token, "kvcc session key\\0" || client nonce || server nonce). Both nonces are
+    fresh per connection, so no frame of one connection verifies on another."""
+    return hmac.new(token, _SESSION_KEY_LABEL + client_nonce + server_nonce, hashlib.sha256).digest()
 
 
 class _MacKey:
@@ -52,7 +72,14 @@ class _MacKey:
         self._base = hmac.new(token, digestmod=hashlib.sha256)
         self._prefixes: dict[tuple[str, str], bytes] = {}
 
-    def mac(self, direction: str, tenant: str, seq: int, re: int, body: bytes) -> bytes:
+    def mac(self, direction: str, tenant: str, seq: int, re: int, body: bytes, nonce: bytes | None = None) -> bytes:
+        if nonce is not None:  # a direction's first frame: [direction, tenant, seq, re, body, nonce]
+            h = self._base.copy()
+            h.update(b"".join((b"\x86", cbor_encode(direction), cbor_encode(tenant), cbor_head(0, seq), cbor_head(0, re),
+                               cbor_head(2, len(body)))))  # fmt: skip
+            h.update(body)
+            h.update(cbor_head(2, len(nonce)) + nonce)
+            return h.digest()
         prefix = self._prefixes.get((direction, tenant))
         if prefix is None:
             prefix = b"\x85" + cbor_encode(direction) + cbor_encode(tenant)
@@ -65,19 +92,22 @@ class _MacKey:
 
 
 # The envelope's keys in canonical order (sorted by their encodings: shorter first, then bytewise).
-_ENV_RE, _ENV_MAC, _ENV_SEQ, _ENV_BODY, _ENV_TENANT = (cbor_encode(k) for k in ("re", "mac", "seq", "body", "tenant"))
-assert [_ENV_RE, _ENV_MAC, _ENV_SEQ, _ENV_BODY, _ENV_TENANT] == sorted([_ENV_RE, _ENV_MAC, _ENV_SEQ, _ENV_BODY, _ENV_TENANT])
+_ENV_RE, _ENV_MAC, _ENV_SEQ, _ENV_BODY, _ENV_NONCE, _ENV_TENANT = (
+    cbor_encode(k) for k in ("re", "mac", "seq", "body", "nonce", "tenant"))  # fmt: skip
+_ENV_KEYS = [_ENV_RE, _ENV_MAC, _ENV_SEQ, _ENV_BODY, _ENV_NONCE, _ENV_TENANT]
+assert _ENV_KEYS == sorted(_ENV_KEYS)
 
 
-def encode_envelope(tenant: str, seq: int, re: int, mac: bytes, body: bytes) -> bytes:
-    """Canonical CBOR of ``{"tenant", "seq", "re", "mac", "body"}``, built directly (one copy
-    of the body); equal to ``cbor_encode`` of that map (tested)."""
+def encode_envelope(tenant: str, seq: int, re: int, mac: bytes, body: bytes, nonce: bytes | None = None) -> bytes:
+    """Canonical CBOR of ``{"tenant", "seq", "re", "mac", "body"}`` (and ``"nonce"`` when given),
+    built directly (one copy of the body); equal to ``cbor_encode`` of that map (tested)."""
     return b"".join((
-        b"\xa5",
+        b"\xa5" if nonce is None else b"\xa6",
         _ENV_RE, cbor_head(0, re),
         _ENV_MAC, cbor_head(2, len(mac)), mac,
         _ENV_SEQ, cbor_head(0, seq),
         _ENV_BODY, cbor_head(2, len(body)), body,
+        b"" if nonce is None else _ENV_NONCE + cbor_head(2, len(nonce)) + nonce,
         _ENV_TENANT, _tenant_cbor(tenant),
     ))  # fmt: skip
 
@@ -162,6 +192,11 @@ class Session:
         self.sent_final = False  # we sent our final Error
         self._mac_tenant: str | None = None
         self._mac_cache: _MacKey | None = None
+        # This side's fresh nonce, sent in its first frame; the session key, once both are known
+        # (a server knows it from the client's first frame, a client from the server's).
+        self.nonce = os.urandom(SESSION_NONCE_BYTES)
+        self.peer_nonce: bytes | None = None
+        self._session_mac: _MacKey | None = None
 
     @classmethod
     def client(cls, tenant: str, token: bytes, *, max_frame_bytes: int = MAX_FRAME_BYTES) -> Session:
@@ -193,18 +228,33 @@ class Session:
         text = text.encode("utf-8", "replace")[: MAX_TEXT_BYTES].decode("utf-8", "ignore")
         body = encode(Error(code, text))
         self.sent_final = True
-        return self._seal(body, 0, authenticated=self.tenant is not None)
+        # Signed if it can be: a tenant known, and the session key too unless it is our first frame.
+        signable = self.tenant is not None and (self.last_sent_seq == 0 or self._session_mac is not None)
+        return self._seal(body, 0, authenticated=signable)
+
+    @property
+    def keyed(self) -> bool:
+        """Whether the session key is known: frames after our first may be sent."""
+        return self._session_mac is not None
 
     def _seal(self, body: bytes, re: int, *, authenticated: bool) -> bytes:
+        if authenticated and self.last_sent_seq and self._session_mac is None:
+            raise ProtocolViolation("no session key yet: a client sends its second frame after the server's first")
         self.last_sent_seq += 1
         seq = self.last_sent_seq
+        nonce = None
         if authenticated:
             assert self.tenant is not None
             tenant = self.tenant
-            mac = self._mac_key(tenant).mac(_DIRECTION[self.role], tenant, seq, re, body)
+            if seq == 1:
+                nonce = self.nonce
+                mac = self._mac_key(tenant).mac(_DIRECTION[self.role], tenant, seq, re, body, nonce)
+            else:
+                assert self._session_mac is not None
+                mac = self._session_mac.mac(_DIRECTION[self.role], tenant, seq, re, body)
         else:
             tenant, mac = "", b""
-        return encode_frame(encode_envelope(tenant, seq, re, mac, body), self.max_frame_bytes)
+        return encode_frame(encode_envelope(tenant, seq, re, mac, body, nonce), self.max_frame_bytes)
 
     def _mac_key(self, tenant: str) -> _MacKey:
         if self._mac_tenant != tenant:
@@ -241,29 +291,42 @@ class Session:
             raise
 
     def _open(self, payload: bytes) -> Received:
-        env = flat_map(payload, len(_ENVELOPE_FIELDS), False) if type(payload) is bytes else None
+        env = flat_map(payload, len(_FIRST_ENVELOPE_FIELDS), False) if type(payload) is bytes else None
         if env is None:
             try:
-                env = cbor_decode(payload, max_depth=1, max_items=len(_ENVELOPE_FIELDS), max_string_bytes=len(payload))
+                env = cbor_decode(payload, max_depth=1, max_items=len(_FIRST_ENVELOPE_FIELDS), max_string_bytes=len(payload))
             except CborError as e:
                 raise Malformed(f"envelope: {e}") from None
-        if type(env) is not dict or env.keys() != _ENVELOPE_FIELDS:
-            raise Malformed(f"an envelope is a map of exactly {sorted(_ENVELOPE_FIELDS)}")
+        if type(env) is not dict or env.keys() not in (_ENVELOPE_FIELDS, _FIRST_ENVELOPE_FIELDS):
+            raise Malformed(f"an envelope is a map of exactly {sorted(_ENVELOPE_FIELDS)} (and nonce in a first frame)")
         tenant, seq, re, mac, body = env["tenant"], env["seq"], env["re"], env["mac"], env["body"]
+        nonce = env.get("nonce")
         if type(tenant) is not str or type(mac) is not bytes or type(body) is not bytes:
             raise Malformed("envelope field of the wrong type")
         if type(seq) is not int or type(re) is not int or not 0 < seq <= MAX_WIRE_INT or not 0 <= re <= MAX_WIRE_INT:
             raise Malformed("envelope seq and re are ints, seq from 1")
 
-        if tenant == "" and mac == b"":
+        if tenant == "" and mac == b"" and nonce is None:
             return self._open_unauthenticated(seq, re, body)
 
+        # A direction's first frame carries its nonce and is keyed by the token; every later frame
+        # is keyed by the session key of both nonces, so no frame of another connection verifies.
+        if (seq == 1) != (nonce is not None):
+            raise Malformed("a nonce comes in a direction's first frame, and only there")
+        if nonce is not None and (type(nonce) is not bytes or len(nonce) != SESSION_NONCE_BYTES):
+            raise Malformed(f"a nonce is {SESSION_NONCE_BYTES} bytes")
         token = self.tenants.token(tenant)
         if token is None:
             raise Unauthorized(f"unknown tenant {tenant[:80]!r}")
         if self.tenant is not None and tenant != self.tenant:
             raise Unauthorized(f"tenant {tenant[:80]!r} on a connection of tenant {self.tenant!r}")
-        expected = self._mac_key(tenant).mac(_DIRECTION[_PEER[self.role]], tenant, seq, re, body)
+        if nonce is not None:
+            expected = self._mac_key(tenant).mac(_DIRECTION[_PEER[self.role]], tenant, seq, re, body, nonce)
+        elif self._session_mac is None:
+            raise Unauthorized(f"frame {seq} of tenant {tenant[:80]!r} before the session was keyed (a frame of "
+                               "another connection?)")  # fmt: skip
+        else:
+            expected = self._session_mac.mac(_DIRECTION[_PEER[self.role]], tenant, seq, re, body)
         if not hmac.compare_digest(expected, mac):
             raise Unauthorized(f"bad MAC on frame {seq} of tenant {tenant[:80]!r}")
         if self.tenant is None:
@@ -274,6 +337,14 @@ class Session:
         if re > self.last_sent_seq:
             raise Malformed(f"frame {seq} answers frame {re}, which was never sent")
         msg = decode(body)
+        if seq == 1 and self.role is Role.SERVER and type(msg) is not Ping:
+            # Only the first frame is keyed by the token alone, and a recording of it could be
+            # replayed on a new connection: it must be one whose answer gives nothing away.
+            raise Unauthorized(f"a connection opens with a Ping, not {type(msg).__name__}")
+        if nonce is not None:
+            self.peer_nonce = nonce
+            client_nonce, server_nonce = (self.nonce, nonce) if self.role is Role.CLIENT else (nonce, self.nonce)
+            self._session_mac = _MacKey(session_key(token, client_nonce, server_nonce))
         self.last_received_seq = seq
         if re == 0 and type(msg) is Error:
             self.peer_closed = True
