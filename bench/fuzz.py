@@ -292,7 +292,8 @@ class Deployment:
         granted = await writes.ask(BeginWrite(CLIENT_ID, key, self.namespace.digest(), parent, 1))
         node = granted.location.split("/", 1)[0]
         stores = RawConnection(engine, ports[node].port, MAX_FRAME_BYTES)
-        await stores.ask(WriteBytes(CLIENT_ID, key, granted.lease, granted.location, granted.gen, granted.epoch, data))
+        await stores.ask(WriteBytes(CLIENT_ID, key, granted.lease, granted.location, granted.gen, granted.epoch, data,
+                                    granted.grant))  # fmt: skip
         committed = await writes.ask(Commit(CLIENT_ID, key, granted.lease, granted.gen, granted.epoch))
         if type(committed) is not Committed:
             raise FuzzError(f"the recorded write was not committed: {committed!r}")
@@ -303,7 +304,8 @@ class Deployment:
         self.recordings = {"directory": [reads.recording(), writes.recording()]}
         for name in self.cluster.node_ids:
             fetch = RawConnection(engine, ports[name].port, MAX_FRAME_BYTES)
-            await fetch.ask(ReadBytes(CLIENT_ID, key, granted.lease, granted.location, granted.gen))
+            grant = self.cluster.read_grant(granted.location, key, granted.gen, lease=granted.lease)
+            await fetch.ask(ReadBytes(CLIENT_ID, key, granted.lease, granted.location, granted.gen, grant))
             self.recordings[name] = [fetch.recording()] + ([stores.recording()] if name == node else [])
             await fetch.close()
         for c in (writes, stores, reads):

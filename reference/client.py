@@ -133,6 +133,7 @@ class ReadLease:
     term_ms: int
     sent_ns: int  # when the request that (re)started the budget was sent (monotonic)
     trusted_until_ns: int
+    grant: bytes = b""  # the directory's data-plane grant: the location serves nothing without it
 
 
 @frozen
@@ -147,6 +148,7 @@ class WriteLease:
     term_ms: int
     sent_ns: int
     trusted_until_ns: int
+    grant: bytes = b""  # the directory's data-plane grant: the location stores nothing without it
 
 
 @frozen
@@ -169,7 +171,8 @@ class PrefixHit:
 
 
 def _read_lease(t: Trust) -> ReadLease:
-    return ReadLease(t.key, t.lease, LocationId(t.location), t.gen, t.epoch, t.term_ms, t.sent_ns, t.until_ns)
+    return ReadLease(t.key, t.lease, LocationId(t.location), t.gen, t.epoch, t.term_ms, t.sent_ns, t.until_ns,
+                     t.grant)  # fmt: skip
 
 
 def _digest(ns: Namespace | bytes) -> bytes:
@@ -385,7 +388,8 @@ class KvccClient:
             return Refused(reply.reason)
         assert type(reply) is ReadLeaseGranted and reply.request == request
         trust = self.holder.granted(key, request, lease=reply.lease, gen=reply.gen, epoch=reply.epoch,
-                                    location=reply.location, term_ms=reply.term_ms, sent_ns=sent)  # fmt: skip
+                                    location=reply.location, term_ms=reply.term_ms, sent_ns=sent,
+                                    grant=reply.grant)  # fmt: skip
         if trust is None:
             return Refused(REASON_REVOKED, "revoked before the answer arrived")
         self._emit("trust_read_lease", key=key, gen=reply.gen, epoch=reply.epoch, lease=reply.lease,
@@ -418,7 +422,8 @@ class KvccClient:
             self._emit("abandon", key=lease.key, lease=held.lease, request=request, result=reply.reason)
             return Refused(reply.reason)
         assert type(reply) is LeaseRenewed
-        renewed = self.holder.renewed(lease.key, request, lease=held.lease, term_ms=reply.term_ms, sent_ns=sent)
+        renewed = self.holder.renewed(lease.key, request, lease=held.lease, term_ms=reply.term_ms, sent_ns=sent,
+                                      grant=reply.grant)  # fmt: skip
         if renewed is None:
             return Refused(REASON_REVOKED, "revoked while renewing")
         self._emit("trust_renewal", key=lease.key, gen=held.gen, lease=held.lease, request=request)
@@ -447,7 +452,7 @@ class KvccClient:
             return Refused(REASON_LEASE_EXPIRED)
         try:
             reply = await self._to_peer(held.location, ReadBytes(self.client_id, held.key, held.lease, held.location,
-                                                                 held.gen))  # fmt: skip
+                                                                 held.gen, held.grant))  # fmt: skip
         except ConnectionFailed as e:  # the node is down: no bytes, and certainly no other bytes
             self.stats["misses"] += 1
             return Refused(REASON_MISS, f"{held.location} unreachable: {e.code}")
@@ -521,7 +526,7 @@ class KvccClient:
                    location=reply.location)  # fmt: skip
         self._writes[(key, reply.lease)] = _GRANTED
         return WriteLease(key, digest, parent, reply.lease, reply.location, reply.gen, reply.epoch, reply.term_ms,
-                          sent, sent + self.holder.budget_ns(reply.term_ms))  # fmt: skip
+                          sent, sent + self.holder.budget_ns(reply.term_ms), reply.grant)  # fmt: skip
 
     async def write_bytes(self, wl: WriteLease, data: Any) -> None | Refused:
         """Send the block to its location (once; a stored block is not sent again)."""
@@ -533,7 +538,7 @@ class KvccClient:
         payload = data if type(data) is bytes else bytes(source_bytes(data))
         try:
             reply = await self._to_peer(wl.location, WriteBytes(self.client_id, wl.key, wl.lease, wl.location, wl.gen,
-                                                                 wl.epoch, payload))  # fmt: skip
+                                                                 wl.epoch, payload, wl.grant))  # fmt: skip
         except ConnectionFailed as e:
             return Refused(REASON_UNREACHABLE, f"{wl.location}: {e.code}")
         if type(reply) is BytesStored:

@@ -529,6 +529,19 @@ class LocalCluster:
         """Node ``node``'s own credential's token (its name is ``wire.node_credential(node)``)."""
         return bytes.fromhex(self.config["nodes"][node]["token"])
 
+    def read_grant(self, location: str, key: Any, gen: int, *, lease: int = 1, ttl_ms: int = 60_000) -> bytes:
+        """A data-plane read grant of (key, gen) at ``location`` to the engine tenant, signed with
+        the deployment's grant key as the directory signs one (``wire.grants``): what a tool that
+        inspects what a node holds presents -- an operator's, who holds the deployment file.
+        Holders get theirs from the directory with their leases."""
+        from .serve import ClusterConfig
+        from .wire.grants import GRANT_READ, grant_keys, sign_grant
+
+        keys = grant_keys(ClusterConfig.load(self.config_path).tenants)
+        expires_ms = time.time_ns() // 1_000_000 + ttl_ms
+        return sign_grant([keys[n] for n in sorted(keys)], GRANT_READ, ENGINE_TENANT, key.digest, gen, 0, location,
+                          lease, expires_ms)  # fmt: skip
+
     def client(self, client_id: str, *, events: bool = True, timeout_ms: int | None = None) -> Any:
         from .client import SyncClient
         from .events import EventLog

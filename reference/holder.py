@@ -54,6 +54,7 @@ class Trust:
     term_ms: int
     sent_ns: int  # when the request that (re)started the budget was sent, on the holder's clock
     until_ns: int  # sent_ns + the holder budget: trusted while now < until_ns
+    grant: bytes = b""  # the directory's data-plane grant for the reads (kvcc.reference.wire.grants)
 
 
 class Holder:
@@ -104,13 +105,15 @@ class Holder:
         self._pending[key] = request
 
     def granted(
-        self, key: BlockKey, request: int, *, lease: int, gen: int, epoch: int, location: str, term_ms: int, sent_ns: int
+        self, key: BlockKey, request: int, *, lease: int, gen: int, epoch: int, location: str, term_ms: int, sent_ns: int,
+        grant: bytes = b"",
     ) -> Trust | None:
         """The grant answering acquire ``request`` (sent at ``sent_ns``), now trusted -- or
         ``None`` if a revocation ended the request first (never trusted)."""
         if not self.answered(key, request):
             return None
-        trust = self._trusts[key] = Trust(key, lease, gen, epoch, location, term_ms, sent_ns, sent_ns + self.budget_ns(term_ms))
+        trust = self._trusts[key] = Trust(key, lease, gen, epoch, location, term_ms, sent_ns,
+                                          sent_ns + self.budget_ns(term_ms), grant)  # fmt: skip
         return trust
 
     # -- renew -----------------------------------------------------------------------------------
@@ -129,7 +132,8 @@ class Holder:
     def renewing(self, key: BlockKey, request: int) -> None:
         self._renewing[key] = request
 
-    def renewed(self, key: BlockKey, request: int, *, lease: int, term_ms: int, sent_ns: int) -> Trust | None:
+    def renewed(self, key: BlockKey, request: int, *, lease: int, term_ms: int, sent_ns: int,
+                grant: bytes | None = None) -> Trust | None:  # fmt: skip
         """The renewal answering ``request`` (sent at ``sent_ns``): the budget counts again from
         the send time (never shorter than before) -- ``None`` if the lease is no longer trusted
         here (revoked, released or dropped while the renewal was out)."""
@@ -139,7 +143,8 @@ class Holder:
         if trust is None or trust.lease != lease:
             return None
         trust = self._trusts[key] = evolve(
-            trust, term_ms=term_ms, sent_ns=sent_ns, until_ns=max(trust.until_ns, sent_ns + self.budget_ns(term_ms))
+            trust, term_ms=term_ms, sent_ns=sent_ns, until_ns=max(trust.until_ns, sent_ns + self.budget_ns(term_ms)),
+            grant=trust.grant if grant is None else grant,
         )
         return trust
 

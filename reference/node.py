@@ -47,7 +47,14 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvcc.spec.keys import BlockKey, LocationId, NodeId
-from kvcc.spec.vocabulary import REASON_FENCED, REASON_MISS, REASON_NO_SPACE, REASON_NOT_FOUND, REASON_TOO_LARGE
+from kvcc.spec.vocabulary import (
+    REASON_FENCED,
+    REASON_MISS,
+    REASON_NO_SPACE,
+    REASON_NOT_FOUND,
+    REASON_TOO_LARGE,
+    REASON_UNAUTHORIZED,
+)
 
 from .errors import ConnectionFailed, PeerViolation, TimeoutError_
 from .events import EventLog
@@ -78,11 +85,13 @@ from .wire import (
     Welcome,
     WriteBytes,
 )
+from .wire.grants import GRANT_READ, GRANT_WRITE, Grants, node_grant_key
 
 if TYPE_CHECKING:
     from .metrics import NodeCounts
 
 log = logging.getLogger("kvcc.node")
+GRANT_SKEW_MS_DEFAULT = 500  # epsilon for grants when none is given: the directory's default
 
 POOL_LOCATION = "pool"
 EVICT_SCAN_MAX = 64  # least-recently-used keys asked about per attempt to make room
@@ -133,6 +142,7 @@ class CacheNode:
         counts: NodeCounts | None = None,
         limits: ServerLimits | None = None,
         tls: TlsConfig | None = None,
+        skew_ms: int = GRANT_SKEW_MS_DEFAULT,
     ) -> None:
         assert tiers, "a node has at least one tier"
         assert 0 < demote_watermark <= 1
@@ -140,6 +150,10 @@ class CacheNode:
         self.tiers = dict(tiers)
         self.pool = pool
         self.tenants = tenants
+        # The directory's data-plane grants, checked before a block's bytes are served or stored
+        # (wire/grants.py); ``skew_ms``: epsilon, how long past its end a grant is still taken.
+        grant_key = node_grant_key(tenants, directory_tenant, node_id)
+        self.grants = None if grant_key is None else Grants(grant_key, skew_ms)
         self.incarnation = incarnation
         self.events = events
         self.demote_watermark = demote_watermark
@@ -163,7 +177,7 @@ class CacheNode:
         self._demoter: asyncio.Task | None = None
         self._heart: asyncio.Task | None = None
         self._evict_lock = asyncio.Lock()
-        self.stats = {"stored": 0, "fenced": 0, "reads": 0, "misses": 0, "freed": 0, "evicted": 0,
+        self.stats = {"stored": 0, "fenced": 0, "reads": 0, "misses": 0, "freed": 0, "evicted": 0, "ungranted": 0,
                       "evict_refused": 0, "copies": 0, "demotions": 0}  # fmt: skip
         self.counts = counts  # bytes and fenced writes per location, for the metrics; None: not counted
 
@@ -344,12 +358,28 @@ class CacheNode:
     async def _handle(self, tenant: str, msg: Any) -> Any:
         match msg:
             case WriteBytes():
+                problem = self._grant_problem(tenant, GRANT_WRITE, msg, msg.epoch)
+                if problem is not None:
+                    self.stats["ungranted"] += 1
+                    return Error(REASON_UNAUTHORIZED, problem)
                 return await self._write_bytes(msg)
             case ReadBytes():
+                problem = self._grant_problem(tenant, GRANT_READ, msg, 0)
+                if problem is not None:
+                    self.stats["ungranted"] += 1
+                    return ReadRefused(msg.node, msg.key, msg.location, REASON_UNAUTHORIZED)
                 return await self._read_bytes(msg)
             case Evict():
                 return await self._evict_for(tenant, msg)
         raise PeerViolation(f"a node does not take {type(msg).__name__}", code="unexpected_message")
+
+    def _grant_problem(self, tenant: str, kind: str, msg: ReadBytes | WriteBytes, epoch: int) -> str | None:
+        """Why ``tenant`` may not have ``msg`` done here: its grant is not the directory's grant
+        of that block, location and lease to that tenant, or ran out (``None``: it may). Before
+        any tier is touched: bytes under a foreign or absent grant never land, never leave."""
+        if self.grants is None:
+            return "this node holds no grant key: it serves no bytes"
+        return self.grants.problem(msg.grant, kind, tenant, msg.key.digest, msg.gen, epoch, msg.location, msg.lease)
 
     async def _write_bytes(self, msg: WriteBytes) -> Any:
         tier = self._tier(msg.location)

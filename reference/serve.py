@@ -357,7 +357,7 @@ async def serve_node(config: ClusterConfig, *, node_id: str, directory: str, sta
         counts = NodeCounts()
     node = CacheNode(node_id, opened, config.tenants, (dhost, int(dport)), directory_tenant=credential,
                      incarnation=incarnation, host=host, port=port, pool=pool_tier, lost=lost, events=ev,
-                     counts=counts, limits=config.transport, tls=config.tls)  # fmt: skip
+                     counts=counts, limits=config.transport, tls=config.tls, skew_ms=config.skew_ms)  # fmt: skip
     endpoint = None
     try:
         await node.start()  # its Hello is the spec's restart_node, logged by the directory

@@ -67,7 +67,8 @@ def raw_read(cl: LocalCluster, node: str, key, gen: int, tier: str = "nvme") -> 
 
     async def go():
         async with Client("127.0.0.1", int(cl.procs[node].info["port"]), ENGINE_TENANT, cl.engine_token) as c:
-            return await c.request(ReadBytes("probe", key, 1, f"{node}/{tier}", gen))
+            location = f"{node}/{tier}"
+            return await c.request(ReadBytes("probe", key, 1, location, gen, cl.read_grant(location, key, gen)))
 
     reply = asyncio.run(go())
     if type(reply) is ReadRefused:

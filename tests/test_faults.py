@@ -203,7 +203,7 @@ def test_node_killed_mid_write_never_exposes_a_partial_block(tmp_path):
 
         async def go():
             async with Client("127.0.0.1", int(cl.procs["n1"].info["port"]), ENGINE_TENANT, cl.engine_token) as c:
-                return await c.request(ReadBytes("probe", key, 1, "n1/nvme", gen))
+                return await c.request(ReadBytes("probe", key, 1, "n1/nvme", gen, cl.read_grant("n1/nvme", key, gen)))
 
         reply = asyncio.run(go())
         if type(reply) is ReadRefused:

@@ -40,6 +40,7 @@ from kvcc.reference.transport import Client
 from kvcc.reference.wire import (
     BeginWrite,
     Copied,
+    Error,
     Evict,
     Freed,
     Hello,
@@ -48,11 +49,14 @@ from kvcc.reference.wire import (
     NodeList,
     Ping,
     PrefixFound,
+    ReadBytes,
+    ReadRefused,
     Tenants,
     Transfer,
     TransferRefused,
     TransferStarted,
     Welcome,
+    WriteBytes,
     node_credential,
 )
 from kvcc.spec.keys import BlockKey, Namespace, chain_keys
@@ -235,6 +239,42 @@ def test_a_client_id_stays_its_tenants(cluster, unchanged):
 
 
 # ---------------------------------------------------------------------------------- normal operation
+
+
+def test_a_tenant_gets_no_bytes_at_a_node_without_the_directorys_grant_to_it(cluster):
+    """Tenant isolation at the data plane. Failed before: a node served and stored a block's bytes
+    for any tenant with a valid token -- another tenant read a committed block at its node, then
+    overwrote it, and the owner's next leased read returned the attacker's bytes. Now a node
+    serves or stores bytes only under the directory's grant of that block, location and lease to
+    the very tenant asking (``wire.grants``): none, a forged one, or the owner's own (sniffed)
+    grant presented under another credential is refused, and nothing lands."""
+    owner = cluster.client("n2.owner")  # co-located with n2: its blocks land on n2's DRAM
+    key = BlockKey(os.urandom(32))
+    data = _block(key)
+    assert not hasattr(owner.put(NS, key, None, data), "reason")
+    lease = owner.acquire(NS, key)
+    port = int(cluster.procs[lease.location.split("/")[0]].info["port"])
+    forged = lease.grant[:8] + os.urandom(32)
+    for grant in (b"", forged, lease.grant):
+        got = _ask(cluster, NODE_TENANT, ReadBytes("thief", key, lease.lease, lease.location, lease.gen, grant), port=port)
+        assert type(got) is ReadRefused and got.reason == "unauthorized", (grant[:8], got)
+        put = _ask(cluster, NODE_TENANT, WriteBytes("thief", key, lease.lease, lease.location, lease.gen, lease.epoch,
+                                                    bytes(len(data)), grant), port=port)  # fmt: skip
+        assert type(put) is Error and put.code == "unauthorized", (grant[:8], put)
+    assert owner.read(lease) == data  # the owner's grant, under the owner's credential
+    owner.release(lease)
+    # A write grant is the writer's alone too: the owner's, presented by another tenant, stores nothing.
+    fresh = BlockKey(os.urandom(32))
+    wl = owner.begin_write(NS, fresh, None)
+    put = _ask(cluster, NODE_TENANT, WriteBytes("thief", fresh, wl.lease, wl.location, wl.gen, wl.epoch,
+                                                b"x" * BLOCK_BYTES, wl.grant), port=port)  # fmt: skip
+    assert type(put) is Error and put.code == "unauthorized", put
+    mine = _block(fresh)
+    assert owner.write_bytes(wl, mine) is None and not hasattr(owner.commit(wl), "reason")
+    for k, expected in ((key, data), (fresh, mine)):
+        again = owner.acquire(NS, k)
+        assert owner.read(again) == expected
+        owner.release(again)
 
 
 def test_normal_operation_is_unchanged(cluster):

@@ -194,7 +194,7 @@ def test_a_peer_that_never_reads_its_replies_is_closed_and_others_are_served(clu
     s = _connect(_port(cluster, lease.location.split("/")[0]))
     with s:
         session = _opened(s, _engine(cluster))
-        read = ReadBytes("n1.writer", keys[0], lease.lease, lease.location, lease.gen)
+        read = ReadBytes("n1.writer", keys[0], lease.lease, lease.location, lease.gen, lease.grant)
         for _ in range(64):  # 64 MiB of replies asked for, none read
             try:
                 s.sendall(session.send(read))
@@ -224,7 +224,7 @@ def test_a_recorded_connection_replayed_on_a_new_one_gets_nothing_past_its_ping(
         s.sendall(opening)
         while not session.keyed:
             session.receive_data(s.recv(1 << 16))
-        read = session.send(ReadBytes("n1.replayed", key, lease.lease, lease.location, lease.gen))
+        read = session.send(ReadBytes("n1.replayed", key, lease.lease, lease.location, lease.gen, lease.grant))
         s.sendall(read)
         got: list = []
         while not got:

@@ -711,3 +711,43 @@ def test_fuzz_client_side_against_garbage_replies(msg, garbage):
     except PeerViolation:
         with pytest.raises(PeerViolation):
             client.receive_data(frame)
+
+
+# -- data-plane grants (wire/grants.py) -------------------------------------------------------------
+
+
+def test_a_grant_is_good_only_for_its_tenant_block_location_lease_and_time():
+    from kvcc.reference.wire.grants import GRANT_READ, GRANT_WRITE, SHARED, Grants, grant_keys, node_grant_key, sign_grant
+
+    nodes = Tenants({"t": TOKEN_A, "node:n1": b"n" * 32, "node:n2": b"m" * 32}, nodes={"node:n1": "n1", "node:n2": "n2"})
+    keys = grant_keys(nodes)
+    assert set(keys) == {"n1", "n2"} and keys["n1"] != keys["n2"]
+    assert node_grant_key(nodes, "node:n1", "n1") == keys["n1"]  # a node derives its own from its own token
+    assert node_grant_key(nodes, "node:n1", "n2") is None and node_grant_key(nodes, "t", "n1") is None
+    shared = Tenants({"t": TOKEN_A, "ops": b"o" * 32}, operators={"ops"})
+    assert set(grant_keys(shared)) == {SHARED} and node_grant_key(shared, "ops", "n7") == grant_keys(shared)[SHARED]
+    assert grant_keys(Tenants({"t": TOKEN_A})) == {}  # no node secret: nothing to sign with
+    now = [1_000_000]
+    g = Grants(keys["n1"], 50, wall_ms=lambda: now[0])
+    args = ("t", KEY.digest, 3, 7, "n1/dram", 11)
+    grant = sign_grant([keys["n1"]], GRANT_WRITE, *args, now[0] + 1000)
+    assert g.problem(grant, GRANT_WRITE, *args) is None
+    assert Grants(keys["n2"], 50).problem(grant, GRANT_WRITE, *args) is not None  # another node's: not checkable
+    pool = sign_grant([keys["n1"], keys["n2"]], GRANT_WRITE, "t", KEY.digest, 3, 7, "pool", 11, now[0] + 1000)
+    for k in ("n1", "n2"):  # the shared pool's: every node checks it
+        assert Grants(keys[k], 50).problem(pool, GRANT_WRITE, "t", KEY.digest, 3, 7, "pool", 11) is None
+    for kind, tenant, digest, gen, epoch, location, lease in (
+        (GRANT_READ, *args), (GRANT_WRITE, "u", *args[1:]), (GRANT_WRITE, "t", bytes(32), *args[2:]),
+        (GRANT_WRITE, "t", KEY.digest, 4, 7, "n1/dram", 11), (GRANT_WRITE, "t", KEY.digest, 3, 8, "n1/dram", 11),
+        (GRANT_WRITE, "t", KEY.digest, 3, 7, "n2/dram", 11), (GRANT_WRITE, "t", KEY.digest, 3, 7, "n1/dram", 12),
+    ):  # fmt: skip
+        assert g.problem(grant, kind, tenant, digest, gen, epoch, location, lease) is not None
+    for bad in (b"", grant[:-1], grant[:8] + bytes(32), (now[0] + 10**6).to_bytes(8, "big") + grant[8:]):
+        assert g.problem(bad, GRANT_WRITE, *args) is not None  # absent, cut, forged, its expiry moved
+    read = sign_grant([keys["n1"]], GRANT_READ, "t", KEY.digest, 3, 0, "n1/dram", 11, now[0] + 1000)
+    now[0] += 1000 + 50  # its end plus epsilon: still taken
+    assert g.problem(read, GRANT_READ, "t", KEY.digest, 3, 0, "n1/dram", 11) is None
+    now[0] += 1
+    assert g.problem(read, GRANT_READ, "t", KEY.digest, 3, 0, "n1/dram", 11) == "the grant ran out"
+    # A write grant is judged by its epoch at the location (the fence), not by time.
+    assert g.problem(grant, GRANT_WRITE, *args) is None

@@ -76,6 +76,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
+import attrs
+
 from kvcc.spec.keys import BlockKey, LocationId, NodeId
 from kvcc.spec.vocabulary import LOCATION_SEPARATOR, REASON_NOT_FOUND, location_host
 
@@ -98,10 +100,12 @@ from ..wire import (
     Invalidate,
     InvalidationCompleted,
     InvalidationPending,
+    LeaseRenewed,
     ListNodes,
     Lookup,
     NodeList,
     Noted,
+    ReadLeaseGranted,
     Release,
     Renew,
     RevokeAcked,
@@ -111,8 +115,10 @@ from ..wire import (
     TransferStarted,
     WaitTicket,
     Welcome,
+    WriteLeaseGranted,
     kind_of,
 )
+from ..wire.grants import GRANT_READ, GRANT_WRITE, SHARED, grant_keys, sign_grant
 from .core import (
     COLOCATED_SEPARATOR,
     TICKET_PENDING,
@@ -242,6 +248,8 @@ class DirectoryServer:
     ) -> None:
         self.config = config
         self.tenants = tenants
+        # Every lease granted carries the data-plane grant its location checks (wire/grants.py).
+        self.grant_keys = grant_keys(tenants)
         self.store = store
         self.events = events
         self._events_factory = events_factory  # incarnation -> the event log (known once loaded)
@@ -377,10 +385,30 @@ class DirectoryServer:
         self._apply(effects)
         if self.counts is not None:
             self.counts.replied(msg, reply)
+        if self.grant_keys and type(reply) in (ReadLeaseGranted, LeaseRenewed, WriteLeaseGranted):
+            reply = self._with_grant(reply, tenant)
         if reply is None:
             assert type(msg) in (RevokeAcked, Copied, Freed)
             return Noted({RevokeAcked: "revoke_acked", Copied: "copied", Freed: "freed"}[type(msg)])
         return reply
+
+    def _with_grant(self, reply: Any, tenant: str) -> Any:
+        """``reply`` with the data-plane grant of its lease to ``tenant``, valid until the
+        directory stops holding the lease live, on the wall clock (wire/grants.py): checkable by
+        the node of its location, or by every node for the shared pool."""
+        if type(reply) is WriteLeaseGranted:
+            rec = self.core.records[reply.key]
+            kind, gen, epoch, location, expires_at_ms = GRANT_WRITE, reply.gen, reply.epoch, reply.location, \
+                rec.write_lease_expires_at_ms
+        else:
+            entry = self.core.read_leases[reply.lease]
+            kind, gen, epoch, location, expires_at_ms = GRANT_READ, entry.gen, 0, entry.location, entry.expires_at_ms
+        expires_ms = time.time_ns() // 1_000_000 + max(0, expires_at_ms - self.now_ms())
+        keys = self.grant_keys
+        host = location_host(location)
+        signers = [keys[SHARED]] if SHARED in keys else [keys[host]] if host in keys else [keys[n] for n in sorted(keys)]
+        grant = sign_grant(signers, kind, tenant, reply.key.digest, gen, epoch, location, reply.lease, expires_ms)
+        return attrs.evolve(reply, grant=grant)
 
     # ------------------------------------------------------------------ identities (issue 14)
 

@@ -72,6 +72,7 @@ class ReadLeaseGranted:
     epoch: Epoch
     term_ms: int
     request: int
+    grant: bytes = b""  # the directory's data-plane grant (wire/grants.py); b"": none
 
 
 @frozen
@@ -81,6 +82,7 @@ class LeaseRenewed:
     lease: LeaseId
     term_ms: int
     request: int
+    grant: bytes = b""  # the directory's data-plane grant (wire/grants.py); b"": none
 
 
 @frozen
@@ -129,6 +131,7 @@ class WriteLeaseGranted:
     epoch: Epoch
     term_ms: int
     request: int
+    grant: bytes = b""  # the directory's data-plane grant (wire/grants.py); b"": none
 
 
 @frozen
@@ -142,6 +145,7 @@ class WriteBytes:
     gen: Generation
     epoch: Epoch
     data: bytes
+    grant: bytes = b""  # the directory's data-plane grant (wire/grants.py); b"": none
 
 
 @frozen
@@ -262,6 +266,7 @@ class ReadBytes:
     lease: LeaseId
     location: LocationId
     gen: Generation
+    grant: bytes = b""  # the directory's data-plane grant (wire/grants.py); b"": none
 
 
 @frozen
