@@ -397,9 +397,8 @@ class DirectoryServer:
         directory stops holding the lease live, on the wall clock (wire/grants.py): checkable by
         the node of its location, or by every node for the shared pool."""
         if type(reply) is WriteLeaseGranted:
-            rec = self.core.records[reply.key]
-            kind, gen, epoch, location, expires_at_ms = GRANT_WRITE, reply.gen, reply.epoch, reply.location, \
-                rec.write_lease_expires_at_ms
+            expires_at_ms = self.core.records[reply.key].write_lease_expires_at_ms
+            kind, gen, epoch, location = GRANT_WRITE, reply.gen, reply.epoch, reply.location
         else:
             entry = self.core.read_leases[reply.lease]
             kind, gen, epoch, location, expires_at_ms = GRANT_READ, entry.gen, 0, entry.location, entry.expires_at_ms
