@@ -369,6 +369,7 @@ class LocalCluster:
         self.procs: dict[str, _Proc] = {}
         self._clients: list[Any] = []
         self._fault_log: Any = None
+        self._keys: dict[str, bytes] | None = None  # the nodes' grant keys (read_grant)
         self._started = False
 
     # ------------------------------------------------------------------ processes
@@ -534,13 +535,21 @@ class LocalCluster:
         the deployment's grant key as the directory signs one (``wire.grants``): what a tool that
         inspects what a node holds presents -- an operator's, who holds the deployment file.
         Holders get theirs from the directory with their leases."""
-        from .serve import ClusterConfig
-        from .wire.grants import GRANT_READ, grant_keys, sign_grant
+        from .wire.grants import GRANT_READ, sign_grant
 
-        keys = grant_keys(ClusterConfig.load(self.config_path).tenants)
+        keys = self._grant_keys()
         expires_ms = time.time_ns() // 1_000_000 + ttl_ms
         return sign_grant([keys[n] for n in sorted(keys)], GRANT_READ, ENGINE_TENANT, key.digest, gen, 0, location,
                           lease, expires_ms)  # fmt: skip
+
+    def _grant_keys(self) -> dict[str, bytes]:
+        """The nodes' grant keys, read from the deployment file once."""
+        if self._keys is None:
+            from .serve import ClusterConfig
+            from .wire.grants import grant_keys
+
+            self._keys = grant_keys(ClusterConfig.load(self.config_path).tenants)
+        return self._keys
 
     def client(self, client_id: str, *, events: bool = True, timeout_ms: int | None = None) -> Any:
         from .client import SyncClient
