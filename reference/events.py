@@ -25,10 +25,10 @@ A line::
   become hex and ``bytes`` become hex text.
 
 ``EventLog.emit`` is thread-safe and writes each line in one call, flushed at once unless
-``flush_each_line=False``. ``emit(..., late_ns=d)`` stamps a step that a timer took ``d`` ns after it
-fell due at its due time (both clocks ``d`` earlier), never before the log's previous line: the
-spec's directory timers are urgent, and a host that took one late took the step the spec takes on
-time, unobserved in between (``CoreHost.late_ns``).
+``flush_each_line=False``. ``emit(..., late_ns=d)`` stamps a step logged ``d`` ns after the
+directory took it (a timer's due time, a request's arrival) at that time (both clocks ``d``
+earlier), never before the log's previous line: the step is the spec's at that time, unobserved
+until it is logged (``CoreHost.late_ns``).
 """
 
 from __future__ import annotations

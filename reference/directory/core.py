@@ -440,12 +440,13 @@ class ReserveLeaseIds:
 class Emit:
     """One line of the protocol event log: ``EventLog.emit(event, **fields)``. ``is_spec_action``
     is false for the ``ignore_*`` diagnostics, which a trace validator does not replay.
-    ``due_ms``: for a step a timer took (an expiry, a completion, a retry), the directory time it
-    fell due; ``None`` for a step a request took (see ``CoreHost.late_ns``)."""
+    ``at_ms``: the directory time the step was taken at -- a request's arrival, or the time a
+    timer's step (an expiry, a completion, a retry) fell due; the host stamps the line there
+    however late it gets to log it (``CoreHost.late_ns``)."""
 
     event: str
     fields: Mapping[str, Any]
-    due_ms: int | None = None
+    at_ms: int
 
     @property
     def is_spec_action(self) -> bool:
@@ -501,7 +502,6 @@ class DirectoryCore:
     def _reset(self, records: Iterable[Record], next_lease_id: int, now_ms: int) -> None:
         assert next_lease_id >= FIRST_LEASE_ID
         self.now_ms = now_ms
-        self._timer_step = False  # inside _advance: the steps taken are a timer's
         self.records: dict[BlockKey, Record] = {}
         self._children: dict[BlockKey, set[BlockKey]] = {}
         self._by_namespace: dict[bytes, set[BlockKey]] = {}
@@ -640,15 +640,11 @@ class DirectoryCore:
         spec's timers are urgent (no time passes while one is due), so a timer the host took late
         is still the step the spec took on time -- nothing observed the directory in between,
         for every request advances the clock first. The clock steps to each due time, so what a
-        step schedules (a free's retry) counts from then, and its events carry ``due_ms``."""
+        step schedules (a free's retry) counts from then, and its events carry that ``at_ms``."""
         assert now_ms >= self.now_ms, f"the directory clock went back: {now_ms} < {self.now_ms}"
-        self._timer_step = True
-        try:
-            while (due := self.next_deadline_ms()) is not None and due <= now_ms:
-                self.now_ms = max(self.now_ms, due)
-                self._take_due(effects)
-        finally:
-            self._timer_step = False
+        while (due := self.next_deadline_ms()) is not None and due <= now_ms:
+            self.now_ms = max(self.now_ms, due)
+            self._take_due(effects)
         self.now_ms = now_ms
 
     def _take_due(self, effects: list[Effect]) -> None:
@@ -1400,7 +1396,7 @@ class DirectoryCore:
         base.update(fields)
         if base.get("result") is None:
             base["result"] = "ok"
-        effects.append(Emit(event, base, self.now_ms if self._timer_step else None))
+        effects.append(Emit(event, base, self.now_ms))
 
     def _check_effects(self, effects: list[Effect]) -> None:
         """What every call's effects must satisfy: lease ids handed out are reserved, and no free

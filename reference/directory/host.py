@@ -18,8 +18,9 @@ in the order the core's docstring requires, and ``CoreHost`` is that, once:
    failed durable log means: the server stops serving).
 3. **The steps logged**: each ``Emit`` that is a spec action goes to ``emit(Emit, late_ns)``, in
    the core's order, before any directive of the step leaves (a step's event is stamped before
-   what it sends). ``late_ns`` is how long after its due time a timer's step was taken: the log
-   stamps it back to then (``late_ns``).
+   what it sends). ``late_ns`` is how long after the directory time the core took the step at (a
+   request's arrival, a timer's due time) it gets logged: the log stamps it back to then -- a
+   durable commit, a slow timer or a descheduled thread in between is no time the spec sees.
 4. **The directives** (``Send``, ``FreeAt``, ``CopyAt``, ``CompleteTicket``) come back in order
    from ``record`` / ``handle`` / ``tick``: how one travels -- a push on a connection, a call in
    the same process, a queue to a thread -- is all that differs between the hosts, so each
@@ -59,26 +60,34 @@ class CoreHost:
         self._commit = commit
         self._emit = emit
         self._monotonic_ns = monotonic_ns
-        self._start_ns = monotonic_ns()
+        self._start_ns = self._read_ns = monotonic_ns()
 
     def now_ms(self) -> int:
-        return (self._monotonic_ns() - self._start_ns) // 1_000_000
+        """The directory time, in ms since the host started. The reading is kept to the
+        nanosecond: the steps a core call takes at it are stamped there (``late_ns``)."""
+        self._read_ns = self._monotonic_ns()
+        return (self._read_ns - self._start_ns) // 1_000_000
 
     def late_ns(self, e: Emit) -> int:
-        """How long after it fell due the host took the timer step ``e`` logs (0 for a step a
-        request took, or one taken on time): the event log stamps it that much earlier, at its
-        due time, as the spec takes it (``EventLog.emit(late_ns=...)``; the log never stamps
-        before its previous line)."""
-        if e.due_ms is None:
-            return 0
-        return max(0, self._monotonic_ns() - self._start_ns - e.due_ms * 1_000_000)
+        """How long after the directory time the core took the step ``e`` logs at (``Emit.at_ms``:
+        a request's arrival, a timer's due time; to the nanosecond of the clock reading the call
+        was made at, when the step was taken then) it is logged now: the event log stamps it that
+        much earlier, when the spec takes it (``EventLog.emit(late_ns=...)``; the log never
+        stamps before its previous line). The core decides on that time alone, and the host
+        holds it (one thread, or its lock) until the step is logged: nothing observes the
+        directory in between, so a durable commit or a descheduled thread there is no time the
+        spec sees -- stamped at the log's own clock, a commit decided just before a write lease
+        ran out would read as taken after its expiry was due (the late-commit flake)."""
+        read = self._read_ns  # the reading the call was made at, unless it took a timer due earlier
+        taken = read if (read - self._start_ns) // 1_000_000 == e.at_ms else self._start_ns + e.at_ms * 1_000_000
+        return max(0, self._monotonic_ns() - taken)
 
     def restart(self, core: DirectoryCore, *, new_clock: bool = False) -> None:
         """Host ``core`` from now on (a directory restarted on its durable log); with
         ``new_clock`` its clock starts again at 0, as a restarted process's would."""
         self.core = core
         if new_clock:
-            self._start_ns = self._monotonic_ns()
+            self._start_ns = self._read_ns = self._monotonic_ns()
 
     def record(self, effects: Sequence[Effect]) -> list[Effect]:
         """Commit the durable effects, then log the spec steps, in order; the directives, in order."""

@@ -602,10 +602,11 @@ class DirectoryServer:
             self.events.emit(e.event, late_ns=late_ns, **dict(e.fields))
 
     def _apply(self, effects: list[Effect]) -> None:
-        # The host commits the durable effects, then logs the steps; then the directives leave: a
-        # step's event is stamped before anything it sends, and the clock is read again after the
-        # stamps -- a Revoke whose lease ran out by then is not sent (``Send.due``): the step, as
-        # logged, came too late for that lease in the spec.
+        # The host commits the durable effects, then logs the steps (stamped at the time the core
+        # took them); then the directives leave: a step's event is stamped before anything it
+        # sends, and the clock is read again after the commit -- a Revoke whose lease ran out by
+        # then is not sent (``Send.due``): a message the spec need never deliver, and one the
+        # holder could only answer after its lease had gone.
         directives = self.host.record(effects)
         sent_ms = self.now_ms()
         for e in directives:
