@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import random
 import threading
+import time
 from pathlib import Path
 
 import attrs
@@ -192,6 +193,32 @@ def test_an_inferred_commit_answered_after_its_lease_ran_out_is_explained():
     rep = run(_InferredLateCommitAnswer, ids=["KVCC-CORE-003"], profiles=["core"], lease_term_ms=TERM_MS, skew_ms=SKEW_MS)
     [result] = [r for r in rep.results if r.id == "KVCC-CORE-003"]
     assert result.status == "PASS" and result.counts, (result.status, result.message)
+
+
+def test_an_inferred_write_expiry_is_stamped_term_and_epsilon_after_its_grants_line(monkeypatch):
+    """core-inferred once had KVCC-INVAL-004 REJECTED on a loaded machine ("expire_write_lease:
+    no spec state can take it"): the inferred grant's line was stamped when the suite got round to
+    it, the expiry at the answer + term + epsilon, so less than term + epsilon apart in the same
+    log. A machine that stalls 100 ms between the answer and the line (KVCC-CORE-007 lets a write
+    lease run out): ACCEPTED, the two lines at least term + epsilon apart."""
+    from kvcc.conformance.oracles import Session
+
+    infer_key_free = Session._infer_key_free
+
+    def stalled(self, key, grant):
+        infer_key_free(self, key, grant)
+        time.sleep(0.1)
+
+    monkeypatch.setattr(Session, "_infer_key_free", stalled)
+    rep = run(testing.InferredCoreAdapter, profiles=["core"], ids=["KVCC-CORE-007"])
+    result = rep.by_id()["KVCC-CORE-007"]
+    assert result.status == "PASS" and result.counts, (result.status, result.message)
+    expired = {e["lease"] for e in result.events if e["event"] == "expire_write_lease"}
+    assert expired
+    stamps = {(e["event"], e["lease"]): e["t_local_ns"] for e in result.events if e["lease"] in expired}
+    for lease in expired:
+        gap = stamps[("expire_write_lease", lease)] - stamps[("grant_write_lease", lease)]
+        assert gap >= (TERM_MS + SKEW_MS) * 1_000_000
 
 
 def test_a_read_between_a_commit_answer_and_its_record_is_not_a_dirty_read(tmp_path, monkeypatch):
