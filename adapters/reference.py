@@ -35,6 +35,7 @@ from typing import Any
 
 from kvcc.conformance.contract import (
     FAULTS,
+    INTRUSIONS,
     PROFILES,
     Adapter,
     AdapterError,
@@ -315,6 +316,57 @@ class ReferenceAdapter(Adapter):
             lease = lease or self._reads.get((grant.node, grant.key.digest, grant.lease))
         if lease is not None:
             self._call(grant.node, "release", lease)
+
+    # ------------------------------------------------------------------ an outsider at the data plane
+
+    def intrude(self, grant: ReadGrant | WriteGrant, how: str, data: bytes | None = None) -> bytes | Stored | Refused:
+        """As the deployment's second tenant (``nodes``: a valid credential of no namespace), on a
+        connection of its own to the node that serves ``grant.location``, send ``ReadBytes`` (or
+        ``WriteBytes`` of ``data``) for the grant's key, generation and epoch under no grant, the
+        owner's grant with its MACs inverted, or the owner's grant as the directory sent it."""
+        import asyncio
+
+        from kvcc.reference.cluster import NODE_TENANT
+        from kvcc.reference.errors import ConnectionFailed, TimeoutError_
+        from kvcc.reference.transport import Client
+        from kvcc.reference.wire import BytesRead, BytesStored, Error, ReadBytes, ReadRefused, WriteBytes
+        from kvcc.spec.vocabulary import location_host
+
+        if how not in INTRUSIONS:
+            raise ValueError(f"intrude presents one of {list(INTRUSIONS)}, got {how!r}")
+        owner = self._write_lease(grant) if isinstance(grant, WriteGrant) else self._read_lease(grant)
+        proof = {"absent": b"", "forged": owner.grant[:8] + bytes(b ^ 0xFF for b in owner.grant[8:]),
+                 "stolen": owner.grant}[how]  # fmt: skip
+        node = location_host(grant.location)
+        proc = self._cluster.procs.get(node) if self._cluster is not None else None
+        if proc is None or not proc.alive:
+            raise AdapterError(f"location {grant.location!r} is down")
+        token = bytes.fromhex(self._cluster.config["tenants"][NODE_TENANT]["token"])
+        msg: Any = (
+            ReadBytes("outsider", grant.key, grant.lease, grant.location, grant.gen, proof) if data is None
+            else WriteBytes("outsider", grant.key, grant.lease, grant.location, grant.gen, grant.epoch, data, proof)
+        )  # fmt: skip
+
+        async def ask() -> Any:
+            async with Client("127.0.0.1", int(proc.info["port"]), NODE_TENANT, token, tls=self._cluster.tls) as c:
+                return await c.request(msg, timeout_ms=OP_TIMEOUT_MS)
+
+        try:
+            reply = asyncio.run(ask())
+        except ConnectionFailed as e:  # the node ended the session instead of answering
+            return Refused(e.code or REASON_UNAUTHORIZED, str(e))
+        except (TimeoutError_, TimeoutError, OSError) as e:
+            raise _infra(e) from e
+        match reply:
+            case BytesRead():
+                return reply.data
+            case BytesStored():
+                return Stored()
+            case ReadRefused():
+                return Refused(reply.reason, "the location refused the outsider")
+            case Error():
+                return Refused(reply.code, reply.text)
+        raise AdapterError(f"the location answered the outsider {type(reply).__name__}")
 
     # ------------------------------------------------------------------ invalidation, eviction
 

@@ -593,3 +593,19 @@ _COMMIT_RACES = (
              "3,4,6", "commit_racing_invalidation", covers={"commit_race", "caching", "trace_complete"}),
 )  # fmt: skip
 _append(_COMMIT_RACES)
+
+
+RULES = RULES + ("data_plane_grant",)
+_DATA_PLANE = (
+    TestCase("KVCC-FAULT-016", "An outsider gets no bytes at a location",
+             "A location MUST serve or store a block's bytes only for the principal the directory granted them "
+             "to (protocol property 13): an outsider -- another tenant, where the deployment has tenants -- asking "
+             "the location directly (the `intrude` operation) for a committed block's bytes or to overwrite them, "
+             "while a reader holds a live lease on it, and to store its own bytes under a writer's live write "
+             "grant, MUST be refused whether it presents no grant, a forged one or the owner's own grant taken off "
+             "the wire; the block MUST then read back exactly for its reader, and the writer's bytes MUST land, "
+             "commit and read back exactly.",
+             "faults", ("CommittedBytesIntact", "NamespaceIsolation"), "4,11,13", "outsider_refused_at_the_location",
+             faults={"intrude"}, covers={"data_plane_grant", "caching", "trace_complete"}),
+)  # fmt: skip
+_append(_DATA_PLANE)

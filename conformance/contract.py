@@ -77,10 +77,12 @@ from kvcc.spec.vocabulary import REASONS, SCOPES
 # -- vocabulary ------------------------------------------------------------------------------------
 
 PROFILES = ("core", "leases", "invalidation", "tiering", "faults", "load")
-FAULTS = ("kill", "restart", "pause", "resume", "skew_clock", "restart_directory", "corrupt")
+FAULTS = ("kill", "restart", "pause", "resume", "skew_clock", "restart_directory", "corrupt", "intrude")
 CORRUPT_REGIONS = ("payload", "header")  # what ``Adapter.corrupt`` damages of a stored block
+# What an intruder presents to a location (``Adapter.intrude``): no grant, a forged one, the owner's.
+INTRUSIONS = ("absent", "forged", "stolen")
 # Faults no profile needs: a test that needs one is required only of an adapter that declares it.
-OPTIONAL_FAULTS = frozenset({"corrupt"})
+OPTIONAL_FAULTS = frozenset({"corrupt", "intrude"})
 EVENT_SOURCES = ("native", "inferred")
 LEASE_MODES = ("enforced", "advisory", "none")
 
@@ -623,6 +625,22 @@ class Adapter(abc.ABC):
         ``CORRUPT_REGIONS`` or a negative offset, ``AdapterError`` when ``node`` is down."""
         raise NotSupported("corrupt")
 
+    def intrude(self, grant: ReadGrant | WriteGrant, how: str, data: bytes | None = None) -> bytes | Stored | Refused:
+        """Act as an outsider at the data plane: as a principal the directory did not grant
+        ``grant`` to (another tenant's credential, where the deployment has tenants), ask the
+        location ``grant`` names directly -- not through a holder or writer -- to serve
+        ``grant.key``'s bytes (``data`` None) or to store ``data`` as them (the grant's generation,
+        and epoch for a write grant), presenting ``how`` (``INTRUSIONS``): ``"absent"``, no grant;
+        ``"forged"``, the grant's proof altered; ``"stolen"``, the owner's own grant as it crossed
+        the wire. Returns what the location answered: the bytes, ``Stored``, or ``Refused`` (a
+        location that authorises its data plane refuses each, protocol property 13, and stores
+        nothing). Logs no event: a refused request is no step of the spec. The suite needs it to
+        check tenant isolation where bytes live; only an adapter whose locations a caller can
+        reach directly declares it. Raises ``NotSupported`` unless ``"intrude"`` is declared,
+        ``ValueError`` for a ``how`` not in ``INTRUSIONS``, ``AdapterError`` when the location is
+        down."""
+        raise NotSupported("intrude")
+
     # -- trace -------------------------------------------------------------------------------
 
     @abc.abstractmethod
@@ -642,7 +660,7 @@ class Adapter(abc.ABC):
 AdapterFactory = Callable[[], Adapter]  # what --adapter names: a zero-argument callable
 
 __all__ = [
-    "CORRUPT_REGIONS", "FAULTS", "OPTIONAL_FAULTS", "FREE_BOUND_MS_DEFAULT", "PROFILES", "REASONS", "SCOPES", "Adapter", "AdapterError", "AdapterFactory", "Capabilities", "Committed",
+    "CORRUPT_REGIONS", "FAULTS", "INTRUSIONS", "OPTIONAL_FAULTS", "FREE_BOUND_MS_DEFAULT", "PROFILES", "REASONS", "SCOPES", "Adapter", "AdapterError", "AdapterFactory", "Capabilities", "Committed",
     "ContractError", "Evicted", "InvalidationTicket", "NotSupported", "ReadGrant", "Refused", "RunContext",
     "Stored", "WriteGrant", "deletion_deadline_ms",
 ]  # fmt: skip

@@ -799,6 +799,17 @@ class Session:
     # faults: recorded, never checked here
 
     @_ordered
+    def intrude(self, grant: WriteGrant | ReadGrant, how: str, data: bytes | None = None) -> bytes | Stored | Refused:
+        """``Adapter.intrude``, recorded: what the location answered an outsider. No event is
+        inferred (a refused request is no step of the spec; bytes served or stored for an
+        outsider are the failure the workload checks)."""
+        t0 = time.monotonic_ns()
+        got = self.adapter.intrude(grant, how, data)
+        _expect(got, (bytes, Stored, Refused), "intrude")
+        self._record("intrude", grant.node, {"key": grant.key.hex, "lease": grant.lease, "how": how,
+                                             "bytes_sent": None if data is None else len(data)}, got, t0)  # fmt: skip
+        return got
+
     def fault(self, op: str, *args: Any) -> None:
         t0 = time.monotonic_ns()
         getattr(self.adapter, op)(*args)

@@ -104,12 +104,14 @@ from kvcc.spec.vocabulary import (
     REASON_NO_SPACE,
     REASON_REVOKED,
     REASON_TOO_LARGE,
+    REASON_UNAUTHORIZED,
     REASON_UNKNOWN_LEASE,
 )
 
 from .contract import (
     CORRUPT_REGIONS,
     FAULTS,
+    INTRUSIONS,
     PROFILES,
     SCOPES,
     Adapter,
@@ -127,6 +129,8 @@ from .contract import (
 )
 
 TENANT = "conformance"
+OUTSIDER = "outsider"  # the principal ``intrude`` acts as: the directory grants it nothing
+FORGED_LEASE_BIT = 1 << 40  # a forged grant: the owner's lease id with this bit flipped
 DIRECTORY_NODE = "directory"
 BLOCK_SLOTS = 512  # blocks each node's DRAM tier holds
 BLOCK_BYTES = 4096  # the largest block a workload writes
@@ -706,6 +710,40 @@ class CoreAdapter(Adapter):
                 raise AdapterError(f"node {node!r} is not running")
             n.tier.damage(key.digest, region, offset)  # False: no copy here, nothing to damage
 
+    def intrude(self, grant: ReadGrant | WriteGrant, how: str, data: bytes | None = None) -> bytes | Stored | Refused:
+        """As ``OUTSIDER``, a principal granted nothing, ask ``grant.location`` for the key's bytes
+        (or to store ``data``) under no lease, a forged lease id or the owner's own: the kit's
+        locations serve and store only for the holder or writer the directory granted the lease
+        to (``_granted``)."""
+        self._fault("intrude")
+        if how not in INTRUSIONS:
+            raise ValueError(f"intrude presents one of {list(INTRUSIONS)}, got {how!r}")
+        with self._lock:
+            self._check_running()
+            loc = self._nodes.get(grant.location)
+            if loc is None or not loc.alive:
+                raise AdapterError(f"location {grant.location!r} is down")
+            lease = {"absent": None, "forged": grant.lease ^ FORGED_LEASE_BIT, "stolen": grant.lease}[how]
+            if not self._granted(OUTSIDER, grant.key, lease, write=data is not None):
+                return Refused(REASON_UNAUTHORIZED, f"{OUTSIDER} holds no grant of lease {lease} at {loc.id}")
+            if data is None:
+                got = loc.tier.read(grant.key.digest, grant.gen)
+                return got if got is not None else Refused(REASON_MISS)
+            fence = loc.tier.fence(grant.key.digest)
+            outcome = loc.tier.write(grant.key.digest, grant.gen, max(grant.epoch, fence), data)
+            return Stored() if isinstance(outcome, TierStored) else Refused(REASON_NO_SPACE, str(outcome))
+
+    def _granted(self, who: str, key: BlockKey, lease: int | None, *, write: bool) -> bool:
+        """Whether the directory granted ``lease`` on ``key`` to ``who``: a live read lease, or the
+        key's open write lease."""
+        if lease is None:
+            return False
+        if write:
+            rec = self._core.records.get(key)
+            return rec is not None and rec.write_lease == lease and rec.writer == who
+        entry = self._core.read_leases.get(lease)
+        return entry is not None and entry.key == key and entry.node == who
+
     def restart_directory(self) -> None:
         self._fault("restart_directory")
         with self._cond:
@@ -772,6 +810,17 @@ class NoFencingAdapter(CoreAdapter):
             self._write_over(self._nodes[grant.node], grant)
             return Stored()
         return super()._location_write(loc, grant, data)
+
+
+class OpenDataPlaneAdapter(CoreAdapter):
+    """Its locations serve and store a block's bytes for anyone who asks, granted or not (breaks
+    protocol property 13: the data plane enforces the control plane's grants)."""
+
+    name = "bad-open-data-plane"
+    BROKEN_RULE = "data_plane_grant"
+
+    def _granted(self, who, key, lease, *, write):
+        return True
 
 
 class EvictsLeasedAdapter(CoreAdapter):
@@ -960,6 +1009,7 @@ KNOWN_BAD: tuple[type[CoreAdapter], ...] = (
     StaleReadAdapter, NoFencingAdapter, EvictsLeasedAdapter, NeverCachesAdapter, NeverEvictsAdapter,
     ReusedLeaseIdsAdapter, EarlyCompletionAdapter, TrustsExpiredAdapter, TrustsPastSkewAdapter,
     SilentReadsAdapter, NeverFreesAdapter, NeverAcksFreesAdapter, WriteOnceAdapter, CommitLostUpdateAdapter,
+    OpenDataPlaneAdapter,
 )  # fmt: skip
 
 

@@ -33,7 +33,7 @@ from kvcc.spec.vocabulary import (
     REASON_UNKNOWN_LEASE,
 )
 
-from .contract import Committed, Evicted, ReadGrant, Refused, Stored, WriteGrant
+from .contract import INTRUSIONS, Committed, Evicted, ReadGrant, Refused, Stored, WriteGrant
 from .oracles import OracleFailure, Session
 
 INVALIDATION_SLACK = 4.0  # an invalidation may take this many lease terms before a test gives up
@@ -1857,3 +1857,50 @@ def commit_racing_invalidation(s: Session) -> None:
 
 
 BODIES["commit_racing_invalidation"] = commit_racing_invalidation
+
+
+# -- tenant isolation where the bytes live (KVCC-FAULT-016) ------------------------------------------------
+
+
+def _answer(got: object) -> str:
+    return f"{len(got)} bytes" if isinstance(got, bytes) else repr(got)[:80]
+
+
+def outsider_refused_at_the_location(s: Session) -> None:
+    """An outsider -- a principal the directory granted nothing -- asks the location of a committed
+    block, under a reader's live lease, for its bytes and to overwrite them, and the location of a
+    fresh write, under the writer's live grant, to store its own bytes there: with no grant, a forged
+    one and the owner's own (``Adapter.intrude``). Every request MUST be refused; the owner's bytes
+    MUST then read back exactly, and the writer's write MUST land and commit as if no one had asked."""
+    w = s.nodes[0]
+    other = reader(s, w)
+    key = chain(s, 1)[0]
+    data = put(s, w, key, None)
+    g = s.acquire(other, s.ns, key)
+    s.check(isinstance(g, ReadGrant), "caching", f"acquire of a committed block refused: {g}")
+    for how in INTRUSIONS:
+        got = s.intrude(g, how)
+        s.check(isinstance(got, Refused), "data_plane_grant",
+                f"an outsider presenting {how} grant at {g.location} was served {_answer(got)}")  # fmt: skip
+        got = s.intrude(g, how, bytes(len(data)))
+        s.check(isinstance(got, Refused), "data_plane_grant",
+                f"an outsider presenting {how} grant at {g.location} overwrote the block: {_answer(got)}")  # fmt: skip
+    got = s.read(g)
+    s.check(got == data, "CommittedBytesIntact", f"the owner's read after the outsider's requests answered {_answer(got)}")
+    s.release(g)
+    fresh = chain(s, 1)[0]
+    wg = s.begin_write(w, s.ns, fresh, None)
+    s.check(isinstance(wg, WriteGrant), "write", f"begin_write of a fresh key refused: {wg}")
+    mine = s.payload()
+    for how in INTRUSIONS:
+        got = s.intrude(wg, how, s.payload(len(mine)))
+        s.check(isinstance(got, Refused), "data_plane_grant",
+                f"an outsider presenting {how} write grant at {wg.location} stored its bytes: {_answer(got)}")  # fmt: skip
+    stored = s.write_bytes(wg, mine)
+    s.check(isinstance(stored, Stored), "write", f"the writer's own bytes after the outsider's were refused: {stored}")
+    c = s.commit(wg)
+    s.check(isinstance(c, Committed), "write", f"the writer's commit after the outsider's bytes was refused: {c}")
+    read_back(s, other, fresh, mine, "a block an outsider tried to write first")
+
+
+BODIES["outsider_refused_at_the_location"] = outsider_refused_at_the_location
