@@ -380,3 +380,19 @@ def test_core_conformance_run_writes_a_complete_bundle(adapter, tmp_path):
         assert all(r.status == "PASS" for r in report.results if r.profile == "core"), [
             (r.id, r.status, r.message) for r in report.results if r.status != "PASS"
         ]
+
+
+@needs_mooncake
+@pytest.mark.parametrize("adapter", ["mooncake", "mooncake-raw"])
+def test_an_outsider_reads_and_writes_mooncake_store_objects_by_name(adapter):
+    """KVCC-FAULT-016 on the real store: Mooncake Store has no principals, so another client of
+    its master is served a leased block under no grant (the first request of the test). The
+    finding is the store's, and the suite reports it as a FAIL of its rule, not an ERROR."""
+    from kvcc.conformance.registry import resolve
+    from kvcc.conformance.runner import run_conformance
+
+    report = run_conformance(resolve(adapter), profiles=["faults"], ids=["KVCC-FAULT-016"], seed=1)
+    [result] = [r for r in report.results if r.id == "KVCC-FAULT-016"]
+    assert result.status == "FAIL" and result.message.startswith("data_plane_grant: an outsider presenting absent grant"), (
+        result.status, result.message)  # fmt: skip
+    assert not harness.live_pids()

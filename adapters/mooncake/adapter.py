@@ -167,7 +167,7 @@ class MooncakeKvccAdapter(MooncakeDeployment):
     def capabilities(self) -> Capabilities:
         return Capabilities(
             profiles=frozenset({"core", "leases", "invalidation", "faults"}),
-            faults=frozenset({"kill", "restart", "pause", "resume", "skew_clock", "restart_directory"}),
+            faults=frozenset({"kill", "restart", "pause", "resume", "skew_clock", "restart_directory", "intrude"}),
             scopes=frozenset(SCOPES),
             events="native",
             leases="enforced",
@@ -584,6 +584,20 @@ class MooncakeKvccAdapter(MooncakeDeployment):
                 return Refused(REASON_MISS, f"no valid bytes at {held.location} (get: {rc})")
             self.logs.emit(grant.node, "read", key=grant.key, gen=held.gen, epoch=held.epoch, lease=held.lease, holder=grant.node, location=held.location)
         return data
+
+    def intrude(self, grant: ReadGrant | WriteGrant, how: str, data: bytes | None = None) -> bytes | Stored | Refused:
+        """Through another client of the store (``outsider``), get the grant's object or put
+        ``data`` as it: the bytes live in Mooncake Store, which any of its clients reaches by name."""
+        via = self.outsider(grant, how)
+        name = object_name(grant.key, grant.gen, grant.epoch)
+        if data is None:
+            rc, blob = self.call(via, "get", key=name)
+            if type(rc) is not int:
+                raise AdapterError(f"get answered {rc!r:.80}")
+            got = decode_value(blob, grant.key, grant.gen, grant.epoch) if rc >= 0 else None
+            return got if got is not None else Refused(REASON_MISS, f"no valid object {name} (get: {rc})")
+        rc = self.rc(via, "put", key=name, payload=encode_value(grant.key, grant.gen, grant.epoch, bytes(data)))
+        return Stored() if rc == RC_OK else Refused(REASON_MISS, f"the store refused the put: {rc}")
 
     def release(self, grant: ReadGrant) -> None:
         with self._lock:

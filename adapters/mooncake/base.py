@@ -165,6 +165,21 @@ class MooncakeDeployment(Adapter):
             raise AdapterError(f"node {node} is paused")
         return n
 
+    def outsider(self, grant: Any, how: str) -> str:
+        """The node whose store client an outsider's request (``Adapter.intrude``) goes through:
+        another node's where one is up. Mooncake Store has no principals -- every client of the
+        master reaches every object by name, and no grant is presented or checked -- so another
+        client is an outsider, and ``how`` (``INTRUSIONS``) changes nothing."""
+        from kvcc.conformance.contract import INTRUSIONS
+
+        if how not in INTRUSIONS:
+            raise ValueError(f"intrude presents one of {list(INTRUSIONS)}, got {how!r}")
+        for node in [n for n in self._node_ids if n != grant.node] + [grant.node]:
+            n = self._check_node(node)
+            if n.is_running() and not n.paused:
+                return node
+        raise AdapterError("no node's store client is up")
+
     def call(self, node: str, op: str, *, payload: bytes = b"", **args: Any) -> tuple[Any, bytes]:
         n = self._check_node(node)
         try:

@@ -117,7 +117,7 @@ class MooncakeRawAdapter(MooncakeDeployment):
     def capabilities(self) -> Capabilities:
         return Capabilities(
             profiles=frozenset({"core", "leases", "invalidation", "faults"}),
-            faults=frozenset({"kill", "restart", "pause", "resume", "restart_directory"}),
+            faults=frozenset({"kill", "restart", "pause", "resume", "restart_directory", "intrude"}),
             scopes=frozenset({"key", "namespace"}),
             events="inferred",
             leases="enforced",
@@ -239,6 +239,23 @@ class MooncakeRawAdapter(MooncakeDeployment):
     def release(self, grant: ReadGrant) -> None:
         with self._lock:
             self._read_keys.pop(grant.lease, None)
+
+    def intrude(self, grant: ReadGrant | WriteGrant, how: str, data: bytes | None = None) -> bytes | Stored | Refused:
+        """Through another client of the store (``outsider``), get the grant's object or put
+        ``data`` under its name: nothing in the store says whose it is."""
+        via = self.outsider(grant, how)
+        with self._lock:
+            entry = self._writes.get(grant.lease)
+            skey = (entry[1] if entry is not None else None) if isinstance(grant, WriteGrant) else self._read_keys.get(grant.lease)
+        if skey is None:
+            raise AdapterError(f"grant {grant.lease} is not held in this client")
+        if data is None:
+            rc, got = self.call(via, "get", key=skey)
+            if type(rc) is not int:
+                raise AdapterError(f"get answered {rc!r:.80}")
+            return got if rc >= 0 else Refused(REASON_MISS, f"get_into returned {rc}")
+        rc = self.rc(via, "put", key=skey, payload=bytes(data))
+        return Stored() if rc == RC_OK else Refused(f"store_{-rc}" if rc < 0 else "store_error", f"put returned {rc}")
 
     # ------------------------------------------------------------------ invalidation, eviction
     def invalidate(self, node: str, ns: Namespace, scope: str, key: BlockKey | None) -> InvalidationTicket:

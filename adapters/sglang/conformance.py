@@ -93,7 +93,7 @@ from kvcc.spec.keys import BlockKey, Namespace
 from kvcc.spec.vocabulary import REASON_MISS, REASON_NOT_FOUND, REASON_REVOKED, REASON_UNKNOWN_LEASE, SCOPE_NAMESPACE
 
 PROFILES_CLAIMED = frozenset(PROFILES)
-FAULTS_CLAIMED = frozenset({"kill", "restart", "pause", "resume", "skew_clock", "restart_directory"})
+FAULTS_CLAIMED = frozenset({"kill", "restart", "pause", "resume", "skew_clock", "restart_directory", "intrude"})
 SCOPES_CLAIMED = frozenset({"key", "prefix", "namespace"})
 MODEL = "kvcc/conformance"  # SGLang's model name in the storage config (the namespace is the contract's)
 TICKET_WAIT_S = 30.0  # the longest the contract's invalidate waits for clear()'s ticket
