@@ -47,6 +47,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvcc.spec.keys import BlockKey, LocationId, NodeId
+from kvcc.spec.rules import SKEW_MS_DEFAULT
 from kvcc.spec.vocabulary import (
     REASON_FENCED,
     REASON_MISS,
@@ -91,7 +92,6 @@ if TYPE_CHECKING:
     from .metrics import NodeCounts
 
 log = logging.getLogger("kvcc.node")
-GRANT_SKEW_MS_DEFAULT = 500  # epsilon for grants when none is given: the directory's default
 
 POOL_LOCATION = "pool"
 EVICT_SCAN_MAX = 64  # least-recently-used keys asked about per attempt to make room
@@ -142,7 +142,7 @@ class CacheNode:
         counts: NodeCounts | None = None,
         limits: ServerLimits | None = None,
         tls: TlsConfig | None = None,
-        skew_ms: int = GRANT_SKEW_MS_DEFAULT,
+        skew_ms: int = SKEW_MS_DEFAULT,
     ) -> None:
         assert tiers, "a node has at least one tier"
         assert 0 < demote_watermark <= 1

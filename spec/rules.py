@@ -32,6 +32,11 @@ Standard library only: this module is part of the vocabulary every layer imports
 
 from __future__ import annotations
 
+# -- the clock bound --------------------------------------------------------------------------------
+# Epsilon, the bound on clock skew every deployment assumes (docs/protocol.md 4), when none is
+# configured: the directory's (``DirectoryConfig.skew_ms``) and a node's for the grants it checks.
+SKEW_MS_DEFAULT = 500
+
 # -- phases ---------------------------------------------------------------------------------------
 # A record's phase (docs/protocol.md: ABSENT -> WRITING -> COMMITTED -> INVALIDATING -> ABSENT, gen + 1).
 # The values are the model's bytes (``spec/layout.py`` names them too; ``model.py`` asserts that

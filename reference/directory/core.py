@@ -95,6 +95,7 @@ from kvcc.spec.rules import (
     PHASE_NAMES,
     PHASES,
     READABLE_PHASES,
+    SKEW_MS_DEFAULT,
     WRITING,
     directory_view,
     down_owner_invalidates,
@@ -215,7 +216,7 @@ class DirectoryConfig:
     declares only crashed nodes and a paused one comes back)."""
 
     lease_term_ms: int = field(default=10_000, validator=_positive)
-    skew_ms: int = 500
+    skew_ms: int = SKEW_MS_DEFAULT
     lease_id_block: int = field(default=1024, validator=_positive)
     max_completed_tickets: int = field(default=10_000, validator=_positive)
     pool_location: LocationId | None = None
