@@ -55,6 +55,7 @@ from kvcc.spec.vocabulary import REASON_NOT_FOUND, REASON_REVOKED, REASON_UNAUTH
 
 CLIENT_SUFFIX = ".engine"
 NODE_TIERS = ("dram=4MiB", "nvme=16MiB")
+NODE_CAPACITY_BYTES = (4 + 16) << 20  # what NODE_TIERS hold together (``Capabilities.capacity_bytes``)
 NODE_BLOCK_BYTES = 64 << 10
 OP_TIMEOUT_MS = 10_000
 REGISTER_TIMEOUT_S = 10.0  # a restarted directory hears every running node's Hello within a heartbeat
@@ -95,10 +96,18 @@ class ReferenceAdapter(Adapter):
             events="native",
             leases="enforced",
             frees_acknowledged=True,
+            capacity_bytes=self._node_count() * NODE_CAPACITY_BYTES,
+            block_bytes=NODE_BLOCK_BYTES,
             notes=f"kvcc reference implementation: directory ({self.backend}) and cache nodes (DRAM + NVMe) as "
             "processes on loopback; clients co-located with nodes; clock skew steps the holder's clock; no corrupt "
             "fault (a block lands in the node process's DRAM tier first, out of the adapter's reach)",
         )
+
+    def _node_count(self) -> int:
+        """The deployment's nodes: as started, else as a run starts them by default."""
+        from kvcc.conformance.runner import DEFAULT_NODES
+
+        return self._ctx.nodes if self._ctx is not None else DEFAULT_NODES
 
     def versions(self) -> Mapping[str, str]:
         from importlib.metadata import version

@@ -609,3 +609,19 @@ _DATA_PLANE = (
              faults={"intrude"}, covers={"data_plane_grant", "caching", "trace_complete"}),
 )  # fmt: skip
 _append(_DATA_PLANE)
+
+
+RULES = RULES + ("overload",)
+_OVERLOAD = (
+    TestCase("KVCC-TIER-006", "Overload is refused cleanly and loses no committed block",
+             "Every node writing at once twice what the deployment declares it holds (`Capabilities.capacity_bytes`, "
+             "in blocks of `block_bytes`), each write MUST be stored and committed or refused with a reason, never "
+             "an error; the overload MUST show (writes refused, or blocks no longer found: evicted through the "
+             "directory); and every block committed during it that the directory still grants MUST read back "
+             "exactly: a location that drops a block to make room without telling the directory loses a "
+             "committed block. An adapter that declares no capacity gets this test NOT_APPLICABLE and cannot "
+             "certify for tiering.",
+             "tiering", ("CommittedBytesIntact", "DirectoryDataAgreement", "NoReclaimUnderLease"), "4,5,9",
+             "overload_refused_cleanly", time_limit_s=300.0, covers={"overload", "caching", "trace_complete"}),
+)  # fmt: skip
+_append(_OVERLOAD)

@@ -200,6 +200,11 @@ class Capabilities:
       suite then requires every free to settle within the deletion bound: a location that freed
       the bytes but whose free the directory never saw acknowledged FAILs KVCC-INVAL-009 (the
       directory would send it again forever). Default ``False``: only the bytes are checked.
+    - ``capacity_bytes`` and ``block_bytes``: the bytes the deployment's locations hold together
+      (every tier of every node, and a shared pool) and the largest block a location takes. The
+      suite's overload test (KVCC-TIER-006) writes twice the capacity in blocks of ``block_bytes``
+      (at most ``OVERLOAD_MAX_BLOCKS`` of them); an adapter that declares no capacity (0) gets it
+      NOT_APPLICABLE and cannot certify for tiering. ``block_bytes`` 0: 4096.
     - ``notes``: free text for the report.
     """
 
@@ -211,6 +216,8 @@ class Capabilities:
     notes: str = ""
     free_bound_ms: int = field(default=FREE_BOUND_MS_DEFAULT, validator=_nonneg_int)
     frees_acknowledged: bool = field(default=False, validator=validators.instance_of(bool))
+    capacity_bytes: int = field(default=0, validator=_nonneg_int)
+    block_bytes: int = field(default=0, validator=_nonneg_int)
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -222,6 +229,8 @@ class Capabilities:
             "notes": self.notes,
             "free_bound_ms": self.free_bound_ms,
             "frees_acknowledged": self.frees_acknowledged,
+            "capacity_bytes": self.capacity_bytes,
+            "block_bytes": self.block_bytes,
         }
 
 

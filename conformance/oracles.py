@@ -359,10 +359,62 @@ class Session:
         stamped less than term + epsilon after its grant's line cannot have happened yet (a
         loaded machine between the answer and the grant's line: core-inferred, KVCC-INVAL-004)."""
         with self.lock:
-            granted = [e["t_local_ns"] for e in self.inferred[:-1] if e["node"] == INFERRED_DIRECTORY
-                       and e["event"] == "grant_write_lease" and e["lease"] == lease]  # fmt: skip
-        if granted:
-            self._backdate_newest(granted[-1] + (self.lease_term_ms + self.skew_ms) * 1_000_000)
+            self._grant_line_by(lease, self.inferred[-1]["t_local_ns"])
+            due = self._write_due_ns(lease)
+            if due is not None:
+                self._place_newest(due)
+
+    def _place_newest(self, t_local: int) -> None:
+        """Stamp the newest inferred event at ``t_local`` (never later than it is) and put it in
+        its log where that time falls, the log's later lines renumbered after it (under
+        ``lock``): a directory timer the suite learns of late took its step when it was due,
+        before the lines of other keys the directory logged since -- stamped after them, it reads
+        as an urgent step logged too late (KVCC-TIER-006 in inferred mode, a write refused for
+        space long after its lease ran out)."""
+        if not self.infer:
+            return
+        rec = self.inferred.pop()
+        t = min(rec["t_local_ns"], t_local)
+        rec["t_wall_ns"] -= rec["t_local_ns"] - t
+        rec["t_local_ns"] = t
+        at = len(self.inferred)
+        while at > 0 and self.inferred[at - 1]["t_local_ns"] > t:
+            at -= 1
+        later = [e for e in self.inferred[at:] if e["node"] == rec["node"] and e["incarnation"] == rec["incarnation"]]
+        if later:
+            rec["seq"] = later[0]["seq"]
+            for e in later:
+                e["seq"] += 1
+        self.inferred.insert(at, rec)
+
+    def _grant_line_by(self, lease: int, by_ns: int) -> None:
+        """Write lease ``lease`` had ended by ``by_ns`` (the suite saw it then): if its grant's
+        line is later than term + epsilon before that, move the line back -- the grant happened
+        while its call ran and the answer came late (a 200 ms ``begin_write`` on a loaded machine,
+        KVCC-TIER-006 in inferred mode) -- but never before the call's start, nor before its log's
+        line before it (under ``lock``)."""
+        span = (self.lease_term_ms + self.skew_ms) * 1_000_000
+        at = next((i for i in range(len(self.inferred) - 1, -1, -1) if self.inferred[i]["node"] == INFERRED_DIRECTORY
+                   and self.inferred[i]["event"] == "grant_write_lease" and self.inferred[i]["lease"] == lease), None)  # fmt: skip
+        if at is None or self.inferred[at]["t_local_ns"] + span <= by_ns:
+            return
+        line = self.inferred[at]
+        start = next((h["t_ns"] for h in reversed(self.history) if h.get("op") == "begin_write"
+                      and ((h.get("result") or {}).get("WriteGrant") or {}).get("lease") == lease), line["t_local_ns"])  # fmt: skip
+        before = next((e["t_local_ns"] for e in reversed(self.inferred[:at]) if e["node"] == line["node"]
+                       and e["incarnation"] == line["incarnation"]), 0)  # fmt: skip
+        new = max(by_ns - span, start, before)
+        if new < line["t_local_ns"]:
+            line["t_wall_ns"] -= line["t_local_ns"] - new
+            line["t_local_ns"] = new
+
+    def _write_due_ns(self, lease: int) -> int | None:
+        """When the directory's timer ends write lease ``lease``: term + epsilon after its grant's
+        inferred line (under ``lock``); None if no grant of it was inferred."""
+        for e in reversed(self.inferred):
+            if e["node"] == INFERRED_DIRECTORY and e["event"] == "grant_write_lease" and e["lease"] == lease:
+                return e["t_local_ns"] + (self.lease_term_ms + self.skew_ms) * 1_000_000
+        return None
 
     def _emit_later(self, node: str, event: str, **fields: Any) -> Callable[[], None]:
         """An event of a request whose answer decides whether it was sent: call the result to log
@@ -517,7 +569,23 @@ class Session:
         with self.lock:
             under_way = self.writing.pop((grant.key, grant.lease), None) is not None
         if under_way:  # a write whose bytes landed or were fenced is over: nothing to abort
+            self._infer_write_expired_by_now(grant)
             self._emit(grant.node, "abort", key=grant.key, gen=grant.gen, epoch=grant.epoch, lease=grant.lease)
+
+    def _infer_write_expired_by_now(self, grant: WriteGrant) -> None:
+        """If the directory's timer has ended write lease ``grant`` by now -- term + epsilon after
+        its grant's line -- log that expiry (at its due time) before what the writer does next: the
+        spec's timers are urgent, so a step logged after the due time needs the expiry before it
+        (a writer whose bytes were refused for space and that gives up late, on a loaded machine
+        or behind other operations in inferred mode)."""
+        if not self.infer:
+            return
+        with self.lock:
+            due = self._write_due_ns(grant.lease) if self.open_writes.get(grant.key) == grant else None
+            if due is None or time.monotonic_ns() < due:
+                return
+            del self.open_writes[grant.key]
+        self._emit_write_expired(grant)
 
     @_ordered
     def acquire(self, node: str, ns: Namespace, key: BlockKey) -> ReadGrant | Refused:

@@ -132,6 +132,7 @@ TENANT = "conformance"
 OUTSIDER = "outsider"  # the principal ``intrude`` acts as: the directory grants it nothing
 FORGED_LEASE_BIT = 1 << 40  # a forged grant: the owner's lease id with this bit flipped
 DIRECTORY_NODE = "directory"
+KIT_NODES = 3  # the nodes a run gives the kit (``runner.DEFAULT_NODES``; ``start`` counts them again)
 BLOCK_SLOTS = 512  # blocks each node's DRAM tier holds
 BLOCK_BYTES = 4096  # the largest block a workload writes
 TICK_IDLE_MS = 20  # the ticker wakes at least this often while nothing is timed
@@ -169,6 +170,7 @@ class CoreAdapter(Adapter):
         self._caps = Capabilities(
             profiles=frozenset(profiles), faults=frozenset(faults), scopes=frozenset(SCOPES),
             events="native", leases="enforced", frees_acknowledged=True,
+            capacity_bytes=KIT_NODES * BLOCK_SLOTS * BLOCK_BYTES, block_bytes=BLOCK_BYTES,
             notes="in-process DirectoryCore + DramTier per node (the suite's self-test)",
         )  # fmt: skip
         self._lock = threading.RLock()
@@ -198,6 +200,7 @@ class CoreAdapter(Adapter):
     def start(self, ctx: RunContext) -> None:
         with self._lock:
             assert not self._started, "start once per adapter"
+            self._caps = attrs.evolve(self._caps, capacity_bytes=ctx.nodes * BLOCK_SLOTS * BLOCK_BYTES)
             self._ctx = ctx
             self._config = DirectoryConfig(lease_term_ms=ctx.lease_term_ms, skew_ms=ctx.skew_ms)
             self._allowed = frozenset(ns.digest() for ns in ctx.namespaces)
@@ -812,6 +815,23 @@ class NoFencingAdapter(CoreAdapter):
         return super()._location_write(loc, grant, data)
 
 
+class DropsWhenFullAdapter(CoreAdapter):
+    """A full location makes room by dropping its least recently used block on its own, telling
+    the directory nothing: the directory still grants a block whose bytes are gone (breaks
+    protocol property 9, directory and data agree; and 5 when the block was leased)."""
+
+    name = "bad-drops-when-full"
+    BROKEN_RULE = "overload"
+
+    def _location_write(self, loc, grant, data):
+        out = super()._location_write(loc, grant, data)
+        if isinstance(out, Refused) and out.reason == REASON_NO_SPACE and loc.tier.lru():
+            victim = loc.tier.lru()[0]
+            loc.tier.free(victim, loc.tier.fence(victim))
+            out = super()._location_write(loc, grant, data)
+        return out
+
+
 class OpenDataPlaneAdapter(CoreAdapter):
     """Its locations serve and store a block's bytes for anyone who asks, granted or not (breaks
     protocol property 13: the data plane enforces the control plane's grants)."""
@@ -1009,7 +1029,7 @@ KNOWN_BAD: tuple[type[CoreAdapter], ...] = (
     StaleReadAdapter, NoFencingAdapter, EvictsLeasedAdapter, NeverCachesAdapter, NeverEvictsAdapter,
     ReusedLeaseIdsAdapter, EarlyCompletionAdapter, TrustsExpiredAdapter, TrustsPastSkewAdapter,
     SilentReadsAdapter, NeverFreesAdapter, NeverAcksFreesAdapter, WriteOnceAdapter, CommitLostUpdateAdapter,
-    OpenDataPlaneAdapter,
+    OpenDataPlaneAdapter, DropsWhenFullAdapter,
 )  # fmt: skip
 
 

@@ -33,7 +33,7 @@ from kvcc.spec.vocabulary import (
     REASON_UNKNOWN_LEASE,
 )
 
-from .contract import INTRUSIONS, Committed, Evicted, ReadGrant, Refused, Stored, WriteGrant
+from .contract import INTRUSIONS, Committed, Evicted, NotSupported, ReadGrant, Refused, Stored, WriteGrant
 from .oracles import OracleFailure, Session
 
 INVALIDATION_SLACK = 4.0  # an invalidation may take this many lease terms before a test gives up
@@ -1904,3 +1904,99 @@ def outsider_refused_at_the_location(s: Session) -> None:
 
 
 BODIES["outsider_refused_at_the_location"] = outsider_refused_at_the_location
+
+
+# -- overload beyond the deployment's limits (KVCC-TIER-006) ------------------------------------------------
+
+OVERLOAD_MAX_BLOCKS = 4096  # the most blocks the overload test writes (``Capabilities.capacity_bytes``)
+OVERLOAD_BLOCK_BYTES = 4096  # the block size when an adapter declares none (``Capabilities.block_bytes``)
+OVERLOAD_SAMPLE = 224  # committed blocks read back afterwards, beside the first and last written
+OVERLOAD_ENDS = 16
+
+
+def _overload_bytes(key: BlockKey, size: int) -> bytes:
+    """A block's bytes, a function of its key: distinct per block, checked without keeping them."""
+    return (key.digest * (size // len(key.digest) + 1))[:size]
+
+
+def overload_refused_cleanly(s: Session) -> None:
+    """Every node writes at once, fresh blocks of the largest size, twice what the deployment
+    declares it holds: each request MUST be answered -- stored and committed, or refused with a
+    reason, never an error -- and the overload MUST show (refusals, or blocks no longer found);
+    afterwards every committed block the directory still grants MUST read back exactly: a block the
+    deployment dropped to make room without telling the directory is a committed block lost."""
+    caps = s.adapter.capabilities()
+    if caps.capacity_bytes <= 0:
+        raise NotSupported("capacity_bytes (declare what the deployment holds)")
+    size = caps.block_bytes or OVERLOAD_BLOCK_BYTES
+    blocks = -(-2 * caps.capacity_bytes // size)
+    if blocks > OVERLOAD_MAX_BLOCKS:
+        raise NotSupported(f"capacity_bytes: twice {caps.capacity_bytes} is over {OVERLOAD_MAX_BLOCKS} blocks of {size} bytes")
+    keys = [chain(s, 1)[0] for _ in range(blocks)]
+    lock = threading.Lock()
+    committed: list[int] = []
+    refusals: dict[str, int] = {}
+
+    def refused(reason: str) -> None:
+        with lock:
+            refusals[reason] = refusals.get(reason, 0) + 1
+
+    n = len(s.nodes)
+    errors: list[BaseException] = []
+
+    def writer(j: int) -> None:
+        try:
+            write(s.nodes[j], range(j, blocks, n))
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread
+            errors.append(e)
+
+    def write(node: str, mine: range) -> None:
+        for i in mine:
+            key = keys[i]
+            g = s.begin_write(node, s.ns, key, None)
+            if isinstance(g, Refused):
+                refused(g.reason)
+                continue
+            r = s.write_bytes(g, _overload_bytes(key, size))
+            if isinstance(r, Refused):
+                refused(r.reason)
+                s.abort(g)
+                continue
+            c = s.commit(g)
+            if isinstance(c, Committed):
+                with lock:
+                    committed.append(i)
+            else:
+                refused(c.reason)
+
+    if s.infer:
+        # Inferred events: the suite runs one operation at a time anyway (``_ordered``), so the
+        # nodes take turns block by block -- in threads, a write's grant and its bytes would sit
+        # behind the other threads' operations, long enough on a loaded machine for its lease to
+        # run out, and every such write would be refused, not overloaded.
+        for i in range(blocks):
+            write(s.nodes[i % n], range(i, i + 1))
+    else:
+        run_threads(writer, n)
+    if errors:
+        raise errors[0]
+    committed.sort()
+    r = reader(s, s.nodes[0])
+    gone = [i for i in committed if s.lookup(r, s.ns, [keys[i]]) == 0]
+    what = f"{blocks} blocks of {size} bytes from {n} nodes at once (twice the declared {caps.capacity_bytes} bytes)"
+    s.check(bool(refusals or gone), "overload",
+            f"{what}: every block was stored and is still found -- the deployment holds more than it declares")  # fmt: skip
+    rest = committed[OVERLOAD_ENDS:-OVERLOAD_ENDS]
+    sample = committed[:OVERLOAD_ENDS] + s.rng.sample(rest, min(OVERLOAD_SAMPLE, len(rest))) + committed[-OVERLOAD_ENDS:]
+    for i in sorted(set(sample)):
+        g = s.acquire(r, s.ns, keys[i])
+        if not isinstance(g, ReadGrant):
+            continue  # evicted to make room, through the directory
+        got = s.read(g)
+        s.release(g)
+        s.check(got == _overload_bytes(keys[i], size), "overload",
+                f"block #{i} of the overload, committed and still granted, read {got!r:.60} ({what}; "
+                f"{len(committed)} committed, {len(gone)} no longer found, refusals {refusals})")  # fmt: skip
+
+
+BODIES["overload_refused_cleanly"] = overload_refused_cleanly

@@ -177,6 +177,8 @@ class CacheNode:
         self._demoter: asyncio.Task | None = None
         self._heart: asyncio.Task | None = None
         self._evict_lock = asyncio.Lock()
+        # Per key: a transfer's copy and an eviction of the same key never overlap (``_one_key``).
+        self._key_locks: dict[bytes, list] = {}
         self.stats = {"stored": 0, "fenced": 0, "reads": 0, "misses": 0, "freed": 0, "evicted": 0, "ungranted": 0,
                       "evict_refused": 0, "copies": 0, "demotions": 0}  # fmt: skip
         self.counts = counts  # bytes and fenced writes per location, for the metrics; None: not counted
@@ -326,7 +328,34 @@ class CacheNode:
         with contextlib.suppress(ConnectionFailed, TimeoutError_):
             await self._to_directory(Freed(msg.location, msg.key, msg.epoch))
 
+    @contextlib.asynccontextmanager
+    async def _one_key(self, key: bytes) -> Any:
+        """Hold ``key`` against this node's other copies and evictions of it. A transfer's copy
+        reads the source, stores the destination and logs ``store_copy`` in one step of the
+        spec; an eviction the directory agreed to empties the source at the directory's step. Had
+        an eviction of the source been asked and granted between the copy's read and its log,
+        ``store_copy`` would follow the directory's ``evict`` -- a copy the spec cannot deliver
+        (its source is gone), REJECTED (KVCC-TIER-006, a node making room while demoting)."""
+        entry = self._key_locks.get(key)
+        if entry is None:
+            entry = self._key_locks[key] = [asyncio.Lock(), 0]
+        entry[1] += 1
+        try:
+            async with entry[0]:
+                yield
+        finally:
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self._key_locks[key]
+
     async def _copy(self, msg: Copy) -> None:
+        async with self._one_key(msg.key.digest):
+            copied = await self._copy_one(msg)
+        if copied:
+            with contextlib.suppress(ConnectionFailed, TimeoutError_):
+                await self._to_directory(Copied(msg.location, msg.key, msg.epoch))
+
+    async def _copy_one(self, msg: Copy) -> bool:
         dest, src = self._tier(msg.location), self._tier(msg.source)
         reason = None
         if dest is None or src is None:
@@ -347,11 +376,10 @@ class CacheNode:
                     reason = REASON_NO_SPACE
         if reason is not None:
             log.info("%s: copy of %s to %s failed: %s", self.node_id, msg.key.hex[:12], msg.location, reason)
-            return  # the directory's transfer stays pending until cancelled; nothing moved
+            return False  # the directory's transfer stays pending until cancelled; nothing moved
         self.stats["copies"] += 1
         self._emit("store_copy", msg.key, gen=msg.gen, epoch=msg.epoch, location=msg.location, source=msg.source)
-        with contextlib.suppress(ConnectionFailed, TimeoutError_):
-            await self._to_directory(Copied(msg.location, msg.key, msg.epoch))
+        return True
 
     # ------------------------------------------------------------------ the data server
 
@@ -405,8 +433,10 @@ class CacheNode:
             self.stats["fenced"] += 1
             if self.counts is not None:
                 self.counts.fenced_writes[location] += 1
-            self._emit("fence_stale_write", key, gen=gen, epoch=epoch, lease=lease, result=REASON_FENCED,
-                       location=location, writer=writer, fence=outcome.fence)  # fmt: skip
+            if writer is not None:  # a transfer's copy refused by the fence is the spec's
+                # fence_stale_copy, which is not logged (the Copy is consumed; nothing moved)
+                self._emit("fence_stale_write", key, gen=gen, epoch=epoch, lease=lease, result=REASON_FENCED,
+                           location=location, writer=writer, fence=outcome.fence)  # fmt: skip
         elif isinstance(outcome, Stored):
             self.stats["stored"] += 1
             if self.counts is not None:
@@ -443,11 +473,12 @@ class CacheNode:
             return EvictRefused(msg.node, msg.key, msg.location, "not_here")
         token = self.tenants.token(tenant)
         assert token is not None
-        fence = tier.fence(msg.key.digest)  # before asking: see _drop_evicted
-        async with Client(self._dir.host, self._dir.port, tenant, token, tls=self.tls) as dir_as_tenant:
-            reply = await dir_as_tenant.request(Evict(self.node_id, msg.key, location))
-        if type(reply) is Evicted:
-            await self._drop_evicted(tier, location, msg.key, fence)
+        async with self._one_key(msg.key.digest):
+            fence = tier.fence(msg.key.digest)  # before asking: see _drop_evicted
+            async with Client(self._dir.host, self._dir.port, tenant, token, tls=self.tls) as dir_as_tenant:
+                reply = await dir_as_tenant.request(Evict(self.node_id, msg.key, location))
+            if type(reply) is Evicted:
+                await self._drop_evicted(tier, location, msg.key, fence)
         return reply
 
     async def _drop_evicted(self, tier: Tier, location: LocationId, key: BlockKey, fence: int) -> None:
@@ -467,17 +498,21 @@ class CacheNode:
             for raw in tier.lru()[:EVICT_SCAN_MAX]:
                 if tier.capacity_bytes - tier.used_bytes >= nbytes:
                     return
+                if raw in self._key_locks:
+                    continue  # being copied or evicted right now: another victim (never wait here,
+                    # a copy that holds its own key may be the one making room)
                 key = BlockKey(raw)
-                fence = tier.fence(raw)
-                try:
-                    reply = await self._to_directory(Evict(self.node_id, key, location))
-                except (ConnectionFailed, TimeoutError_) as e:
-                    log.warning("%s: cannot make room, directory unreachable: %s", self.node_id, e)
-                    return
-                if type(reply) is Evicted:
-                    await self._drop_evicted(tier, location, key, fence)
-                else:
-                    self.stats["evict_refused"] += 1
+                async with self._one_key(raw):
+                    fence = tier.fence(raw)
+                    try:
+                        reply = await self._to_directory(Evict(self.node_id, key, location))
+                    except (ConnectionFailed, TimeoutError_) as e:
+                        log.warning("%s: cannot make room, directory unreachable: %s", self.node_id, e)
+                        return
+                    if type(reply) is Evicted:
+                        await self._drop_evicted(tier, location, key, fence)
+                    else:
+                        self.stats["evict_refused"] += 1
 
     async def _heartbeat_loop(self) -> None:
         """Ping the directory every ``HEARTBEAT_INTERVAL_MS`` (saying Hello first on a new

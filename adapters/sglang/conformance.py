@@ -76,7 +76,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from kvcc.adapters.reference import ReferenceAdapter
+from kvcc.adapters.reference import NODE_BLOCK_BYTES, NODE_CAPACITY_BYTES, ReferenceAdapter
 from kvcc.conformance.contract import (
     PROFILES,
     AdapterError,
@@ -238,6 +238,8 @@ class SglangAdapter(ReferenceAdapter):
             events="native",
             leases="enforced",
             frees_acknowledged=True,
+            capacity_bytes=self._node_count() * NODE_CAPACITY_BYTES,
+            block_bytes=NODE_BLOCK_BYTES,
             notes="SGLang's HiCache storage backend KvccHiCacheStorage (loaded by SGLang's dynamic backend factory) "
             "on the kvcc reference cluster (processes on loopback): read is the backend's get, commit its set, a "
             "namespace invalidation its clear; begin_write, write_bytes, acquire, renew, release, lookup, key and "
