@@ -695,3 +695,60 @@ def test_malformed_and_unauthorised_input_gets_typed_errors_and_changes_nothing(
         unchanged()
 
     world_test(directory_store_factory, body)
+
+
+def test_a_node_copies_and_evicts_one_key_one_at_a_time_and_logs_no_refused_copy():
+    """Two node defects KVCC-TIER-006 found on the reference (its traces REJECTED). A node making
+    room evicted the key whose demotion it was copying, between the copy's read of the source and
+    its ``store_copy``: the log showed a copy landing after the directory's ``evict`` of its source.
+    Now making room skips a key being copied (and a copy waits for an eviction of its key under
+    way). And a copy the destination's fence refused was logged as ``fence_stale_write`` with no
+    writer, where the spec's ``fence_stale_copy`` is no logged step: now nothing is logged."""
+    import io
+    import threading
+
+    from kvcc.reference.events import EventLog, events_from_text
+    from kvcc.reference.wire import Copy, Evict, Evicted
+
+    async def body() -> None:
+        dram, nvme = DramTier(1, BLOCK_BYTES), DramTier(4, BLOCK_BYTES)
+        sink = io.StringIO()
+        node = CacheNode("n1", {"dram": dram, "nvme": nvme}, TENANTS, ("127.0.0.1", 9), directory_tenant=NODES,
+                         events=EventLog(sink, "n1", 1))  # fmt: skip
+        k, fenced = keys(2, salt=21)
+        dram.write(k.digest, 0, 1, block(k))
+        sent: list = []
+
+        async def to_directory(msg):
+            sent.append(msg)
+            return Evicted(msg.node, msg.key, msg.location) if isinstance(msg, Evict) else None
+
+        node._to_directory = to_directory
+        reading, release = threading.Event(), threading.Event()
+        read = dram.read
+
+        def slow_read(key, gen):
+            reading.set()
+            release.wait(5)
+            return read(key, gen)
+
+        dram.read = slow_read
+        copy = asyncio.create_task(node._copy(Copy("n1/nvme", k, "n1/dram", 0, 2)))
+        await asyncio.to_thread(reading.wait, 5)  # the copy is reading its source
+        await node._make_room(dram, "n1/dram", BLOCK_BYTES)  # the only block there is k's
+        release.set()
+        await copy
+        assert [type(m).__name__ for m in sent] == ["Copied"]  # no Evict of a key being copied
+        assert dram.contains(k.digest, 0) and nvme.contains(k.digest, 0)
+        # A copy under an epoch the destination's fence refuses: nothing moves, nothing is logged.
+        dram.read = read
+        dram.free(k.digest, dram.fence(k.digest))
+        dram.write(fenced.digest, 0, 1, block(fenced))
+        nvme.restore_fences({fenced.digest: 5})
+        await node._copy(Copy("n1/nvme", fenced, "n1/dram", 0, 2))
+        logged = [(e["event"], e["key"]) for e in events_from_text(sink.getvalue())]
+        assert logged == [("store_copy", k.hex)], logged
+        assert len(sent) == 1 and not nvme.contains(fenced.digest, 0)
+        await node.close()
+
+    asyncio.run(body())
