@@ -40,7 +40,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -323,7 +323,7 @@ class CoreAdapter(Adapter):
                 case ReserveLeaseIds():
                     self._durable_lease_limit = max(self._durable_lease_limit, e.limit)
 
-    def _emit_step(self, e: Emit, late_ns: int) -> None:
+    def _emit_step(self, e: Emit, late_ns: Callable[[], int]) -> None:
         self._dir_log.emit(e.event, late_ns=late_ns, **e.fields)
 
     def _apply(self, effects: Sequence[Any]) -> None:

@@ -28,7 +28,9 @@ A line::
 ``flush_each_line=False``. ``emit(..., late_ns=d)`` stamps a step logged ``d`` ns after the
 directory took it (a timer's due time, a request's arrival) at that time (both clocks ``d``
 earlier), never before the log's previous line: the step is the spec's at that time, unobserved
-until it is logged (``CoreHost.late_ns``).
+until it is logged (``CoreHost.late_ns``). ``d`` may be a function, called once the line's clocks
+are read: a wait for the log (its lock, a shared clock's) between the caller's measure and the
+stamp would otherwise be stamped as if the step had been taken after it.
 """
 
 from __future__ import annotations
@@ -120,7 +122,7 @@ class EventLog:
         epoch: int | None = None,
         lease: int | None = None,
         result: str | None = None,
-        late_ns: int = 0,
+        late_ns: int | Callable[[], int] = 0,
         **fields: Any,
     ) -> dict[str, Any]:
         if event not in _EVENT_SET:
@@ -139,6 +141,8 @@ class EventLog:
             if self._closed:
                 raise ProtocolViolation("emit on a closed EventLog")
             t_local, t_wall = self._monotonic_ns(), self._wall_ns()
+            if callable(late_ns):  # how late, measured now that this line's clocks are read
+                late_ns = late_ns()
             if late_ns > 0:  # back to the due time, but not before the previous line
                 t_local = max(t_local - late_ns, min(self._last_local_ns, t_local))
                 t_wall = max(t_wall - late_ns, min(self._last_wall_ns, t_wall))

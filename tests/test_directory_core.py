@@ -418,6 +418,26 @@ def test_a_step_is_stamped_at_its_arrival_however_long_its_durable_commit_takes(
     ]
 
 
+def test_a_step_is_stamped_when_taken_however_long_the_log_makes_it_wait():
+    """The kit's logs share one clock behind a lock; on a loaded machine a line waited 538 ms for
+    it after the host had measured how late the step was, and was stamped 538 ms after the step
+    (KVCC-TIER-006's commit_write, REJECTED as after its write lease's expiry). The log measures
+    lateness once it has read its clocks."""
+    clock = [10_000_000]
+
+    def log_clock():
+        clock[0] += 500_000_000  # the wait for a shared clock's lock, then its reading
+        return clock[0]
+
+    lines = []
+    log = EventLog(io.StringIO(), "directory", 1, monotonic_ns=log_clock, wall_ns=lambda: clock[0])
+    host = CoreHost(DirectoryCore(CFG, authorize), monotonic_ns=lambda: clock[0],
+                    emit=lambda e, late: lines.append(log.emit(e.event, late_ns=late, **dict(e.fields))))  # fmt: skip
+    clock[0] += 30_400_000
+    host.handle(wire.BeginWrite("w", A0, NAMESPACE[A0], None, 99), "t-all")
+    assert [(r["event"], r["t_local_ns"], r["t_wall_ns"]) for r in lines] == [("grant_write_lease", 40_400_000, 40_400_000)]
+
+
 def test_invalidation_without_leases_completes_at_once(d):
     d.write(A0)
     started, effects = d.invalidate(A0)

@@ -49,7 +49,7 @@ import queue
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -254,7 +254,7 @@ class MooncakeKvccAdapter(MooncakeDeployment):
         if getattr(self, "_store", None) is not None:
             self._store.commit(durable)  # before any reply or directive of this call leaves
 
-    def _emit_step(self, e: Emit, late_ns: int) -> None:
+    def _emit_step(self, e: Emit, late_ns: Callable[[], int]) -> None:
         self.logs.emit(DIRECTORY_LOG, e.event, late_ns=late_ns, **dict(e.fields))
 
     def _handle(self, msg: Any) -> tuple[Any, list]:

@@ -35,6 +35,7 @@ under their own lock, so the core is never entered twice at once.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -45,15 +46,15 @@ from .core import DURABLE_EFFECTS, DirectoryCore, Effect, Emit
 class CoreHost:
     """``CoreHost(core, *, commit=None, emit=None, monotonic_ns=time.monotonic_ns)`` (see the
     module docstring). ``commit(durable_effects)``: make them durable (``None``: nothing is);
-    ``emit(Emit, late_ns)``: log one spec action, stamped ``late_ns`` earlier (``None``:
-    nothing is logged)."""
+    ``emit(Emit, late_ns)``: log one spec action, stamped ``late_ns`` earlier -- a function the
+    log calls once it has read its clocks (``EventLog.emit``) -- (``None``: nothing is logged)."""
 
     def __init__(
         self,
         core: DirectoryCore,
         *,
         commit: Callable[[list[Effect]], Any] | None = None,
-        emit: Callable[[Emit, int], Any] | None = None,
+        emit: Callable[[Emit, Callable[[], int]], Any] | None = None,
         monotonic_ns: Callable[[], int] = time.monotonic_ns,
     ) -> None:
         self.core = core
@@ -78,9 +79,14 @@ class CoreHost:
         directory in between, so a durable commit or a descheduled thread there is no time the
         spec sees -- stamped at the log's own clock, a commit decided just before a write lease
         ran out would read as taken after its expiry was due (the late-commit flake)."""
+        return max(0, self._monotonic_ns() - self._taken_ns(e))
+
+    def _taken_ns(self, e: Emit) -> int:
         read = self._read_ns  # the reading the call was made at, unless it took a timer due earlier
-        taken = read if (read - self._start_ns) // 1_000_000 == e.at_ms else self._start_ns + e.at_ms * 1_000_000
-        return max(0, self._monotonic_ns() - taken)
+        return read if (read - self._start_ns) // 1_000_000 == e.at_ms else self._start_ns + e.at_ms * 1_000_000
+
+    def _late_from(self, taken_ns: int) -> int:
+        return max(0, self._monotonic_ns() - taken_ns)
 
     def restart(self, core: DirectoryCore, *, new_clock: bool = False) -> None:
         """Host ``core`` from now on (a directory restarted on its durable log); with
@@ -98,7 +104,9 @@ class CoreHost:
         for e in effects:
             if type(e) is Emit:
                 if e.is_spec_action and self._emit is not None:
-                    self._emit(e, self.late_ns(e))
+                    # How late, measured by the log once it has read its clocks (a wait for the
+                    # log's lock or clock in between would otherwise count as time the step took).
+                    self._emit(e, functools.partial(self._late_from, self._taken_ns(e)))
             elif not isinstance(e, DURABLE_EFFECTS):
                 directives.append(e)
         return directives

@@ -593,7 +593,7 @@ class DirectoryServer:
             raise
         self.stats["commits"] += 1
 
-    def _emit_step(self, e: Emit, late_ns: int) -> None:
+    def _emit_step(self, e: Emit, late_ns: Callable[[], int]) -> None:
         # A retry to a location no connected node serves is not sent (its FreeAt, with the
         # directives, is lost): no step to log -- the spec retries only to a location that is up.
         # The core tries again later, and at once when the node is back.
