@@ -613,7 +613,7 @@ def _broken_envelope_frame(msg: Any, credential: Credential, other: Credential, 
 
 class Attack(NamedTuple):
     """One attack's connection plan (``exchange``'s arguments) and what its answer must be:
-    ``expect`` replies at least, a final Error of ``expect_code``."""
+    ``expect`` replies at least, a final Error of ``expect_code`` (or of one of ``also_codes``)."""
 
     chunks: tuple[bytes, ...]
     credential: Credential
@@ -624,6 +624,7 @@ class Attack(NamedTuple):
     wait_s: float = ANSWER_WAIT_S
     opened: bool = False  # the first chunk is an authenticated Ping (``_opening``): its Pong is no answer
     keyed: tuple[bytes, ...] = ()  # bodies sent under the session key once opened (``exchange``)
+    also_codes: tuple[str, ...] = ()  # other final Errors as clean as ``expect_code``
 
 
 def random_attack(d: Deployment, target: Target, rng: random.Random) -> Attack:
@@ -675,8 +676,10 @@ def oversized_attack(d: Deployment, target: Target, rng: random.Random, big_done
                             "data": bytes(MAX_BLOCK_BYTES + 1)})  # fmt: skip
     # After the opening exchange, under the session key: before a frame authenticated, nothing
     # above MAX_UNAUTHENTICATED_FRAME_BYTES is read; after, the body itself is refused.
+    # A body this large takes long to send on a loaded machine: a server that drops the sender for
+    # its rate first (``idle``: the minimum transfer rate) refused it as cleanly (CI saw it).
     return Attack((), credential, sent=2, expect_code="malformed", wait_s=EXPECT_WAIT_S, opened=True,
-                  keyed=(body,))  # fmt: skip
+                  keyed=(body,), also_codes=("idle",))  # fmt: skip
 
 
 def _first_frame_code(frame: bytes) -> str:
@@ -791,7 +794,7 @@ class Run:
             return
         if len(outcome.replies) < attack.expect:
             self.problem(f"{where}: {attack.expect} valid frames, {len(outcome.replies)} answered ({outcome.outcome})")
-        if attack.expect_code is not None and outcome.code != attack.expect_code:
+        if attack.expect_code is not None and outcome.code not in (attack.expect_code, *attack.also_codes):
             self.problem(f"{where}: expected Error({attack.expect_code}), got {outcome.outcome} {outcome.code or ''}")
 
 
