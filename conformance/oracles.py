@@ -689,9 +689,11 @@ class Session:
                     self.audit.remote_hits += 1
             self._emit(grant.node, "read", key=grant.key, gen=grant.gen, epoch=grant.epoch, lease=grant.lease,
                        location=grant.location, result="ok")  # fmt: skip
+            self._backdate_newest(t0)
         elif data.reason == REASON_MISS and self._trusted_ns(grant.node, grant.lease, t0):
             self._emit(grant.node, "read", key=grant.key, gen=grant.gen, epoch=grant.epoch, lease=grant.lease,
                        location=grant.location, result=REASON_MISS)  # fmt: skip
+            self._backdate_newest(t0)
         return data
 
     @_ordered
@@ -705,6 +707,7 @@ class Session:
             self.read_grants.pop((grant.node, grant.lease), None)
         if trusted:  # a lease the holder no longer trusts is let go without a message
             self._emit(grant.node, "release", key=grant.key, gen=grant.gen, lease=grant.lease)
+            self._backdate_newest(t0)
             self._emit_dir("release_lease", key=grant.key, lease=grant.lease, holder=grant.node)
 
     @_ordered

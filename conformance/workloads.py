@@ -1069,19 +1069,29 @@ def _put_on_time(s: Session, node: str, what: str, size: int | None = None) -> t
     raise OracleFailure("write", f"{what}: the write lease ran out {RETRIES} times in a row")
 
 
-def _read_on_time(s: Session, node: str, key: BlockKey, expected: bytes, what: str) -> None:
-    """``read_back``, done again when the holder's own deadline passed before its read (a loaded
-    machine): once the lease has run out at the directory too, so the next acquire starts clean."""
+def _leased_read(s: Session, node: str, key: BlockKey, what: str, rule: str) -> tuple[object, bytes | Refused | None]:
+    """A leased read of ``key`` on ``node`` (acquire, read, release): the acquire's answer and
+    what the read answered (None when no lease was granted) -- done again when the holder's own
+    deadline passed before its read (a loaded machine), once the lease has run out at the
+    directory too, so the next acquire starts clean."""
     for _ in range(RETRIES):
         g = s.acquire(node, s.ns, key)
-        s.check(isinstance(g, ReadGrant), "caching", f"acquire of {what} refused: {g}")
+        if not isinstance(g, ReadGrant):
+            return g, None
         got = s.read(g)
         s.release(g)
         if not (isinstance(got, Refused) and got.reason == REASON_LEASE_EXPIRED):
-            s.check(got == expected, "caching", f"a leased read of {what} answered {got!r:.60}")
-            return
+            return g, got
         s.sleep_ms(s.lease_term_ms + 2 * s.skew_ms)
-    raise OracleFailure("caching", f"the lease on {what} ran out before its read {RETRIES} times in a row")
+    raise OracleFailure(rule, f"the lease on {what} ran out before its read {RETRIES} times in a row")
+
+
+def _read_on_time(s: Session, node: str, key: BlockKey, expected: bytes, what: str) -> None:
+    """``read_back`` through ``_leased_read``: the acquire MUST be granted, the read MUST answer
+    ``expected``."""
+    g, got = _leased_read(s, node, key, what, "caching")
+    s.check(isinstance(g, ReadGrant), "caching", f"acquire of {what} refused: {g}")
+    s.check(got == expected, "caching", f"a leased read of {what} answered {got!r:.60}")
 
 
 def space_reclaimed(s: Session) -> None:
@@ -1989,11 +1999,9 @@ def overload_refused_cleanly(s: Session) -> None:
     rest = committed[OVERLOAD_ENDS:-OVERLOAD_ENDS]
     sample = committed[:OVERLOAD_ENDS] + s.rng.sample(rest, min(OVERLOAD_SAMPLE, len(rest))) + committed[-OVERLOAD_ENDS:]
     for i in sorted(set(sample)):
-        g = s.acquire(r, s.ns, keys[i])
+        g, got = _leased_read(s, r, keys[i], f"block #{i} of the overload", "overload")
         if not isinstance(g, ReadGrant):
             continue  # evicted to make room, through the directory
-        got = s.read(g)
-        s.release(g)
         s.check(got == _overload_bytes(keys[i], size), "overload",
                 f"block #{i} of the overload, committed and still granted, read {got!r:.60} ({what}; "
                 f"{len(committed)} committed, {len(gone)} no longer found, refusals {refusals})")  # fmt: skip

@@ -221,6 +221,52 @@ def test_an_inferred_write_expiry_is_stamped_term_and_epsilon_after_its_grants_l
         assert gap >= (TERM_MS + SKEW_MS) * 1_000_000
 
 
+def test_an_inferred_read_is_stamped_at_its_call_not_its_late_answer(monkeypatch):
+    """core-inferred once had KVCC-TIER-004 REJECTED on a loaded machine ("read: it needs the
+    holder trusting this lease"): the kit read under a trusted lease, then its answer took 1.3 s
+    to come back, and the inferred ``read`` line was stamped at the answer, past the holder's
+    deadline. A read whose answer comes back a term and a half late: ACCEPTED, every inferred read
+    stamped no later than its call's start."""
+    read = testing.InferredCoreAdapter.read
+    starts: dict[int, int] = {}
+
+    def late_answer(self, grant):
+        starts.setdefault(grant.lease, time.monotonic_ns())
+        got = read(self, grant)
+        time.sleep(1.5 * TERM_MS / 1000)
+        return got
+
+    monkeypatch.setattr(testing.InferredCoreAdapter, "read", late_answer)
+    rep = run(testing.InferredCoreAdapter, profiles=["core"], ids=["KVCC-CORE-003"])
+    result = rep.by_id()["KVCC-CORE-003"]
+    assert result.status == "PASS" and result.counts, (result.status, result.message)
+    reads = [e for e in result.events if e["event"] == "read" and e["result"] == "ok"]
+    assert reads
+    for e in reads:
+        assert e["t_local_ns"] <= starts[e["lease"]], e
+
+
+def test_an_overloaded_block_whose_lease_ran_out_before_its_read_is_read_again(monkeypatch):
+    """core once FAILed KVCC-TIER-006 on a loaded machine: a committed block's read came after the
+    holder's own deadline and was refused ``lease_expired`` -- a clean refusal, taken for a block
+    lost. The first reads of three blocks stall past the holder's deadline: the block is leased and
+    read again, and the test PASSes."""
+    read = testing.CoreAdapter.read
+    stalled: set = set()
+
+    def stall_first_reads(self, grant):
+        if len(stalled) < 3 and grant.key not in stalled:
+            stalled.add(grant.key)
+            time.sleep(TERM_MS / 1000)
+        return read(self, grant)
+
+    monkeypatch.setattr(testing.CoreAdapter, "read", stall_first_reads)
+    rep = run(testing.CoreAdapter, profiles=["tiering"], ids=["KVCC-TIER-006"])
+    result = rep.by_id()["KVCC-TIER-006"]
+    assert len(stalled) == 3
+    assert result.status == "PASS" and result.counts, (result.status, result.message)
+
+
 def test_a_read_between_a_commit_answer_and_its_record_is_not_a_dirty_read(tmp_path, monkeypatch):
     """The in-process load test once failed "NoDirtyRead: read returned bytes of a generation
     never committed" for a correct adapter: a read ran after the commit's answer had come back and
