@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import threading
 import time
 from pathlib import Path
@@ -71,12 +72,27 @@ def test_core_adapter_passes_every_profile():
     assert _kvcc_threads() <= before
 
 
+def _around_rejection(result, before: int = 16) -> list[str]:
+    """The lines of the rejected event's key (or lease) up to it, and the call history's entries
+    of that key around it: what a chance rejection in CI needs to be understood from its log."""
+    m = re.search(r"REJECTED at event (\d+)", result.message or "")
+    if m is None or not result.events:
+        return []
+    at = int(m.group(1))
+    bad = result.events[at]
+    t0 = result.events[0]["t_local_ns"]
+    mine = [(i, e) for i, e in enumerate(result.events[: at + 4])
+            if e.get("key") == bad.get("key") or (bad.get("lease") is not None and e.get("lease") == bad.get("lease"))]  # fmt: skip
+    return [f"{i} {e['node']}/{e['incarnation']}#{e['seq']} {(e['t_local_ns'] - t0) / 1e6:.3f}ms {e['event']} "
+            f"lease={e.get('lease')} gen={e.get('gen')} result={e.get('result')}" for i, e in mine[-before:]]  # fmt: skip
+
+
 @pytest.mark.parametrize("cls", testing.CORRECT, ids=lambda c: c.name)
 def test_correct_adapter_certifies_with_every_trace_accepted(cls):
     """Native events, inferred events, and a late commit answer: each certifies, every trace of
     every test ACCEPTED (before: the inferred mode FAILed 27 of 33 tests)."""
     rep = run(cls, profiles=PROFILES_WITHOUT_LOAD)
-    assert rep.certified, [(r.id, r.status, r.message) for r in rep.results if not r.counts]
+    assert rep.certified, [(r.id, r.status, r.message, _around_rejection(r)) for r in rep.results if not r.counts]
     verdicts = {r.id: r.verdict.get("status") for r in rep.results if not catalogue.BY_ID[r.id].audit}
     assert set(verdicts.values()) == {"ACCEPTED"}, verdicts
     assert rep.capabilities["events"] == ("inferred" if cls is testing.InferredCoreAdapter else "native")
