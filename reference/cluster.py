@@ -48,6 +48,7 @@ START_TIMEOUT_S = 30.0
 STOP_GRACE_S = 5.0
 ENGINE_TENANT = "engine"
 NODE_TENANT = "nodes"
+OPERATOR = "ops"  # the deployment's operator (``operator_client``)
 DEFAULT_TIERS = ("dram=8MiB", "nvme=32MiB")
 DEFAULT_BLOCK_BYTES = 64 << 10
 
@@ -357,6 +358,8 @@ class LocalCluster:
             # Each node's own credential, bound to its id (issue 14): the directory takes a node's
             # messages only under it, and a tenant's credential can never act as a node.
             "nodes": {node: {"token": secrets.token_bytes(32).hex()} for node in self.node_ids},
+            # The operator's credential: invalidates and looks up in every namespace, nothing else.
+            "operators": {OPERATOR: {"token": secrets.token_bytes(32).hex()}},
         }
         if transport:
             self.config["transport"] = dict(transport)  # the servers' ServerLimits (kvcc.reference.serve)
@@ -558,6 +561,19 @@ class LocalCluster:
         ev = EventLog(self.workdir / "events" / f"{client_id}.ndjson", client_id, 1) if events else None
         c = SyncClient(self.directory_address, ENGINE_TENANT, self.engine_token, client_id=client_id,
                        skew_ms=self.skew_ms, events=ev, timeout_ms=timeout_ms, tls=self.tls)  # fmt: skip
+        self._clients.append(c)
+        return c
+
+    def operator_client(self, client_id: str, *, timeout_ms: int | None = None) -> Any:
+        """A client under the deployment's operator credential (``wire.operator_credential``): it
+        invalidates and looks up in every namespace and lists the nodes; the directory refuses it
+        anything else. It logs no events: it takes no step of a holder or a writer."""
+        from .client import SyncClient
+        from .wire import operator_credential
+
+        token = bytes.fromhex(self.config["operators"][OPERATOR]["token"])
+        c = SyncClient(self.directory_address, operator_credential(OPERATOR), token, client_id=client_id,
+                       skew_ms=self.skew_ms, timeout_ms=timeout_ms, tls=self.tls)  # fmt: skip
         self._clients.append(c)
         return c
 

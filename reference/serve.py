@@ -5,6 +5,7 @@ A deployment is described by one JSON file shared by every process (``ClusterCon
     {"lease_term_ms": 2000, "skew_ms": 100,
      "tenants": {"engine-a": {"token": "<hex, >= 16 bytes>", "namespaces": ["<64 hex>", ...]}},
      "nodes": {"n1": {"token": "<hex, >= 16 bytes>"}, "n2": {"token": "<hex>"}},
+     "operators": {"ops": {"token": "<hex, >= 16 bytes>"}},
      "transport": {"handshake_timeout_ms": 5000, ...},
      "tls": {"cert": "server.crt", "key": "server.key", "ca": "ca.crt", "require_client_cert": false}}
 
@@ -29,7 +30,11 @@ may list only its own entry. Tenants are clients only: they get their namespaces
 11), every namespace for an ``operator`` tenant, and can never act as a node. A file without a
 ``nodes`` section is the older form: its ``node_tenant`` (an ``operator`` tenant) is every node's
 shared credential and may act as any node, as before -- nodes are not told apart there, tenants
-still may not be nodes. Each process writes its protocol events to an
+still may not be nodes. ``operators`` (optional) gives the people and tools that run the
+deployment credentials of their own (on the wire ``operator:<name>``, ``wire.operator_credential``):
+they invalidate and look up in every namespace and list the nodes -- no lease, no write, no bytes
+(a node does not accept them) -- where an ``operator`` tenant is a client of every namespace.
+Each process writes its protocol events to an
 NDJSON file (``--events``) and, once it serves, a ready file (``--ready-file``: JSON with ``port``
 and ``pid``, written atomically; ``metrics_port`` too with ``--metrics-port``) that scripts and
 ``kvcc cluster`` wait for. With ``--metrics-port`` a process also serves Prometheus metrics on
@@ -59,7 +64,7 @@ from typing import Any
 from attrs import frozen
 
 from .transport import ServerLimits, TlsConfig, TlsConfigError, check_listen
-from .wire import Tenants, node_credential
+from .wire import Tenants, node_credential, operator_credential
 
 log = logging.getLogger("kvcc.serve")
 
@@ -104,7 +109,15 @@ class ClusterConfig:
                     raise ConfigError(f"tenant {name!r} has the name of node {node_id!r}'s credential")
                 tokens[name] = bytes.fromhex(n["token"])
                 node_credentials[name] = node_id
-            tenants = Tenants(tokens, namespaces, operators=frozenset(operators), nodes=node_credentials)
+            operator_names = {}
+            for op, o in dict(raw.get("operators") or {}).items():
+                name = operator_credential(op)
+                if name in tokens:
+                    raise ConfigError(f"{name!r} is both operator {op!r}'s credential and another's")
+                tokens[name] = bytes.fromhex(o["token"])
+                operator_names[name] = op
+            tenants = Tenants(tokens, namespaces, operators=frozenset(operators), nodes=node_credentials,
+                              operator_names=operator_names)  # fmt: skip
             node_tenant = raw.get("node_tenant") if node_credentials else raw["node_tenant"]
             if node_tenant is not None and node_tenant not in operators:
                 raise ConfigError(f"node_tenant {node_tenant!r} must be an operator tenant")

@@ -17,6 +17,8 @@ incarnation -- kept the real node from rejoining; the tests marked so failed on 
   there, or moves ``n1``'s copy onto its own tier;
 - a node's credential asks what only clients ask, or connects to a node's data port;
 - a client id is another tenant's;
+- the operator's credential invalidates and looks up in the engine's namespace, and asks nothing
+  else: no lease, no write, no node's message, no connection to a node's data port;
 - after the attempts the real ``n1`` restarts and rejoins; normal operation is unchanged: puts and
   reads (co-located too), a client's eviction through a node, a transfer asked under ``n1``'s own
   credential that the real node carries out (``Copy``, then ``Copied`` under its credential).
@@ -33,17 +35,19 @@ import time
 
 import pytest
 
-from kvcc.reference.cluster import ENGINE_TENANT, NODE_TENANT, LocalCluster
+from kvcc.reference.cluster import ENGINE_TENANT, NODE_TENANT, OPERATOR, LocalCluster
 from kvcc.reference.errors import ConnectionFailed
 from kvcc.reference.serve import ClusterConfig, ConfigError
 from kvcc.reference.transport import Client
 from kvcc.reference.wire import (
+    Acquire,
     BeginWrite,
     Copied,
     Error,
     Evict,
     Freed,
     Hello,
+    Invalidate,
     ListNodes,
     Lookup,
     NodeList,
@@ -58,6 +62,7 @@ from kvcc.reference.wire import (
     Welcome,
     WriteBytes,
     node_credential,
+    operator_credential,
 )
 from kvcc.spec.keys import BlockKey, Namespace, chain_keys
 
@@ -92,9 +97,12 @@ def cluster(tmp_path_factory):
 
 
 def _credential(cluster: LocalCluster, who: str) -> tuple[str, bytes]:
-    """(credential name, token) of a tenant (``engine``, ``nodes``) or a node (``n1``, ``n2``)."""
+    """(credential name, token) of a tenant (``engine``, ``nodes``), a node (``n1``, ``n2``) or the
+    operator (``OPERATOR``)."""
     if who in cluster.node_ids:
         return node_credential(who), cluster.node_token(who)
+    if who == OPERATOR:
+        return operator_credential(OPERATOR), bytes.fromhex(cluster.config["operators"][OPERATOR]["token"])
     return who, bytes.fromhex(cluster.config["tenants"][who]["token"])
 
 
@@ -238,6 +246,39 @@ def test_a_client_id_stays_its_tenants(cluster, unchanged):
     _refused(cluster, NODE_TENANT, Hello("engine-client", 1, "", (), ()))
 
 
+# ---------------------------------------------------------------------------------- the operator
+
+
+def test_an_operator_invalidates_in_any_namespace(cluster):
+    """Operators had no credential of their own: an ``operator`` tenant was a client of every
+    namespace, leases and writes included. The operator's credential invalidates a block of the
+    engine's namespace (which it holds no tenant right to) and looks it up, and the block is gone
+    for the engine; a tenant without the namespace may not."""
+    engine = cluster.client("n1.operated", events=False)  # co-located with n1, as the chain's writer
+    key = BlockKey(os.urandom(32))
+    assert not hasattr(engine.put(NS, key, None, _block(key)), "reason")
+    op = cluster.operator_client("ops.console")
+    assert op.lookup(NS, [key]).blocks == 1
+    _refused(cluster, NODE_TENANT, Invalidate(NS.digest(), "key", key))  # a tenant of no namespace
+    ticket = op.invalidate(NS, "key", key)
+    assert ticket.keys == 1 and op.wait(ticket, WAIT_S)
+    assert engine.lookup(NS, [key]).blocks == 0
+    assert op.lookup(NS, [key]).blocks == 0
+    assert set(op.refresh_nodes()) >= {"n1", "n2"}
+
+
+def test_an_operator_holds_no_lease_writes_nothing_and_is_no_node(cluster, unchanged):
+    text = _refused(cluster, OPERATOR, Acquire("ops.console", CHAIN[0], NS.digest(), 1))
+    assert "operator" in text
+    _refused(cluster, OPERATOR, BeginWrite("ops.console", BlockKey(os.urandom(32)), NS.digest(), None, 1))
+    _refused(cluster, OPERATOR, Hello("n1", HUGE_INCARNATION, "127.0.0.1:9", ("n1/dram",), ()))
+    _refused(cluster, OPERATOR, Hello("n1", 1, "", (), ()))  # nor a node's id as a client id
+    _refused(cluster, OPERATOR, Freed("n1/dram", CHAIN[0], 1))
+    _refused(cluster, OPERATOR, Evict("n1", CHAIN[0], "n1/dram"))
+    # No bytes: a node's data server does not take the operator's credential.
+    _refused(cluster, OPERATOR, Ping(1), port=int(cluster.procs["n1"].info["port"]))
+
+
 # ---------------------------------------------------------------------------------- normal operation
 
 
@@ -360,6 +401,22 @@ def test_a_deployment_file_gives_each_node_its_own_credential():
         ClusterConfig.from_dict(_raw(nodes={"n1": {"token": "01"}}))  # too short
     with pytest.raises(ConfigError):
         ClusterConfig.from_dict(_raw())  # neither nodes nor a node_tenant
+
+
+def test_a_deployment_file_gives_operators_credentials_of_their_own():
+    cfg = ClusterConfig.from_dict(_raw(nodes={"n1": {"token": "01" * 16}}, operators={"ops": {"token": "0f" * 16}}))
+    assert operator_credential("ops") == "operator:ops"
+    assert cfg.tenants.operator_of("operator:ops") == "ops" and cfg.tenants.operator_of("engine") is None
+    assert cfg.tenants.token("operator:ops") == bytes.fromhex("0f" * 16)
+    assert cfg.tenants.node_of("operator:ops") is None and not cfg.tenants.shared_node_credential("operator:ops")
+    assert set(cfg.tenants.without_nodes().tokens) == {"engine"}  # a node's data server takes no operator
+    assert cfg.tenants.may_operate(Invalidate(NS.digest(), "namespace", None))
+    assert not cfg.tenants.may_operate(Acquire("c", CHAIN[0], NS.digest(), 1))
+    with pytest.raises(ConfigError, match="operator 'ops'"):
+        ClusterConfig.from_dict(_raw(tenants={"operator:ops": {"token": "ab" * 16}}, nodes={"n1": {"token": "01" * 16}},
+                                     operators={"ops": {"token": "0f" * 16}}))  # fmt: skip
+    with pytest.raises(ConfigError):
+        ClusterConfig.from_dict(_raw(nodes={"n1": {"token": "01" * 16}}, operators={"ops": {"token": "0f"}}))  # too short
 
 
 def test_the_older_form_still_loads_with_one_shared_node_credential():

@@ -59,7 +59,9 @@ tiers, and the shared pool if it mounts it); a node credential makes no client r
 registers only as a client (a ``Hello`` with no address, locations or losses), never under a
 node's id, nor under a client id another credential registered. A deployment without node
 credentials keeps one shared one for all its nodes (``Tenants.shared_node_credential``): it may
-act as any node, as before; tenants still may not.
+act as any node, as before; tenants still may not. An operator credential (``Tenants.operator_names``)
+may invalidate, wait for its invalidations, look up (in every namespace) and list the nodes, and
+register as a client to do so -- nothing else: no lease, no write, no node's message.
 
 Membership: ``Hello(node, incarnation, address, locations, lost)`` registers the connection.
 A node seen before under another incarnation, or one that lost locations, has restarted:
@@ -420,6 +422,13 @@ class DirectoryServer:
             # before issue 14; its locations are still its own (below, for a Hello).
             if type(msg) is Hello:
                 self._check_own_locations(msg.node, msg.locations, msg.lost, msg.locations)
+            return
+        operator = self.tenants.operator_of(credential)
+        if operator is not None:
+            if not self.tenants.may_operate(msg):
+                raise Unauthorized(f"operator {operator!r} may not send {kind_of(msg)}: an operator invalidates, looks "
+                                   "up and lists nodes; it holds no lease and writes nothing", tenant=credential)  # fmt: skip
+            self._check_tenant(credential, msg)  # its Hello is a client's
             return
         if node is None:
             self._check_tenant(credential, msg)

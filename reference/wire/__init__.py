@@ -77,7 +77,9 @@ socket, the clock and the event loop; ``kvcc.reference.transport`` is one such c
 ``Tenants`` holds each tenant's token and the namespace digests it may use; ``authorize`` raises
 ``Unauthorized`` for any other namespace (protocol property 11). The directory calls it. It also
 holds the node credentials, each bound to one node id (``node_credential``): the directory takes a
-node's messages only under that node's own credential, and no client request under one (issue 14).
+node's messages only under that node's own credential, and no client request under one (issue 14);
+and the operator credentials (``operator_credential``), which invalidate and look up in every
+namespace and do nothing else.
 """
 
 from __future__ import annotations
@@ -163,4 +165,4 @@ from .messages import (
     kind_of,
 )
 from .session import Received, Role, Session, encode_envelope, frame_mac, session_key
-from .tenants import NODE_CREDENTIAL_PREFIX, Tenants, node_credential
+from .tenants import NODE_CREDENTIAL_PREFIX, OPERATOR_CREDENTIAL_PREFIX, Tenants, node_credential, operator_credential

@@ -14,6 +14,13 @@ A session authenticates every frame under its credential's token (``session``: t
   is never a client: the directory refuses it every client request (leases, writes, lookups,
   invalidations), and a node's data server does not accept it at all (``without_nodes``).
 
+- an **operator** credential (``operator_names``: credential name -> operator name, named
+  ``operator_credential(name)``) is a person's or a tool's that runs the deployment: it may
+  invalidate and look up in every namespace (a model's blocks voided across tenants, what is
+  cached where) and list the nodes, and nothing else -- it holds no lease, writes nothing, is no
+  node, and a node's data server does not accept it (no bytes). ``Tenants.may_operate`` says
+  which requests; the directory refuses the rest before any state changes.
+
 A deployment that names no node credential (``nodes`` empty: the deployment files before issue 14,
 whose nodes share one ``operators`` tenant) keeps the old rule for that shared credential: it may
 act as any node (``shared_node_credential``). Tenants still may not.
@@ -21,7 +28,7 @@ act as any node (``shared_node_credential``). Tenants still may not.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from attrs import field, frozen
@@ -31,6 +38,7 @@ from kvcc.spec.keys import DIGEST_BYTES
 from ..errors import Unauthorized
 from .codec import check_digest
 from .limits import MAX_TENANT_BYTES, MIN_TOKEN_BYTES
+from .messages import Hello, Invalidate, ListNodes, Lookup, WaitTicket
 
 def tenant_problem(name: Any) -> str | None:
     if type(name) is not str or not name:
@@ -40,12 +48,23 @@ def tenant_problem(name: Any) -> str | None:
     return None
 
 
+# What an operator credential may ask the directory (``Tenants.may_operate``).
+OPERATOR_REQUESTS = (Hello, Invalidate, WaitTicket, Lookup, ListNodes)
+
 NODE_CREDENTIAL_PREFIX = "node:"  # a node's credential is named "node:<node id>"
 
 
 def node_credential(node_id: str) -> str:
     """The name of ``node_id``'s own credential (the envelope's ``tenant`` field on its frames)."""
     return f"{NODE_CREDENTIAL_PREFIX}{node_id}"
+
+
+OPERATOR_CREDENTIAL_PREFIX = "operator:"  # an operator's credential is named "operator:<name>"
+
+
+def operator_credential(name: str) -> str:
+    """The name of operator ``name``'s credential (the envelope's ``tenant`` field on its frames)."""
+    return f"{OPERATOR_CREDENTIAL_PREFIX}{name}"
 
 
 def _tokens(value: Mapping[str, bytes]) -> dict[str, bytes]:
@@ -70,13 +89,16 @@ def _namespaces(value: Mapping[str, Any]) -> dict[str, frozenset[bytes]]:
     return out
 
 
-def _node_ids(value: Mapping[str, str]) -> dict[str, str]:
-    out = {}
-    for credential, node in dict(value).items():
-        if type(node) is not str or not node:
-            raise ValueError(f"credential {credential!r}: a node id is non-empty text")
-        out[credential] = node
-    return out
+def _names(what: str) -> Callable[[Mapping[str, str]], dict[str, str]]:
+    def convert(value: Mapping[str, str]) -> dict[str, str]:
+        out = {}
+        for credential, name in dict(value).items():
+            if type(name) is not str or not name:
+                raise ValueError(f"credential {credential!r}: {what} is non-empty text")
+            out[credential] = name
+        return out
+
+    return convert
 
 
 @frozen(eq=False)
@@ -92,7 +114,10 @@ class Tenants:
     operators: frozenset[str] = field(default=frozenset(), converter=frozenset)
     # Node credentials: credential name -> the one node id it may act as (its token is in
     # ``tokens``). Not tenants: no namespaces, not operators.
-    nodes: Mapping[str, str] = field(factory=dict, converter=_node_ids)
+    nodes: Mapping[str, str] = field(factory=dict, converter=_names("a node id"))
+    # Operator credentials: credential name -> operator name (its token is in ``tokens``). Not
+    # tenants, not nodes: ``may_operate`` says what they may ask.
+    operator_names: Mapping[str, str] = field(factory=dict, converter=_names("an operator name"))
 
     def __attrs_post_init__(self) -> None:
         for credential in self.nodes:
@@ -100,6 +125,11 @@ class Tenants:
                 raise ValueError(f"node credential {credential!r} has no token")
             if credential in self.namespaces or credential in self.operators:
                 raise ValueError(f"{credential!r} is a node credential: it has no namespaces and is no operator")
+        for credential in self.operator_names:
+            if credential not in self.tokens:
+                raise ValueError(f"operator credential {credential!r} has no token")
+            if credential in self.namespaces or credential in self.operators or credential in self.nodes:
+                raise ValueError(f"{credential!r} is an operator credential: no tenant's, no node's")
 
     def token(self, tenant: str) -> bytes | None:
         return self.tokens.get(tenant)
@@ -107,6 +137,16 @@ class Tenants:
     def node_of(self, credential: str) -> str | None:
         """The node ``credential`` is bound to, or ``None`` for a tenant's."""
         return self.nodes.get(credential)
+
+    def operator_of(self, credential: str) -> str | None:
+        """The operator ``credential`` is, or ``None`` for a tenant's or a node's."""
+        return self.operator_names.get(credential)
+
+    @staticmethod
+    def may_operate(msg: Any) -> bool:
+        """What an operator credential may ask the directory: invalidate and wait for it, look up,
+        list the nodes, and say ``Hello`` as a client (the directory checks that it is one)."""
+        return type(msg) in OPERATOR_REQUESTS
 
     def shared_node_credential(self, credential: str) -> bool:
         """A deployment without node credentials: its ``operators`` act as any node (the rule
@@ -118,17 +158,18 @@ class Tenants:
         return node_id in self.nodes.values()
 
     def without_nodes(self) -> Tenants:
-        """The tenants alone: what a node's data server accepts (nodes do not dial each other)."""
-        if not self.nodes:
+        """The tenants alone: what a node's data server accepts (nodes do not dial each other;
+        operators read and write no bytes)."""
+        if not self.nodes and not self.operator_names:
             return self
-        return Tenants({t: k for t, k in self.tokens.items() if t not in self.nodes}, self.namespaces,
-                       operators=self.operators)  # fmt: skip
+        return Tenants({t: k for t, k in self.tokens.items() if t not in self.nodes and t not in self.operator_names},
+                       self.namespaces, operators=self.operators)  # fmt: skip
 
     def allows(self, tenant: str, namespace_digest: bytes) -> bool:
         # A node stores, evicts, demotes and frees every tenant's blocks; what else it may send is
         # the directory server's to refuse (it refuses a node credential every client request).
-        if tenant in self.nodes:
-            return True
+        if tenant in self.nodes or tenant in self.operator_names:
+            return True  # what a node or an operator may send at all is the directory's to refuse
         return tenant in self.operators or namespace_digest in self.namespaces.get(tenant, frozenset())
 
     def authorize(self, tenant: str, namespace_digest: bytes) -> None:
