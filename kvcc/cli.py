@@ -715,6 +715,10 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
 
     add_runtime_parsers(sub)
 
+    from kvcc.cli_admin import add_parsers as add_admin_parsers
+
+    add_admin_parsers(sub)  # kvcc admin nodes, kvcc admin invalidate
+
     from kvcc.conformance.command import add_parsers as add_conformance_parsers
 
     add_conformance_parsers(sub)  # kvcc conform, kvcc certify verify

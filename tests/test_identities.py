@@ -267,6 +267,49 @@ def test_an_operator_invalidates_in_any_namespace(cluster):
     assert set(op.refresh_nodes()) >= {"n1", "n2"}
 
 
+def test_kvcc_admin_invalidates_as_the_operator_and_refuses_bad_input(cluster, capsys):
+    """``kvcc admin``: the operator's actions from the command line, under its credential from the
+    deployment file. Bad input is refused before anything is sent (exit 2, one line)."""
+    import json
+
+    from kvcc.cli import main
+
+    engine = cluster.client("n1.admin", events=False)
+    key = BlockKey(os.urandom(32))
+    assert not hasattr(engine.put(NS, key, None, _block(key)), "reason")
+    base = ["--config", str(cluster.config_path), "--operator", OPERATOR,
+            "--directory", "%s:%d" % cluster.directory_address, "--json"]  # fmt: skip
+    capsys.readouterr()
+    assert main(["admin", "nodes", *base]) == 0
+    assert {"n1", "n2"} <= set(json.loads(capsys.readouterr().out)["nodes"])
+    invalidate = ["admin", "invalidate", *base, "--namespace", NS.digest().hex()]
+    assert main([*invalidate, "--scope", "key", "--key", key.digest.hex(), "--wait", str(WAIT_S)]) == 0
+    assert json.loads(capsys.readouterr().out) == {"ticket": ANY_TICKET, "keys": 1, "completed": True}
+    assert engine.lookup(NS, [key]).blocks == 0 and engine.lookup(NS, CHAIN).blocks == len(CHAIN)
+    bad = [
+        [*invalidate, "--scope", "key"],  # no key
+        [*invalidate, "--scope", "key", "--key", "zz"],
+        [*invalidate, "--scope", "namespace", "--key", key.digest.hex()],
+        ["admin", "invalidate", *base[:3], "nobody", *base[4:], "--namespace", NS.digest().hex(), "--scope", "namespace"],
+        ["admin", "nodes", *base[:5], "no-port", "--json"],
+    ]  # fmt: skip
+    for argv in bad:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("kvcc admin") and err.count("\n") == 1, err
+    assert engine.lookup(NS, CHAIN).blocks == len(CHAIN)  # nothing of the chain was voided
+    assert main(["admin", "nodes", *base[:5], "127.0.0.1:1", "--json"]) == 3  # nothing listens there
+    assert "failed" in capsys.readouterr().err
+
+
+class _AnyTicket:
+    def __eq__(self, other: object) -> bool:
+        return type(other) is int and other > 0
+
+
+ANY_TICKET = _AnyTicket()
+
+
 def test_an_operator_holds_no_lease_writes_nothing_and_is_no_node(cluster, unchanged):
     text = _refused(cluster, OPERATOR, Acquire("ops.console", CHAIN[0], NS.digest(), 1))
     assert "operator" in text
