@@ -111,7 +111,10 @@ frontier of possible states, time as intervals) over the same transitions the ch
    ``code`` among ``REJECT_CODES``, ``reason``, and ``diff``: the event, what it needed, and the
    relevant variables of the closest frontier states) or INCONCLUSIVE (``code`` among
    ``INCONCLUSIVE_CODES``). Every matched step's post-state is also checked against the spec's
-   invariants and step properties (``check_invariants``).
+   invariants and step properties (``check_invariants``). As in the checker, an invariant is
+   re-evaluated only where a group it reads (``Invariant.reads``) differs from a state it held
+   on: the frontier element the step was taken from, when that is a post-state as checked; the
+   other invariants hold on the post-state as they did there.
 
 Fields each event must carry (beyond the standard ``node, incarnation, seq, t_local_ns,
 t_wall_ns, event, key, gen, epoch, lease, result``; ``node`` is the logging process):
@@ -381,8 +384,6 @@ _REQUEST_FIELD = model_module._READ_EXCHANGE_REQUEST
 # Replies to a holder's request, and where they carry the request number.
 _READ_REPLY = {kind: f for kind, f in _REQUEST_FIELD.items() if kind in (M_GRANT_READ, M_RENEWED, M_REFUSE)}
 _READ_REPLY_KINDS = frozenset(_READ_REPLY)
-# Each invariant's predicate and name, looked up once: every new post-state is checked by all.
-_INVARIANT_CHECKS = tuple((inv.holds, inv.name) for inv in INVARIANTS)
 _PROGRESS_NAMES = frozenset(inv.name for inv in INVARIANTS if inv.kind == "progress")
 
 
@@ -807,6 +808,35 @@ def _event_signature(pe: _PEvent) -> tuple:
     return (pe.mode,) + values
 
 
+class _InvariantReads:
+    """What each invariant reads, by group (``Invariant.reads``: the layout's groups and
+    "messages", the contract the checker's incremental re-evaluation relies on; none declared:
+    everything), and the invariants to evaluate on a state that differs from one where all held
+    in a given set of groups (``to_check``, memoised per set: a bit per group, the network last)."""
+
+    def __init__(self, L: Any) -> None:
+        self.slices = tuple(L.groups.values()) + (slice(L.fixed, None),)
+        bit = {name: 1 << i for i, name in enumerate(L.groups)}
+        bit["messages"] = 1 << len(L.groups)
+        everything = (bit["messages"] << 1) - 1
+        self.checks = tuple((inv.holds, inv.name) for inv in INVARIANTS)
+        self.masks = tuple(sum(bit[g] for g in set(inv.reads)) or everything for inv in INVARIANTS)
+        self._memo: dict[int, tuple[tuple[Callable, str], ...]] = {}
+
+    def to_check(self, ref: bytes, post: bytes) -> tuple[tuple[Callable, str], ...]:
+        """The invariants (``(predicate, name)``, in ``INVARIANTS`` order) that read a group in
+        which ``post`` differs from ``ref``."""
+        changed, bit = 0, 1
+        for sl in self.slices:
+            if ref[sl] != post[sl]:
+                changed |= bit
+            bit <<= 1
+        got = self._memo.get(changed)
+        if got is None:
+            got = self._memo[changed] = tuple(c for c, mask in zip(self.checks, self.masks) if changed & mask)
+        return got
+
+
 class _SpecContext:
     """One ``Model`` and the memos of its pure functions (successors, a tick, the invariants,
     the step properties, the steps an event may be), shared by every projection of one
@@ -825,6 +855,7 @@ class _SpecContext:
         self.tick_memo: dict[bytes, bytes | None] = {}
         self.invariant_memo: dict[bytes, str | None] = {}
         self.property_memo: dict[tuple, str | None] = {}
+        self.invariant_reads = _InvariantReads(self.model.L)
         self.match_memo: dict[tuple, tuple] = {}
         self.signatures: dict[tuple, int] = {}  # ``_event_signature`` -> a small int, its name in ``match_memo``
         self.next_signature = 0
@@ -895,6 +926,8 @@ class _Replay:
         self._age_index = [i for i in ghost_age_indices(self.L)] if merge_ages else []
         # Reads them all in one call (``itemgetter`` of one index gives a value, not a tuple).
         self._get_ages = operator.itemgetter(*self._age_index) if len(self._age_index) > 1 else None
+        # Each node's last request number, as a tuple (``_matched_uncached``: renumber past RENUMBER_AT?).
+        self._last_requests = operator.itemgetter(*self.L.req, self.L.req[0])
         logs: dict[tuple[str, int], list[_PEvent]] = {}
         for pe in pevents:
             logs.setdefault((pe.ev["node"], pe.ev["incarnation"]), []).append(pe)
@@ -909,6 +942,7 @@ class _Replay:
         self._succ = ctx.succ
         self._tick_memo = ctx.tick_memo
         self._invariant_memo = ctx.invariant_memo
+        self._invariant_reads = ctx.invariant_reads
         self._property_memo = ctx.property_memo
         self._match_memo = ctx.match_memo
         self._signatures = ctx.signatures
@@ -1253,9 +1287,19 @@ class _Replay:
         each element (hashed at every step) and keep apart elements whose futures are alike."""
         if not binding:
             return binding
-        used = self._leases_in_use(s)
-        if all(sp in used for _, sp in binding):
+        L = self.L
+        for _, sp in binding:  # each spec id looked for where it may be, until one is missing
+            if sp == NO_LEASE:
+                break
+            for blk in L.lease_id_blocks:
+                if sp in s[blk]:
+                    break
+            else:
+                if not any(s[i + 3] == sp and s[i] in _CARRIES_LEASE for i in range(L.fixed, len(s), MESSAGE_WIDTH)):
+                    break
+        else:
             return binding
+        used = self._leases_in_use(s)
         return tuple(pair for pair in binding if pair[1] in used)
 
     def _void(self, s: bytes) -> bytes:
@@ -1381,16 +1425,24 @@ class _Replay:
                 old.remove(m)
         return old
 
-    def _properties(self, lab: str, p: tuple, pre: bytes, post: bytes) -> str | None:
+    def _properties(self, lab: str, p: tuple, pre: bytes, post: bytes, ref: bytes | None = None) -> str | None:
         """The first property the step breaks, or None. The frontier meets the same steps again
         and again (one per frontier element that can take them), so verdicts are memoised: the
-        predicates are pure functions of (pre, label, params, post)."""
+        predicates are pure functions of (pre, label, params, post).
+
+        ``ref``: a state every invariant was evaluated on and held (in the memo as ``None``; the
+        frontier element the step was taken from, before time passed, is one when it is a post
+        as checked). An invariant that reads no group (``Invariant.reads``) in which ``post``
+        differs from ``ref`` holds on ``post`` too, as the checker re-evaluates only those that
+        read a group changed from the parent."""
         m = self.model
         inv_memo = self._invariant_memo
         verdict = inv_memo.get(post, False)
         if verdict is False:
             verdict = None
-            for holds, name in _INVARIANT_CHECKS:
+            reads = self._invariant_reads
+            checks = reads.to_check(ref, post) if ref is not None and inv_memo.get(ref, False) is None else reads.checks
+            for holds, name in checks:
                 if not holds(m, post):
                     verdict = name
                     break
@@ -1434,24 +1486,26 @@ class _Replay:
         got = self._eligible_memo.get(pos)
         if got is not None:
             return got
-        logs = self.logs
-        heads = [
-            (logs[j][pos[j]], j) for j in range(len(logs))
-            if pos[j] < len(logs[j]) and all(pos[e] == len(logs[e]) for e in self._earlier[j])
-        ]  # fmt: skip
-        # A process's new incarnation starts after its previous one ended: its events are not
-        # candidates while an earlier incarnation's are pending (a restarted directory that lost
-        # state must not be read as acting before it lost it).
+        logs, earlier = self.logs, self._earlier
+        # (index, log, wall) of each log's next event; an event is in one log, so indices differ.
+        heads = []
+        for j, log in enumerate(logs):
+            at = pos[j]
+            # A process's new incarnation starts after its previous one ended: its events are
+            # not candidates while an earlier incarnation's are pending (a restarted directory
+            # that lost state must not be read as acting before it lost it).
+            if at < len(log) and (not earlier[j] or all(pos[e] == len(logs[e]) for e in earlier[j])):
+                pe = log[at]
+                heads.append((pe.index, j, pe.wall))
         if not heads:
             out: list[int] = []
         elif self.params.reorder_mode == "none":
-            out = [min(heads, key=lambda h: h[0].index)[1]]
+            out = [min(heads)[1]]
         else:
-            earliest = min(h[0].wall for h in heads)
-            window = self.params.window_ms * 1_000_000
-            heads.sort(key=lambda h: h[0].index)
+            latest = min(h[2] for h in heads) + self.params.window_ms * 1_000_000
+            heads.sort()
             # The caller's next event is always a candidate; others within the clock window too.
-            out = [j for n, (pe, j) in enumerate(heads) if n == 0 or pe.wall <= earliest + window]
+            out = [j for n, (_, j, wall) in enumerate(heads) if n == 0 or wall <= latest]
         if len(self._eligible_memo) >= ADVANCE_MEMO_MAX:
             self._eligible_memo.clear()
         self._eligible_memo[pos] = out
@@ -1497,6 +1551,9 @@ class _Replay:
         shared, cascades = self.shared, self.cascades
         eligible, eligible_memo, steps = self._eligible, self._eligible_memo, self._steps
         closure, matched_of = self._closure, self._matched
+        # Without clock steps or duplications, ``_closure`` is inlined: one memoised tick at a time.
+        stepwise = self.clock_steps or self.params.max_duplications
+        advance, tick_memo, tick = self._advance, self._tick_memo, self.model.tick
         first_only, lazy = how == "first", how == "lazy"
         max_frontier = self.params.max_frontier
         for (s, T, pos, binding, gt), (last_lo, last_hi, ages) in frontier.items():
@@ -1527,13 +1584,31 @@ class _Replay:
                 is_shared = index in shared
                 cascade_ticks = self.cascade_ticks.setdefault(index, set()) if index in cascades else None
                 lo_head, lo_tail, hi_head, hi_tail = last_lo[:j], last_lo[j + 1 :], last_hi[:j], last_hi[j + 1 :]
-                for x, t in closure(s, T, lo, hi):
+                if stepwise:
+                    reach = closure(s, T, lo, hi)
+                else:
+                    reach = []
+                    t = lo  # at least T
+                    x = advance(s, t - T) if t > T else s
+                    while x is not None:
+                        reach.append((x, t))
+                        if t >= hi:
+                            break
+                        x2 = tick_memo.get(x, False)
+                        if x2 is False:
+                            x2 = tick(x)
+                            if len(tick_memo) >= ADVANCE_MEMO_MAX:
+                                tick_memo.clear()
+                            tick_memo[x] = x2
+                        x = x2
+                        t += 1
+                for x, t in reach:
                     # Elements that differ only in when their timers were set meet the same
                     # states again at other ticks: each (event, state, binding) is matched once.
                     mkey = (index, x, binding)
                     matched = memo.get(mkey)
                     if matched is None:
-                        matched = memo[mkey] = matched_of(pe, x, binding)
+                        matched = memo[mkey] = matched_of(pe, x, binding, s)
                     if not matched:
                         continue
                     new_lo, new_hi = lo_head + (t,) + lo_tail, hi_head + (t,) + hi_tail
@@ -1561,7 +1636,7 @@ class _Replay:
                     raise _inconclusive(index, pe.ev, "frontier_limit", f"key {self.key[:16]}…: more than {max_frontier} possible states at event {index}")
         return nxt, broke, full
 
-    def _matched(self, pe: _PEvent, x: bytes, binding: tuple) -> list[tuple[bytes, tuple, tuple, str | None, bool]]:
+    def _matched(self, pe: _PEvent, x: bytes, binding: tuple, ref: bytes | None = None) -> list[tuple[bytes, tuple, tuple, str | None, bool]]:
         """The steps ``pe`` may be from ``x``, each as ``(post without ghost ages, its ages,
         binding, the property it breaks or None, whether the network was full)``: posts with
         ids renumbered and stale replies dropped, once for every element that meets ``x``.
@@ -1605,7 +1680,7 @@ class _Replay:
                 return coded
             return [(q, ages, binding if code is None else tuple([(binding[i][0] if i >= 0 else lease, sp) for i, sp in code]),
                      bad, filled) for q, ages, code, bad, filled in coded]  # fmt: skip
-        out = self._matched_uncached(pe, x, binding)
+        out = self._matched_uncached(pe, x, binding, ref)
         coded = []
         index = None
         for q, ages, b2, bad, filled in out:
@@ -1630,16 +1705,16 @@ class _Replay:
         memo[mkey] = tuple(coded)
         return out
 
-    def _matched_uncached(self, pe: _PEvent, x: bytes, binding: tuple) -> list[tuple[bytes, tuple, tuple, str | None, bool]]:
+    def _matched_uncached(self, pe: _PEvent, x: bytes, binding: tuple, ref: bytes | None = None) -> list[tuple[bytes, tuple, tuple, str | None, bool]]:
         out = []
         check = self.params.check_invariants
         limit = self.L.fixed + MESSAGE_WIDTH * self.cfg.max_messages
-        next_id, reqs = self.L.next_id, self.L.req
+        next_id, last_requests = self.L.next_id, self._last_requests
         for post, b2, lab, p, pre in self._match(pe, x, binding):
-            bad = self._properties(lab, p, pre, post) if check else None
+            bad = self._properties(lab, p, pre, post, ref) if check else None
             filled = len(post) >= limit
             if bad is None:
-                if post[next_id] > RENUMBER_AT or any(post[r] > RENUMBER_AT for r in reqs):
+                if post[next_id] > RENUMBER_AT or max(last_requests(post)) > RENUMBER_AT:
                     post, b2 = self._renumber(post, b2)
                 post = self._drop_stale(post)
                 b2 = self._live(post, b2)
