@@ -1627,11 +1627,12 @@ class _Replay:
                         had = nxt.get(key)
                         if had is None:
                             nxt[key] = (new_lo, new_hi, post_ages)
-                        elif had != (new_lo, new_hi, post_ages):
+                        else:
                             lo_, hi_, ages_ = had
-                            nxt[key] = (lo_ if lo_ == new_lo else tuple(map(min, lo_, new_lo)),
-                                        hi_ if hi_ == new_hi else tuple(map(max, hi_, new_hi)),
-                                        ages_ if ages_ == post_ages else tuple(map(max, ages_, post_ages)))  # fmt: skip
+                            if lo_ != new_lo or hi_ != new_hi or ages_ != post_ages:
+                                nxt[key] = (lo_ if lo_ == new_lo else tuple(map(min, lo_, new_lo)),
+                                            hi_ if hi_ == new_hi else tuple(map(max, hi_, new_hi)),
+                                            ages_ if ages_ == post_ages else tuple(map(max, ages_, post_ages)))  # fmt: skip
                 if len(nxt) > max_frontier:
                     raise _inconclusive(index, pe.ev, "frontier_limit", f"key {self.key[:16]}…: more than {max_frontier} possible states at event {index}")
         return nxt, broke, full
