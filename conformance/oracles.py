@@ -420,26 +420,29 @@ class Session:
         """An event of a request whose answer decides whether it was sent: call the result to log
         it, stamped with the time it was sent (now)."""
         if not self.infer:
-            return lambda: None
+            return lambda at_ns=None: None
         t_local = time.monotonic_ns()
 
-        def emit() -> None:
+        def emit(at_ns: int | None = None) -> None:
+            """``at_ns``: when the request was sent, if the answer tells (else the call's start)."""
             self._emit(node, event, **fields)
-            self._backdate_newest(t_local)
+            self._backdate_newest(t_local if at_ns is None else at_ns)
 
         return emit
 
-    def _backdate_newest(self, t_local: int) -> None:
+    def _backdate_newest(self, t_local: int) -> int:
         """Stamp the newest inferred event at ``t_local``, the earliest the suite saw it can have
         happened (its call's start), never before its node's previous event: the suite learns of
-        it only from an answer that, on a loaded machine, can come back long after."""
+        it only from an answer that, on a loaded machine, can come back long after. Returns the
+        stamp (0 when nothing is inferred)."""
         if not self.infer:
-            return
+            return 0
         with self.lock:
             rec = self.inferred[-1]
             local = min(rec["t_local_ns"], max(t_local, self._last_local(rec["node"])))
             rec["t_wall_ns"] -= rec["t_local_ns"] - local
             rec["t_local_ns"] = local
+            return local
 
     def _last_local(self, node: str) -> int:
         """The last t_local_ns of ``node``'s current inferred log before its newest event."""
@@ -603,11 +606,19 @@ class Session:
                 self.deadlines_ns[(node, g.lease)] = t1 + (g.term_ms - self.skew_ms) * 1_000_000
                 self.earliest_deadlines_ns[(node, g.lease)] = t0 + (g.term_ms - self.skew_ms) * 1_000_000
                 self.read_grants[(node, g.lease)] = g
-            sent()
+            # The request left when the holder says (its clock is the suite's, for the kit and
+            # most in-process adapters), somewhere in the call; the grant was taken and trusted by
+            # the time the answer came back. Stamped later, a trust reads as past the request's
+            # budget on a loaded machine -- the holder had given it up (``Holder.gave_up``).
+            sent(min(max(g.requested_at_ns, t0), t1))
             self._emit_dir("grant_read_lease", key=key, gen=g.gen, epoch=g.epoch, lease=g.lease, holder=node,
                            location=g.location)  # fmt: skip
+            granted_ns = self._backdate_newest(t1)
             self._emit(node, "trust_read_lease", key=key, gen=g.gen, epoch=g.epoch, lease=g.lease, location=g.location)
-        elif g.reason not in LOCAL_REFUSALS:
+            self._backdate_newest(max(t1, granted_ns) + 1)
+        elif g.reason not in LOCAL_REFUSALS and g.reason != REASON_LEASE_EXPIRED:
+            # (``lease_expired``: the grant came after the request's own budget ran out and the
+            # holder gave it up -- nothing a correct holder logs, the directory's grant unseen.)
             if self.infer:
                 self._infer_revoked(node, key, t0)
             sent()
@@ -640,7 +651,7 @@ class Session:
                 self.forgotten.discard((grant.node, grant.lease))  # renewed: the directory holds it again
             self._emit_dir("renew_lease", key=grant.key, lease=grant.lease, holder=grant.node)
             self._emit(grant.node, "trust_renewal", key=grant.key, gen=g.gen, epoch=g.epoch, lease=g.lease)
-        elif asks and g.reason not in LOCAL_REFUSALS:
+        elif asks and g.reason not in LOCAL_REFUSALS and g.reason != REASON_LEASE_EXPIRED:
             sent()
             self._emit_dir("refuse_renewal", key=grant.key, lease=grant.lease, holder=grant.node, result=g.reason)
             self._emit(grant.node, "abandon", key=grant.key, lease=grant.lease, result=g.reason)

@@ -521,6 +521,8 @@ class CoreAdapter(Adapter):
                     n.log.emit("abandon", key=key, request=req, result=reply.reason)
                 return Refused(reply.reason)
             assert isinstance(reply, ReadLeaseGranted)
+            if n.holder.gave_up(key, req, sent_ns=sent_ns, term_ms=reply.term_ms, now_ns=self._node_now_ns(n)):
+                return Refused(REASON_LEASE_EXPIRED, "the grant came after the request's budget ran out")
             trust = n.holder.granted(key, req, lease=reply.lease, gen=reply.gen, epoch=reply.epoch,
                                      location=reply.location, term_ms=reply.term_ms, sent_ns=sent_ns)  # fmt: skip
             if trust is None:
@@ -555,6 +557,8 @@ class CoreAdapter(Adapter):
                     n.log.emit("abandon", key=grant.key, lease=grant.lease, request=req, result=reply.reason)
                 return Refused(reply.reason)
             assert isinstance(reply, LeaseRenewed)
+            if n.holder.gave_up(grant.key, req, sent_ns=sent_ns, term_ms=reply.term_ms, now_ns=self._node_now_ns(n)):
+                return Refused(REASON_LEASE_EXPIRED, "the renewal came after the request's budget ran out")
             current = n.holder.renewed(grant.key, req, lease=grant.lease, term_ms=reply.term_ms, sent_ns=sent_ns)
             if current is None:
                 return Refused(REASON_UNKNOWN_LEASE, "revoked while renewing")

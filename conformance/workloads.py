@@ -1072,16 +1072,18 @@ def _put_on_time(s: Session, node: str, what: str, size: int | None = None) -> t
 def _leased_read(s: Session, node: str, key: BlockKey, what: str, rule: str) -> tuple[object, bytes | Refused | None]:
     """A leased read of ``key`` on ``node`` (acquire, read, release): the acquire's answer and
     what the read answered (None when no lease was granted) -- done again when the holder's own
-    deadline passed before its read (a loaded machine), once the lease has run out at the
-    directory too, so the next acquire starts clean."""
+    deadline passed before its read, or before the grant came (a loaded machine), once the lease
+    has run out at the directory too, so the next acquire starts clean."""
     for _ in range(RETRIES):
         g = s.acquire(node, s.ns, key)
-        if not isinstance(g, ReadGrant):
+        late_grant = isinstance(g, Refused) and g.reason == REASON_LEASE_EXPIRED
+        if not isinstance(g, ReadGrant) and not late_grant:
             return g, None
-        got = s.read(g)
-        s.release(g)
-        if not (isinstance(got, Refused) and got.reason == REASON_LEASE_EXPIRED):
-            return g, got
+        if not late_grant:
+            got = s.read(g)
+            s.release(g)
+            if not (isinstance(got, Refused) and got.reason == REASON_LEASE_EXPIRED):
+                return g, got
         s.sleep_ms(s.lease_term_ms + 2 * s.skew_ms)
     raise OracleFailure(rule, f"the lease on {what} ran out before its read {RETRIES} times in a row")
 

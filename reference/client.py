@@ -387,6 +387,8 @@ class KvccClient:
             self._emit("abandon", key=key, request=request, result=reply.reason)  # nothing to wait for
             return Refused(reply.reason)
         assert type(reply) is ReadLeaseGranted and reply.request == request
+        if self.holder.gave_up(key, request, sent_ns=sent, term_ms=reply.term_ms, now_ns=self._now_ns()):
+            return Refused(REASON_LEASE_EXPIRED, "the grant came after the request's budget ran out")
         trust = self.holder.granted(key, request, lease=reply.lease, gen=reply.gen, epoch=reply.epoch,
                                     location=reply.location, term_ms=reply.term_ms, sent_ns=sent,
                                     grant=reply.grant)  # fmt: skip
@@ -422,6 +424,8 @@ class KvccClient:
             self._emit("abandon", key=lease.key, lease=held.lease, request=request, result=reply.reason)
             return Refused(reply.reason)
         assert type(reply) is LeaseRenewed
+        if self.holder.gave_up(lease.key, request, sent_ns=sent, term_ms=reply.term_ms, now_ns=self._now_ns()):
+            return Refused(REASON_LEASE_EXPIRED, "the renewal came after the request's budget ran out")
         renewed = self.holder.renewed(lease.key, request, lease=held.lease, term_ms=reply.term_ms, sent_ns=sent,
                                       grant=reply.grant)  # fmt: skip
         if renewed is None:

@@ -104,6 +104,18 @@ class Holder:
     def acquiring(self, key: BlockKey, request: int) -> None:
         self._pending[key] = request
 
+    def gave_up(self, key: BlockKey, request: int, *, sent_ns: int, term_ms: int, now_ns: int) -> bool:
+        """Whether the answer to ``request`` (sent at ``sent_ns``) comes after the request's own
+        budget ran out -- then the holder had given the request up (spec: a pending request's
+        budget runs out; the grant or renewal that still comes is ignored, ``ignore_stale_grant``
+        / ``ignore_stale_renewal``, never logged): it is over here, and the caller trusts nothing
+        of it. A grant trusted past that point is a step the spec never takes (a loaded machine
+        answered 200 ms late: core-inferred, KVCC-TIER-004 and KVCC-INVAL-013 REJECTED)."""
+        if now_ns < sent_ns + self.budget_ns(term_ms):
+            return False
+        self.answered(key, request)
+        return True
+
     def granted(
         self, key: BlockKey, request: int, *, lease: int, gen: int, epoch: int, location: str, term_ms: int, sent_ns: int,
         grant: bytes = b"",

@@ -507,6 +507,8 @@ class MooncakeKvccAdapter(MooncakeDeployment):
                 if h.answered(key, request):
                     self.logs.emit(node, "abandon", key=key, result=reply.reason)  # nothing to wait for (spec: abandon)
                 out: ReadGrant | Refused = Refused(reply.reason)
+            elif h.gave_up(key, request, sent_ns=own_sent, term_ms=reply.term_ms, now_ns=self._node_now_ns(node)):
+                out = Refused(REASON_LEASE_EXPIRED, "the grant came after the request's budget ran out")
             else:
                 assert isinstance(reply, wire.ReadLeaseGranted)
                 trust = h.granted(key, request, lease=reply.lease, gen=reply.gen, epoch=reply.epoch,
@@ -554,6 +556,8 @@ class MooncakeKvccAdapter(MooncakeDeployment):
                 if h.answered(grant.key, request):
                     self.logs.emit(grant.node, "abandon", key=grant.key, lease=grant.lease, result=reply.reason)
                 out: ReadGrant | Refused = Refused(reply.reason)
+            elif h.gave_up(grant.key, request, sent_ns=own_sent, term_ms=reply.term_ms, now_ns=self._node_now_ns(grant.node)):
+                out = Refused(REASON_LEASE_EXPIRED, "the renewal came after the request's budget ran out")
             else:
                 assert isinstance(reply, wire.LeaseRenewed)
                 renewed = h.renewed(grant.key, request, lease=grant.lease, term_ms=reply.term_ms, sent_ns=own_sent)
