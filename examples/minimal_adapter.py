@@ -485,7 +485,10 @@ class MinimalCache(Adapter):
             self._lease_of[(key, node)] = lease
             self._log(DIRECTORY, "grant_read_lease", **self._state(rec.key, rec), lease=lease, holder=node,
                       location=rec.owner)  # fmt: skip
-            # -- the holder: trusts it for term - epsilon from when it sent the request
+            # -- the holder: trusts it for term - epsilon from when it sent the request -- unless
+            # that budget ran out before the grant came: the request was given up (docs/events.md)
+            if time.monotonic_ns() >= sent_ns + self._budget_ns():
+                return Refused("lease_expired", "the grant came after the request's budget ran out")
             n.trusts[key] = _Trust(lease, rec.gen, rec.epoch, rec.owner, sent_ns + self._budget_ns())
             self._log(node, "trust_read_lease", key=key, gen=rec.gen, epoch=rec.epoch, lease=lease, location=rec.owner)
             return ReadGrant(node, key, rec.gen, rec.epoch, lease, rec.owner, self._term_ms, sent_ns)
