@@ -317,25 +317,28 @@ class CacheNode:
         if tier is None:
             log.warning("%s: Free for a location it does not serve: %s", self.node_id, msg.location)
             return  # not acknowledged: the directory tries again (the pool: maybe another node)
-        outcome = await asyncio.to_thread(tier.free, msg.key.digest, msg.epoch)
-        if isinstance(outcome, TierFenced):
-            self._emit("fence_stale_free", msg.key, epoch=msg.epoch, result=REASON_FENCED, location=msg.location,
-                       fence=outcome.fence)  # fmt: skip
-        else:
-            self.stats["freed"] += isinstance(outcome, TierFreed)
-            self._emit("free_slot", msg.key, epoch=msg.epoch,
-                       result="ok" if isinstance(outcome, TierFreed) else "absent", location=msg.location)  # fmt: skip
+        async with self._one_key(msg.key.digest):  # never between a copy's read of its source and its log
+            outcome = await asyncio.to_thread(tier.free, msg.key.digest, msg.epoch)
+            if isinstance(outcome, TierFenced):
+                self._emit("fence_stale_free", msg.key, epoch=msg.epoch, result=REASON_FENCED, location=msg.location,
+                           fence=outcome.fence)  # fmt: skip
+            else:
+                self.stats["freed"] += isinstance(outcome, TierFreed)
+                self._emit("free_slot", msg.key, epoch=msg.epoch,
+                           result="ok" if isinstance(outcome, TierFreed) else "absent", location=msg.location)  # fmt: skip
         with contextlib.suppress(ConnectionFailed, TimeoutError_):
             await self._to_directory(Freed(msg.location, msg.key, msg.epoch))
 
     @contextlib.asynccontextmanager
     async def _one_key(self, key: bytes) -> Any:
-        """Hold ``key`` against this node's other copies and evictions of it. A transfer's copy
-        reads the source, stores the destination and logs ``store_copy`` in one step of the
-        spec; an eviction the directory agreed to empties the source at the directory's step. Had
-        an eviction of the source been asked and granted between the copy's read and its log,
-        ``store_copy`` would follow the directory's ``evict`` -- a copy the spec cannot deliver
-        (its source is gone), REJECTED (KVCC-TIER-006, a node making room while demoting)."""
+        """Hold ``key`` against this node's other copies, evictions and frees of it. A transfer's
+        copy reads the source, stores the destination and logs ``store_copy`` in one step of the
+        spec; an eviction the directory agreed to empties the source at the directory's step, and
+        a free at its own. Had an eviction of the source been asked and granted between the copy's
+        read and its log, ``store_copy`` would follow the directory's ``evict`` -- a copy the spec
+        cannot deliver (its source is gone), REJECTED (KVCC-TIER-006, a node making room while
+        demoting); likewise a free of the source sent by an invalidation racing the transfer
+        (tests/test_deletion.py, about one run in four)."""
         entry = self._key_locks.get(key)
         if entry is None:
             entry = self._key_locks[key] = [asyncio.Lock(), 0]
