@@ -83,6 +83,20 @@ class TlsSettingError(ConfigError, TlsConfigError):
     TLS (``cause`` is the transport's ``TlsConfigError`` or ``TlsRequired``)."""
 
 
+def _credentials(section: Any, name_of: Any, clash: str, tokens: dict[str, bytes]) -> dict[str, str]:
+    """A ``nodes`` or ``operators`` section: credential name -> its id, each token added to
+    ``tokens``; a name already there is another credential's: ``ConfigError(clash)`` (formatted
+    with ``name`` and ``ident``)."""
+    out = {}
+    for ident, entry in dict(section or {}).items():
+        name = name_of(ident)
+        if name in tokens:
+            raise ConfigError(clash.format(name=name, ident=ident))
+        tokens[name] = bytes.fromhex(entry["token"])
+        out[name] = ident
+    return out
+
+
 @frozen
 class ClusterConfig:
     lease_term_ms: int
@@ -102,20 +116,10 @@ class ClusterConfig:
                 namespaces[name] = [bytes.fromhex(h) for h in t.get("namespaces", ())]
                 if t.get("operator"):
                     operators.add(name)
-            node_credentials = {}
-            for node_id, n in dict(raw.get("nodes") or {}).items():
-                name = node_credential(node_id)
-                if name in tokens:
-                    raise ConfigError(f"tenant {name!r} has the name of node {node_id!r}'s credential")
-                tokens[name] = bytes.fromhex(n["token"])
-                node_credentials[name] = node_id
-            operator_names = {}
-            for op, o in dict(raw.get("operators") or {}).items():
-                name = operator_credential(op)
-                if name in tokens:
-                    raise ConfigError(f"{name!r} is both operator {op!r}'s credential and another's")
-                tokens[name] = bytes.fromhex(o["token"])
-                operator_names[name] = op
+            node_credentials = _credentials(raw.get("nodes"), node_credential,
+                                            "tenant {name!r} has the name of node {ident!r}'s credential", tokens)
+            operator_names = _credentials(raw.get("operators"), operator_credential,
+                                          "{name!r} is both operator {ident!r}'s credential and another's", tokens)
             tenants = Tenants(tokens, namespaces, operators=frozenset(operators), nodes=node_credentials,
                               operator_names=operator_names)  # fmt: skip
             node_tenant = raw.get("node_tenant") if node_credentials else raw["node_tenant"]
