@@ -1076,14 +1076,13 @@ def _leased_read(s: Session, node: str, key: BlockKey, what: str, rule: str) -> 
     has run out at the directory too, so the next acquire starts clean."""
     for _ in range(RETRIES):
         g = s.acquire(node, s.ns, key)
-        late_grant = isinstance(g, Refused) and g.reason == REASON_LEASE_EXPIRED
-        if not isinstance(g, ReadGrant) and not late_grant:
-            return g, None
-        if not late_grant:
+        if isinstance(g, ReadGrant):
             got = s.read(g)
             s.release(g)
             if not (isinstance(got, Refused) and got.reason == REASON_LEASE_EXPIRED):
                 return g, got
+        elif not (isinstance(g, Refused) and g.reason == REASON_LEASE_EXPIRED):
+            return g, None  # refused by the directory (a late grant, lease_expired, is asked again)
         s.sleep_ms(s.lease_term_ms + 2 * s.skew_ms)
     raise OracleFailure(rule, f"the lease on {what} ran out before its read {RETRIES} times in a row")
 
