@@ -1029,11 +1029,93 @@ class CommitLostUpdateAdapter(CoreAdapter):
         return r
 
 
+
+
+class _TornDram(DramTier):
+    """A ``DramTier`` whose medium can keep half of a block: ``tear`` rewrites the second half of
+    a stored block's bytes as zeros, under a header and checksum that vouch for what is left (what
+    a store that writes its own metadata for a block it has not finished writing comes back with)."""
+
+    def tear(self, key: bytes) -> None:
+        with self._mu:
+            entry = self._by_key.get(key)
+            if entry is None or entry.length < 2:
+                return
+            a, n = entry.slot * self.block_bytes, entry.length
+            assert self._host is not None
+            torn = bytes(self._host[a : a + n // 2]) + bytes(n - n // 2)
+            entry.crc = self._store(entry.slot, entry.key, entry.gen, entry.epoch, entry.seq, torn, n)
+
+
+
+class DurableDiskAdapter(CoreAdapter):
+    """Correct, with a medium that survives a crash: a killed node comes back with every block its
+    locations stored (logged ``crash`` without ``lose_disk``, and a rejoin that lost nothing), so
+    the directory still vouches for them. The contract allows it (``restart``: "it rejoins empty or
+    with its disk"); tests that kill a node MUST NOT assume its blocks are gone."""
+
+    name = "durable-disk"
+
+    def kill(self, node):
+        self._fault("kill")
+        with self._cond:
+            self._check_running()
+            n = self._nodes[node]
+            if not n.alive:
+                return
+            n.log.emit("crash", lose_disk=False)  # its medium survives, with what landed on it
+            n.alive = n.paused = False
+            n.holder.forget()
+            n.writing.clear()
+            self._lose_unsynced(n)
+            self._cond.notify_all()
+
+    def _lose_unsynced(self, n: _Node) -> None:
+        """What a crash takes of the medium: nothing, here (every write landed before its ``Stored``)."""
+
+    def restart(self, node):
+        self._fault("restart")
+        with self._cond:
+            self._check_running()
+            old = self._nodes[node]
+            if old.alive:
+                raise AdapterError(f"node {node} is running; kill it first")
+            n = self._nodes[node] = self._new_node(node, old.incarnation + 1)
+            n.tier.close()
+            n.tier, n.issued = old.tier, old.issued  # the medium came back, and nothing was lost
+            fences, effects = self._core.node_rejoined(node, [], self._now_ms(), [node])
+            n.tier.restore_fences({k.digest: e for k, e in fences.items()})
+            self._apply(effects)
+            self._drain()
+
+
+class TornWriteAdapter(DurableDiskAdapter):
+    """Its locations acknowledge a block once it is in memory and the first half of it is on the
+    medium (write-behind: the rest would follow at a clean stop), and the medium survives a crash.
+    A node killed after a write comes back holding a torn block -- its first half, then zeros,
+    vouched for by its header -- that the directory, told the bytes were stored and then
+    committed, grants and serves (breaks protocol property 4: a read returns exactly a committed
+    generation's bytes). Only a crash after a write shows it: before one, every read gets the
+    block whole."""
+
+    name = "bad-torn-write"
+    BROKEN_RULE = "torn_write"
+
+    def _new_node(self, node_id, incarnation):
+        n = super()._new_node(node_id, incarnation)
+        n.tier.close()
+        n.tier = _TornDram(BLOCK_SLOTS, BLOCK_BYTES, pin_memory=False, name=node_id)
+        return n
+
+    def _lose_unsynced(self, n):
+        for key in n.tier.keys():
+            n.tier.tear(key)  # what was only in memory is gone
+
 KNOWN_BAD: tuple[type[CoreAdapter], ...] = (
     StaleReadAdapter, NoFencingAdapter, EvictsLeasedAdapter, NeverCachesAdapter, NeverEvictsAdapter,
     ReusedLeaseIdsAdapter, EarlyCompletionAdapter, TrustsExpiredAdapter, TrustsPastSkewAdapter,
     SilentReadsAdapter, NeverFreesAdapter, NeverAcksFreesAdapter, WriteOnceAdapter, CommitLostUpdateAdapter,
-    OpenDataPlaneAdapter, DropsWhenFullAdapter,
+    OpenDataPlaneAdapter, DropsWhenFullAdapter, TornWriteAdapter,
 )  # fmt: skip
 
 
@@ -1076,7 +1158,7 @@ class InferredCoreAdapter(CoreAdapter):
         return None
 
 
-CORRECT: tuple[type[CoreAdapter], ...] = (CoreAdapter, LateCommitAnswerAdapter, InferredCoreAdapter)
+CORRECT: tuple[type[CoreAdapter], ...] = (CoreAdapter, LateCommitAnswerAdapter, InferredCoreAdapter, DurableDiskAdapter)
 
 
 # -- adapters that break the contract itself ----------------------------------------------------------------

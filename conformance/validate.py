@@ -1113,6 +1113,17 @@ class _Replay:
                         s2 = self._void(s2)
                     out.append((s2, binding, lab, p, s1))
             return out
+        if name == "crash":
+            given = self._given.get(pe.index)
+            if given is None:
+                given = self._given[pe.index] = self._step_params(pe)
+            steps = m.apply("crash", given, s)
+            if not steps and given[1] == 1:
+                # Nothing of the key on the node's disk: losing it changes nothing, and the model
+                # has that crash once, as (n, 0) (``Model._failures``).
+                steps = m.apply("crash", (given[0], 0), s)
+            self.states_explored += len(steps)
+            return [(s2, binding, lab, p, s) for lab, p, s2 in steps]
         if name == "invalidate":
             if s[L.phase[0]] != COMMITTED and s[L.phase[0]] != WRITING:
                 return [(s, binding, "invalidate", (0,), s)]  # nothing to void: no step

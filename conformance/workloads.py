@@ -31,9 +31,10 @@ from kvcc.spec.vocabulary import (
     REASON_STALE_EPOCH,
     REASON_UNAUTHORIZED,
     REASON_UNKNOWN_LEASE,
+    location_host,
 )
 
-from .contract import INTRUSIONS, Committed, Evicted, NotSupported, ReadGrant, Refused, Stored, WriteGrant
+from .contract import INTRUSIONS, AdapterError, Committed, Evicted, NotSupported, ReadGrant, Refused, Stored, WriteGrant
 from .oracles import OracleFailure, Session
 
 INVALIDATION_SLACK = 4.0  # an invalidation may take this many lease terms before a test gives up
@@ -601,25 +602,34 @@ def paused_holder(s: Session) -> None:
     s.check(isinstance(got, Refused), "NoStaleRead", "the resumed holder read the invalidated generation")
 
 
+def _handed_over(s: Session, node: str, key: BlockKey, data: bytes, what: str) -> WriteGrant:
+    """A write grant of ``key`` for ``node``, once the key's owner restarted after a kill. The
+    block is gone with the owner's memory (the restart voided it), or it survived on a disk that
+    came back: then the directory still vouches for it, so it MUST read back exactly, and it is
+    invalidated first. Either way the key MUST become writable within a few terms."""
+    if s.lookup(node, s.ns, [key]):
+        read_back(s, node, key, data, f"{what}, still found by lookup")
+        t = s.invalidate(node, s.ns, "key", key)
+        wait_done(s, t, [key] if t.keys else [])
+    g = poll_until(s, lambda: s.begin_write(node, s.ns, key, None), lambda r: isinstance(r, WriteGrant),
+                   "OwnershipHandoffAfterCrash", "the crashed owner's key stayed unwritable")  # fmt: skip
+    assert isinstance(g, WriteGrant)
+    return g
+
+
 def crash_handoff(s: Session) -> None:
     if len(s.nodes) < 2:
         raise _not_applicable("needs two nodes")
     w, r = s.nodes[0], s.nodes[1]
     key = chain(s, 1)[0]
-    put(s, w, key, None)
+    old = put(s, w, key, None)
     s.fault("kill", w)
     g = s.acquire(r, s.ns, key)
     if isinstance(g, ReadGrant):
         got = s.read(g)  # exact bytes or a refusal: the session checks
         s.release(g)
     s.fault("restart", w)
-    deadline = time.monotonic() + INVALIDATION_SLACK * s.term_s + 1
-    while True:
-        g2 = s.begin_write(r, s.ns, key, None)
-        if isinstance(g2, WriteGrant):
-            break
-        s.check(time.monotonic() < deadline, "OwnershipHandoffAfterCrash", f"the crashed owner's key stayed unwritable: {g2}")
-        s.sleep_ms(s.lease_term_ms / 10)
+    g2 = _handed_over(s, r, key, old, "a block of a node killed and restarted")
     data = s.payload()
     s.check(isinstance(s.write_bytes(g2, data), Stored), "write", "write_bytes refused")
     s.check(isinstance(s.commit(g2), Committed), "write", "commit refused")
@@ -824,13 +834,7 @@ def restarted_node(s: Session) -> None:
     s.check(isinstance(held, ReadGrant), "caching", f"acquire refused: {held}")
     s.fault("kill", w)
     s.fault("restart", w)
-    deadline = time.monotonic() + INVALIDATION_SLACK * s.term_s + 1
-    while True:
-        g = s.begin_write(r, s.ns, key, None)
-        if isinstance(g, WriteGrant):
-            break
-        s.check(time.monotonic() < deadline, "OwnershipHandoffAfterCrash", f"the crashed owner's key stayed unwritable: {g}")
-        s.sleep_ms(s.lease_term_ms / 10)
+    g = _handed_over(s, r, key, data, "a block of a node killed and restarted")
     new = s.payload()
     s.check(isinstance(s.write_bytes(g, new), Stored), "write", "write_bytes refused")
     s.check(isinstance(s.commit(g), Committed), "write", "commit refused")
@@ -1373,8 +1377,6 @@ def idle_nodes(s: Session) -> None:
     """A paused node answers nothing while paused -- its operations block until it resumes, or
     fail -- and an invalidation waiting on its lease completes within a short wait; a killed
     node serves nothing until it restarts."""
-    from .contract import AdapterError
-
     if len(s.nodes) < 2:
         raise _not_applicable("needs two nodes")
     w, h = s.nodes[0], s.nodes[1]
@@ -1455,8 +1457,6 @@ def dead_nodes_in_invalidation(s: Session) -> None:
 def grant_of_another_node(s: Session) -> None:
     """A write grant presented on behalf of another node (the grant's node changed) lands nothing
     that commits: the directory publishes a write only for the writer its lease was granted to."""
-    from .contract import AdapterError
-
     if len(s.nodes) < 2:
         raise _not_applicable("needs two nodes")
     w, x = s.nodes[0], s.nodes[1]
@@ -2009,3 +2009,79 @@ def overload_refused_cleanly(s: Session) -> None:
 
 
 BODIES["overload_refused_cleanly"] = overload_refused_cleanly
+
+
+# -- a node killed while a block's bytes land (KVCC-FAULT-017) -----------------------------------------
+
+KILL_BLOCK_BYTES = 1 << 20  # the block a kill cuts short (at most the adapter's ``block_bytes``)
+# When the kill comes: that many ms after ``write_bytes`` started (racing it), or (None) right after
+# the block's commit was accepted -- where a store that acknowledged bytes not yet on its medium
+# still has them in flight.
+KILL_OFFSETS_MS: tuple[float | None, ...] = (0.0, 0.5, 1.0, 2.0, 4.0, None, None, None)
+
+
+def _or_error(call: Callable[[], object]) -> object:
+    """``call()``, or the ``AdapterError`` it raised: an operation of a node killed under it may fail."""
+    try:
+        return call()
+    except AdapterError as e:
+        return e
+
+
+def killed_mid_write(s: Session) -> None:
+    """The node holding a fresh block's location (the writer, for a location on no node) is
+    killed while the block's bytes land -- racing ``write_bytes`` at several offsets, and right
+    after the commit was accepted -- and restarted. No read on any node may then return bytes
+    other than the block's own, and those only if its commit was accepted (the session judges
+    every read's bytes against what was committed); the key MUST take a new block from another
+    node within the bound of a write lease (after an invalidation, where the first block
+    survived), which MUST read back exactly. With inferred events the suite runs one operation
+    at a time, so the kill comes between calls."""
+    if len(s.nodes) < 2:
+        raise _not_applicable("needs two nodes")
+    caps = s.adapter.capabilities()
+    size = min(caps.block_bytes or KILL_BLOCK_BYTES, KILL_BLOCK_BYTES)
+    w = s.nodes[0]
+    for offset in KILL_OFFSETS_MS:
+        key = chain(s, 1)[0]
+        g = s.begin_write(w, s.ns, key, None)
+        s.check(isinstance(g, WriteGrant), "write", f"begin_write of a fresh key refused: {g}")
+        assert isinstance(g, WriteGrant)
+        host = location_host(g.location)
+        victim = host if host in s.nodes else w
+        other = reader(s, victim)
+        data = s.payload(size)
+        when = "right after its commit" if offset is None else f"{offset} ms into its write_bytes"
+        committed = False
+        if offset is None or s.infer:
+            stored = s.write_bytes(g, data)
+            s.check(isinstance(stored, Stored), "write", f"write_bytes of a fresh {size}-byte block refused: {stored}")
+            committed = isinstance(s.commit(g), Committed)
+            s.check(offset is not None or committed, "write", "commit of a stored fresh block refused")
+            s.fault("kill", victim)
+        else:
+            stored, _ = _race(lambda: _or_error(lambda: s.write_bytes(g, data)), lambda: s.fault("kill", victim),
+                              offset / 1000)  # fmt: skip
+        s.fault("restart", victim)
+        if not committed and isinstance(stored, Stored) and victim != w:
+            # The writer lived on: its commit of bytes whose location restarted meanwhile is taken
+            # only if the bytes survived (the read-back below judges them), refused otherwise.
+            committed = isinstance(s.commit(g), Committed)
+        where = f"(its location's node {victim} killed {when}, then restarted)"
+        for node in s.nodes:
+            got = s.acquire(node, s.ns, key)
+            if not isinstance(got, ReadGrant):
+                continue
+            b = s.read(got)  # bytes of no commit fail in the session itself
+            s.release(got)
+            s.check(not isinstance(b, bytes) or (committed and b == data), "CommittedBytesIntact",
+                    f"a read on {node} of a block {where} answered {len(b) if isinstance(b, bytes) else 0} bytes "
+                    f"that are not the committed block's")  # fmt: skip
+        g2 = _handed_over(s, other, key, data, f"a block {where}")
+        new = s.payload(size)
+        s.check(isinstance(s.write_bytes(g2, new), Stored), "write", f"write_bytes of a new block of a key {where} refused")
+        s.check(isinstance(s.commit(g2), Committed), "write", f"commit of a new block of a key {where} refused")
+        read_back(s, victim, key, new, f"a new block of a key {where}")
+
+
+BODIES["killed_mid_write"] = killed_mid_write
