@@ -758,3 +758,29 @@ def test_an_adapter_whose_frees_never_settle_is_not_certified_for_invalidation()
     assert rep.failed_ids() == {"KVCC-INVAL-009"} and not rep.certified
     (r,) = [r for r in rep.results if r.id == "KVCC-INVAL-009"]
     assert "free never acknowledged" in r.message and r.verdict.get("status") == "ACCEPTED", r.message
+
+
+def test_a_node_killed_before_its_granted_write_sent_bytes_is_accepted(tmp_path):
+    """KVCC-FAULT-017's first round on the kit: a write granted to a location on the writer's own
+    node, the node killed before any bytes landed (it logs ``crash`` with ``lose_disk``), then
+    restarted. Its disk held nothing of the key, so the model has that crash once, as losing
+    nothing, and the validator had no step for the logged one: it REJECTED the trace (at the
+    Free that followed: "it needs a free in flight under an epoch at least the slot's fence")."""
+    from kvcc.conformance.validate import TraceParams, validate_trace
+
+    adapter = testing.CoreAdapter()
+    s = _session(adapter, tmp_path)
+    try:
+        key = chain_keys(s.ns, s.fresh_tokens(1))[0]
+        g = s.begin_write("n1", s.ns, key, None)
+        assert isinstance(g, WriteGrant) and g.location == "n1"
+        s.fault("kill", "n1")
+        s.fault("restart", "n1")
+        again = s.begin_write("n2", s.ns, key, None)
+        assert isinstance(again, WriteGrant), again  # the rejoin ended the write
+        events = adapter.events()
+    finally:
+        adapter.stop()
+    assert any(e["event"] == "crash" and e["lose_disk"] for e in events)
+    v = validate_trace(events, TraceParams(TERM_MS, SKEW_MS))
+    assert v.status == "ACCEPTED", (v.reason, v.diff)
