@@ -175,7 +175,7 @@ TARGETS: tuple[Target, ...] = (
                        "_clock_ns", "_new_log", "_new_node", "_now_ms", "_node_now_ns", "_next_request",
                        "_check_running", "_tick_loop", "_fault")),
         *((f"CoreAdapter.{name}", "fault injection: the environment the suite controls, not the deployment")
-          for name in ("kill", "pause", "skew_clock", "corrupt")),
+          for name in ("kill", "_crash_medium", "pause", "skew_clock", "corrupt")),
     )),  # fmt: skip
     Target("kvcc.reference.holder", skip=(
         ("Holder.may_renew", "the client's renewal check; the kit checks a renewal's lease with trusted"),

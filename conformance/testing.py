@@ -165,6 +165,7 @@ class CoreAdapter(Adapter):
 
     name = "core"
     BROKEN_RULE: str | None = None  # the rule a known-bad subclass breaks
+    CRASH_LOSES_MEDIUM = True  # a killed node comes back empty (``DurableDiskAdapter``: with its disk)
 
     def __init__(self, *, profiles: Sequence[str] = PROFILES, faults: Sequence[str] = FAULTS) -> None:
         self._caps = Capabilities(
@@ -657,13 +658,22 @@ class CoreAdapter(Adapter):
             n = self._nodes[node]
             if not n.alive:
                 return
-            n.log.emit("crash", lose_disk=True)
+            n.log.emit("crash", lose_disk=self.CRASH_LOSES_MEDIUM)
             n.alive = False
             n.paused = False
             n.holder.forget()
             n.writing.clear()
-            n.tier.close()
+            self._crash_medium(n)
             self._cond.notify_all()
+
+    def _crash_medium(self, n: _Node) -> None:
+        """What a crash does to the node's medium: its one DRAM tier is gone with it."""
+        n.tier.close()
+
+    def _medium_after_restart(self, old: _Node, n: _Node) -> list[str]:
+        """The restarted node ``n``'s medium, after ``old`` crashed: its locations that came back
+        empty (here every one: ``n`` has a new DRAM tier)."""
+        return [n.id]
 
     def restart(self, node: str) -> None:
         self._fault("restart")
@@ -676,7 +686,8 @@ class CoreAdapter(Adapter):
             # Bytes its earlier incarnation sent under a grant may still arrive: they are the
             # node's, and the location's restored fence judges them (KVCC-FAULT-011).
             n.issued = old.issued
-            fences, effects = self._core.node_rejoined(node, [node], self._now_ms(), [node])
+            lost = self._medium_after_restart(old, n)
+            fences, effects = self._core.node_rejoined(node, lost, self._now_ms(), [node])
             n.tier.restore_fences({k.digest: e for k, e in fences.items()})
             self._apply(effects)
             self._drain()
@@ -1055,38 +1066,15 @@ class DurableDiskAdapter(CoreAdapter):
     with its disk"); tests that kill a node MUST NOT assume its blocks are gone."""
 
     name = "durable-disk"
+    CRASH_LOSES_MEDIUM = False
 
-    def kill(self, node):
-        self._fault("kill")
-        with self._cond:
-            self._check_running()
-            n = self._nodes[node]
-            if not n.alive:
-                return
-            n.log.emit("crash", lose_disk=False)  # its medium survives, with what landed on it
-            n.alive = n.paused = False
-            n.holder.forget()
-            n.writing.clear()
-            self._lose_unsynced(n)
-            self._cond.notify_all()
+    def _crash_medium(self, n):
+        """Nothing is lost: every write landed before its ``Stored``."""
 
-    def _lose_unsynced(self, n: _Node) -> None:
-        """What a crash takes of the medium: nothing, here (every write landed before its ``Stored``)."""
-
-    def restart(self, node):
-        self._fault("restart")
-        with self._cond:
-            self._check_running()
-            old = self._nodes[node]
-            if old.alive:
-                raise AdapterError(f"node {node} is running; kill it first")
-            n = self._nodes[node] = self._new_node(node, old.incarnation + 1)
-            n.tier.close()
-            n.tier, n.issued = old.tier, old.issued  # the medium came back, and nothing was lost
-            fences, effects = self._core.node_rejoined(node, [], self._now_ms(), [node])
-            n.tier.restore_fences({k.digest: e for k, e in fences.items()})
-            self._apply(effects)
-            self._drain()
+    def _medium_after_restart(self, old, n):
+        n.tier.close()
+        n.tier = old.tier  # the medium came back, and nothing was lost
+        return []
 
 
 class TornWriteAdapter(DurableDiskAdapter):
@@ -1107,9 +1095,10 @@ class TornWriteAdapter(DurableDiskAdapter):
         n.tier = _TornDram(BLOCK_SLOTS, BLOCK_BYTES, pin_memory=False, name=node_id)
         return n
 
-    def _lose_unsynced(self, n):
+    def _crash_medium(self, n):
         for key in n.tier.keys():
             n.tier.tear(key)  # what was only in memory is gone
+
 
 KNOWN_BAD: tuple[type[CoreAdapter], ...] = (
     StaleReadAdapter, NoFencingAdapter, EvictsLeasedAdapter, NeverCachesAdapter, NeverEvictsAdapter,

@@ -2017,7 +2017,7 @@ KILL_BLOCK_BYTES = 1 << 20  # the block a kill cuts short (at most the adapter's
 # When the kill comes: that many ms after ``write_bytes`` started (racing it), or (None) right after
 # the block's commit was accepted -- where a store that acknowledged bytes not yet on its medium
 # still has them in flight.
-KILL_OFFSETS_MS: tuple[float | None, ...] = (0.0, 0.5, 1.0, 2.0, 4.0, None, None, None)
+KILL_OFFSETS_MS: tuple[float | None, ...] = (0.0, 0.5, 1.5, None)
 
 
 def _or_error(call: Callable[[], object]) -> object:
