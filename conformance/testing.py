@@ -1040,6 +1040,8 @@ class CommitLostUpdateAdapter(CoreAdapter):
         return r
 
 
+# A medium that survives a crash: correct as such (``DurableDiskAdapter``, one of ``CORRECT``), and
+# the known-bad write-behind store built on it (``TornWriteAdapter``).
 
 
 class _TornDram(DramTier):
@@ -1056,7 +1058,6 @@ class _TornDram(DramTier):
             assert self._host is not None
             torn = bytes(self._host[a : a + n // 2]) + bytes(n - n // 2)
             entry.crc = self._store(entry.slot, entry.key, entry.gen, entry.epoch, entry.seq, torn, n)
-
 
 
 class DurableDiskAdapter(CoreAdapter):
