@@ -172,7 +172,7 @@ TARGETS: tuple[Target, ...] = (
     Target("kvcc.conformance.testing", only={"CoreAdapter"}, skip=(
         *((f"CoreAdapter.{name}", "the kit's lifecycle and plumbing (logs, clocks, timers), not the deployment's logic")
           for name in ("__init__", "capabilities", "versions", "start", "stop", "nodes", "events", "_new_core",
-                       "_clock_ns", "_new_log", "_new_node", "_now_ms", "_node_now_ns", "_next_request",
+                       "_clock_ns", "_new_log", "_new_node", "_new_tier", "_now_ms", "_node_now_ns", "_next_request",
                        "_check_running", "_tick_loop", "_fault")),
         *((f"CoreAdapter.{name}", "fault injection: the environment the suite controls, not the deployment")
           for name in ("kill", "_crash_medium", "pause", "skew_clock", "corrupt")),

@@ -264,8 +264,10 @@ class CoreAdapter(Adapter):
 
     def _new_node(self, node_id: str, incarnation: int) -> _Node:
         log = self._new_log(node_id, incarnation)
-        return _Node(node_id, incarnation, DramTier(BLOCK_SLOTS, BLOCK_BYTES, pin_memory=False, name=node_id), log,
-                     self._logs[-1], holder=Holder(self._ctx.skew_ms))  # fmt: skip
+        return _Node(node_id, incarnation, self._new_tier(node_id), log, self._logs[-1], holder=Holder(self._ctx.skew_ms))
+
+    def _new_tier(self, node_id: str) -> DramTier:
+        return DramTier(BLOCK_SLOTS, BLOCK_BYTES, pin_memory=False, name=node_id)
 
     @property
     def _core(self) -> DirectoryCore:
@@ -1090,11 +1092,8 @@ class TornWriteAdapter(DurableDiskAdapter):
     name = "bad-torn-write"
     BROKEN_RULE = "torn_write"
 
-    def _new_node(self, node_id, incarnation):
-        n = super()._new_node(node_id, incarnation)
-        n.tier.close()
-        n.tier = _TornDram(BLOCK_SLOTS, BLOCK_BYTES, pin_memory=False, name=node_id)
-        return n
+    def _new_tier(self, node_id):
+        return _TornDram(BLOCK_SLOTS, BLOCK_BYTES, pin_memory=False, name=node_id)
 
     def _crash_medium(self, n):
         for key in n.tier.keys():

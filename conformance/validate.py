@@ -1103,10 +1103,7 @@ class _Replay:
             starts = [s]
             if s[L.up[n]]:
                 # kill -9 is logged by no one: a rejoin implies the crash before it.
-                lose = 1 if ev["lost"] else 0
-                starts = [s2 for _, _, s2 in m.apply("crash", (n, lose), s)]
-                if not starts and lose == 1:
-                    starts = [s2 for _, _, s2 in m.apply("crash", (n, 0), s)]
+                starts = [s2 for _, _, s2 in self._crash_steps(n, 1 if ev["lost"] else 0, s)]
             for s1 in starts:
                 for lab, p, s2 in m.apply("restart_node", (n,), s1):
                     if ev.get("_cascade"):
@@ -1114,14 +1111,7 @@ class _Replay:
                     out.append((s2, binding, lab, p, s1))
             return out
         if name == "crash":
-            given = self._given.get(pe.index)
-            if given is None:
-                given = self._given[pe.index] = self._step_params(pe)
-            steps = m.apply("crash", given, s)
-            if not steps and given[1] == 1:
-                # Nothing of the key on the node's disk: losing it changes nothing, and the model
-                # has that crash once, as (n, 0) (``Model._failures``).
-                steps = m.apply("crash", (given[0], 0), s)
+            steps = self._crash_steps(*self._step_params(pe), s)
             self.states_explored += len(steps)
             return [(s2, binding, lab, p, s) for lab, p, s2 in steps]
         if name == "invalidate":
@@ -1154,6 +1144,15 @@ class _Replay:
             for lab, p, s2 in m.apply("drop", (kind, who), s):
                 out.append((s2, binding, lab, p, s))
         return out
+
+    def _crash_steps(self, n: int, lose: int | None, s: bytes) -> list:
+        """The model's crash of node ``n`` from ``s``, losing its disk if ``lose`` is 1 (``None``:
+        either). With nothing of the key on the disk, losing it changes nothing, and the model has
+        that crash once, as ``(n, 0)`` (``Model._failures``)."""
+        steps = self.model.apply("crash", (n, lose), s)
+        if not steps and lose == 1:
+            steps = self.model.apply("crash", (n, 0), s)
+        return steps
 
     def _step_params(self, pe: _PEvent) -> tuple:
         """The spec step's parameters as far as the event names them (``None``: any): the
