@@ -49,6 +49,7 @@ LEASE_TERM_MS = 15_000
 SKEW_MS = 100
 INVALIDATION_TIMEOUT_S = 60.0
 LOGPROB_TOLERANCE = 0.0
+SALT = "tenant-7"  # a cache salt the engine tenant may use (its own namespace)
 VOCAB = range(3, 512)  # the tiny model's ids without its special tokens
 
 
@@ -74,7 +75,7 @@ def cluster(tmp_path_factory, namespace):
 
     cl = LocalCluster(tmp_path_factory.mktemp("kvcc") / "cluster", nodes=1, tiers=("nvme=16MiB",),
                       block_bytes=BLOCK_BYTES, lease_term_ms=LEASE_TERM_MS, skew_ms=SKEW_MS,
-                      namespaces=[namespace])  # fmt: skip
+                      namespaces=[namespace, KeyMapper(namespace).namespace(SALT)])  # fmt: skip
     cl.start()
     try:
         yield cl
@@ -413,6 +414,27 @@ def test_after_a_namespace_invalidation_the_old_blocks_are_not_loaded(engine, cl
     # Recomputed, the blocks are committed again (a new generation of each key).
     assert after.get("saved_blocks", 0) - before.get("saved_blocks", 0) == 3, after
     assert client.lookup(namespace, keys).blocks == 3
+
+
+def test_resetting_the_external_cache_invalidates_the_engines_namespaces_before_it_answers(engine, client, mapper,
+                                                                                          namespace):
+    """``POST /reset_prefix_cache?reset_external=true``: vLLM asks the connector to reset, and the
+    connector invalidates the engine's namespace and each cache salt's it served, answering once
+    both invalidations completed: right after the answer nothing of either is committed."""
+    salt = SALT
+    prompt = _tokens(random.Random(106), 2 * BLOCK + 1)
+    salted = _tokens(random.Random(107), 2 * BLOCK + 1)
+    _complete(engine, prompt)
+    engine.complete(salted, max_tokens=1, cache_salt=salt)
+    salted_ns = mapper.namespace(salt)
+    assert client.lookup(namespace, mapper.keys(prompt)).blocks == 2
+    assert client.lookup(salted_ns, mapper.keys(salted, salt)).blocks == 2
+    assert engine.reset_prefix_cache(external=True), "vLLM reported the reset as failed"
+    assert client.lookup(namespace, mapper.keys(prompt)).blocks == 0
+    assert client.lookup(salted_ns, mapper.keys(salted, salt)).blocks == 0
+    path = engine.kvcc_stats.parent / f"{engine.kvcc_stats.name}.scheduler.json"
+    stats = json.loads(path.read_text())
+    assert stats.get("namespace_invalidations", 0) >= 2 and not stats.get("namespace_invalidations_unfinished"), stats
 
 
 def test_a_block_that_cannot_be_read_is_recomputed_never_used(engine, cluster, client, mapper, namespace):

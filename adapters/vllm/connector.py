@@ -9,7 +9,7 @@
 
 Extra config: ``directory`` (``host:port``), ``tenant`` (default ``engine``), ``token_hex`` or
 ``token_file`` (a file holding the token in hex), ``skew_ms`` (the deployment's epsilon, default
-100), ``timeout_ms`` (one kvcc request, default 10 s), ``model_id`` (default: the served model
+100), ``timeout_ms`` (one kvcc request, default 10 s), ``reset_timeout_s`` (see Reset), ``model_id`` (default: the served model
 name), ``client_id`` (default ``vllm<pid>``), ``stats_path`` (optional; see Counting). The tenant must
 be allowed the engine's namespace (``engine_namespace``, plus each cache salt used).
 
@@ -74,6 +74,11 @@ step is in the paged tensors; ``save_kv_layer`` does nothing). Per planned block
 committed it first), ``parent_not_committed``, ``invalidating``, a fenced or expired write. Saves
 are synchronous, so ``request_finished`` never holds the request's blocks.
 
+**Reset.** ``POST /reset_prefix_cache?reset_external=true`` makes vLLM call the scheduler
+connector's ``reset_cache``: a namespace invalidation of every namespace of this engine's blocks
+(its own and each cache salt's seen since it started), waited for until complete; vLLM's reset
+answers ``success: false`` if one did not complete within ``reset_timeout_s`` (default 60).
+
 **Counting.** Each instance keeps counters (``stats``) and, with ``stats_path`` in the extra config,
 writes them after each step that changed them to ``<stats_path>.<scheduler|worker>.json``
 (replaced atomically): the tests count loads there.
@@ -102,7 +107,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvcc.adapters.vllm.events import KeyMapper
 from kvcc.adapters.vllm.model import engine_namespace
 from kvcc.spec.keys import BlockKey
-from kvcc.spec.vocabulary import REASON_NOT_ABSENT
+from kvcc.spec.vocabulary import REASON_NOT_ABSENT, SCOPE_NAMESPACE
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -119,6 +124,7 @@ log = logging.getLogger("kvcc.vllm.connector")
 
 SKEW_MS_DEFAULT = 100
 CLIENT_TIMEOUT_MS_DEFAULT = 10_000  # one directory or node request; a slow kvcc is a miss, not a hang
+RESET_TIMEOUT_S_DEFAULT = 60.0  # reset_cache's wait for its namespace invalidations to complete
 MAX_BLOCKS_PER_LOOKUP = 4096  # a prompt longer than this many blocks is looked up only this far
 
 
@@ -278,6 +284,9 @@ class KvccConnector(KVConnectorBase_V1):
         # scheduler side
         self._requests: dict[str, _Request] = {}
         self._loads: list[_Load] = []
+        # every namespace of this engine's blocks kvcc may hold: its own, and each cache salt's seen
+        self._namespaces: set[bytes] = {bytes(self.mapper.namespace(None).digest())}
+        self._reset_timeout_s = float(extra.get("reset_timeout_s", RESET_TIMEOUT_S_DEFAULT))
         # worker side
         self._kv: list[torch.Tensor] = []
         self._load_errors: set[int] = set()
@@ -317,8 +326,9 @@ class KvccConnector(KVConnectorBase_V1):
         if tokens is None or request.lora_request is not None or request.mm_features or request.prompt_embeds is not None:
             return  # KV that depends on more than the tokens: not ours to key
         keys = self.mapper.keys(tokens[: MAX_BLOCKS_PER_LOOKUP * self.block_size], request.cache_salt)
-        ns = self.mapper.namespace(request.cache_salt).digest()
-        self._requests[request.request_id] = _Request(keys, bytes(ns), len(tokens))
+        ns = bytes(self.mapper.namespace(request.cache_salt).digest())
+        self._namespaces.add(ns)
+        self._requests[request.request_id] = _Request(keys, ns, len(tokens))
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         state = self._requests.get(request.request_id)
@@ -396,6 +406,27 @@ class KvccConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._requests.pop(request.request_id, None)
         return False, None  # saves are synchronous: nothing of the request is still in flight
+
+    def reset_cache(self) -> bool | None:
+        """``POST /reset_prefix_cache?reset_external=true`` (vLLM asks the scheduler's connector):
+        a namespace invalidation of each namespace this engine's blocks may be under in kvcc (its
+        own, and every cache salt's it has seen since it started), each waited for until it
+        completed -- every copy freed, every read lease revoked or expired. ``True`` only if all
+        completed in time; vLLM then reports the reset as failed."""
+        if self._role != KVConnectorRole.SCHEDULER:
+            return None
+        done = True
+        for ns in sorted(self._namespaces):
+            try:
+                ticket = self.client.invalidate(ns, SCOPE_NAMESPACE)
+                completed = bool(self.client.wait(ticket, self._reset_timeout_s))
+            except Exception as e:  # kvcc unreachable: the reset did not happen
+                log.warning("kvcc namespace invalidation failed: %s", e)
+                completed = False
+            self._count("namespace_invalidations" if completed else "namespace_invalidations_unfinished")
+            done = done and completed
+        self._publish_stats()
+        return done
 
     # ================================================================ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

@@ -411,11 +411,14 @@ class VllmEngine:
         out = self._post("/tokenize", {"model": self.served_name, "prompt": text, "add_special_tokens": False}, timeout_s)
         return list(out["tokens"])
 
-    def reset_prefix_cache(self, timeout_s: float = REQUEST_TIMEOUT_S) -> bool:
+    def reset_prefix_cache(self, timeout_s: float = REQUEST_TIMEOUT_S, *, external: bool = False) -> bool:
         """``POST /reset_prefix_cache``: True if vLLM dropped every cached block (it refuses
         while a request holds blocks). Its ``AllBlocksCleared`` event goes out with the events of
-        the engine's next scheduler step, i.e. once another request runs."""
-        return bool(self._post("/reset_prefix_cache", None, timeout_s)["success"])
+        the engine's next scheduler step, i.e. once another request runs. ``external``: also the
+        KV connector's cache (``reset_external=true``; kvcc's connector: a namespace invalidation,
+        completed before this returns True)."""
+        path = "/reset_prefix_cache" + ("?reset_external=true" if external else "")
+        return bool(self._post(path, None, timeout_s)["success"])
 
     def __repr__(self) -> str:
         return f"VllmEngine({self.base_url}, pid={self.pid}, blocks={self.num_blocks}x{self.block_size})"
