@@ -36,7 +36,7 @@ from typing import Any
 from kvcc.conformance.contract import (
     FAULTS,
     INTRUSIONS,
-    PROFILES,
+    CACHE_PROFILES,
     Adapter,
     AdapterError,
     Capabilities,
@@ -84,13 +84,14 @@ class ReferenceAdapter(Adapter):
         self._reads: dict[tuple[str, bytes, int], Any] = {}
         self._lock = threading.Lock()
         self._ctx: RunContext | None = None
+        self._allowed: list[Namespace] = []  # the namespaces the deployment's tenant may use
         self._empty_tickets = 0  # tickets of invalidations in a namespace the tenant may not use
 
     # ------------------------------------------------------------------ lifecycle
 
     def capabilities(self) -> Capabilities:
         return Capabilities(
-            profiles=frozenset(PROFILES),
+            profiles=frozenset(CACHE_PROFILES),
             faults=frozenset(FAULTS) - {"corrupt"},
             scopes=frozenset(SCOPES),
             events="native",
@@ -123,6 +124,7 @@ class ReferenceAdapter(Adapter):
         from kvcc.reference.cluster import LocalCluster
 
         self._ctx = ctx
+        self._allowed = self._cluster_namespaces(ctx)
         try:
             endpoints = None
             if self.backend == "etcd":
@@ -132,7 +134,7 @@ class ReferenceAdapter(Adapter):
                 endpoints = ",".join(self._etcd.endpoints)
             self._cluster = LocalCluster(
                 ctx.workdir / "cluster", nodes=ctx.nodes, tiers=NODE_TIERS, block_bytes=NODE_BLOCK_BYTES,
-                lease_term_ms=ctx.lease_term_ms, skew_ms=ctx.skew_ms, namespaces=list(ctx.namespaces),
+                lease_term_ms=ctx.lease_term_ms, skew_ms=ctx.skew_ms, namespaces=self._allowed,
                 backend=self.backend, etcd_endpoints=endpoints,
             ).start()  # fmt: skip
             for node in self._cluster.node_ids:
@@ -140,6 +142,11 @@ class ReferenceAdapter(Adapter):
         except Exception as e:
             self.stop()
             raise _infra(e) from e
+
+    def _cluster_namespaces(self, ctx: RunContext) -> list[Namespace]:
+        """The namespaces the deployment's tenant may use: the run's (an adapter running engines
+        adds theirs)."""
+        return list(ctx.namespaces)
 
     def _new_client(self, node: str) -> Any:
         """The client co-located with ``node``. It keeps one identity and one event log for the
@@ -383,7 +390,7 @@ class ReferenceAdapter(Adapter):
         if scope not in self.capabilities().scopes:
             raise NotSupported(f"invalidate:{scope}")
         assert self._ctx is not None
-        if ns not in self._ctx.namespaces:
+        if ns not in self._allowed:
             # Contract: a namespace the tenant may not use voids nothing and logs nothing; a ticket
             # of 0 keys, complete at once. Not sent: the directory ends the session of a tenant
             # that names a namespace it may not use where no refusal can carry it (Invalidate).

@@ -33,7 +33,8 @@ from attrs import field, frozen
 from .contract import FAULTS, OPTIONAL_FAULTS, PROFILES, SCOPES
 
 SUITE_VERSION = "0.1.0"
-TEST_ID_RE = re.compile(r"KVCC-(CORE|LEASE|INVAL|TIER|FAULT|LOAD)-[0-9]{3}")
+TEST_ID_RE = re.compile(r"KVCC-(CORE|LEASE|INVAL|TIER|FAULT|LOAD|ENGINE)-[0-9]{3}")
+ENGINE_TIME_LIMIT_S = 300.0  # engines start within the test (about half a minute each on two cores)
 DEFAULT_TIME_LIMIT_S = 60.0
 
 RULES = (
@@ -224,6 +225,38 @@ CATALOGUE: tuple[TestCase, ...] = (
     T("KVCC-LOAD-900", "Audit: the load run cached",
       "A load run MUST show leased hits and evictions.", "load", ("RemoteReadUnderLease", "Eviction"),
       "non-vacuity", "audit", audit=True),
+    # -- engine ---------------------------------------------------------------------------------------
+    # Each test checks its own non-vacuity (it requires the loads it is about to have happened).
+    T("KVCC-ENGINE-001", "A prefix one engine computed is reused by another, output unchanged",
+      "After engine A computed a prompt, its full blocks MUST be committed; engine B, which never saw the "
+      "prompt, and A once it forgot it, MUST load every one of them, and their greedy outputs (tokens and top "
+      "log-probabilities) MUST equal the output computed without the cache.",
+      "engine", ("CommittedBytesIntact", "DirectoryDataAgreement"), "3,4,9", "engine_prefix_reuse",
+      namespaces=2, time_limit_s=ENGINE_TIME_LIMIT_S),
+    T("KVCC-ENGINE-002", "After a namespace invalidation no engine uses the old KV",
+      "Once an invalidation of the engines' namespace completed (a tenant deleted, a model revision "
+      "rewritten), no engine MUST load any block of it: a prompt served again on every engine MUST load "
+      "nothing and MUST give the output computed without the cache.",
+      "engine", ("NoStaleRead", "InvalidationCompletesInTime"), "5,6", "engine_namespace_invalidation",
+      scopes={"namespace"}, namespaces=2, time_limit_s=ENGINE_TIME_LIMIT_S),
+    T("KVCC-ENGINE-003", "An engine killed mid-save leaves no partial block",
+      "When an engine is killed while it computes and saves a prompt, what it committed MUST be a prefix of "
+      "whole blocks; another engine MUST load exactly that prefix and recompute the rest, with the output "
+      "computed without the cache.",
+      "engine", ("CommittedBytesIntact", "PrefixClosed"), "4,9,10", "engine_killed_mid_save",
+      namespaces=2, time_limit_s=ENGINE_TIME_LIMIT_S),
+    T("KVCC-ENGINE-004", "A paused engine does not load under leases that expired",
+      "An engine paused while it serves a prompt from the cache, for longer than a lease term plus epsilon, "
+      "while the prompt's blocks are invalidated and rewritten, MUST NOT use bytes read under an expired or "
+      "revoked lease once it resumes: its output MUST be the one computed without the cache.",
+      "engine", ("NoStaleRead", "LeaseKnownToDirectory"), "2,5,8", "engine_paused_leases_expire",
+      namespaces=2, time_limit_s=ENGINE_TIME_LIMIT_S),
+    T("KVCC-ENGINE-005", "The engines' index agrees with the directory after an engine restart",
+      "The deployment's view of what each engine holds, built from what the engines announce, MUST forget "
+      "what a restarted engine held once the new process announces anything, and every prompt block it then "
+      "says the engine holds MUST be committed.",
+      "engine", ("DirectoryDataAgreement",), "9", "engine_index_after_restart",
+      namespaces=2, time_limit_s=ENGINE_TIME_LIMIT_S),
 )
 del T
 

@@ -76,7 +76,11 @@ from kvcc.spec.vocabulary import REASONS, SCOPES
 
 # -- vocabulary ------------------------------------------------------------------------------------
 
-PROFILES = ("core", "leases", "invalidation", "tiering", "faults", "load")
+PROFILES = ("core", "leases", "invalidation", "tiering", "faults", "load", "engine")
+# What only a serving engine shows (``Adapter.complete`` and the other engine methods): claimed only
+# by an adapter that runs engines; the others run without it.
+ENGINE_PROFILE = "engine"
+CACHE_PROFILES = tuple(p for p in PROFILES if p != ENGINE_PROFILE)
 FAULTS = ("kill", "restart", "pause", "resume", "skew_clock", "restart_directory", "corrupt", "intrude")
 CORRUPT_REGIONS = ("payload", "header")  # what ``Adapter.corrupt`` damages of a stored block
 # What an intruder presents to a location (``Adapter.intrude``): no grant, a forged one, the owner's.
@@ -84,6 +88,7 @@ INTRUSIONS = ("absent", "forged", "stolen")
 # Faults no profile needs: a test that needs one is required only of an adapter that declares it.
 OPTIONAL_FAULTS = frozenset({"corrupt", "intrude"})
 EVENT_SOURCES = ("native", "inferred")
+ENGINE_VOCAB = 512  # the engine tests' prompts use token ids 3 .. ENGINE_VOCAB - 1
 LEASE_MODES = ("enforced", "advisory", "none")
 
 # Refusal reasons: the protocol's words (``kvcc.spec.vocabulary``: the directory's, and the ones a
@@ -340,6 +345,42 @@ class Refused:
     def _check_reason(self, attribute, value) -> None:
         if type(value) is not str or not value or len(value) > REASON_MAX_CHARS:
             raise ValueError(f"reason is non-empty text of at most {REASON_MAX_CHARS} chars, got {value!r:.80}")
+
+
+@frozen
+class Completion:
+    """An engine's greedy completion of a prompt (``Adapter.complete``): the generated token ids,
+    each one's top log-probabilities (``(token id, logprob)`` pairs, as the engine reports them:
+    two runs of one prompt that computed the same KV give exactly the same ones), and how the
+    prompt's KV was had: ``cached_tokens`` prompt tokens the engine did not compute (from its own
+    prefix cache or loaded), of which ``loaded_blocks`` whole blocks were loaded from the cache
+    deployment."""
+
+    tokens: tuple[int, ...] = field(converter=tuple)
+    logprobs: tuple[tuple[tuple[str, float], ...], ...] = field(converter=tuple)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    loaded_blocks: int = 0
+
+    def differs_from(self, other: Completion) -> str:
+        """Why this output is not ``other``'s ("" when it is): other tokens, or at some step a
+        log-probability of a candidate both list that is not exactly equal, or a best candidate
+        the other does not list (a near tie may swap the last listed candidates). Exactly: the
+        KV an engine loads is the KV it computed, and its arithmetic over it is the same (a load
+        that lost every K of a random-weight model moves a log-probability by only ~2e-4)."""
+        if self.tokens != other.tokens:
+            return f"tokens {list(self.tokens)} != {list(other.tokens)}"
+        if len(self.logprobs) != len(other.logprobs):
+            return f"{len(self.logprobs)} steps of log-probabilities != {len(other.logprobs)}"
+        for step, (a, b) in enumerate(zip(self.logprobs, other.logprobs)):
+            mine, theirs = dict(a), dict(b)
+            common = mine.keys() & theirs.keys()
+            if mine and theirs and (max(mine, key=mine.get) not in common or max(theirs, key=theirs.get) not in common):
+                return f"step {step}: best candidates differ ({mine} against {theirs})"
+            for tok in sorted(common):
+                if mine[tok] != theirs[tok]:
+                    return f"step {step}, candidate {tok!r}: log-probability {mine[tok]} != {theirs[tok]}"
+        return ""
 
 
 @frozen
@@ -650,6 +691,57 @@ class Adapter(abc.ABC):
         down."""
         raise NotSupported("intrude")
 
+    # -- engines (profile "engine") ---------------------------------------------------------
+    #
+    # An adapter that claims the ``engine`` profile runs two or more serving engines on the
+    # deployment (its cache), named by ``engines()``, and implements every method below; each
+    # other adapter leaves them. A test's prompts are token ids of the engines' vocabulary from 3
+    # to ``ENGINE_VOCAB`` - 1; a prompt of test namespace ``ns`` is served under that namespace's
+    # tenant (the engines key it apart from every other namespace's, e.g. with ``ns.cache_salt``
+    # as the request's cache salt), so a test sees no block it did not cause.
+
+    def engines(self) -> Sequence[str]:
+        """The engines' names (empty: the adapter runs none)."""
+        return []
+
+    def engine_keys(self, ns: Namespace, tokens: Sequence[int]) -> tuple[Namespace, list[BlockKey]]:
+        """The namespace and the keys under which the engines store and look up the full blocks
+        of prompt ``tokens`` of test namespace ``ns`` (the contract's other methods take them)."""
+        raise NotSupported("engine_keys")
+
+    def complete(self, engine: str, ns: Namespace, tokens: Sequence[int], max_tokens: int) -> Completion:
+        """A greedy completion of ``max_tokens`` tokens by ``engine`` of prompt ``tokens`` in test
+        namespace ``ns``, using and filling the cache as the engine does. ``AdapterError`` when
+        the engine is down or failed the request."""
+        raise NotSupported("complete")
+
+    def forget(self, engine: str) -> None:
+        """``engine`` drops its own prefix cache and no KV of it survives in the engine's memory
+        to be reused by accident (a block it loads must come from the cache deployment)."""
+        raise NotSupported("forget")
+
+    def kill_engine(self, engine: str) -> None:
+        """Crash ``engine`` (kill -9 of every process of it), wherever it is in a request."""
+        raise NotSupported("kill_engine")
+
+    def restart_engine(self, engine: str) -> None:
+        """Start a killed (or running: kill it first) ``engine`` afresh; it returns once the engine serves."""
+        raise NotSupported("restart_engine")
+
+    def pause_engine(self, engine: str) -> None:
+        """Stop every process of ``engine`` (SIGSTOP), wherever it is in a request."""
+        raise NotSupported("pause_engine")
+
+    def resume_engine(self, engine: str) -> None:
+        """Continue a paused ``engine`` (SIGCONT)."""
+        raise NotSupported("resume_engine")
+
+    def engine_index(self, engine: str, ns: Namespace) -> set[BlockKey]:
+        """The keys (of test namespace ``ns``'s engine namespace) that the deployment's view of
+        ``engine``'s own prefix cache -- built from what the engine announces, e.g. its KV events
+        -- says the engine holds now, once that view caught up with what the engine announced."""
+        raise NotSupported("engine_index")
+
     # -- trace -------------------------------------------------------------------------------
 
     @abc.abstractmethod
@@ -669,7 +761,7 @@ class Adapter(abc.ABC):
 AdapterFactory = Callable[[], Adapter]  # what --adapter names: a zero-argument callable
 
 __all__ = [
-    "CORRUPT_REGIONS", "FAULTS", "INTRUSIONS", "OPTIONAL_FAULTS", "FREE_BOUND_MS_DEFAULT", "PROFILES", "REASONS", "SCOPES", "Adapter", "AdapterError", "AdapterFactory", "Capabilities", "Committed",
+    "CACHE_PROFILES", "CORRUPT_REGIONS", "ENGINE_PROFILE", "ENGINE_VOCAB", "Completion", "FAULTS", "INTRUSIONS", "OPTIONAL_FAULTS", "FREE_BOUND_MS_DEFAULT", "PROFILES", "REASONS", "SCOPES", "Adapter", "AdapterError", "AdapterFactory", "Capabilities", "Committed",
     "ContractError", "Evicted", "InvalidationTicket", "NotSupported", "ReadGrant", "Refused", "RunContext",
     "Stored", "WriteGrant", "deletion_deadline_ms",
 ]  # fmt: skip

@@ -75,6 +75,7 @@ from kvcc.spec.vocabulary import (
 from .contract import (
     Adapter,
     Committed,
+    Completion,
     Evicted,
     InvalidationTicket,
     ReadGrant,
@@ -925,6 +926,19 @@ class Session:
                 self.forgotten |= set(self.read_grants)  # records survive a restart, the lease table does not
             self._emit_dir("restart_directory")
 
+    def engine(self, op: str, *args: Any) -> Any:
+        """An engine method of the adapter (``complete``, ``forget``, ``kill_engine``, ...: the
+        ``engine`` profile), recorded. Engines are deployments with native events only: nothing
+        is inferred."""
+        t0 = time.monotonic_ns()
+        out = getattr(self.adapter, op)(*args)
+        if op == "complete" and not isinstance(out, Completion):
+            raise GarbageAnswer(f"complete answered {out!r:.80}")
+        self._record(op, args[0] if args and isinstance(args[0], str) else None,
+                     {"args": [a if isinstance(a, (str, int)) else type(a).__name__ for a in args]},
+                     out if op != "engine_keys" else None, t0)  # fmt: skip
+        return out
+
     def _check_grant(self, g: WriteGrant | ReadGrant, node: str, key: BlockKey, i: int) -> None:
         if g.node != node or g.key != key:
             raise GarbageAnswer(f"a grant for another node or key: {g!r:.160}")
@@ -992,6 +1006,17 @@ def _maybe_local(history: Sequence[dict]) -> set[int]:
     return out
 
 
+def _suites_actor(e: dict, nodes: Sequence[str]) -> bool:
+    """Whether event ``e`` is of one of the suite's actors (see ``completeness_problems``)."""
+    actor = e.get("node")
+    if actor == "directory":
+        actor = e.get("writer") or e.get("holder")
+        if actor is None:
+            return True
+    actor = str(actor)
+    return actor in nodes or actor.split(".", 1)[0] in nodes
+
+
 def _implied(h: dict, local: set[int] = frozenset()) -> list[tuple]:
     """The trace events one history entry implies: ``(event, key, lease)`` (``None`` = any).
     ``local``: the history indices of refusals the client may have given on its own."""
@@ -1034,11 +1059,16 @@ def _implied(h: dict, local: set[int] = frozenset()) -> list[tuple]:
     return out
 
 
-def completeness_problems(history: Sequence[dict], events: Sequence[dict]) -> list[str]:
+def completeness_problems(history: Sequence[dict], events: Sequence[dict], nodes: Sequence[str] | None = None) -> list[str]:
     """Cross-check the suite's own history against an adapter's native trace: what each answer
     implies must be logged (``_EXACT_PER_LEASE`` exactly as often as the suite saw it, ``_AT_LEAST``
     and the refusals only a directory gives at least that often), and ``_AT_MOST_PER_LEASE`` events never more often than the suite saw
-    the answer that allows them. An empty list when the trace is complete."""
+    the answer that allows them. An empty list when the trace is complete.
+
+    ``nodes``: where the deployment has actors of its own beside the suite's (an engine's kvcc
+    clients, profile ``engine``), the contract's nodes: then only events of the suite's actors --
+    a node, a client co-located with one (``<node>.<name>``), the directory acting for one of them
+    -- are counted; an engine's own operations are no operation of the suite's."""
     from collections import Counter
 
     wanted: Counter = Counter()
@@ -1051,6 +1081,8 @@ def completeness_problems(history: Sequence[dict], events: Sequence[dict]) -> li
     seen: Counter = Counter()
     for e in events:
         if not isinstance(e, dict):
+            continue
+        if nodes is not None and not _suites_actor(e, nodes):
             continue
         name = e.get("event")
         if name == "read" and e.get("result") not in ("ok", None):
@@ -1095,6 +1127,11 @@ def _summary(result: Any) -> Any:
         return {"committed": {"gen": result.gen, "epoch": result.epoch}}
     if isinstance(result, InvalidationTicket):
         return {"ticket": result.id, "keys": result.keys}
+    if isinstance(result, Completion):
+        return {"completion": {"tokens": list(result.tokens), "prompt_tokens": result.prompt_tokens,
+                               "cached_tokens": result.cached_tokens, "loaded_blocks": result.loaded_blocks}}
+    if isinstance(result, (set, frozenset)):
+        return {"keys": len(result)}
     return type(result).__name__
 
 

@@ -112,7 +112,7 @@ from .contract import (
     CORRUPT_REGIONS,
     FAULTS,
     INTRUSIONS,
-    PROFILES,
+    CACHE_PROFILES,
     SCOPES,
     Adapter,
     AdapterError,
@@ -160,14 +160,14 @@ class _Node:
 class CoreAdapter(Adapter):
     """An in-process deployment on ``DirectoryCore`` and ``DramTier`` (see the module docstring).
 
-    ``CoreAdapter(profiles=PROFILES, faults=FAULTS)``; pass fewer to test NOT_APPLICABLE paths.
+    ``CoreAdapter(profiles=CACHE_PROFILES, faults=FAULTS)``; pass fewer to test NOT_APPLICABLE paths.
     """
 
     name = "core"
     BROKEN_RULE: str | None = None  # the rule a known-bad subclass breaks
     CRASH_LOSES_MEDIUM = True  # a killed node comes back empty (``DurableDiskAdapter``: with its disk)
 
-    def __init__(self, *, profiles: Sequence[str] = PROFILES, faults: Sequence[str] = FAULTS) -> None:
+    def __init__(self, *, profiles: Sequence[str] = CACHE_PROFILES, faults: Sequence[str] = FAULTS) -> None:
         self._caps = Capabilities(
             profiles=frozenset(profiles), faults=frozenset(faults), scopes=frozenset(SCOPES),
             events="native", leases="enforced", frees_acknowledged=True,

@@ -698,6 +698,10 @@ class _Roles:
                     named_hosts.add(ev["rejoined"])
             if name in LOCATION_EVENTS and loc is not None:
                 logged_by.setdefault(str(loc), ev["node"])
+                if isinstance(loc, str) and LOCATION_SEPARATOR in loc and location_host(loc) == ev["node"]:
+                    # A cache node that only stores and serves (every holder and writer is a
+                    # process of its own, e.g. an engine's client) is a spec node all the same.
+                    raw_nodes.setdefault(ev["node"])
         # Co-located processes: a process named "<host>.<name>" (an engine's client next to cache
         # node <host>, which also logs under its own name) is the same spec node as <host>: the
         # spec's node is holder, writer and locations in one.

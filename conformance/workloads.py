@@ -34,7 +34,19 @@ from kvcc.spec.vocabulary import (
     location_host,
 )
 
-from .contract import INTRUSIONS, AdapterError, Committed, Evicted, NotSupported, ReadGrant, Refused, Stored, WriteGrant
+from .contract import (
+    ENGINE_VOCAB,
+    INTRUSIONS,
+    AdapterError,
+    Committed,
+    Completion,
+    Evicted,
+    NotSupported,
+    ReadGrant,
+    Refused,
+    Stored,
+    WriteGrant,
+)
 from .oracles import OracleFailure, Session
 
 INVALIDATION_SLACK = 4.0  # an invalidation may take this many lease terms before a test gives up
@@ -2085,3 +2097,183 @@ def killed_mid_write(s: Session) -> None:
 
 
 BODIES["killed_mid_write"] = killed_mid_write
+
+
+# -- engine: what only a serving engine shows -------------------------------------------------------
+# The first test namespace is the test's; the second is where an engine computes a prompt from
+# scratch (its tenant has nothing cached), the output every other serving of it must equal.
+
+ENGINE_PROMPT_BLOCKS = 6  # full blocks of a prompt (plus a partial block: every full one can be loaded)
+ENGINE_KILL_BLOCKS = 24  # a longer prompt, so that a kill can land while its blocks are saved
+ENGINE_KILL_DELAYS_S = (0.0, 0.01, 0.03, 0.06, 0.1, 0.2)
+ENGINE_MAX_TOKENS = 8
+ENGINE_PAUSES = 3
+ENGINE_PAUSE_DELAYS_S = (0.0, 0.005, 0.01, 0.02, 0.04)
+ENGINE_INVALIDATION_TIMEOUT_S = 60.0
+
+
+def _two_engines(s: Session) -> tuple[str, str]:
+    names = list(s.engine("engines"))
+    if len(names) < 2:
+        raise _not_applicable("needs two engines")
+    return names[0], names[1]
+
+
+def _engine_prompt(s: Session, blocks: int) -> tuple[list[int], Namespace, list[BlockKey]]:
+    """A fresh prompt of ``blocks`` full blocks and a partial one, its engine namespace and keys."""
+    ens, _ = s.engine("engine_keys", s.ns, [])
+    bt = ens.block_tokens
+    tokens = [s.rng.randrange(3, ENGINE_VOCAB) for _ in range(blocks * bt + 1 + s.rng.randrange(bt - 1))]
+    ens, keys = s.engine("engine_keys", s.ns, tokens)
+    if len(keys) != blocks:
+        raise AdapterError(f"engine_keys gave {len(keys)} keys for a prompt of {blocks} full blocks")
+    return tokens, ens, keys
+
+
+def _computed(s: Session, engine: str, tokens: list[int]) -> Completion:
+    """``engine``'s output for the prompt computed without the cache (in the second namespace)."""
+    out = s.engine("complete", engine, s.namespaces[1], tokens, ENGINE_MAX_TOKENS)
+    s.check(out.loaded_blocks == 0 and out.cached_tokens == 0, "NamespaceIsolation",
+            f"engine {engine} served a prompt new to its namespace with {out.cached_tokens} tokens cached, "
+            f"{out.loaded_blocks} blocks loaded")  # fmt: skip
+    return out
+
+
+def _same_output(s: Session, got: Completion, computed: Completion, what: str) -> None:
+    why = got.differs_from(computed)
+    s.check(not why, "CommittedBytesIntact", f"{what}: the output differs from the one computed without the cache: {why}")
+
+
+def engine_prefix_reuse(s: Session) -> None:
+    """Engine A computes a prompt; every full block is committed; engine B (which never saw it)
+    and A (once it forgot it) load every block and give the output computed without the cache."""
+    a, b = _two_engines(s)
+    tokens, ens, keys = _engine_prompt(s, ENGINE_PROMPT_BLOCKS)
+    computed = _computed(s, b, tokens)
+    first = s.engine("complete", a, s.ns, tokens, ENGINE_MAX_TOKENS)
+    _same_output(s, first, computed, f"engine {a} computing the prompt")
+    n = s.lookup(s.nodes[0], ens, keys)
+    s.check(n == len(keys), "caching", f"{n} of the prompt's {len(keys)} full blocks committed after engine {a} computed it")
+    for engine, what in ((b, "which never saw the prompt"), (a, "after it forgot the prompt")):
+        if engine == a:
+            s.engine("forget", a)
+        got = s.engine("complete", engine, s.ns, tokens, ENGINE_MAX_TOKENS)
+        s.check(got.loaded_blocks == len(keys), "caching",
+                f"engine {engine}, {what}, loaded {got.loaded_blocks} of the {len(keys)} committed blocks")  # fmt: skip
+        _same_output(s, got, computed, f"engine {engine} serving the prompt from the cache, {what}")
+
+
+def engine_namespace_invalidation(s: Session) -> None:
+    """Engine A computes two prompts; their namespace is invalidated, to completion; then B
+    serves one and A (having forgotten both) the other: neither loads a block, and both outputs
+    are the ones computed without the cache."""
+    a, b = _two_engines(s)
+    prompts = [_engine_prompt(s, ENGINE_PROMPT_BLOCKS) for _ in range(2)]
+    ens = prompts[0][1]
+    computed = [_computed(s, b, tokens) for tokens, _, _ in prompts]
+    for tokens, _, keys in prompts:
+        s.engine("complete", a, s.ns, tokens, ENGINE_MAX_TOKENS)
+        n = s.lookup(s.nodes[0], ens, keys)
+        s.check(n == len(keys), "caching", f"{n} of a prompt's {len(keys)} full blocks committed after engine {a} computed it")
+    ticket = s.invalidate(s.nodes[-1], ens, "namespace", None)
+    s.check(s.wait_invalidation(ticket, ENGINE_INVALIDATION_TIMEOUT_S), "InvalidationCompletesInTime",
+            f"the invalidation of the engines' namespace did not complete within {ENGINE_INVALIDATION_TIMEOUT_S:g} s")  # fmt: skip
+    for tokens, _, keys in prompts:
+        n = s.lookup(s.nodes[0], ens, keys)
+        s.check(n == 0, "NoStaleRead", f"{n} blocks of a prompt still committed after its namespace's invalidation completed")
+    s.engine("forget", a)
+    for engine, (tokens, _, keys), out in ((b, prompts[0], computed[0]), (a, prompts[1], computed[1])):
+        got = s.engine("complete", engine, s.ns, tokens, ENGINE_MAX_TOKENS)
+        s.check(got.loaded_blocks == 0, "NoStaleRead",
+                f"engine {engine} loaded {got.loaded_blocks} blocks of a namespace whose invalidation completed")  # fmt: skip
+        _same_output(s, got, out, f"engine {engine} after the namespace's invalidation")
+
+
+def engine_killed_mid_save(s: Session) -> None:
+    """Engine A is killed while it computes and saves a long prompt, at a random moment. What is
+    committed is a prefix of the prompt's blocks (lookup); engine B loads exactly that prefix,
+    recomputes the rest and gives the output computed without the cache."""
+    a, b = _two_engines(s)
+    tokens, ens, keys = _engine_prompt(s, ENGINE_KILL_BLOCKS)
+    computed = _computed(s, b, tokens)
+    delay = s.rng.choice(ENGINE_KILL_DELAYS_S)
+    _race(lambda: _or_error(lambda: s.engine("complete", a, s.ns, tokens, ENGINE_MAX_TOKENS)),
+          lambda: s.engine("kill_engine", a), delay)  # fmt: skip
+    n = s.lookup(s.nodes[0], ens, keys)
+    got = s.engine("complete", b, s.ns, tokens, ENGINE_MAX_TOKENS)
+    s.check(got.loaded_blocks == n, "CommittedBytesIntact",
+            f"engine {b} loaded {got.loaded_blocks} blocks of a prompt whose committed prefix, after engine {a} was "
+            f"killed {delay * 1000:g} ms into serving it, is {n} blocks")  # fmt: skip
+    _same_output(s, got, computed, f"engine {b} serving what engine {a} saved before it was killed ({n} blocks)")
+
+
+def engine_paused_leases_expire(s: Session) -> None:
+    """Engine B is paused while it loads a prompt A computed (at several moments, one per round),
+    for longer than a lease term plus epsilon, while the prompt's namespace is invalidated and A
+    computes the prompt again. Once B resumes, its output is the one computed without the cache
+    (the trace shows whether it read under a lease that had run out)."""
+    a, b = _two_engines(s)
+    for _ in range(ENGINE_PAUSES):
+        tokens, ens, keys = _engine_prompt(s, ENGINE_PROMPT_BLOCKS)
+        computed = _computed(s, a, tokens)
+        s.engine("complete", a, s.ns, tokens, ENGINE_MAX_TOKENS)
+        delay = s.rng.choice(ENGINE_PAUSE_DELAYS_S)
+        served: list[object] = []
+        worker = threading.Thread(target=lambda: served.append(_or_error(
+            lambda: s.engine("complete", b, s.ns, tokens, ENGINE_MAX_TOKENS))), daemon=True)  # fmt: skip
+        worker.start()
+        time.sleep(delay)
+        s.engine("pause_engine", b)
+        try:
+            s.sleep_ms(s.lease_term_ms + 2 * s.skew_ms)
+            ticket = s.invalidate(s.nodes[-1], ens, "namespace", None)
+            s.check(s.wait_invalidation(ticket, ENGINE_INVALIDATION_TIMEOUT_S), "InvalidationCompletesInTime",
+                    "the invalidation did not complete while an engine holding leases was paused")  # fmt: skip
+            s.engine("forget", a)
+            s.engine("complete", a, s.ns, tokens, ENGINE_MAX_TOKENS)
+        finally:
+            s.engine("resume_engine", b)
+        worker.join(ENGINE_INVALIDATION_TIMEOUT_S)
+        s.check(bool(served) and isinstance(served[0], Completion), "engine",
+                f"engine {b} did not finish serving after it resumed: {served[0] if served else 'no answer'}")  # fmt: skip
+        _same_output(s, served[0], computed, f"engine {b}, paused {delay * 1000:g} ms into serving the prompt")
+        s.engine("forget", b)
+
+
+def engine_index_after_restart(s: Session) -> None:
+    """The index of what each engine holds (built from what the engines announce) shows the
+    prompt engine A computed. A restarts and serves another prompt: the index then shows that
+    one's blocks, none of the first's (the new process holds none), and the blocks it shows are
+    committed. A then serves the first prompt from the cache (every block loaded, output
+    unchanged), and the index shows its blocks again."""
+    a, b = _two_engines(s)
+    old, ens, old_keys = _engine_prompt(s, ENGINE_PROMPT_BLOCKS)
+    new, _, new_keys = _engine_prompt(s, ENGINE_PROMPT_BLOCKS)
+    computed = _computed(s, b, old)
+    s.engine("complete", a, s.ns, old, ENGINE_MAX_TOKENS)
+    held = s.engine("engine_index", a, s.ns)
+    s.check(set(old_keys) <= held, "caching",
+            f"the index shows {len(set(old_keys) & held)} of the {len(old_keys)} blocks engine {a} computed")  # fmt: skip
+    s.engine("restart_engine", a)
+    s.engine("complete", a, s.ns, new, ENGINE_MAX_TOKENS)
+    held = s.engine("engine_index", a, s.ns)
+    stale = set(old_keys) & held
+    s.check(not stale, "DirectoryDataAgreement",
+            f"after engine {a} restarted the index still says it holds {len(stale)} blocks of the old process")  # fmt: skip
+    s.check(set(new_keys) <= held, "DirectoryDataAgreement",
+            f"the index shows {len(set(new_keys) & held)} of the {len(new_keys)} blocks the restarted engine {a} computed")  # fmt: skip
+    n = s.lookup(s.nodes[0], ens, new_keys)
+    s.check(n == len(new_keys), "DirectoryDataAgreement",
+            f"the index says engine {a} holds all {len(new_keys)} blocks of a prompt; {n} of them are committed")  # fmt: skip
+    got = s.engine("complete", a, s.ns, old, ENGINE_MAX_TOKENS)
+    s.check(got.loaded_blocks == len(old_keys), "caching",
+            f"the restarted engine {a} loaded {got.loaded_blocks} of the {len(old_keys)} committed blocks")  # fmt: skip
+    _same_output(s, got, computed, f"the restarted engine {a} serving the prompt from the cache")
+    held = s.engine("engine_index", a, s.ns)
+    s.check(set(old_keys) <= held, "DirectoryDataAgreement",
+            f"the index shows {len(set(old_keys) & held)} of the {len(old_keys)} blocks the restarted engine {a} loaded")  # fmt: skip
+
+
+BODIES.update(engine_prefix_reuse=engine_prefix_reuse, engine_namespace_invalidation=engine_namespace_invalidation,
+              engine_killed_mid_save=engine_killed_mid_save, engine_paused_leases_expire=engine_paused_leases_expire,
+              engine_index_after_restart=engine_index_after_restart)

@@ -76,7 +76,7 @@ from typing import Any
 from kvcc.adapters.engine_calls import ClearingAdapter, Step, TicketHandover, current
 from kvcc.adapters.reference import NODE_BLOCK_BYTES, NODE_CAPACITY_BYTES
 from kvcc.conformance.contract import (
-    PROFILES,
+    CACHE_PROFILES,
     AdapterError,
     Capabilities,
     Committed,
@@ -90,7 +90,7 @@ from kvcc.reference.client import Refused as ClientRefused
 from kvcc.spec.keys import BlockKey, Namespace
 from kvcc.spec.vocabulary import REASON_MISS, REASON_NOT_FOUND, REASON_REVOKED, REASON_UNKNOWN_LEASE, SCOPE_NAMESPACE
 
-PROFILES_CLAIMED = frozenset(PROFILES)
+PROFILES_CLAIMED = frozenset(CACHE_PROFILES)
 FAULTS_CLAIMED = frozenset({"kill", "restart", "pause", "resume", "skew_clock", "restart_directory", "intrude"})
 SCOPES_CLAIMED = frozenset({"key", "prefix", "namespace"})
 MODEL = "kvcc/conformance"  # SGLang's model name in the storage config (the namespace is the contract's)

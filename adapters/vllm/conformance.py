@@ -64,17 +64,23 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import json
 import logging
+import random
+import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
 from kvcc.adapters.engine_calls import ClearingAdapter, Step, TicketHandover, current, failed
 from kvcc.adapters.reference import NODE_CAPACITY_BYTES
 from kvcc.conformance.contract import (
+    ENGINE_VOCAB,
     PROFILES,
     AdapterError,
     Capabilities,
     Committed,
+    Completion,
     InvalidationTicket,
     NotSupported,
     ReadGrant,
@@ -103,6 +109,16 @@ FRAME_MAGIC = b"kvcc"
 FRAME_HEADER = len(FRAME_MAGIC) + 4
 FRAME_PAYLOAD_MAX = ENGINE_BLOCK_BYTES - FRAME_HEADER
 RESET_TIMEOUT_S = 60.0  # reset_cache's own wait (the contract waits with wait_invalidation)
+# The engines (profile "engine"): two vLLM engines on CPU, started when a test first needs them.
+ENGINES = ("e1", "e2")
+ENGINE_NUM_BLOCKS = 64  # blocks of an engine's own KV cache (a prompt of the suite takes at most 26)
+ENGINE_MAX_MODEL_LEN = 1024
+SCRUB_PROMPTS, SCRUB_BLOCKS = 3, 30  # forget(): prompts that pass over every block of an engine's cache
+SCRUB_SALT = "kvcc-scrub"  # their namespace: the tenant may not use it, so nothing of them is stored
+TOP_LOGPROBS = 5
+INDEX_QUIET_S, INDEX_WAIT_S = 0.3, 5.0  # engine_index: the KV events quiet this long (waiting at most this)
+PUMP_INTERVAL_S = 0.01
+ENGINE_REQUEST_TIMEOUT_S = 120.0
 
 
 def frame(data: bytes) -> bytes:
@@ -191,7 +207,193 @@ class _ConnectorClient:
         return None  # the node's client is the adapter's to close
 
 
-class VllmAdapter(ClearingAdapter):
+class _EngineMixin:
+    """The ``engine`` profile: two real vLLM engines (``kvcc.adapters.vllm.harness``) whose
+    ``KvccConnector`` uses the adapter's cluster, started when a test first asks for one; their
+    connectors' clients log their protocol events beside the cluster's (``events_dir``), so the
+    engines' own reads and writes are validated with the rest; ``KvEventSubscriber`` follows their
+    KV events for ``engine_index``."""
+
+    def _cluster_namespaces(self, ctx) -> list[Namespace]:
+        """The run's namespaces and the engines' for each of them (its cache salt); not the scrub
+        prompts' of ``forget`` (their saves are refused: they take no room)."""
+        mapper = self._mapper()
+        return [*ctx.namespaces, *(mapper.namespace(_salt(ns)) for ns in ctx.namespaces)]
+
+    def _mapper(self) -> Any:
+        from kvcc.adapters.vllm.events import KeyMapper
+        from kvcc.adapters.vllm.model import engine_namespace, tiny_llama
+
+        if getattr(self, "_key_mapper", None) is None:
+            self._key_mapper = KeyMapper(engine_namespace(tiny_llama(), MODEL_ID, block_tokens=BLOCK_TOKENS))
+        return self._key_mapper
+
+    def engines(self) -> list[str]:
+        return list(ENGINES)
+
+    def engine_keys(self, ns: Namespace, tokens) -> tuple[Namespace, list[BlockKey]]:
+        mapper = self._mapper()
+        return mapper.namespace(_salt(ns)), mapper.keys(list(tokens), _salt(ns))
+
+    def _transfer_config(self, name: str) -> str:
+        host, port = self._cluster.directory_address
+        start = self._engine_starts.get(name, 0)
+        return json.dumps({
+            "kv_connector": "KvccConnector", "kv_connector_module_path": "kvcc.adapters.vllm.connector",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {
+                "directory": f"{host}:{port}", "tenant": "engine", "token_hex": self._cluster.engine_token.hex(),
+                "skew_ms": self._ctx.skew_ms, "model_id": MODEL_ID, "client_id": f"vllm-{name}-{start}",
+                "colocated_node": self._engine_node(name),
+                "stats_path": str(self._ctx.workdir / f"engine-{name}-{start}"),
+                "events_dir": str(self._cluster.workdir / "events"),
+            },
+        })  # fmt: skip
+
+    def _engine_node(self, name: str) -> str:
+        """The cache node engine ``name`` runs beside (the i-th engine, the i-th node): the spec's
+        node is holder, writer and locations in one, so an engine's writes land on its own node."""
+        nodes = list(self._cluster.node_ids)
+        return nodes[ENGINES.index(name) % len(nodes)]
+
+    def _engine(self, name: str) -> Any:
+        """Engine ``name``, both engines started on first use (side by side)."""
+        if name not in ENGINES:
+            raise AdapterError(f"no engine {name!r}")
+        with self._engine_lock:
+            if not self._engines:
+                self._start_engines()
+            return self._engines[name]
+
+    def _start_engines(self) -> None:
+        from kvcc.adapters.vllm import harness
+        from kvcc.adapters.vllm.events import KvEventSubscriber
+
+        model = self._model
+        engines = {}
+        for name in ENGINES:
+            engines[name] = harness.VllmEngine(model, served_name=MODEL_ID, num_blocks=ENGINE_NUM_BLOCKS,
+                                               max_model_len=ENGINE_MAX_MODEL_LEN,
+                                               extra_args=("--kv-transfer-config", self._transfer_config(name)))  # fmt: skip
+        self._engines.update(engines)  # stop() closes whatever started
+        errors: list[BaseException] = []
+
+        def up(e: Any) -> None:
+            try:
+                e.start()
+            except BaseException as exc:  # noqa: BLE001 -- reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=up, args=(e,), daemon=True) for e in engines.values()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise AdapterError(f"a vLLM engine did not start: {errors[0]}")
+        sub = KvEventSubscriber()
+        for name, e in engines.items():
+            sub.add_engine(name, e.events_endpoint, e.replay_endpoint, topic=e.topic, keys=self._mapper())
+        self._subscriber = sub
+        self._pumping = threading.Event()
+        self._pumping.set()
+        self._pump_thread = threading.Thread(target=self._pump, args=(sub, self._pumping), name="vllm-kv-events", daemon=True)
+        self._pump_thread.start()
+
+    def _pump(self, sub: Any, running: threading.Event) -> None:
+        """Follow the engines' KV events all along, as a router does (a subscriber that is not
+        pumping while an engine restarts never hears from the new process: ``KvEventSubscriber``)."""
+        while running.is_set():
+            with self._index_lock:
+                if sub.pump(0.0):
+                    self._last_event = time.monotonic()
+            time.sleep(PUMP_INTERVAL_S)
+
+    def _stats(self, name: str) -> dict[str, int]:
+        start = self._engine_starts.get(name, 0)
+        path = self._ctx.workdir / f"engine-{name}-{start}.worker.json"
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def complete(self, engine: str, ns: Namespace, tokens, max_tokens: int) -> Completion:
+        from kvcc.adapters.vllm.harness import EngineError
+
+        e = self._engine(engine)
+        before = self._stats(engine).get("loaded_blocks", 0)
+        body = {"model": e.served_name, "prompt": list(tokens), "max_tokens": max_tokens, "temperature": 0.0,
+                "ignore_eos": True, "return_token_ids": True, "logprobs": TOP_LOGPROBS, "cache_salt": _salt(ns)}  # fmt: skip
+        try:
+            out = e._post("/v1/completions", body, ENGINE_REQUEST_TIMEOUT_S)
+        except EngineError as exc:
+            raise AdapterError(f"engine {engine}: {exc}") from exc
+        choice = out["choices"][0]
+        usage = out.get("usage") or {}
+        details = usage.get("prompt_tokens_details") or {}
+        return Completion(
+            tuple(choice["token_ids"]),
+            tuple(tuple(sorted(step.items())) for step in choice["logprobs"]["top_logprobs"]),
+            int(usage.get("prompt_tokens", len(tokens))), int(details.get("cached_tokens") or 0),
+            self._stats(engine).get("loaded_blocks", 0) - before,
+        )  # fmt: skip
+
+    def forget(self, engine: str) -> None:
+        """vLLM drops its prefix cache; then prompts under a salt of their own pass over every block
+        of its cache (a freed block keeps its KV: a load that copied nothing would go unnoticed)."""
+        from kvcc.adapters.vllm.harness import EngineError
+
+        e = self._engine(engine)
+        rng = random.Random()
+        try:
+            if not e.reset_prefix_cache():
+                raise AdapterError(f"engine {engine} refused to reset its prefix cache")
+            for _ in range(SCRUB_PROMPTS):
+                prompt = [rng.randrange(3, ENGINE_VOCAB) for _ in range(SCRUB_BLOCKS * BLOCK_TOKENS)]
+                e.complete(prompt, max_tokens=1, cache_salt=SCRUB_SALT, timeout_s=ENGINE_REQUEST_TIMEOUT_S)
+            if not e.reset_prefix_cache():
+                raise AdapterError(f"engine {engine} refused to reset its prefix cache")
+        except EngineError as exc:
+            raise AdapterError(f"engine {engine}: {exc}") from exc
+
+    def kill_engine(self, engine: str) -> None:
+        self._engine(engine).kill()
+
+    def restart_engine(self, engine: str) -> None:
+        from kvcc.adapters.vllm.harness import EngineError
+
+        e = self._engine(engine)
+        e.kill()
+        self._engine_starts[engine] = self._engine_starts.get(engine, 0) + 1
+        e.extra_args = ("--kv-transfer-config", self._transfer_config(engine))  # a new client: a new event log
+        try:
+            e.start()
+        except EngineError as exc:
+            raise AdapterError(f"engine {engine} did not start again: {exc}") from exc
+
+    def pause_engine(self, engine: str) -> None:
+        self._engine(engine).pause()
+
+    def resume_engine(self, engine: str) -> None:
+        self._engine(engine).resume()
+
+    def engine_index(self, engine: str, ns: Namespace) -> set[BlockKey]:
+        """The view, once no KV event came for ``INDEX_QUIET_S`` (at most ``INDEX_WAIT_S``)."""
+        self._engine(engine)
+        deadline = time.monotonic() + INDEX_WAIT_S
+        time.sleep(INDEX_QUIET_S)
+        while time.monotonic() - self._last_event < INDEX_QUIET_S and time.monotonic() < deadline:
+            time.sleep(PUMP_INTERVAL_S)
+        with self._index_lock:
+            return set(self._subscriber.view(engine).keys())
+
+
+def _salt(ns: Namespace) -> str:
+    """The cache salt of the engines' requests in test namespace ``ns``."""
+    return (ns.cache_salt or b"").hex() or "kvcc-unsalted"
+
+
+class VllmAdapter(_EngineMixin, ClearingAdapter):
     """kvcc's vLLM KV connector on a real kvcc cluster; see the module docstring."""
 
     def __init__(self) -> None:
@@ -205,6 +407,12 @@ class VllmAdapter(ClearingAdapter):
         self._leased: dict[tuple[str, bytes, int], bytes] = {}  # read grant -> ns
         self._frames: dict[tuple[str, bytes, int], bytes] = {}  # write grant -> the frame write_bytes sent
         self._req = itertools.count(1)
+        self._engines: dict[str, Any] = {}  # name -> harness.VllmEngine, once started
+        self._engine_starts: dict[str, int] = {}
+        self._engine_lock = threading.Lock()
+        self._subscriber: Any = None
+        self._index_lock = threading.Lock()
+        self._last_event = 0.0
 
     def capabilities(self) -> Capabilities:
         return Capabilities(
@@ -287,6 +495,17 @@ class VllmAdapter(ClearingAdapter):
     def stop(self) -> None:
         for view in self._views.values():
             view.tickets.fail_all("stopped")
+        for engine in list(self._engines.values()):
+            try:
+                engine.close()
+            except Exception:  # noqa: BLE001 -- stopping regardless
+                pass
+        self._engines.clear()
+        if self._subscriber is not None:
+            self._pumping.clear()
+            self._pump_thread.join(5)
+            self._subscriber.close()
+            self._subscriber = None
         self._idle.clear()
         self._schedulers.clear()
         super().stop()

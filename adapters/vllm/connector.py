@@ -9,17 +9,21 @@
 
 Extra config: ``directory`` (``host:port``), ``tenant`` (default ``engine``), ``token_hex`` or
 ``token_file`` (a file holding the token in hex), ``skew_ms`` (the deployment's epsilon, default
-100), ``timeout_ms`` (one kvcc request, default 10 s), ``reset_timeout_s`` (see Reset), ``model_id`` (default: the served model
-name), ``client_id`` (default ``vllm<pid>``), ``stats_path`` (optional; see Counting). The tenant must
-be allowed the engine's namespace (``engine_namespace``, plus each cache salt used).
+100), ``timeout_ms`` (one kvcc request, default 10 s), ``reset_timeout_s`` (see Reset),
+``events_dir`` (optional: a folder where each of its clients logs its protocol events,
+``<client_id>.ndjson``, for kvcc's conformance suite to validate), ``model_id`` (default: the
+served model name), ``client_id`` (default ``vllm<pid>``), ``colocated_node`` (optional: the
+cache node this engine runs beside; its clients are then ``<node>.<client_id>-s`` and ``-w``,
+and the directory places the engine's writes on that node), ``stats_path`` (optional; see
+Counting). The tenant must be allowed the engine's namespace (``engine_namespace``, plus each cache salt used).
 
 Theory of operation
 -------------------
 vLLM builds two instances of a connector: one beside the scheduler (``KVConnectorRole.SCHEDULER``)
 and one in each worker (``KVConnectorRole.WORKER``), possibly in another process. Each is its own
 kvcc client (``<client_id>-s`` and ``<client_id>-w``; no ``.`` in them, since ``<node>.<name>``
-means a client co-located with a cache node), connected lazily on first use so that no thread
-exists before a fork.
+means a client co-located with a cache node: that only with ``colocated_node``), connected lazily
+on first use so that no thread exists before a fork.
 
 **Keys.** A kvcc block is one vLLM block: ``block_size`` tokens of one request's prompt, the KV of
 *every* layer. Its key is ``kvcc.adapters.vllm.events.KeyMapper``'s -- the same chain the KV-events
@@ -275,8 +279,12 @@ class KvccConnector(KVConnectorBase_V1):
         self._skew_ms = int(extra.get("skew_ms", SKEW_MS_DEFAULT))
         self._timeout_ms = int(extra.get("timeout_ms", CLIENT_TIMEOUT_MS_DEFAULT))
         side = "s" if role == KVConnectorRole.SCHEDULER else "w"
-        self.client_id = f"{extra.get('client_id') or f'vllm{os.getpid()}'}-{side}"
-        assert "." not in self.client_id, "a '.' would make the client co-located with a cache node"
+        base = f"{extra.get('client_id') or f'vllm{os.getpid()}'}-{side}"
+        if "." in base:
+            raise ValueError(f"KvccConnector: client_id {base!r}: a '.' would make it co-located with a cache node")
+        colocated = extra.get("colocated_node")
+        self.client_id = f"{colocated}.{base}" if colocated else base
+        self._events_dir = Path(extra["events_dir"]) if extra.get("events_dir") else None
         stats_path = extra.get("stats_path")
         self._stats_file = None if not stats_path else Path(f"{stats_path}.{'scheduler' if side == 's' else 'worker'}.json")
         self._client: Any = None
@@ -298,8 +306,13 @@ class KvccConnector(KVConnectorBase_V1):
         if self._client is None:
             from kvcc.reference.client import SyncClient
 
+            events = None
+            if self._events_dir is not None:
+                from kvcc.reference.events import EventLog
+
+                events = EventLog(self._events_dir / f"{self.client_id}.ndjson", self.client_id, 1)
             self._client = SyncClient(self._address, self._tenant, self._token, client_id=self.client_id,
-                                      skew_ms=self._skew_ms, timeout_ms=self._timeout_ms)  # fmt: skip
+                                      skew_ms=self._skew_ms, timeout_ms=self._timeout_ms, events=events)  # fmt: skip
         return self._client
 
     def _count(self, name: str, n: int = 1) -> None:
