@@ -354,13 +354,14 @@ class Completion:
     two runs of one prompt that computed the same KV give exactly the same ones), and how the
     prompt's KV was had: ``cached_tokens`` prompt tokens the engine did not compute (from its own
     prefix cache or loaded), of which ``loaded_blocks`` whole blocks were loaded from the cache
-    deployment."""
+    deployment, and ``load_errors`` blocks it set out to load but recomputed."""
 
     tokens: tuple[int, ...] = field(converter=tuple)
     logprobs: tuple[tuple[tuple[str, float], ...], ...] = field(converter=tuple)
     prompt_tokens: int = 0
     cached_tokens: int = 0
     loaded_blocks: int = 0
+    load_errors: int = 0  # blocks the engine set out to load and recomputed instead (a refused or failed read)
 
     def differs_from(self, other: Completion) -> str:
         """Why this output is not ``other``'s ("" when it is): other tokens, or at some step a
@@ -735,6 +736,13 @@ class Adapter(abc.ABC):
     def resume_engine(self, engine: str) -> None:
         """Continue a paused ``engine`` (SIGCONT)."""
         raise NotSupported("resume_engine")
+
+    def pause_engine_reading(self, engine: str, timeout_s: float) -> bool:
+        """Stop every process of ``engine`` (SIGSTOP) while it holds a read lease it took to load
+        a block: granted, not yet read under, not released. ``True`` once so paused; ``False``
+        (not paused) if it took no such lease within ``timeout_s``. An adapter may slow its
+        engines' loads to make the moment reachable."""
+        raise NotSupported("pause_engine_reading")
 
     def engine_index(self, engine: str, ns: Namespace) -> set[BlockKey]:
         """The keys (of test namespace ``ns``'s engine namespace) that the deployment's view of

@@ -1006,17 +1006,6 @@ def _maybe_local(history: Sequence[dict]) -> set[int]:
     return out
 
 
-def _suites_actor(e: dict, nodes: Sequence[str]) -> bool:
-    """Whether event ``e`` is of one of the suite's actors (see ``completeness_problems``)."""
-    actor = e.get("node")
-    if actor == "directory":
-        actor = e.get("writer") or e.get("holder")
-        if actor is None:
-            return True
-    actor = str(actor)
-    return actor in nodes or actor.split(".", 1)[0] in nodes
-
-
 def _implied(h: dict, local: set[int] = frozenset()) -> list[tuple]:
     """The trace events one history entry implies: ``(event, key, lease)`` (``None`` = any).
     ``local``: the history indices of refusals the client may have given on its own."""
@@ -1059,16 +1048,15 @@ def _implied(h: dict, local: set[int] = frozenset()) -> list[tuple]:
     return out
 
 
-def completeness_problems(history: Sequence[dict], events: Sequence[dict], nodes: Sequence[str] | None = None) -> list[str]:
+def completeness_problems(history: Sequence[dict], events: Sequence[dict], own_leases_only: bool = False) -> list[str]:
     """Cross-check the suite's own history against an adapter's native trace: what each answer
     implies must be logged (``_EXACT_PER_LEASE`` exactly as often as the suite saw it, ``_AT_LEAST``
     and the refusals only a directory gives at least that often), and ``_AT_MOST_PER_LEASE`` events never more often than the suite saw
     the answer that allows them. An empty list when the trace is complete.
 
-    ``nodes``: where the deployment has actors of its own beside the suite's (an engine's kvcc
-    clients, profile ``engine``), the contract's nodes: then only events of the suite's actors --
-    a node, a client co-located with one (``<node>.<name>``), the directory acting for one of them
-    -- are counted; an engine's own operations are no operation of the suite's."""
+    ``own_leases_only``: where the deployment has actors of its own beside the suite's (an
+    engine's kvcc clients, profile ``engine``), an event of a lease the suite was never granted
+    is no operation of the suite's: not counted."""
     from collections import Counter
 
     wanted: Counter = Counter()
@@ -1078,11 +1066,12 @@ def completeness_problems(history: Sequence[dict], events: Sequence[dict], nodes
         for sig in _implied(h, local):
             wanted[sig] += 1
             where.setdefault(sig, h.get("i", -1))
+    granted = {lease for sig in wanted for lease in (sig[2],) if lease is not None}
     seen: Counter = Counter()
     for e in events:
         if not isinstance(e, dict):
             continue
-        if nodes is not None and not _suites_actor(e, nodes):
+        if own_leases_only and e.get("lease") is not None and e.get("lease") not in granted:
             continue
         name = e.get("event")
         if name == "read" and e.get("result") not in ("ok", None):
@@ -1129,7 +1118,8 @@ def _summary(result: Any) -> Any:
         return {"ticket": result.id, "keys": result.keys}
     if isinstance(result, Completion):
         return {"completion": {"tokens": list(result.tokens), "prompt_tokens": result.prompt_tokens,
-                               "cached_tokens": result.cached_tokens, "loaded_blocks": result.loaded_blocks}}
+                               "cached_tokens": result.cached_tokens, "loaded_blocks": result.loaded_blocks,
+                               "load_errors": result.load_errors}}
     if isinstance(result, (set, frozenset)):
         return {"keys": len(result)}
     return type(result).__name__

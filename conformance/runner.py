@@ -363,7 +363,7 @@ def _run_one(factory, caps, test, seed, workroot, lease_term_ms, skew_ms, nodes,
         # Every operation the suite performed must be in the adapter's own log, and nothing the
         # suite did not do: a trace that leaves events out would validate vacuously.
         # An engine's own clients act beside the suite's (profile engine): only the suite's count.
-        gaps = completeness_problems(session.history, events, session.nodes if test.profile == ENGINE_PROFILE else None)
+        gaps = completeness_problems(session.history, events, own_leases_only=test.profile == ENGINE_PROFILE)
         if gaps:
             status = FAIL
             message = f"TraceComplete: {len(gaps)} event(s) missing or extra in the native trace: " + "; ".join(gaps[:5])

@@ -2105,10 +2105,8 @@ BODIES["killed_mid_write"] = killed_mid_write
 
 ENGINE_PROMPT_BLOCKS = 6  # full blocks of a prompt (plus a partial block: every full one can be loaded)
 ENGINE_KILL_BLOCKS = 24  # a longer prompt, so that a kill can land while its blocks are saved
-ENGINE_KILL_DELAYS_S = (0.0, 0.01, 0.03, 0.06, 0.1, 0.2)
+ENGINE_KILL_SPAN = (0.3, 1.1)  # the kill's moment, in fractions of the time serving the prompt takes
 ENGINE_MAX_TOKENS = 8
-ENGINE_PAUSES = 3
-ENGINE_PAUSE_DELAYS_S = (0.0, 0.005, 0.01, 0.02, 0.04)
 ENGINE_INVALIDATION_TIMEOUT_S = 60.0
 
 
@@ -2196,7 +2194,11 @@ def engine_killed_mid_save(s: Session) -> None:
     a, b = _two_engines(s)
     tokens, ens, keys = _engine_prompt(s, ENGINE_KILL_BLOCKS)
     computed = _computed(s, b, tokens)
-    delay = s.rng.choice(ENGINE_KILL_DELAYS_S)
+    # How long A takes to serve such a prompt (computing and saving it; A's first request, so
+    # the one it is killed in is not): the kill lands from before its first save to after its last.
+    t0 = time.monotonic()
+    _computed(s, a, _engine_prompt(s, ENGINE_KILL_BLOCKS)[0])
+    delay = (time.monotonic() - t0) * s.rng.uniform(*ENGINE_KILL_SPAN)
     _race(lambda: _or_error(lambda: s.engine("complete", a, s.ns, tokens, ENGINE_MAX_TOKENS)),
           lambda: s.engine("kill_engine", a), delay)  # fmt: skip
     n = s.lookup(s.nodes[0], ens, keys)
@@ -2208,36 +2210,39 @@ def engine_killed_mid_save(s: Session) -> None:
 
 
 def engine_paused_leases_expire(s: Session) -> None:
-    """Engine B is paused while it loads a prompt A computed (at several moments, one per round),
-    for longer than a lease term plus epsilon, while the prompt's namespace is invalidated and A
-    computes the prompt again. Once B resumes, its output is the one computed without the cache
-    (the trace shows whether it read under a lease that had run out)."""
+    """Engine B serves a prompt A computed and is stopped while it holds a read lease for a block
+    it is loading, for longer than a lease term plus epsilon; meanwhile the prompt's namespace is
+    invalidated (to completion: by expiry of B's lease) and A computes the prompt again. Once B
+    resumes, it MUST NOT use what it reads under the lease that ran out: it recomputes that block
+    (a load error) and its output is the one computed without the cache; the trace validates
+    B's own reads against its leases."""
     a, b = _two_engines(s)
-    for _ in range(ENGINE_PAUSES):
-        tokens, ens, keys = _engine_prompt(s, ENGINE_PROMPT_BLOCKS)
-        computed = _computed(s, a, tokens)
+    tokens, ens, keys = _engine_prompt(s, ENGINE_PROMPT_BLOCKS)
+    computed = _computed(s, a, tokens)
+    s.engine("complete", a, s.ns, tokens, ENGINE_MAX_TOKENS)
+    served: list[object] = []
+    worker = threading.Thread(target=lambda: served.append(_or_error(
+        lambda: s.engine("complete", b, s.ns, tokens, ENGINE_MAX_TOKENS))), daemon=True)  # fmt: skip
+    worker.start()
+    paused = s.engine("pause_engine_reading", b, ENGINE_INVALIDATION_TIMEOUT_S)
+    try:
+        s.check(paused, "holder_expiry", f"engine {b} took no read lease to load the prompt A computed")
+        s.sleep_ms(s.lease_term_ms + 2 * s.skew_ms)
+        ticket = s.invalidate(s.nodes[-1], ens, "namespace", None)
+        s.check(s.wait_invalidation(ticket, ENGINE_INVALIDATION_TIMEOUT_S), "InvalidationCompletesInTime",
+                "the invalidation did not complete while an engine holding a lease was stopped")  # fmt: skip
+        s.engine("forget", a)
         s.engine("complete", a, s.ns, tokens, ENGINE_MAX_TOKENS)
-        delay = s.rng.choice(ENGINE_PAUSE_DELAYS_S)
-        served: list[object] = []
-        worker = threading.Thread(target=lambda: served.append(_or_error(
-            lambda: s.engine("complete", b, s.ns, tokens, ENGINE_MAX_TOKENS))), daemon=True)  # fmt: skip
-        worker.start()
-        time.sleep(delay)
-        s.engine("pause_engine", b)
-        try:
-            s.sleep_ms(s.lease_term_ms + 2 * s.skew_ms)
-            ticket = s.invalidate(s.nodes[-1], ens, "namespace", None)
-            s.check(s.wait_invalidation(ticket, ENGINE_INVALIDATION_TIMEOUT_S), "InvalidationCompletesInTime",
-                    "the invalidation did not complete while an engine holding leases was paused")  # fmt: skip
-            s.engine("forget", a)
-            s.engine("complete", a, s.ns, tokens, ENGINE_MAX_TOKENS)
-        finally:
-            s.engine("resume_engine", b)
-        worker.join(ENGINE_INVALIDATION_TIMEOUT_S)
-        s.check(bool(served) and isinstance(served[0], Completion), "engine",
-                f"engine {b} did not finish serving after it resumed: {served[0] if served else 'no answer'}")  # fmt: skip
-        _same_output(s, served[0], computed, f"engine {b}, paused {delay * 1000:g} ms into serving the prompt")
-        s.engine("forget", b)
+    finally:
+        s.engine("resume_engine", b)
+    worker.join(ENGINE_INVALIDATION_TIMEOUT_S)
+    got = served[0] if served else None
+    s.check(isinstance(got, Completion), "engine", f"engine {b} did not finish serving after it resumed: {got}")
+    assert isinstance(got, Completion)
+    s.check(got.load_errors >= 1, "holder_expiry",
+            f"engine {b}, stopped holding a read lease past its term, recomputed no block after it resumed "
+            f"({got.loaded_blocks} loaded)")  # fmt: skip
+    _same_output(s, got, computed, f"engine {b}, stopped holding a read lease past its term")
 
 
 def engine_index_after_restart(s: Session) -> None:

@@ -96,7 +96,8 @@ COST_CLASSES = {
                     "test_faults", "test_etcd", "test_mooncake", "test_directory_server", "test_directory_store",
                     "test_transport", "test_tiers", "test_tiers_recovery", "test_tiers_stateful", "test_metrics",
                     "test_procs", "test_vllm", "test_vllm_connector", "test_routing_smg", "test_fuzz", "test_soak",
-                    "test_transport_limits", "test_tls", "test_sglang", "test_sglang_conformance", "test_identities"},
+                    "test_transport_limits", "test_tls", "test_sglang", "test_sglang_conformance", "test_identities",
+                    "test_vllm_conformance"},
 }
 
 

@@ -118,6 +118,10 @@ SCRUB_SALT = "kvcc-scrub"  # their namespace: the tenant may not use it, so noth
 TOP_LOGPROBS = 5
 INDEX_QUIET_S, INDEX_WAIT_S = 0.3, 5.0  # engine_index: the KV events quiet this long (waiting at most this)
 PUMP_INTERVAL_S = 0.01
+# The engines' connectors hold each read lease this long before reading (``load_hold_ms``): a
+# window in which pause_engine_reading can stop an engine holding one.
+LOAD_HOLD_MS = 50
+LEASE_POLL_S = 0.002
 ENGINE_REQUEST_TIMEOUT_S = 120.0
 
 
@@ -244,7 +248,7 @@ class _EngineMixin:
             "kv_connector_extra_config": {
                 "directory": f"{host}:{port}", "tenant": "engine", "token_hex": self._cluster.engine_token.hex(),
                 "skew_ms": self._ctx.skew_ms, "model_id": MODEL_ID, "client_id": f"vllm-{name}-{start}",
-                "colocated_node": self._engine_node(name),
+                "colocated_node": self._engine_node(name), "load_hold_ms": LOAD_HOLD_MS,
                 "stats_path": str(self._ctx.workdir / f"engine-{name}-{start}"),
                 "events_dir": str(self._cluster.workdir / "events"),
             },
@@ -321,7 +325,7 @@ class _EngineMixin:
         from kvcc.adapters.vllm.harness import EngineError
 
         e = self._engine(engine)
-        before = self._stats(engine).get("loaded_blocks", 0)
+        before = self._stats(engine)
         body = {"model": e.served_name, "prompt": list(tokens), "max_tokens": max_tokens, "temperature": 0.0,
                 "ignore_eos": True, "return_token_ids": True, "logprobs": TOP_LOGPROBS, "cache_salt": _salt(ns)}  # fmt: skip
         try:
@@ -335,7 +339,7 @@ class _EngineMixin:
             tuple(choice["token_ids"]),
             tuple(tuple(sorted(step.items())) for step in choice["logprobs"]["top_logprobs"]),
             int(usage.get("prompt_tokens", len(tokens))), int(details.get("cached_tokens") or 0),
-            self._stats(engine).get("loaded_blocks", 0) - before,
+            *(self._stats(engine).get(k, 0) - before.get(k, 0) for k in ("loaded_blocks", "load_errors")),
         )  # fmt: skip
 
     def forget(self, engine: str) -> None:
@@ -377,6 +381,28 @@ class _EngineMixin:
     def resume_engine(self, engine: str) -> None:
         self._engine(engine).resume()
 
+    def _worker_log(self, name: str) -> Any:
+        start = self._engine_starts.get(name, 0)
+        return self._cluster.workdir / "events" / f"{self._engine_node(name)}.vllm-{name}-{start}-w.ndjson"
+
+    def pause_engine_reading(self, engine: str, timeout_s: float) -> bool:
+        """Watch the engine's worker client's event log: at a ``trust_read_lease`` whose lease
+        has no ``read`` or ``release`` logged yet, stop the engine, then look again -- if the read
+        got logged meanwhile, continue it and wait for the next lease."""
+        e = self._engine(engine)
+        path = self._worker_log(engine)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            open_lease = _open_read_lease(path)
+            if open_lease is None:
+                time.sleep(LEASE_POLL_S)
+                continue
+            e.pause()
+            if open_lease in _open_read_leases(path):
+                return True
+            e.resume()
+        return False
+
     def engine_index(self, engine: str, ns: Namespace) -> set[BlockKey]:
         """The view, once no KV event came for ``INDEX_QUIET_S`` (at most ``INDEX_WAIT_S``)."""
         self._engine(engine)
@@ -386,6 +412,30 @@ class _EngineMixin:
             time.sleep(PUMP_INTERVAL_S)
         with self._index_lock:
             return set(self._subscriber.view(engine).keys())
+
+
+def _open_read_leases(path) -> set[int]:
+    """The read leases a client's event log shows trusted and neither read under nor released."""
+    trusted: set[int] = set()
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return trusted
+    for line in lines:
+        try:
+            e = json.loads(line)
+        except ValueError:
+            continue  # a line being written
+        if e.get("event") == "trust_read_lease":
+            trusted.add(e.get("lease"))
+        elif e.get("event") in ("read", "release"):
+            trusted.discard(e.get("lease"))
+    return trusted
+
+
+def _open_read_lease(path) -> int | None:
+    leases = _open_read_leases(path)
+    return max(leases) if leases else None
 
 
 def _salt(ns: Namespace) -> str:

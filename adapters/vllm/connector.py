@@ -14,8 +14,9 @@ Extra config: ``directory`` (``host:port``), ``tenant`` (default ``engine``), ``
 ``<client_id>.ndjson``, for kvcc's conformance suite to validate), ``model_id`` (default: the
 served model name), ``client_id`` (default ``vllm<pid>``), ``colocated_node`` (optional: the
 cache node this engine runs beside; its clients are then ``<node>.<client_id>-s`` and ``-w``,
-and the directory places the engine's writes on that node), ``stats_path`` (optional; see
-Counting). The tenant must be allowed the engine's namespace (``engine_namespace``, plus each cache salt used).
+and the directory places the engine's writes on that node), ``load_hold_ms`` (fault injection,
+default 0: hold each read lease this long before reading, so that a test can stop the engine
+while it holds one), ``stats_path`` (optional; see Counting). The tenant must be allowed the engine's namespace (``engine_namespace``, plus each cache salt used).
 
 Theory of operation
 -------------------
@@ -96,6 +97,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -285,6 +287,7 @@ class KvccConnector(KVConnectorBase_V1):
         colocated = extra.get("colocated_node")
         self.client_id = f"{colocated}.{base}" if colocated else base
         self._events_dir = Path(extra["events_dir"]) if extra.get("events_dir") else None
+        self._load_hold_s = float(extra.get("load_hold_ms", 0)) / 1000
         stats_path = extra.get("stats_path")
         self._stats_file = None if not stats_path else Path(f"{stats_path}.{'scheduler' if side == 's' else 'worker'}.json")
         self._client: Any = None
@@ -505,6 +508,8 @@ class KvccConnector(KVConnectorBase_V1):
         if isinstance(lease, Refused):
             return lease.reason
         try:
+            if self._load_hold_s:
+                time.sleep(self._load_hold_s)  # fault injection: a slow load (see load_hold_ms)
             got = self.client.read(lease, out=staging)
             if isinstance(got, Refused):
                 return got.reason
