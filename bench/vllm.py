@@ -24,7 +24,9 @@ Figures: the median of ``--trials`` trials of each (trials of one length interle
 plain, ...), and the ratios in the same run: ``speedup = miss / hit`` (compute-and-save against
 load) and ``prefill_speedup = plain / hit`` (plain recompute against load; > 1 means loading
 beats computing), ``miss_overhead = miss / plain - 1`` (what the connector adds to a miss: a
-lookup and the saves). Prefill throughput is ``L / TTFT`` tokens per second. A benchmark reports;
+lookup and the saves), with the connector's own time in each (its counters: the wall time in
+``wait_for_save``, ``start_load_kv`` and the scheduler's lookup). Prefill throughput is
+``L / TTFT`` tokens per second. A benchmark reports;
 it does not fail on a slow figure: the exit code is 1 only when measuring fails (an engine or the
 cluster does not start, a request fails, a hit loads fewer blocks than it must).
 """
@@ -75,8 +77,8 @@ def _ttft(engine: Any, prompt: list[int]) -> float:
     return dt
 
 
-def _worker_stats(stats_path: Path) -> dict[str, int]:
-    path = stats_path.parent / f"{stats_path.name}.worker.json"
+def _worker_stats(stats_path: Path, side: str = "worker") -> dict[str, int]:
+    path = stats_path.parent / f"{stats_path.name}.{side}.json"
     try:
         return _json.loads(path.read_text())
     except (OSError, ValueError):
@@ -126,17 +128,24 @@ def measure(*, lengths: Sequence[int] = LENGTHS, tiers: Sequence[str] = TIERS, t
                 engine = harness.VllmEngine(model, **engine_args, extra_args=("--kv-transfer-config", _json.dumps(transfer)))
                 engine.start()
                 _ttft(engine, _prompt(rng, BLOCK_TOKENS))  # warm-up
-                raw[tier] = {n: {"miss": [], "hit": []} for n in lengths}
+                raw[tier] = {n: {"miss": [], "hit": [], "save": [], "load": [], "lookup": []} for n in lengths}
                 for n in lengths:
                     for t in range(trials):
                         on_progress(f"{tier}: {n} tokens, trial {t + 1}/{trials}")
                         prompt = _prompt(rng, n)
+                        before, sched = _worker_stats(stats), _worker_stats(stats, "scheduler")
                         raw[tier][n]["miss"].append(_ttft(engine, prompt))
+                        after = _worker_stats(stats)
+                        raw[tier][n]["save"].append((after.get("save_us", 0) - before.get("save_us", 0)) / 1e6)
+                        raw[tier][n]["lookup"].append((_worker_stats(stats, "scheduler").get("lookup_us", 0)
+                                                       - sched.get("lookup_us", 0)) / 1e6)  # fmt: skip
                         if not engine.reset_prefix_cache():
                             raise BenchError("vLLM refused to reset its prefix cache")
-                        before = _worker_stats(stats).get("loaded_blocks", 0)
+                        before = _worker_stats(stats)
                         raw[tier][n]["hit"].append(_ttft(engine, prompt))
-                        loaded = _worker_stats(stats).get("loaded_blocks", 0) - before
+                        after = _worker_stats(stats)
+                        raw[tier][n]["load"].append((after.get("load_us", 0) - before.get("load_us", 0)) / 1e6)
+                        loaded = after.get("loaded_blocks", 0) - before.get("loaded_blocks", 0)
                         if loaded != n // BLOCK_TOKENS:
                             raise BenchError(f"{tier}, {n} tokens: the hit loaded {loaded} of {n // BLOCK_TOKENS} blocks")
                         if not engine.reset_prefix_cache():
@@ -161,7 +170,10 @@ def measure(*, lengths: Sequence[int] = LENGTHS, tiers: Sequence[str] = TIERS, t
                 "tier": tier, "prefix_tokens": n, "ttft_miss_s": round(miss, 4), "ttft_hit_s": round(hit, 4),
                 "ttft_plain_s": round(base, 4), "speedup": round(miss / hit, 3), "prefill_speedup": round(base / hit, 3),
                 "miss_overhead": round(miss / base - 1, 4), "hit_tokens_per_s": round(n / hit), "plain_tokens_per_s": round(n / base),
-                "samples": {"miss": raw[tier][n]["miss"], "hit": raw[tier][n]["hit"], "plain": plain_ttft[n]},
+                "miss_save_s": round(statistics.median(raw[tier][n]["save"]), 4),
+                "miss_lookup_s": round(statistics.median(raw[tier][n]["lookup"]), 4),
+                "hit_load_s": round(statistics.median(raw[tier][n]["load"]), 4),
+                "samples": {**raw[tier][n], "plain": plain_ttft[n]},
             })  # fmt: skip
     from importlib.metadata import version
 
@@ -180,10 +192,12 @@ def render(console: Any, r: dict[str, Any]) -> None:
     from rich.text import Text
 
     t = Table(title="vLLM TTFT: prefix from kvcc vs computed (medians)")
-    for col in ("tier", "prefix", "miss s", "hit s", "plain s", "miss/hit", "plain/hit", "miss overhead", "hit tok/s"):
+    for col in ("tier", "prefix", "miss s", "of it saving", "hit s", "of it loading", "plain s", "miss/hit", "plain/hit",
+                "miss overhead", "hit tok/s"):
         t.add_column(col, justify="right")
     for row in r["rows"]:
-        t.add_row(row["tier"], str(row["prefix_tokens"]), f"{row['ttft_miss_s']:.3f}", f"{row['ttft_hit_s']:.3f}",
+        t.add_row(row["tier"], str(row["prefix_tokens"]), f"{row['ttft_miss_s']:.3f}", f"{row['miss_save_s']:.3f}",
+                  f"{row['ttft_hit_s']:.3f}", f"{row['hit_load_s']:.3f}",
                   f"{row['ttft_plain_s']:.3f}", f"{row['speedup']:.2f}", f"{row['prefill_speedup']:.2f}",
                   f"{100 * row['miss_overhead']:+.1f}%", str(row["hit_tokens_per_s"]))  # fmt: skip
     console.print(t)

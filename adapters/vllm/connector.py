@@ -16,7 +16,8 @@ served model name), ``client_id`` (default ``vllm<pid>``), ``colocated_node`` (o
 cache node this engine runs beside; its clients are then ``<node>.<client_id>-s`` and ``-w``,
 and the directory places the engine's writes on that node), ``load_hold_ms`` (fault injection,
 default 0: hold each read lease this long before reading, so that a test can stop the engine
-while it holds one), ``stats_path`` (optional; see Counting). The tenant must be allowed the engine's namespace (``engine_namespace``, plus each cache salt used).
+while it holds one), ``stats_path`` (optional; see Counting). The tenant must be allowed the
+engine's namespace (``engine_namespace``, plus each cache salt used).
 
 Theory of operation
 -------------------
@@ -84,9 +85,10 @@ connector's ``reset_cache``: a namespace invalidation of every namespace of this
 (its own and each cache salt's seen since it started), waited for until complete; vLLM's reset
 answers ``success: false`` if one did not complete within ``reset_timeout_s`` (default 60).
 
-**Counting.** Each instance keeps counters (``stats``) and, with ``stats_path`` in the extra config,
-writes them after each step that changed them to ``<stats_path>.<scheduler|worker>.json``
-(replaced atomically): the tests count loads there.
+**Counting.** Each instance keeps counters (``stats``: blocks, refusals, and the wall time spent
+in lookups, loads and saves, ``lookup_us``/``load_us``/``save_us``) and, with ``stats_path`` in
+the extra config, writes them after each step that changed them to
+``<stats_path>.<scheduler|worker>.json`` (replaced atomically): the tests count loads there.
 
 Limits: tensor and pipeline parallelism are refused (the scheduler's lookup would speak for rank 0
 only); one KV cache group; saves and loads block the engine's step.
@@ -357,6 +359,7 @@ class KvccConnector(KVConnectorBase_V1):
         state.local_hit_tokens = num_computed_tokens
         if candidates <= local_blocks:
             return 0, False
+        began = time.perf_counter()
         try:
             hit = self.client.lookup(state.namespace, state.keys[:candidates])
         except Exception as e:  # kvcc unreachable: a miss
@@ -364,6 +367,7 @@ class KvccConnector(KVConnectorBase_V1):
             self._count("lookup_failures")
             return 0, False
         self._count("lookups")
+        self._count("lookup_us", round((time.perf_counter() - began) * 1e6))
         assert 0 <= hit.blocks <= candidates
         if hit.blocks <= local_blocks:
             return 0, False
@@ -481,6 +485,7 @@ class KvccConnector(KVConnectorBase_V1):
         self._failed_requests = set()
         if not meta.loads:
             return
+        began = time.perf_counter()
         staging = torch.empty(self.block_bytes, dtype=torch.uint8)
         for load in meta.loads:
             for i, (key, block_id) in enumerate(load.blocks):
@@ -494,6 +499,7 @@ class KvccConnector(KVConnectorBase_V1):
                     log.warning("kvcc load of %s refused (%s): %d blocks to recompute", key.hex[:16], reason, len(failed))
                     break
                 self._count("loaded_blocks")
+        self._count("load_us", round((time.perf_counter() - began) * 1e6))
         self._publish_stats()
 
     def _load_block(self, namespace: bytes, key: BlockKey, block_id: int, staging: torch.Tensor) -> str | None:
@@ -538,6 +544,7 @@ class KvccConnector(KVConnectorBase_V1):
             return
         from kvcc.reference.client import Refused
 
+        began = time.perf_counter()
         for save in meta.saves:
             if save.req_id in self._failed_requests:
                 self._count("saves_dropped_after_load_error", len(save.blocks))
@@ -551,6 +558,7 @@ class KvccConnector(KVConnectorBase_V1):
                     self._count("already_stored" if out.reason == REASON_NOT_ABSENT else f"save_refused_{out.reason}")
                 else:
                     self._count("saved_blocks")
+        self._count("save_us", round((time.perf_counter() - began) * 1e6))
         self._publish_stats()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
