@@ -13,15 +13,18 @@ What runs, exactly:
 - Per prefix length ``L`` (512 to 8192 tokens) and trial: a fresh random prompt of ``L + 1``
   tokens (``L / 32`` full blocks and one token vLLM must compute), served with ``max_tokens=1``:
   - ``miss``: first serving with the connector -- the lookup finds nothing, vLLM computes the
-    prompt, and the connector saves every full block (synchronously, ``wait_for_save``);
+    prompt, and the connector packs every full block and hands it to its saver thread (the
+    answer does not wait for the saves; ``saved_after`` is how long after it they were done, and
+    the hit below waits for them);
   - ``hit``: vLLM's own prefix cache is then reset, and the same prompt served again: the
     connector loads every full block from the node's tier (leases, reads, scatter into the paged
     KV) and vLLM computes one token; the worker's counters must show ``L / 32`` blocks loaded;
   - ``plain``: a fresh prompt of the same length on the engine without a connector.
   TTFT is the wall time of the ``max_tokens=1`` completion request on loopback.
 
-Figures: the median of ``--trials`` trials of each (trials of one length interleaved: miss, hit,
-plain, ...), and the ratios in the same run: ``speedup = miss / hit`` (compute-and-save against
+One engine process runs at a time (plain first, then each tier's), each warmed by one untimed
+request of every length. Figures: the median of ``--trials`` trials of each (miss and hit of one
+prompt in turn), and the ratios in the same run: ``speedup = miss / hit`` (compute-and-save against
 load) and ``prefill_speedup = plain / hit`` (plain recompute against load; > 1 means loading
 beats computing), ``miss_overhead = miss / plain - 1`` (what the connector adds to a miss: a
 lookup and the saves), with the connector's own time in each (its counters: the wall time in
@@ -88,6 +91,7 @@ def _worker_stats(stats_path: Path, side: str = "worker") -> dict[str, int]:
 def measure(*, lengths: Sequence[int] = LENGTHS, tiers: Sequence[str] = TIERS, trials: int = DEFAULT_TRIALS,
             seed: int = 0, directory: str | None = None, on_progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:  # fmt: skip
     from kvcc.adapters.vllm import harness
+    from kvcc.adapters.vllm.connector import wait_saves_settled
     from kvcc.adapters.vllm.model import TinyLlamaSpec, engine_namespace, tiny_llama
     from kvcc.reference.cluster import LocalCluster
 
@@ -104,13 +108,30 @@ def measure(*, lengths: Sequence[int] = LENGTHS, tiers: Sequence[str] = TIERS, t
     engine_args = {"served_name": MODEL_ID, "num_blocks": _engine_blocks(longest), "max_model_len": longest + 64}
     raw: dict[str, dict[int, dict[str, list[float]]]] = {}
     plain_ttft: dict[int, list[float]] = {n: [] for n in lengths}
-    on_progress("plain engine")
-    plain = harness.VllmEngine(model, **engine_args)
+    def warm(engine: Any) -> None:
+        for n in lengths:  # the first prefill of each length pays for its buffers: not timed
+            _ttft(engine, _prompt(rng, n))
+            if not engine.reset_prefix_cache():
+                raise BenchError("vLLM refused to reset its prefix cache")
+
+    # One engine process at a time: an idle vLLM engine's compute threads keep spinning for a
+    # while after each request, so two engines served in turn slow each other down.
     try:
-        plain.start()
-        _ttft(plain, _prompt(rng, BLOCK_TOKENS))  # warm-up
-        # The tier's room: every trial's blocks of every length, twice over.
-        room_mib = max(16, 2 * trials * sum(lengths) // BLOCK_TOKENS * BLOCK_BYTES // MIB + 16)
+        on_progress("plain engine")
+        plain = harness.VllmEngine(model, **engine_args)
+        try:
+            plain.start()
+            warm(plain)
+            for n in lengths:
+                for t in range(trials):
+                    on_progress(f"plain: {n} tokens, trial {t + 1}/{trials}")
+                    plain_ttft[n].append(_ttft(plain, _prompt(rng, n)))
+                    if not plain.reset_prefix_cache():
+                        raise BenchError("vLLM refused to reset its prefix cache")
+        finally:
+            plain.close()
+        # The tier's room: every trial's blocks of every length (and the warm-up's), twice over.
+        room_mib = max(16, 2 * (trials + 1) * sum(lengths) // BLOCK_TOKENS * BLOCK_BYTES // MIB + 16)
         for tier in tiers:
             on_progress(f"{tier}: cluster and engine")
             cluster = LocalCluster(root / tier, nodes=1, tiers=(f"{tier}={room_mib}MiB",), block_bytes=BLOCK_BYTES,
@@ -127,14 +148,21 @@ def measure(*, lengths: Sequence[int] = LENGTHS, tiers: Sequence[str] = TIERS, t
                                                           "client_id": f"bench-{tier}", "stats_path": str(stats)}}  # fmt: skip
                 engine = harness.VllmEngine(model, **engine_args, extra_args=("--kv-transfer-config", _json.dumps(transfer)))
                 engine.start()
-                _ttft(engine, _prompt(rng, BLOCK_TOKENS))  # warm-up
-                raw[tier] = {n: {"miss": [], "hit": [], "save": [], "load": [], "lookup": []} for n in lengths}
+                warm(engine)
+                if not wait_saves_settled(lambda: _worker_stats(stats), REQUEST_TIMEOUT_S):
+                    raise BenchError(f"{tier}: the warm-up's saves did not finish")
+                raw[tier] = {n: {"miss": [], "hit": [], "save": [], "load": [], "lookup": [], "saved_after": []}
+                             for n in lengths}  # fmt: skip
                 for n in lengths:
                     for t in range(trials):
                         on_progress(f"{tier}: {n} tokens, trial {t + 1}/{trials}")
                         prompt = _prompt(rng, n)
                         before, sched = _worker_stats(stats), _worker_stats(stats, "scheduler")
                         raw[tier][n]["miss"].append(_ttft(engine, prompt))
+                        t0 = time.perf_counter()
+                        if not wait_saves_settled(lambda: _worker_stats(stats), REQUEST_TIMEOUT_S, poll_s=0.001):
+                            raise BenchError(f"{tier}, {n} tokens: the saves of a miss did not finish")
+                        raw[tier][n]["saved_after"].append(time.perf_counter() - t0)
                         after = _worker_stats(stats)
                         raw[tier][n]["save"].append((after.get("save_us", 0) - before.get("save_us", 0)) / 1e6)
                         raw[tier][n]["lookup"].append((_worker_stats(stats, "scheduler").get("lookup_us", 0)
@@ -148,20 +176,16 @@ def measure(*, lengths: Sequence[int] = LENGTHS, tiers: Sequence[str] = TIERS, t
                         loaded = after.get("loaded_blocks", 0) - before.get("loaded_blocks", 0)
                         if loaded != n // BLOCK_TOKENS:
                             raise BenchError(f"{tier}, {n} tokens: the hit loaded {loaded} of {n // BLOCK_TOKENS} blocks")
+                        if not wait_saves_settled(lambda: _worker_stats(stats), REQUEST_TIMEOUT_S):
+                            raise BenchError(f"{tier}, {n} tokens: the saves of a hit did not finish")
                         if not engine.reset_prefix_cache():
                             raise BenchError("vLLM refused to reset its prefix cache")
-                        if tier == tiers[0]:
-                            plain_ttft[n].append(_ttft(plain, _prompt(rng, n)))
-                            if not plain.reset_prefix_cache():
-                                raise BenchError("vLLM refused to reset its prefix cache")
             finally:
                 if engine is not None:
                     engine.close()
                 cluster.stop()
     except harness.EngineError as exc:
         raise BenchError(str(exc)) from exc
-    finally:
-        plain.close()
     rows = []
     for tier in tiers:
         for n in lengths:
@@ -171,6 +195,7 @@ def measure(*, lengths: Sequence[int] = LENGTHS, tiers: Sequence[str] = TIERS, t
                 "ttft_plain_s": round(base, 4), "speedup": round(miss / hit, 3), "prefill_speedup": round(base / hit, 3),
                 "miss_overhead": round(miss / base - 1, 4), "hit_tokens_per_s": round(n / hit), "plain_tokens_per_s": round(n / base),
                 "miss_save_s": round(statistics.median(raw[tier][n]["save"]), 4),
+                "saved_after_s": round(statistics.median(raw[tier][n]["saved_after"]), 4),
                 "miss_lookup_s": round(statistics.median(raw[tier][n]["lookup"]), 4),
                 "hit_load_s": round(statistics.median(raw[tier][n]["load"]), 4),
                 "samples": {**raw[tier][n], "plain": plain_ttft[n]},
@@ -192,12 +217,12 @@ def render(console: Any, r: dict[str, Any]) -> None:
     from rich.text import Text
 
     t = Table(title="vLLM TTFT: prefix from kvcc vs computed (medians)")
-    for col in ("tier", "prefix", "miss s", "of it saving", "hit s", "of it loading", "plain s", "miss/hit", "plain/hit",
-                "miss overhead", "hit tok/s"):
+    for col in ("tier", "prefix", "miss s", "of it saving", "saved after s", "hit s", "of it loading", "plain s",
+                "miss/hit", "plain/hit", "miss overhead", "hit tok/s"):
         t.add_column(col, justify="right")
     for row in r["rows"]:
         t.add_row(row["tier"], str(row["prefix_tokens"]), f"{row['ttft_miss_s']:.3f}", f"{row['miss_save_s']:.3f}",
-                  f"{row['ttft_hit_s']:.3f}", f"{row['hit_load_s']:.3f}",
+                  f"{row['saved_after_s']:.3f}", f"{row['ttft_hit_s']:.3f}", f"{row['hit_load_s']:.3f}",
                   f"{row['ttft_plain_s']:.3f}", f"{row['speedup']:.2f}", f"{row['prefill_speedup']:.2f}",
                   f"{100 * row['miss_overhead']:+.1f}%", str(row["hit_tokens_per_s"]))  # fmt: skip
     console.print(t)

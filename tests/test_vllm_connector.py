@@ -160,7 +160,17 @@ def _complete(engine, prompt: list[int], max_tokens: int = 8) -> dict:
     req = urllib.request.Request(f"{engine.base_url}/v1/completions", data=json.dumps(body).encode(), method="POST",
                                  headers={"Content-Type": "application/json"})  # fmt: skip
     with urllib.request.urlopen(req, timeout=harness.REQUEST_TIMEOUT_S) as r:
-        return json.loads(r.read())
+        out = json.loads(r.read())
+    _saved(engine)
+    return out
+
+
+def _saved(engine) -> None:
+    """Wait until the engine's saver thread has done every save handed to it (the connector saves
+    after the answer)."""
+    from kvcc.adapters.vllm.connector import wait_saves_settled
+
+    assert wait_saves_settled(lambda: _worker_stats(engine), harness.REQUEST_TIMEOUT_S), _worker_stats(engine)
 
 
 def _generated(out: dict) -> list[int]:
@@ -195,6 +205,7 @@ def _fresh(engine) -> None:
     rng = random.Random()
     for _ in range(SCRUB_PROMPTS):
         engine.complete(_tokens(rng, SCRUB_BLOCKS * BLOCK), max_tokens=1)
+    _saved(engine)  # the scrub prompts' saves are not left running into the test
     assert engine.reset_prefix_cache(), "vLLM refused to clear its prefix cache"
 
 
@@ -375,6 +386,7 @@ def test_the_prefix_is_loaded_from_kvcc_and_greedy_output_is_unchanged(engine, c
     longer = prompt[: 3 * BLOCK] + _tokens(random.Random(103), 2 * BLOCK + 3)
     before = _worker_stats(engine)
     engine.complete(longer, max_tokens=2)
+    _saved(engine)
     after = _worker_stats(engine)
     assert after.get("loaded_blocks", 0) - before.get("loaded_blocks", 0) == 3, after
     assert after.get("saved_blocks", 0) - before.get("saved_blocks", 0) == 2, after
@@ -428,6 +440,7 @@ def test_resetting_the_external_cache_invalidates_the_engines_namespaces_before_
     salted = _tokens(random.Random(107), 2 * BLOCK + 1)
     _complete(engine, prompt)
     engine.complete(salted, max_tokens=1, cache_salt=salt)
+    _saved(engine)
     salted_ns = mapper.namespace(salt)
     assert client.lookup(namespace, mapper.keys(prompt)).blocks == 2
     assert client.lookup(salted_ns, mapper.keys(salted, salt)).blocks == 2

@@ -322,6 +322,7 @@ class _EngineMixin:
             return {}
 
     def complete(self, engine: str, ns: Namespace, tokens, max_tokens: int) -> Completion:
+        from kvcc.adapters.vllm.connector import wait_saves_settled
         from kvcc.adapters.vllm.harness import EngineError
 
         e = self._engine(engine)
@@ -332,6 +333,9 @@ class _EngineMixin:
             out = e._post("/v1/completions", body, ENGINE_REQUEST_TIMEOUT_S)
         except EngineError as exc:
             raise AdapterError(f"engine {engine}: {exc}") from exc
+        # The engine's saves run after the answer (async_saves): done with the request once they are.
+        if not wait_saves_settled(lambda: self._stats(engine), ENGINE_REQUEST_TIMEOUT_S):
+            raise AdapterError(f"engine {engine}: its saves of a request did not finish in {ENGINE_REQUEST_TIMEOUT_S:g} s")
         choice = out["choices"][0]
         usage = out.get("usage") or {}
         details = usage.get("prompt_tokens_details") or {}
@@ -345,6 +349,7 @@ class _EngineMixin:
     def forget(self, engine: str) -> None:
         """vLLM drops its prefix cache; then prompts under a salt of their own pass over every block
         of its cache (a freed block keeps its KV: a load that copied nothing would go unnoticed)."""
+        from kvcc.adapters.vllm.connector import wait_saves_settled
         from kvcc.adapters.vllm.harness import EngineError
 
         e = self._engine(engine)
@@ -355,6 +360,7 @@ class _EngineMixin:
             for _ in range(SCRUB_PROMPTS):
                 prompt = [rng.randrange(3, ENGINE_VOCAB) for _ in range(SCRUB_BLOCKS * BLOCK_TOKENS)]
                 e.complete(prompt, max_tokens=1, cache_salt=SCRUB_SALT, timeout_s=ENGINE_REQUEST_TIMEOUT_S)
+            wait_saves_settled(lambda: self._stats(engine), ENGINE_REQUEST_TIMEOUT_S)  # (refused: not its namespace)
             if not e.reset_prefix_cache():
                 raise AdapterError(f"engine {engine} refused to reset its prefix cache")
         except EngineError as exc:
@@ -524,7 +530,7 @@ class VllmAdapter(_EngineMixin, ClearingAdapter):
         host, port = self._cluster.directory_address
         extra = {"directory": f"{host}:{port}", "tenant": "engine", "token_hex": self._cluster.engine_token.hex(),
                  "skew_ms": self._ctx.skew_ms, "model_id": MODEL_ID, "client_id": f"vllm-{node}",
-                 "reset_timeout_s": RESET_TIMEOUT_S}  # fmt: skip
+                 "reset_timeout_s": RESET_TIMEOUT_S, "async_saves": False}  # fmt: skip
         config = SimpleNamespace(
             kv_transfer_config=KVTransferConfig(kv_connector="KvccConnector", kv_role="kv_both",
                                                 kv_connector_extra_config=extra),  # fmt: skip

@@ -16,7 +16,7 @@ served model name), ``client_id`` (default ``vllm<pid>``), ``colocated_node`` (o
 cache node this engine runs beside; its clients are then ``<node>.<client_id>-s`` and ``-w``,
 and the directory places the engine's writes on that node), ``load_hold_ms`` (fault injection,
 default 0: hold each read lease this long before reading, so that a test can stop the engine
-while it holds one), ``stats_path`` (optional; see Counting). The tenant must be allowed the
+while it holds one), ``async_saves`` (default true; see Worker side, saves), ``stats_path`` (optional; see Counting). The tenant must be allowed the
 engine's namespace (``engine_namespace``, plus each cache salt used).
 
 Theory of operation
@@ -77,8 +77,14 @@ vLLM's default (``"fail"``) it fails the request. The request's saves of that st
 step is in the paged tensors; ``save_kv_layer`` does nothing). Per planned block, in prefix order:
 ``begin_write`` (the write lease; the parent must be committed: chains are written root first),
 ``write_bytes``, ``commit``. A refusal is a lost save, never an error: ``not_absent`` (someone
-committed it first), ``parent_not_committed``, ``invalidating``, a fenced or expired write. Saves
-are synchronous, so ``request_finished`` never holds the request's blocks.
+committed it first), ``parent_not_committed``, ``invalidating``, a fenced or expired write. The
+blocks' bytes are packed out of the paged tensors before ``wait_for_save`` returns, so
+``request_finished`` never holds the request's blocks; the writes then run on a saver thread
+(``async_saves``, default true: the engine's step, and so its time to first token, does not wait
+for kvcc; a request's blocks are committed shortly after it is answered, and at most
+``SAVE_QUEUE_MAX`` requests' saves wait, more are dropped as lost saves), or in ``wait_for_save``
+itself with ``async_saves: false``. Counters ``save_batches_queued``/``save_batches_done`` say when
+every save handed over is done.
 
 **Reset.** ``POST /reset_prefix_cache?reset_external=true`` makes vLLM call the scheduler
 connector's ``reset_cache``: a namespace invalidation of every namespace of this engine's blocks
@@ -99,6 +105,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -126,14 +134,16 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-__all__ = ["KvccConnector", "KvccConnectorMetadata", "block_layout"]
+__all__ = ["KvccConnector", "KvccConnectorMetadata", "block_layout", "saves_settled", "wait_saves_settled"]
 
 log = logging.getLogger("kvcc.vllm.connector")
 
 SKEW_MS_DEFAULT = 100
 CLIENT_TIMEOUT_MS_DEFAULT = 10_000  # one directory or node request; a slow kvcc is a miss, not a hang
 RESET_TIMEOUT_S_DEFAULT = 60.0  # reset_cache's wait for its namespace invalidations to complete
-MAX_BLOCKS_PER_LOOKUP = 4096  # a prompt longer than this many blocks is looked up only this far
+MAX_BLOCKS_PER_LOOKUP = 4096
+SAVE_QUEUE_MAX = 64  # request batches packed and waiting for the saver thread; more are dropped (lost saves)
+SAVER_STOP_S = 30.0  # shutdown's wait for the saves already queued  # a prompt longer than this many blocks is looked up only this far
 
 
 # -- metadata (scheduler -> worker; pickled when the worker is another process) --------------------
@@ -169,6 +179,23 @@ class _Request:
     prompt_tokens: int
     block_ids: list[int] = field(default_factory=list)
     local_hit_tokens: int | None = None  # what get_num_new_matched_tokens was last told
+
+
+def saves_settled(worker_stats: dict[str, Any]) -> bool:
+    """Whether a worker's counters (its ``stats`` or stats file) show every save it handed to its
+    saver thread done (committed, refused or failed)."""
+    return worker_stats.get("save_batches_done", 0) >= worker_stats.get("save_batches_queued", 0)
+
+
+def wait_saves_settled(read_stats: Any, timeout_s: float, poll_s: float = 0.02) -> bool:
+    """Poll ``read_stats()`` (a worker's counters, e.g. read from its stats file) until
+    ``saves_settled``; ``False`` if ``timeout_s`` passed first."""
+    deadline = time.monotonic() + timeout_s
+    while not saves_settled(read_stats()):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(poll_s)
+    return True
 
 
 def block_layout(namespace_layout: str) -> tuple[int, int, int]:
@@ -290,6 +317,10 @@ class KvccConnector(KVConnectorBase_V1):
         self.client_id = f"{colocated}.{base}" if colocated else base
         self._events_dir = Path(extra["events_dir"]) if extra.get("events_dir") else None
         self._load_hold_s = float(extra.get("load_hold_ms", 0)) / 1000
+        self._async_saves = bool(extra.get("async_saves", True))
+        self._save_queue: queue.Queue | None = None
+        self._saver: threading.Thread | None = None
+        self._stats_lock = threading.Lock()
         stats_path = extra.get("stats_path")
         self._stats_file = None if not stats_path else Path(f"{stats_path}.{'scheduler' if side == 's' else 'worker'}.json")
         self._client: Any = None
@@ -321,16 +352,22 @@ class KvccConnector(KVConnectorBase_V1):
         return self._client
 
     def _count(self, name: str, n: int = 1) -> None:
-        self.stats[name] = self.stats.get(name, 0) + n
+        with self._stats_lock:
+            self.stats[name] = self.stats.get(name, 0) + n
 
     def _publish_stats(self) -> None:
         if self._stats_file is None:
             return
-        tmp = self._stats_file.with_name(self._stats_file.name + ".tmp")
-        tmp.write_text(json.dumps(self.stats, sort_keys=True))
-        os.replace(tmp, self._stats_file)
+        with self._stats_lock:
+            tmp = self._stats_file.with_name(self._stats_file.name + ".tmp")
+            tmp.write_text(json.dumps(self.stats, sort_keys=True))
+            os.replace(tmp, self._stats_file)
 
     def shutdown(self) -> None:
+        if self._saver is not None:
+            self._save_queue.put(None)  # after the saves already queued
+            self._saver.join(SAVER_STOP_S)
+            self._saver = None
         if self._client is not None:
             try:
                 self._client.close()
@@ -425,7 +462,7 @@ class KvccConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._requests.pop(request.request_id, None)
-        return False, None  # saves are synchronous: nothing of the request is still in flight
+        return False, None  # the worker packs a step's saves before the step ends: the blocks are free to go
 
     def reset_cache(self) -> bool | None:
         """``POST /reset_prefix_cache?reset_external=true`` (vLLM asks the scheduler's connector):
@@ -538,28 +575,66 @@ class KvccConnector(KVConnectorBase_V1):
         return  # a kvcc block holds every layer: saved whole in wait_for_save
 
     def wait_for_save(self) -> None:
+        """Pack the step's newly full prompt blocks out of the paged tensors now (vLLM may reuse
+        the blocks once the step ends), and save them: on the saver thread (``async_saves``, the
+        default; the engine's step does not wait for kvcc), else here."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvccConnectorMetadata)
         if not meta.saves:
             return
-        from kvcc.reference.client import Refused
-
         began = time.perf_counter()
+        batches = []
         for save in meta.saves:
             if save.req_id in self._failed_requests:
                 self._count("saves_dropped_after_load_error", len(save.blocks))
                 continue  # computed over blocks that did not load
-            for key, parent, block_id in save.blocks:
-                try:
-                    out = self.client.put(save.namespace, key, parent, self._block_bytes(block_id))
-                except Exception as e:
-                    out = Refused(f"put_failed:{type(e).__name__}")
-                if isinstance(out, Refused):
-                    self._count("already_stored" if out.reason == REASON_NOT_ABSENT else f"save_refused_{out.reason}")
-                else:
-                    self._count("saved_blocks")
+            batches.append((save.namespace, [(key, parent, self._block_bytes(block_id)) for key, parent, block_id in save.blocks]))
+        if not self._async_saves:
+            for batch in batches:
+                self._save_batch(*batch)
+        else:
+            for batch in batches:
+                self._enqueue_save(batch)
         self._count("save_us", round((time.perf_counter() - began) * 1e6))
         self._publish_stats()
+
+    def _enqueue_save(self, batch: tuple[bytes, list[tuple[BlockKey, BlockKey | None, bytes]]]) -> None:
+        if self._saver is None:  # started on first use: no thread exists before vLLM forks
+            self._save_queue = queue.Queue(SAVE_QUEUE_MAX)
+            self._saver = threading.Thread(target=self._save_loop, name="kvcc-saver", daemon=True)
+            self._saver.start()
+        try:
+            self._save_queue.put_nowait(batch)
+        except queue.Full:  # kvcc is behind: a lost save, never a stalled engine
+            self._count("saves_dropped_queue_full", len(batch[1]))
+            return
+        self._count("save_batches_queued")
+
+    def _save_loop(self) -> None:
+        while True:
+            batch = self._save_queue.get()
+            if batch is None:
+                return
+            try:
+                self._save_batch(*batch)
+            except Exception as e:  # noqa: BLE001 -- a lost save; the thread lives on
+                log.warning("kvcc save failed: %s", e)
+            self._count("save_batches_done")
+            self._publish_stats()
+
+    def _save_batch(self, namespace: bytes, blocks: list[tuple[BlockKey, BlockKey | None, bytes]]) -> None:
+        """Write and commit one request's blocks of a step, root first. A refusal is a lost save."""
+        from kvcc.reference.client import Refused
+
+        for key, parent, data in blocks:
+            try:
+                out = self.client.put(namespace, key, parent, data)
+            except Exception as e:
+                out = Refused(f"put_failed:{type(e).__name__}")
+            if isinstance(out, Refused):
+                self._count("already_stored" if out.reason == REASON_NOT_ABSENT else f"save_refused_{out.reason}")
+            else:
+                self._count("saved_blocks")
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
