@@ -333,9 +333,12 @@ class _EngineMixin:
             out = e._post("/v1/completions", body, ENGINE_REQUEST_TIMEOUT_S)
         except EngineError as exc:
             raise AdapterError(f"engine {engine}: {exc}") from exc
-        # The engine's saves run after the answer (async_saves): done with the request once they are.
-        if not wait_saves_settled(lambda: self._stats(engine), ENGINE_REQUEST_TIMEOUT_S):
+        # The engine's saves run after the answer (async_saves): done with the request once they
+        # are, or once the engine is gone (killed meanwhile: they never will be).
+        if not wait_saves_settled(lambda: self._stats(engine) if e.is_running() else {}, ENGINE_REQUEST_TIMEOUT_S):
             raise AdapterError(f"engine {engine}: its saves of a request did not finish in {ENGINE_REQUEST_TIMEOUT_S:g} s")
+        if not e.is_running():
+            raise AdapterError(f"engine {engine} stopped before its saves of a request finished")
         choice = out["choices"][0]
         usage = out.get("usage") or {}
         details = usage.get("prompt_tokens_details") or {}
