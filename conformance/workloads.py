@@ -2143,15 +2143,17 @@ def _same_output(s: Session, got: Completion, computed: Completion, what: str) -
 
 
 def engine_prefix_reuse(s: Session) -> None:
-    """Engine A computes a prompt; every full block is committed; engine B (which never saw it)
-    and A (once it forgot it) load every block and give the output computed without the cache."""
+    """Engine A computes a prompt; every full block is committed; B serving the same prompt in
+    the other namespace loads nothing (the output computed without the cache); then B (which
+    never saw it in this namespace) and A (once it forgot it) load every block and give that output."""
     a, b = _two_engines(s)
     tokens, ens, keys = _engine_prompt(s, ENGINE_PROMPT_BLOCKS)
-    computed = _computed(s, b, tokens)
     first = s.engine("complete", a, s.ns, tokens, ENGINE_MAX_TOKENS)
-    _same_output(s, first, computed, f"engine {a} computing the prompt")
     n = s.lookup(s.nodes[0], ens, keys)
     s.check(n == len(keys), "caching", f"{n} of the prompt's {len(keys)} full blocks committed after engine {a} computed it")
+    # The same prompt in the other namespace (another tenant's cache salt) finds nothing of them.
+    computed = _computed(s, b, tokens)
+    _same_output(s, first, computed, f"engine {a} computing the prompt")
     for engine, what in ((b, "which never saw the prompt"), (a, "after it forgot the prompt")):
         if engine == a:
             s.engine("forget", a)
