@@ -368,16 +368,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(json: bool = False, **options: Any) -> dict[str, Any]:
     """Measure (``options`` as for ``measure``), print rich tables (or JSON with ``json=True``),
     return the result."""
-    from kvcc.console import print_json, stderr_console, stdout_console
+    from kvcc.console import measure_and_show
 
-    if json:
-        r = measure(**options)
-        print_json(r)
-        return r
-    with stderr_console().status("sglang benchmark") as status:
-        r = measure(on_progress=lambda what: status.update(f"sglang benchmark: {what}"), **options)
-    render(stdout_console(), r)
-    return r
+    return measure_and_show("sglang", measure, render, json, **options)
 
 
 def cli(args: argparse.Namespace) -> int:

@@ -244,16 +244,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(json: bool = False, **options: Any) -> dict[str, Any]:
-    from kvcc.console import print_json, stderr_console, stdout_console
+    """Measure (``options`` as for ``measure``), print rich tables (or JSON with ``json=True``),
+    return the result."""
+    from kvcc.console import measure_and_show
 
-    if json:
-        r = measure(**options)
-        print_json(r)
-        return r
-    with stderr_console().status("vllm benchmark") as status:
-        r = measure(on_progress=lambda what: status.update(f"vllm benchmark: {what}"), **options)
-    render(stdout_console(), r)
-    return r
+    return measure_and_show("vllm", measure, render, json, **options)
 
 
 def cli(args: argparse.Namespace) -> int:

@@ -56,3 +56,17 @@ def positive_int(text: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1: {n}")
     return n
+
+
+def measure_and_show(name: str, measure: Any, render: Any, json: bool = False, **options: Any) -> Any:
+    """A benchmark's ``run``: ``measure(**options)`` with its progress on a stderr status line,
+    then ``render(console, result)`` on stdout; with ``json``, no status and one JSON object. The
+    result."""
+    if json:
+        r = measure(**options)
+        print_json(r)
+        return r
+    with stderr_console().status(f"{name} benchmark") as status:
+        r = measure(on_progress=lambda what: status.update(f"{name} benchmark: {what}"), **options)
+    render(stdout_console(), r)
+    return r
