@@ -123,3 +123,16 @@ def test_a_broken_connector_path_does_not_certify(broken, tmp_path, monkeypatch)
     status = {r.id: r.status for r in report.results}
     assert {status[i] for i in ids} != {PASS}, status
     assert not report.certified
+
+
+@pytest.mark.xdist_group("vllm-engine")  # engine starts never side by side (test_vllm, test_vllm_connector)
+def test_the_engine_profile_fails_engines_whose_loads_copy_nothing(tmp_path):
+    """Two real engines whose connector reads each block under its lease but copies nothing into
+    the paged KV (``known_bad.NoCopyConnector``): KVCC-ENGINE-001 FAILs on the output, with the
+    loads counted (the engine believed it loaded them)."""
+    from kvcc.adapters.vllm.known_bad import no_copy
+
+    report = run_conformance(no_copy, profiles=["engine"], seed=1, ids=["KVCC-ENGINE-001"])
+    (result,) = [r for r in report.results if r.id == "KVCC-ENGINE-001"]
+    assert result.status == "FAIL", (result.status, result.message)
+    assert "CommittedBytesIntact" in result.message and "output differs" in result.message, result.message

@@ -243,7 +243,7 @@ class _EngineMixin:
         host, port = self._cluster.directory_address
         start = self._engine_starts.get(name, 0)
         return json.dumps({
-            "kv_connector": "KvccConnector", "kv_connector_module_path": "kvcc.adapters.vllm.connector",
+            "kv_connector": self.engine_connector[1], "kv_connector_module_path": self.engine_connector[0],
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {
                 "directory": f"{host}:{port}", "tenant": "engine", "token_hex": self._cluster.engine_token.hex(),
@@ -454,6 +454,10 @@ def _salt(ns: Namespace) -> str:
 
 class VllmAdapter(_EngineMixin, ClearingAdapter):
     """kvcc's vLLM KV connector on a real kvcc cluster; see the module docstring."""
+
+    # The engines' connector: (module, class). A known-bad variant names another
+    # (``kvcc.adapters.vllm.known_bad``); the contract's own steps always use KvccConnector.
+    engine_connector = ("kvcc.adapters.vllm.connector", "KvccConnector")
 
     def __init__(self) -> None:
         super().__init__("sqlite")
