@@ -24,7 +24,7 @@ import concurrent.futures
 import contextvars
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvcc.adapters.reference import ReferenceAdapter
@@ -95,9 +95,20 @@ class TicketHandover:
 class ClearingAdapter(ReferenceAdapter):
     """A reference-cluster adapter whose namespace invalidations are an engine's call."""
 
+    ENGINE_VERSION: tuple[str, str] = ("", "")  # (report key, distribution) of the engine's code
+
     def __init__(self, backend: str = "sqlite") -> None:
         super().__init__(backend)
         self._clears: dict[int, tuple[threading.Thread, list[bool], str, Any]] = {}  # ticket -> the call's run
+
+    def versions(self) -> Mapping[str, str]:
+        from importlib.metadata import version
+
+        out = dict(super().versions())
+        key, distribution = self.ENGINE_VERSION
+        if key:
+            out[key] = version(distribution)
+        return out
 
     def _invalidate_through(self, node: str, handover: TicketHandover, call: Callable[[], Any], what: str) -> InvalidationTicket:
         """Run ``call`` (it starts a namespace invalidation through node ``node``'s client, whose

