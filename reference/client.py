@@ -53,7 +53,9 @@ from attrs import frozen
 
 from kvcc.spec.keys import BlockKey, LocationId, Namespace
 from kvcc.spec.vocabulary import (
+    LOCATION_SEPARATOR,
     REASON_ALREADY_LEASED,
+    REASON_BATCH_FULL,
     REASON_BUSY,
     REASON_FENCED,
     REASON_LEASE_EXPIRED,
@@ -72,9 +74,12 @@ from .holder import Holder, Trust
 from .tiers.base import copy_into, sink_bytes, source_bytes
 from .transport import Client, TlsConfig
 from .wire import (
+    MAX_BATCH_ITEMS,
     MAX_FRAME_BYTES,
     MAX_WAIT_TICKET_MS,
     Acquire,
+    Batch,
+    Batched,
     BeginWrite,
     BytesRead,
     BytesStored,
@@ -364,6 +369,61 @@ class KvccClient:
     async def acquire(self, ns: Namespace | bytes, key: BlockKey) -> ReadLease | Refused:
         """A new read lease. One request per key at a time, and none while a lease on it is
         trusted (renew that instead): the spec's holder has one slot per key."""
+        started = self._acquire_start(key)
+        if isinstance(started, Refused):
+            return started
+        request, sent = started
+        try:
+            reply = await self._ask(Acquire(self.client_id, key, _digest(ns), request))
+        except BaseException:
+            self._acquire_unanswered(key, request)
+            raise
+        return self._acquire_answered(key, request, sent, reply)
+
+    async def acquire_chain(self, ns: Namespace | bytes, keys: Sequence[BlockKey]) -> tuple[list[ReadLease], Refused | None]:
+        """Read leases on the longest leased prefix of a chain, in one round trip (one ``Batch``
+        of ``Acquire``, at most ``MAX_BATCH_ITEMS`` keys): ``(leases, why)``, where ``leases``
+        lease ``keys[:len(leases)]`` and ``why`` says why the next key has none (``None``: every
+        key is leased). Never a gap: a lease granted past the first refusal is released at once.
+        Each key is its own request, lease and step, as ``acquire``'s."""
+        keys = list(keys)
+        if len(set(keys)) != len(keys):
+            raise ValueError("a chain names each key once")
+        if len(keys) > MAX_BATCH_ITEMS:
+            raise ValueError(f"a chain of {len(keys)} keys: at most {MAX_BATCH_ITEMS} in one request")
+        digest = _digest(ns)
+        asked: list[tuple[BlockKey, int, int]] = []
+        refusal: Refused | None = None
+        for key in keys:
+            started = self._acquire_start(key)
+            if isinstance(started, Refused):
+                refusal = started
+                break  # the chain's leases end here: ask for the keys before it only
+            asked.append((key, *started))
+        if not asked:
+            return [], refusal
+        try:
+            reply = await self._ask(Batch(tuple(Acquire(self.client_id, k, digest, r) for k, r, _ in asked)))
+        except BaseException:
+            for key, request, _ in asked:
+                self._acquire_unanswered(key, request)
+            raise
+        assert type(reply) is Batched and len(reply.replies) == len(asked), reply
+        leases: list[ReadLease] = []
+        past_gap: list[ReadLease] = []
+        first_refused: Refused | None = None
+        for (key, request, sent), answer in zip(asked, reply.replies):
+            got = self._acquire_answered(key, request, sent, answer)
+            if isinstance(got, Refused):
+                first_refused = first_refused or got
+            else:
+                (leases if first_refused is None else past_gap).append(got)
+        if past_gap:
+            await self.release_many(past_gap)
+        return leases, first_refused or refusal
+
+    def _acquire_start(self, key: BlockKey) -> tuple[int, int] | Refused:
+        """The holder's side of sending an Acquire of ``key``: ``(request, sent_ns)``, logged."""
         refusal = self.holder.may_acquire(key, self._now_ns())
         if refusal is not None:
             detail = ("this client trusts a live lease on the key: renew it" if refusal == REASON_ALREADY_LEASED
@@ -373,20 +433,21 @@ class KvccClient:
         sent = self._now_ns()
         self.holder.acquiring(key, request)
         self._emit("acquire", key=key, request=request)
-        try:
-            reply = await self._ask(Acquire(self.client_id, key, _digest(ns), request))
-        except BaseException:
-            # No answer (the directory unreachable, the call timed out or was cancelled): the holder
-            # gives up the request (spec: abandon), so that its next one is explained.
-            if self.holder.answered(key, request):
-                self._emit("abandon", key=key, request=request, result=REASON_UNREACHABLE)
-            raise
+        return request, sent
+
+    def _acquire_unanswered(self, key: BlockKey, request: int) -> None:
+        """No answer (the directory unreachable, the call timed out or was cancelled): the holder
+        gives up the request (spec: abandon), so that its next one is explained."""
+        if self.holder.answered(key, request):
+            self._emit("abandon", key=key, request=request, result=REASON_UNREACHABLE)
+
+    def _acquire_answered(self, key: BlockKey, request: int, sent: int, reply: Any) -> ReadLease | Refused:
         if type(reply) is LeaseRefused:
             if not self.holder.answered(key, request):
                 return Refused(REASON_REVOKED, "revoked before the answer arrived")
             self._emit("abandon", key=key, request=request, result=reply.reason)  # nothing to wait for
             return Refused(reply.reason)
-        assert type(reply) is ReadLeaseGranted and reply.request == request
+        assert type(reply) is ReadLeaseGranted and reply.request == request and reply.key == key, reply
         if self.holder.gave_up(key, request, sent_ns=sent, term_ms=reply.term_ms, now_ns=self._now_ns()):
             return Refused(REASON_LEASE_EXPIRED, "the grant came after the request's budget ran out")
         trust = self.holder.granted(key, request, lease=reply.lease, gen=reply.gen, epoch=reply.epoch,
@@ -442,24 +503,82 @@ class KvccClient:
         self._emit("release", key=lease.key, gen=lease.gen, lease=lease.lease)
         await self._ask(Release(self.client_id, lease.key, lease.lease))
 
+    async def release_many(self, leases: Sequence[ReadLease]) -> None:
+        """``release`` of each, in one round trip (one ``Batch``; ``MAX_BATCH_ITEMS`` a batch)."""
+        now = self._now_ns()
+        gone = [lease for lease in leases if self.holder.release(lease.key, lease.lease, now) is not None]
+        for lease in gone:
+            self._emit("release", key=lease.key, gen=lease.gen, lease=lease.lease)
+        for i in range(0, len(gone), MAX_BATCH_ITEMS):
+            part = gone[i : i + MAX_BATCH_ITEMS]
+            await self._ask(Batch(tuple(Release(self.client_id, lease.key, lease.lease) for lease in part)))
+
     def trusted(self, lease: ReadLease, now_ns: int | None = None) -> bool:
         now = self._now_ns() if now_ns is None else now_ns
         return self.holder.trusted(lease.key, lease.lease, now) is not None
 
     async def read(self, lease: ReadLease, out: Any = None) -> bytes | int | Refused:
         """The block's bytes (or, with ``out``, their length, copied into ``out``)."""
+        held = self._readable(lease)
+        if isinstance(held, Refused):
+            return held
+        try:
+            reply = await self._to_peer(held.location, self._read_request(held))
+        except ConnectionFailed as e:  # the node is down: no bytes, and certainly no other bytes
+            self.stats["misses"] += 1
+            return Refused(REASON_MISS, f"{held.location} unreachable: {e.code}")
+        return self._read_answered(lease, held, reply, out)
+
+    async def read_many(self, leases: Sequence[ReadLease], outs: Sequence[Any] | None = None) -> list[bytes | int | Refused]:
+        """``read`` of each lease, one round trip per node (one ``Batch`` of reads to each node
+        that holds some, all nodes at once): ``results[i]`` answers ``leases[i]`` exactly as
+        ``read(leases[i], outs[i])`` would."""
+        if outs is not None and len(outs) != len(leases):
+            raise ValueError(f"{len(outs)} buffers for {len(leases)} leases")
+        results: list[Any] = [None] * len(leases)
+        by_node: dict[str, list[tuple[int, Trust]]] = {}
+        for i, lease in enumerate(leases):
+            held = self._readable(lease)
+            if isinstance(held, Refused):
+                results[i] = held
+            else:
+                by_node.setdefault(held.location.split(LOCATION_SEPARATOR, 1)[0], []).append((i, held))
+
+        async def one_node(items: list[tuple[int, Trust]]) -> None:
+            for part in range(0, len(items), MAX_BATCH_ITEMS):
+                chunk = items[part : part + MAX_BATCH_ITEMS]
+                try:
+                    reply = await self._to_peer(chunk[0][1].location, Batch(tuple(self._read_request(h) for _, h in chunk)))
+                except ConnectionFailed as e:
+                    for i, held in chunk:
+                        self.stats["misses"] += 1
+                        results[i] = Refused(REASON_MISS, f"{held.location} unreachable: {e.code}")
+                    continue
+                if type(reply) is not Batched or len(reply.replies) != len(chunk):
+                    raise ConnectionFailed(f"a Batch of reads answered with {type(reply).__name__}", code="unexpected_reply")
+                for (i, held), answer in zip(chunk, reply.replies):
+                    out = None if outs is None else outs[i]
+                    if type(answer) is ReadRefused and answer.reason == REASON_BATCH_FULL:
+                        results[i] = await self.read(leases[i], out)  # the batch's answer was full: alone
+                    else:
+                        results[i] = self._read_answered(leases[i], held, answer, out)
+
+        await asyncio.gather(*(one_node(items) for items in by_node.values()))
+        return results
+
+    def _readable(self, lease: ReadLease) -> Trust | Refused:
         held = self.holder.held(lease.key)
         if held is None or held.lease != lease.lease:
             return Refused(REASON_REVOKED, "the lease is no longer held")
         if not self.trusted(lease):
             self.stats["expired_reads"] += 1
             return Refused(REASON_LEASE_EXPIRED)
-        try:
-            reply = await self._to_peer(held.location, ReadBytes(self.client_id, held.key, held.lease, held.location,
-                                                                 held.gen, held.grant))  # fmt: skip
-        except ConnectionFailed as e:  # the node is down: no bytes, and certainly no other bytes
-            self.stats["misses"] += 1
-            return Refused(REASON_MISS, f"{held.location} unreachable: {e.code}")
+        return held
+
+    def _read_request(self, held: Trust) -> ReadBytes:
+        return ReadBytes(self.client_id, held.key, held.lease, held.location, held.gen, held.grant)
+
+    def _read_answered(self, lease: ReadLease, held: Trust, reply: Any, out: Any) -> bytes | int | Refused:
         if type(reply) is not BytesRead or reply.gen != held.gen or reply.key != held.key:
             self.stats["misses"] += 1
             reason = reply.reason if type(reply) is ReadRefused else REASON_MISS

@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 from kvcc.spec.keys import BlockKey, LocationId, NodeId
 from kvcc.spec.rules import SKEW_MS_DEFAULT
 from kvcc.spec.vocabulary import (
+    REASON_BATCH_FULL,
     REASON_FENCED,
     REASON_MISS,
     REASON_NO_SPACE,
@@ -64,8 +65,12 @@ from .tiers import Freed as TierFreed
 from .tiers import NoSpace, Stored, Tier
 from .transport import Client, Server, ServerLimits, TlsConfig
 from .wire import (
+    BATCH_NODE_KINDS,
     HEARTBEAT_INTERVAL_MS,
+    MAX_BATCH_DATA_BYTES,
     MAX_FRAME_BYTES,
+    Batch,
+    Batched,
     BytesRead,
     BytesStored,
     Copied,
@@ -402,7 +407,32 @@ class CacheNode:
                 return await self._read_bytes(msg)
             case Evict():
                 return await self._evict_for(tenant, msg)
+            case Batch():
+                return await self._batch(tenant, msg)
         raise PeerViolation(f"a node does not take {type(msg).__name__}", code="unexpected_message")
+
+    async def _batch(self, tenant: str, msg: Batch) -> Batched:
+        """A chain's reads in one round trip (``Batch``): each item as if it came alone, in
+        order. Once the replies carry ``MAX_BATCH_DATA_BYTES`` of blocks, the reads left are
+        answered ``batch_full``, untouched: the holder reads them again."""
+        for i, item in enumerate(msg.items):
+            if type(item) not in BATCH_NODE_KINDS:
+                raise PeerViolation(f"Batch item {i}: a node batches reads, not {type(item).__name__}",
+                                    code="unexpected_message")  # fmt: skip
+        replies: list[Any] = []
+        carried = 0
+        for item in msg.items:
+            if carried >= MAX_BATCH_DATA_BYTES:
+                replies.append(ReadRefused(item.node, item.key, item.location, REASON_BATCH_FULL))
+                continue
+            reply = await self._handle(tenant, item)
+            if type(reply) is BytesRead:
+                if carried + len(reply.data) > MAX_BATCH_DATA_BYTES:
+                    reply = ReadRefused(item.node, item.key, item.location, REASON_BATCH_FULL)
+                else:
+                    carried += len(reply.data)
+            replies.append(reply)
+        return Batched(tuple(replies))
 
     def _grant_problem(self, tenant: str, kind: str, msg: ReadBytes | WriteBytes, epoch: int) -> str | None:
         """Why ``tenant`` may not have ``msg`` done here: its grant is not the directory's grant

@@ -84,8 +84,9 @@ REASON_FENCED = "fenced"  # a location refused an operation carrying a stale epo
 REASON_NO_SPACE = "no_space"  # a location has no room for the bytes
 REASON_UNREACHABLE = "unreachable"  # the location could not be reached
 REASON_TOO_LARGE = "too_large"  # the block is larger than the location's slots: it never fits there
+REASON_BATCH_FULL = "batch_full"  # a batched read not taken: its batch's answer was full (read it again)
 LOCAL_REASONS = (REASON_BUSY, REASON_REVOKED, REASON_MISS, REASON_FENCED, REASON_NO_SPACE, REASON_UNREACHABLE,
-                 REASON_TOO_LARGE)
+                 REASON_TOO_LARGE, REASON_BATCH_FULL)
 REASONS = DIRECTORY_REASONS + LOCAL_REASONS
 assert len(set(REASONS)) == len(REASONS), "reasons are unique"
 

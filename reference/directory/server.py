@@ -87,11 +87,14 @@ from ..errors import PeerViolation, Unauthorized
 from ..events import EventLog
 from ..transport import DEFER, Server, ServerLimits, TlsConfig, current_connection
 from ..wire import (
+    BATCH_DIRECTORY_KINDS,
     HEARTBEAT_INTERVAL_MS,
     MAX_CONTROL_FRAME_BYTES,
     MAX_LOOKUP_KEYS,
     MAX_WAIT_TICKET_MS,
     Acquire,
+    Batch,
+    Batched,
     BeginWrite,
     Commit,
     Copied,
@@ -145,7 +148,7 @@ POOL_LOCATION = "pool"  # the shared pool's location id: every node mounts it
 HOME_SEPARATOR = COLOCATED_SEPARATOR  # a client id "<node>.<name>" lives next to <node>
 TIMER_SLACK_MS = 1  # sleep this much past a deadline: the core expires at deadline, not before
 # What only a client (a tenant's credential) asks: a node credential is refused each (issue 14).
-CLIENT_REQUESTS = (Acquire, Renew, Release, BeginWrite, Commit, RevokeAcked, Lookup, Invalidate, WaitTicket)
+CLIENT_REQUESTS = (Acquire, Renew, Release, BeginWrite, Commit, RevokeAcked, Lookup, Invalidate, WaitTicket, Batch)
 # What only a cache node sends, about its own locations (issue 14).
 NODE_REQUESTS = (Freed, Copied, Transfer)
 
@@ -383,6 +386,8 @@ class DirectoryServer:
                 return reply
             case Free():
                 raise PeerViolation("Free is a directive, not a request", code="unexpected_message")
+            case Batch():
+                return self._batch(tenant, msg)
         reply, effects = self.core.handle(msg, self.now_ms(), tenant)
         self._apply(effects)
         if self.counts is not None:
@@ -393,6 +398,19 @@ class DirectoryServer:
             assert type(msg) in (RevokeAcked, Copied, Freed)
             return Noted({RevokeAcked: "revoke_acked", Copied: "copied", Freed: "freed"}[type(msg)])
         return reply
+
+    def _batch(self, tenant: str, msg: Batch) -> Batched:
+        """Each item in order, exactly as if it had come alone (``Batch``). Every item is checked
+        first: one the directory does not batch, or one this credential may not send, refuses
+        the batch before any item changes state."""
+        for i, item in enumerate(msg.items):
+            if type(item) not in BATCH_DIRECTORY_KINDS:
+                names = ", ".join(k.__name__ for k in BATCH_DIRECTORY_KINDS)
+                raise PeerViolation(f"Batch item {i}: the directory batches {names}, not {kind_of(item)}",
+                                    code="unexpected_message")  # fmt: skip
+            self._check_identity(tenant, item)
+        self.stats["requests"] -= 1  # the items count, not the batch
+        return Batched(tuple(self._handle_now(tenant, item) for item in msg.items))
 
     def _with_grant(self, reply: Any, tenant: str) -> Any:
         """``reply`` with the data-plane grant of its lease to ``tenant``, valid until the

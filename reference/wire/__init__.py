@@ -90,6 +90,8 @@ from .limits import (
     FRAME_HEADER_BYTES,
     HEARTBEAT_INTERVAL_MS,
     MAC_BYTES,
+    MAX_BATCH_DATA_BYTES,
+    MAX_BATCH_ITEMS,
     MAX_BLOCK_BYTES,
     MAX_CODE_BYTES,
     MAX_CONTROL_FRAME_BYTES,
@@ -106,6 +108,8 @@ from .limits import (
     SESSION_NONCE_BYTES,
 )
 from .messages import (
+    BATCH_DIRECTORY_KINDS,
+    BATCH_NODE_KINDS,
     CODE_RE,
     ERROR_BUSY,
     ERROR_IDLE,
@@ -115,6 +119,8 @@ from .messages import (
     MESSAGE_TYPES,
     SPEC_MESSAGES,
     Acquire,
+    Batch,
+    Batched,
     BeginWrite,
     BytesRead,
     BytesStored,

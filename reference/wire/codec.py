@@ -19,6 +19,7 @@ from kvcc.spec.vocabulary import SCOPE_NAMESPACE, SCOPES
 
 from ..errors import Malformed, ProtocolViolation
 from .limits import (
+    MAX_BATCH_ITEMS,
     MAX_BLOCK_BYTES,
     MAX_CODE_BYTES,
     MAX_ID_BYTES,
@@ -28,7 +29,18 @@ from .limits import (
     MAX_WAIT_TICKET_MS,
     MAX_WIRE_INT,
 )
-from .messages import CODE_RE, MESSAGE_TYPES, Invalidate, NodeList, PrefixFound, WaitTicket, Welcome, kind_of
+from .messages import (
+    CODE_RE,
+    MESSAGE_TYPES,
+    Batch,
+    Batched,
+    Invalidate,
+    NodeList,
+    PrefixFound,
+    WaitTicket,
+    Welcome,
+    kind_of,
+)
 
 # -- field codecs ----------------------------------------------------------------------------------
 
@@ -176,6 +188,39 @@ def _uints_from_wire(v: Any) -> tuple[int, ...]:
     return t
 
 
+def _check_batch_items(v: Any) -> str | None:
+    """A Batch's items or a Batched's replies: a tuple of valid messages, none a batch."""
+    if type(v) is not tuple:
+        return f"expected a tuple, got {type(v).__name__}"
+    if len(v) > MAX_BATCH_ITEMS:
+        return f"{len(v)} items, more than {MAX_BATCH_ITEMS}"
+    for i, m in enumerate(v):
+        if type(m) in (Batch, Batched):
+            return f"item {i}: a batch inside a batch"
+        try:
+            check_message(m)
+        except ProtocolViolation as e:
+            return f"item {i}: {e}"
+    return None
+
+
+def _batch_items_from_wire(v: Any) -> tuple[Any, ...]:
+    if type(v) is not list or len(v) > MAX_BATCH_ITEMS:
+        raise ValueError(f"expected an array of at most {MAX_BATCH_ITEMS} encoded messages")
+    out = []
+    for i, body in enumerate(v):
+        if type(body) is not bytes:
+            raise ValueError(f"item {i}: expected an encoded message")
+        try:
+            m = decode(body)
+        except Malformed as e:
+            raise ValueError(f"item {i}: {e}") from None
+        if type(m) in (Batch, Batched):
+            raise ValueError(f"item {i}: a batch inside a batch")
+        out.append(m)
+    return tuple(out)
+
+
 # annotation text -> its wire type
 WIRE_TYPES: dict[str, WireType] = {
     "int": _plain(_check_uint),
@@ -198,6 +243,8 @@ WIRE_TYPES: dict[str, WireType] = {
     "tuple[LocationId, ...]": WireType(_tuple_checker(_check_id), list, _ids_from_wire),
     "tuple[NodeId, ...]": WireType(_tuple_checker(_check_id), list, _ids_from_wire),
     "tuple[int, ...]": WireType(_tuple_checker(_check_uint), list, _uints_from_wire),
+    # Each item travels as its own encoded message (a byte string): the frame stays a flat map.
+    "tuple[Message, ...]": WireType(_check_batch_items, lambda v: [encode(m) for m in v], _batch_items_from_wire),
 }
 
 

@@ -22,6 +22,10 @@ MAX_TENANT_BYTES = 128
 MAX_CODE_BYTES = 64  # error codes, refusal reasons, scopes: [a-z][a-z0-9_]*
 MAX_TEXT_BYTES = 4096  # Error.text (UTF-8)
 MAX_LOOKUP_KEYS = 16384  # keys in one Lookup, locations in one PrefixFound
+MAX_BATCH_ITEMS = 1024  # requests in one Batch (a chain of 1024 blocks: 32k tokens of 32)
+# Block data one Batched reply of a node carries: the reads past it are answered ``batch_full``
+# (read them alone). Below MAX_BLOCK_BYTES, so that every batched item decodes as one string.
+MAX_BATCH_DATA_BYTES = 32 << 20
 MAX_MESSAGE_FIELDS = 16  # entries of one message map, kind included
 MAX_WAIT_TICKET_MS = 30_000  # longest WaitTicket.timeout_ms; servers' request timeouts exceed it
 HEARTBEAT_INTERVAL_MS = 250  # a node pings the directory this often: silence means it is down
@@ -35,3 +39,10 @@ assert 1024 + _ENVELOPE_OVERHEAD_BYTES <= MAX_UNAUTHENTICATED_FRAME_BYTES <= MAX
 assert MAX_LOOKUP_KEYS * (DIGEST_BYTES + 3) + 1024 + _ENVELOPE_OVERHEAD_BYTES <= MAX_CONTROL_FRAME_BYTES
 assert MAX_LOOKUP_KEYS * (MAX_ID_BYTES + 3) + 1024 + _ENVELOPE_OVERHEAD_BYTES <= MAX_CONTROL_FRAME_BYTES
 assert MAX_BLOCK_BYTES + 4096 + _ENVELOPE_OVERHEAD_BYTES <= MAX_FRAME_BYTES
+# A Batch of read-lease requests, or its Batched answer (grants included), fits a control frame;
+# a node's Batched reads fit a data frame.
+_BATCH_ITEM_BYTES = 1024  # an Acquire, Renew or Release, or its answer with a grant, encoded (with margin)
+assert MAX_BATCH_ITEMS <= MAX_LOOKUP_KEYS
+assert MAX_BATCH_ITEMS * _BATCH_ITEM_BYTES + _ENVELOPE_OVERHEAD_BYTES <= MAX_CONTROL_FRAME_BYTES
+assert MAX_BATCH_DATA_BYTES + 4096 <= MAX_BLOCK_BYTES
+assert MAX_BATCH_DATA_BYTES + MAX_BATCH_ITEMS * _BATCH_ITEM_BYTES + _ENVELOPE_OVERHEAD_BYTES <= MAX_FRAME_BYTES

@@ -437,6 +437,25 @@ class Noted:
     what: Code
 
 
+# Batches (issue 13: a serving engine asks about whole chains, not single blocks).
+@frozen
+class Batch:
+    """Many requests in one frame, answered by one ``Batched`` whose ``replies[i]`` answers
+    ``items[i]``. The receiver takes the items in order, each exactly as if it had come alone --
+    its own checks, its own spec step and events, its own reply -- so a batch adds no protocol
+    step: the spec's per-key rules hold for every item. It first checks that it takes every
+    item (a kind it batches, sent under a credential that may send it): one it does not take
+    refuses the whole batch, before any item changes state. Which kinds: the directory takes
+    ``BATCH_DIRECTORY_KINDS``, a node ``BATCH_NODE_KINDS``; never a ``Batch``."""
+
+    items: tuple[Message, ...]
+
+
+@frozen
+class Batched:
+    replies: tuple[Message, ...]
+
+
 # Generic.
 @frozen
 class Error:
@@ -465,7 +484,7 @@ _ALL = (
     Lookup, PrefixFound, Invalidate, InvalidationStarted, WaitTicket, InvalidationCompleted,
     InvalidationPending, Evict, Evicted, EvictRefused,
     Hello, Welcome, ListNodes, NodeList, Transfer, TransferStarted, TransferRefused, Noted,
-    Error, Ping, Pong,
+    Batch, Batched, Error, Ping, Pong,
 )  # fmt: skip
 
 Message = Union[_ALL]  # type: ignore[valid-type]
@@ -477,6 +496,10 @@ SPEC_MESSAGES = (
     "LeaseRefused", "Freed",
 )  # fmt: skip
 assert set(SPEC_MESSAGES) <= set(MESSAGE_TYPES)
+# What a Batch may hold: at the directory, read-lease requests (a chain's leases taken, renewed
+# and given back in one round trip); at a node, reads (a chain's bytes in one round trip).
+BATCH_DIRECTORY_KINDS = (Acquire, Renew, Release)
+BATCH_NODE_KINDS = (ReadBytes,)
 
 
 def kind_of(msg: Any) -> str:

@@ -1,0 +1,165 @@
+"""Chains, not blocks (issue 13): a chain's read leases taken, its bytes read and its leases given
+back in one round trip each (``Batch``), with the per-key rules intact.
+
+Against a ``LocalCluster`` of real processes: ``acquire_chain`` leases the longest leased prefix and
+never leaves a gap (a lease granted past a refusal is released at once), ``read_many`` reads every
+node's blocks in one request per node and returns exactly the committed bytes, ``release_many``
+ends every lease -- and the merged trace, one event per key as ever, is ACCEPTED by the validator.
+
+Against an in-process directory and node (the ``World`` of ``test_directory_server``): a batch the
+receiver does not take is refused whole before any item changed state; another tenant's items are
+refused each as alone; a node answers each batched read as it would alone (an ungranted one
+refused), and a read past the batch's data bound ``batch_full``, which the client reads alone.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvcc.reference.client import Refused
+from kvcc.reference.errors import ConnectionFailed
+from kvcc.reference.wire import (
+    Acquire,
+    Batch,
+    Batched,
+    BytesRead,
+    Lookup,
+    ReadBytes,
+    ReadLeaseGranted,
+    ReadRefused,
+    Release,
+    decode,
+    encode,
+)
+from kvcc.spec.keys import Namespace, chain_keys
+from kvcc.spec.vocabulary import REASON_NOT_COMMITTED, REASON_UNAUTHORIZED
+
+from cluster_support import BLOCK_BYTES, block_bytes
+from test_directory_server import NS, OTHER, World, block, keys, world_test
+
+TERM_MS, EPS_MS = 3_000, 100
+CHAIN_NS = Namespace("model-chain", "rev1", "bfloat16", 2, cache_salt=b"chains")
+
+
+def _validate(cluster) -> None:
+    from kvcc.conformance.validate import ACCEPTED, TraceParams, validate_trace
+
+    events = sorted(cluster.events(), key=lambda e: (e["t_wall_ns"], e["node"], e["seq"]))
+    params = TraceParams(TERM_MS, EPS_MS, locations={f"{n}/dram": n for n in ("n1", "n2")})
+    verdict = validate_trace(events, params)
+    assert verdict.status == ACCEPTED, json.dumps(verdict.to_json(), default=str)[:1500]
+
+
+def test_a_chain_is_leased_read_and_released_in_one_round_trip_each_and_its_trace_is_accepted(tmp_path):
+    from kvcc.reference.cluster import LocalCluster
+
+    cluster = LocalCluster(tmp_path / "cluster", nodes=2, tiers=("dram=256KiB",), block_bytes=BLOCK_BYTES,
+                           lease_term_ms=TERM_MS, skew_ms=EPS_MS, namespaces=[CHAIN_NS])  # fmt: skip
+    with cluster:
+        w1, w2, reader = (cluster.client(c, timeout_ms=5_000) for c in ("n1.w", "n2.w", "n1.r"))
+        a = chain_keys(CHAIN_NS, list(range(1, 7)))  # written next to n1: its blocks live there
+        b = chain_keys(CHAIN_NS, list(range(101, 107)))  # ... and next to n2
+        written = {}
+        for writer, chain in ((w1, a), (w2, b)):
+            parent = None
+            for k in chain:
+                data = block_bytes(k, 0, "w", 1)
+                committed = writer.put(CHAIN_NS, k, parent, data)
+                assert not isinstance(committed, Refused), committed
+                written[k] = data
+                parent = k
+
+        # The whole chain: every key leased, on both nodes, read in one batch per node.
+        leases, why = reader.acquire_chain(CHAIN_NS, a + b)
+        assert why is None and [lease.key for lease in leases] == a + b
+        assert {lease.location for lease in leases} == {"n1/dram", "n2/dram"}
+        got = reader.read_many(leases)
+        assert got == [written[k] for k in a + b]
+        reader.release_many(leases)
+        assert all(reader.lease_of(k) is None for k in a + b)
+
+        # A gap: the key after a0 was never written. a0 is leased; b0, granted past the gap, is
+        # given back at once; the refusal names the gap's reason.
+        absent = chain_keys(CHAIN_NS, [999, 998])[0]
+        leases, why = reader.acquire_chain(CHAIN_NS, [a[0], absent, b[0]])
+        assert [lease.key for lease in leases] == [a[0]] and why == Refused(REASON_NOT_COMMITTED), (leases, why)
+        assert reader.lease_of(b[0]) is None
+        buf = bytearray(len(written[a[0]]))
+        assert reader.read_many(leases, [buf]) == [len(written[a[0]])] and bytes(buf) == written[a[0]]
+        reader.release_many(leases)
+
+        # A local refusal ends the chain before it is asked: a key whose lease is still trusted.
+        held = reader.acquire(CHAIN_NS, a[2])
+        assert not isinstance(held, Refused)
+        leases, why = reader.acquire_chain(CHAIN_NS, a)
+        assert [lease.key for lease in leases] == a[:2] and why is not None and why.reason == "already_leased"
+        reader.release_many([*leases, held])
+    _validate(cluster)
+
+
+# -- the batch at the wire ---------------------------------------------------------------------------
+
+
+def test_a_batch_is_one_message_and_a_batch_inside_one_is_malformed():
+    ks = keys(2, salt=71)
+    batch = Batch((Acquire("c", ks[0], NS.digest(), 1), Release("c", ks[1], 4)))
+    assert decode(encode(batch)) == batch
+    with pytest.raises(Exception, match="batch inside a batch"):
+        encode(Batch((batch,)))
+
+
+def test_a_batch_the_directory_does_not_take_is_refused_whole_and_changes_nothing(directory_store_factory):
+    async def body(w: World):
+        a = await w.client("a")
+        ks = keys(2, salt=72)
+        await w.put_chain(a, ks)
+        r = w.raw()
+        before = dict(w.core.read_leases)
+        # An Acquire the directory would grant, then an item it does not batch: nothing is granted.
+        with pytest.raises(ConnectionFailed) as caught:
+            await r.request(Batch((Acquire("a", ks[0], NS.digest(), 1), Lookup(NS.digest(), tuple(ks)))))
+        assert caught.value.code == "unexpected_message" and "batches" in str(caught.value)
+        assert w.core.read_leases == before
+        # Another tenant's items are each refused as they would be alone (no grant in its namespace).
+        reply = await w.raw(OTHER).request(Batch((Acquire("x", ks[0], NS.digest(), 2),)))
+        assert reply.replies[0].reason == REASON_UNAUTHORIZED and w.core.read_leases == before
+        # A well-formed batch: each item answered as alone, in order.
+        reply = await w.raw().request(Batch((Acquire("q", ks[0], NS.digest(), 3), Acquire("q", ks[1], NS.digest(), 4))))
+        assert type(reply) is Batched and [type(x) for x in reply.replies] == [ReadLeaseGranted, ReadLeaseGranted]
+        assert [x.request for x in reply.replies] == [3, 4] and {e.node for e in w.core.leases_on(ks[1])} == {"q"}
+
+    world_test(directory_store_factory, body)
+
+
+def test_a_node_answers_each_batched_read_as_alone_and_a_full_batch_is_read_again(directory_store_factory, monkeypatch):
+    import kvcc.reference.node as node_module
+
+    monkeypatch.setattr(node_module, "MAX_BATCH_DATA_BYTES", 2 * 4096)  # two of this test's blocks a batch
+
+    async def body(w: World):
+        a, b = await w.client("a"), await w.client("b")
+        ks = keys(5, salt=73)
+        await w.put_chain(a, ks)
+        leases, why = await b.acquire_chain(NS, ks)
+        assert why is None and len(leases) == 5
+        got = await b.read_many(leases)
+        assert got == [block(k) for k in ks]  # the reads past each batch's bound, read alone
+        # An ungranted read in a batch is refused, the others answered.
+        peer = await b._peer(leases[0].location)
+        same = [lease for lease in leases if lease.location == leases[0].location]
+        forged = ReadBytes("b", same[0].key, same[0].lease, same[0].location, same[0].gen, b"")
+        honest = ReadBytes("b", same[-1].key, same[-1].lease, same[-1].location, same[-1].gen, same[-1].grant)
+        reply = await peer.request(Batch((forged, honest)))
+        assert type(reply) is Batched
+        assert reply.replies[0] == ReadRefused("b", same[0].key, same[0].location, REASON_UNAUTHORIZED)
+        assert type(reply.replies[1]) is BytesRead and reply.replies[1].data == block(same[-1].key)
+        # A node batches reads only.
+        with pytest.raises(ConnectionFailed) as caught:
+            await peer.request(Batch((Release("b", ks[0], leases[0].lease),)))
+        assert caught.value.code == "unexpected_message"
+        await b.release_many(leases)
+        assert not w.core.read_leases
+
+    world_test(directory_store_factory, body)
