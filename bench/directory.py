@@ -13,6 +13,11 @@ connection, session and holder id -- on one asyncio loop:
   (its own rotation, so clients overlap on keys as readers of a hot prefix do). One pair is one
   read lease granted and ended: two requests, two protocol events at the directory. Its latency is
   ``time.perf_counter_ns`` around the two calls.
+- **chains** (issue 13): each client loops ``acquire_chain(ns, chain)`` + ``release_many(leases)``
+  over a chain of ``CHAIN_BLOCKS`` committed keys (one ``Batch`` request each way): the blocks of
+  a whole prompt prefix leased and ended in two round trips. ``blocks_per_s`` is chain ops/s times
+  the chain's length; ``chain_blocks_per_pair`` is that over pairs/s (the same blocks, leased one
+  round trip at a time). Each block keeps its own lease and its own two protocol events.
 - **ping** (the raw baseline): the same clients send ``Ping`` on the same connections; the
   directory's transport answers it without reaching the directory (``transport.answer_ping``):
   framing, MAC, CBOR and the event loop, nothing else. ``pair_per_ping`` is pairs/s divided by
@@ -26,7 +31,7 @@ connection, session and holder id -- on one asyncio loop:
   volatile (protocol property 12) and lease ids are reserved durably in blocks (``lease_id_block``), so
   the log sees one commit per block of grants.
 
-Trials interleave (ping, pairs[, etcd puts]) ``trials`` times after a warm-up; every figure is the
+Trials interleave (ping, pairs, chains[, etcd puts]) ``trials`` times after a warm-up; every figure is the
 median over trials (latency percentiles are taken per trial, then the median). The benchmark
 process's and the directory process's CPU time over each trial are reported (``client_cpu``,
 ``directory_cpu``: CPU-seconds per second) to show which side limits the run, and the directory's
@@ -39,7 +44,8 @@ load process would take the other core's time from this one, not add any, and th
 above show whether the directory (``directory_cpu`` near 1) or the load (``client_cpu`` near 1)
 limits a run. Pass ``--clients`` to change the offered concurrency.
 
-Targets (issue): embedded >= ``TARGET_PAIRS_PER_S`` pairs/s with p99 <= ``TARGET_P99_MS``;
+Targets (issue): embedded >= ``TARGET_PAIRS_PER_S`` pairs/s with p99 <= ``TARGET_P99_MS``; chains
+>= ``TARGET_CHAIN_BLOCKS_PER_S`` blocks/s with p99 per chain op <= ``TARGET_CHAIN_P99_MS``;
 etcd >= ``TARGET_ETCD_RATIO`` of raw etcd puts/s. A benchmark reports; it does not fail on a
 missed target. The exit code is 1 only when measuring fails (a process not starting, a request
 refused or failing).
@@ -64,6 +70,9 @@ BACKENDS = ("embedded", "etcd")
 TARGET_PAIRS_PER_S = 20_000
 TARGET_P99_MS = 2.0
 TARGET_ETCD_RATIO = 0.5
+TARGET_CHAIN_BLOCKS_PER_S = 100_000  # issue 13, embedded, 16 clients
+TARGET_CHAIN_P99_MS = 5.0  # per chain op: acquire_chain + release_many
+CHAIN_BLOCKS = 64
 DEFAULT_CLIENTS = 16
 DEFAULT_SECONDS = 2.0  # one timed trial of one figure
 DEFAULT_TRIALS = 3
@@ -135,6 +144,7 @@ class _Load:
         self.ns = bench_namespace()
         self.ns_digest = self.ns.digest()  # as an engine keeps it: hashing per request is the load's cost
         self.keys = chain_keys(self.ns, list(range(keys * self.ns.block_tokens)))
+        self.chain_keys = self.keys[:CHAIN_BLOCKS]
         self.n_clients = clients
         self.tenant = ENGINE_TENANT
         self.clients: list[Any] = []
@@ -195,6 +205,15 @@ class _Load:
         if isinstance(lease, Refused):
             raise BenchError(f"acquire refused: {lease}")
         await client.release(lease)
+
+    async def chain(self, client: Any, i: int) -> None:
+        leases, why = await client.acquire_chain(self.ns_digest, self.chain_keys)
+        if why is not None or len(leases) != len(self.chain_keys):
+            raise BenchError(f"acquire_chain leased {len(leases)} of {len(self.chain_keys)}: {why}")
+        await client.release_many(leases)
+
+    async def chains(self, seconds: float) -> dict[str, float]:
+        return await self._run(self.chain, seconds)
 
     async def ping(self, client: Any, i: int) -> None:
         await client._dir.ping(i & 0xFFFF)  # the same connection the leases use
@@ -275,7 +294,8 @@ def _measure_backend(backend: str, *, clients: int, seconds: float, trials: int,
             runner.run(load.start())
             runner.run(load.pings(WARMUP_S))
             runner.run(load.pairs(WARMUP_S))
-            pings, pairs, puts = [], [], []
+            runner.run(load.chains(WARMUP_S))
+            pings, pairs, chains, puts = [], [], [], []
             def timed(what: Any) -> dict[str, float]:
                 d0, c0, w0 = _proc_cpu_s(directory_pid), time.process_time(), time.perf_counter()
                 r = runner.run(what)
@@ -290,6 +310,8 @@ def _measure_backend(backend: str, *, clients: int, seconds: float, trials: int,
                 pings.append(timed(load.pings(seconds)))
                 progress(f"{backend}: trial {t + 1}/{trials}: acquire+release")
                 pairs.append(timed(load.pairs(seconds)))
+                progress(f"{backend}: trial {t + 1}/{trials}: chains of {len(load.chain_keys)}")
+                chains.append(timed(load.chains(seconds)))
                 if etcd is not None:
                     progress(f"{backend}: trial {t + 1}/{trials}: raw etcd put")
                     puts.append(_etcd_puts(etcd.endpoints, f"{cluster.etcd_prefix}-raw", clients, seconds))
@@ -304,6 +326,13 @@ def _measure_backend(backend: str, *, clients: int, seconds: float, trials: int,
         "ping": {**_summary(pings), **{k: _median(pings, k) for k in cpu}},
     }
     out["pair_per_ping"] = out["pairs"]["per_s"] / out["ping"]["per_s"]
+    chain_blocks = min(keys, CHAIN_BLOCKS)
+    out["chains"] = {**_summary(chains), **{k: _median(chains, k) for k in cpu}, "blocks": chain_blocks}
+    out["chains"]["blocks_per_s"] = out["chains"]["per_s"] * chain_blocks
+    out["chains"]["directory_cpu_us_per_block"] = out["chains"]["directory_cpu_us_per_op"] / chain_blocks
+    out["chain_blocks_per_pair"] = out["chains"]["blocks_per_s"] / out["pairs"]["per_s"]
+    out["chains_meet_target"] = (out["chains"]["blocks_per_s"] >= TARGET_CHAIN_BLOCKS_PER_S
+                                 and out["chains"]["p99_ms"] <= TARGET_CHAIN_P99_MS)  # fmt: skip
     if puts:
         out["etcd_put"] = _summary(puts)
         out["etcd_pairs_per_put"] = out["pairs"]["per_s"] / out["etcd_put"]["per_s"]
@@ -332,9 +361,11 @@ def measure(backends: Sequence[str] = BACKENDS, clients: int = DEFAULT_CLIENTS, 
     return {
         "clients": clients, "seconds": seconds, "trials": trials, "keys": keys, "cpus": os.cpu_count(),
         "target": {"embedded_pairs_per_s": TARGET_PAIRS_PER_S, "embedded_p99_ms": TARGET_P99_MS,
-                   "etcd_pairs_per_put": TARGET_ETCD_RATIO},
+                   "etcd_pairs_per_put": TARGET_ETCD_RATIO, "embedded_chain_blocks_per_s": TARGET_CHAIN_BLOCKS_PER_S,
+                   "embedded_chain_p99_ms": TARGET_CHAIN_P99_MS},
         "rows": rows,
         "met": {row["backend"]: row["meets_target"] for row in rows},
+        "chains_met": {row["backend"]: row["chains_meet_target"] for row in rows if row["backend"] == "embedded"},
         "elapsed_s": round(time.perf_counter() - started, 1),
     }  # fmt: skip
 
@@ -364,6 +395,14 @@ def render(console: Any, r: dict[str, Any]) -> None:
             goal = f">= {r['target']['etcd_pairs_per_put']} of etcd put: "
             t.add_row(b, "acquire+release", f"{p['per_s']:,.0f}", f"{p['p50_ms']:.2f}", f"{p['p99_ms']:.2f}",
                       f"{row['etcd_pairs_per_put']:.2f} of put", Text(goal).append_text(met))  # fmt: skip
+        c = row["chains"]
+        goal = ""
+        if b == "embedded":
+            chains_met = Text("met", style="green") if row["chains_meet_target"] else Text("missed", style="bold yellow")
+            goal = Text(f">= {r['target']['embedded_chain_blocks_per_s']:,} blocks/s, p99 <= "
+                        f"{r['target']['embedded_chain_p99_ms']} ms: ").append_text(chains_met)  # fmt: skip
+        t.add_row("", f"chains of {c['blocks']}: blocks", f"{c['blocks_per_s']:,.0f}", f"{c['p50_ms']:.2f}",
+                  f"{c['p99_ms']:.2f}", f"{row['chain_blocks_per_pair']:.1f} x pairs", goal)  # fmt: skip
         q = row["ping"]
         t.add_row("", "raw: ping round trip", f"{q['per_s']:,.0f}", f"{q['p50_ms']:.2f}", f"{q['p99_ms']:.2f}",
                   f"pairs {row['pair_per_ping']:.2f}", "")  # fmt: skip

@@ -61,6 +61,11 @@ def _check_row(row: dict) -> None:
     assert row["pair_per_ping"] == pytest.approx(row["pairs"]["per_s"] / row["ping"]["per_s"])
     assert row["pair_per_ping"] > 0
     assert isinstance(row["meets_target"], bool)
+    _check_figures(row["chains"])
+    chains = row["chains"]
+    assert chains["blocks"] == 3  # TINY's keys: the chain is every committed key
+    assert chains["blocks_per_s"] == pytest.approx(chains["per_s"] * 3)
+    assert row["chain_blocks_per_pair"] == pytest.approx(chains["blocks_per_s"] / row["pairs"]["per_s"])
 
 
 def test_bench_directory_embedded_json(capsys):
@@ -69,12 +74,15 @@ def test_bench_directory_embedded_json(capsys):
     assert code == 0, captured.err
     r = _one_json(captured.out)
     assert (r["clients"], r["trials"], r["keys"], r["seconds"]) == (2, 1, 3, 0.3)
-    assert r["target"] == {"embedded_pairs_per_s": 20_000, "embedded_p99_ms": 2.0, "etcd_pairs_per_put": 0.5}
+    assert r["target"] == {"embedded_pairs_per_s": 20_000, "embedded_p99_ms": 2.0, "etcd_pairs_per_put": 0.5,
+                           "embedded_chain_blocks_per_s": 100_000, "embedded_chain_p99_ms": 5.0}
     [row] = r["rows"]
     assert row["backend"] == "embedded" and "etcd_put" not in row
     _check_row(row)
     met = row["pairs"]["per_s"] >= 20_000 and row["pairs"]["p99_ms"] <= 2.0
     assert r["met"] == {"embedded": met} and row["meets_target"] is met
+    chains_met = row["chains"]["blocks_per_s"] >= 100_000 and row["chains"]["p99_ms"] <= 5.0
+    assert r["chains_met"] == {"embedded": chains_met} and row["chains_meet_target"] is chains_met
     assert not _serving_children(), "the benchmark must stop its processes"
 
 

@@ -309,19 +309,20 @@ def test_a_block_whose_lease_is_refused_revoked_or_expired_is_reported_and_never
         assert torch.equal(copied(1), blocks[0]) and torch.equal(copied(2), blocks[1])
 
         # Revoked after the grant, before the read: the key is invalidated while the lease is out.
-        acquire = conn.client.acquire
+        acquire_chain = conn.client.acquire_chain
 
-        def acquire_then_invalidate(ns, key):
-            lease = acquire(ns, key)
-            ticket = client.invalidate(namespace, SCOPE_KEY, key)
+        def acquire_then_invalidate(ns, chain):
+            leases, why = acquire_chain(ns, chain)
+            assert len(leases) == 2 and why is None
+            ticket = client.invalidate(namespace, SCOPE_KEY, chain[0])  # and, by the cascade, chain[1]
             assert client.wait(ticket, INVALIDATION_TIMEOUT_S)  # completes once the connector acked
-            return lease
+            return leases, why
 
-        conn.client.acquire = acquire_then_invalidate
+        conn.client.acquire_chain = acquire_then_invalidate
         try:
             assert _load(conn, namespace, [(keys[2], 3), (keys[3], 4)]) == {3, 4}
         finally:
-            del conn.client.acquire
+            del conn.client.acquire_chain
         assert not copied(3).any() and not copied(4).any()
 
         # Refused: the key is gone (invalidated after the lookup that planned the load).
@@ -329,18 +330,18 @@ def test_a_block_whose_lease_is_refused_revoked_or_expired_is_reported_and_never
         assert not copied(5).any()
 
         # Expired: the holder's own clock says the lease ran out before the read was done.
-        read = conn.client.read
+        read_many = conn.client.read_many
         kvcc_client = conn.client.client
 
-        def read_late(lease, out=None):
+        def read_late(leases, outs=None):
             kvcc_client.clock_offset_ns += 10 * LEASE_TERM_MS * 1_000_000
-            return read(lease, out=out)
+            return read_many(leases, outs)
 
-        conn.client.read = read_late
+        conn.client.read_many = read_late
         try:
             assert _load(conn, namespace, [(keys[0], 6), (keys[1], 7)]) == {6, 7}
         finally:
-            del conn.client.read
+            del conn.client.read_many
             kvcc_client.clock_offset_ns = 0
         assert not copied(6).any() and not copied(7).any()
         counts = {k: v for k, v in conn.stats.items() if not k.endswith("_us")}  # not the timings

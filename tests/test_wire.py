@@ -29,6 +29,8 @@ from kvcc.reference.wire import (
     MAX_UNAUTHENTICATED_FRAME_BYTES,
     MESSAGE_TYPES,
     Acquire,
+    Batch,
+    Batched,
     Error,
     FrameDecoder,
     Invalidate,
@@ -104,9 +106,12 @@ def message_strategy(cls: type) -> st.SearchStrategy:
         )
     if cls is WaitTicket:
         return st.builds(WaitTicket, ticket=_uint, timeout_ms=st.integers(0, wire.MAX_WAIT_TICKET_MS))
+    if cls in (Batch, Batched):  # of any messages but batches
+        return st.lists(_unbatched, max_size=4).map(lambda items: cls(tuple(items)))
     return st.builds(cls, **{a.name: FIELD_STRATEGIES[a.type] for a in attrs.fields(cls)})
 
 
+_unbatched = st.deferred(lambda: st.one_of([message_strategy(c) for c in MESSAGE_TYPES.values() if c not in (Batch, Batched)]))
 any_message = st.one_of([message_strategy(cls) for cls in MESSAGE_TYPES.values()])
 # What a peer sends unprompted: anything but Error (an Error with re=0 is final; see send_error).
 any_request = any_message.filter(lambda m: type(m) is not Error)

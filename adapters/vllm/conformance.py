@@ -21,9 +21,9 @@ Which contract operations go through the connector, and how
 ------------------------------------------------------------
 - ``read(grant)``: the worker's load path. The adapter binds a ``KvccConnectorMetadata`` with one
   load (the grant's key into paged block 0, zeroed first) and calls ``start_load_kv`` then
-  ``get_block_ids_with_load_errors``, as vLLM's model runner does: the connector acquires, reads
-  into its staging buffer, checks the length, scatters the block into every layer's paged tensor
-  and releases. The contract splits a read into ``acquire`` / ``read`` / ``release``, so during
+  ``get_block_ids_with_load_errors``, as vLLM's model runner does: the connector acquires (its
+  chain of one), reads into its staging buffer, checks the length, scatters the block into every
+  layer's paged tensor and releases. The contract splits a read into ``acquire`` / ``read`` / ``release``, so during
   the load the connector's ``acquire`` is handed the lease the contract acquired and its
   ``release`` is the contract's own step, later. No load error: the bytes are gathered back out
   of the paged tensors (the save path's ``pack``) and unframed (below). A load error: the kvcc
@@ -153,29 +153,29 @@ class _ConnectorClient:
     def _real(self) -> Any:
         return self._adapter._client(self._node)
 
-    # the load path: acquire -> read -> release
-    def acquire(self, ns: Any, key: BlockKey) -> Any:
+    # the load path: acquire_chain -> read_many -> release_many (a contract load is one block)
+    def acquire_chain(self, ns: Any, keys: list[BlockKey]) -> Any:
         from kvcc.reference.client import Refused as ClientRefused
 
         step = current.get()
-        if step is None or step.read_lease is None:
-            return ClientRefused(REASON_UNKNOWN_LEASE, "no read lease handed over")  # never reached by the suite
-        return step.read_lease
+        if step is None or step.read_lease is None or [step.read_lease.key] != list(keys):
+            return [], ClientRefused(REASON_UNKNOWN_LEASE, "no read lease handed over")  # never reached by the suite
+        return [step.read_lease], None
 
-    def read(self, lease: Any, out: Any = None) -> Any:
+    def read_many(self, leases: list[Any], outs: list[Any] | None = None) -> Any:
         step = current.get()
         try:
-            got = self._real().read(lease, out=out)
+            got = self._real().read_many(leases, outs)
         except Exception as e:  # the connector makes it a load error; the contract step AdapterError
             failed(e)
             raise
-        if step is not None:
-            step.read_result = got
-            if type(got) is int and out is not None:
-                step.read_bytes = out[:got].numpy().tobytes()
+        if step is not None and got:
+            step.read_result = got[0]
+            if type(got[0]) is int and outs is not None:
+                step.read_bytes = outs[0][: got[0]].numpy().tobytes()
         return got
 
-    def release(self, lease: Any) -> None:
+    def release_many(self, leases: list[Any]) -> None:
         return None  # the contract's release step ends the lease
 
     # the save path: put = begin_write -> write_bytes -> commit

@@ -60,12 +60,16 @@ prompt block that becomes full in this step (``num_computed_tokens`` to ``+ num_
 is, neither found in the engine's cache nor loaded.
 
 **Worker side, loads** (``start_load_kv``, before the forward pass: vLLM starts synchronous loads
-there). Per planned block, in prefix order: take a read lease (``Acquire``), read the bytes into a
-staging buffer, check their length, copy them into every layer's paged tensor, release the lease.
+there). Per run of up to ``LOAD_CHAIN_BLOCKS`` planned blocks, in prefix order, one round trip
+each (the client's batched chain operations): take read leases on the run's longest leased prefix
+(``acquire_chain``), read their bytes into one staging tensor (``read_many``: one request per node),
+check each length, copy each block into every layer's paged tensor, release the leases
+(``release_many``).
 A read lease is the only thing that makes bytes trustworthy, and a lease belongs to the client
 that acquired it; on CPU the worker is another process than the scheduler (vLLM's CPU platform
 switches the executor to ``mp``), so the worker -- the process that reads -- holds it: taken as
-the step that scheduled the load begins, released as soon as the block is copied. A refused acquire (the key was invalidated, is being written or drained), a
+the step that scheduled the load begins, released as soon as its run is copied. A refused
+acquire (the key was invalidated, is being written or drained), a
 read refused because the lease was revoked or expired (the client refuses a read whose lease ended
 while the bytes were in flight), a miss or an unreachable node: that block *and every later block
 of the request* are reported by ``get_block_ids_with_load_errors`` and never copied. With
@@ -142,6 +146,7 @@ SKEW_MS_DEFAULT = 100
 CLIENT_TIMEOUT_MS_DEFAULT = 10_000  # one directory or node request; a slow kvcc is a miss, not a hang
 RESET_TIMEOUT_S_DEFAULT = 60.0  # reset_cache's wait for its namespace invalidations to complete
 MAX_BLOCKS_PER_LOOKUP = 4096
+LOAD_CHAIN_BLOCKS = 64  # blocks leased, read and released per round trip in a load (bounds its staging)
 SAVE_QUEUE_MAX = 64  # request batches packed and waiting for the saver thread; more are dropped (lost saves)
 SAVER_STOP_S = 30.0  # shutdown's wait for the saves already queued  # a prompt longer than this many blocks is looked up only this far
 
@@ -523,50 +528,56 @@ class KvccConnector(KVConnectorBase_V1):
         if not meta.loads:
             return
         began = time.perf_counter()
-        staging = torch.empty(self.block_bytes, dtype=torch.uint8)
         for load in meta.loads:
-            for i, (key, block_id) in enumerate(load.blocks):
-                reason = self._load_block(load.namespace, key, block_id, staging)
+            for start in range(0, len(load.blocks), LOAD_CHAIN_BLOCKS):
+                part = load.blocks[start : start + LOAD_CHAIN_BLOCKS]
+                loaded, reason = self._load_chain(load.namespace, part)
+                if loaded:
+                    self._count("loaded_blocks", loaded)
                 if reason is not None:
-                    failed = [b for _, b in load.blocks[i:]]
+                    failed = [b for _, b in load.blocks[start + loaded :]]
                     self._load_errors.update(failed)
                     self._failed_requests.add(load.req_id)
                     self._count("load_errors", len(failed))
                     self._count(f"load_refused_{reason}")
+                    key = part[loaded][0]
                     log.warning("kvcc load of %s refused (%s): %d blocks to recompute", key.hex[:16], reason, len(failed))
                     break
-                self._count("loaded_blocks")
         self._count("load_us", round((time.perf_counter() - began) * 1e6))
         self._publish_stats()
 
-    def _load_block(self, namespace: bytes, key: BlockKey, block_id: int, staging: torch.Tensor) -> str | None:
-        """Copy one committed block into vLLM's tensors under a read lease; ``None`` if it was
-        copied, else why not (nothing was copied then)."""
+    def _load_chain(self, namespace: bytes, blocks: list[tuple[BlockKey, int]]) -> tuple[int, str | None]:
+        """Copy a run of a chain's committed blocks into vLLM's tensors under read leases, one
+        round trip each to lease, read and release them: ``(n, why)``, the first ``n`` blocks
+        copied, and why the next was not (``None``: all were). Nothing is copied past the first
+        block that failed."""
         from kvcc.reference.client import Refused
 
         try:
-            lease = self.client.acquire(namespace, key)
+            leases, refused = self.client.acquire_chain(namespace, [key for key, _ in blocks])
         except Exception as e:
-            return f"acquire_failed:{type(e).__name__}"
-        if isinstance(lease, Refused):
-            return lease.reason
+            return 0, f"acquire_failed:{type(e).__name__}"
+        loaded, reason = 0, None if refused is None else refused.reason
         try:
-            if self._load_hold_s:
-                time.sleep(self._load_hold_s)  # fault injection: a slow load (see load_hold_ms)
-            got = self.client.read(lease, out=staging)
-            if isinstance(got, Refused):
-                return got.reason
-            if got != self.block_bytes:
-                return "wrong_size"
-            self._copy_in(block_id, staging)
-            return None
+            if leases:
+                if self._load_hold_s:
+                    time.sleep(self._load_hold_s)  # fault injection: a slow load (see load_hold_ms)
+                staging = torch.empty((len(leases), self.block_bytes), dtype=torch.uint8)
+                got = self.client.read_many(leases, [staging[i] for i in range(len(leases))])
+                for i, answer in enumerate(got):
+                    if isinstance(answer, Refused) or answer != self.block_bytes:
+                        reason = answer.reason if isinstance(answer, Refused) else "wrong_size"
+                        break
+                    self._copy_in(blocks[i][1], staging[i])
+                    loaded += 1
         except Exception as e:
-            return f"read_failed:{type(e).__name__}"
+            reason = f"read_failed:{type(e).__name__}"
         finally:
             try:
-                self.client.release(lease)
-            except Exception as e:  # the lease then ends by expiry: slower, never unsafe
+                self.client.release_many(leases)
+            except Exception as e:  # the leases then end by expiry: slower, never unsafe
                 log.info("kvcc release failed: %s", e)
+        return loaded, reason
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are synchronous: done before the forward pass
