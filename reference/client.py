@@ -74,6 +74,7 @@ from .holder import Holder, Trust
 from .tiers.base import copy_into, sink_bytes, source_bytes
 from .transport import Client, TlsConfig
 from .wire import (
+    MAX_BATCH_DATA_BYTES,
     MAX_BATCH_ITEMS,
     MAX_FRAME_BYTES,
     MAX_WAIT_TICKET_MS,
@@ -610,46 +611,53 @@ class KvccClient:
     async def begin_write(self, ns: Namespace | bytes, key: BlockKey, parent: BlockKey | None) -> WriteLease | Refused:
         """The key's write lease. One write per key at a time from this client (the spec's writer
         has one slot per key): a second one while the first is under way is refused here."""
+        started = self._begin_write_start(key, parent)
+        if isinstance(started, Refused):
+            return started
+        request, sent = started
+        digest = _digest(ns)
+        try:
+            reply = await self._ask(BeginWrite(self.client_id, key, digest, parent, request))
+        except BaseException:
+            self._begin_write_unanswered(key, request)
+            raise
+        return self._begin_write_answered(key, digest, parent, request, sent, reply)
+
+    def _begin_write_start(self, key: BlockKey, parent: BlockKey | None) -> tuple[int, int] | Refused:
+        """The writer's side of sending a BeginWrite of ``key``: ``(request, sent_ns)``, logged."""
         if key in self._writing:
             earlier = self._writing[key]
             if earlier is None or self._now_ns() < earlier.trusted_until_ns:
                 return Refused(REASON_BUSY, "a write of this key is under way here")
             self.abort(earlier)  # its lease is over by this writer's own clock: give it up first
         self._writing[key] = None
-        try:
-            out = await self._begin_write(ns, key, parent)
-        except BaseException:
-            self._writing.pop(key, None)
-            raise
-        if isinstance(out, Refused):
-            self._writing.pop(key, None)
-        else:
-            self._writing[key] = out
-        return out
-
-    async def _begin_write(self, ns: Namespace | bytes, key: BlockKey, parent: BlockKey | None) -> WriteLease | Refused:
         request = next(self._requests)
         sent = self._now_ns()
-        digest = _digest(ns)
         self._emit("begin_write", key=key, request=request, parent=None if parent is None else parent.hex)
-        try:
-            reply = await self._ask(BeginWrite(self.client_id, key, digest, parent, request))
-        except BaseException:
-            # No answer: this writer gives up the write it asked for (spec: abort), so that its next
-            # begin_write of the key is explained; a grant that still comes is one nobody waits for.
-            self._emit("abort", key=key, request=request, result=REASON_UNREACHABLE)
-            raise
+        return request, sent
+
+    def _begin_write_unanswered(self, key: BlockKey, request: int) -> None:
+        """No answer: this writer gives up the write it asked for (spec: abort), so that its next
+        begin_write of the key is explained; a grant that still comes is one nobody waits for."""
+        self._writing.pop(key, None)
+        self._emit("abort", key=key, request=request, result=REASON_UNREACHABLE)
+
+    def _begin_write_answered(self, key: BlockKey, digest: bytes, parent: BlockKey | None, request: int, sent: int,
+                              reply: Any) -> WriteLease | Refused:  # fmt: skip
         if type(reply) is LeaseRefused:
+            self._writing.pop(key, None)
             self._emit("abort", key=key, request=request, result=reply.reason)  # this writer gives up
             return Refused(reply.reason)
-        assert type(reply) is WriteLeaseGranted and reply.request == request
+        assert type(reply) is WriteLeaseGranted and reply.request == request and reply.key == key, reply
         # The spec's writer sends its bytes on the grant (start_writing); however late they
         # actually leave, the epoch they carry is what the location judges them by.
         self._emit("start_writing", key=key, gen=reply.gen, epoch=reply.epoch, lease=reply.lease,
                    location=reply.location)  # fmt: skip
         self._writes[(key, reply.lease)] = _GRANTED
-        return WriteLease(key, digest, parent, reply.lease, reply.location, reply.gen, reply.epoch, reply.term_ms,
-                          sent, sent + self.holder.budget_ns(reply.term_ms), reply.grant)  # fmt: skip
+        wl = WriteLease(key, digest, parent, reply.lease, reply.location, reply.gen, reply.epoch, reply.term_ms,
+                        sent, sent + self.holder.budget_ns(reply.term_ms), reply.grant)  # fmt: skip
+        self._writing[key] = wl
+        return wl
 
     async def write_bytes(self, wl: WriteLease, data: Any) -> None | Refused:
         """Send the block to its location (once; a stored block is not sent again)."""
@@ -658,14 +666,19 @@ class KvccClient:
             raise ValueError(f"write lease {wl.lease} was not granted to this client")
         if state == _STORED:
             return None
-        payload = data if type(data) is bytes else bytes(source_bytes(data))
         try:
-            reply = await self._to_peer(wl.location, WriteBytes(self.client_id, wl.key, wl.lease, wl.location, wl.gen,
-                                                                 wl.epoch, payload, wl.grant))  # fmt: skip
+            reply = await self._to_peer(wl.location, self._write_request(wl, data))
         except ConnectionFailed as e:
             return Refused(REASON_UNREACHABLE, f"{wl.location}: {e.code}")
+        return self._write_answered(wl, reply)
+
+    def _write_request(self, wl: WriteLease, data: Any) -> WriteBytes:
+        payload = data if type(data) is bytes else bytes(source_bytes(data))
+        return WriteBytes(self.client_id, wl.key, wl.lease, wl.location, wl.gen, wl.epoch, payload, wl.grant)
+
+    def _write_answered(self, wl: WriteLease, reply: Any) -> None | Refused:
         if type(reply) is BytesStored:
-            if state == _GRANTED:
+            if self._writes.get((wl.key, wl.lease)) == _GRANTED:
                 self._writes[(wl.key, wl.lease)] = _STORED
             return None
         if type(reply) is Fenced:
@@ -682,19 +695,26 @@ class KvccClient:
     async def commit(self, wl: WriteLease) -> Committed | Refused:
         """Publish what ``write_bytes`` stored. A write never stored, or given up (``abort``),
         is not committed: refused here, without asking."""
+        refused = self._commit_refused_here(wl)
+        if refused is not None:
+            return refused
+        return self._commit_answered(wl, await self._ask(Commit(self.client_id, wl.key, wl.lease, wl.gen, wl.epoch)))
+
+    def _commit_refused_here(self, wl: WriteLease) -> Refused | None:
         state = self._writes.get((wl.key, wl.lease))
         if state == _ABORTED:
             return Refused(REASON_UNKNOWN_LEASE, "aborted")
         if state in (_GRANTED, _FENCED):
             return Refused(REASON_NOT_FOUND, "no bytes stored under this write lease")
-        # Stored -- or a lease this client never held, which only the directory can judge.
-        reply = await self._ask(Commit(self.client_id, wl.key, wl.lease, wl.gen, wl.epoch))
+        return None  # stored -- or a lease this client never held, which only the directory can judge
+
+    def _commit_answered(self, wl: WriteLease, reply: Any) -> Committed | Refused:
         self._writes.pop((wl.key, wl.lease), None)
         if self._writing.get(wl.key) == wl:
             del self._writing[wl.key]
         if type(reply) is CommitRejected:
             return Refused(reply.reason)
-        assert type(reply) is Committed
+        assert type(reply) is Committed and reply.key == wl.key, reply
         return reply
 
     def abort(self, wl: WriteLease) -> None:
@@ -715,6 +735,98 @@ class KvccClient:
             self.abort(wl)
             return stored
         return await self.commit(wl)
+
+    async def put_many(self, ns: Namespace | bytes, blocks: Sequence[tuple[BlockKey, BlockKey | None, Any]]) -> list[Committed | Refused]:
+        """``put`` of each ``(key, parent, data)``, in three round trips: the write leases (one
+        ``Batch`` to the directory), the bytes (one ``Batch`` per node, each at most
+        ``MAX_BATCH_DATA_BYTES``; a larger block alone) and the commits (one ``Batch``).
+        ``results[i]`` answers ``blocks[i]`` exactly as ``put`` would, each block its own write
+        lease, generation and steps. A parent must be committed before its child's write begins
+        (the spec's rule): a chain's blocks written in one call are refused
+        ``parent_not_committed`` past the first -- write a chain root first, a ``put`` (or a
+        ``put_many`` of each level) at a time."""
+        keys = [key for key, _, _ in blocks]
+        if len(set(keys)) != len(keys):
+            raise ValueError("put_many names each key once")
+        digest = _digest(ns)
+        results: list[Any] = [None] * len(blocks)
+        asked: list[tuple[int, int, int]] = []  # (index, request, sent)
+        for i, (key, parent, _) in enumerate(blocks):
+            started = self._begin_write_start(key, parent)
+            if isinstance(started, Refused):
+                results[i] = started
+            else:
+                asked.append((i, *started))
+        grants: list[tuple[int, WriteLease]] = []
+        for part in range(0, len(asked), MAX_BATCH_ITEMS):
+            chunk = asked[part : part + MAX_BATCH_ITEMS]
+            msgs = tuple(BeginWrite(self.client_id, blocks[i][0], digest, blocks[i][1], r) for i, r, _ in chunk)
+            try:
+                reply = await self._ask(Batch(msgs))
+            except BaseException:
+                for i, r, _ in asked[part:]:
+                    self._begin_write_unanswered(blocks[i][0], r)
+                for _, wl in grants:
+                    self.abort(wl)
+                raise
+            assert type(reply) is Batched and len(reply.replies) == len(chunk), reply
+            for (i, r, sent), answer in zip(chunk, reply.replies):
+                got = self._begin_write_answered(blocks[i][0], digest, blocks[i][1], r, sent, answer)
+                if isinstance(got, Refused):
+                    results[i] = got
+                else:
+                    grants.append((i, got))
+        # The bytes: one batch per node, bounded by the batch's data.
+        by_node: dict[str, list[tuple[int, WriteLease, WriteBytes]]] = {}
+        for i, wl in grants:
+            by_node.setdefault(wl.location.split(LOCATION_SEPARATOR, 1)[0], []).append(
+                (i, wl, self._write_request(wl, blocks[i][2])))
+
+        async def one_node(items: list[tuple[int, WriteLease, WriteBytes]]) -> None:
+            batches: list[list[tuple[int, WriteLease, WriteBytes]]] = [[]]
+            carried = 0
+            for item in items:
+                size = len(item[2].data)
+                if batches[-1] and (carried + size > MAX_BATCH_DATA_BYTES or len(batches[-1]) >= MAX_BATCH_ITEMS):
+                    batches.append([])
+                    carried = 0
+                batches[-1].append(item)
+                carried += size
+            for batch in batches:
+                if len(batch) == 1 or any(len(m.data) > MAX_BATCH_DATA_BYTES for _, _, m in batch):
+                    for i, wl, _ in batch:
+                        results[i] = await self.write_bytes(wl, blocks[i][2])
+                    continue
+                try:
+                    reply = await self._to_peer(batch[0][1].location, Batch(tuple(m for _, _, m in batch)))
+                except ConnectionFailed as e:
+                    for i, wl, _ in batch:
+                        results[i] = Refused(REASON_UNREACHABLE, f"{wl.location}: {e.code}")
+                    continue
+                if type(reply) is not Batched or len(reply.replies) != len(batch):
+                    raise ConnectionFailed(f"a Batch of writes answered with {type(reply).__name__}", code="unexpected_reply")
+                for (i, wl, _), answer in zip(batch, reply.replies):
+                    results[i] = self._write_answered(wl, answer)
+
+        await asyncio.gather(*(one_node(items) for items in by_node.values()))
+        # The commits of every block stored; the rest given up, as ``put`` does.
+        stored: list[tuple[int, WriteLease]] = []
+        for i, wl in grants:
+            if results[i] is not None:
+                self.abort(wl)
+                continue
+            refused = self._commit_refused_here(wl)
+            if refused is not None:
+                results[i] = refused
+            else:
+                stored.append((i, wl))
+        for part in range(0, len(stored), MAX_BATCH_ITEMS):
+            chunk = stored[part : part + MAX_BATCH_ITEMS]
+            reply = await self._ask(Batch(tuple(Commit(self.client_id, wl.key, wl.lease, wl.gen, wl.epoch) for _, wl in chunk)))
+            assert type(reply) is Batched and len(reply.replies) == len(chunk), reply
+            for (i, wl), answer in zip(chunk, reply.replies):
+                results[i] = self._commit_answered(wl, answer)
+        return results
 
     # ------------------------------------------------------------------ invalidation and eviction
 

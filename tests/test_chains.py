@@ -24,6 +24,7 @@ from kvcc.reference.wire import (
     Acquire,
     Batch,
     Batched,
+    BeginWrite,
     BytesRead,
     Lookup,
     ReadBytes,
@@ -34,7 +35,12 @@ from kvcc.reference.wire import (
     encode,
 )
 from kvcc.spec.keys import Namespace, chain_keys
-from kvcc.spec.vocabulary import REASON_NOT_COMMITTED, REASON_UNAUTHORIZED
+from kvcc.spec.vocabulary import (
+    REASON_NOT_ABSENT,
+    REASON_NOT_COMMITTED,
+    REASON_PARENT_NOT_COMMITTED,
+    REASON_UNAUTHORIZED,
+)
 
 from cluster_support import BLOCK_BYTES, block_bytes
 from test_directory_server import NS, OTHER, World, block, keys, world_test
@@ -88,6 +94,17 @@ def test_a_chain_is_leased_read_and_released_in_one_round_trip_each_and_its_trac
         assert reader.lease_of(b[0]) is None
         buf = bytearray(len(written[a[0]]))
         assert reader.read_many(leases, [buf]) == [len(written[a[0]])] and bytes(buf) == written[a[0]]
+        reader.release_many(leases)
+
+        # Many roots written at once (three round trips), on both nodes, then read back as one batch.
+        roots = [chain_keys(CHAIN_NS, [500 + i, 0])[0] for i in range(6)]
+        datas = [block_bytes(k, 0, "m", 2) for k in roots]
+        out = w1.put_many(CHAIN_NS, [(k, None, d) for k, d in zip(roots[:3], datas[:3])])
+        out += w2.put_many(CHAIN_NS, [(k, None, d) for k, d in zip(roots[3:], datas[3:])])
+        assert all(not isinstance(x, Refused) for x in out), out
+        leases, why = reader.acquire_chain(CHAIN_NS, roots)
+        assert why is None and {lease.location for lease in leases} == {"n1/dram", "n2/dram"}
+        assert reader.read_many(leases) == datas
         reader.release_many(leases)
 
         # A local refusal ends the chain before it is asked: a key whose lease is still trusted.
@@ -161,5 +178,43 @@ def test_a_node_answers_each_batched_read_as_alone_and_a_full_batch_is_read_agai
         assert caught.value.code == "unexpected_message"
         await b.release_many(leases)
         assert not w.core.read_leases
+
+    world_test(directory_store_factory, body)
+
+
+def test_many_writes_take_three_round_trips_and_each_answers_as_a_put(directory_store_factory):
+    async def body(w: World):
+        a, b = await w.client("a"), await w.client("b")
+        roots = [keys(1, salt=80 + i)[0] for i in range(6)]
+        requests = w.server.stats["requests"]
+        out = await a.put_many(NS, [(k, None, block(k)) for k in roots])
+        assert [type(x).__name__ for x in out] == ["Committed"] * 6, out
+        assert w.server.stats["requests"] - requests == 12  # 6 begin_write + 6 commit, in two batches
+        assert {w.core.records[k].owner for k in roots} == {"n1/dram", "n2/dram"}
+        leases, why = await b.acquire_chain(NS, roots)
+        assert why is None and await b.read_many(leases) == [block(k) for k in roots]
+        await b.release_many(leases)
+        # A chain in one call: the child's parent is not committed when its write begins.
+        chain = keys(2, salt=90)
+        out = await a.put_many(NS, [(chain[0], None, block(chain[0])), (chain[1], chain[0], block(chain[1]))])
+        assert type(out[0]).__name__ == "Committed" and out[1] == Refused(REASON_PARENT_NOT_COMMITTED), out
+        # A key already written: refused as put would be; one under way here: busy, not asked.
+        wl = await a.begin_write(NS, chain[1], chain[0])
+        assert not isinstance(wl, Refused)
+        extra = keys(1, salt=91)[0]
+        out = await a.put_many(NS, [(roots[0], None, block(roots[0])), (chain[1], chain[0], b"x"),
+                                    (extra, None, block(extra))])  # fmt: skip
+        assert out[0] == Refused(REASON_NOT_ABSENT) and out[1].reason == "busy" and type(out[2]).__name__ == "Committed"
+        a.abort(wl)
+        with pytest.raises(ValueError):
+            await a.put_many(NS, [(extra, None, b"1"), (extra, None, b"2")])
+        # Two parents for one key in one batch: refused whole, nothing taken.
+        state = (dict(w.core.records), w.core.next_lease_id)
+        fresh = keys(1, salt=92)[0]
+        with pytest.raises(ConnectionFailed) as caught:
+            await w.raw().request(Batch((BeginWrite("q", fresh, NS.digest(), None, 1),
+                                         BeginWrite("q", fresh, NS.digest(), roots[0], 2))))  # fmt: skip
+        assert caught.value.code == "key_identity"
+        assert (dict(w.core.records), w.core.next_lease_id) == state
 
     world_test(directory_store_factory, body)

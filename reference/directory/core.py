@@ -854,12 +854,20 @@ class DirectoryCore:
 
     # writes
 
+    def check_request(self, msg: Any, tenant: str) -> None:
+        """Raise what ``handle(msg)`` would raise for ``msg`` itself (a peer's violation), changing
+        nothing: a batch is checked item by item before any item is taken."""
+        if type(msg) is BeginWrite:
+            rec = self.records.get(msg.key)
+            authorized = self._authorized(tenant, msg.namespace) and (rec is None or rec.namespace == msg.namespace)
+            if authorized and rec is not None and rec.parent != msg.parent:
+                # A key's hash chains over its parent's: one key, two parents is a lie (or SHA-256 broke).
+                raise PeerViolation(f"key {msg.key.hex[:16]}… claimed under a second parent", code="key_identity")
+
     def _begin_write(self, msg: BeginWrite, tenant: str, effects: list[Effect]) -> Any:
+        self.check_request(msg, tenant)
         rec = self.records.get(msg.key)
         authorized = self._authorized(tenant, msg.namespace) and (rec is None or rec.namespace == msg.namespace)
-        if authorized and rec is not None and rec.parent != msg.parent:
-            # A key's hash chains over its parent's: one key, two parents is a lie (or SHA-256 broke).
-            raise PeerViolation(f"key {msg.key.hex[:16]}… claimed under a second parent", code="key_identity")
         parent_phase = None
         if msg.parent is not None:
             parent = self.records.get(msg.parent)

@@ -409,6 +409,12 @@ class DirectoryServer:
                 raise PeerViolation(f"Batch item {i}: the directory batches {names}, not {kind_of(item)}",
                                     code="unexpected_message")  # fmt: skip
             self._check_identity(tenant, item)
+            self.core.check_request(item, tenant)
+        # Two items of one key under two parents: the second would raise once the first is taken.
+        parents: dict[Any, Any] = {}
+        for item in msg.items:
+            if type(item) is BeginWrite and parents.setdefault(item.key, item.parent) != item.parent:
+                raise PeerViolation(f"key {item.key.hex[:16]}… claimed under a second parent", code="key_identity")
         self.stats["requests"] -= 1  # the items count, not the batch
         return Batched(tuple(self._handle_now(tenant, item) for item in msg.items))
 

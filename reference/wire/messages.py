@@ -496,10 +496,11 @@ SPEC_MESSAGES = (
     "LeaseRefused", "Freed",
 )  # fmt: skip
 assert set(SPEC_MESSAGES) <= set(MESSAGE_TYPES)
-# What a Batch may hold: at the directory, read-lease requests (a chain's leases taken, renewed
-# and given back in one round trip); at a node, reads (a chain's bytes in one round trip).
-BATCH_DIRECTORY_KINDS = (Acquire, Renew, Release)
-BATCH_NODE_KINDS = (ReadBytes,)
+# What a Batch may hold: at the directory, lease requests and commits (a chain's leases taken,
+# renewed and given back, many writes begun or committed, in one round trip); at a node, reads and
+# writes (many blocks' bytes in one round trip).
+BATCH_DIRECTORY_KINDS = (Acquire, Renew, Release, BeginWrite, Commit)
+BATCH_NODE_KINDS = (ReadBytes, WriteBytes)
 
 
 def kind_of(msg: Any) -> str:
