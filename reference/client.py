@@ -40,6 +40,7 @@ plus ``"miss"``, ``"fenced"``, ``"revoked"``, ``"no_space"``); infrastructure fa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -381,47 +382,50 @@ class KvccClient:
             raise
         return self._acquire_answered(key, request, sent, reply)
 
-    async def acquire_chain(self, ns: Namespace | bytes, keys: Sequence[BlockKey]) -> tuple[list[ReadLease], Refused | None]:
-        """Read leases on the longest leased prefix of a chain, in one round trip (one ``Batch``
-        of ``Acquire``, at most ``MAX_BATCH_ITEMS`` keys): ``(leases, why)``, where ``leases``
-        lease ``keys[:len(leases)]`` and ``why`` says why the next key has none (``None``: every
-        key is leased). Never a gap: a lease granted past the first refusal is released at once.
-        Each key is its own request, lease and step, as ``acquire``'s."""
+    async def acquire_many(self, ns: Namespace | bytes, keys: Sequence[BlockKey]) -> list[ReadLease | Refused]:
+        """``acquire`` of each key, in one round trip (one ``Batch`` of ``Acquire`` per
+        ``MAX_BATCH_ITEMS`` keys): ``results[i]`` answers ``keys[i]`` exactly as ``acquire`` would,
+        each key its own request, lease and steps."""
         keys = list(keys)
         if len(set(keys)) != len(keys):
-            raise ValueError("a chain names each key once")
-        if len(keys) > MAX_BATCH_ITEMS:
-            raise ValueError(f"a chain of {len(keys)} keys: at most {MAX_BATCH_ITEMS} in one request")
+            raise ValueError("acquire_many names each key once")
         digest = _digest(ns)
-        asked: list[tuple[BlockKey, int, int]] = []
-        refusal: Refused | None = None
-        for key in keys:
+        results: list[Any] = [None] * len(keys)
+        asked: list[tuple[int, int, int]] = []  # (index, request, sent)
+        for i, key in enumerate(keys):
             started = self._acquire_start(key)
             if isinstance(started, Refused):
-                refusal = started
-                break  # the chain's leases end here: ask for the keys before it only
-            asked.append((key, *started))
-        if not asked:
-            return [], refusal
-        try:
-            reply = await self._ask(Batch(tuple(Acquire(self.client_id, k, digest, r) for k, r, _ in asked)))
-        except BaseException:
-            for key, request, _ in asked:
-                self._acquire_unanswered(key, request)
-            raise
-        assert type(reply) is Batched and len(reply.replies) == len(asked), reply
-        leases: list[ReadLease] = []
-        past_gap: list[ReadLease] = []
-        first_refused: Refused | None = None
-        for (key, request, sent), answer in zip(asked, reply.replies):
-            got = self._acquire_answered(key, request, sent, answer)
-            if isinstance(got, Refused):
-                first_refused = first_refused or got
+                results[i] = started
             else:
-                (leases if first_refused is None else past_gap).append(got)
+                asked.append((i, *started))
+        for part in range(0, len(asked), MAX_BATCH_ITEMS):
+            chunk = asked[part : part + MAX_BATCH_ITEMS]
+            try:
+                reply = await self._ask(Batch(tuple(Acquire(self.client_id, keys[i], digest, r) for i, r, _ in chunk)))
+            except BaseException:
+                for i, r, _ in asked[part:]:
+                    self._acquire_unanswered(keys[i], r)
+                granted = [x for x in results if isinstance(x, ReadLease)]
+                if granted:  # the call fails: none of its leases is the caller's to release
+                    with contextlib.suppress(Exception):
+                        await self.release_many(granted)
+                raise
+            assert type(reply) is Batched and len(reply.replies) == len(chunk), reply
+            for (i, r, sent), answer in zip(chunk, reply.replies):
+                results[i] = self._acquire_answered(keys[i], r, sent, answer)
+        return results
+
+    async def acquire_chain(self, ns: Namespace | bytes, keys: Sequence[BlockKey]) -> tuple[list[ReadLease], Refused | None]:
+        """Read leases on the longest leased prefix of a chain, in one round trip
+        (``acquire_many``): ``(leases, why)``, where ``leases`` lease ``keys[:len(leases)]`` and
+        ``why`` says why the next key has none (``None``: every key is leased). Never a gap: a
+        lease granted past the first refusal is released at once."""
+        results = await self.acquire_many(ns, keys)
+        gap = next((i for i, x in enumerate(results) if isinstance(x, Refused)), len(results))
+        past_gap = [x for x in results[gap:] if isinstance(x, ReadLease)]
         if past_gap:
             await self.release_many(past_gap)
-        return leases, first_refused or refusal
+        return results[:gap], None if gap == len(results) else results[gap]
 
     def _acquire_start(self, key: BlockKey) -> tuple[int, int] | Refused:
         """The holder's side of sending an Acquire of ``key``: ``(request, sent_ns)``, logged."""
@@ -533,7 +537,8 @@ class KvccClient:
     async def read_many(self, leases: Sequence[ReadLease], outs: Sequence[Any] | None = None) -> list[bytes | int | Refused]:
         """``read`` of each lease, one round trip per node (one ``Batch`` of reads to each node
         that holds some, all nodes at once): ``results[i]`` answers ``leases[i]`` exactly as
-        ``read(leases[i], outs[i])`` would."""
+        ``read(leases[i], outs[i])`` would (``outs[i]`` may be ``None``: its bytes returned), except
+        that a block longer than its buffer is ``Refused("miss")`` here, not a ``ValueError``."""
         if outs is not None and len(outs) != len(leases):
             raise ValueError(f"{len(outs)} buffers for {len(leases)} leases")
         results: list[Any] = [None] * len(leases)
@@ -559,10 +564,13 @@ class KvccClient:
                     raise ConnectionFailed(f"a Batch of reads answered with {type(reply).__name__}", code="unexpected_reply")
                 for (i, held), answer in zip(chunk, reply.replies):
                     out = None if outs is None else outs[i]
-                    if type(answer) is ReadRefused and answer.reason == REASON_BATCH_FULL:
-                        results[i] = await self.read(leases[i], out)  # the batch's answer was full: alone
-                    else:
-                        results[i] = self._read_answered(leases[i], held, answer, out)
+                    try:
+                        if type(answer) is ReadRefused and answer.reason == REASON_BATCH_FULL:
+                            results[i] = await self.read(leases[i], out)  # the batch's answer was full: alone
+                        else:
+                            results[i] = self._read_answered(leases[i], held, answer, out)
+                    except ValueError as e:  # longer than its buffer: nothing copied, the others go on
+                        results[i] = Refused(REASON_MISS, str(e))
 
         await asyncio.gather(*(one_node(items) for items in by_node.values()))
         return results

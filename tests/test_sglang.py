@@ -29,6 +29,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvcc.reference.wire import Batch
+
 try:
     from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorage, HiCacheStorageConfig
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
@@ -311,19 +313,20 @@ def test_a_page_whose_lease_is_revoked_before_its_bytes_arrive_is_a_miss(backend
         assert tester.wait(ticket, INVALIDATION_TIMEOUT_S)  # completes once the backend acked
 
     # Revoked after the grant, before the read is sent.
-    acquire = client.acquire
+    acquire_many = client.acquire_many
 
-    async def acquire_then_revoke(ns, key):
-        lease = await acquire(ns, key)
-        await asyncio.to_thread(invalidate, key)
-        return lease
+    async def acquire_then_revoke(ns, batch):
+        leases = await acquire_many(ns, batch)
+        for key in batch:
+            await asyncio.to_thread(invalidate, key)
+        return leases
 
     target = _HostPool().get_dummy_flat_data_page()
-    client.acquire = acquire_then_revoke
+    client.acquire_many = acquire_then_revoke
     try:
         assert backend.get(keys[0], target) is None
     finally:
-        del client.acquire
+        del client.acquire_many
     assert not target.view(torch.uint8).any(), "bytes of a revoked lease reached SGLang's buffer"
 
     # Revoked while the bytes are on their way: they arrive, and are refused.
@@ -331,7 +334,8 @@ def test_a_page_whose_lease_is_revoked_before_its_bytes_arrive_is_a_miss(backend
 
     async def revoke_in_flight(location, msg):
         reply = await to_peer(location, msg)
-        await asyncio.to_thread(invalidate, msg.key)
+        for item in msg.items if type(msg) is Batch else (msg,):  # a batch of reads, or one read
+            await asyncio.to_thread(invalidate, item.key)
         return reply
 
     client._to_peer = revoke_in_flight

@@ -56,15 +56,17 @@ batch with a miss).
 
 **Reads** (``get``, ``batch_get``, ``batch_get_v1``): per page, a read lease (``Acquire``), the
 bytes read from the lease's location into a staging buffer of the page's size, the lease
-released. A refused acquire (not committed, invalidating), a read refused because the lease was
-revoked or ran past the holder's budget while the bytes were in flight (``KvccClient.read``
-checks trust *after* they arrive), a short or long page, an unreachable node or directory: a miss
+released -- for a whole batch in one round trip each (the client's ``acquire_many``,
+``read_many``: one request per node, ``release_many``). A refused acquire (not committed,
+invalidating), a read refused because the lease was revoked or ran past the holder's budget
+while the bytes were in flight (the client checks trust *after* they arrive), a short or long page, an unreachable node or directory: a miss
 (``None``/``False``), never stale bytes. Only a read that completed under trust is copied into
 SGLang's buffer (the target tensor, or the host pool page via ``set_from_flat_data_page``).
 
 **Writes** (``set``, ``batch_set``, ``batch_set_v1``): per page, ``begin_write`` (the write
 lease), ``write_bytes`` (the node fences stale epochs), ``commit`` -- only once the node said the
-bytes are stored. ``not_absent`` on a page that a lookup then finds committed (pages are
+bytes are stored; for a whole batch in three round trips (the client's ``put_many``: pages are
+roots, so no page waits for another's commit). ``not_absent`` on a page that a lookup then finds committed (pages are
 content-addressed, so it holds the same KV) counts as stored, as ``HiCacheFile`` counts an existing
 file: the first committed bytes stay; ``not_absent`` on a page someone else is still writing is a
 failed save. Any other refusal is a failed save (``False``), and the write is aborted.
@@ -80,8 +82,8 @@ are two acquires of one key by one holder: the second is refused here and is a m
 
 Limits: the v2 calls (``batch_exists_v2``/``batch_get_v2``/``batch_set_v2``: hybrid models' extra
 pools), head-split TP (``tp_lcm_size``) and decode context parallelism (DCP) are not supported (the
-constructor refuses the last two); one kvcc round trip per page for each of lookup, acquire,
-read, release, begin_write, write_bytes and commit (the pages of a batch overlap).
+constructor refuses the last two); ``exists`` asks one ``Lookup`` per page (the pages of a batch
+overlap).
 """
 
 from __future__ import annotations
@@ -104,7 +106,7 @@ from kvcc.reference.client import KvccClient, Refused
 from kvcc.reference.loop import loop_factory
 from kvcc.reference.tiers.base import copy_into, sink_bytes, source_bytes
 from kvcc.spec.keys import BlockKey, Namespace, cbor_encode
-from kvcc.spec.vocabulary import REASON_NOT_ABSENT, SCOPE_NAMESPACE
+from kvcc.spec.vocabulary import REASON_MISS, REASON_NOT_ABSENT, SCOPE_NAMESPACE
 
 __all__ = ["KvccHiCacheStorage", "KvccStorageMetrics", "page_key", "storage_namespace"]
 
@@ -323,54 +325,54 @@ class KvccHiCacheStorage(HiCacheStorage):
 
     # ------------------------------------------------------------------ reads
 
-    async def _read(self, key: BlockKey, nbytes: int | None) -> bytes | bytearray | None:
-        """The page's committed bytes, read under a read lease, or ``None``: a miss."""
-        c = self.client
-        try:
-            lease = await c.acquire(self._digest(), key)
-        except Exception as e:
-            log.warning("kvcc acquire failed: %s", e)
-            self._count("read_failed")
-            return None
-        if isinstance(lease, Refused):
-            self._count(f"read_refused_{lease.reason}")
-            return None
-        try:
-            if nbytes is None:
-                got = await c.read(lease)
-                data = got
-            else:
-                data = bytearray(nbytes)
-                try:
-                    got = await c.read(lease, out=data)
-                except ValueError:  # longer than the page: not this page's bytes
-                    got = Refused("wrong_size")
-                if not isinstance(got, Refused) and got != nbytes:
-                    got = Refused("wrong_size")
-        except Exception as e:
-            log.warning("kvcc read failed: %s", e)
-            got = Refused("unreachable")
-        finally:
-            try:
-                await c.release(lease)
-            except Exception as e:  # the lease then ends by expiry
-                log.info("kvcc release failed: %s", e)
-        if isinstance(got, Refused):
-            # Revoked or expired before the bytes were here, a miss at the node, a wrong size:
-            # nothing reaches SGLang's buffers.
-            self._count(f"read_refused_{got.reason}")
-            return None
-        self._count("read_hits")
-        return data
-
     async def _read_many(self, keys: list[BlockKey], nbytes: list[int | None]) -> list[bytes | bytearray | None]:
+        """Each page's committed bytes, read under a read lease, or ``None`` (a miss), in one
+        round trip each to lease (``acquire_many``), read (``read_many``: one per node) and
+        release (``release_many``) the batch's pages."""
         # One holder has one request per key at a time: a key twice in a batch is read once.
         first: dict[BlockKey, int] = {}
         for i, k in enumerate(keys):
             first.setdefault(k, i)
         unique = list(first)
-        got = await asyncio.gather(*(self._read(k, nbytes[first[k]]) for k in unique))
-        by_key = dict(zip(unique, got))
+        c = self.client
+        by_key: dict[BlockKey, bytes | bytearray | None] = dict.fromkeys(unique)
+        try:
+            leases = await c.acquire_many(self._digest(), unique)
+        except Exception as e:
+            log.warning("kvcc acquire failed: %s", e)
+            self._count("read_failed", len(unique))
+            return [None] * len(keys)
+        granted = []
+        for k, lease in zip(unique, leases):
+            if isinstance(lease, Refused):
+                self._count(f"read_refused_{lease.reason}")
+            else:
+                granted.append((k, lease))
+        try:
+            sizes = [nbytes[first[k]] for k, _ in granted]
+            outs = [None if n is None else bytearray(n) for n in sizes]
+            try:
+                got = await c.read_many([lease for _, lease in granted], outs)
+            except Exception as e:
+                log.warning("kvcc read failed: %s", e)
+                got = [Refused("unreachable")] * len(granted)
+        finally:
+            try:
+                await c.release_many([lease for _, lease in granted])
+            except Exception as e:  # the leases then end by expiry
+                log.info("kvcc release failed: %s", e)
+        for (k, _), n, out, answer in zip(granted, sizes, outs, got):
+            if isinstance(answer, Refused) and answer.reason == REASON_MISS and "buffer" in answer.detail:
+                answer = Refused("wrong_size")  # longer than the page
+            elif not isinstance(answer, Refused) and n is not None and answer != n:
+                answer = Refused("wrong_size")  # shorter
+            if isinstance(answer, Refused):
+                # Revoked or expired before the bytes were here, a miss at the node, a wrong size:
+                # nothing reaches SGLang's buffers.
+                self._count(f"read_refused_{answer.reason}")
+                continue
+            self._count("read_hits")
+            by_key[k] = answer if out is None else out
         # A repeated key with another target size than its first occurrence is a miss there.
         return [d if (d := by_key[k]) is None or nbytes[i] in (None, len(d)) else None for i, k in enumerate(keys)]
 
@@ -426,48 +428,34 @@ class KvccHiCacheStorage(HiCacheStorage):
 
     # ------------------------------------------------------------------ writes
 
-    async def _write(self, key: BlockKey, data: bytes) -> bool:
-        c = self.client
-        try:
-            wl = await c.begin_write(self._digest(), key, None)
-        except Exception as e:
-            log.warning("kvcc begin_write failed: %s", e)
-            self._count("write_failed")
-            return False
-        if isinstance(wl, Refused):
-            if wl.reason == REASON_NOT_ABSENT and (await self._exists([key]))[0]:
-                # Committed already: a page key names its tokens' KV, so those are the same bytes.
-                self._count("write_already_committed")
-                return True
-            # Someone else's write of the page is under way (or it is being invalidated): not
-            # stored by this call, whatever that write does.
-            self._count(f"write_refused_{wl.reason}")
-            return False
-        try:
-            stored = await c.write_bytes(wl, data)
-            if stored is not None:
-                c.abort(wl)
-                self._count(f"write_refused_{stored.reason}")
-                return False
-            committed = await c.commit(wl)  # only now that the node holds every byte
-        except Exception as e:
-            log.warning("kvcc write failed: %s", e)
-            c.abort(wl)
-            self._count("write_failed")
-            return False
-        if isinstance(committed, Refused):
-            self._count(f"write_refused_{committed.reason}")
-            return False
-        self._count("write_committed")
-        return True
-
     async def _write_many(self, keys: list[BlockKey], datas: list[bytes]) -> list[bool]:
+        """Each page stored and committed (``True``) or not, in three round trips for the batch
+        (``put_many``: pages are roots, written once)."""
         first: dict[BlockKey, int] = {}
         for i, k in enumerate(keys):
             first.setdefault(k, i)
-        done = await asyncio.gather(*(self._write(k, datas[i]) for k, i in first.items()))
-        by_key = dict(zip(first, done))
-        return [by_key[k] for k in keys]
+        c = self.client
+        try:
+            out = await c.put_many(self._digest(), [(k, None, datas[i]) for k, i in first.items()])
+        except Exception as e:
+            log.warning("kvcc write failed: %s", e)
+            self._count("write_failed", len(first))
+            return [False] * len(keys)
+        done: dict[BlockKey, bool] = {}
+        for k, result in zip(first, out):
+            if not isinstance(result, Refused):
+                self._count("write_committed")
+                done[k] = True
+            elif result.reason == REASON_NOT_ABSENT and (await self._exists([k]))[0]:
+                # Committed already: a page key names its tokens' KV, so those are the same bytes.
+                self._count("write_already_committed")
+                done[k] = True
+            else:
+                # Someone else's write of the page is under way (or it is being invalidated), or
+                # the node refused the bytes: not stored by this call.
+                self._count(f"write_refused_{result.reason}")
+                done[k] = False
+        return [done[k] for k in keys]
 
     def _page_bytes_of(self, value: torch.Tensor) -> bytes:
         data = bytes(source_bytes(value.detach().contiguous().view(-1).view(torch.uint8)))

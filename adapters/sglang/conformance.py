@@ -120,7 +120,8 @@ class _NodeLoop:
 class _HolderView:
     """The backend's kvcc client: node ``node``'s co-located ``KvccClient``, except that the
     steps the contract performs on its own (acquire/release around ``get``, begin_write and
-    write_bytes before ``set``) are handed over from the contract step in progress."""
+    write_bytes before ``set``) are handed over from the contract step in progress. The backend
+    calls the client's batched operations; the contract's get and set are of one page."""
 
     def __init__(self, adapter: SglangAdapter, node: str) -> None:
         self._adapter, self._node = adapter, node
@@ -130,52 +131,41 @@ class _HolderView:
     def _real(self) -> Any:
         return self._adapter._client(self._node).client
 
-    # the read path (get / batch_get): acquire -> read -> release
-    async def acquire(self, ns: Any, key: BlockKey) -> Any:
+    # the read path (get / batch_get of one page): acquire_many -> read_many -> release_many
+    async def acquire_many(self, ns: Any, keys: list[BlockKey]) -> Any:
         step = current.get()
-        if step is None or step.read_lease is None:
-            return ClientRefused(REASON_UNKNOWN_LEASE, "no read lease handed over")  # never reached by the suite
-        return step.read_lease
+        if step is None or step.read_lease is None or [step.read_lease.key] != list(keys):
+            return [ClientRefused(REASON_UNKNOWN_LEASE, "no read lease handed over")] * len(keys)  # never reached by the suite
+        return [step.read_lease]
 
-    async def read(self, lease: Any, out: Any = None) -> Any:
+    async def read_many(self, leases: list[Any], outs: list[Any] | None = None) -> Any:
         step = current.get()
         try:
-            got = await self._real.read(lease, out)
+            got = await self._real.read_many(leases, outs)
         except Exception as e:  # the backend turns it into a miss; the contract step into AdapterError
             if step is not None:
                 step.failure = e
             raise
-        if step is not None:
-            step.read_result = got
+        if step is not None and got:
+            step.read_result = got[0]
         return got
 
-    async def release(self, lease: Any) -> None:
+    async def release_many(self, leases: list[Any]) -> None:
         return None  # the contract's release step ends the lease
 
-    # the write path (set / batch_set): begin_write -> write_bytes -> commit
-    async def begin_write(self, ns: Any, key: BlockKey, parent: Any) -> Any:
+    # the write path (set / batch_set of one page): put_many = begin_write -> write_bytes -> commit
+    async def put_many(self, ns: Any, blocks: list[Any]) -> Any:
         step = current.get()
-        if step is None or step.write_lease is None:
-            return ClientRefused(REASON_NOT_FOUND, "no write grant handed over")
-        return step.write_lease
-
-    async def write_bytes(self, wl: Any, data: Any) -> Any:
-        return None  # sent by the contract's write_bytes step; the commit below judges it
-
-    async def commit(self, wl: Any) -> Any:
-        step = current.get()
+        if step is None or step.write_lease is None or len(blocks) != 1:
+            return [ClientRefused(REASON_NOT_FOUND, "no write grant handed over")] * len(blocks)
+        # begin_write is the contract's grant and write_bytes its own step; the commit is sent for real
         try:
-            got = await self._real.commit(wl)
+            got = await self._real.commit(step.write_lease)
         except Exception as e:  # the backend turns it into a failed save; the contract step into AdapterError
-            if step is not None:
-                step.failure = e
+            step.failure = e
             raise
-        if step is not None:
-            step.commit_result = got
-        return got
-
-    def abort(self, wl: Any) -> None:
-        pass  # the backend aborts only after a refused write_bytes, which it never sees here
+        step.commit_result = got
+        return [got]
 
     async def lookup(self, ns: Any, keys: Any) -> Any:
         return await self._real.lookup(ns, keys)
