@@ -362,6 +362,19 @@ class KvccClient:
         assert type(reply) is PrefixFound
         return PrefixHit(reply.blocks_matched, reply.locations)
 
+    async def lookup_many(self, ns: Namespace | bytes, chains: Sequence[Sequence[BlockKey]]) -> list[PrefixHit]:
+        """``lookup`` of each chain, in one round trip (one ``Batch`` of ``Lookup``)."""
+        digest = _digest(ns)
+        hits: list[PrefixHit] = []
+        for part in range(0, len(chains), MAX_BATCH_ITEMS):
+            chunk = chains[part : part + MAX_BATCH_ITEMS]
+            reply = await self._ask(Batch(tuple(Lookup(digest, tuple(keys)) for keys in chunk)))
+            assert type(reply) is Batched and len(reply.replies) == len(chunk), reply
+            for answer in reply.replies:
+                assert type(answer) is PrefixFound
+                hits.append(PrefixHit(answer.blocks_matched, answer.locations))
+        return hits
+
     # ------------------------------------------------------------------ read leases
 
     def lease_of(self, key: BlockKey) -> ReadLease | None:

@@ -26,6 +26,7 @@ from kvcc.reference.wire import (
     Batched,
     BeginWrite,
     BytesRead,
+    Invalidate,
     Lookup,
     ReadBytes,
     ReadLeaseGranted,
@@ -35,6 +36,7 @@ from kvcc.reference.wire import (
     encode,
 )
 from kvcc.spec.keys import Namespace, chain_keys
+from kvcc.spec.rules import COMMITTED
 from kvcc.spec.vocabulary import (
     REASON_NOT_ABSENT,
     REASON_NOT_COMMITTED,
@@ -136,9 +138,17 @@ def test_a_batch_the_directory_does_not_take_is_refused_whole_and_changes_nothin
         before = dict(w.core.read_leases)
         # An Acquire the directory would grant, then an item it does not batch: nothing is granted.
         with pytest.raises(ConnectionFailed) as caught:
-            await r.request(Batch((Acquire("a", ks[0], NS.digest(), 1), Lookup(NS.digest(), tuple(ks)))))
+            await r.request(Batch((Acquire("a", ks[0], NS.digest(), 1), Invalidate(NS.digest(), "key", ks[0]))))
         assert caught.value.code == "unexpected_message" and "batches" in str(caught.value)
-        assert w.core.read_leases == before
+        assert w.core.read_leases == before and w.core.records[ks[0]].phase == COMMITTED
+        # ... or a lookup in a namespace this tenant may not use (alone, it raises): nothing granted.
+        with pytest.raises(ConnectionFailed) as caught:
+            await w.raw(OTHER).request(Batch((Acquire("x", ks[0], NS.digest(), 1), Lookup(NS.digest(), tuple(ks)))))
+        assert caught.value.code == "unauthorized" and w.core.read_leases == before
+        # Lookups, many in one round trip, each answered as alone.
+        absent = keys(1, salt=79)[0]
+        hits = await a.lookup_many(NS, [[ks[0]], ks, [absent], [ks[1]]])
+        assert [h.blocks for h in hits] == [1, 2, 0, 0]  # ks[1] alone is no chain: its parent is missing
         # Another tenant's items are each refused as they would be alone (no grant in its namespace).
         reply = await w.raw(OTHER).request(Batch((Acquire("x", ks[0], NS.digest(), 2),)))
         assert reply.replies[0].reason == REASON_UNAUTHORIZED and w.core.read_leases == before

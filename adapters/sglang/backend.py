@@ -49,41 +49,42 @@ hash already chains over the whole prefix, so nothing is lost for lookups. What 
 ``prefix`` invalidation does not cascade along a SGLang chain (``clear``, a namespace
 invalidation, covers every page).
 
-**Exists** (``exists``, ``batch_exists``): a ``Lookup`` per page, side-effect free (no lease);
-``batch_exists`` answers the number of consecutive committed pages from the start, which is how
-``HiCacheController._storage_hit_query`` uses it (it fetches ``keys[:n]`` and stops at the first
-batch with a miss).
+**Exists** (``exists``, ``batch_exists``): a ``Lookup`` per page, side-effect free (no lease), a
+batch's in one round trip (the client's ``lookup_many``); ``batch_exists`` answers the number of
+consecutive committed pages from the start, which is how ``HiCacheController._storage_hit_query``
+uses it (it fetches ``keys[:n]`` and stops at the first batch with a miss).
 
 **Reads** (``get``, ``batch_get``, ``batch_get_v1``): per page, a read lease (``Acquire``), the
 bytes read from the lease's location into a staging buffer of the page's size, the lease
 released -- for a whole batch in one round trip each (the client's ``acquire_many``,
 ``read_many``: one request per node, ``release_many``). A refused acquire (not committed,
 invalidating), a read refused because the lease was revoked or ran past the holder's budget
-while the bytes were in flight (the client checks trust *after* they arrive), a short or long page, an unreachable node or directory: a miss
-(``None``/``False``), never stale bytes. Only a read that completed under trust is copied into
-SGLang's buffer (the target tensor, or the host pool page via ``set_from_flat_data_page``).
+while the bytes were in flight (the client checks trust *after* they arrive), a short or long
+page, an unreachable node or directory: a miss (``None``/``False``), never stale bytes. Only a
+read that completed under trust is copied into SGLang's buffer (the target tensor, or the host
+pool page via ``set_from_flat_data_page``).
 
 **Writes** (``set``, ``batch_set``, ``batch_set_v1``): per page, ``begin_write`` (the write
 lease), ``write_bytes`` (the node fences stale epochs), ``commit`` -- only once the node said the
 bytes are stored; for a whole batch in three round trips (the client's ``put_many``: pages are
-roots, so no page waits for another's commit). ``not_absent`` on a page that a lookup then finds committed (pages are
-content-addressed, so it holds the same KV) counts as stored, as ``HiCacheFile`` counts an existing
-file: the first committed bytes stay; ``not_absent`` on a page someone else is still writing is a
-failed save. Any other refusal is a failed save (``False``), and the write is aborted.
+roots, so no page waits for another's commit). ``not_absent`` on a page that a lookup then finds
+committed (pages are content-addressed, so it holds the same KV) counts as stored, as
+``HiCacheFile`` counts an existing file: the first committed bytes stay; ``not_absent`` on a page
+someone else is still writing is a failed save. Any other refusal is a failed save (``False``),
+and the write is aborted.
 
 **Clear** (``clear``): a ``namespace`` invalidation of this backend's namespace, waited for until
 the directory completes it (every read lease revoked and acknowledged or expired); returns
 ``True`` then, ``False`` after ``kvcc_clear_timeout_s``.
 
 **Threads.** SGLang calls the backend from its prefetch and backup threads at once. The kvcc client
-runs on a private event loop thread; each call submits one coroutine there and waits for it. The
-pages of one batch run concurrently. Two threads reading the same page at the same moment
+runs on a private event loop thread; each call submits one coroutine there and waits for it. Two
+threads reading the same page at the same moment
 are two acquires of one key by one holder: the second is refused here and is a miss.
 
 Limits: the v2 calls (``batch_exists_v2``/``batch_get_v2``/``batch_set_v2``: hybrid models' extra
 pools), head-split TP (``tp_lcm_size``) and decode context parallelism (DCP) are not supported (the
-constructor refuses the last two); ``exists`` asks one ``Lookup`` per page (the pages of a batch
-overlap).
+constructor refuses the last two).
 """
 
 from __future__ import annotations
@@ -303,15 +304,15 @@ class KvccHiCacheStorage(HiCacheStorage):
     # ------------------------------------------------------------------ exists
 
     async def _exists(self, keys: list[BlockKey]) -> list[bool]:
-        async def one(k: BlockKey) -> bool:
-            try:
-                return (await self.client.lookup(self._digest(), [k])).blocks == 1
-            except Exception as e:  # the directory unreachable: nothing is known to exist
-                log.warning("kvcc lookup failed: %s", e)
-                self._count("lookup_failed")
-                return False
-
-        return list(await asyncio.gather(*(one(k) for k in keys)))
+        """Whether each page is committed: one ``Lookup`` per page (a page is a root), all in one
+        round trip (``lookup_many``)."""
+        try:
+            hits = await self.client.lookup_many(self._digest(), [[k] for k in keys])
+        except Exception as e:  # the directory unreachable: nothing is known to exist
+            log.warning("kvcc lookup failed: %s", e)
+            self._count("lookup_failed")
+            return [False] * len(keys)
+        return [hit.blocks == 1 for hit in hits]
 
     def exists(self, key: str) -> bool:
         return self._loop.run(self._exists([self.kvcc_key(key)]))[0]

@@ -857,7 +857,9 @@ class DirectoryCore:
     def check_request(self, msg: Any, tenant: str) -> None:
         """Raise what ``handle(msg)`` would raise for ``msg`` itself (a peer's violation), changing
         nothing: a batch is checked item by item before any item is taken."""
-        if type(msg) is BeginWrite:
+        if type(msg) is Lookup:
+            self._authorize(tenant, msg.namespace)
+        elif type(msg) is BeginWrite:
             rec = self.records.get(msg.key)
             authorized = self._authorized(tenant, msg.namespace) and (rec is None or rec.namespace == msg.namespace)
             if authorized and rec is not None and rec.parent != msg.parent:

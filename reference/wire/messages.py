@@ -496,10 +496,10 @@ SPEC_MESSAGES = (
     "LeaseRefused", "Freed",
 )  # fmt: skip
 assert set(SPEC_MESSAGES) <= set(MESSAGE_TYPES)
-# What a Batch may hold: at the directory, lease requests and commits (a chain's leases taken,
-# renewed and given back, many writes begun or committed, in one round trip); at a node, reads and
-# writes (many blocks' bytes in one round trip).
-BATCH_DIRECTORY_KINDS = (Acquire, Renew, Release, BeginWrite, Commit)
+# What a Batch may hold: at the directory, lease requests, commits and lookups (a chain's leases
+# taken, renewed and given back, many writes begun or committed, many prefixes looked up, in one
+# round trip); at a node, reads and writes (many blocks' bytes in one round trip).
+BATCH_DIRECTORY_KINDS = (Acquire, Renew, Release, BeginWrite, Commit, Lookup)
 BATCH_NODE_KINDS = (ReadBytes, WriteBytes)
 
 
