@@ -69,15 +69,17 @@ def test_a_chain_is_leased_read_and_released_in_one_round_trip_each_and_its_trac
         w1, w2, reader = (cluster.client(c, timeout_ms=5_000) for c in ("n1.w", "n2.w", "n1.r"))
         a = chain_keys(CHAIN_NS, list(range(1, 7)))  # written next to n1: its blocks live there
         b = chain_keys(CHAIN_NS, list(range(101, 107)))  # ... and next to n2
-        written = {}
-        for writer, chain in ((w1, a), (w2, b)):
-            parent = None
-            for k in chain:
-                data = block_bytes(k, 0, "w", 1)
-                committed = writer.put(CHAIN_NS, k, parent, data)
-                assert not isinstance(committed, Refused), committed
-                written[k] = data
-                parent = k
+        written = {k: block_bytes(k, 0, "w", 1) for k in a + b}
+        # Chain a: its first two blocks one put at a time, then the whole chain in 2n + 1 round
+        # trips (the first two are not_absent, the rest committed). Chain b: one put at a time.
+        assert not isinstance(w1.put(CHAIN_NS, a[0], None, written[a[0]]), Refused)
+        assert not isinstance(w1.put(CHAIN_NS, a[1], a[0], written[a[1]]), Refused)
+        out = w1.put_chain(CHAIN_NS, [(k, a[i - 1] if i else None, written[k]) for i, k in enumerate(a)])
+        assert [getattr(x, "reason", "committed") for x in out] == ["not_absent"] * 2 + ["committed"], out
+        parent = None
+        for k in b:
+            assert not isinstance(w2.put(CHAIN_NS, k, parent, written[k]), Refused)
+            parent = k
 
         # The whole chain: every key leased, on both nodes, read in one batch per node.
         leases, why = reader.acquire_chain(CHAIN_NS, a + b)
@@ -226,5 +228,34 @@ def test_many_writes_take_three_round_trips_and_each_answers_as_a_put(directory_
                                          BeginWrite("q", fresh, NS.digest(), roots[0], 2))))  # fmt: skip
         assert caught.value.code == "key_identity"
         assert (dict(w.core.records), w.core.next_lease_id) == state
+
+    world_test(directory_store_factory, body)
+
+
+def test_a_chain_is_written_with_each_commit_beside_the_next_write(directory_store_factory):
+    async def body(w: World):
+        a, b = await w.client("a"), await w.client("b")
+        chain = keys(5, salt=95)
+        blocks = [(k, chain[i - 1] if i else None, block(k)) for i, k in enumerate(chain)]
+        with pytest.raises(ValueError):
+            await a.put_chain(NS, blocks[1:] + blocks[:1])
+        requests = w.server.stats["requests"]
+        out = await a.put_chain(NS, blocks)
+        assert [type(x).__name__ for x in out] == ["Committed"] * 5, out
+        assert w.server.stats["requests"] - requests == 10  # 5 begin_write + 5 commit, in 6 frames
+        leases, why = await b.acquire_chain(NS, chain)
+        assert why is None and await b.read_many(leases) == [block(k) for k in chain]
+        await b.release_many(leases)
+        # A block someone else is writing: refused not_absent; its child, asked, has no committed parent.
+        more = keys(8, salt=95)[5:]
+        first = await b.put(NS, more[0], chain[-1], block(more[0]))
+        assert type(first).__name__ == "Committed"
+        wl = await b.begin_write(NS, more[1], more[0])
+        assert not isinstance(wl, Refused)
+        out = await a.put_chain(NS, [(more[0], chain[-1], block(more[0])), (more[1], more[0], block(more[1])),
+                                     (more[2], more[1], block(more[2]))])  # fmt: skip
+        assert out[0] == Refused(REASON_NOT_ABSENT) and out[1] == Refused(REASON_NOT_ABSENT)
+        assert out[2] == Refused(REASON_PARENT_NOT_COMMITTED)
+        b.abort(wl)
 
     world_test(directory_store_factory, body)

@@ -197,6 +197,9 @@ class _ConnectorClient:
         step.commit_result = got
         return got
 
+    def put_chain(self, ns: Any, blocks: list[Any]) -> list[Any]:
+        return [self.put(ns, *block) for block in blocks]  # a contract commit saves one block
+
     # reset_cache: a namespace invalidation, waited for
     def invalidate(self, ns: Any, scope: str, key: Any = None) -> Any:
         ticket = self._real().invalidate(ns, scope, key)

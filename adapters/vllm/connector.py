@@ -80,7 +80,8 @@ vLLM's default (``"fail"``) it fails the request. The request's saves of that st
 **Worker side, saves** (``wait_for_save``, after the forward pass, when every layer's KV of the
 step is in the paged tensors; ``save_kv_layer`` does nothing). Per planned block, in prefix order:
 ``begin_write`` (the write lease; the parent must be committed: chains are written root first),
-``write_bytes``, ``commit``. A refusal is a lost save, never an error: ``not_absent`` (someone
+``write_bytes``, ``commit`` -- two round trips a block, each commit sent with the next block's
+``begin_write`` (the client's ``put_chain``). A refusal is a lost save, never an error: ``not_absent`` (someone
 committed it first), ``parent_not_committed``, ``invalidating``, a fenced or expired write. The
 blocks' bytes are packed out of the paged tensors before ``wait_for_save`` returns, so
 ``request_finished`` never holds the request's blocks; the writes then run on a saver thread
@@ -634,14 +635,15 @@ class KvccConnector(KVConnectorBase_V1):
             self._publish_stats()
 
     def _save_batch(self, namespace: bytes, blocks: list[tuple[BlockKey, BlockKey | None, bytes]]) -> None:
-        """Write and commit one request's blocks of a step, root first. A refusal is a lost save."""
+        """Write and commit one request's blocks of a step, root first (``put_chain``: each
+        commit travels with the next block's write lease request). A refusal is a lost save."""
         from kvcc.reference.client import Refused
 
-        for key, parent, data in blocks:
-            try:
-                out = self.client.put(namespace, key, parent, data)
-            except Exception as e:
-                out = Refused(f"put_failed:{type(e).__name__}")
+        try:
+            outs = self.client.put_chain(namespace, blocks)
+        except Exception as e:
+            outs = [Refused(f"put_failed:{type(e).__name__}")] * len(blocks)
+        for out in outs:
             if isinstance(out, Refused):
                 self._count("already_stored" if out.reason == REASON_NOT_ABSENT else f"save_refused_{out.reason}")
             else:
