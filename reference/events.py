@@ -35,12 +35,13 @@ stamp would otherwise be stamped as if the step had been taken after it.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import IO, Any
 
 from kvcc.spec.keys import BlockKey
@@ -174,6 +175,22 @@ class EventLog:
     def flush(self) -> None:
         with self._lock:
             self._stream.flush()
+
+    @contextlib.contextmanager
+    def flushed_at_end(self) -> Iterator[None]:
+        """Within: lines are written but flushed once, at the end (a batch of steps answered
+        together: one system call, not one per line). The caller flushes earlier (``flush``)
+        before anything a buffered step sends leaves the process, so a killed process's log
+        still holds every step anyone saw the effect of."""
+        with self._lock:
+            before, self.flush_each_line = self.flush_each_line, False
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.flush_each_line = before
+                if not self._closed:
+                    self._stream.flush()
 
     def close(self) -> None:
         with self._lock:

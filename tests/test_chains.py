@@ -259,3 +259,19 @@ def test_a_chain_is_written_with_each_commit_beside_the_next_write(directory_sto
         b.abort(wl)
 
     world_test(directory_store_factory, body)
+
+
+def test_a_batch_of_steps_is_flushed_once_at_its_end(tmp_path):
+    from kvcc.reference.events import EventLog, read_events
+
+    path = tmp_path / "ev.ndjson"
+    with EventLog(path, "directory", 1) as log:
+        log.emit("release", key=keys(1, salt=96)[0], lease=1)
+        assert len(read_events(path)) == 1  # one line, on disk at once
+        with log.flushed_at_end():
+            for lease in (2, 3, 4):
+                log.emit("release", key=keys(1, salt=96)[0], lease=lease)
+            assert len(read_events(path)) == 1  # written, not yet flushed
+        assert [e["lease"] for e in read_events(path)] == [1, 2, 3, 4]
+        log.emit("release", key=keys(1, salt=96)[0], lease=5)
+        assert len(read_events(path)) == 5  # line by line again

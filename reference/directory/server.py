@@ -416,7 +416,10 @@ class DirectoryServer:
             if type(item) is BeginWrite and parents.setdefault(item.key, item.parent) != item.parent:
                 raise PeerViolation(f"key {item.key.hex[:16]}… claimed under a second parent", code="key_identity")
         self.stats["requests"] -= 1  # the items count, not the batch
-        return Batched(tuple(self._handle_now(tenant, item) for item in msg.items))
+        if self.events is None:
+            return Batched(tuple(self._handle_now(tenant, item) for item in msg.items))
+        with self.events.flushed_at_end():  # before the answer leaves (and before any push: _apply)
+            return Batched(tuple(self._handle_now(tenant, item) for item in msg.items))
 
     def _with_grant(self, reply: Any, tenant: str) -> Any:
         """``reply`` with the data-plane grant of its lease to ``tenant``, valid until the
@@ -641,6 +644,8 @@ class DirectoryServer:
         # then is not sent (``Send.due``): a message the spec need never deliver, and one the
         # holder could only answer after its lease had gone.
         directives = self.host.record(effects)
+        if directives and self.events is not None and not self.events.flush_each_line:
+            self.events.flush()  # a batch's steps are on disk before anything they send leaves
         sent_ms = self.now_ms()
         for e in directives:
             match e:

@@ -244,7 +244,7 @@ WIRE_TYPES: dict[str, WireType] = {
     "tuple[NodeId, ...]": WireType(_tuple_checker(_check_id), list, _ids_from_wire),
     "tuple[int, ...]": WireType(_tuple_checker(_check_uint), list, _uints_from_wire),
     # Each item travels as its own encoded message (a byte string): the frame stays a flat map.
-    "tuple[Message, ...]": WireType(_check_batch_items, lambda v: [encode(m) for m in v], _batch_items_from_wire),
+    "tuple[Message, ...]": WireType(_check_batch_items, lambda v: [_encode_checked(m) for m in v], _batch_items_from_wire),
 }
 
 
@@ -332,6 +332,11 @@ def encode(msg: Any) -> bytes:
     """Canonical CBOR of ``{"kind": ..., fields...}``. An invalid message is our bug:
     ``ProtocolViolation``."""
     check_message(msg)
+    return _encode_checked(msg)
+
+
+def _encode_checked(msg: Any) -> bytes:
+    """``encode`` of a message ``check_message`` passed (a batch's items: checked with it)."""
     head, plan = _ENCODE_PLANS[type(msg)]
     parts = [head]
     for encoded_key, name, value in plan:
