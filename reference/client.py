@@ -121,6 +121,8 @@ from .wire import (
 log = logging.getLogger("kvcc.client")
 
 _GRANTED, _STORED, _ABORTED, _FENCED = "granted", "stored", "aborted", "fenced"  # a write lease's progress here
+READ_BATCH_ITEMS = 16  # reads per Batch in read_many; a node's batches are in flight together
+WRITE_BATCH_ITEMS = 16  # writes per Batch in put_many, likewise
 SYNC_CALL_TIMEOUT_S = 120.0  # SyncClient: longest any one call may take (WaitTicket included)
 
 
@@ -550,8 +552,8 @@ class KvccClient:
         return self._read_answered(lease, held, reply, out)
 
     async def read_many(self, leases: Sequence[ReadLease], outs: Sequence[Any] | None = None) -> list[bytes | int | Refused]:
-        """``read`` of each lease, one round trip per node (one ``Batch`` of reads to each node
-        that holds some, all nodes at once): ``results[i]`` answers ``leases[i]`` exactly as
+        """``read`` of each lease, one round trip per node (``Batch`` es of ``READ_BATCH_ITEMS``
+        reads to each node that holds some, all in flight at once): ``results[i]`` answers ``leases[i]`` exactly as
         ``read(leases[i], outs[i])`` would (``outs[i]`` may be ``None``: its bytes returned), except
         that a block longer than its buffer is ``Refused("miss")`` here, not a ``ValueError``."""
         if outs is not None and len(outs) != len(leases):
@@ -565,27 +567,36 @@ class KvccClient:
             else:
                 by_node.setdefault(held.location.split(LOCATION_SEPARATOR, 1)[0], []).append((i, held))
 
-        async def one_node(items: list[tuple[int, Trust]]) -> None:
-            for part in range(0, len(items), MAX_BATCH_ITEMS):
-                chunk = items[part : part + MAX_BATCH_ITEMS]
+        async def one_batch(chunk: list[tuple[int, Trust]]) -> list[tuple[int, Trust]]:
+            """Read ``chunk`` in one request; the reads answered ``batch_full``, to ask again."""
+            try:
+                reply = await self._to_peer(chunk[0][1].location, Batch(tuple(self._read_request(h) for _, h in chunk)))
+            except ConnectionFailed as e:
+                for i, held in chunk:
+                    self.stats["misses"] += 1
+                    results[i] = Refused(REASON_MISS, f"{held.location} unreachable: {e.code}")
+                return []
+            if type(reply) is not Batched or len(reply.replies) != len(chunk):
+                raise ConnectionFailed(f"a Batch of reads answered with {type(reply).__name__}", code="unexpected_reply")
+            again = []
+            for n, ((i, held), answer) in enumerate(zip(chunk, reply.replies)):
+                out = None if outs is None else outs[i]
                 try:
-                    reply = await self._to_peer(chunk[0][1].location, Batch(tuple(self._read_request(h) for _, h in chunk)))
-                except ConnectionFailed as e:
-                    for i, held in chunk:
-                        self.stats["misses"] += 1
-                        results[i] = Refused(REASON_MISS, f"{held.location} unreachable: {e.code}")
-                    continue
-                if type(reply) is not Batched or len(reply.replies) != len(chunk):
-                    raise ConnectionFailed(f"a Batch of reads answered with {type(reply).__name__}", code="unexpected_reply")
-                for (i, held), answer in zip(chunk, reply.replies):
-                    out = None if outs is None else outs[i]
-                    try:
-                        if type(answer) is ReadRefused and answer.reason == REASON_BATCH_FULL:
-                            results[i] = await self.read(leases[i], out)  # the batch's answer was full: alone
-                        else:
-                            results[i] = self._read_answered(leases[i], held, answer, out)
-                    except ValueError as e:  # longer than its buffer: nothing copied, the others go on
-                        results[i] = Refused(REASON_MISS, str(e))
+                    if type(answer) is ReadRefused and answer.reason == REASON_BATCH_FULL:
+                        if n:
+                            again.append((i, held))  # the batch's answer was full: in the next one
+                        else:  # a block too large for any batch: alone
+                            results[i] = await self.read(leases[i], out)
+                    else:
+                        results[i] = self._read_answered(leases[i], held, answer, out)
+                except ValueError as e:  # longer than its buffer: nothing copied, the others go on
+                    results[i] = Refused(REASON_MISS, str(e))
+            return again
+
+        async def one_node(items: list[tuple[int, Trust]]) -> None:
+            while items:  # batches of a node in flight together; what came back full, again
+                chunks = [items[p : p + READ_BATCH_ITEMS] for p in range(0, len(items), READ_BATCH_ITEMS)]
+                items = [x for again in await asyncio.gather(*(one_batch(c) for c in chunks)) for x in again]
 
         await asyncio.gather(*(one_node(items) for items in by_node.values()))
         return results
@@ -761,8 +772,8 @@ class KvccClient:
 
     async def put_many(self, ns: Namespace | bytes, blocks: Sequence[tuple[BlockKey, BlockKey | None, Any]]) -> list[Committed | Refused]:
         """``put`` of each ``(key, parent, data)``, in three round trips: the write leases (one
-        ``Batch`` to the directory), the bytes (one ``Batch`` per node, each at most
-        ``MAX_BATCH_DATA_BYTES``; a larger block alone) and the commits (one ``Batch``).
+        ``Batch`` to the directory), the bytes (``Batch`` es of at most ``WRITE_BATCH_ITEMS`` blocks
+        and ``MAX_BATCH_DATA_BYTES`` to each node, all in flight together; a larger block alone) and the commits (one ``Batch``).
         ``results[i]`` answers ``blocks[i]`` exactly as ``put`` would, each block its own write
         lease, generation and steps. A parent must be committed before its child's write begins
         (the spec's rule): a chain's blocks written in one call are refused
@@ -805,33 +816,34 @@ class KvccClient:
             by_node.setdefault(wl.location.split(LOCATION_SEPARATOR, 1)[0], []).append(
                 (i, wl, self._write_request(wl, blocks[i][2])))
 
-        async def one_node(items: list[tuple[int, WriteLease, WriteBytes]]) -> None:
-            batches: list[list[tuple[int, WriteLease, WriteBytes]]] = [[]]
+        async def one_batch(batch: list[tuple[int, WriteLease, WriteBytes]]) -> None:
+            if len(batch) == 1 or any(len(m.data) > MAX_BATCH_DATA_BYTES for _, _, m in batch):
+                for i, wl, _ in batch:
+                    results[i] = await self.write_bytes(wl, blocks[i][2])
+                return
+            try:
+                reply = await self._to_peer(batch[0][1].location, Batch(tuple(m for _, _, m in batch)))
+            except ConnectionFailed as e:
+                for i, wl, _ in batch:
+                    results[i] = Refused(REASON_UNREACHABLE, f"{wl.location}: {e.code}")
+                return
+            if type(reply) is not Batched or len(reply.replies) != len(batch):
+                raise ConnectionFailed(f"a Batch of writes answered with {type(reply).__name__}", code="unexpected_reply")
+            for (i, wl, _), answer in zip(batch, reply.replies):
+                results[i] = self._write_answered(wl, answer)
+
+        batches: list[list[tuple[int, WriteLease, WriteBytes]]] = []
+        for items in by_node.values():  # per node, batches of at most WRITE_BATCH_ITEMS and MAX_BATCH_DATA_BYTES
+            batches.append([])
             carried = 0
             for item in items:
                 size = len(item[2].data)
-                if batches[-1] and (carried + size > MAX_BATCH_DATA_BYTES or len(batches[-1]) >= MAX_BATCH_ITEMS):
+                if batches[-1] and (carried + size > MAX_BATCH_DATA_BYTES or len(batches[-1]) >= WRITE_BATCH_ITEMS):
                     batches.append([])
                     carried = 0
                 batches[-1].append(item)
                 carried += size
-            for batch in batches:
-                if len(batch) == 1 or any(len(m.data) > MAX_BATCH_DATA_BYTES for _, _, m in batch):
-                    for i, wl, _ in batch:
-                        results[i] = await self.write_bytes(wl, blocks[i][2])
-                    continue
-                try:
-                    reply = await self._to_peer(batch[0][1].location, Batch(tuple(m for _, _, m in batch)))
-                except ConnectionFailed as e:
-                    for i, wl, _ in batch:
-                        results[i] = Refused(REASON_UNREACHABLE, f"{wl.location}: {e.code}")
-                    continue
-                if type(reply) is not Batched or len(reply.replies) != len(batch):
-                    raise ConnectionFailed(f"a Batch of writes answered with {type(reply).__name__}", code="unexpected_reply")
-                for (i, wl, _), answer in zip(batch, reply.replies):
-                    results[i] = self._write_answered(wl, answer)
-
-        await asyncio.gather(*(one_node(items) for items in by_node.values()))
+        await asyncio.gather(*(one_batch(b) for b in batches))  # all in flight together
         # The commits of every block stored; the rest given up, as ``put`` does.
         stored: list[tuple[int, WriteLease]] = []
         for i, wl in grants:

@@ -113,6 +113,7 @@ def location_id(node: NodeId, tier: str) -> LocationId:
 
 
 NODE_MAX_IN_FLIGHT = 8  # requests in flight per connection to a node (each may hold a block)
+NODE_BATCH_PARALLEL = 8  # a batch's items a node takes at once (each may hold a block)
 
 
 class CacheNode:
@@ -412,27 +413,38 @@ class CacheNode:
         raise PeerViolation(f"a node does not take {type(msg).__name__}", code="unexpected_message")
 
     async def _batch(self, tenant: str, msg: Batch) -> Batched:
-        """A chain's reads in one round trip (``Batch``): each item as if it came alone, in
-        order. Once the replies carry ``MAX_BATCH_DATA_BYTES`` of blocks, the reads left are
-        answered ``batch_full``, untouched: the holder reads them again."""
+        """Many blocks' reads or writes in one round trip (``Batch``): each item as if it came
+        alone, ``NODE_BATCH_PARALLEL`` at a time (as that many requests in flight would be).
+        Once the replies carry ``MAX_BATCH_DATA_BYTES`` of blocks, the reads left are answered
+        ``batch_full``, untouched: the holder asks for them again. Memory stays bounded by that
+        and one wave of blocks."""
         for i, item in enumerate(msg.items):
             if type(item) not in BATCH_NODE_KINDS:
-                raise PeerViolation(f"Batch item {i}: a node batches reads, not {type(item).__name__}",
+                raise PeerViolation(f"Batch item {i}: a node batches reads and writes, not {type(item).__name__}",
                                     code="unexpected_message")  # fmt: skip
         replies: list[Any] = []
         carried = 0
-        for item in msg.items:
+        items = list(msg.items)
+        for start in range(0, len(items), NODE_BATCH_PARALLEL):
+            wave = items[start : start + NODE_BATCH_PARALLEL]
             if carried >= MAX_BATCH_DATA_BYTES:
-                replies.append(ReadRefused(item.node, item.key, item.location, REASON_BATCH_FULL))
+                answers = [self._batch_full(item) if type(item) is ReadBytes else None for item in wave]
+                todo = [item for item, a in zip(wave, answers) if a is None]
+                done = iter(await asyncio.gather(*(self._handle(tenant, item) for item in todo)))
+                replies += [a if a is not None else next(done) for a in answers]
                 continue
-            reply = await self._handle(tenant, item)
-            if type(reply) is BytesRead:
-                if carried + len(reply.data) > MAX_BATCH_DATA_BYTES:
-                    reply = ReadRefused(item.node, item.key, item.location, REASON_BATCH_FULL)
-                else:
-                    carried += len(reply.data)
-            replies.append(reply)
+            for item, reply in zip(wave, await asyncio.gather(*(self._handle(tenant, item) for item in wave))):
+                if type(reply) is BytesRead:
+                    if carried + len(reply.data) > MAX_BATCH_DATA_BYTES:
+                        reply = self._batch_full(item)
+                    else:
+                        carried += len(reply.data)
+                replies.append(reply)
         return Batched(tuple(replies))
+
+    @staticmethod
+    def _batch_full(item: ReadBytes) -> ReadRefused:
+        return ReadRefused(item.node, item.key, item.location, REASON_BATCH_FULL)
 
     def _grant_problem(self, tenant: str, kind: str, msg: ReadBytes | WriteBytes, epoch: int) -> str | None:
         """Why ``tenant`` may not have ``msg`` done here: its grant is not the directory's grant

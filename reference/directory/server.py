@@ -400,9 +400,11 @@ class DirectoryServer:
         return reply
 
     def _batch(self, tenant: str, msg: Batch) -> Batched:
-        """Each item in order, exactly as if it had come alone (``Batch``). Every item is checked
-        first: one the directory does not batch, or one this credential may not send, refuses
-        the batch before any item changes state."""
+        """Each item in order, exactly as if it had come alone (``Batch``), at one directory time.
+        Every item is checked first: one the directory does not batch, or one this credential may
+        not send, refuses the batch before any item changes state. Their durable effects are
+        committed together (one transaction: a group commit), their steps logged and flushed
+        together, before the answer -- or anything an item sends -- leaves."""
         for i, item in enumerate(msg.items):
             if type(item) not in BATCH_DIRECTORY_KINDS:
                 names = ", ".join(k.__name__ for k in BATCH_DIRECTORY_KINDS)
@@ -415,11 +417,24 @@ class DirectoryServer:
         for item in msg.items:
             if type(item) is BeginWrite and parents.setdefault(item.key, item.parent) != item.parent:
                 raise PeerViolation(f"key {item.key.hex[:16]}… claimed under a second parent", code="key_identity")
-        self.stats["requests"] -= 1  # the items count, not the batch
+        self.stats["requests"] += len(msg.items) - 1  # the items count, not the batch
+        now_ms = self.now_ms()
+        replies: list[Any] = []
+        effects: list[Effect] = []
+        for item in msg.items:
+            reply, item_effects = self.core.handle(item, now_ms, tenant)
+            effects += item_effects
+            if self.counts is not None:
+                self.counts.replied(item, reply)
+            if self.grant_keys and type(reply) in (ReadLeaseGranted, LeaseRenewed, WriteLeaseGranted):
+                reply = self._with_grant(reply, tenant)  # the lease as this item left it
+            replies.append(reply)
         if self.events is None:
-            return Batched(tuple(self._handle_now(tenant, item) for item in msg.items))
-        with self.events.flushed_at_end():  # before the answer leaves (and before any push: _apply)
-            return Batched(tuple(self._handle_now(tenant, item) for item in msg.items))
+            self._apply(effects)
+        else:
+            with self.events.flushed_at_end():  # before the answer leaves (and before any push: _apply)
+                self._apply(effects)
+        return Batched(tuple(replies))
 
     def _with_grant(self, reply: Any, tenant: str) -> Any:
         """``reply`` with the data-plane grant of its lease to ``tenant``, valid until the
