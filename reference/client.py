@@ -121,8 +121,8 @@ from .wire import (
 log = logging.getLogger("kvcc.client")
 
 _GRANTED, _STORED, _ABORTED, _FENCED = "granted", "stored", "aborted", "fenced"  # a write lease's progress here
-READ_BATCH_ITEMS = 16  # reads per Batch in read_many; a node's batches are in flight together
-WRITE_BATCH_ITEMS = 16  # writes per Batch in put_many, likewise
+BATCH_ITEMS = 16  # blocks per Batch in read_many and put_many; a node's batches are in flight together
+BATCH_BYTES = 1 << 20  # ... and bytes per Batch, past its first block (known sizes: writes, reads into buffers)
 SYNC_CALL_TIMEOUT_S = 120.0  # SyncClient: longest any one call may take (WaitTicket included)
 
 
@@ -179,6 +179,23 @@ class PrefixHit:
 
     blocks: int
     locations: tuple[LocationId, ...]
+
+
+def _batches(items: list[Any], size: Any) -> list[list[Any]]:
+    """``items`` in order, cut into batches of at most ``BATCH_ITEMS`` and, past the first item,
+    ``BATCH_BYTES`` (``size(item)``: its block's bytes, 0 when unknown). A node's batches travel
+    together, each answered whole: big blocks go a few a batch, so that they stream as separate
+    frames instead of one frame built, sent and parsed before any of it is used."""
+    out: list[list[Any]] = []
+    carried = 0
+    for item in items:
+        n = size(item)
+        if not out or len(out[-1]) >= BATCH_ITEMS or carried + n > BATCH_BYTES:
+            out.append([])
+            carried = 0
+        out[-1].append(item)
+        carried += n
+    return out
 
 
 def _read_lease(t: Trust) -> ReadLease:
@@ -552,8 +569,8 @@ class KvccClient:
         return self._read_answered(lease, held, reply, out)
 
     async def read_many(self, leases: Sequence[ReadLease], outs: Sequence[Any] | None = None) -> list[bytes | int | Refused]:
-        """``read`` of each lease, one round trip per node (``Batch`` es of ``READ_BATCH_ITEMS``
-        reads to each node that holds some, all in flight at once): ``results[i]`` answers ``leases[i]`` exactly as
+        """``read`` of each lease, one round trip per node (``Batch`` es of at most ``BATCH_ITEMS``
+        reads and ``BATCH_BYTES`` of buffers to each node that holds some, all in flight at once): ``results[i]`` answers ``leases[i]`` exactly as
         ``read(leases[i], outs[i])`` would (``outs[i]`` may be ``None``: its bytes returned), except
         that a block longer than its buffer is ``Refused("miss")`` here, not a ``ValueError``."""
         if outs is not None and len(outs) != len(leases):
@@ -569,6 +586,13 @@ class KvccClient:
 
         async def one_batch(chunk: list[tuple[int, Trust]]) -> list[tuple[int, Trust]]:
             """Read ``chunk`` in one request; the reads answered ``batch_full``, to ask again."""
+            if len(chunk) == 1:  # one block: a plain read
+                i = chunk[0][0]
+                try:
+                    results[i] = await self.read(leases[i], None if outs is None else outs[i])
+                except ValueError as e:
+                    results[i] = Refused(REASON_MISS, str(e))
+                return []
             try:
                 reply = await self._to_peer(chunk[0][1].location, Batch(tuple(self._read_request(h) for _, h in chunk)))
             except ConnectionFailed as e:
@@ -593,9 +617,11 @@ class KvccClient:
                     results[i] = Refused(REASON_MISS, str(e))
             return again
 
+        sizes = [0] * len(leases) if outs is None else [0 if o is None else len(sink_bytes(o)) for o in outs]
+
         async def one_node(items: list[tuple[int, Trust]]) -> None:
             while items:  # batches of a node in flight together; what came back full, again
-                chunks = [items[p : p + READ_BATCH_ITEMS] for p in range(0, len(items), READ_BATCH_ITEMS)]
+                chunks = _batches(items, lambda item: sizes[item[0]])
                 items = [x for again in await asyncio.gather(*(one_batch(c) for c in chunks)) for x in again]
 
         await asyncio.gather(*(one_node(items) for items in by_node.values()))
@@ -772,8 +798,8 @@ class KvccClient:
 
     async def put_many(self, ns: Namespace | bytes, blocks: Sequence[tuple[BlockKey, BlockKey | None, Any]]) -> list[Committed | Refused]:
         """``put`` of each ``(key, parent, data)``, in three round trips: the write leases (one
-        ``Batch`` to the directory), the bytes (``Batch`` es of at most ``WRITE_BATCH_ITEMS`` blocks
-        and ``MAX_BATCH_DATA_BYTES`` to each node, all in flight together; a larger block alone) and the commits (one ``Batch``).
+        ``Batch`` to the directory), the bytes (``Batch`` es of at most ``BATCH_ITEMS`` blocks and
+        ``BATCH_BYTES`` to each node, all in flight together; a block above ``MAX_BATCH_DATA_BYTES`` alone) and the commits (one ``Batch``).
         ``results[i]`` answers ``blocks[i]`` exactly as ``put`` would, each block its own write
         lease, generation and steps. A parent must be committed before its child's write begins
         (the spec's rule): a chain's blocks written in one call are refused
@@ -832,17 +858,7 @@ class KvccClient:
             for (i, wl, _), answer in zip(batch, reply.replies):
                 results[i] = self._write_answered(wl, answer)
 
-        batches: list[list[tuple[int, WriteLease, WriteBytes]]] = []
-        for items in by_node.values():  # per node, batches of at most WRITE_BATCH_ITEMS and MAX_BATCH_DATA_BYTES
-            batches.append([])
-            carried = 0
-            for item in items:
-                size = len(item[2].data)
-                if batches[-1] and (carried + size > MAX_BATCH_DATA_BYTES or len(batches[-1]) >= WRITE_BATCH_ITEMS):
-                    batches.append([])
-                    carried = 0
-                batches[-1].append(item)
-                carried += size
+        batches = [b for items in by_node.values() for b in _batches(items, lambda item: len(item[2].data))]
         await asyncio.gather(*(one_batch(b) for b in batches))  # all in flight together
         # The commits of every block stored; the rest given up, as ``put`` does.
         stored: list[tuple[int, WriteLease]] = []
