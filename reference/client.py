@@ -54,7 +54,6 @@ from attrs import frozen
 
 from kvcc.spec.keys import BlockKey, LocationId, Namespace
 from kvcc.spec.vocabulary import (
-    LOCATION_SEPARATOR,
     REASON_ALREADY_LEASED,
     REASON_BATCH_FULL,
     REASON_BUSY,
@@ -69,6 +68,7 @@ from kvcc.spec.vocabulary import (
     REASON_UNREACHABLE,
     SCOPE_KEY,
     SCOPES,
+    location_host,
 )
 
 from .errors import ConnectionFailed
@@ -290,6 +290,13 @@ class KvccClient:
             raise ConnectionFailed(f"the directory failed {type(msg).__name__}: {reply.code}: {reply.text}", code=reply.code)
         return reply
 
+    async def _ask_batch(self, items: Sequence[Any]) -> tuple[Any, ...]:
+        """The directory's answers to ``items``, sent as one ``Batch``: ``answers[i]`` answers
+        ``items[i]``."""
+        reply = await self._ask(Batch(tuple(items)))
+        assert type(reply) is Batched and len(reply.replies) == len(items), reply
+        return reply.replies
+
     def _now_ns(self) -> int:
         return time.monotonic_ns() + self.clock_offset_ns
 
@@ -389,9 +396,7 @@ class KvccClient:
         hits: list[PrefixHit] = []
         for part in range(0, len(chains), MAX_BATCH_ITEMS):
             chunk = chains[part : part + MAX_BATCH_ITEMS]
-            reply = await self._ask(Batch(tuple(Lookup(digest, tuple(keys)) for keys in chunk)))
-            assert type(reply) is Batched and len(reply.replies) == len(chunk), reply
-            for answer in reply.replies:
+            for answer in await self._ask_batch([Lookup(digest, tuple(keys)) for keys in chunk]):
                 assert type(answer) is PrefixFound
                 hits.append(PrefixHit(answer.blocks_matched, answer.locations))
         return hits
@@ -435,7 +440,7 @@ class KvccClient:
         for part in range(0, len(asked), MAX_BATCH_ITEMS):
             chunk = asked[part : part + MAX_BATCH_ITEMS]
             try:
-                reply = await self._ask(Batch(tuple(Acquire(self.client_id, keys[i], digest, r) for i, r, _ in chunk)))
+                answers = await self._ask_batch([Acquire(self.client_id, keys[i], digest, r) for i, r, _ in chunk])
             except BaseException:
                 for i, r, _ in asked[part:]:
                     self._acquire_unanswered(keys[i], r)
@@ -444,8 +449,7 @@ class KvccClient:
                     with contextlib.suppress(Exception):
                         await self.release_many(granted)
                 raise
-            assert type(reply) is Batched and len(reply.replies) == len(chunk), reply
-            for (i, r, sent), answer in zip(chunk, reply.replies):
+            for (i, r, sent), answer in zip(chunk, answers):
                 results[i] = self._acquire_answered(keys[i], r, sent, answer)
         return results
 
@@ -550,7 +554,7 @@ class KvccClient:
             self._emit("release", key=lease.key, gen=lease.gen, lease=lease.lease)
         for i in range(0, len(gone), MAX_BATCH_ITEMS):
             part = gone[i : i + MAX_BATCH_ITEMS]
-            await self._ask(Batch(tuple(Release(self.client_id, lease.key, lease.lease) for lease in part)))
+            await self._ask_batch([Release(self.client_id, lease.key, lease.lease) for lease in part])
 
     def trusted(self, lease: ReadLease, now_ns: int | None = None) -> bool:
         now = self._now_ns() if now_ns is None else now_ns
@@ -582,7 +586,7 @@ class KvccClient:
             if isinstance(held, Refused):
                 results[i] = held
             else:
-                by_node.setdefault(held.location.split(LOCATION_SEPARATOR, 1)[0], []).append((i, held))
+                by_node.setdefault(location_host(held.location), []).append((i, held))
 
         async def one_batch(chunk: list[tuple[int, Trust]]) -> list[tuple[int, Trust]]:
             """Read ``chunk`` in one request; the reads answered ``batch_full``, to ask again."""
@@ -799,7 +803,8 @@ class KvccClient:
     async def put_many(self, ns: Namespace | bytes, blocks: Sequence[tuple[BlockKey, BlockKey | None, Any]]) -> list[Committed | Refused]:
         """``put`` of each ``(key, parent, data)``, in three round trips: the write leases (one
         ``Batch`` to the directory), the bytes (``Batch`` es of at most ``BATCH_ITEMS`` blocks and
-        ``BATCH_BYTES`` to each node, all in flight together; a block above ``MAX_BATCH_DATA_BYTES`` alone) and the commits (one ``Batch``).
+        ``BATCH_BYTES`` to each node, all in flight together; a block above
+        ``MAX_BATCH_DATA_BYTES`` alone) and the commits (one ``Batch``).
         ``results[i]`` answers ``blocks[i]`` exactly as ``put`` would, each block its own write
         lease, generation and steps. A parent must be committed before its child's write begins
         (the spec's rule): a chain's blocks written in one call are refused
@@ -820,26 +825,25 @@ class KvccClient:
         grants: list[tuple[int, WriteLease]] = []
         for part in range(0, len(asked), MAX_BATCH_ITEMS):
             chunk = asked[part : part + MAX_BATCH_ITEMS]
-            msgs = tuple(BeginWrite(self.client_id, blocks[i][0], digest, blocks[i][1], r) for i, r, _ in chunk)
             try:
-                reply = await self._ask(Batch(msgs))
+                answers = await self._ask_batch([BeginWrite(self.client_id, blocks[i][0], digest, blocks[i][1], r)
+                                                 for i, r, _ in chunk])  # fmt: skip
             except BaseException:
                 for i, r, _ in asked[part:]:
                     self._begin_write_unanswered(blocks[i][0], r)
                 for _, wl in grants:
                     self.abort(wl)
                 raise
-            assert type(reply) is Batched and len(reply.replies) == len(chunk), reply
-            for (i, r, sent), answer in zip(chunk, reply.replies):
+            for (i, r, sent), answer in zip(chunk, answers):
                 got = self._begin_write_answered(blocks[i][0], digest, blocks[i][1], r, sent, answer)
                 if isinstance(got, Refused):
                     results[i] = got
                 else:
                     grants.append((i, got))
-        # The bytes: one batch per node, bounded by the batch's data.
+        # The bytes: batches to each node (``_batches``), all in flight together.
         by_node: dict[str, list[tuple[int, WriteLease, WriteBytes]]] = {}
         for i, wl in grants:
-            by_node.setdefault(wl.location.split(LOCATION_SEPARATOR, 1)[0], []).append(
+            by_node.setdefault(location_host(wl.location), []).append(
                 (i, wl, self._write_request(wl, blocks[i][2])))
 
         async def one_batch(batch: list[tuple[int, WriteLease, WriteBytes]]) -> None:
@@ -873,9 +877,8 @@ class KvccClient:
                 stored.append((i, wl))
         for part in range(0, len(stored), MAX_BATCH_ITEMS):
             chunk = stored[part : part + MAX_BATCH_ITEMS]
-            reply = await self._ask(Batch(tuple(Commit(self.client_id, wl.key, wl.lease, wl.gen, wl.epoch) for _, wl in chunk)))
-            assert type(reply) is Batched and len(reply.replies) == len(chunk), reply
-            for (i, wl), answer in zip(chunk, reply.replies):
+            answers = await self._ask_batch([Commit(self.client_id, wl.key, wl.lease, wl.gen, wl.epoch) for _, wl in chunk])
+            for (i, wl), answer in zip(chunk, answers):
                 results[i] = self._commit_answered(wl, answer)
         return results
 
@@ -905,15 +908,14 @@ class KvccClient:
                 pwl = pending[1]
                 items = (Commit(self.client_id, pwl.key, pwl.lease, pwl.gen, pwl.epoch), *items)
             try:
-                reply = await self._ask(Batch(items))
+                answers = await self._ask_batch(items)
             except BaseException:
                 self._begin_write_unanswered(key, request)
                 raise
-            assert type(reply) is Batched and len(reply.replies) == len(items), reply
             if pending is not None:
-                results[pending[0]] = self._commit_answered(pending[1], reply.replies[0])
+                results[pending[0]] = self._commit_answered(pending[1], answers[0])
                 pending = None
-            wl = self._begin_write_answered(key, digest, parent, request, sent, reply.replies[-1])
+            wl = self._begin_write_answered(key, digest, parent, request, sent, answers[-1])
             if isinstance(wl, Refused):
                 results[i] = wl
                 if wl.reason != REASON_NOT_ABSENT:

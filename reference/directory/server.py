@@ -380,20 +380,14 @@ class DirectoryServer:
                 nodes = sorted(n for n, m in self._members.items() if m.address)[:MAX_LOOKUP_KEYS]
                 return NodeList(tuple(nodes), tuple(self._members[n].address for n in nodes))
             case Transfer():
-                reply = self._transfer(tenant, msg)
-                if self.counts is not None:
-                    self.counts.replied(msg, reply)
-                return reply
+                return self._answer(msg, self._transfer(tenant, msg), tenant)
             case Free():
                 raise PeerViolation("Free is a directive, not a request", code="unexpected_message")
             case Batch():
                 return self._batch(tenant, msg)
         reply, effects = self.core.handle(msg, self.now_ms(), tenant)
         self._apply(effects)
-        if self.counts is not None:
-            self.counts.replied(msg, reply)
-        if self.grant_keys and type(reply) in (ReadLeaseGranted, LeaseRenewed, WriteLeaseGranted):
-            reply = self._with_grant(reply, tenant)
+        reply = self._answer(msg, reply, tenant)
         if reply is None:
             assert type(msg) in (RevokeAcked, Copied, Freed)
             return Noted({RevokeAcked: "revoke_acked", Copied: "copied", Freed: "freed"}[type(msg)])
@@ -424,17 +418,21 @@ class DirectoryServer:
         for item in msg.items:
             reply, item_effects = self.core.handle(item, now_ms, tenant)
             effects += item_effects
-            if self.counts is not None:
-                self.counts.replied(item, reply)
-            if self.grant_keys and type(reply) in (ReadLeaseGranted, LeaseRenewed, WriteLeaseGranted):
-                reply = self._with_grant(reply, tenant)  # the lease as this item left it
-            replies.append(reply)
+            replies.append(self._answer(item, reply, tenant))  # its grant: the lease as this item left it
         if self.events is None:
             self._apply(effects)
         else:
             with self.events.flushed_at_end():  # before the answer leaves (and before any push: _apply)
                 self._apply(effects)
         return Batched(tuple(replies))
+
+    def _answer(self, msg: Any, reply: Any, tenant: str) -> Any:
+        """The core's ``reply`` to ``msg`` as it leaves: counted, and a lease's with its grant."""
+        if self.counts is not None:
+            self.counts.replied(msg, reply)
+        if self.grant_keys and type(reply) in (ReadLeaseGranted, LeaseRenewed, WriteLeaseGranted):
+            return self._with_grant(reply, tenant)
+        return reply
 
     def _with_grant(self, reply: Any, tenant: str) -> Any:
         """``reply`` with the data-plane grant of its lease to ``tenant``, valid until the
