@@ -32,16 +32,16 @@ projection in trace validation, whose cost grows with them; the fault thread the
 every node has registered again), and with ``--backend etcd`` kill -9 and restart of the etcd
 member (same cap). By default the clients keep running while the directory dies (requests in
 flight are lost: the client logs ``abandon`` or ``abort`` for each, as the spec's holder and writer
-give them up); ``--quiesce-directory-restarts`` holds their operations meanwhile, which keeps the
-trace clear of the known directory issue below (``KNOWN_REJECTIONS``).
+give them up); ``--quiesce-directory-restarts`` holds their operations meanwhile. A directory
+killed after a step is durable and before its line is logged loses no line: the restarted one
+appends the lines its store kept with the step (``events.append_missing``; this soak found it).
 
 After the run the faults stop, every process is up, the cluster settles for two lease terms, and
 a fresh client checks every key that ever had an acknowledged commit. Then every process stops
 and the merged event trace of the run (every process's log, the clients' and the fault
 injector's crash events), written to ``<workdir>/cluster/trace.ndjson``, is replayed through the
 spec by the trace validator in a child process stopped after ``--validate-timeout`` seconds
-(then INCONCLUSIVE, ``time_limit``). A REJECTED verdict that matches a known, unfixed reference
-issue (``KNOWN_REJECTIONS``) is named in ``trace.known_issue``; it still fails the run.
+(then INCONCLUSIVE, ``time_limit``). A REJECTED verdict fails the run.
 
 What "lost" means
 -----------------
@@ -652,7 +652,6 @@ def soak(
     t4 = time.perf_counter()
     trace = validate(cluster, validate_timeout_s)
     timings["validate_s"] = time.perf_counter() - t4
-    trace["known_issue"] = known_rejection(trace)
     if trace["status"] in ("REJECTED", "ERROR"):
         run.problem(f"the trace was REJECTED: {trace.get('code')}: {trace.get('reason')}"[:400])
     timings["total_s"] = time.perf_counter() - t0
@@ -690,25 +689,6 @@ def validate(cluster: LocalCluster, timeout_s: float) -> dict[str, Any]:
     if v["status"] != "ACCEPTED":
         out.update(code=v["code"], reason=v["reason"], event_index=v["event_index"], event=v["event"])
     return out
-
-
-# Rejections this soak has found in the reference and that are not fixed yet (their diagnosis is in
-# the report that added this module): each a signature of the verdict, and what it is.
-KNOWN_REJECTIONS = (
-    ("directory_step_committed_unlogged",
-     lambda v: (v.get("event") or {}).get("node") == "directory" and (v.get("event") or {}).get("incarnation", 1) > 1
-     and (v.get("event") or {}).get("event") in ("retry_free", "free_acked", "complete_invalidation",
-                                                  "expire_write_lease"),
-     "a directory killed between committing a step to its durable log and logging it (an invalidation, "
-     "a write lease granted): the restarted directory acts on state the trace never showed"),
-)  # fmt: skip
-
-
-def known_rejection(trace: dict[str, Any]) -> str | None:
-    """The name of the known reference issue a REJECTED verdict matches, if any."""
-    if trace.get("status") != "REJECTED":
-        return None
-    return next((name for name, matches, _ in KNOWN_REJECTIONS if matches(trace)), None)
 
 
 def write_merged_trace(events_dir: Path, path: Path) -> int:

@@ -105,7 +105,9 @@ class EventLog:
         self._monotonic_ns = monotonic_ns
         self._wall_ns = wall_ns
         self._lock = threading.Lock()
-        self._seq = 0
+        self._seq = 0  # the last line's number, staged or written
+        self._written_seq = 0
+        self._staged_from = (0, 0)  # the stamps before the first line still staged
         self._last_local_ns = 0
         self._last_wall_ns = 0
         self._closed = False
@@ -126,6 +128,47 @@ class EventLog:
         late_ns: int | Callable[[], int] = 0,
         **fields: Any,
     ) -> dict[str, Any]:
+        with self._lock:
+            record, line = self._stage(event, key, gen, epoch, lease, result, late_ns, fields)
+            self._write(line)
+        return record
+
+    def stage(
+        self,
+        event: str,
+        *,
+        key: BlockKey | str | None = None,
+        gen: int | None = None,
+        epoch: int | None = None,
+        lease: int | None = None,
+        result: str | None = None,
+        late_ns: int | Callable[[], int] = 0,
+        **fields: Any,
+    ) -> str:
+        """``emit``'s line, stamped and numbered now but not written: the caller writes it with
+        ``write_staged`` (after making it durable with the step it logs: the directory's
+        ``events tail``), or gives it up with ``discard_staged`` (the step did not happen).
+        Nothing else may be emitted or staged on this log in between (one thread: the
+        directory's event loop)."""
+        with self._lock:
+            return self._stage(event, key, gen, epoch, lease, result, late_ns, fields)[1]
+
+    def write_staged(self, lines: Iterable[str]) -> None:
+        """Write lines ``stage`` returned, in their order (flushed unless ``flush_each_line`` is off)."""
+        with self._lock:
+            for line in lines:
+                self._write(line)
+
+    def discard_staged(self, count: int) -> None:
+        """Give up the last ``count`` staged lines (none was written, nothing staged since): their
+        numbers are used again, so the log stays contiguous."""
+        with self._lock:
+            if count:
+                self._seq -= count
+                self._last_local_ns, self._last_wall_ns = self._staged_from
+
+    def _stage(self, event: str, key: Any, gen: Any, epoch: Any, lease: Any, result: Any,
+               late_ns: int | Callable[[], int], fields: dict[str, Any]) -> tuple[dict[str, Any], str]:  # fmt: skip
         if event not in _EVENT_SET:
             raise ProtocolViolation(f"{event!r} is not a spec action that a process logs (see EVENTS)")
         clash = set(fields) & set(STANDARD_FIELDS)
@@ -138,39 +181,43 @@ class EventLog:
                 BlockKey.from_hex(key)  # 64 lowercase hex digits
             except ValueError as e:
                 raise ProtocolViolation(f"event {event!r}: {e}") from None
-        with self._lock:
-            if self._closed:
-                raise ProtocolViolation("emit on a closed EventLog")
-            t_local, t_wall = self._monotonic_ns(), self._wall_ns()
-            if callable(late_ns):  # how late, measured now that this line's clocks are read
-                late_ns = late_ns()
-            if late_ns > 0:  # back to the due time, but not before the previous line
-                t_local = max(t_local - late_ns, min(self._last_local_ns, t_local))
-                t_wall = max(t_wall - late_ns, min(self._last_wall_ns, t_wall))
-            record: dict[str, Any] = {
-                "node": self.node_id,
-                "incarnation": self.incarnation,
-                "seq": self._seq + 1,
-                "t_local_ns": t_local,
-                "t_wall_ns": t_wall,
-                "event": event,
-                "key": key,
-                "gen": gen,
-                "epoch": epoch,
-                "lease": lease,
-                "result": result,
-                **fields,
-            }
-            try:
-                line = json.dumps(record, default=_json_default, separators=(",", ":"), allow_nan=False)
-            except (TypeError, ValueError) as e:
-                raise ProtocolViolation(f"event {event!r}: {e}") from None
-            self._stream.write(line + "\n")  # one write per line: lines never interleave
-            if self.flush_each_line:
-                self._stream.flush()
-            self._seq += 1
-            self._last_local_ns, self._last_wall_ns = t_local, t_wall
-        return record
+        if self._closed:
+            raise ProtocolViolation("emit on a closed EventLog")
+        t_local, t_wall = self._monotonic_ns(), self._wall_ns()
+        if callable(late_ns):  # how late, measured now that this line's clocks are read
+            late_ns = late_ns()
+        if late_ns > 0:  # back to the due time, but not before the previous line
+            t_local = max(t_local - late_ns, min(self._last_local_ns, t_local))
+            t_wall = max(t_wall - late_ns, min(self._last_wall_ns, t_wall))
+        record: dict[str, Any] = {
+            "node": self.node_id,
+            "incarnation": self.incarnation,
+            "seq": self._seq + 1,
+            "t_local_ns": t_local,
+            "t_wall_ns": t_wall,
+            "event": event,
+            "key": key,
+            "gen": gen,
+            "epoch": epoch,
+            "lease": lease,
+            "result": result,
+            **fields,
+        }
+        try:
+            line = json.dumps(record, default=_json_default, separators=(",", ":"), allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise ProtocolViolation(f"event {event!r}: {e}") from None
+        if self._seq == self._written_seq:
+            self._staged_from = (self._last_local_ns, self._last_wall_ns)
+        self._seq += 1
+        self._last_local_ns, self._last_wall_ns = t_local, t_wall
+        return record, line
+
+    def _write(self, line: str) -> None:
+        self._stream.write(line + "\n")  # one write per line: lines never interleave
+        if self.flush_each_line:
+            self._stream.flush()
+        self._written_seq += 1
 
     def flush(self) -> None:
         with self._lock:
@@ -206,6 +253,39 @@ class EventLog:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def append_missing(path: str | os.PathLike[str], lines: Iterable[str]) -> int:
+    """Append to the log file ``path`` those of ``lines`` -- one log's last lines, as ``stage``
+    made them and a durable store kept them with the step they log (the directory's events tail)
+    -- that the file lacks: the ones numbered past the last line of their ``(node,
+    incarnation)`` in it. A process killed after its step was durable but before its line was
+    written loses no line this way. A torn last line (killed mid-write) is cut first. Returns how
+    many were appended. Call it before anything else writes to ``path``."""
+    wanted = [(json.loads(line), line) for line in lines]
+    if not wanted:
+        return 0
+    log = (wanted[0][0]["node"], wanted[0][0]["incarnation"])
+    if any((r["node"], r["incarnation"]) != log for r, _ in wanted):
+        raise ValueError("the lines of more than one log")
+    last = 0
+    with open(path, "a+b") as f:
+        f.seek(0)
+        data = f.read()
+        end = data.rfind(b"\n") + 1
+        if end < len(data):
+            f.truncate(end)  # a torn last line: its whole form is in ``lines``, or it never counted
+        prefix = f'{{"node":{json.dumps(log[0])},"incarnation":{log[1]},"seq":'.encode()
+        at = data.rfind(prefix, 0, end)
+        while at > 0 and data[at - 1 : at] != b"\n":
+            at = data.rfind(prefix, 0, at)
+        if at >= 0:
+            last = json.loads(data[at : data.index(b"\n", at)])["seq"]
+        missing = [line for r, line in wanted if r["seq"] > last]
+        f.seek(0, os.SEEK_END)
+        f.write("".join(line + "\n" for line in missing).encode())
+        f.flush()
+    return len(missing)
 
 
 def _check_record(record: Any, where: str) -> None:

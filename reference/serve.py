@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -290,19 +291,21 @@ async def serve_directory(config: ClusterConfig, *, state: Path, host: str, port
                           metrics_port: int | None = None) -> None:  # fmt: skip
     from .directory.core import DirectoryConfig
     from .directory.server import DirectoryServer
+    from .events import append_missing
 
     check_metrics_port(metrics_port)
     config.check_serving(host, *([metrics_host] if metrics_port is not None else []))  # before the store opens
     store = open_store(backend, state, etcd_endpoints, etcd_prefix)
     cfg = DirectoryConfig(lease_term_ms=config.lease_term_ms, skew_ms=config.skew_ms)
     factory = None if not events else (lambda incarnation: _event_log(events, "directory", incarnation))
+    recover = None if not events else functools.partial(append_missing, events)
     counts = None
     if metrics_port is not None:
         from .metrics import DirectoryCounts
 
         counts = DirectoryCounts()
-    server = DirectoryServer(cfg, config.tenants, store, host=host, port=port, events_factory=factory, counts=counts,
-                             limits=config.transport, tls=config.tls)  # fmt: skip
+    server = DirectoryServer(cfg, config.tenants, store, host=host, port=port, events_factory=factory,
+                             recover_events=recover, counts=counts, limits=config.transport, tls=config.tls)  # fmt: skip
     endpoint = None
     try:
         await server.start()

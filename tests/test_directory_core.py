@@ -10,6 +10,7 @@ on what the simulated holders trust and the simulated locations hold.
 from __future__ import annotations
 
 import io
+import json
 import os
 import shutil
 import tempfile
@@ -418,6 +419,63 @@ def test_a_step_is_stamped_at_its_arrival_however_long_its_durable_commit_takes(
     ]
 
 
+def test_a_journaled_step_commits_its_lines_writes_them_after_and_gives_them_up_if_the_commit_fails(tmp_path):
+    """``CoreHost`` with a journal: a step with durable effects is staged, committed with its
+    lines, then written; a commit that raises writes nothing and frees the lines' numbers; a
+    step with nothing durable is logged at once. ``append_missing`` appends the committed lines
+    a killed log lacks, after cutting a torn last line, and only those."""
+    from kvcc.reference.events import append_missing, read_events
+
+    clock = [5_000_000]
+    path = tmp_path / "directory.ndjson"
+    log = EventLog(path, "directory", 1, monotonic_ns=lambda: clock[0], wall_ns=lambda: clock[0])
+    committed: list[list[str]] = []
+    fail = [False]
+
+    def commit(durable, lines=None):
+        if fail[0]:
+            raise OSError("the store failed")
+        assert lines is not None, "a journaled commit carries its lines"
+        committed.append(list(lines))
+        assert path.read_text().count("\n") == log.last_seq - len(lines), "written only after the commit"
+
+    class Journal:
+        def stage(self, e, late):
+            return log.stage(e.event, late_ns=late, **dict(e.fields))
+
+        def write(self, lines):
+            log.write_staged(lines)
+
+        def discard(self, lines):
+            log.discard_staged(len(lines))
+
+    host = CoreHost(DirectoryCore(CFG, authorize), commit=commit, journal=Journal(), monotonic_ns=lambda: clock[0],
+                    emit=lambda e, late: log.emit(e.event, late_ns=late, **dict(e.fields)))  # fmt: skip
+    grant, _ = host.handle(wire.BeginWrite("w", A0, NAMESPACE[A0], None, 1), "t-all")
+    assert len(committed) == 1 and json.loads(committed[0][0])["event"] == "grant_write_lease"
+    fail[0] = True
+    with pytest.raises(OSError):
+        host.handle(wire.Commit("w", A0, grant.lease, grant.gen, grant.epoch), "t-all")
+    fail[0] = False
+    assert log.last_seq == 1, "the failed step's number is free again"
+    host.handle(wire.BeginWrite("w", B0, NAMESPACE[B0], None, 3), "t-all")  # (the core is not the log's now)
+    assert json.loads(committed[-1][0])["seq"] == 2
+    log.close()
+    assert [e["seq"] for e in read_events(path)] == [1, 2]
+
+    # A log killed after its last commit, mid-line: the torn line is cut and the line appended.
+    text = path.read_text()
+    path.write_text(text[: text.rindex("\n", 0, len(text) - 1) + 1] + committed[-1][0][:20])
+    assert append_missing(path, committed[-1]) == 1
+    assert path.read_text() == text
+    assert append_missing(path, committed[-1]) == 0, "a line already there is not appended again"
+    later = EventLog(path, "directory", 2, monotonic_ns=lambda: clock[0], wall_ns=lambda: clock[0])
+    later.emit("restart_directory")
+    later.close()
+    assert append_missing(path, committed[0]) == 0, "the next incarnation's lines do not hide the old ones"
+    assert [(e["incarnation"], e["seq"]) for e in read_events(path)] == [(1, 1), (1, 2), (2, 1)]
+
+
 def test_a_step_is_stamped_when_taken_however_long_the_log_makes_it_wait():
     """The kit's logs share one clock behind a lock; on a loaded machine a line waited 538 ms for
     it after the host had measured how late the step was, and was stamped 538 ms after the step
@@ -824,7 +882,7 @@ class _SlowStore:
     def __init__(self, clock: list[int], commit_ms: int) -> None:
         self.clock, self.commit_ms = clock, commit_ms
 
-    def commit(self, effects) -> int:
+    def commit(self, effects, *, events_tail=None) -> int:
         self.clock[0] += self.commit_ms * 1_000_000
         return 1
 

@@ -189,6 +189,32 @@ def test_bad_input_raises_typed_errors_and_changes_nothing(directory_store_facto
     assert {r.key: r for r in loaded.records} == {A0: rec} and loaded.next_lease_id == limit + 1
 
 
+def test_the_events_tail_is_kept_with_its_commit(directory_store_factory):
+    """The event-log lines committed with a step come back with the log (``Loaded.events_tail``),
+    replaced by the next commit that has lines, kept by one without; bad lines change nothing."""
+    f = directory_store_factory
+    store = f.open()
+    assert store.load().events_tail == ()
+    limit = store.lease_id_limit
+    store.commit([ReserveLeaseIds(limit + 1)], events_tail=["a", "b"])
+    assert f.open().load().events_tail == ("a", "b")
+    store = f.open()
+    store.load()
+    big = ["x" * 1000 + str(i) for i in range(700)]  # 700 KB: more than one piece on etcd
+    store.commit([ReserveLeaseIds(limit + 2)], events_tail=big)
+    store.commit([ReserveLeaseIds(limit + 3)])  # no lines: the tail stays
+    assert f.open().load().events_tail == tuple(big)
+    store = f.open()
+    store.load()
+    store.commit([ReserveLeaseIds(limit + 4)], events_tail=["c"])  # fewer pieces than before
+    before = f.fingerprint()
+    for bad in ("line", ["two\nlines"], [""], [b"bytes"], [7]):
+        with pytest.raises(InvalidEffect):
+            store.commit([ReserveLeaseIds(limit + 5)], events_tail=bad)
+    assert f.fingerprint() == before
+    assert f.open().load().events_tail == ("c",)
+
+
 _CHILD = textwrap.dedent(
     """
     import json, sys

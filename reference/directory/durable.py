@@ -26,7 +26,7 @@ the directory must restart from ``load``).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, ClassVar, Union
 
 from attrs import frozen
@@ -64,6 +64,7 @@ __all__ = [
     "Deposed",
     "OwnerAlive",
     "StoreFailed",
+    "events_tail_text",
     "record_row",
     "record_from_row",
     "ticket_row",
@@ -138,7 +139,10 @@ class Loaded:
     its grace).
     ``lease_horizon_ms``: how long, from the load, a lease granted by an earlier incarnation may
     still run (on the store's clock; add the skew), when the store mirrors leases and knows it;
-    ``None`` when it does not (assume the full restart grace)."""
+    ``None`` when it does not (assume the full restart grace).
+    ``events_tail``: the event-log lines committed with the last step that had any (``commit(...,
+    events_tail=)``): the restarted directory appends those its predecessor's log lacks
+    (``events.append_missing``)."""
 
     records: tuple[Record, ...]
     next_lease_id: int
@@ -147,6 +151,7 @@ class Loaded:
     incarnation: int
     fresh: bool
     lease_horizon_ms: int | None = None
+    events_tail: tuple[str, ...] = ()
 
 
 # -- rows -----------------------------------------------------------------------------------------
@@ -314,6 +319,16 @@ def ticket_from_row(row: Mapping[str, Any], where: str = "ticket") -> Ticket:
 
 
 # -- commit input ---------------------------------------------------------------------------------
+
+
+def events_tail_text(lines: Sequence[str] | None) -> str:
+    """``commit``'s ``events_tail`` as one text (lines joined by newlines; empty for none);
+    ``InvalidEffect`` for anything but lines of text without a newline."""
+    if not lines:
+        return ""
+    if isinstance(lines, (str, bytes)) or any(type(line) is not str or not line or "\n" in line for line in lines):
+        raise InvalidEffect("events_tail: a sequence of lines of text, each without a newline")
+    return "\n".join(lines)
 
 
 def durable_effects(effects: Iterable[Any]) -> list[DurableEffect]:

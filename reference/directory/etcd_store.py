@@ -21,6 +21,8 @@ by watching etcd. Every value is canonical CBOR (``kvcc.spec.keys.cbor_encode``)
 ``P/rec/<key hex>``                   a record row (``durable.record_row``)
 ``P/ticket/<n, 20 digits>``           a ticket row (``durable.ticket_row``)
 ``P/journal/<jid>/<i>``               a batch too large for one transaction (below)
+``P/events_tail/<i, 8 digits>``       the event-log lines of the last commit that logged any,
+                                      in pieces, put in that commit (``Loaded.events_tail``)
 ``P/leases/<etcd lease id, hex>``     ``{"incarnation", "ttl_s"}``, attached to a bucket lease
 ====================================  ========================================================
 
@@ -128,6 +130,7 @@ from .durable import (
     StoreCorrupt,
     StoreFailed,
     durable_effects,
+    events_tail_text,
     record_from_row,
     record_row,
     ticket_from_row,
@@ -203,6 +206,7 @@ class _Keys:
         self.rec = f"{p}/rec/".encode()
         self.ticket = f"{p}/ticket/".encode()
         self.journal = f"{p}/journal/".encode()
+        self.events_tail = f"{p}/events_tail/".encode()
         self.leases = f"{p}/leases/".encode()
 
     def record(self, key: BlockKey) -> bytes:
@@ -210,6 +214,9 @@ class _Keys:
 
     def ticket_key(self, n: int) -> bytes:
         return self.ticket + f"{n:0{TICKET_DIGITS}d}".encode()
+
+    def events_tail_chunk(self, i: int) -> bytes:
+        return self.events_tail + f"{i:08d}".encode()
 
     def journal_chunk(self, jid: str, i: int) -> bytes:
         return self.journal + f"{jid}/{i:08d}".encode()
@@ -382,6 +389,7 @@ class EtcdDirectoryStore:
         self._owner_value = b""
         self._commit_rev = 0
         self._seq = 0
+        self._tail_pieces = 0  # how many events_tail/<i> keys the log holds
         self._incarnation = 0
         self._lease_id_limit: int | None = None  # the durable values, as we last wrote or read them
         self._ticket_high_water: int | None = None
@@ -425,6 +433,7 @@ class EtcdDirectoryStore:
         records: list[Record] = []
         tickets: list[Ticket] = []
         markers: list[KeyValue] = []
+        tail_pieces: list[tuple[bytes, bytes]] = []
         orphans = False
         for key, item in state.items():
             if key.startswith(k.rec):
@@ -438,8 +447,17 @@ class EtcdDirectoryStore:
                 markers.append(item)
             elif key.startswith(k.journal):
                 orphans = True  # a journal being applied was applied by _take_over: these were never committed
+            elif key.startswith(k.events_tail):
+                tail_pieces.append((key, item.value))
         if orphans:
             self._fenced_txn([Op.delete(k.journal, prefix=True)], advances=None)
+        tail_pieces.sort()
+        self._tail_pieces = len(tail_pieces)
+        try:
+            text = b"".join(v for _, v in tail_pieces).decode()
+        except UnicodeDecodeError:
+            raise StoreCorrupt(f"{k.events_tail.decode()}: not text", where=k.events_tail.decode()) from None
+        tail = tuple(text.split("\n")) if text else ()
         records.sort(key=lambda r: r.key)
         tickets.sort(key=lambda t: t.ticket)
         fresh = not records and not tickets and self._lease_id_limit is None
@@ -448,7 +466,8 @@ class EtcdDirectoryStore:
         # A first start: the open and this load are the log's first two incarnations. A restart
         # with an empty log is a restart still (spec: restart_directory, its grace).
         first = fresh and self._incarnation <= FIRST_LOAD_INCARNATION
-        return Loaded(tuple(records), self.lease_id_limit, tuple(tickets), next_ticket, self._incarnation, first, horizon)
+        return Loaded(tuple(records), self.lease_id_limit, tuple(tickets), next_ticket, self._incarnation, first, horizon,
+                      events_tail=tail)  # fmt: skip
 
     def _lease_horizon(self, markers: list[KeyValue], fresh: bool) -> int | None:
         """``Loaded.lease_horizon_ms`` (see "Read leases" in the module docstring)."""
@@ -629,16 +648,22 @@ class EtcdDirectoryStore:
                 raise InvalidEffect(f"{key.decode()}: {len(value)} bytes, over the {VALUE_MAX_BYTES} an etcd value may hold")
         return ops, limit, high
 
-    def commit(self, effects: Iterable[Effect]) -> int:
+    def commit(self, effects: Iterable[Effect], *, events_tail: Sequence[str] | None = None) -> int:
         """Make every durable effect of ``effects`` durable, in one etcd transaction (or, for a
         batch over etcd's limits, one journal commit point); the others are skipped. Returns how
-        many were written. Call it before anything of the same call is sent. Raises
+        many were written. Call it before anything of the same call is sent. ``events_tail``: the
+        event-log lines of the call's steps, kept with them (replacing the last ones) when there
+        are any (``events_tail/<i>``, in pieces of at most ``JOURNAL_CHUNK_BYTES``). Raises
         ``InvalidEffect`` (nothing written), ``Deposed`` (nothing written), ``StoreFailed``."""
         durable = durable_effects(effects)  # InvalidEffect before anything is written
+        tail = events_tail_text(events_tail).encode()
         self._usable()
         if not durable:
             return 0
         ops, limit, high = self._ops(durable)
+        pieces = [tail[i : i + JOURNAL_CHUNK_BYTES] for i in range(0, len(tail), JOURNAL_CHUNK_BYTES)]
+        for i in range(max(len(pieces), self._tail_pieces) if pieces else 0):
+            ops[self._keys.events_tail_chunk(i)] = pieces[i] if i < len(pieces) else None
         if ops:
             items = list(ops.items())
             if len(items) + 1 <= self._max_txn_ops and _size(items) + TXN_OVERHEAD_BYTES <= self._max_txn_bytes:
@@ -649,6 +674,7 @@ class EtcdDirectoryStore:
             else:
                 self._commit_journal(items)
         self._lease_id_limit, self._ticket_high_water = limit, high
+        self._tail_pieces = len(pieces) or self._tail_pieces
         return len(durable)
 
     def _commit_record(self, journal: int, jid: str) -> bytes:

@@ -38,16 +38,28 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from .core import DURABLE_EFFECTS, DirectoryCore, Effect, Emit
 
 
+class Journal(Protocol):
+    """Where a host with durable steps logs them (see ``CoreHost``)."""
+
+    def stage(self, e: Emit, late_ns: Callable[[], int]) -> str | None: ...
+    def write(self, lines: list[str]) -> None: ...
+    def discard(self, lines: list[str]) -> None: ...
+
+
 class CoreHost:
-    """``CoreHost(core, *, commit=None, emit=None, monotonic_ns=time.monotonic_ns)`` (see the
-    module docstring). ``commit(durable_effects)``: make them durable (``None``: nothing is);
-    ``emit(Emit, late_ns)``: log one spec action, stamped ``late_ns`` earlier -- a function the
-    log calls once it has read its clocks (``EventLog.emit``) -- (``None``: nothing is logged)."""
+    """``CoreHost(core, *, commit=None, emit=None, journal=None, monotonic_ns=time.monotonic_ns)``
+    (see the module docstring). ``commit(durable_effects)``: make them durable (``None``: nothing
+    is); ``emit(Emit, late_ns)``: log one spec action, stamped ``late_ns`` earlier -- a function
+    the log calls once it has read its clocks (``EventLog.emit``) -- (``None``: nothing is
+    logged). ``journal``: a step with durable effects is then staged (``journal.stage(Emit,
+    late_ns)``: its line, or ``None`` for none), committed with its lines (``commit(durable,
+    lines)``) and written (``journal.write(lines)``); a commit that raises gives them up
+    (``journal.discard(lines)``)."""
 
     def __init__(
         self,
@@ -55,11 +67,13 @@ class CoreHost:
         *,
         commit: Callable[[list[Effect]], Any] | None = None,
         emit: Callable[[Emit, Callable[[], int]], Any] | None = None,
+        journal: Journal | None = None,
         monotonic_ns: Callable[[], int] = time.monotonic_ns,
     ) -> None:
         self.core = core
         self._commit = commit
         self._emit = emit
+        self._journal = journal
         self._monotonic_ns = monotonic_ns
         self._start_ns = self._read_ns = monotonic_ns()
 
@@ -98,6 +112,8 @@ class CoreHost:
     def record(self, effects: Sequence[Effect]) -> list[Effect]:
         """Commit the durable effects, then log the spec steps, in order; the directives, in order."""
         durable = [e for e in effects if isinstance(e, DURABLE_EFFECTS)]
+        if durable and self._commit is not None and self._journal is not None:
+            return self._record_journaled(effects, durable, self._journal)
         if durable and self._commit is not None:
             self._commit(durable)
         directives = []
@@ -110,6 +126,21 @@ class CoreHost:
             elif not isinstance(e, DURABLE_EFFECTS):
                 directives.append(e)
         return directives
+
+    def _record_journaled(self, effects: Sequence[Effect], durable: list[Effect], journal: Journal) -> list[Effect]:
+        lines = []
+        for e in effects:
+            if type(e) is Emit and e.is_spec_action:
+                line = journal.stage(e, functools.partial(self._late_from, self._taken_ns(e)))
+                if line is not None:
+                    lines.append(line)
+        try:
+            self._commit(durable, lines)  # type: ignore[misc]  (checked by the caller)
+        except BaseException:
+            journal.discard(lines)
+            raise
+        journal.write(lines)
+        return [e for e in effects if type(e) is not Emit and not isinstance(e, DURABLE_EFFECTS)]
 
     def handle(self, msg: Any, tenant: str) -> tuple[Any, list[Effect]]:
         """One request: the core's reply and the directives it left, its step recorded."""

@@ -75,7 +75,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
@@ -85,6 +85,7 @@ from kvcc.spec.vocabulary import LOCATION_SEPARATOR, REASON_NOT_FOUND, location_
 
 from ..errors import PeerViolation, Unauthorized
 from ..events import EventLog
+from ..failpoints import failpoint
 from ..transport import DEFER, Server, ServerLimits, TlsConfig, current_connection
 from ..wire import (
     BATCH_DIRECTORY_KINDS,
@@ -158,9 +159,30 @@ class Store(Protocol):
 
     def load(self) -> Loaded: ...
 
-    def commit(self, effects: list[Effect]) -> int: ...
+    def commit(self, effects: list[Effect], *, events_tail: Sequence[str] | None = None) -> int: ...
 
     def close(self) -> None: ...
+
+
+class _StepJournal:
+    """``CoreHost``'s journal for the server: a step with durable effects has its lines staged,
+    kept by the store in the step's own commit (``events_tail``) and written after it."""
+
+    def __init__(self, server: DirectoryServer) -> None:
+        self._server = server
+
+    def stage(self, e: Emit, late_ns: Callable[[], int]) -> str | None:
+        return self._server._stage_step(e, late_ns)
+
+    def write(self, lines: list[str]) -> None:
+        if lines:
+            assert self._server.events is not None
+            self._server.events.write_staged(lines)
+
+    def discard(self, lines: list[str]) -> None:
+        if lines:
+            assert self._server.events is not None
+            self._server.events.discard_staged(len(lines))
 
 
 def node_of(location: LocationId) -> NodeId | None:
@@ -245,6 +267,7 @@ class DirectoryServer:
         port: int = 0,
         events: EventLog | None = None,
         events_factory: Callable[[int], EventLog] | None = None,
+        recover_events: Callable[[Sequence[str]], int] | None = None,
         monotonic_ns: Callable[[], int] = time.monotonic_ns,
         request_timeout_ms: int | None = None,
         counts: DirectoryCounts | None = None,
@@ -258,9 +281,11 @@ class DirectoryServer:
         self.store = store
         self.events = events
         self._events_factory = events_factory  # incarnation -> the event log (known once loaded)
+        self._recover_events = recover_events  # the store's events tail -> lines appended to the log
         self._members: dict[NodeId, _Member] = {}
         core = DirectoryCore(config, tenants.allows, rendezvous_placement(self._locations_by_node))
-        self.host = CoreHost(core, commit=self._commit, emit=self._emit_step, monotonic_ns=monotonic_ns)
+        self.host = CoreHost(core, commit=self._commit, emit=self._emit_step, journal=_StepJournal(self),
+                             monotonic_ns=monotonic_ns)  # fmt: skip
         kwargs = {} if request_timeout_ms is None else {"request_timeout_ms": request_timeout_ms}
         self._server = Server(self._handle, tenants, host=host, port=port, max_frame_bytes=MAX_CONTROL_FRAME_BYTES,
                               handler_now=self._handle_now, limits=limits, tls=tls, **kwargs)  # fmt: skip
@@ -308,6 +333,11 @@ class DirectoryServer:
     async def start(self) -> DirectoryServer:
         loaded = self.store.load()
         self.incarnation = loaded.incarnation
+        if loaded.events_tail and self._recover_events is not None:
+            # Steps the previous incarnation made durable but was killed before it logged.
+            recovered = self._recover_events(loaded.events_tail)
+            if recovered:
+                log.warning("%d event line(s) of the previous incarnation recovered from the store", recovered)
         if self._events_factory is not None:
             self.events = self._events_factory(self.incarnation)
         # The store says whether its log was empty: an etcd store bumps its incarnation on open
@@ -633,21 +663,34 @@ class DirectoryServer:
 
     # ------------------------------------------------------------------ effects
 
-    def _commit(self, durable: list[Effect]) -> None:
+    def _commit(self, durable: list[Effect], lines: Sequence[str] = ()) -> None:
+        if self.events is not None and lines:
+            # The lines before these are on their way to the file before the store holds only these.
+            self.events.flush()
         try:
-            self.store.commit(durable)
+            self.store.commit(durable, events_tail=lines)
         except BaseException as e:
             self.fatal = e
             log.critical("the durable log failed; this directory stops serving: %r", e)
             raise
         self.stats["commits"] += 1
+        if lines:
+            failpoint("directory.committed_unlogged")
 
-    def _emit_step(self, e: Emit, late_ns: Callable[[], int]) -> None:
+    def _stage_step(self, e: Emit, late_ns: Callable[[], int]) -> str | None:
+        """``_emit_step``'s line, staged (``CoreHost``'s journal)."""
+        if self.events is None or self._unsent(e):
+            return None
+        return self.events.stage(e.event, late_ns=late_ns, **dict(e.fields))
+
+    def _unsent(self, e: Emit) -> bool:
         # A retry to a location no connected node serves is not sent (its FreeAt, with the
         # directives, is lost): no step to log -- the spec retries only to a location that is up.
         # The core tries again later, and at once when the node is back.
-        unsent = e.event == "retry_free" and self._serving_node(e.fields["location"]) is None
-        if self.events is not None and not unsent:
+        return e.event == "retry_free" and self._serving_node(e.fields["location"]) is None
+
+    def _emit_step(self, e: Emit, late_ns: Callable[[], int]) -> None:
+        if self.events is not None and not self._unsent(e):
             self.events.emit(e.event, late_ns=late_ns, **dict(e.fields))
 
     def _apply(self, effects: list[Effect]) -> None:

@@ -15,6 +15,8 @@ Tables:
   (``to_free``, the key's to-free set, as a CBOR blob: a log from before it gets the column,
   empty, when opened);
 - ``tickets``: one row per remembered invalidation ticket (keys as concatenated digests);
+- ``events_tail``: one row, the event-log lines of the last commit that logged any, written in
+  its transaction (``commit(..., events_tail=)``; ``Loaded.events_tail``);
 - ``meta``: ``lease_id_limit`` (every lease id below it may have been handed out: written
   *before* any of them is used, so a restart never reuses one), ``ticket_high_water`` (one above
   the highest ticket ever issued), ``incarnation`` (bumped by every ``load``: the event log's
@@ -33,7 +35,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from .core import FIRST_LEASE_ID, FIRST_TICKET, Effect, ForgetTicket, Persist, PersistTicket, Record, Ticket
 from .durable import (
@@ -41,6 +43,7 @@ from .durable import (
     TICKET_FIELDS,
     Loaded,
     durable_effects,
+    events_tail_text,
     record_from_row,
     record_row,
     ticket_from_row,
@@ -79,6 +82,10 @@ CREATE TABLE IF NOT EXISTS tickets (
     acked INTEGER NOT NULL,
     expired INTEGER NOT NULL,
     restarts INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS events_tail (
+    id INTEGER PRIMARY KEY CHECK (id = 0),
+    lines TEXT NOT NULL
 );
 CREATE TABLE IF NOT EXISTS meta (
     name TEXT PRIMARY KEY,
@@ -148,7 +155,9 @@ class DirectoryStore:
         with self._transaction():
             self._set_meta("incarnation", incarnation)
         next_ticket = max([self._meta("ticket_high_water") or FIRST_TICKET, *[t.ticket + 1 for t in tickets]])
-        return Loaded(records, self.lease_id_limit, tickets, next_ticket, incarnation, fresh)
+        row = self._db.execute("SELECT lines FROM events_tail WHERE id = 0").fetchone()
+        tail = tuple(row[0].split("\n")) if row is not None and row[0] else ()
+        return Loaded(records, self.lease_id_limit, tickets, next_ticket, incarnation, fresh, events_tail=tail)
 
     def _record(self, row: tuple) -> Record:
         return record_from_row(dict(zip(_RECORD_COLUMNS, row, strict=True)), f"{self.path}: record")
@@ -173,14 +182,18 @@ class DirectoryStore:
     def _transaction(self):
         return _Transaction(self._db)
 
-    def commit(self, effects: Iterable[Effect]) -> int:
+    def commit(self, effects: Iterable[Effect], *, events_tail: Sequence[str] | None = None) -> int:
         """Make every durable effect of ``effects`` durable, in order, in one transaction; the
         others are skipped. Returns how many were written. Call it before anything of the same
-        call is sent."""
+        call is sent. ``events_tail``: the event-log lines of the call's steps, kept in the same
+        transaction (replacing the last ones) when there are any."""
         durable = durable_effects(effects)  # InvalidEffect before anything is written
+        tail = events_tail_text(events_tail)
         if not durable:
             return 0
         with self._transaction():
+            if tail:
+                self._db.execute("INSERT OR REPLACE INTO events_tail VALUES (0, ?)", (tail,))
             for e in durable:
                 if isinstance(e, Persist):
                     row = record_row(e.record)
