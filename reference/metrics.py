@@ -203,6 +203,8 @@ class DirectoryCollector:
         yield _counter("kvcc_directory_lost_directives", "Directives (Revoke, Free, Copy) for a node not connected.",
                        s.stats["lost_directives"])  # fmt: skip
         yield _counter("kvcc_directory_log_commits", "Transactions committed to the durable log.", s.stats["commits"])
+        yield _gauge("kvcc_directory_commits_in_flight", "Calls waiting for their durable commit, or for one before "
+                     "theirs (with a commit thread: etcd).", s.commits_in_flight)  # fmt: skip
 
 
 def directory_registry(server: Any) -> CollectorRegistry:

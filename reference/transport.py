@@ -15,8 +15,9 @@ weather, and the protocol's request numbers already make them harmless.
 
 *Server.* ``handler(tenant, msg) -> reply`` is awaited for every request, with the connection's
 authenticated tenant. A server whose requests mostly complete without waiting (the directory)
-may also pass ``handler_now(tenant, msg) -> reply | DEFER``: it is called first, in the read
-loop, and a reply it returns is sent at once -- no task, no timer -- while ``DEFER`` hands the
+may also pass ``handler_now(tenant, msg) -> reply | DEFER | Future``: it is called first, in the read
+loop, and a reply it returns is sent at once -- no task, no timer -- a future's once it resolves
+(within the request timeout, holding a slot, like a handler task), while ``DEFER`` hands the
 request to ``handler`` as above (for a request that must wait: a ``WaitTicket``). It must never
 block; it sees ``current_connection`` and raises as ``handler`` does, with the same outcome. Limits, all named and units last: ``max_connections`` (beyond it a
 connection gets a final ``Error("busy")``), ``request_timeout_ms`` (a handler still running then
@@ -492,19 +493,24 @@ class _ServerConnection:
                         self.reply(Pong(r.msg.nonce), r.seq)
                         answered = True
                         continue
+                    pending = None
                     if server.handler_now is not None:
                         reply = self.handle_now(r)
                         if self.closing:
                             break  # the handler found a violation: nothing after it is processed
-                        if reply is not DEFER:
+                        if isinstance(reply, asyncio.Future):
+                            pending = reply  # answered once it resolves, as a handler task's
+                        elif reply is not DEFER:
                             self.reply(reply, r.seq)
                             answered = True
                             continue
                     await self.slots.acquire()  # back-pressure: stop reading while full
                     if self.closing:
                         self.slots.release()
+                        if pending is not None:
+                            pending.cancel()
                         break
-                    task = asyncio.create_task(self.handle(r))
+                    task = asyncio.create_task(self.handle(r, pending))
                     self.handlers.add(task)
                     task.add_done_callback(self.handlers.discard)
                 if answered:
@@ -659,11 +665,13 @@ class _ServerConnection:
         finally:
             current_connection.reset(token)
 
-    async def handle(self, r: Received) -> None:
+    async def handle(self, r: Received, pending: asyncio.Future | None = None) -> None:
+        """Run ``server.handler`` on one request (or wait for ``pending``, the future of the reply
+        ``handler_now`` answered with) within the request timeout, and write its reply."""
         server = self.server
         try:
             current_connection.set(self)  # copied into the handler's context
-            task = asyncio.create_task(server.handler(self.session.tenant, r.msg))
+            task = pending if pending is not None else asyncio.create_task(server.handler(self.session.tenant, r.msg))
             try:
                 done, _ = await asyncio.wait({task}, timeout=server.request_timeout_ms / 1000)
             except asyncio.CancelledError:

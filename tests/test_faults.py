@@ -511,3 +511,47 @@ def test_etcd_leader_killed_mid_workload_directory_keeps_serving(tmp_path, etcd3
         until("the nodes are registered again", lambda: nodes_registered(r, cl.node_ids))
         assert check_chain(r, ks, "e", writer.committed) == len(ks)
         assert cl.alive("directory")
+
+
+@pytest.mark.integration
+def test_an_etcd_stall_holds_the_writes_not_the_directory(tmp_path, etcd3):
+    """Issue 14: the directory commits to etcd from its commit thread, so a log that cannot
+    commit (quorum lost: two of three members stopped) holds the writes waiting on it -- and only
+    them: a lookup of a committed key and the node list are answered meanwhile, and the nodes'
+    heartbeats too (no node is declared down). Committing on the event loop, the lookup waited
+    for the stalled write and timed out. Once the members are back the write completes."""
+    with cluster(tmp_path, nodes=2, backend="etcd", etcd_endpoints=",".join(etcd3.endpoints), metrics=True) as cl:
+        w, r = cl.client("w", timeout_ms=30_000), cl.client("r", timeout_ms=5_000)
+        k0, k1 = chain_keys(NS, list(range(2 * NS.block_tokens)))
+        assert isinstance(w.put(NS, k0, None, payload("s", 0)), Committed)
+        stalled: dict = {}
+        held = [m for m in range(3) if m != etcd3.leader()][:1] + [etcd3.leader()]
+        for m in held:
+            etcd3.pause(m)
+        try:
+            writer = threading.Thread(target=lambda: stalled.update(put=w.put(NS, k1, k0, payload("s", 1))))
+            writer.start()
+            until("the write is waiting on the log", lambda: commits_in_flight(cl) > 0)
+            hit = r.lookup(NS, [k0])
+            nodes = r.refresh_nodes()
+            assert writer.is_alive(), "the write did not wait for the stalled log"
+            assert hit.blocks == 1 and set(nodes) >= set(cl.node_ids)
+        finally:
+            for m in held:
+                etcd3.resume(m)
+        writer.join(UNTIL_S * 2)
+        assert isinstance(stalled.get("put"), Committed), stalled
+        lease = r.acquire(NS, k1)
+        assert r.read(lease) == payload("s", 1)
+        r.release(lease)
+        assert cl.alive("directory")
+
+
+def commits_in_flight(cl) -> float:
+    """The directory's ``kvcc_directory_commits_in_flight``, scraped (its metrics are served from
+    the event loop: a scrape answered is itself a loop that is not stalled)."""
+    import urllib.request
+
+    with urllib.request.urlopen(cl.metrics_url("directory"), timeout=5) as f:
+        text = f.read().decode()
+    return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith("kvcc_directory_commits_in_flight "))

@@ -350,6 +350,10 @@ class EtcdDirectoryStore:
     deposing a live owner. ``max_txn_ops`` / ``max_txn_bytes``: the etcd cluster's limits on one
     transaction (larger batches go through the journal)."""
 
+    # A commit is a network round trip (and waits out a leader election): the directory server
+    # commits from its commit thread, never on its event loop. One thread at a time uses a store.
+    commits_off_loop = True
+
     def __init__(
         self,
         endpoints: Sequence[str] | str,

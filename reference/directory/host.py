@@ -127,6 +127,21 @@ class CoreHost:
                 directives.append(e)
         return directives
 
+    def prepare(self, effects: Sequence[Effect]) -> tuple[list[Effect], list[str], list[Effect]]:
+        """For a host that commits elsewhere (the directory server's commit thread): the durable
+        effects, every spec step's line staged (numbered and stamped now, ``journal.stage``),
+        and the directives -- nothing committed or written. The caller commits the effects with
+        the lines, then writes the lines, then carries out the directives, in this order."""
+        assert self._journal is not None, "prepare needs a journal"
+        lines = []
+        for e in effects:
+            if type(e) is Emit and e.is_spec_action:
+                line = self._journal.stage(e, functools.partial(self._late_from, self._taken_ns(e)))
+                if line is not None:
+                    lines.append(line)
+        durable = [e for e in effects if isinstance(e, DURABLE_EFFECTS)]
+        return durable, lines, [e for e in effects if type(e) is not Emit and not isinstance(e, DURABLE_EFFECTS)]
+
     def _record_journaled(self, effects: Sequence[Effect], durable: list[Effect], journal: Journal) -> list[Effect]:
         lines = []
         for e in effects:

@@ -12,7 +12,9 @@ docstring requires (the clock, the durable commit and the logging of steps are `
    ``WaitTicket`` is answered straight from the transport's read loop (``handler_now``): no task
    per request.
 2. Durable effects (``Persist``, ``PersistTicket``, ``ForgetTicket``, ``ReserveLeaseIds``) are
-   committed to the store in one transaction *before* the reply or any directive leaves. A store
+   committed to the store in one transaction *before* the reply or any directive leaves, with
+   the call's event lines (the store's events tail: a directory killed after the commit and
+   before its log loses no line, its next incarnation appends them). A store
    that fails raises, the request is answered ``Error("internal")``, and this directory stops
    serving (``fatal``): what the core believes is no longer what the log holds, and a restart
    from the log is the only safe way on. The call's events are logged next, then its
@@ -30,6 +32,22 @@ docstring requires (the clock, the durable commit and the logging of steps are `
    write-lease expiry, restart grace and the invalidations waiting on them happen there.
 5. ``WaitTicket`` long-polls: it waits (up to its ``timeout_ms``) on an ``asyncio.Event`` that
    the ``CompleteTicket`` effect sets.
+
+Commits off the event loop. With a store whose commit is a network round trip (etcd:
+``commits_off_loop``; ``commit_thread=`` overrides), a call's durable effects go to the commit
+thread (``_Committer``) and the call joins the *pipeline*: its lines staged (numbered and stamped
+at the step, as the spec takes it), its directives and its reply held until its commit and every
+one before it are done, then carried out in the pipeline's order (``_committed``). The core goes on
+deciding meanwhile, on the state it decided last; what a call reads may be a step still being
+committed, so every reply waits for the pipeline as it stood when the call was taken
+(``_once_caught_up``) -- a reply never tells what the log may yet lose -- except a lookup that
+changed nothing and whose keys no call in the pipeline changes (it read only what is durable). A
+call with nothing durable and an empty pipeline is carried out at once, as inline. The commit
+thread commits every call waiting together (a group commit). So an etcd leader election holds the
+calls that need the log, in order, and nothing else: the loop goes on answering heartbeats,
+lookups and node lists, declaring nodes down, and serving metrics
+(``tests/test_faults.py::test_an_etcd_stall_holds_the_writes_not_the_directory``). SQLite commits
+inline: an fsync is shorter than the hand-over.
 
 The clock is ``time.monotonic_ns`` in ms from the server's start (injectable): a restarted
 directory starts a new clock, which the core allows (``restarted`` re-bases write leases).
@@ -74,7 +92,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import queue
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -135,6 +156,7 @@ from .core import (
     Effect,
     Emit,
     FreeAt,
+    Persist,
     Send,
 )
 from .host import CoreHost
@@ -148,6 +170,7 @@ log = logging.getLogger("kvcc.directory")
 POOL_LOCATION = "pool"  # the shared pool's location id: every node mounts it
 HOME_SEPARATOR = COLOCATED_SEPARATOR  # a client id "<node>.<name>" lives next to <node>
 TIMER_SLACK_MS = 1  # sleep this much past a deadline: the core expires at deadline, not before
+CLOSE_COMMITS_S = 10.0  # close() waits this long for the commit thread to finish what it took
 # What only a client (a tenant's credential) asks: a node credential is refused each (issue 14).
 CLIENT_REQUESTS = (Acquire, Renew, Release, BeginWrite, Commit, RevokeAcked, Lookup, Invalidate, WaitTicket, Batch)
 # What only a cache node sends, about its own locations (issue 14).
@@ -162,6 +185,94 @@ class Store(Protocol):
     def commit(self, effects: list[Effect], *, events_tail: Sequence[str] | None = None) -> int: ...
 
     def close(self) -> None: ...
+
+
+@attrs.define(eq=False)
+class _Pending:
+    """One core call's effects in the commit pipeline: its durable effects (committed by the
+    commit thread, with the lines not yet written), its staged lines, its directives."""
+
+    durable: list[Effect]
+    lines: list[str]
+    directives: list[Effect]
+    effects: list[Effect]
+    done: asyncio.Future
+    committed: bool = False
+    keys: tuple[BlockKey, ...] = ()
+
+
+def _retrieved(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()  # a failure is everyone's (``fatal``): not one future's unretrieved one
+
+
+def _keys_of(effects: list[Effect]) -> tuple[BlockKey, ...]:
+    """The keys one call's effects change (its records, the keys its steps name)."""
+    keys = set()
+    for e in effects:
+        if type(e) is Persist:
+            keys.add(e.record.key)
+        elif type(e) is Emit:
+            k = e.fields.get("key")
+            if k is not None:
+                keys.add(k if isinstance(k, BlockKey) else BlockKey.from_hex(k))
+    return tuple(keys)
+
+
+class _Committer:
+    """The commit thread (stores whose commits are network round trips: etcd). It takes the
+    pipeline's commits in order and commits every one waiting together, in one ``store.commit``
+    (a group commit: one round trip for all the calls taken while the last one was in flight),
+    then reports to the event loop. After a failure it commits nothing more."""
+
+    GROUP_MAX = 256  # calls in one group commit
+
+    def __init__(self, store: Store, loop: asyncio.AbstractEventLoop, report: Callable[[list[_Pending], BaseException | None], None]) -> None:
+        self._store = store
+        self._loop = loop
+        self._report = report
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="kvcc-directory-commits", daemon=True)
+        self._thread.start()
+
+    def submit(self, entry: _Pending, tail: list[str]) -> None:
+        self._queue.put((entry, tail))
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            group = [item]
+            stop = False
+            while len(group) < self.GROUP_MAX:
+                try:
+                    more = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    stop = True
+                    break
+                group.append(more)
+            entries = [entry for entry, _ in group]
+            tail = group[-1][1]
+            error: BaseException | None = None
+            try:
+                self._store.commit([e for entry in entries for e in entry.durable], events_tail=tail)
+            except BaseException as e:
+                error = e
+            if error is None and tail:
+                failpoint("directory.committed_unlogged")
+            try:
+                self._loop.call_soon_threadsafe(self._report, entries, error)
+            except RuntimeError:
+                return  # the loop is closed: the server is gone
+            if error is not None or stop:
+                return
+
+    def stop(self, timeout_s: float) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout_s)
 
 
 class _StepJournal:
@@ -267,6 +378,7 @@ class DirectoryServer:
         port: int = 0,
         events: EventLog | None = None,
         events_factory: Callable[[int], EventLog] | None = None,
+        commit_thread: bool | None = None,
         recover_events: Callable[[Sequence[str]], int] | None = None,
         monotonic_ns: Callable[[], int] = time.monotonic_ns,
         request_timeout_ms: int | None = None,
@@ -282,6 +394,12 @@ class DirectoryServer:
         self.events = events
         self._events_factory = events_factory  # incarnation -> the event log (known once loaded)
         self._recover_events = recover_events  # the store's events tail -> lines appended to the log
+        # Commits off the event loop (module docstring): by default where the store's commits
+        # are network round trips (``commits_off_loop``: etcd), inline for SQLite (an fsync).
+        self._commit_thread = getattr(store, "commits_off_loop", False) if commit_thread is None else commit_thread
+        self._committer: _Committer | None = None
+        self._pipeline: deque[_Pending] = deque()
+        self._pending_keys: dict[BlockKey, int] = {}  # key -> calls in the pipeline that change it
         self._members: dict[NodeId, _Member] = {}
         core = DirectoryCore(config, tenants.allows, rendezvous_placement(self._locations_by_node))
         self.host = CoreHost(core, commit=self._commit, emit=self._emit_step, journal=_StepJournal(self),
@@ -324,6 +442,11 @@ class DirectoryServer:
     def connection_count(self) -> int:
         return self._server.connection_count
 
+    @property
+    def commits_in_flight(self) -> int:
+        """Calls in the commit pipeline: waiting for their commit or for one before theirs."""
+        return len(self._pipeline)
+
     def member_counts(self) -> tuple[int, int]:
         """Registered cache nodes (members with tiers): (up, declared down)."""
         nodes = [m for m in self._members.values() if m.own_locations]
@@ -352,6 +475,8 @@ class DirectoryServer:
             self._apply(effects)
             if self.counts is not None:
                 self.counts.seed(self.core.records.values())
+        if self._commit_thread:
+            self._committer = _Committer(self.store, asyncio.get_running_loop(), self._committed)
         await self._server.start()
         self._timer_task = asyncio.create_task(self._timer())
         self._watch_task = asyncio.create_task(self._watch_members())
@@ -368,6 +493,13 @@ class DirectoryServer:
                 with contextlib.suppress(BaseException):
                     await task
         await self._server.close()
+        if self._committer is not None:
+            # What is in the pipeline is committed, logged and carried out before the thread goes.
+            with contextlib.suppress(BaseException):
+                async with asyncio.timeout(CLOSE_COMMITS_S):
+                    await self._caught_up()
+            await asyncio.to_thread(self._committer.stop, CLOSE_COMMITS_S)
+            self._committer = None
         for ev in self._ticket_events.values():
             ev.set()
 
@@ -405,23 +537,25 @@ class DirectoryServer:
         self._heard_from(current_connection.get())  # a request is a sign of life, as a Ping is
         match msg:
             case Hello():
-                return self._hello(tenant, msg)
+                return self._once_caught_up(self._hello(tenant, msg))
             case ListNodes():
                 nodes = sorted(n for n, m in self._members.items() if m.address)[:MAX_LOOKUP_KEYS]
                 return NodeList(tuple(nodes), tuple(self._members[n].address for n in nodes))
             case Transfer():
-                return self._answer(msg, self._transfer(tenant, msg), tenant)
+                return self._once_caught_up(self._answer(msg, self._transfer(tenant, msg), tenant))
             case Free():
                 raise PeerViolation("Free is a directive, not a request", code="unexpected_message")
             case Batch():
-                return self._batch(tenant, msg)
+                return self._once_caught_up(self._batch(tenant, msg))
         reply, effects = self.core.handle(msg, self.now_ms(), tenant)
         self._apply(effects)
         reply = self._answer(msg, reply, tenant)
         if reply is None:
             assert type(msg) in (RevokeAcked, Copied, Freed)
-            return Noted({RevokeAcked: "revoke_acked", Copied: "copied", Freed: "freed"}[type(msg)])
-        return reply
+            reply = Noted({RevokeAcked: "revoke_acked", Copied: "copied", Freed: "freed"}[type(msg)])
+        if type(msg) is Lookup and not effects and not any(k in self._pending_keys for k in msg.keys):
+            return reply  # it read only what is durable: nothing in the pipeline touches its keys
+        return self._once_caught_up(reply)
 
     def _batch(self, tenant: str, msg: Batch) -> Batched:
         """Each item in order, exactly as if it had come alone (``Batch``), at one directory time.
@@ -650,6 +784,7 @@ class DirectoryServer:
         deadline = time.monotonic() + timeout_ms / 1000
         while True:
             self._apply(self.core.tick(self.now_ms()))
+            await self._caught_up()  # a completion still being committed is not one yet
             ticket = self.core.ticket_status(msg.ticket)  # PeerViolation for a ticket never issued
             if ticket is None or ticket.state != TICKET_PENDING:
                 return InvalidationCompleted(msg.ticket)
@@ -693,15 +828,54 @@ class DirectoryServer:
         if self.events is not None and not self._unsent(e):
             self.events.emit(e.event, late_ns=late_ns, **dict(e.fields))
 
-    def _apply(self, effects: list[Effect]) -> None:
-        # The host commits the durable effects, then logs the steps (stamped at the time the core
-        # took them); then the directives leave: a step's event is stamped before anything it
-        # sends, and the clock is read again after the commit -- a Revoke whose lease ran out by
-        # then is not sent (``Send.due``): a message the spec need never deliver, and one the
-        # holder could only answer after its lease had gone.
-        directives = self.host.record(effects)
-        if directives and self.events is not None and not self.events.flush_each_line:
-            self.events.flush()  # a batch's steps are on disk before anything they send leaves
+    def _apply(self, effects: list[Effect]) -> asyncio.Future | None:
+        """Carry out one core call's effects: commit the durable ones, log the steps (stamped at
+        the time the core took them), then carry out the directives (``_carry_out``). Inline
+        (``None``), or -- with a commit thread -- in the pipeline's order once its commit and
+        every one before it are done (the future of that; module docstring, "Commits off the
+        event loop")."""
+        if self._committer is None:
+            directives = self.host.record(effects)
+            if directives and self.events is not None and not self.events.flush_each_line:
+                self.events.flush()  # a batch's steps are on disk before anything they send leaves
+            self._carry_out(directives, effects)
+            return None
+        durable, lines, directives = self.host.prepare(effects)
+        if not durable and not self._pipeline:
+            if lines:
+                self._write_lines(lines, bool(directives))
+            self._carry_out(directives, effects)
+            return None
+        if not durable and not lines and not directives:
+            self._wake_if_earlier()
+            return None
+        entry = _Pending(durable, lines, directives, effects, asyncio.get_running_loop().create_future())
+        entry.done.add_done_callback(_retrieved)
+        entry.keys = _keys_of(effects)
+        for k in entry.keys:
+            self._pending_keys[k] = self._pending_keys.get(k, 0) + 1
+        if durable:
+            # The events tail: every line not written yet, its own last (a superset of what a
+            # kill now would leave unwritten; ``append_missing`` skips the ones written by then).
+            tail = [line for p in self._pipeline for line in p.lines] + lines
+            self._committer.submit(entry, tail)
+        else:
+            entry.committed = True
+        self._pipeline.append(entry)
+        self._wake_if_earlier()
+        return entry.done
+
+    def _write_lines(self, lines: list[str], flush: bool) -> None:
+        assert self.events is not None
+        self.events.write_staged(lines)
+        if flush and not self.events.flush_each_line:
+            self.events.flush()  # on disk before anything the steps send leaves
+
+    def _carry_out(self, directives: list[Effect], effects: list[Effect]) -> None:
+        # The steps are logged; then the directives leave: a step's event is stamped before
+        # anything it sends, and the clock is read again after the commit -- a Revoke whose
+        # lease ran out by then is not sent (``Send.due``): a message the spec need never
+        # deliver, and one the holder could only answer after its lease had gone.
         sent_ms = self.now_ms()
         for e in directives:
             match e:
@@ -720,9 +894,69 @@ class DirectoryServer:
                         ev.set()
         if self.counts is not None:
             self.counts.applied(effects)
+        self._wake_if_earlier()
+
+    def _wake_if_earlier(self) -> None:
         deadline = self.core.next_deadline_ms()
         if deadline is not None and (self._timer_deadline_ms is None or deadline < self._timer_deadline_ms):
             self._wake.set()  # the next deadline moved earlier than the timer sleeps
+
+    # ------------------------------------------------------------------ the commit pipeline
+
+    def _committed(self, entries: list[_Pending], error: BaseException | None) -> None:
+        """The commit thread's report (on the event loop): ``entries`` are durable, or the store
+        failed and this directory stops serving."""
+        if self._closing and self._committer is None:
+            return  # closed: the store keeps these lines (its events tail) for the next start
+        if error is not None:
+            if self.fatal is None:
+                self.fatal = error
+                log.critical("the durable log failed; this directory stops serving: %r", error)
+            failed = RuntimeError(f"the directory stopped serving: its store failed ({error})")
+            for p in self._pipeline:
+                if not p.done.done():
+                    p.done.set_exception(failed)
+            self._pipeline.clear()
+            self._pending_keys.clear()
+            return
+        self.stats["commits"] += 1
+        for p in entries:
+            p.committed = True
+        while self._pipeline and self._pipeline[0].committed:
+            p = self._pipeline.popleft()
+            for k in p.keys:
+                n = self._pending_keys[k] - 1
+                if n:
+                    self._pending_keys[k] = n
+                else:
+                    del self._pending_keys[k]
+            if p.lines:
+                self._write_lines(p.lines, bool(p.directives))
+            self._carry_out(p.directives, p.effects)
+            if not p.done.done():
+                p.done.set_result(None)
+
+    def _once_caught_up(self, reply: Any) -> Any:
+        """``reply`` now, or -- while commits are in flight -- a future of it once everything the
+        directory did so far is durable and logged: a reply never tells what the log may lose."""
+        if not self._pipeline:
+            return reply
+        answered: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        def done(last: asyncio.Future) -> None:
+            if answered.done():
+                return  # the request timed out meanwhile
+            if last.cancelled() or last.exception() is not None:
+                answered.set_exception(RuntimeError(f"the directory stopped serving: its store failed ({self.fatal})"))
+            else:
+                answered.set_result(reply)
+
+        self._pipeline[-1].done.add_done_callback(done)
+        return answered
+
+    async def _caught_up(self) -> None:
+        if self._pipeline:
+            await asyncio.shield(self._pipeline[-1].done)
 
     def _push(self, node: NodeId, msg: Any) -> None:
         m = self._members.get(node)
