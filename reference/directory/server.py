@@ -33,8 +33,8 @@ docstring requires (the clock, the durable commit and the logging of steps are `
 5. ``WaitTicket`` long-polls: it waits (up to its ``timeout_ms``) on an ``asyncio.Event`` that
    the ``CompleteTicket`` effect sets.
 
-Commits off the event loop. With a store whose commit is a network round trip (etcd:
-``commits_off_loop``; ``commit_thread=`` overrides), a call's durable effects go to the commit
+Commits off the event loop. With a store whose commits should leave the loop (``commits_off_loop``:
+etcd's, each a network round trip; ``commit_thread=`` overrides), a call's durable effects go to the commit
 thread (``_Committer``) and the call joins the *pipeline*: its lines staged (numbered and stamped
 at the step, as the spec takes it), its directives and its reply held until its commit and every
 one before it are done, then carried out in the pipeline's order (``_committed``). The core goes on
@@ -46,8 +46,7 @@ call with nothing durable and an empty pipeline is carried out at once, as inlin
 thread commits every call waiting together (a group commit). So an etcd leader election holds the
 calls that need the log, in order, and nothing else: the loop goes on answering heartbeats,
 lookups and node lists, declaring nodes down, and serving metrics
-(``tests/test_faults.py::test_an_etcd_stall_holds_the_writes_not_the_directory``). SQLite commits
-inline: an fsync is shorter than the hand-over.
+(``tests/test_faults.py::test_an_etcd_stall_holds_the_writes_not_the_directory``).
 
 The clock is ``time.monotonic_ns`` in ms from the server's start (injectable): a restarted
 directory starts a new clock, which the core allows (``restarted`` re-bases write leases).
@@ -394,8 +393,8 @@ class DirectoryServer:
         self.events = events
         self._events_factory = events_factory  # incarnation -> the event log (known once loaded)
         self._recover_events = recover_events  # the store's events tail -> lines appended to the log
-        # Commits off the event loop (module docstring): by default where the store's commits
-        # are network round trips (``commits_off_loop``: etcd), inline for SQLite (an fsync).
+        # Commits off the event loop (module docstring) where the store asks for it
+        # (``commits_off_loop``: etcd); inline for any other (SQLite: a local fsync).
         self._commit_thread = getattr(store, "commits_off_loop", False) if commit_thread is None else commit_thread
         self._committer: _Committer | None = None
         self._pipeline: deque[_Pending] = deque()
