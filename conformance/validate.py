@@ -246,6 +246,14 @@ REJECT_CODES = (
 )
 PROPERTY_MEMO_MAX = 200_000  # memoised property verdicts per projection (then the memo starts over)
 ADVANCE_MEMO_MAX = 100_000  # memoised ticks per projection (then the memo starts over)
+_NO_BOXES = frozenset({()})  # an element's shared ticks before any shared event: one empty box
+# Boxes an element keeps exactly; past it, their hull (per shared event, every tick any of them
+# gave it). The search is not affected -- boxes are only what the projection tells the check
+# across projections (``_shared_time_conflict``) -- and the hull is a superset, so that check
+# may then miss a conflict among those events' ticks (it never finds one that is not there).
+# Without a bound, a projection through 16 failures kept thousands of boxes per element, and
+# joining them took more time than the search.
+MAX_BOXES = 64
 MATCH_MEMO_MAX = 200_000  # memoised matches per model (``_Replay._matched``; then the memo starts over)
 # The fields of an event that matching it reads (``_Replay._match``, ``_check``, ``_step_params``),
 # but its lease id, which only the binding reads: with the event's mode, the event in model terms.
@@ -945,6 +953,8 @@ class _Replay:
         self.total = len(pevents)
         self._succ = ctx.succ
         self._tick_memo = ctx.tick_memo
+        self._boxes_memo: dict[frozenset, frozenset] = {}  # a set of boxes -> the same, joined
+        self.boxes_hulled = False  # some element's boxes were replaced by their hull (MAX_BOXES)
         self._invariant_memo = ctx.invariant_memo
         self._invariant_reads = ctx.invariant_reads
         self._property_memo = ctx.property_memo
@@ -1528,12 +1538,16 @@ class _Replay:
     def run(self) -> None:
         init = self.model.init_states()[0]
         # (state, tick, events consumed per log, lease binding) -> the interval of ticks of each
-        # log's last event (lowest, highest).
+        # log's last event (lowest, highest), the ghost ages, and the *boxes*: the ticks the
+        # behaviours that reach this element gave the events shared with other projections, each
+        # a tuple ((index, ticks), ...) in order -- one time for one event, across projections.
+        # The element's future depends on its state alone, so the behaviours that differ only in
+        # those past ticks are one element with a set of boxes: the search steps each state
+        # once, not once per combination of failure ticks (which multiplied a fault-dense
+        # projection's frontier a hundredfold).
         none = (-1,) * len(self.logs)
-        # The last part of an element is the ticks it gave the events shared with other
-        # projections, (index, tick) in order: one time for one event, across projections.
         init_q, init_ages = self._split_ages(init)
-        frontier: dict[tuple, tuple] = {(init_q, 0, (0,) * len(self.logs), (), ()): (none, none, init_ages)}
+        frontier: dict[tuple, tuple] = {(init_q, 0, (0,) * len(self.logs), ()): (none, none, init_ages, _NO_BOXES)}
         lazy = self.params.reorder_mode == "lazy"
         for _level in range(self.total):
             # Every element first tries the caller's next event of its own cut ("narrow"); only if
@@ -1549,7 +1563,7 @@ class _Replay:
                 nxt = self._merge_shared(nxt)
             self.frontier_max = max(self.frontier_max, len(nxt))
             frontier = self._settle(nxt)
-        self.shared_ticks = {key[4] for key in frontier}
+        self.shared_ticks = set().union(*(v[3] for v in frontier.values()))
 
     def _level(self, frontier: dict, how: str) -> tuple[dict, str | None, bool]:
         """One event further from every element: ``how`` is "first" (the caller's next event
@@ -1570,7 +1584,7 @@ class _Replay:
         advance, tick_memo, tick = self._advance, self._tick_memo, self.model.tick
         first_only, lazy = how == "first", how == "lazy"
         max_frontier = self.params.max_frontier
-        for (s, T, pos, binding, gt), (last_lo, last_hi, ages) in frontier.items():
+        for (s, T, pos, binding), (last_lo, last_hi, ages, gts) in frontier.items():
             if ages and any(ages):
                 s = self._with_ages(s, ages)
             before = len(nxt)
@@ -1626,7 +1640,7 @@ class _Replay:
                     if not matched:
                         continue
                     new_lo, new_hi = lo_head + (t,) + lo_tail, hi_head + (t,) + hi_tail
-                    gt2 = gt + ((index, frozenset((t,))),) if is_shared else gt
+                    gts2 = frozenset([gt + ((index, frozenset((t,))),) for gt in gts]) if is_shared else gts
                     for q, post_ages, b2, bad, filled in matched:
                         if filled:
                             full = True
@@ -1635,18 +1649,19 @@ class _Replay:
                             if bad in _PROGRESS_NAMES:
                                 self.aged_drop = True  # perhaps only because ages were merged
                             continue
-                        key = (q, t, pos2, b2, gt2)
+                        key = (q, t, pos2, b2)
                         if cascade_ticks is not None:
                             cascade_ticks.add(t)
                         had = nxt.get(key)
                         if had is None:
-                            nxt[key] = (new_lo, new_hi, post_ages)
+                            nxt[key] = (new_lo, new_hi, post_ages, gts2)
                         else:
-                            lo_, hi_, ages_ = had
-                            if lo_ != new_lo or hi_ != new_hi or ages_ != post_ages:
+                            lo_, hi_, ages_, gts_ = had
+                            if lo_ != new_lo or hi_ != new_hi or ages_ != post_ages or gts_ is not gts2:
                                 nxt[key] = (lo_ if lo_ == new_lo else tuple(map(min, lo_, new_lo)),
                                             hi_ if hi_ == new_hi else tuple(map(max, hi_, new_hi)),
-                                            ages_ if ages_ == post_ages else tuple(map(max, ages_, post_ages)))  # fmt: skip
+                                            ages_ if ages_ == post_ages else tuple(map(max, ages_, post_ages)),
+                                            gts_ if gts_ is gts2 else gts_ | gts2)  # fmt: skip
                 if len(nxt) > max_frontier:
                     raise _inconclusive(index, pe.ev, "frontier_limit", f"key {self.key[:16]}…: more than {max_frontier} possible states at event {index}")
         return nxt, broke, full
@@ -1738,49 +1753,51 @@ class _Replay:
         return out
 
     def _merge_shared(self, nxt: dict) -> dict:
-        """Elements alike but for the ticks of one shared event (a failure) are one, with the
-        union of those ticks: the ticks each accepted behaviour gave the shared events are a
-        union of boxes (a set of ticks per event), and two boxes that differ in one event are
-        exactly one box. Without it the ticks of n failures multiply the frontier by the
-        product of their windows."""
-        groups: dict[tuple, list[tuple]] = {}
-        for key in nxt:
-            groups.setdefault(key[:4], []).append(key[4])
-        if all(len(g) == 1 for g in groups.values()):
-            return nxt
-        out: dict[tuple, tuple] = {}
-        for head, gts in groups.items():
-            members = _merge_boxes({gt: nxt[head + (gt,)] for gt in gts})
-            for gt, v in members.items():
-                out[head + (gt,)] = v
+        """Each element's boxes that differ in the ticks of one shared event (a failure) only,
+        joined into one with the union of those ticks (``_merge_box_set``): the boxes stay few,
+        and their union -- the ticks the accepted behaviours gave the shared events -- exact."""
+        memo = self._boxes_memo
+        out = nxt
+        for key, (lo, hi, ages, gts) in nxt.items():
+            if len(gts) < 2:
+                continue
+            merged = memo.get(gts)
+            if merged is None:
+                if len(memo) >= ADVANCE_MEMO_MAX:
+                    memo.clear()
+                merged = _merge_box_set(gts)
+                if len(merged) > MAX_BOXES:
+                    hull = _hull(merged)
+                    if hull is not None:
+                        merged = frozenset((hull,))
+                        self.boxes_hulled = True
+                memo[gts] = merged
+            if merged is not gts:
+                if out is nxt:
+                    out = dict(nxt)
+                out[key] = (lo, hi, ages, merged)
         return out
 
     def _settle(self, frontier: dict) -> dict:
-        """Move the oldest shared ticks that every element agrees on out of the elements (into
-        ``settled``): they no longer tell elements apart, and the tuples stay short."""
+        """Move the oldest shared ticks that every box of every element agrees on out of the
+        boxes (into ``settled``): they no longer tell behaviours apart, and the boxes stay short."""
         settled = self.settled
         while True:
             first = None
-            for key in frontier:
-                gt = key[4]
-                if not gt or (first is not None and gt[0] != first):
-                    return frontier
-                first = gt[0]
+            for _, _, _, gts in frontier.values():
+                for gt in gts:
+                    if not gt or (first is not None and gt[0] != first):
+                        return frontier
+                    first = gt[0]
             if first is None:
                 return frontier
-            settled[first[0]] = first[1]  # the set of ticks every element gave it
-            merged: dict[tuple, tuple] = {}
-            for key, (lo, hi, ages) in frontier.items():
-                key = key[:4] + (key[4][1:],)
-                had = merged.get(key)
-                merged[key] = (lo, hi, ages) if had is None else (
-                    tuple(map(min, lo, had[0])), tuple(map(max, hi, had[1])), tuple(map(max, ages, had[2])))
-            frontier = merged
+            settled[first[0]] = first[1]  # the set of ticks every behaviour gave it
+            frontier = {key: (lo, hi, ages, frozenset([gt[1:] for gt in gts])) for key, (lo, hi, ages, gts) in frontier.items()}
 
     def _fail(self, frontier: dict, broke: str | None, full: bool) -> None:
         # The event to blame: the earliest (caller's order) that some element could have taken.
         best: _PEvent | None = None
-        for _, _, pos, _, _ in frontier:
+        for _, _, pos, _ in frontier:
             for j in self._eligible(pos):
                 pe = self.logs[j][pos[j]]
                 if best is None or pe.index < best.index:
@@ -1825,7 +1842,7 @@ class _Replay:
         eps = self.params.skew_ms
         at = (pe.lo + pe.hi) * tick_ms / 2
         blocked: list[tuple[int, str]] = []
-        for (s, T, pos, binding, _), (_, _, ages) in list(frontier.items())[: self.params.diff_states]:
+        for (s, T, pos, binding), (_, _, ages, _) in list(frontier.items())[: self.params.diff_states]:
             s = self._with_ages(s, ages) if ages else s
             if self._closure(s, T, max(pe.lo, T), pe.hi):
                 blocked = []
@@ -1849,7 +1866,7 @@ class _Replay:
                     f"time) and is not logged before this event (logged at about +{at:.0f} ms, beyond epsilon "
                     f"{eps} ms): time cannot pass an urgent directory step, so this event cannot happen yet")
         # The state that takes it is reached only after its timestamp (plus epsilon).
-        for (s, T, pos, binding, _), (_, _, ages) in list(frontier.items())[: self.params.diff_states]:
+        for (s, T, pos, binding), (_, _, ages, _) in list(frontier.items())[: self.params.diff_states]:
             s = self._with_ages(s, ages) if ages else s
             if T > pe.hi and self._match(pe, s, binding):
                 return (f"logged too early: stamped at about +{at:.0f} ms (trace time), but the state that can "
@@ -1857,7 +1874,7 @@ class _Replay:
                         f"out of order across logs beyond epsilon ({eps} ms), or the processes' clocks differ "
                         f"by more than epsilon")
         # Another log's next event, stamped later than epsilon allows, would let it happen first.
-        for (s, T, pos, binding, _), (_, _, ages) in list(frontier.items())[: self.params.diff_states]:
+        for (s, T, pos, binding), (_, _, ages, _) in list(frontier.items())[: self.params.diff_states]:
             s = self._with_ages(s, ages) if ages else s
             for j, log in enumerate(self.logs):
                 if pos[j] >= len(log) or log[pos[j]] is pe:
@@ -1887,7 +1904,7 @@ class _Replay:
             return any(f"l{loc}," in name for loc in locs)
 
         closest = []
-        for (s, T, pos, binding, _), (_, _, ages) in list(frontier.items())[: self.params.diff_states]:
+        for (s, T, pos, binding), (_, _, ages, _) in list(frontier.items())[: self.params.diff_states]:
             s = self._with_ages(s, ages) if ages else s
             reach = self._closure(s, T, max(pe.lo, T), pe.hi) or [(s, T)]
             x, t = reach[-1]
@@ -2280,7 +2297,7 @@ def _join_values(va: tuple, vb: tuple) -> tuple:
     return (tuple(map(min, va[0], vb[0])), tuple(map(max, va[1], vb[1])), tuple(map(max, va[2], vb[2])))
 
 
-def _merge_boxes(members: dict[tuple, tuple]) -> dict[tuple, tuple]:
+def _merge_boxes(members: dict[tuple, Any], join: Callable[[Any, Any], Any] | None = None) -> dict[tuple, Any]:
     """Join boxes that differ in the ticks of one event only, until no two do (``_join_boxes``,
     many at once): per event position, the boxes alike everywhere else are one box with the union
     of their ticks there. The union of the boxes is kept exactly; a pass costs a dictionary
@@ -2289,7 +2306,10 @@ def _merge_boxes(members: dict[tuple, tuple]) -> dict[tuple, tuple]:
     changed = True
     while changed and len(members) > 1:
         changed = False
-        for at in range(max(len(box) for box in members)):
+        # Only a position where the boxes differ can join two (they must agree everywhere else).
+        width = max(len(box) for box in members)
+        varied = [at for at in range(width) if len({box[at] for box in members if len(box) > at}) > 1]
+        for at in varied:
             buckets: dict[tuple, list[tuple]] = {}
             for box in members:
                 if len(box) > at:
@@ -2299,12 +2319,28 @@ def _merge_boxes(members: dict[tuple, tuple]) -> dict[tuple, tuple]:
                     continue
                 ticks = functools.reduce(operator.or_, (box[at][1] for box in boxes))
                 joined = boxes[0][:at] + ((boxes[0][at][0], ticks),) + boxes[0][at + 1 :]
-                value = functools.reduce(_join_values, (members.pop(box) for box in boxes))
+                value = functools.reduce(join or _join_values, (members.pop(box) for box in boxes))
                 if joined in members:
-                    value = _join_values(value, members[joined])
+                    value = (join or _join_values)(value, members[joined])
                 members[joined] = value
                 changed = True
     return members
+
+
+def _hull(boxes: frozenset) -> tuple | None:
+    """The smallest box holding ``boxes`` (per position, the union of their ticks); ``None``
+    unless they name the same events in the same order."""
+    first = next(iter(boxes))
+    if any(len(b) != len(first) or any(x[0] != y[0] for x, y in zip(b, first)) for b in boxes):
+        return None
+    return tuple((first[at][0], frozenset().union(*(b[at][1] for b in boxes))) for at in range(len(first)))
+
+
+def _merge_box_set(boxes: frozenset) -> frozenset:
+    """``_merge_boxes`` on a set of boxes (no values): the same boxes joined, the same union.
+    Returns ``boxes`` itself when no two join."""
+    members = _merge_boxes(dict.fromkeys(boxes, ()), join=lambda a, b: a)
+    return boxes if len(members) == len(boxes) else frozenset(members)
 
 
 def _join_boxes(a: tuple, b: tuple) -> tuple | None:

@@ -927,3 +927,19 @@ def test_corpus_verdicts_with_workers(case):
     params = validate.TraceParams(case["lease_term_ms"], case["skew_ms"], jobs=2)
     v = validate.validate_trace(events, params)
     assert {"status": v.status, "code": v.code, "event_index": v.event_index} == case["expected"]
+
+
+def test_an_element_keeps_its_shared_ticks_exactly_up_to_a_bound_then_their_hull():
+    """The ticks an element's behaviours gave the shared events (failures) are a set of boxes:
+    joined exactly where they differ in one event (a product collapses to one box), and past
+    ``MAX_BOXES`` replaced by their hull, a superset (the check across projections may then miss
+    a conflict, never invent one)."""
+    from kvcc.conformance.validate import MAX_BOXES, _hull, _merge_box_set
+
+    product = frozenset(((1, frozenset({a})), (2, frozenset({b}))) for a in range(3) for b in range(3))
+    assert _merge_box_set(product) == {((1, frozenset(range(3))), (2, frozenset(range(3))))}
+    diagonal = frozenset(((1, frozenset({i})), (2, frozenset({i}))) for i in range(MAX_BOXES + 1))
+    assert _merge_box_set(diagonal) is diagonal, "boxes that differ in two events stay apart"
+    everything = frozenset(range(MAX_BOXES + 1))
+    assert _hull(diagonal) == ((1, everything), (2, everything))
+    assert _hull(frozenset({((1, frozenset({0})),), ((2, frozenset({0})),)})) is None, "not the same events"
