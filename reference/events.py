@@ -133,25 +133,15 @@ class EventLog:
             self._write(line)
         return record
 
-    def stage(
-        self,
-        event: str,
-        *,
-        key: BlockKey | str | None = None,
-        gen: int | None = None,
-        epoch: int | None = None,
-        lease: int | None = None,
-        result: str | None = None,
-        late_ns: int | Callable[[], int] = 0,
-        **fields: Any,
-    ) -> str:
-        """``emit``'s line, stamped and numbered now but not written: the caller writes it with
-        ``write_staged`` (after making it durable with the step it logs: the directory's
-        ``events tail``), or gives it up with ``discard_staged`` (the step did not happen).
-        Nothing else may be emitted or staged on this log in between (one thread: the
-        directory's event loop)."""
+    def stage(self, event: str, *, late_ns: int | Callable[[], int] = 0, **fields: Any) -> str:
+        """``emit``'s line (the same fields), stamped and numbered now but not written: the
+        caller writes it with ``write_staged`` (after making it durable with the step it logs:
+        the directory's events tail), every staged line in the order staged and before any
+        ``emit``, or gives up all it staged with ``discard_staged`` (the step did not happen)."""
+        pop = fields.pop
         with self._lock:
-            return self._stage(event, key, gen, epoch, lease, result, late_ns, fields)[1]
+            return self._stage(event, pop("key", None), pop("gen", None), pop("epoch", None), pop("lease", None),
+                               pop("result", None), late_ns, fields)[1]  # fmt: skip
 
     def write_staged(self, lines: Iterable[str]) -> None:
         """Write lines ``stage`` returned, in their order (flushed unless ``flush_each_line`` is off)."""
@@ -160,9 +150,11 @@ class EventLog:
                 self._write(line)
 
     def discard_staged(self, count: int) -> None:
-        """Give up the last ``count`` staged lines (none was written, nothing staged since): their
-        numbers are used again, so the log stays contiguous."""
+        """Give up the ``count`` lines staged and not written -- all of them: their numbers are
+        used again, so the log stays contiguous."""
         with self._lock:
+            if count != self._seq - self._written_seq:
+                raise ProtocolViolation(f"discard_staged({count}) with {self._seq - self._written_seq} lines staged")
             if count:
                 self._seq -= count
                 self._last_local_ns, self._last_wall_ns = self._staged_from
