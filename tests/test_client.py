@@ -125,6 +125,40 @@ def test_an_unanswered_request_is_given_up_and_logged():
     asyncio.run(main())
 
 
+def test_a_stored_write_whose_commit_went_unanswered_is_forgotten_without_an_abort():
+    """The bytes landed (the spec's writer then hands the write to its commit) and the commit went
+    unanswered (the directory was killed): the next write of the key gives the old one up without
+    logging ``abort`` -- the spec's writer has no write in progress left to abort (the soak's
+    trace was REJECTED there). A write given up before its bytes were stored is an ``abort``."""
+    from kvcc.reference.client import WriteLease
+    from kvcc.reference.wire import BytesStored, WriteLeaseGranted
+
+    async def main():
+        for stored, expected in ((True, ["begin_write", "start_writing", "begin_write"]),
+                                 (False, ["begin_write", "start_writing", "abort", "begin_write"])):  # fmt: skip
+            client, sink = _holder()
+            answers = [lambda m: WriteLeaseGranted(NODE, KEY, 3, "n1/dram", 1, 1, 1000, m.request)]
+
+            async def ask(msg):
+                if answers:
+                    return answers.pop(0)(msg)
+                raise ConnectionFailed("the directory is gone", code="reset")
+
+            client._ask = ask
+            wl = await client.begin_write(b"n" * 32, KEY, None)
+            assert isinstance(wl, WriteLease)
+            if stored:
+                assert client._write_answered(wl, BytesStored(wl.location, KEY, wl.gen, wl.epoch)) is None
+                with pytest.raises(ConnectionFailed):
+                    await client.commit(wl)  # the commit went unanswered
+            client._now_ns = lambda: wl.trusted_until_ns + 1  # its lease is over by this writer's clock
+            with pytest.raises(ConnectionFailed):
+                await client.begin_write(b"n" * 32, KEY, None)
+            assert _events(sink)[: len(expected)] == expected, _events(sink)
+
+    asyncio.run(main())
+
+
 def test_a_client_down_with_its_node_takes_no_revocation():
     """A co-located client crashed with its node (``crash``): the validator takes ``"<node>.<name>"``
     for that node, so a Revoke it handled while the node was down was a dead node's step (the soak's
