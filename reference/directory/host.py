@@ -113,7 +113,7 @@ class CoreHost:
         """Commit the durable effects, then log the spec steps, in order; the directives, in order."""
         durable = [e for e in effects if isinstance(e, DURABLE_EFFECTS)]
         if durable and self._commit is not None and self._journal is not None:
-            return self._record_journaled(effects, durable, self._journal)
+            return self._record_journaled(effects)
         if durable and self._commit is not None:
             self._commit(durable)
         directives = []
@@ -142,20 +142,16 @@ class CoreHost:
         durable = [e for e in effects if isinstance(e, DURABLE_EFFECTS)]
         return durable, lines, [e for e in effects if type(e) is not Emit and not isinstance(e, DURABLE_EFFECTS)]
 
-    def _record_journaled(self, effects: Sequence[Effect], durable: list[Effect], journal: Journal) -> list[Effect]:
-        lines = []
-        for e in effects:
-            if type(e) is Emit and e.is_spec_action:
-                line = journal.stage(e, functools.partial(self._late_from, self._taken_ns(e)))
-                if line is not None:
-                    lines.append(line)
+    def _record_journaled(self, effects: Sequence[Effect]) -> list[Effect]:
+        durable, lines, directives = self.prepare(effects)
+        assert self._journal is not None and self._commit is not None
         try:
-            self._commit(durable, lines)  # type: ignore[misc]  (checked by the caller)
+            self._commit(durable, lines)  # type: ignore[call-arg]  (a journaled host's commit takes its lines)
         except BaseException:
-            journal.discard(lines)
+            self._journal.discard(lines)
             raise
-        journal.write(lines)
-        return [e for e in effects if type(e) is not Emit and not isinstance(e, DURABLE_EFFECTS)]
+        self._journal.write(lines)
+        return directives
 
     def handle(self, msg: Any, tenant: str) -> tuple[Any, list[Effect]]:
         """One request: the core's reply and the directives it left, its step recorded."""

@@ -838,12 +838,14 @@ class DirectoryServer:
             if directives and self.events is not None and not self.events.flush_each_line:
                 self.events.flush()  # a batch's steps are on disk before anything they send leaves
             self._carry_out(directives, effects)
+            self._wake_if_earlier()
             return None
         durable, lines, directives = self.host.prepare(effects)
         if not durable and not self._pipeline:
             if lines:
                 self._write_lines(lines, bool(directives))
             self._carry_out(directives, effects)
+            self._wake_if_earlier()
             return None
         if not durable and not lines and not directives:
             self._wake_if_earlier()
@@ -893,7 +895,6 @@ class DirectoryServer:
                         ev.set()
         if self.counts is not None:
             self.counts.applied(effects)
-        self._wake_if_earlier()
 
     def _wake_if_earlier(self) -> None:
         deadline = self.core.next_deadline_ms()
