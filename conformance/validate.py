@@ -2364,13 +2364,13 @@ def _shared_time_conflict(timings: list[tuple[dict[int, frozenset[int]], set[tup
     """The first event shared by projections that no single tick explains in all of them, or
     ``None``. Failures are in every projection: some assignment of ticks to all of them must be
     one that every projection accepted (joint). Each projection accepted a union of boxes (a set
-    of ticks per failure); for each prefix of the failures, some box of each projection must
-    meet some box of every other. A cascade is in its subtree's projections: some one tick of
-    it must be one each of them took it at (per event; the ticks any element took, surviving
-    or not: weaker than the failures' check)."""
+    of ticks per failure); for the failures' longest prefix that works, some box of each
+    projection must meet some box of every other (``_boxes_meet``). A cascade is in its
+    subtree's projections: some one tick of it must be one each of them took it at (per event;
+    the ticks any element took, surviving or not: weaker than the failures' check)."""
     if not timings:
         return None
-    per_projection: list[list[tuple[frozenset[int], ...]]] = []
+    projections: set[frozenset[tuple[frozenset[int], ...]]] = set()  # projections alike are one
     cascade_ticks: dict[int, set[int]] = {}
     for settled, boxes, ticks in timings:
         got = []
@@ -2378,25 +2378,55 @@ def _shared_time_conflict(timings: list[tuple[dict[int, frozenset[int]], set[tup
             full = dict(settled)
             full.update(gt)
             got.append(tuple(full[i] for i in failures if i in full))
-        per_projection.append(got)
+        projections.add(frozenset(got))
         for i, ts in ticks.items():
             cascade_ticks[i] = set(ts) if i not in cascade_ticks else cascade_ticks[i] & ts
-    for m in range(1, len(failures) + 1):
-        common = {a[:m] for a in per_projection[0]}
-        for boxes in per_projection[1:]:
-            met = set()
-            for a in common:
-                for b in boxes:
-                    c = tuple(x & y for x, y in zip(a, b[:m]))
-                    if all(c):
-                        met.add(c)
-            common = met
-            if not common:
-                break
-        if not common:
-            return failures[m - 1]
+    # The fewest boxes first: what meets so far stays small.
+    per_projection = sorted((_maximal_boxes(p) for p in projections), key=len)
+    if not _boxes_meet(per_projection, len(failures)):
+        # A prefix that meets has every shorter prefix meet: the first failure that breaks it is
+        # found by bisection, each step one check (not one per failure).
+        lo, hi = 0, len(failures)  # the first lo failures meet; the first hi do not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if _boxes_meet(per_projection, mid):
+                lo = mid
+            else:
+                hi = mid
+        return failures[hi - 1]
     empty = sorted(i for i, ts in cascade_ticks.items() if not ts)
     return empty[0] if empty else None
+
+
+def _maximal_boxes(boxes: Iterable[tuple[frozenset[int], ...]]) -> list[tuple[frozenset[int], ...]]:
+    """``boxes`` less every box inside another (per position, a subset of its ticks): a choice
+    of boxes that meets with the smaller one meets with the larger, so the answer of
+    ``_boxes_meet`` is the same, and the sets it carries stay an antichain -- a handful where the
+    intersections of every choice were tens of thousands (a one-minute soak took minutes)."""
+    out: list[tuple[frozenset[int], ...]] = []
+    for box in sorted(set(boxes), key=lambda b: -sum(map(len, b))):
+        if not any(len(box) == len(o) and all(x <= y for x, y in zip(box, o)) for o in out):
+            out.append(box)
+    return out
+
+
+def _boxes_meet(per_projection: Sequence[Sequence[tuple[frozenset[int], ...]]], m: int) -> bool:
+    """Whether one box of every projection can be chosen whose first ``m`` positions all meet:
+    one tick for each of the first ``m`` failures that every projection accepted together. The
+    intersections of the choices so far, kept to the maximal ones, are met with each next
+    projection's boxes in turn."""
+    common = _maximal_boxes(a[:m] for a in per_projection[0])
+    for boxes in per_projection[1:]:
+        met = set()
+        for a in common:
+            for b in boxes:
+                c = tuple(x & y for x, y in zip(a, b[:m]))
+                if all(c):
+                    met.add(c)
+        if not met:
+            return False
+        common = _maximal_boxes(met)
+    return bool(common)
 
 
 def _with_stats(v: Verdict, fmax: int, explored: int) -> Verdict:
