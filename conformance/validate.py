@@ -392,6 +392,9 @@ _REQUEST_FIELD = model_module._READ_EXCHANGE_REQUEST
 # Replies to a holder's request, and where they carry the request number.
 _READ_REPLY = {kind: f for kind, f in _REQUEST_FIELD.items() if kind in (M_GRANT_READ, M_RENEWED, M_REFUSE)}
 _READ_REPLY_KINDS = frozenset(_READ_REPLY)
+_READ_REQUEST = {kind: f for kind, f in _REQUEST_FIELD.items() if kind not in _READ_REPLY}  # acquire, renew
+_READ_EXCHANGE_KINDS = _READ_REPLY_KINDS | frozenset(_READ_REQUEST)
+STALE_REQUEST = 0  # the number every stale request is renumbered to (``_drop_stale``; real ones start at 1)
 _PROGRESS_NAMES = frozenset(inv.name for inv in INVARIANTS if inv.kind == "progress")
 
 
@@ -1207,13 +1210,22 @@ class _Replay:
         can do nothing more than one without: kept, they only tell apart elements that
         explain the trace alike (an ``abandon`` on a refusal, or on a timeout with the refusal
         still coming). Likewise a write refusal while its writer is not waiting for a grant:
-        delivered later, it would only abort the writer as the writer itself may."""
+        delivered later, it would only abort the writer as the writer itself may.
+
+        A stale *request* (an acquire or renewal whose holder no longer waits for it) may still
+        reach the directory, which may log a grant or refusal for it, so it stays; but its number
+        is never pending again, and the directory only echoes it in a reply that is then stale
+        too, so every stale request carries ``STALE_REQUEST`` instead. Kept apart by their
+        numbers, a holder's unanswered requests (a directory killed under them) told apart
+        elements by which of them a later refusal consumed: thousands of elements alike on a
+        one-minute soak trace, and the frontier bound reached."""
         L = self.L
         fixed = L.fixed
-        if len(s) == fixed or _READ_REPLY_KINDS.isdisjoint(s[fixed::MESSAGE_WIDTH]):
-            return s  # no reply in flight (each message's first byte is its kind)
+        if len(s) == fixed or _READ_EXCHANGE_KINDS.isdisjoint(s[fixed::MESSAGE_WIDTH]):
+            return s  # no exchange in flight (each message's first byte is its kind)
         net = [s[i : i + MESSAGE_WIDTH] for i in range(fixed, len(s), MESSAGE_WIDTH)]
         keep = []
+        renumbered = False
         for m in net:
             kind = m[0]
             if kind in _READ_REPLY:
@@ -1227,7 +1239,15 @@ class _Replay:
                 n, k, req = m[1], m[2], m[_READ_REPLY[kind]]
                 if s[L.p_kind[n][k]] == P_NONE or s[L.p_id[n][k]] != req:
                     continue  # answers a request no longer pending: ignored for ever
+            elif kind in _READ_REQUEST:
+                f = _READ_REQUEST[kind]
+                n, k, req = m[1], m[2], m[f]
+                if req != STALE_REQUEST and (s[L.p_kind[n][k]] == P_NONE or s[L.p_id[n][k]] != req):
+                    m = m[:f] + bytes((STALE_REQUEST,)) + m[f + 1 :]
+                    renumbered = True
             keep.append(m)
+        if renumbered:
+            return self.model._pack(bytearray(s[:fixed]), keep)  # sorted again: a renumbered request moves
         if len(keep) == len(net):
             return s
         return s[:fixed] + b"".join(keep)  # still sorted: a subsequence of a sorted network
@@ -2364,8 +2384,9 @@ def _shared_time_conflict(timings: list[tuple[dict[int, frozenset[int]], set[tup
     """The first event shared by projections that no single tick explains in all of them, or
     ``None``. Failures are in every projection: some assignment of ticks to all of them must be
     one that every projection accepted (joint). Each projection accepted a union of boxes (a set
-    of ticks per failure); for the failures' longest prefix that works, some box of each
-    projection must meet some box of every other (``_boxes_meet``). A cascade is in its
+    of ticks per failure); the failures' longest prefix that some one tick each explains in a
+    box of every projection is found (``_longest_joint_prefix``), and the failure after it is
+    the conflict. A cascade is in its
     subtree's projections: some one tick of it must be one each of them took it at (per event;
     the ticks any element took, surviving or not: weaker than the failures' check)."""
     if not timings:
@@ -2381,28 +2402,17 @@ def _shared_time_conflict(timings: list[tuple[dict[int, frozenset[int]], set[tup
         projections.add(frozenset(got))
         for i, ts in ticks.items():
             cascade_ticks[i] = set(ts) if i not in cascade_ticks else cascade_ticks[i] & ts
-    # The fewest boxes first: what meets so far stays small.
-    per_projection = sorted((_maximal_boxes(p) for p in projections), key=len)
-    if not _boxes_meet(per_projection, len(failures)):
-        # A prefix that meets has every shorter prefix meet: the first failure that breaks it is
-        # found by bisection, each step one check (not one per failure).
-        lo, hi = 0, len(failures)  # the first lo failures meet; the first hi do not
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if _boxes_meet(per_projection, mid):
-                lo = mid
-            else:
-                hi = mid
-        return failures[hi - 1]
+    met = _longest_joint_prefix([_maximal_boxes(p) for p in projections], len(failures))
+    if met < len(failures):
+        return failures[met]
     empty = sorted(i for i, ts in cascade_ticks.items() if not ts)
     return empty[0] if empty else None
 
 
 def _maximal_boxes(boxes: Iterable[tuple[frozenset[int], ...]]) -> list[tuple[frozenset[int], ...]]:
     """``boxes`` less every box inside another (per position, a subset of its ticks): a choice
-    of boxes that meets with the smaller one meets with the larger, so the answer of
-    ``_boxes_meet`` is the same, and the sets it carries stay an antichain -- a handful where the
-    intersections of every choice were tens of thousands (a one-minute soak took minutes)."""
+    of boxes that meets with the smaller one meets with the larger, so the joint check's answer
+    is the same with fewer boxes."""
     out: list[tuple[frozenset[int], ...]] = []
     for box in sorted(set(boxes), key=lambda b: -sum(map(len, b))):
         if not any(len(box) == len(o) and all(x <= y for x, y in zip(box, o)) for o in out):
@@ -2410,23 +2420,70 @@ def _maximal_boxes(boxes: Iterable[tuple[frozenset[int], ...]]) -> list[tuple[fr
     return out
 
 
-def _boxes_meet(per_projection: Sequence[Sequence[tuple[frozenset[int], ...]]], m: int) -> bool:
-    """Whether one box of every projection can be chosen whose first ``m`` positions all meet:
-    one tick for each of the first ``m`` failures that every projection accepted together. The
-    intersections of the choices so far, kept to the maximal ones, are met with each next
-    projection's boxes in turn."""
-    common = _maximal_boxes(a[:m] for a in per_projection[0])
-    for boxes in per_projection[1:]:
-        met = set()
-        for a in common:
-            for b in boxes:
-                c = tuple(x & y for x, y in zip(a, b[:m]))
-                if all(c):
-                    met.add(c)
-        if not met:
-            return False
-        common = _maximal_boxes(met)
-    return bool(common)
+def _longest_joint_prefix(per_projection: Sequence[Sequence[tuple[frozenset[int], ...]]], width: int) -> int:
+    """The most failures ``m`` (of ``width``) that one tick each can be given, the first ``m`` in
+    order, such that every projection has a box holding all ``m`` ticks: a search over the
+    failures in order, one tick at a time, each state the boxes of each projection still alive
+    (bit masks), a state inside one searched before (each projection's live boxes a subset)
+    not searched. Carrying every distinct intersection of one box per projection instead (what
+    this replaced) grew to thousands of boxes on a minute of soak faults -- minutes of CPU --
+    where this visits about one state per failure."""
+    # at[p][i]: tick -> the boxes of projection p that hold that tick at failure i; any_tick[p][i]:
+    # the boxes too short to name failure i (any tick of it).
+    at: list[list[dict[int, int]]] = []
+    any_tick: list[list[int]] = []
+    for boxes in per_projection:
+        per_failure: list[dict[int, int]] = [{} for _ in range(width)]
+        short = [0] * width
+        for bit, box in enumerate(boxes):
+            for i in range(width):
+                if i >= len(box):
+                    short[i] |= 1 << bit
+                    continue
+                d = per_failure[i]
+                for t in box[i]:
+                    d[t] = d.get(t, 0) | (1 << bit)
+        at.append(per_failure)
+        any_tick.append(short)
+    if not at:
+        return width
+    best = 0
+    # The states searched, per failure: one whose boxes are each a subset of a searched one's
+    # can reach no further (every tick choice open to it is open to the larger).
+    searched: list[list[tuple[int, ...]]] = [[] for _ in range(width)]
+    stack = [(0, tuple((1 << len(boxes)) - 1 for boxes in per_projection))]
+    while stack:
+        i, alive = stack.pop()
+        best = max(best, i)
+        if best == width:
+            break
+        if any(all(a & ~b == 0 for a, b in zip(alive, other)) for other in searched[i]):
+            continue
+        searched[i].append(alive)
+        # The ticks to try: those of a projection whose live boxes all name failure i (the
+        # fewest), else every tick any box names and one that none does (None).
+        strict = [p for p in range(len(at)) if not alive[p] & any_tick[p][i]]
+        if strict:
+            ticks: Iterable[int | None] = at[min(strict, key=lambda p: len(at[p][i]))][i]
+        else:
+            ticks = [*{t for per_failure in at for t in per_failure[i]}, None]
+        nexts: list[tuple[int, ...]] = []
+        for t in ticks:
+            nxt = []
+            for p, per_failure in enumerate(at):
+                m = alive[p] & (per_failure[i].get(t, 0) | any_tick[p][i])
+                if not m:
+                    break
+                nxt.append(m)
+            else:
+                nexts.append(tuple(nxt))
+        # Only the ticks that keep the most boxes alive (no other keeps a superset), the one
+        # keeping the most tried first.
+        nexts.sort(key=lambda n: sum(map(int.bit_count, n)))
+        for n, nxt in enumerate(nexts):
+            if not any(all(a & ~b == 0 for a, b in zip(nxt, other)) for other in nexts[n + 1:]):
+                stack.append((i + 1, nxt))
+    return best
 
 
 def _with_stats(v: Verdict, fmax: int, explored: int) -> Verdict:
