@@ -2386,9 +2386,9 @@ def _shared_time_conflict(timings: list[tuple[dict[int, frozenset[int]], set[tup
     one that every projection accepted (joint). Each projection accepted a union of boxes (a set
     of ticks per failure); the failures' longest prefix that some one tick each explains in a
     box of every projection is found (``_longest_joint_prefix``), and the failure after it is
-    the conflict. A cascade is in its
-    subtree's projections: some one tick of it must be one each of them took it at (per event;
-    the ticks any element took, surviving or not: weaker than the failures' check)."""
+    the conflict. A cascade is in its subtree's projections: some one tick of it must be one
+    each of them took it at (per event; the ticks any element took, surviving or not: weaker
+    than the failures' check)."""
     if not timings:
         return None
     projections: set[frozenset[tuple[frozenset[int], ...]]] = set()  # projections alike are one
@@ -2457,7 +2457,7 @@ def _longest_joint_prefix(per_projection: Sequence[Sequence[tuple[frozenset[int]
         best = max(best, i)
         if best == width:
             break
-        if any(all(a & ~b == 0 for a, b in zip(alive, other)) for other in searched[i]):
+        if any(_within(alive, other) for other in searched[i]):
             continue
         searched[i].append(alive)
         # The ticks to try: those of a projection whose live boxes all name failure i (the
@@ -2481,9 +2481,14 @@ def _longest_joint_prefix(per_projection: Sequence[Sequence[tuple[frozenset[int]
         # keeping the most tried first.
         nexts.sort(key=lambda n: sum(map(int.bit_count, n)))
         for n, nxt in enumerate(nexts):
-            if not any(all(a & ~b == 0 for a, b in zip(nxt, other)) for other in nexts[n + 1:]):
+            if not any(_within(nxt, other) for other in nexts[n + 1 :]):
                 stack.append((i + 1, nxt))
     return best
+
+
+def _within(alive: tuple[int, ...], other: tuple[int, ...]) -> bool:
+    """Whether each projection's live boxes in ``alive`` are a subset of those in ``other``."""
+    return all(a & ~b == 0 for a, b in zip(alive, other))
 
 
 def _with_stats(v: Verdict, fmax: int, explored: int) -> Verdict:
