@@ -8,7 +8,9 @@ to a utilisation U) and reports, per (trace, N, F, U, policy): ``hit_ratio`` (ca
 block refs), ``bound_infinite`` and ``bound_pooled`` (one LRU of the total capacity),
 ``vs_pooled`` = hit_ratio / bound_pooled, ``max_mean_load`` (the busiest node's assigned service
 work / the mean) and ``ttft_p50`` / ``ttft_p99`` (queueing + service, ms). Service times are
-modelled, not measured (``sim.Costs``).
+modelled (``sim.Costs``: a 70B-class model on a GPU node) unless ``--calibrate`` measures them first,
+in the same run, for what runs here (``calibrate``: the tiny Llama's prefill on this CPU, the
+reference DRAM tier's read of its KV block).
 
 Target (the routing issue): a kvcc policy (``KVCC_POLICIES``) at least ``TARGET_VS_POOLED`` of
 the pooled bound with max/mean load at most ``TARGET_MAX_MEAN_LOAD``, and a hit ratio above the
@@ -86,11 +88,82 @@ def smg_replays(trace: sim.Trace, nodes: Sequence[int], policies: Sequence[str],
     return replays, runs
 
 
+CALIBRATION_REPS = 5  # timed prefills of one block, after one untimed
+CALIBRATION_TIER_TRIALS = 3
+CALIBRATION_MEMORY_BYTES = 64 << 20  # bytes moved per timed tier trial (DRAM)
+CALIBRATION_FILE_BYTES = 32 << 20  # ... (NVMe)
+
+
+class CalibrationError(Exception):
+    """The costs could not be measured here (the vllm extra missing, the model not built)."""
+
+
+def calibrate(on_progress: Any = None) -> tuple[sim.Costs, dict[str, Any]]:
+    """The simulator's costs measured on this machine, in this run, for the model the vLLM adapter
+    serves here (``kvcc.adapters.vllm.model``'s tiny Llama): its prefill speed, the median of
+    ``CALIBRATION_REPS`` forward passes of one block (``sim.BLOCK_TOKENS`` random tokens, KV cache
+    on, ``transformers`` on CPU, every core torch uses); its KV bytes per token from its shape; and
+    loading a cached block at the verified read bandwidth of the reference's DRAM tier for a block
+    of that size (``kvcc bench tiers``' measurement). The NVMe tier's read is reported beside it.
+    Returns the costs and what was measured."""
+    import statistics
+    import time
+
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from kvcc.adapters.vllm.model import TinyLlamaSpec, read_revision, tiny_llama
+    except ImportError as e:
+        raise CalibrationError(f"--calibrate needs the vllm extra (bash scripts/setup.sh --with vllm): {e}") from None
+    from kvcc.bench import tiers
+
+    step = on_progress or (lambda text: None)
+    spec = TinyLlamaSpec()
+    step("calibrate: the tiny Llama")
+    path = tiny_llama(spec)
+    dtype = getattr(torch, spec.torch_dtype)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    tokens = torch.randint(0, spec.vocab_size, (1, sim.BLOCK_TOKENS), generator=torch.Generator().manual_seed(0))
+    times = []
+    with torch.inference_mode():
+        for i in range(CALIBRATION_REPS + 1):
+            t0 = time.perf_counter()
+            out = model(input_ids=tokens, use_cache=True)
+            if i:
+                times.append(time.perf_counter() - t0)
+    if out.past_key_values is None:
+        raise CalibrationError("the model's forward pass returned no KV cache")
+    prefill_tokens_per_s = sim.BLOCK_TOKENS / statistics.median(times)
+    kv_bytes_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * dtype.itemsize
+    block_bytes = kv_bytes_per_token * sim.BLOCK_TOKENS
+    step(f"calibrate: tier reads of {block_bytes >> 10} KiB blocks")
+    t = tiers.measure(sizes=[block_bytes], tiers=("dram", "nvme"), trials=CALIBRATION_TIER_TRIALS,
+                      memory_trial_bytes=CALIBRATION_MEMORY_BYTES, file_trial_bytes=CALIBRATION_FILE_BYTES)  # fmt: skip
+    reads = {r["tier"]: r["tier_gb_per_s"] for r in t["rows"] if r["op"] == "read"}
+    costs = sim.Costs(prefill_tokens_per_s=prefill_tokens_per_s, load_gbps=reads["dram"],
+                      kv_bytes_per_token=kv_bytes_per_token)  # fmt: skip
+    measured = {
+        "model": spec.model_id, "revision": read_revision(path)[:16], "layers": spec.num_layers,
+        "kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim, "dtype": spec.torch_dtype,
+        "prefill_s_per_block": sorted(times), "prefill_tokens_per_s": prefill_tokens_per_s,
+        "torch_threads": torch.get_num_threads(), "block_bytes": block_bytes,
+        "dram_read_gb_per_s": reads["dram"], "nvme_read_gb_per_s": reads.get("nvme"),
+        "nvme_load_ms_per_block": 1000.0 * block_bytes / (reads["nvme"] * 1e9) if reads.get("nvme") else None,
+        "against": "prefill: transformers forward of one block on this CPU; load: the reference DRAM tier's "
+                   "verified read of one block (kvcc bench tiers), same run",
+    }  # fmt: skip
+    return costs, measured
+
+
 def measure(traces: Iterable[Path], nodes: Sequence[int], capacities: Sequence[float],
             utilisations: Sequence[float], policies: Sequence[str], limit: int | None = None,
             smg_policies: Sequence[str] = (), smg_concurrency: int = 1,
-            sla_ms: float | None = None) -> dict[str, Any]:  # fmt: skip
-    costs = sim.Costs()
+            sla_ms: float | None = None, costs: sim.Costs | None = None,
+            calibration: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+    """Every (trace, N, F, U, policy) row; ``costs`` the simulator's per-block times (default
+    ``sim.Costs()``, modelled), ``calibration`` what measured them when they were measured."""
+    costs = costs or sim.Costs()
     rows = []
     sla_rows: list[dict[str, Any]] = []
     smg_runs: list[dict[str, Any]] = []
@@ -104,7 +177,8 @@ def measure(traces: Iterable[Path], nodes: Sequence[int], capacities: Sequence[f
     out = {
         "costs": {"prefill_ms_per_block": costs.prefill_ms, "load_ms_per_block": costs.load_ms,
                   "block_tokens": sim.BLOCK_TOKENS, "prefill_tokens_per_s": costs.prefill_tokens_per_s,
-                  "load_gbps": costs.load_gbps, "kv_bytes_per_token": costs.kv_bytes_per_token},
+                  "load_gbps": costs.load_gbps, "kv_bytes_per_token": costs.kv_bytes_per_token,
+                  "measured": calibration},
         "limit": limit,
         "rows": rows,
         "targets": targets(rows),
@@ -123,8 +197,9 @@ def render(console: Any, r: dict[str, Any]) -> None:
     from rich.table import Table
 
     c = r["costs"]
-    t = Table(title=f"routing on Mooncake traces (modelled: prefill {c['prefill_ms_per_block']:.1f} ms/block, "
-                    f"load {c['load_ms_per_block']:.1f} ms/block)")  # fmt: skip
+    how = "modelled" if c.get("measured") is None else "measured here, the tiny Llama"
+    t = Table(title=f"routing on Mooncake traces ({how}: prefill {c['prefill_ms_per_block']:.2f} ms/block, "
+                    f"load {c['load_ms_per_block']:.3f} ms/block)")  # fmt: skip
     for col in ("trace", "N", "cap", "U", "policy", "hit", "pooled", "infinite", "vs pooled", "max/mean",
                 "p50 ms", "p99 ms"):  # fmt: skip
         t.add_column(col, justify="left" if col in ("trace", "policy") else "right")
@@ -201,6 +276,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sla-ms", type=float, metavar="MS",
                         help="also report each policy's throughput at p99 TTFT <= MS (MLPerf-style), beside a "
                              "recompute baseline (no cache) and round robin with node-local caches")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="measure the per-block costs here first (the tiny Llama's prefill on this CPU, the "
+                             "reference DRAM tier's read of its KV block) instead of the modelled 70B-class ones")
     parser.add_argument("--json", action="store_true", help="print one JSON object and nothing else")  # fmt: skip
 
 
@@ -219,9 +297,13 @@ def cli(args: argparse.Namespace) -> int:
                 raise ValueError(f"--smg-concurrency must be at least 1: {args.smg_concurrency}")
         if args.sla_ms is not None and not args.sla_ms > 0:
             raise ValueError(f"--sla-ms must be positive: {args.sla_ms}")
-        r = measure(args.trace or sim.default_traces(), args.nodes, args.capacity, args.utilisation, args.policy,
-                    args.limit, smg_policies, args.smg_concurrency, args.sla_ms)  # fmt: skip
-    except (ValueError, sim.TraceError, smg_router.SmgError) as exc:
+        traces = args.trace or sim.default_traces()
+        for path in traces:
+            sim.load_trace(path, 1)  # a bad trace is refused before anything is measured
+        costs, calibration = calibrate() if args.calibrate else (None, None)
+        r = measure(traces, args.nodes, args.capacity, args.utilisation, args.policy, args.limit, smg_policies,
+                    args.smg_concurrency, args.sla_ms, costs, calibration)  # fmt: skip
+    except (ValueError, sim.TraceError, smg_router.SmgError, CalibrationError) as exc:
         print(f"kvcc bench routing: error: {exc}", file=sys.stderr)
         return 2
     if args.json:

@@ -14,7 +14,8 @@ The simulator therefore serves a request the moment it is routed (its hits and i
 are then known exactly), and a node's cache as policies see it holds the blocks of its queued
 requests too: kvcc's directory knows of those from the write leases taken at admission.
 
-Times are modelled, not measured (``Costs``): a block is 512 tokens; prefill at
+Times are modelled by default (``Costs``; ``kvcc bench routing --calibrate`` measures them instead,
+``kvcc.bench.routing.calibrate``): a block is 512 tokens; prefill at
 ``DEFAULT_PREFILL_TOKENS_PER_S`` (a 70B-class model's prefill on one 8-GPU node), loading a cached
 block at ``DEFAULT_LOAD_GBPS`` with ``DEFAULT_KV_BYTES_PER_TOKEN`` (Llama-2-70B with GQA in fp16:
 2 x 80 layers x 8 KV heads x 128 x 2 bytes). Decode is not modelled: the nodes are the prefill
@@ -191,7 +192,7 @@ def pooled_hits(trace: Trace, capacity: int) -> list[int]:
 
 @dataclass(frozen=True)
 class Costs:
-    """Modelled (not measured) per-block times."""
+    """Per-block times: modelled by default, or from what ``kvcc.bench.routing.calibrate`` measured."""
 
     prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S
     load_gbps: float = DEFAULT_LOAD_GBPS
