@@ -47,6 +47,7 @@ TARGET_VS_POOLED = 0.95
 TARGET_MAX_MEAN_LOAD = 1.1
 BASELINES = ("sglang_cache_aware", "dynamo_cost", "smg:cache_aware")
 CONFIG_KEYS = ("trace", "nodes", "capacity", "utilisation")
+LIVE_DEFAULT_LIMIT = 300  # = routing_live.DEFAULT_LIMIT (not imported here: it pulls the cluster in)
 
 
 def check_target(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -160,13 +161,18 @@ def measure(traces: Iterable[Path], nodes: Sequence[int], capacities: Sequence[f
             utilisations: Sequence[float], policies: Sequence[str], limit: int | None = None,
             smg_policies: Sequence[str] = (), smg_concurrency: int = 1,
             sla_ms: float | None = None, costs: sim.Costs | None = None,
-            calibration: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+            calibration: dict[str, Any] | None = None, live: bool = False) -> dict[str, Any]:  # fmt: skip
     """Every (trace, N, F, U, policy) row; ``costs`` the simulator's per-block times (default
-    ``sim.Costs()``, modelled), ``calibration`` what measured them when they were measured."""
+    ``sim.Costs()``, modelled), ``calibration`` what measured them when they were measured;
+    ``live``: also each row replayed through a local kvcc cluster (``routing_live``), on the first
+    ``limit`` requests (``routing_live.DEFAULT_LIMIT`` if none)."""
+    from kvcc.bench import routing_live
+
     costs = costs or sim.Costs()
     rows = []
     sla_rows: list[dict[str, Any]] = []
     smg_runs: list[dict[str, Any]] = []
+    live_rows: list[dict[str, Any]] = []
     for path in traces:
         trace = sim.load_trace(path, limit)
         replays, runs = smg_replays(trace, nodes, smg_policies, smg_concurrency)
@@ -174,6 +180,9 @@ def measure(traces: Iterable[Path], nodes: Sequence[int], capacities: Sequence[f
         rows += sim.run(trace, nodes, capacities, utilisations, policies, costs, replays=replays)
         if sla_ms is not None:
             sla_rows += sim.sla(trace, nodes, capacities, policies, sla_ms, costs)
+        if live:
+            cut = trace if limit is not None else sim.load_trace(path, routing_live.DEFAULT_LIMIT)
+            live_rows += routing_live.run(cut, nodes, capacities, utilisations, policies, costs)
     out = {
         "costs": {"prefill_ms_per_block": costs.prefill_ms, "load_ms_per_block": costs.load_ms,
                   "block_tokens": sim.BLOCK_TOKENS, "prefill_tokens_per_s": costs.prefill_tokens_per_s,
@@ -187,6 +196,10 @@ def measure(traces: Iterable[Path], nodes: Sequence[int], capacities: Sequence[f
     }  # fmt: skip
     if smg_policies:
         out["smg"] = {"concurrency": smg_concurrency, "runs": smg_runs}
+    if live:
+        out["live"] = {"block_bytes": routing_live.BLOCK_BYTES, "rows": live_rows,
+                       "against": "bound_pooled and bound_infinite of the same requests, same run; ttft: the "
+                                  "prefill of the blocks not read (costs above) plus the measured lookup and reads"}  # fmt: skip
     if sla_ms is not None:
         out["sla"] = {"bound": f"p99 TTFT <= {sla_ms:g} ms", "rows": sla_rows,
                       "recompute_vs_load_per_block": costs.prefill_ms / costs.load_ms}  # fmt: skip
@@ -221,6 +234,8 @@ def render(console: Any, r: dict[str, Any]) -> None:
                       f"stand-in workers in {x['wall_s']:.1f} s[/]")  # fmt: skip
     if "sla" in r:
         render_sla(console, r["sla"])
+    if "live" in r:
+        render_live(console, r["live"])
     for x in r["beats_pooled"]:
         console.print(f"[dim]{x['policy']} beats the pooled LRU on {x['trace']} N={x['nodes']} "
                       f"cap={x['capacity']:g} U={x['utilisation']:g} ({x['vs_pooled']:.4f})[/]")  # fmt: skip
@@ -239,6 +254,22 @@ def render_sla(console: Any, s: dict[str, Any]) -> None:
         t.add_row(x["trace"].split("_trace")[0], str(x["nodes"]), f"{x['capacity']:g}", x["policy"], rps,
                   _fmt_ratio(x["vs_recompute"]), _fmt_ratio(x["vs_round_robin"]), f"{x['hit_ratio']:.4f}",
                   f"{x['ttft_p50']:,.0f}", f"{x['ttft_p99']:,.0f}")  # fmt: skip
+    console.print(t)
+
+
+def render_live(console: Any, live: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    t = Table(title=f"live: through a local kvcc cluster ({live['block_bytes']} B blocks; {live['against']})")
+    for col in ("trace", "N", "cap", "U", "policy", "requests", "hit", "pooled", "vs pooled", "local", "max/mean",
+                "p50 ms", "p99 ms", "cache ms p50", "write ms p50", "evictions", "refused"):  # fmt: skip
+        t.add_column(col, justify="left" if col in ("trace", "policy") else "right")
+    for x in live["rows"]:
+        t.add_row(x["trace"].split("_trace")[0], str(x["nodes"]), f"{x['capacity']:g}", f"{x['utilisation']:g}",
+                  x["policy"], str(x["requests"]), f"{x['hit_ratio']:.4f}", f"{x['bound_pooled']:.4f}",
+                  _fmt_ratio(x["vs_pooled"]), _fmt_ratio(x["local_share"]), f"{x['max_mean_load']:.3f}",
+                  f"{x['ttft_p50']:,.0f}", f"{x['ttft_p99']:,.0f}", f"{x['cache_ms_p50']:.2f}",
+                  f"{x['write_ms_p50']:.2f}", str(x["evictions"]), str(x["refused_writes"]))  # fmt: skip
     console.print(t)
 
 
@@ -279,10 +310,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calibrate", action="store_true",
                         help="measure the per-block costs here first (the tiny Llama's prefill on this CPU, the "
                              "reference DRAM tier's read of its KV block) instead of the modelled 70B-class ones")
+    parser.add_argument("--live", action="store_true",
+                        help="also replay each configuration through a local kvcc cluster (a directory and N cache "
+                             "nodes on loopback, one per replay), on the first --limit requests (default "
+                             f"{LIVE_DEFAULT_LIMIT}): hits read from kvcc, evictions by kvcc's rules, lookups and "
+                             "reads timed")
     parser.add_argument("--json", action="store_true", help="print one JSON object and nothing else")  # fmt: skip
 
 
 def cli(args: argparse.Namespace) -> int:
+    from kvcc.bench import routing_live
     from kvcc.console import print_json, stdout_console
 
     smg_policies = args.smg_policy or (["cache_aware"] if args.smg else [])
@@ -302,8 +339,8 @@ def cli(args: argparse.Namespace) -> int:
             sim.load_trace(path, 1)  # a bad trace is refused before anything is measured
         costs, calibration = calibrate() if args.calibrate else (None, None)
         r = measure(traces, args.nodes, args.capacity, args.utilisation, args.policy, args.limit, smg_policies,
-                    args.smg_concurrency, args.sla_ms, costs, calibration)  # fmt: skip
-    except (ValueError, sim.TraceError, smg_router.SmgError, CalibrationError) as exc:
+                    args.smg_concurrency, args.sla_ms, costs, calibration, args.live)  # fmt: skip
+    except (ValueError, sim.TraceError, smg_router.SmgError, CalibrationError, routing_live.LiveError) as exc:
         print(f"kvcc bench routing: error: {exc}", file=sys.stderr)
         return 2
     if args.json:

@@ -97,7 +97,8 @@ COST_CLASSES = {
                     "test_transport", "test_tiers", "test_tiers_recovery", "test_tiers_stateful", "test_metrics",
                     "test_procs", "test_vllm", "test_vllm_connector", "test_routing_smg", "test_fuzz", "test_soak",
                     "test_transport_limits", "test_tls", "test_sglang", "test_sglang_conformance", "test_identities",
-                    "test_vllm_conformance", "test_chains", "test_crash_points", "test_routing_calibrate"},
+                    "test_vllm_conformance", "test_chains", "test_crash_points", "test_routing_calibrate",
+                    "test_routing_live"},
 }
 
 

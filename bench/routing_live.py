@@ -1,0 +1,305 @@
+"""Live mode of ``kvcc bench routing`` (``--live``): a trace routed through a local kvcc cluster.
+
+Theory of operation
+-------------------
+The simulator (``kvcc.reference.routing.sim``) gives each node an LRU cache of its own. Here the
+caches are a real kvcc cluster (``LocalCluster``: a directory and N cache nodes, processes on
+loopback), one fresh cluster per (N, F, U, policy): node *i*'s engine is a client co-located with
+cache node *i* (client id ``<node>.router``), so the directory places its writes on that node's
+DRAM tier, sized to its share of the capacity (F of the trace's unique blocks, ``BLOCK_BYTES``
+each, split evenly). Per request, in the trace's order:
+
+1. ``lookup`` of the request's chain (hash ids -> chained keys, as the performance suite's replay
+   maps them): the committed prefix and where each block of it is. The policy's view is the
+   simulator's (queues, assigned work, occupancy), except ``matched[j]``: the leading blocks of
+   that prefix that node *j* holds -- what a router fed by kvcc's directory knows;
+2. the chosen node's engine leases and reads the whole committed prefix (``acquire_chain``,
+   ``read_many``, ``release_many``), from its own node and from the others -- kvcc's nodes are one
+   pool -- and checks every byte (a block's bytes derive from its key);
+3. it writes the rest of the chain (``put_chain``) on its own node; a write refused ``no_space``
+   makes it evict its node's least recently used block that the directory lets go (a leaf, not
+   leased), and try again, as an LRU cache would;
+4. its service time is the blocks it did not read times the prefill time of a block (``Costs``,
+   modelled or ``--calibrate``d) plus the *measured* time of steps 1 and 2; queueing follows the
+   simulator's FIFO model on that service time, with arrivals scaled to utilisation U.
+
+Reported per row, beside the simulator's columns: ``hit_ratio`` (blocks read / block refs),
+``local_share`` (of the blocks read, those on the serving node), ``written`` (blocks committed),
+``evictions`` (by the engines: a node first makes room itself, evicting its least recently used
+blocks the directory lets go; ``gone`` counts the engines' stale candidates it took first),
+``refused_writes`` (writes that found no room even then), and the measured ``cache_ms_p50`` (lookup and
+reads) and ``write_ms_p50`` per request. Because the nodes are one pool, every policy can reach the
+pooled bound's hits; what routing changes here is locality and balance.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvcc.reference.routing import sim
+from kvcc.reference.routing.policies import POLICIES, Request, View
+from kvcc.spec.keys import BlockKey, Namespace
+
+BLOCK_BYTES = 4096  # a block's bytes in the live cluster (the trace's KV scaled down to fit here)
+DEFAULT_LIMIT = 300  # requests per live replay unless --limit says otherwise
+LEASE_TERM_MS = 10_000
+SKEW_MS = 50
+EVICT_TRIES = 16  # LRU candidates asked per refused write before the write is given up
+NS = Namespace(model_id="kvcc/routing-live", model_revision="r1", kv_dtype="bfloat16", block_tokens=sim.BLOCK_TOKENS)
+
+
+class LiveError(Exception):
+    """The live replay could not run: the cluster did not start, or a read returned wrong bytes."""
+
+
+@dataclass
+class _Engine:
+    """One serving engine beside one cache node: its kvcc client, its node's blocks in recency
+    order, and the simulator's queue accounting."""
+
+    node: str
+    client: Any
+    lru: OrderedDict[BlockKey, None] = field(default_factory=OrderedDict)
+    busy_until: float = 0.0
+    assigned_ms: float = 0.0
+    outstanding: deque[tuple[float, int, int]] = field(default_factory=deque)
+    prefill_blocks: int = 0
+    active_blocks: int = 0
+
+    def advance(self, now: float) -> None:
+        while self.outstanding and self.outstanding[0][0] <= now:
+            _, uncached, blocks = self.outstanding.popleft()
+            self.prefill_blocks -= uncached
+            self.active_blocks -= blocks
+
+
+def _node_of(location: str) -> str:
+    return str(location).split("/", 1)[0]
+
+
+def _payload(key: BlockKey) -> bytes:
+    return (key.digest * (BLOCK_BYTES // len(key.digest) + 1))[:BLOCK_BYTES]
+
+
+def _chain_keys(trace: sim.Trace) -> list[list[BlockKey]]:
+    from kvcc.bench.suite import ChainKeys
+
+    keys_of = ChainKeys(NS)
+    return [keys_of.chain(blocks) for blocks in trace.blocks]
+
+
+def _read_prefix(engine: _Engine, keys: Sequence[BlockKey]) -> int:
+    """Lease and read ``keys`` (a committed prefix) with the engine's client: how many leading
+    blocks it read; wrong bytes raise ``LiveError``."""
+    if not keys:
+        return 0
+    c = engine.client
+    leases, _ = c.acquire_chain(NS, list(keys))
+    try:
+        got = c.read_many(leases) if leases else []
+    finally:
+        if leases:
+            c.release_many(leases)
+    served = 0
+    for lease, data in zip(leases, got, strict=True):
+        if not isinstance(data, bytes | bytearray):
+            break
+        if bytes(data) != _payload(lease.key):
+            raise LiveError(f"a read of {lease.key.hex[:16]} returned other bytes")
+        served += 1
+    return served
+
+
+@dataclass
+class _Pool:
+    """What the engines know of the cluster's blocks: where each committed block is, its parent,
+    and how many of its children are cached (the directory evicts leaves before their ancestors)."""
+
+    location: dict[BlockKey, str] = field(default_factory=dict)
+    parent: dict[BlockKey, BlockKey | None] = field(default_factory=dict)
+    children: dict[BlockKey, int] = field(default_factory=dict)
+
+    def add(self, key: BlockKey, parent: BlockKey | None, location: str) -> None:
+        self.location[key], self.parent[key] = location, parent
+        if parent is not None:
+            self.children[parent] = self.children.get(parent, 0) + 1
+
+    def remove(self, key: BlockKey) -> None:
+        del self.location[key]
+        parent = self.parent.pop(key)
+        if parent is not None:
+            self.children[parent] -= 1
+
+
+def _evict_one(engine: _Engine, pool: _Pool, counts: dict[str, Any], protect: set[BlockKey]) -> bool:
+    """Evict the engine's least recently used leaf that the directory lets go, never one of
+    ``protect`` (the chain being written); True if one went."""
+    tried = 0
+    for key in list(engine.lru):
+        if pool.children.get(key, 0) or key in protect:
+            continue
+        r = engine.client.evict(key, pool.location[key])
+        reason = None if type(r).__name__ == "Evicted" else str(getattr(r, "reason", type(r).__name__))
+        if reason in (None, "not_committed", "not_found"):  # gone now (the node made room itself: stale)
+            del engine.lru[key]
+            pool.remove(key)
+            if reason is None:
+                return True
+            counts["gone"] += 1
+            continue
+        counts["evict_refusals"][reason] = counts["evict_refusals"].get(reason, 0) + 1
+        tried += 1
+        if tried >= EVICT_TRIES:
+            break
+    return False
+
+
+def _write_rest(engine: _Engine, keys: Sequence[BlockKey], start: int, pool: _Pool, counts: dict[str, Any]) -> None:
+    """Write ``keys[start:]`` (whose parent ``keys[start - 1]`` is committed) on the engine's node,
+    evicting from it when it is full; stops at a write that cannot be placed."""
+    i = start
+    budget = 4 * len(keys) + 4  # put_chain calls at most: each makes progress, evicts or steps back
+    while i < len(keys) and budget > 0:
+        budget -= 1
+        base = i
+        blocks = [(keys[j], keys[j - 1] if j else None, _payload(keys[j])) for j in range(base, len(keys))]
+        results = engine.client.put_chain(NS, blocks)
+        refused = None
+        for k, r in zip(keys[base:], results, strict=True):
+            if type(r).__name__ == "Committed":
+                # a co-located writer's blocks go to its own node's tier
+                pool.add(k, keys[i - 1] if i else None, f"{engine.node}/dram")
+                engine.lru[k] = None
+                counts["written"] += 1
+            elif getattr(r, "reason", None) != "not_absent":  # not_absent: another engine committed it
+                refused = r
+                break
+            i += 1
+        if refused is None:
+            return
+        if getattr(refused, "reason", None) == "parent_not_committed" and i == base and base > 0:
+            # the parent, a leaf until now, was evicted since it was read (its node made room):
+            # write it again first, as an engine that recomputed it would
+            counts["parents_rewritten"] += 1
+            i = base - 1
+            continue
+        if getattr(refused, "reason", None) == "no_space" and _evict_one(engine, pool, counts, set(keys)):
+            counts["evictions"] += 1
+            continue
+        counts["refused_writes"] += 1
+        reason = str(getattr(refused, "reason", type(refused).__name__))
+        counts["write_refusals"][reason] = counts["write_refusals"].get(reason, 0) + 1
+        return
+
+
+def replay(trace: sim.Trace, keys: list[list[BlockKey]], nodes: int, capacity: int, scale: float,
+           costs: sim.Costs, policy_name: str, workdir: Path, seed: int = sim.DEFAULT_SEED) -> dict[str, Any]:  # fmt: skip
+    """One live replay of ``trace`` through ``policy_name`` on a fresh cluster of ``nodes`` nodes
+    holding ``capacity`` blocks in all; the row's measured columns."""
+    from kvcc.reference.cluster import LocalCluster
+
+    per_node = max(1, capacity // nodes)
+    tier = f"dram={per_node * BLOCK_BYTES}"
+    policy = POLICIES[policy_name](nodes, seed)
+    counts: dict[str, Any] = {"evictions": 0, "refused_writes": 0, "write_refusals": {}, "evict_refusals": {},
+                              "gone": 0, "parents_rewritten": 0, "written": 0}
+    hits = refs = local = 0
+    ttfts: list[float] = []
+    cache_ms: list[float] = []
+    write_ms: list[float] = []
+    pool = _Pool()
+    try:
+        cluster = LocalCluster(workdir, nodes=nodes, tiers=(tier,), block_bytes=BLOCK_BYTES,
+                               lease_term_ms=LEASE_TERM_MS, skew_ms=SKEW_MS, namespaces=(NS,))  # fmt: skip
+        cluster.start()
+    except Exception as e:  # noqa: BLE001 -- reported as a typed error with the cause
+        raise LiveError(f"the kvcc cluster did not start: {type(e).__name__}: {e}") from e
+    try:
+        engines = [_Engine(n, cluster.client(f"{n}.router", events=False)) for n in cluster.node_ids]
+        probe = engines[0].client
+        t0 = trace.timestamps[0]
+        for timestamp, blocks, chain in zip(trace.timestamps, trace.blocks, keys, strict=True):
+            now = (timestamp - t0) * scale
+            for e in engines:
+                e.advance(now)
+            started = time.perf_counter()
+            found = probe.lookup(NS, chain)
+            lookup_s = time.perf_counter() - started
+            where = [_node_of(loc) for loc in found.locations[: found.blocks]]
+            matched = []
+            for e in engines:
+                n = 0
+                while n < len(where) and where[n] == e.node:
+                    n += 1
+                matched.append(n)
+            view = View(matched=matched, outstanding=[len(e.outstanding) for e in engines],
+                        queued_ms=[max(e.busy_until - now, 0.0) for e in engines],
+                        queued_prefill_blocks=[e.prefill_blocks for e in engines],
+                        active_blocks=[e.active_blocks for e in engines], assigned_ms=[e.assigned_ms for e in engines],
+                        occupancy=[len(e.lru) for e in engines], prefill_ms=costs.prefill_ms, load_ms=costs.load_ms)  # fmt: skip
+            chosen = engines[policy.choose(Request(now, blocks), view)]
+            started = time.perf_counter()
+            served = _read_prefix(chosen, chain[: found.blocks])
+            read_s = time.perf_counter() - started
+            for k in chain[:served]:
+                owner = next((e for e in engines if k in e.lru), None)
+                if owner is not None:
+                    owner.lru.move_to_end(k)
+            local += sum(1 for n in where[:served] if n == chosen.node)
+            started = time.perf_counter()
+            if served == found.blocks:
+                _write_rest(chosen, chain, served, pool, counts)
+            write_ms.append((time.perf_counter() - started) * 1000)
+            cache_ms.append((lookup_s + read_s) * 1000)
+            service = (len(blocks) - served) * costs.prefill_ms + cache_ms[-1]
+            chosen.busy_until = max(chosen.busy_until, now) + service
+            chosen.assigned_ms += service
+            chosen.outstanding.append((chosen.busy_until, len(blocks) - served, len(blocks)))
+            chosen.prefill_blocks += len(blocks) - served
+            chosen.active_blocks += len(blocks)
+            hits, refs = hits + served, refs + len(blocks)
+            ttfts.append(chosen.busy_until - now)
+    finally:
+        cluster.stop()
+    mean_work = sum(e.assigned_ms for e in engines) / nodes
+    return {
+        "hit_ratio": hits / max(refs, 1),
+        "local_share": local / hits if hits else None,
+        "max_mean_load": max(e.assigned_ms for e in engines) / mean_work if mean_work > 0 else 1.0,
+        "ttft_p50": sim.percentile(ttfts, 50),
+        "ttft_p99": sim.percentile(ttfts, 99),
+        "cache_ms_p50": statistics.median(cache_ms),
+        "write_ms_p50": statistics.median(write_ms),
+        **counts,
+    }
+
+
+def run(trace: sim.Trace, nodes_list: Sequence[int], capacities: Sequence[float], utilisations: Sequence[float],
+        policy_names: Sequence[str], costs: sim.Costs, workdir: Path | None = None) -> list[dict[str, Any]]:  # fmt: skip
+    """Every (N, F, U, policy) live row for ``trace`` (already cut to the requests to replay)."""
+    keys = _chain_keys(trace)
+    infinite = sim.bound_infinite(trace)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="kvcc-routing-live-", dir=workdir) as tmp:
+        for nodes in nodes_list:
+            for fraction in capacities:
+                capacity = sim.capacity_blocks(trace, fraction)
+                pooled_hits = sim.pooled_hits(trace, capacity)
+                pooled = sum(pooled_hits) / max(sim.block_refs(trace), 1)
+                for utilisation in utilisations:
+                    scale = sim.time_scale(trace, pooled_hits, nodes, utilisation, costs)
+                    for name in policy_names:
+                        work = Path(tmp) / f"{nodes}-{fraction:g}-{utilisation:g}-{name}"
+                        r = replay(trace, keys, nodes, capacity, scale, costs, name, work)
+                        rows.append({"trace": trace.name, "nodes": nodes, "capacity": fraction,
+                                     "utilisation": utilisation, "policy": name, "requests": len(trace.blocks),
+                                     "bound_infinite": infinite, "bound_pooled": pooled,
+                                     "vs_pooled": r["hit_ratio"] / pooled if pooled > 0 else None, **r})  # fmt: skip
+    return rows
