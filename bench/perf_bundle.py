@@ -105,6 +105,8 @@ def _trace_metrics(w: dict[str, Any]) -> dict[str, Metric]:
         "hit ratio": (w["hit_ratio"], _num(w["hit_ratio"], 4)),
         "bound_infinite": (w["bound_infinite"], _num(w["bound_infinite"], 4)),
         "hit vs bound_infinite": (w["vs_bound_infinite"], _ratio(w["vs_bound_infinite"])),
+        "bound_pooled (declared capacity)": (w.get("bound_pooled"), _num(w.get("bound_pooled"), 4)),
+        "hit vs bound_pooled": (w.get("vs_bound_pooled"), _ratio(w.get("vs_bound_pooled"))),
         "bytes moved": (w["bytes_moved"], f"{w['bytes_moved'] / (1 << 20):,.1f} MiB"),
         "lookup+reads per request p50 ms": (w["cache_ms_p50"], _num(w["cache_ms_p50"], 3)),
         "writes per request p50 ms": (w["write_ms_p50"], _num(w["write_ms_p50"], 3)),

@@ -31,9 +31,10 @@ The same workloads for every adapter, through the adapter contract only
    one namespace (block ``i`` chained on block ``i-1``; a block's 512 token ids are its hash id),
    each block ``trace_block_bytes`` bytes (KV bytes scaled down so the trace fits in a test
    deployment). Per request: ``lookup`` the chain, read-lease and read the cached prefix, then
-   ``begin_write`` + ``write_bytes`` + ``commit`` each missing block. Baseline: ``bound_infinite``
-   of the same slice (``kvcc.reference.routing.sim``: a block seen before is a hit), computed in
-   the same run. Modelled TTFT per request: the blocks not served recomputed at
+   ``begin_write`` + ``write_bytes`` + ``commit`` each missing block. Baselines: ``bound_infinite``
+   of the same slice (``kvcc.reference.routing.sim``: a block seen before is a hit) and
+   ``bound_pooled`` (one LRU cache of the deployment's declared ``capacity_bytes`` in blocks of
+   this size; none when it declares none), computed in the same run. Modelled TTFT per request: the blocks not served recomputed at
    ``sim.DEFAULT_PREFILL_TOKENS_PER_S`` tokens/s (``sim.Costs().prefill_ms`` per block) plus the
    *measured* time of the request's lookup, leases and reads (its writes follow the prefill: their
    time is reported apart, ``write_ms``); baseline: every block recomputed (``vs_no_cache``).
@@ -527,11 +528,16 @@ def trace_replay_on(d: Deployment, trace: sim.Trace, step: Step) -> dict[str, An
     no_cache = [len(h) * prefill_ms for h in trace.blocks]
     bound = sim.bound_infinite(trace)
     hit = rep.served / max(rep.refs, 1)
+    # The pooled bound: one LRU cache of the blocks the deployment declares it holds (every tier of
+    # every node, Capabilities.capacity_bytes), over the same slice; none without a declared capacity.
+    capacity = d.adapter.capabilities().capacity_bytes // size
+    pooled = sum(sim.pooled_hits(trace, capacity)) / max(sim.block_refs(trace), 1) if capacity else None
     return {
         "trace": trace.name, "requests": len(trace.blocks), "block_refs": rep.refs,
         "unique_blocks": sim.unique_blocks(trace), "block_bytes": size,
         "hit_ratio": hit, "lookup_hit_ratio": rep.looked_up / max(rep.refs, 1),
         "bound_infinite": bound, "vs_bound_infinite": hit / bound if bound else None,
+        "capacity_blocks": capacity or None, "bound_pooled": pooled, "vs_bound_pooled": hit / pooled if pooled else None,
         "bytes_read": rep.bytes_read, "bytes_written": rep.bytes_written,
         "bytes_moved": rep.bytes_read + rep.bytes_written, "blocks_written": rep.written,
         "refused": rep.refused,
@@ -540,7 +546,8 @@ def trace_replay_on(d: Deployment, trace: sim.Trace, step: Step) -> dict[str, An
         "ttft_ms_mean": statistics.fmean(rep.ttft_ms), "ttft_ms_p50": sim.percentile(rep.ttft_ms, 50),
         "ttft_ms_p99": sim.percentile(rep.ttft_ms, 99), "no_cache_ttft_ms_mean": statistics.fmean(no_cache),
         "vs_no_cache": statistics.fmean(rep.ttft_ms) / statistics.fmean(no_cache),
-        "baseline": "hit ratio: bound_infinite of the same slice (a block id seen before is a hit), same run; "
+        "baseline": "hit ratio: bound_infinite of the same slice (a block id seen before is a hit) and bound_pooled "
+                    "(one LRU of the declared capacity_bytes in blocks of this size; none if undeclared), same run; "
                     "TTFT: every block recomputed (vs_no_cache = mean modelled TTFT over mean no-cache TTFT)",
         "ttft_model": f"blocks not served x {prefill_ms:.1f} ms (recompute of {BLOCK_TOKENS} tokens at "
                       f"{sim.DEFAULT_PREFILL_TOKENS_PER_S:,.0f} tokens/s, modelled) + the request's measured "

@@ -122,6 +122,9 @@ def test_trace_replay_stays_under_bound_infinite(core_bundle):
     w = results_of(core_bundle)["workloads"]["trace_replay"]
     assert w["requests"] == SMALL.trace_requests
     assert 0 < w["hit_ratio"] <= w["bound_infinite"]
+    # core declares its capacity: the pooled bound of that many blocks, at most the infinite one
+    assert w["capacity_blocks"] and 0 < w["bound_pooled"] <= w["bound_infinite"]
+    assert w["vs_bound_pooled"] == pytest.approx(w["hit_ratio"] / w["bound_pooled"])
     assert w["bytes_read"] > 0 and w["bytes_moved"] == w["bytes_read"] + w["bytes_written"]
     assert w["vs_no_cache"] is not None and not w["refused"]
 
