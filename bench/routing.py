@@ -161,7 +161,8 @@ def measure(traces: Iterable[Path], nodes: Sequence[int], capacities: Sequence[f
             utilisations: Sequence[float], policies: Sequence[str], limit: int | None = None,
             smg_policies: Sequence[str] = (), smg_concurrency: int = 1,
             sla_ms: float | None = None, costs: sim.Costs | None = None,
-            calibration: dict[str, Any] | None = None, live: bool = False) -> dict[str, Any]:  # fmt: skip
+            calibration: dict[str, Any] | None = None, live: bool = False,
+            step: Any = None) -> dict[str, Any]:  # fmt: skip
     """Every (trace, N, F, U, policy) row; ``costs`` the simulator's per-block times (default
     ``sim.Costs()``, modelled), ``calibration`` what measured them when they were measured;
     ``live``: also each row replayed through a local kvcc cluster (``routing_live``), on the first
@@ -182,7 +183,7 @@ def measure(traces: Iterable[Path], nodes: Sequence[int], capacities: Sequence[f
             sla_rows += sim.sla(trace, nodes, capacities, policies, sla_ms, costs)
         if live:
             cut = trace if limit is not None else sim.load_trace(path, routing_live.DEFAULT_LIMIT)
-            live_rows += routing_live.run(cut, nodes, capacities, utilisations, policies, costs)
+            live_rows += routing_live.run(cut, nodes, capacities, utilisations, policies, costs, step=step)
     out = {
         "costs": {"prefill_ms_per_block": costs.prefill_ms, "load_ms_per_block": costs.load_ms,
                   "block_tokens": sim.BLOCK_TOKENS, "prefill_tokens_per_s": costs.prefill_tokens_per_s,
@@ -337,9 +338,18 @@ def cli(args: argparse.Namespace) -> int:
         traces = args.trace or sim.default_traces()
         for path in traces:
             sim.load_trace(path, 1)  # a bad trace is refused before anything is measured
-        costs, calibration = calibrate() if args.calibrate else (None, None)
-        r = measure(traces, args.nodes, args.capacity, args.utilisation, args.policy, args.limit, smg_policies,
-                    args.smg_concurrency, args.sla_ms, costs, calibration, args.live)  # fmt: skip
+        from kvcc.bench.suite import _progress
+
+        with _progress(not args.json and (args.calibrate or args.live)) as progress:
+            task = progress.add_task("bench routing", total=None)
+
+            def step(text: str) -> None:
+                progress.update(task, description=text)
+
+            costs, calibration = calibrate(step) if args.calibrate else (None, None)
+            step("simulating")
+            r = measure(traces, args.nodes, args.capacity, args.utilisation, args.policy, args.limit, smg_policies,
+                        args.smg_concurrency, args.sla_ms, costs, calibration, args.live, step)  # fmt: skip
     except (ValueError, sim.TraceError, smg_router.SmgError, CalibrationError, routing_live.LiveError) as exc:
         print(f"kvcc bench routing: error: {exc}", file=sys.stderr)
         return 2

@@ -38,7 +38,7 @@ import statistics
 import tempfile
 import time
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -200,7 +200,8 @@ def _write_rest(engine: _Engine, keys: Sequence[BlockKey], start: int, pool: _Po
 
 
 def replay(trace: sim.Trace, keys: list[list[BlockKey]], nodes: int, capacity: int, scale: float,
-           costs: sim.Costs, policy_name: str, workdir: Path, seed: int = sim.DEFAULT_SEED) -> dict[str, Any]:  # fmt: skip
+           costs: sim.Costs, policy_name: str, workdir: Path, seed: int = sim.DEFAULT_SEED,
+           step: Callable[[str], None] | None = None) -> dict[str, Any]:  # fmt: skip
     """One live replay of ``trace`` through ``policy_name`` on a fresh cluster of ``nodes`` nodes
     holding ``capacity`` blocks in all; the row's measured columns."""
     from kvcc.reference.cluster import LocalCluster
@@ -225,7 +226,9 @@ def replay(trace: sim.Trace, keys: list[list[BlockKey]], nodes: int, capacity: i
         engines = [_Engine(n, cluster.client(f"{n}.router", events=False)) for n in cluster.node_ids]
         probe = engines[0].client
         t0 = trace.timestamps[0]
-        for timestamp, blocks, chain in zip(trace.timestamps, trace.blocks, keys, strict=True):
+        for i, (timestamp, blocks, chain) in enumerate(zip(trace.timestamps, trace.blocks, keys, strict=True)):
+            if step is not None and i % 50 == 0:
+                step(f"live: {policy_name} on {nodes} nodes: request {i}/{len(trace.blocks)}")
             now = (timestamp - t0) * scale
             for e in engines:
                 e.advance(now)
@@ -282,7 +285,8 @@ def replay(trace: sim.Trace, keys: list[list[BlockKey]], nodes: int, capacity: i
 
 
 def run(trace: sim.Trace, nodes_list: Sequence[int], capacities: Sequence[float], utilisations: Sequence[float],
-        policy_names: Sequence[str], costs: sim.Costs, workdir: Path | None = None) -> list[dict[str, Any]]:  # fmt: skip
+        policy_names: Sequence[str], costs: sim.Costs, workdir: Path | None = None,
+        step: Callable[[str], None] | None = None) -> list[dict[str, Any]]:  # fmt: skip
     """Every (N, F, U, policy) live row for ``trace`` (already cut to the requests to replay)."""
     keys = _chain_keys(trace)
     infinite = sim.bound_infinite(trace)
@@ -297,7 +301,7 @@ def run(trace: sim.Trace, nodes_list: Sequence[int], capacities: Sequence[float]
                     scale = sim.time_scale(trace, pooled_hits, nodes, utilisation, costs)
                     for name in policy_names:
                         work = Path(tmp) / f"{nodes}-{fraction:g}-{utilisation:g}-{name}"
-                        r = replay(trace, keys, nodes, capacity, scale, costs, name, work)
+                        r = replay(trace, keys, nodes, capacity, scale, costs, name, work, step=step)
                         rows.append({"trace": trace.name, "nodes": nodes, "capacity": fraction,
                                      "utilisation": utilisation, "policy": name, "requests": len(trace.blocks),
                                      "bound_infinite": infinite, "bound_pooled": pooled,

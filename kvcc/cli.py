@@ -617,7 +617,8 @@ BENCHMARKS = {
                   "run and on a trace of at least a million events made from it; a mutated copy must be REJECTED."),
     "routing": ("request routing policies replayed on Mooncake's traces, against hit-ratio bounds",
                 "Hit ratio, load balance and modelled TTFT of each routing policy on a simulated cluster "
-                "replaying Mooncake's request traces, beside the infinite-cache and pooled-LRU bounds."),
+                "replaying Mooncake's request traces, beside the infinite-cache and pooled-LRU bounds; "
+                "--calibrate measures the per-block costs first, --live also replays through a local kvcc cluster."),
     "suite": ("the performance suite every adapter runs, into a bundle",
               "Lease and lookup latency, block bandwidth, invalidation completion and a Mooncake trace replay "
               "through the adapter contract, each figure beside a baseline from the same run; writes "
