@@ -125,14 +125,21 @@ class _Pool:
     location: dict[BlockKey, str] = field(default_factory=dict)
     parent: dict[BlockKey, BlockKey | None] = field(default_factory=dict)
     children: dict[BlockKey, int] = field(default_factory=dict)
+    owner: dict[BlockKey, _Engine] = field(default_factory=dict)
 
-    def add(self, key: BlockKey, parent: BlockKey | None, location: str) -> None:
-        self.location[key], self.parent[key] = location, parent
+    def add(self, engine: _Engine, key: BlockKey, parent: BlockKey | None) -> None:
+        """``engine`` committed ``key`` on its node. An entry of the key from before is stale (its
+        node evicted it to make room, and now it was written again): forgotten first."""
+        if key in self.owner:
+            self.remove(key)
+        self.location[key], self.parent[key], self.owner[key] = f"{engine.node}/dram", parent, engine
+        engine.lru[key] = None  # a co-located writer's blocks go to its own node's tier
         if parent is not None:
             self.children[parent] = self.children.get(parent, 0) + 1
 
     def remove(self, key: BlockKey) -> None:
         del self.location[key]
+        self.owner.pop(key).lru.pop(key, None)
         parent = self.parent.pop(key)
         if parent is not None:
             self.children[parent] -= 1
@@ -148,7 +155,6 @@ def _evict_one(engine: _Engine, pool: _Pool, counts: dict[str, Any], protect: se
         r = engine.client.evict(key, pool.location[key])
         reason = None if type(r).__name__ == "Evicted" else str(getattr(r, "reason", type(r).__name__))
         if reason in (None, "not_committed", "not_found"):  # gone now (the node made room itself: stale)
-            del engine.lru[key]
             pool.remove(key)
             if reason is None:
                 return True
@@ -174,9 +180,7 @@ def _write_rest(engine: _Engine, keys: Sequence[BlockKey], start: int, pool: _Po
         refused = None
         for k, r in zip(keys[base:], results, strict=True):
             if type(r).__name__ == "Committed":
-                # a co-located writer's blocks go to its own node's tier
-                pool.add(k, keys[i - 1] if i else None, f"{engine.node}/dram")
-                engine.lru[k] = None
+                pool.add(engine, k, keys[i - 1] if i else None)
                 counts["written"] += 1
             elif getattr(r, "reason", None) != "not_absent":  # not_absent: another engine committed it
                 refused = r

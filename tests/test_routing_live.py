@@ -62,3 +62,20 @@ def test_bench_routing_live_json(tmp_path, capsys):
     (row,) = r["live"]["rows"]
     assert row["requests"] == 8 and row["hit_ratio"] == pytest.approx(14 / 24)  # 1 and 2 hit after the first
     assert r["live"]["block_bytes"] == routing_live.BLOCK_BYTES
+
+
+def test_a_block_written_again_elsewhere_is_one_entry():
+    """A node made room by evicting a block (the engines are not told), and another engine wrote it
+    again: the engines' bookkeeping keeps the new copy only, children counted once."""
+    from kvcc.spec.keys import chain_keys
+
+    a, b = routing_live._Engine("n1", None), routing_live._Engine("n2", None)
+    pool = routing_live._Pool()
+    root, child = chain_keys(routing_live.NS, list(range(2 * sim.BLOCK_TOKENS)))
+    pool.add(a, root, None)
+    pool.add(a, child, root)
+    pool.add(b, child, root)  # child evicted from n1 behind the engines' backs, written again on n2
+    assert list(a.lru) == [root] and list(b.lru) == [child]
+    assert pool.location[child] == "n2/dram" and pool.children[root] == 1
+    pool.remove(child)
+    assert pool.children[root] == 0 and not b.lru
