@@ -37,7 +37,7 @@ from __future__ import annotations
 import statistics
 import tempfile
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,25 +59,14 @@ class LiveError(Exception):
     """The live replay could not run: the cluster did not start, or a read returned wrong bytes."""
 
 
-@dataclass
-class _Engine:
-    """One serving engine beside one cache node: its kvcc client, its node's blocks in recency
-    order, and the simulator's queue accounting."""
+@dataclass(kw_only=True)
+class _Engine(sim.Queue):
+    """One serving engine beside one cache node: the simulator's queue, its kvcc client, and its
+    node's blocks in recency order."""
 
     node: str
     client: Any
     lru: OrderedDict[BlockKey, None] = field(default_factory=OrderedDict)
-    busy_until: float = 0.0
-    assigned_ms: float = 0.0
-    outstanding: deque[tuple[float, int, int]] = field(default_factory=deque)
-    prefill_blocks: int = 0
-    active_blocks: int = 0
-
-    def advance(self, now: float) -> None:
-        while self.outstanding and self.outstanding[0][0] <= now:
-            _, uncached, blocks = self.outstanding.popleft()
-            self.prefill_blocks -= uncached
-            self.active_blocks -= blocks
 
 
 def _node_of(location: str) -> str:
@@ -227,7 +216,7 @@ def replay(trace: sim.Trace, keys: list[list[BlockKey]], nodes: int, capacity: i
     except Exception as e:  # noqa: BLE001 -- reported as a typed error with the cause
         raise LiveError(f"the kvcc cluster did not start: {type(e).__name__}: {e}") from e
     try:
-        engines = [_Engine(n, cluster.client(f"{n}.router", events=False)) for n in cluster.node_ids]
+        engines = [_Engine(node=n, client=cluster.client(f"{n}.router", events=False)) for n in cluster.node_ids]
         probe = engines[0].client
         t0 = trace.timestamps[0]
         for i, (timestamp, blocks, chain) in enumerate(zip(trace.timestamps, trace.blocks, keys, strict=True)):
@@ -266,13 +255,8 @@ def replay(trace: sim.Trace, keys: list[list[BlockKey]], nodes: int, capacity: i
             write_ms.append((time.perf_counter() - started) * 1000)
             cache_ms.append((lookup_s + read_s) * 1000)
             service = (len(blocks) - served) * costs.prefill_ms + cache_ms[-1]
-            chosen.busy_until = max(chosen.busy_until, now) + service
-            chosen.assigned_ms += service
-            chosen.outstanding.append((chosen.busy_until, len(blocks) - served, len(blocks)))
-            chosen.prefill_blocks += len(blocks) - served
-            chosen.active_blocks += len(blocks)
+            ttfts.append(chosen.serve(now, service, len(blocks), served))
             hits, refs = hits + served, refs + len(blocks)
-            ttfts.append(chosen.busy_until - now)
     finally:
         cluster.stop()
     mean_work = sum(e.assigned_ms for e in engines) / nodes

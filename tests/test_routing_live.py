@@ -69,7 +69,7 @@ def test_a_block_written_again_elsewhere_is_one_entry():
     again: the engines' bookkeeping keeps the new copy only, children counted once."""
     from kvcc.spec.keys import chain_keys
 
-    a, b = routing_live._Engine("n1", None), routing_live._Engine("n2", None)
+    a, b = routing_live._Engine(node="n1", client=None), routing_live._Engine(node="n2", client=None)
     pool = routing_live._Pool()
     root, child = chain_keys(routing_live.NS, list(range(2 * sim.BLOCK_TOKENS)))
     pool.add(a, root, None)

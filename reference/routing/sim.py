@@ -211,11 +211,10 @@ class Costs:
 
 
 @dataclass
-class Node:
-    """One server: its cache, the finish time of its queue, and its outstanding requests as
-    (finish ms, uncached blocks, blocks), in finish order (FIFO)."""
+class Queue:
+    """One server's FIFO queue: its finish time, the work assigned to it, and its outstanding
+    requests as (finish ms, uncached blocks, blocks), in finish order."""
 
-    cache: LruCache
     busy_until: float = 0.0
     assigned_ms: float = 0.0
     outstanding: deque[tuple[float, int, int]] = field(default_factory=deque)
@@ -228,6 +227,23 @@ class Node:
             _, uncached, blocks = self.outstanding.popleft()
             self.prefill_blocks -= uncached
             self.active_blocks -= blocks
+
+    def serve(self, now: float, service_ms: float, blocks: int, hits: int) -> float:
+        """Queue a request of ``blocks`` blocks (``hits`` of them cached) arriving at ``now`` and
+        taking ``service_ms``: its time to first token (queueing + service)."""
+        self.busy_until = max(self.busy_until, now) + service_ms
+        self.assigned_ms += service_ms
+        self.outstanding.append((self.busy_until, blocks - hits, blocks))
+        self.prefill_blocks += blocks - hits
+        self.active_blocks += blocks
+        return self.busy_until - now
+
+
+@dataclass
+class Node(Queue):
+    """One simulated server: its queue and its LRU cache."""
+
+    cache: LruCache = field(default_factory=lambda: LruCache(0))
 
 
 def _view(nodes: list[Node], request: Request, now: float, costs: Costs) -> View:
@@ -264,7 +280,7 @@ def percentile(values: Sequence[float], q: float) -> float | None:
 
 def simulate(trace: Trace, policy: Policy, nodes: int, capacity: int, scale: float, costs: Costs) -> dict[str, float]:
     """Replay ``trace`` through ``policy`` on ``nodes`` servers with ``capacity`` blocks in all."""
-    cluster = [Node(LruCache(capacity // nodes)) for _ in range(nodes)]
+    cluster = [Node(cache=LruCache(capacity // nodes)) for _ in range(nodes)]
     t0 = trace.timestamps[0]
     hits = refs = 0
     ttfts = []
@@ -277,14 +293,8 @@ def simulate(trace: Trace, policy: Policy, nodes: int, capacity: int, scale: flo
         node = cluster[chosen]
         hit = node.cache.prefix(blocks)
         node.cache.touch(blocks)
-        service = costs.service_ms(len(blocks), hit)
-        node.busy_until = max(node.busy_until, now) + service
-        node.assigned_ms += service
-        node.outstanding.append((node.busy_until, len(blocks) - hit, len(blocks)))
-        node.prefill_blocks += len(blocks) - hit
-        node.active_blocks += len(blocks)
+        ttfts.append(node.serve(now, costs.service_ms(len(blocks), hit), len(blocks), hit))
         hits, refs = hits + hit, refs + len(blocks)
-        ttfts.append(node.busy_until - now)
     mean_work = sum(n.assigned_ms for n in cluster) / nodes
     return {
         "hit_ratio": hits / max(refs, 1),
