@@ -12,7 +12,8 @@ How a run goes (``route``):
   and answer every completion at once with a minimal valid body, recording which request they
   served (the request's index travels in the OpenAI ``user`` field, which smg forwards);
 - ``smg launch`` runs as its own process group on a free port (``launch_command``) with the policy's
-  defaults (``cache_aware``: cache threshold 0.3, balance abs 64, rel 1.5);
+  defaults (``cache_aware``: cache threshold 0.3, balance abs 64, rel 1.5), or with flags added
+  (``MODELLED_RULES_ONLY`` turns off the warm-up rules the simulator's model lacks);
 - requests are sent as completions in the trace's order, without real-time pacing, at most
   ``concurrency`` in flight (default 1: smg decides in exactly the trace's order). The stand-ins
   answer at once, so smg sees at most ``concurrency`` outstanding requests and its load rules (the
@@ -59,6 +60,13 @@ READY_TIMEOUT_S = 60.0
 STOP_GRACE_S = 10.0
 REQUEST_TIMEOUT_S = 60.0
 USER_PREFIX = "kvcc-"
+# smg 1.13's cache_aware with only the rules ``policies.SglangCacheAware`` models: its warm-up rules
+# (misses offered to workers for 60 s after they register, one hit in 8 diverted to a "thin"
+# worker) are off. With them on, its hit ratio on a 200-request slice measured 0.75-0.92 of the
+# model's from run to run; without them 0.80-1.00 (median 0.92), and every request sharing more than
+# the threshold followed its prefix.
+MODELLED_RULES_ONLY = ("--worker-warmup-secs", "0", "--worker-warmup-thin-ratio", "0",
+                       "--worker-warmup-divert-every", "0")  # fmt: skip
 
 
 class SmgError(Exception):
@@ -185,14 +193,15 @@ class StandInWorker:
 # ------------------------------------------------------------------------------------- router
 
 
-def launch_command(policy: str, port: int, prometheus_port: int, worker_urls: Sequence[str]) -> list[str]:
-    """The command that starts smg on loopback with ``policy`` (its defaults otherwise). Every
-    request has been answered when smg is stopped, so its shutdown grace (180 s by default, for
-    in-flight requests) is cut to 1 s."""
+def launch_command(policy: str, port: int, prometheus_port: int, worker_urls: Sequence[str],
+                   flags: Sequence[str] = ()) -> list[str]:
+    """The command that starts smg on loopback with ``policy`` and ``flags`` (its defaults
+    otherwise). Every request has been answered when smg is stopped, so its shutdown grace (180 s
+    by default, for in-flight requests) is cut to 1 s."""
     return [sys.executable, "-m", "smg", "launch", "--host", "127.0.0.1", "--port", str(port),
             "--worker-urls", *worker_urls, "--policy", policy,
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prometheus_port),
-            "--shutdown-grace-period-secs", "1", "--log-level", "warn"]  # fmt: skip
+            "--shutdown-grace-period-secs", "1", "--log-level", "warn", *flags]  # fmt: skip
 
 
 def _get_json(port: int, path: str) -> Any:
@@ -231,14 +240,15 @@ def stop_process_group(proc: subprocess.Popen[bytes]) -> None:
 
 
 @contextmanager
-def smg_router(policy: str, worker_urls: Sequence[str]) -> Iterator[tuple[int, subprocess.Popen[bytes]]]:
+def smg_router(policy: str, worker_urls: Sequence[str],
+               flags: Sequence[str] = ()) -> Iterator[tuple[int, subprocess.Popen[bytes]]]:
     """smg running on a free port in front of ``worker_urls``, ready; stopped on exit."""
     require_smg()
     port, prometheus_port = free_ports(2)
     with tempfile.TemporaryDirectory(prefix="kvcc-smg-") as tmp:
         log = Path(tmp) / "smg.log"
         with log.open("wb") as out:
-            proc = spawn(launch_command(policy, port, prometheus_port, worker_urls), out, env=dict(os.environ),
+            proc = spawn(launch_command(policy, port, prometheus_port, worker_urls, flags), out, env=dict(os.environ),
                          die_with_parent=True)  # fmt: skip
         try:
             _wait_ready(proc, port, len(worker_urls), log)
@@ -303,9 +313,11 @@ def _assignment(workers: Sequence[StandInWorker], count: int) -> tuple[int, ...]
     return tuple(served[i][0] for i in range(count))
 
 
-def route(requests: Sequence[Sequence[int]], policy: str, workers: int, concurrency: int = 1) -> SmgRun:
-    """Route ``requests`` (each a list of block ids) through smg with ``policy`` over ``workers``
-    stand-ins and return where each went; everything started is stopped before returning."""
+def route(requests: Sequence[Sequence[int]], policy: str, workers: int, concurrency: int = 1,
+          flags: Sequence[str] = ()) -> SmgRun:
+    """Route ``requests`` (each a list of block ids) through smg with ``policy`` (and ``flags``)
+    over ``workers`` stand-ins and return where each went; everything started is stopped before
+    returning."""
     if policy not in SMG_POLICIES:
         raise ValueError(f"unknown smg policy {policy!r}: one of {', '.join(SMG_POLICIES)}")
     if workers < 1 or concurrency < 1:
@@ -315,7 +327,7 @@ def route(requests: Sequence[Sequence[int]], policy: str, workers: int, concurre
         for _ in range(workers):
             stand_ins.append(StandInWorker())
             stack.callback(stand_ins[-1].close)
-        port, proc = stack.enter_context(smg_router(policy, [w.url for w in stand_ins]))
+        port, proc = stack.enter_context(smg_router(policy, [w.url for w in stand_ins], flags))
         start = time.monotonic()
         _send_all(port, requests, concurrency)
         wall_s = time.monotonic() - start

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import threading
 from collections import Counter
 
@@ -21,6 +22,7 @@ from kvcc.reference.routing import sim
 
 SLICE = 200  # the first requests of the conversation trace: 40 of them share > 30% with an earlier one
 WORKERS = 4
+MODELLED_RUNS = 3
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -39,6 +41,15 @@ def trace() -> sim.Trace:
 @pytest.fixture(scope="module")
 def cache_aware(trace) -> smg_router.SmgRun:
     return smg_router.route(trace.blocks, "cache_aware", WORKERS)
+
+
+@pytest.fixture(scope="module")
+def cache_aware_modelled(trace) -> list[smg_router.SmgRun]:
+    """smg's cache_aware with only the rules the simulator's model has (warm-up rules off), three
+    runs: where it places a request that shares less than its threshold with any earlier one
+    varies from run to run (ties between trees, in an order smg does not fix)."""
+    return [smg_router.route(trace.blocks, "cache_aware", WORKERS, flags=smg_router.MODELLED_RULES_ONLY)
+            for _ in range(MODELLED_RUNS)]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -81,20 +92,34 @@ def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
     return n
 
 
-def test_cache_aware_follows_shared_prefixes(trace, cache_aware):
-    """A request that shares more than smg's cache threshold (30%) of its blocks with an earlier
-    request goes where an earlier request with the longest shared prefix went -- mostly: smg's
-    warm-up rule (``--worker-warmup-divert-every``, default 8) diverts one cache hit in 8 to a thin
-    worker. The bar is that share of diversions (runs measured 40 of 40)."""
+def _followed(trace: sim.Trace, assignment: tuple[int, ...]) -> tuple[int, int]:
+    """(followed, shared): of the requests that share more than smg's cache threshold (30%) of their
+    blocks with an earlier request, how many went where an earlier request with the longest shared
+    prefix went."""
     followed = shared = 0
     for i, blocks in enumerate(trace.blocks):
         common = [_common_prefix(trace.blocks[j], blocks) for j in range(i)]
         best = max(common, default=0)
         if blocks and best / len(blocks) > 0.3:
             shared += 1
-            followed += cache_aware.assignment[i] in {cache_aware.assignment[j] for j in range(i) if common[j] == best}
+            followed += assignment[i] in {assignment[j] for j in range(i) if common[j] == best}
+    return followed, shared
+
+
+def test_cache_aware_follows_shared_prefixes(trace, cache_aware):
+    """With smg's defaults, a request sharing more than its threshold follows its prefix -- mostly:
+    smg's warm-up rule (``--worker-warmup-divert-every``, default 8) diverts one cache hit in 8 to a
+    thin worker. The bar is that share of diversions (runs measured 40 of 40)."""
+    followed, shared = _followed(trace, cache_aware.assignment)
     print(f"smg cache_aware: {followed} of {shared} requests sharing > 30% followed their prefix")
     assert shared >= 30 and followed >= 7 / 8 * shared
+
+
+def test_cache_aware_with_the_modelled_rules_always_follows(trace, cache_aware_modelled):
+    """With the warm-up rules off, nothing but load may divert a request from its prefix's worker,
+    and the stand-ins leave no load: every run follows every shared prefix, as the model does."""
+    counts = [_followed(trace, run.assignment) for run in cache_aware_modelled]
+    assert all(shared >= 30 and followed == shared for followed, shared in counts), counts
 
 
 def test_a_repeated_prompt_stays_on_one_worker(trace):
@@ -105,8 +130,8 @@ def test_a_repeated_prompt_stays_on_one_worker(trace):
     assert len({run.assignment[i] for i in range(0, len(requests), 2)}) == 1
 
 
-def test_nothing_is_left_running(cache_aware, round_robin):
-    assert _gone(cache_aware.pid) and _gone(round_robin.pid)
+def test_nothing_is_left_running(cache_aware, cache_aware_modelled, round_robin):
+    assert all(_gone(run.pid) for run in (cache_aware, *cache_aware_modelled, round_robin))
     assert not [t for t in threading.enumerate() if t.name.startswith("kvcc-stand-in")]
 
 
@@ -121,24 +146,28 @@ def test_smg_is_stopped_when_the_caller_fails():
     assert proc.returncode is not None and _gone(proc.pid)
 
 
-def test_cache_aware_hit_ratio_against_the_simulator(trace, cache_aware, round_robin):
-    """smg's assignment replayed through the simulator against the modelled router. Not equal, and
-    not the same from run to run: smg 1.13 adds rules the model lacks (warm-up diversions of misses
-    and of one hit in 8 to thin workers, on timers), and the model sees modelled queues where smg
-    sees none (the stand-ins answer at once). With caches that hold the whole slice (F = 1) the hit
-    ratio measures placement alone: smg's must beat round robin's and, since at most one hit in 8
-    is diverted, reach 3/4 of the model's (runs measured 0.84, 0.92 and 1.00 of it on this slice).
-    smg's round robin, replayed, must be the simulator's (the nodes are symmetric, so any cyclic
-    order gives the same row, but for the order of a float sum)."""
-    replays = {"smg:cache_aware": {WORKERS: cache_aware.assignment},
-               "smg:round_robin": {WORKERS: round_robin.assignment}}  # fmt: skip
+def test_cache_aware_hit_ratio_against_the_simulator(trace, cache_aware_modelled, round_robin):
+    """smg's assignments replayed through the simulator against the modelled router. smg runs with
+    the rules the model has and no others (``MODELLED_RULES_ONLY``: its warm-up rules, which divert
+    misses and one hit in 8 to workers on timers, are off; with them on, single runs measured 0.75
+    to 0.92 of the model on this slice, and one fell to round robin's level). It is still not the
+    model: a request sharing less than the threshold goes to the smallest tree, ties in an order
+    smg does not fix, where the model sees modelled queues; what such a request hits is chance in
+    both. With the rules off, 65 single runs measured 0.80 to 1.00 of the model (median 0.92; a
+    third of them with the CPUs busy) and round robin is at 0.73: the median of three runs must
+    beat round robin and reach 0.8 of the model. smg's round robin, replayed, must be the
+    simulator's (the nodes are symmetric, so any cyclic order gives the same row, but for the
+    order of a float sum)."""
+    replays = {f"smg:cache_aware:{k}": {WORKERS: run.assignment} for k, run in enumerate(cache_aware_modelled)}
+    replays["smg:round_robin"] = {WORKERS: round_robin.assignment}
     rows = sim.run(trace, [WORKERS], [0.25, 1.0], [0.7], ["sglang_cache_aware", "round_robin"], replays=replays)
     by = {(r["capacity"], r["policy"]): r for r in rows}
     for (capacity, policy), r in sorted(by.items()):
         print(f"F={capacity:g} {policy:20} hit {r['hit_ratio']:.4f} (infinite {r['bound_infinite']:.4f}) "
               f"max/mean {r['max_mean_load']:.3f}")  # fmt: skip
-    model, smg, rr = (by[1.0, p]["hit_ratio"] for p in ("sglang_cache_aware", "smg:cache_aware", "round_robin"))
-    assert rr < smg and smg >= 0.75 * model
+    model, rr = by[1.0, "sglang_cache_aware"]["hit_ratio"], by[1.0, "round_robin"]["hit_ratio"]
+    smg = statistics.median(by[1.0, f"smg:cache_aware:{k}"]["hit_ratio"] for k in range(MODELLED_RUNS))
+    assert rr < smg and smg >= 0.8 * model
     for capacity in (0.25, 1.0):
         for metric in ("hit_ratio", "max_mean_load", "ttft_p50", "ttft_p99"):
             assert by[capacity, "smg:round_robin"][metric] == pytest.approx(by[capacity, "round_robin"][metric])
