@@ -16,18 +16,18 @@ each, split evenly). Per request, in the trace's order:
 2. the chosen node's engine leases and reads the whole committed prefix (``acquire_chain``,
    ``read_many``, ``release_many``), from its own node and from the others -- kvcc's nodes are one
    pool -- and checks every byte (a block's bytes derive from its key);
-3. it writes the rest of the chain (``put_chain``) on its own node; a write refused ``no_space``
-   makes it evict its node's least recently used block that the directory lets go (a leaf, not
-   leased), and try again, as an LRU cache would;
+3. it writes the rest of the chain (``put_chain``) on its own node, making room first as an LRU
+   cache does before it inserts: it evicts its node's least recently used blocks that the
+   directory lets go (leaves, not leased, not of this chain) until the rest fits; what does not
+   fit even then is not written (``no_room``);
 4. its service time is the blocks it did not read times the prefill time of a block (``Costs``,
    modelled or ``--calibrate``d) plus the *measured* time of steps 1 and 2; queueing follows the
    simulator's FIFO model on that service time, with arrivals scaled to utilisation U.
 
 Reported per row, beside the simulator's columns: ``hit_ratio`` (blocks read / block refs),
 ``local_share`` (of the blocks read, those on the serving node), ``written`` (blocks committed),
-``evictions`` (by the engines: a node first makes room itself, evicting its least recently used
-blocks the directory lets go; ``gone`` counts the engines' stale candidates it took first),
-``refused_writes`` (writes that found no room even then), and the measured ``cache_ms_p50`` (lookup and
+``evictions`` (by the engines; ``gone`` counts stale candidates, blocks their node had let go
+itself), ``refused_writes`` (chains cut short, by reason), and the measured ``cache_ms_p50`` (lookup and
 reads) and ``write_ms_p50`` per request. Because the nodes are one pool, every policy can reach the
 pooled bound's hits; what routing changes here is locality and balance.
 """
@@ -66,6 +66,7 @@ class _Engine(sim.Queue):
 
     node: str
     client: Any
+    capacity: int | None = None  # blocks its node's tier holds (None: not known, no room made ahead)
     lru: OrderedDict[BlockKey, None] = field(default_factory=OrderedDict)
 
 
@@ -156,18 +157,40 @@ def _evict_one(engine: _Engine, pool: _Pool, counts: dict[str, Any], protect: se
     return False
 
 
+def _make_room(engine: _Engine, pool: _Pool, counts: dict[str, Any], protect: set[BlockKey], blocks: int) -> int:
+    """Evict from the engine's node until ``blocks`` more fit it (or nothing more may go); how many
+    fit now (``blocks`` when its capacity is not known)."""
+    if engine.capacity is None:
+        return blocks
+    while len(engine.lru) + blocks > engine.capacity and _evict_one(engine, pool, counts, protect):
+        counts["evictions"] += 1
+    return max(0, min(blocks, engine.capacity - len(engine.lru)))
+
+
 def _write_rest(engine: _Engine, keys: Sequence[BlockKey], start: int, pool: _Pool, counts: dict[str, Any]) -> None:
     """Write ``keys[start:]`` (whose parent ``keys[start - 1]`` is committed) on the engine's node,
-    evicting from it when it is full; stops at a write that cannot be placed."""
+    making room on it first, as an LRU cache does before it inserts; stops at a write that cannot
+    be placed.
+
+    Room is made *before* a write, not after a refusal: a write refused ``no_space`` by the node
+    leaves its write lease at the directory until the lease expires (the writer's abort is local),
+    so the block stays WRITING for a lease term, and a retry would find it ``not_absent`` and its
+    child ``parent_not_committed``."""
     i = start
     budget = 4 * len(keys) + 4  # put_chain calls at most: each makes progress, evicts or steps back
     while i < len(keys) and budget > 0:
         budget -= 1
         base = i
-        blocks = [(keys[j], keys[j - 1] if j else None, _payload(keys[j])) for j in range(base, len(keys))]
+        fits = _make_room(engine, pool, counts, set(keys), len(keys) - base)
+        if fits == 0:
+            counts["refused_writes"] += 1
+            counts["write_refusals"]["no_room"] = counts["write_refusals"].get("no_room", 0) + 1
+            return
+        end = base + fits
+        blocks = [(keys[j], keys[j - 1] if j else None, _payload(keys[j])) for j in range(base, end)]
         results = engine.client.put_chain(NS, blocks)
         refused = None
-        for k, r in zip(keys[base:], results, strict=True):
+        for k, r in zip(keys[base:end], results, strict=True):
             if type(r).__name__ == "Committed":
                 pool.add(engine, k, keys[i - 1] if i else None)
                 counts["written"] += 1
@@ -176,15 +199,12 @@ def _write_rest(engine: _Engine, keys: Sequence[BlockKey], start: int, pool: _Po
                 break
             i += 1
         if refused is None:
-            return
+            continue
         if getattr(refused, "reason", None) == "parent_not_committed" and i == base and base > 0:
             # the parent, a leaf until now, was evicted since it was read (its node made room):
             # write it again first, as an engine that recomputed it would
             counts["parents_rewritten"] += 1
             i = base - 1
-            continue
-        if getattr(refused, "reason", None) == "no_space" and _evict_one(engine, pool, counts, set(keys)):
-            counts["evictions"] += 1
             continue
         counts["refused_writes"] += 1
         reason = str(getattr(refused, "reason", type(refused).__name__))
@@ -216,7 +236,8 @@ def replay(trace: sim.Trace, keys: list[list[BlockKey]], nodes: int, capacity: i
     except Exception as e:  # noqa: BLE001 -- reported as a typed error with the cause
         raise LiveError(f"the kvcc cluster did not start: {type(e).__name__}: {e}") from e
     try:
-        engines = [_Engine(node=n, client=cluster.client(f"{n}.router", events=False)) for n in cluster.node_ids]
+        engines = [_Engine(node=n, client=cluster.client(f"{n}.router", events=False), capacity=per_node)
+                   for n in cluster.node_ids]  # fmt: skip
         probe = engines[0].client
         t0 = trace.timestamps[0]
         for i, (timestamp, blocks, chain) in enumerate(zip(trace.timestamps, trace.blocks, keys, strict=True)):

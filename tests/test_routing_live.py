@@ -79,3 +79,17 @@ def test_a_block_written_again_elsewhere_is_one_entry():
     assert pool.location[child] == "n2/dram" and pool.children[root] == 1
     pool.remove(child)
     assert pool.children[root] == 0 and not b.lru
+
+
+def test_room_is_made_before_a_write_and_a_chain_longer_than_a_node_stops_at_its_size(tmp_path):
+    """An engine makes room on its node before it writes (as an LRU cache does before it inserts),
+    never after a refusal: a write the node refused would hold its block WRITING for a lease term.
+    A chain of 6 on a node of 4: the chain's own blocks are never evicted to fit the rest, so 1-4
+    are written and the write stops, typed ``no_room``; 1-4 then hit, and the unrelated chains that
+    follow evict the leaf 4 first (the directory lets leaves go before their parents)."""
+    trace = _trace(tmp_path, [[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5], [7], [8], [1, 2, 3, 4]])
+    (r,) = routing_live.run(trace, [1], [4 / 8 + 0.01], [0.5], ["round_robin"], sim.Costs())
+    assert r["write_refusals"] == {"no_room": 2} and r["refused_writes"] == 2, r
+    # hits: 0, then 1-4 (4), 0, 0, then 1-2 (the leaves 4, then 3, made room for 7 and 8): 6 of 17;
+    # evictions: 4, 3, then 7 and 8 to write 3-4 again under 1-2
+    assert r["hit_ratio"] == pytest.approx(6 / 17) and r["evictions"] == 4, r
