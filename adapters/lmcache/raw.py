@@ -62,6 +62,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kvcc.adapters.buffered import BufferedWrites
 from kvcc.conformance.contract import (
     CORRUPT_REGIONS,
     Adapter,
@@ -134,7 +135,7 @@ class LMCacheRawAdapter(Adapter):
         self._incarnation = itertools.count()
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
-        self._writes: dict[int, tuple[WriteGrant, Any, bytes | None]] = {}  # lease -> (grant, LMCache key, bytes)
+        self._writes: BufferedWrites[Any] = BufferedWrites()  # the grant's LMCache key, and its bytes
         self._reads: dict[int, Any] = {}  # read lease -> LMCache key
         self._committed: dict[BlockKey, set[Any]] = {}  # block -> the LMCache keys it was committed under
 
@@ -267,28 +268,18 @@ class LMCacheRawAdapter(Adapter):
         assert self._ctx is not None
         grant = WriteGrant(node=node, key=key, gen=NO_GENERATION, epoch=NO_EPOCH, lease=next(self._ids),
                            location=LOCATION, term_ms=self._ctx.lease_term_ms, requested_at_ns=sent)  # fmt: skip
-        with self._lock:
-            self._writes[grant.lease] = (grant, lkey, None)
-        return grant
+        return self._writes.open(grant, lkey)
 
     def write_bytes(self, grant: WriteGrant, data: bytes) -> Stored | Refused:
-        with self._lock:
-            entry = self._writes.get(grant.lease)
-            if entry is None or entry[0] != grant:
-                return Refused(REASON_UNKNOWN_LEASE, "no such write in this writer")
-            self._writes[grant.lease] = (grant, entry[1], bytes(data))
-        return Stored()
+        return self._writes.store(grant, data)
 
     def commit(self, grant: WriteGrant) -> Committed | Refused:
         import torch
 
-        with self._lock:
-            entry = self._writes.get(grant.lease)
-        if entry is None or entry[0] != grant:
-            return Refused(REASON_UNKNOWN_LEASE, "no such write in this writer")
-        _, lkey, data = entry
-        if data is None:
-            return Refused(REASON_NOT_COMMITTED, "no bytes were written under this grant")
+        pending = self._writes.pending(grant)
+        if isinstance(pending, Refused):
+            return pending
+        lkey, data = pending
         if not data:
             return Refused(REASON_NO_SPACE, "LMCache allocates no empty memory object")
         sm = self._sm
@@ -297,14 +288,13 @@ class LMCacheRawAdapter(Adapter):
             return Refused(REASON_NO_SPACE, "LMCache's CPU tier has no room it can evict")
         obj.tensor.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
         sm.batched_put([lkey], [obj])  # takes the allocation's reference
+        self._writes.close(grant)
         with self._lock:
-            self._writes.pop(grant.lease, None)
             self._committed.setdefault(grant.key, set()).add(lkey)
         return Committed(gen=NO_GENERATION, epoch=NO_EPOCH)
 
     def abort(self, grant: WriteGrant) -> None:
-        with self._lock:
-            self._writes.pop(grant.lease, None)
+        self._writes.close(grant)
 
     # ------------------------------------------------------------------ reads
 

@@ -49,6 +49,7 @@ from collections.abc import Sequence
 
 from attrs import frozen
 
+from kvcc.adapters.buffered import BufferedWrites
 from kvcc.conformance.contract import (
     AdapterError,
     Capabilities,
@@ -110,7 +111,7 @@ class MooncakeRawAdapter(MooncakeDeployment):
     def __init__(self) -> None:
         super().__init__()
         self._lock = threading.Lock()
-        self._writes: dict[int, tuple[WriteGrant, str, bytes | None]] = {}  # lease -> (grant, store key, bytes)
+        self._writes: BufferedWrites[str] = BufferedWrites()  # the grant's store key, and its bytes
         self._tickets: dict[int, _RawTicket] = {}
         self._read_keys: dict[int, str] = {}  # read lease -> store key
 
@@ -160,37 +161,25 @@ class MooncakeRawAdapter(MooncakeDeployment):
             node=node, key=key, gen=NO_GENERATION, epoch=NO_EPOCH, lease=self.next_id(), location=POOL_LOCATION,
             term_ms=self.ctx.lease_term_ms, requested_at_ns=sent,
         )  # fmt: skip
-        with self._lock:
-            self._writes[grant.lease] = (grant, skey, None)
-        return grant
+        return self._writes.open(grant, skey)
 
     def write_bytes(self, grant: WriteGrant, data: bytes) -> Stored | Refused:
-        with self._lock:
-            entry = self._writes.get(grant.lease)
-            if entry is None or entry[0] != grant:
-                return Refused(REASON_UNKNOWN_LEASE, "no such write in this client")
-            self._writes[grant.lease] = (grant, entry[1], bytes(data))
-        return Stored()
+        return self._writes.store(grant, data)
 
     def commit(self, grant: WriteGrant) -> Committed | Refused:
-        with self._lock:
-            entry = self._writes.get(grant.lease)
-        if entry is None or entry[0] != grant:
-            return Refused(REASON_UNKNOWN_LEASE, "no such write in this client")
-        _, skey, data = entry
-        if data is None:
-            return Refused(REASON_NOT_COMMITTED, "no bytes were written under this grant")
+        pending = self._writes.pending(grant)
+        if isinstance(pending, Refused):
+            return pending
+        skey, data = pending
         self._node_up(grant.node)
         rc = self.rc(grant.node, "put", key=skey, payload=data)
         if rc != RC_OK:
             return Refused(f"store_{-rc}" if rc < 0 else "store_error", f"put returned {rc}")
-        with self._lock:
-            self._writes.pop(grant.lease, None)
+        self._writes.close(grant)
         return Committed(gen=NO_GENERATION, epoch=NO_EPOCH)
 
     def abort(self, grant: WriteGrant) -> None:
-        with self._lock:
-            self._writes.pop(grant.lease, None)
+        self._writes.close(grant)
 
     # ------------------------------------------------------------------ reads
     def _lease(self, node: str, key: BlockKey, ns_digest_key: str, lease: int | None) -> ReadGrant | Refused:
@@ -244,9 +233,11 @@ class MooncakeRawAdapter(MooncakeDeployment):
         """Through another client of the store (``outsider``), get the grant's object or put
         ``data`` under its name: nothing in the store says whose it is."""
         via = self.outsider(grant, how)
-        with self._lock:
-            entry = self._writes.get(grant.lease)
-            skey = (entry[1] if entry is not None else None) if isinstance(grant, WriteGrant) else self._read_keys.get(grant.lease)
+        if isinstance(grant, WriteGrant):
+            skey = self._writes.handle(grant.lease)
+        else:
+            with self._lock:
+                skey = self._read_keys.get(grant.lease)
         if skey is None:
             raise AdapterError(f"grant {grant.lease} is not held in this client")
         if data is None:

@@ -49,6 +49,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kvcc.adapters.buffered import BufferedWrites
 from kvcc.conformance.contract import (
     Adapter,
     AdapterError,
@@ -83,7 +84,7 @@ class HiCacheFileAdapter(Adapter):
         self._backends: dict[tuple[str, bytes], Any] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
-        self._writes: dict[int, tuple[WriteGrant, Namespace, bytes | None]] = {}
+        self._writes: BufferedWrites[Namespace] = BufferedWrites()  # the grant's namespace, and its bytes
         self._reads: dict[int, Namespace] = {}
 
     def capabilities(self) -> Capabilities:
@@ -176,38 +177,26 @@ class HiCacheFileAdapter(Adapter):
         assert self._ctx is not None
         grant = WriteGrant(node=node, key=key, gen=NO_GENERATION, epoch=NO_EPOCH, lease=next(self._ids),
                            location=LOCATION, term_ms=self._ctx.lease_term_ms, requested_at_ns=sent)  # fmt: skip
-        with self._lock:
-            self._writes[grant.lease] = (grant, ns, None)
-        return grant
+        return self._writes.open(grant, ns)
 
     def write_bytes(self, grant: WriteGrant, data: bytes) -> Stored | Refused:
-        with self._lock:
-            entry = self._writes.get(grant.lease)
-            if entry is None or entry[0] != grant:
-                return Refused(REASON_UNKNOWN_LEASE, "no such write in this writer")
-            self._writes[grant.lease] = (grant, entry[1], bytes(data))
-        return Stored()
+        return self._writes.store(grant, data)
 
     def commit(self, grant: WriteGrant) -> Committed | Refused:
         import torch
 
-        with self._lock:
-            entry = self._writes.get(grant.lease)
-        if entry is None or entry[0] != grant:
-            return Refused(REASON_UNKNOWN_LEASE, "no such write in this writer")
-        _, ns, data = entry
-        if data is None:
-            return Refused(REASON_NOT_FOUND, "no bytes were written under this grant")
+        pending = self._writes.pending(grant)
+        if isinstance(pending, Refused):
+            return pending
+        ns, data = pending
         value = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
         if not self._backend(grant.node, ns).set(self._page(grant.key), value):
             return Refused("store_error", "HiCacheFile.set returned False")
-        with self._lock:
-            self._writes.pop(grant.lease, None)
+        self._writes.close(grant)
         return Committed(gen=NO_GENERATION, epoch=NO_EPOCH)
 
     def abort(self, grant: WriteGrant) -> None:
-        with self._lock:
-            self._writes.pop(grant.lease, None)
+        self._writes.close(grant)
 
     # ------------------------------------------------------------------ reads
 
