@@ -99,6 +99,7 @@ class ReferenceAdapter(Adapter):
             frees_acknowledged=True,
             capacity_bytes=self._node_count() * NODE_CAPACITY_BYTES,
             block_bytes=NODE_BLOCK_BYTES,
+            slot_bytes=NODE_BLOCK_BYTES,
             notes=f"kvcc reference implementation: directory ({self.backend}) and cache nodes (DRAM + NVMe) as "
             "processes on loopback; clients co-located with nodes; clock skew steps the holder's clock; no corrupt "
             "fault (a block lands in the node process's DRAM tier first, out of the adapter's reach)",

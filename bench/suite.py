@@ -34,7 +34,8 @@ The same workloads for every adapter, through the adapter contract only
    ``begin_write`` + ``write_bytes`` + ``commit`` each missing block. Baselines: ``bound_infinite``
    of the same slice (``kvcc.reference.routing.sim``: a block seen before is a hit) and
    ``bound_pooled`` (one LRU cache of the deployment's declared ``capacity_bytes`` in blocks of
-   this size; none when it declares none), computed in the same run. Modelled TTFT per request: the blocks not served recomputed at
+   this size, or of its ``slot_bytes`` where a location keeps each block in a slot; none when it
+   declares no capacity), computed in the same run. Modelled TTFT per request: the blocks not served recomputed at
    ``sim.DEFAULT_PREFILL_TOKENS_PER_S`` tokens/s (``sim.Costs().prefill_ms`` per block) plus the
    *measured* time of the request's lookup, leases and reads (its writes follow the prefill: their
    time is reported apart, ``write_ms``); baseline: every block recomputed (``vs_no_cache``).
@@ -529,8 +530,10 @@ def trace_replay_on(d: Deployment, trace: sim.Trace, step: Step) -> dict[str, An
     bound = sim.bound_infinite(trace)
     hit = rep.served / max(rep.refs, 1)
     # The pooled bound: one LRU cache of the blocks the deployment declares it holds (every tier of
-    # every node, Capabilities.capacity_bytes), over the same slice; none without a declared capacity.
-    capacity = d.adapter.capabilities().capacity_bytes // size
+    # every node, Capabilities.capacity_bytes, a block taking a slot where it has slots), over the
+    # same slice; none without a declared capacity.
+    caps = d.adapter.capabilities()
+    capacity = caps.capacity_bytes // max(size, caps.slot_bytes)
     pooled = sum(sim.pooled_hits(trace, capacity)) / max(sim.block_refs(trace), 1) if capacity else None
     return {
         "trace": trace.name, "requests": len(trace.blocks), "block_refs": rep.refs,
@@ -547,7 +550,7 @@ def trace_replay_on(d: Deployment, trace: sim.Trace, step: Step) -> dict[str, An
         "ttft_ms_p99": sim.percentile(rep.ttft_ms, 99), "no_cache_ttft_ms_mean": statistics.fmean(no_cache),
         "vs_no_cache": statistics.fmean(rep.ttft_ms) / statistics.fmean(no_cache),
         "baseline": "hit ratio: bound_infinite of the same slice (a block id seen before is a hit) and bound_pooled "
-                    "(one LRU of the declared capacity_bytes in blocks of this size; none if undeclared), same run; "
+                    "(one LRU of the declared capacity_bytes in blocks of this size or of its slot_bytes; none if undeclared), same run; "
                     "TTFT: every block recomputed (vs_no_cache = mean modelled TTFT over mean no-cache TTFT)",
         "ttft_model": f"blocks not served x {prefill_ms:.1f} ms (recompute of {BLOCK_TOKENS} tokens at "
                       f"{sim.DEFAULT_PREFILL_TOKENS_PER_S:,.0f} tokens/s, modelled) + the request's measured "

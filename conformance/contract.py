@@ -210,6 +210,9 @@ class Capabilities:
       suite's overload test (KVCC-TIER-006) writes twice the capacity in blocks of ``block_bytes``
       (at most ``OVERLOAD_MAX_BLOCKS`` of them); an adapter that declares no capacity (0) gets it
       NOT_APPLICABLE and cannot certify for tiering. ``block_bytes`` 0: 4096.
+    - ``slot_bytes``: a location keeps every block in a slot of this many bytes, whatever its
+      size (the reference's tiers); 0 (the default): a block takes its own size. The performance
+      suite counts the capacity in blocks of ``max(size, slot_bytes)`` for its pooled bound.
     - ``notes``: free text for the report.
     """
 
@@ -223,6 +226,7 @@ class Capabilities:
     frees_acknowledged: bool = field(default=False, validator=validators.instance_of(bool))
     capacity_bytes: int = field(default=0, validator=_nonneg_int)
     block_bytes: int = field(default=0, validator=_nonneg_int)
+    slot_bytes: int = field(default=0, validator=_nonneg_int)
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -236,6 +240,7 @@ class Capabilities:
             "frees_acknowledged": self.frees_acknowledged,
             "capacity_bytes": self.capacity_bytes,
             "block_bytes": self.block_bytes,
+            "slot_bytes": self.slot_bytes,
         }
 
 

@@ -51,6 +51,7 @@ from kvcc.spec.rules import SKEW_MS_DEFAULT
 from kvcc.spec.vocabulary import (
     REASON_BATCH_FULL,
     REASON_FENCED,
+    REASON_HAS_CHILDREN,
     REASON_MISS,
     REASON_NO_SPACE,
     REASON_NOT_FOUND,
@@ -99,7 +100,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvcc.node")
 
 POOL_LOCATION = "pool"
-EVICT_SCAN_MAX = 64  # least-recently-used keys asked about per attempt to make room
+EVICT_SCAN_MAX = 64  # keys asked about per attempt to make room
 DEMOTE_INTERVAL_MS = 200
 DEMOTE_WATERMARK_DEFAULT = 0.9
 DEMOTE_BATCH = 8
@@ -183,6 +184,9 @@ class CacheNode:
         self._demoter: asyncio.Task | None = None
         self._heart: asyncio.Task | None = None
         self._evict_lock = asyncio.Lock()
+        # Per location: keys the directory last refused to evict for their cached children
+        # (``_make_room`` asks them after the others).
+        self._parents: dict[LocationId, set[bytes]] = {}
         # Per key: a transfer's copy and an eviction of the same key never overlap (``_one_key``).
         self._key_locks: dict[bytes, list] = {}
         self.stats = {"stored": 0, "fenced": 0, "reads": 0, "misses": 0, "freed": 0, "evicted": 0, "ungranted": 0,
@@ -538,14 +542,29 @@ class CacheNode:
     # ------------------------------------------------------------------ capacity
 
     async def _make_room(self, tier: Tier, location: LocationId, nbytes: int) -> None:
-        """Evict least-recently-used blocks the directory agrees to, until ``nbytes`` fit."""
+        """Evict least-recently-used blocks the directory agrees to, until ``nbytes`` fit; at most
+        ``EVICT_SCAN_MAX`` asks.
+
+        Candidates go in recency order, except that a key the directory last refused for its
+        cached children is asked after every other. A prefix cache touches a chain root first, so
+        its least recently used blocks are mostly parents, which the directory lets go only after
+        their children (leaves first): asked in plain LRU order, the asks ran out on parents and
+        a full node refused ``no_space`` at a directory round trip each (the performance suite's
+        full trace replay measured a write at 510 ms and 0.195 of the pooled bound). The order
+        is a hint only: the directory decides every eviction, and a parent whose children have
+        gone is asked again once the others are."""
         async with self._evict_lock:
-            for raw in tier.lru()[:EVICT_SCAN_MAX]:
-                if tier.capacity_bytes - tier.used_bytes >= nbytes:
+            lru = tier.lru()
+            parents = self._parents.setdefault(location, set())
+            parents &= set(lru)  # forget keys no longer here
+            asked = 0
+            for raw in [r for r in lru if r not in parents] + [r for r in lru if r in parents]:
+                if tier.capacity_bytes - tier.used_bytes >= nbytes or asked >= EVICT_SCAN_MAX:
                     return
                 if raw in self._key_locks:
                     continue  # being copied or evicted right now: another victim (never wait here,
                     # a copy that holds its own key may be the one making room)
+                asked += 1
                 key = BlockKey(raw)
                 async with self._one_key(raw):
                     fence = tier.fence(raw)
@@ -556,8 +575,13 @@ class CacheNode:
                         return
                     if type(reply) is Evicted:
                         await self._drop_evicted(tier, location, key, fence)
+                        parents.discard(raw)
                     else:
                         self.stats["evict_refused"] += 1
+                        if getattr(reply, "reason", None) == REASON_HAS_CHILDREN:
+                            parents.add(raw)
+                        else:
+                            parents.discard(raw)
 
     async def _heartbeat_loop(self) -> None:
         """Ping the directory every ``HEARTBEAT_INTERVAL_MS`` (saying Hello first on a new

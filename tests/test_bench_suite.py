@@ -226,3 +226,22 @@ def test_compare_keeps_each_runs_metric_order():
     ran = ["4 KiB: write", "64 KiB: write", "1 MiB: refused"]
     refused = ["4 KiB: write", "64 KiB: refused", "1 MiB: refused"]
     assert merged_order([ran, refused]) == ["4 KiB: write", "64 KiB: refused", "64 KiB: write", "1 MiB: refused"]
+
+
+class SlottedCore(CoreAdapter):
+    """core declaring that each block takes a 16 KiB slot, whatever its size."""
+
+    def capabilities(self):
+        return attrs.evolve(super().capabilities(), slot_bytes=16 << 10)
+
+
+def test_the_pooled_bound_counts_a_slotted_adapters_capacity_in_slots(trace, tmp_path):
+    """A store that keeps each 4 KiB block in a 16 KiB slot holds a quarter of the blocks its
+    bytes would say (the reference's tiers: 64 KiB slots under a 4 KiB-block replay, 16x)."""
+    sliced = suite.trace_slice(trace, SMALL.trace_requests)
+    runs = {}
+    for name, factory in (("plain", core_factory), ("slotted", SlottedCore)):
+        runs[name] = suite.run_workload(lambda d, step: suite.trace_replay_on(d, sliced, step), factory, SMALL, 5,
+                                        tmp_path / name, lambda text: None)  # fmt: skip
+    assert SMALL.trace_block_bytes == 4 << 10 and runs["plain"]["capacity_blocks"] % 4 == 0
+    assert runs["slotted"]["capacity_blocks"] == runs["plain"]["capacity_blocks"] // 4 > 0

@@ -752,3 +752,52 @@ def test_a_node_copies_and_evicts_one_key_one_at_a_time_and_logs_no_refused_copy
         await node.close()
 
     asyncio.run(body())
+
+
+def test_a_full_node_asks_about_parents_last_when_it_makes_room():
+    """A prefix cache touches a chain's root first, so a full node's least recently used blocks
+    are mostly parents, which the directory lets go only after their children. A node that asked
+    about its 64 least recently used blocks in that order refused every write under a chain of
+    more than 64 (the performance suite's full trace replay: a write at 510 ms, 0.195 of the
+    pooled bound). Now a key refused for its children is asked after every other: the second
+    attempt reaches the leaf; and a parent whose children have gone is still asked, last."""
+    from kvcc.reference.wire import Evict, Evicted, EvictRefused
+
+    async def body() -> None:
+        from kvcc.reference import node as node_module
+
+        n = node_module.EVICT_SCAN_MAX + 36
+        dram = DramTier(n, BLOCK_BYTES)
+        node = CacheNode("n1", {"dram": dram}, TENANTS, ("127.0.0.1", 9), directory_tenant=NODES)
+        chain = keys(n, salt=33)  # written root first: the root is the least recently used
+        for k in chain:
+            dram.write(k.digest, 0, 1, block(k))
+        leaves = {chain[-1].digest}
+        asked: list[int] = []
+        index = {k.digest: i for i, k in enumerate(chain)}
+
+        async def to_directory(msg):
+            assert isinstance(msg, Evict)
+            asked.append(index[msg.key.digest])
+            if msg.key.digest in leaves:
+                return Evicted(msg.node, msg.key, msg.location)
+            return EvictRefused(msg.node, msg.key, msg.location, REASON_HAS_CHILDREN)
+
+        node._to_directory = to_directory
+        await node._make_room(dram, "n1/dram", BLOCK_BYTES)  # asks run out on the 64 oldest parents
+        assert asked == list(range(node_module.EVICT_SCAN_MAX)) and dram.contains(chain[-1].digest, 0)
+        asked.clear()
+        await node._make_room(dram, "n1/dram", BLOCK_BYTES)  # the rest first: the leaf goes
+        assert asked == list(range(node_module.EVICT_SCAN_MAX, n)) and not dram.contains(chain[-1].digest, 0)
+        # The root's children have gone (say): refused before, it is still asked -- after the
+        # blocks not refused yet -- and goes.
+        extra = keys(1, salt=34)[0]
+        dram.write(extra.digest, 0, 1, block(extra))  # the tier is full again
+        index[extra.digest] = -1
+        leaves.add(chain[0].digest)
+        asked.clear()
+        await node._make_room(dram, "n1/dram", BLOCK_BYTES)
+        assert asked == [-1, 0] and not dram.contains(chain[0].digest, 0), asked
+        await node.close()
+
+    asyncio.run(body())

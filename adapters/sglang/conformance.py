@@ -206,6 +206,7 @@ class SglangAdapter(ClearingAdapter):
             frees_acknowledged=True,
             capacity_bytes=self._node_count() * NODE_CAPACITY_BYTES,
             block_bytes=NODE_BLOCK_BYTES,
+            slot_bytes=NODE_BLOCK_BYTES,
             notes="SGLang's HiCache storage backend KvccHiCacheStorage (loaded by SGLang's dynamic backend factory) "
             "on the kvcc reference cluster (processes on loopback): read is the backend's get, commit its set, a "
             "namespace invalidation its clear; begin_write, write_bytes, acquire, renew, release, lookup, key and "

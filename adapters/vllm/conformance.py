@@ -72,7 +72,7 @@ import time
 from typing import Any
 
 from kvcc.adapters.engine_calls import ClearingAdapter, Step, TicketHandover, current, failed
-from kvcc.adapters.reference import NODE_CAPACITY_BYTES
+from kvcc.adapters.reference import NODE_BLOCK_BYTES, NODE_CAPACITY_BYTES
 from kvcc.conformance.contract import (
     ENGINE_VOCAB,
     PROFILES,
@@ -493,6 +493,7 @@ class VllmAdapter(_EngineMixin, ClearingAdapter):
             frees_acknowledged=True,
             capacity_bytes=self._node_count() * NODE_CAPACITY_BYTES,
             block_bytes=FRAME_PAYLOAD_MAX,
+            slot_bytes=NODE_BLOCK_BYTES,
             notes="vLLM's KV connector KvccConnector (worker and scheduler roles, built as vLLM builds them, paged "
             "KV tensors of vLLM's CPU layout, the tiny Llama's 32 KiB blocks) on the kvcc reference cluster (processes "
             "on loopback); no engine forward pass: read is the worker's start_load_kv, write_bytes its pack of a paged "
