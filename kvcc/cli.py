@@ -14,7 +14,9 @@ import argparse
 import importlib
 import multiprocessing
 import os
+import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Mapping, Sequence
@@ -731,17 +733,39 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the command is, so that it ends as Ctrl-C ends it."""
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise Terminated
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """The ``kvcc`` command. SIGTERM ends a command as Ctrl-C does (``Terminated``): its
+    ``finally`` blocks stop what it started -- a benchmark's local cluster, an smg router --
+    where the default action would kill this process alone and leave them running (``kill`` of
+    a live routing replay left a directory and four nodes behind). Servers install their own
+    handlers; the previous handler is back when ``main`` returns."""
     parser = build_parser(list(sys.argv[1:] if argv is None else argv))
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, or argparse's own usage errors
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+    previous = None
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         return args.func(args)
+    except Terminated:
+        print(f"{PROG}: terminated", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -622,7 +622,10 @@ def _worker_main(checker: Checker, worker: int, workers: int, peers: dict, contr
     """One forked worker: expand its frontier level by level, exchanging states with its peers
     through pipes (a thread drains incoming pipes so that two senders never block each other)."""
     import queue
+    import signal
     import threading
+
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a worker dies of SIGTERM, whatever its parent does
 
     explorer = _Explorer(checker, worker, workers)
     inbox: queue.Queue = queue.Queue()

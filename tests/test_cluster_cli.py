@@ -60,6 +60,29 @@ def test_cluster_up_runs_the_demo_and_stops_cleanly(tmp_path):
     assert not [p for p in pids if _alive(p)]
 
 
+def test_a_command_stopped_by_sigterm_stops_what_it_started(tmp_path):
+    """SIGTERM to ``kvcc`` ends it as Ctrl-C would: ``cluster up --serve`` stops its directory and
+    node before it exits -- 143 if the signal came during its demo, 0 in its serving loop (the
+    default action killed the command alone and left them running)."""
+    proc = subprocess.Popen([sys.executable, "-m", "kvcc", "cluster", "up", "--nodes", "1", "--workdir",
+                             str(tmp_path), "--serve", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=ENV)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while len(list((tmp_path / "run").glob("*.ready"))) < 2 and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stderr.read()[-3000:] if proc.stderr else ""
+            time.sleep(0.2)
+        pids = [json.loads(p.read_text())["pid"] for p in (tmp_path / "run").glob("*.ready")]
+        assert len(pids) == 2 and all(_alive(p) for p in pids)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM and "kvcc: terminated" in err or proc.returncode == 0, err[-3000:]
+    assert not [p for p in pids if _alive(p)]
+
+
 def test_serve_node_and_directory_shut_down_on_sigterm(tmp_path):
     cfg = {
         "lease_term_ms": 2000, "skew_ms": 100, "node_tenant": "nodes",
