@@ -246,16 +246,3 @@ def test_the_pooled_bound_counts_a_slotted_adapters_capacity_in_slots(trace, tmp
     assert SMALL.trace_block_bytes == 4 << 10 and runs["plain"]["capacity_blocks"] % 4 == 0
     assert runs["slotted"]["capacity_blocks"] == runs["plain"]["capacity_blocks"] // 4 > 0
 
-
-def test_invalidation_by_expiry_on_the_reference(tmp_path):
-    """The reference pauses a holder by freezing its node and its client's loop. The paused holder
-    is the first node, and the reference adapter waited for the ticket through the first node's
-    client -- the frozen one -- so the wait ended in a timeout (the full profile's invalidation
-    workload was an error). It waits through a running node's client now."""
-    from kvcc.adapters.reference import reference
-
-    profile = replace(SMALL, holders=(0, 1), invalidation_reps=1, expiry=True)
-    out = suite.run_workload(suite.invalidation, reference, profile, 5, tmp_path / "work", lambda text: None)
-    assert out["status"] == "ok", out.get("traceback", out)
-    (expiry,) = [r for r in out["rows"] if r["mode"] == "expiry"]
-    assert expiry["grants"] == 1 and expiry["ticket_keys"] == 1
