@@ -167,6 +167,12 @@ def _make_room(engine: _Engine, pool: _Pool, counts: dict[str, Any], protect: se
     return max(0, min(blocks, engine.capacity - len(engine.lru)))
 
 
+def _refused(counts: dict[str, Any], reason: str) -> None:
+    """A chain cut short, by ``reason``."""
+    counts["refused_writes"] += 1
+    counts["write_refusals"][reason] = counts["write_refusals"].get(reason, 0) + 1
+
+
 def _write_rest(engine: _Engine, keys: Sequence[BlockKey], start: int, pool: _Pool, counts: dict[str, Any]) -> None:
     """Write ``keys[start:]`` (whose parent ``keys[start - 1]`` is committed) on the engine's node,
     making room on it first, as an LRU cache does before it inserts; stops at a write that cannot
@@ -183,8 +189,7 @@ def _write_rest(engine: _Engine, keys: Sequence[BlockKey], start: int, pool: _Po
         base = i
         fits = _make_room(engine, pool, counts, set(keys), len(keys) - base)
         if fits == 0:
-            counts["refused_writes"] += 1
-            counts["write_refusals"]["no_room"] = counts["write_refusals"].get("no_room", 0) + 1
+            _refused(counts, "no_room")
             return
         end = base + fits
         blocks = [(keys[j], keys[j - 1] if j else None, _payload(keys[j])) for j in range(base, end)]
@@ -206,9 +211,7 @@ def _write_rest(engine: _Engine, keys: Sequence[BlockKey], start: int, pool: _Po
             counts["parents_rewritten"] += 1
             i = base - 1
             continue
-        counts["refused_writes"] += 1
-        reason = str(getattr(refused, "reason", type(refused).__name__))
-        counts["write_refusals"][reason] = counts["write_refusals"].get(reason, 0) + 1
+        _refused(counts, str(getattr(refused, "reason", type(refused).__name__)))
         return
 
 
