@@ -43,6 +43,7 @@ from kvcc.conformance.contract import (
     Committed,
     Evicted,
     InvalidationTicket,
+    Moving,
     NotSupported,
     ReadGrant,
     Refused,
@@ -56,6 +57,7 @@ from kvcc.spec.vocabulary import REASON_NOT_FOUND, REASON_REVOKED, REASON_UNAUTH
 CLIENT_SUFFIX = ".engine"
 NODE_TIERS = ("dram=4MiB", "nvme=16MiB")
 NODE_CAPACITY_BYTES = (4 + 16) << 20  # what NODE_TIERS hold together (``Capabilities.capacity_bytes``)
+NODE_TIER_NAMES = tuple(t.partition("=")[0] for t in NODE_TIERS)  # a location is "<node>/<tier name>"
 NODE_BLOCK_BYTES = 64 << 10
 OP_TIMEOUT_MS = 10_000
 REGISTER_TIMEOUT_S = 10.0  # a restarted directory hears every running node's Hello within a heartbeat
@@ -341,11 +343,8 @@ class ReferenceAdapter(Adapter):
         connection of its own to the node that serves ``grant.location``, send ``ReadBytes`` (or
         ``WriteBytes`` of ``data``) for the grant's key, generation and epoch under no grant, the
         owner's grant with its MACs inverted, or the owner's grant as the directory sent it."""
-        import asyncio
-
         from kvcc.reference.cluster import NODE_TENANT
-        from kvcc.reference.errors import ConnectionFailed, TimeoutError_
-        from kvcc.reference.transport import Client
+        from kvcc.reference.errors import ConnectionFailed
         from kvcc.reference.wire import BytesRead, BytesStored, Error, ReadBytes, ReadRefused, WriteBytes
         from kvcc.spec.vocabulary import location_host
 
@@ -364,16 +363,10 @@ class ReferenceAdapter(Adapter):
             else WriteBytes("outsider", grant.key, grant.lease, grant.location, grant.gen, grant.epoch, data, proof)
         )  # fmt: skip
 
-        async def ask() -> Any:
-            async with Client("127.0.0.1", int(proc.info["port"]), NODE_TENANT, token, tls=self._cluster.tls) as c:
-                return await c.request(msg, timeout_ms=OP_TIMEOUT_MS)
-
         try:
-            reply = asyncio.run(ask())
+            reply = self._ask_as(NODE_TENANT, token, ("127.0.0.1", int(proc.info["port"])), msg)
         except ConnectionFailed as e:  # the node ended the session instead of answering
             return Refused(e.code or REASON_UNAUTHORIZED, str(e))
-        except (TimeoutError_, TimeoutError, OSError) as e:
-            raise _infra(e) from e
         match reply:
             case BytesRead():
                 return reply.data
@@ -384,6 +377,53 @@ class ReferenceAdapter(Adapter):
             case Error():
                 return Refused(reply.code, reply.text)
         raise AdapterError(f"the location answered the outsider {type(reply).__name__}")
+
+    def _ask_as(self, principal: str, token: bytes, address: tuple[str, int], msg: Any) -> Any:
+        """One request on a connection of its own under ``principal``'s credential: the reply
+        (``ConnectionFailed`` when the peer ended the session instead of answering)."""
+        import asyncio
+
+        from kvcc.reference.errors import TimeoutError_
+        from kvcc.reference.transport import Client
+
+        async def ask() -> Any:
+            async with Client(address[0], int(address[1]), principal, token, tls=self._cluster.tls) as c:
+                return await c.request(msg, timeout_ms=OP_TIMEOUT_MS)
+
+        try:
+            return asyncio.run(ask())
+        except (TimeoutError_, TimeoutError, OSError) as e:
+            raise _infra(e) from e
+
+    # ------------------------------------------------------------------ tier transfers
+
+    def move(self, grant: ReadGrant) -> Moving | Refused:
+        """As the node that serves ``grant.location`` -- under its own credential, as its demoter
+        does -- ask the directory to move the block to that node's other tier (DRAM to NVMe, NVMe
+        to DRAM: the node copies between its own tiers, then says ``Copied``)."""
+        from kvcc.reference.errors import ConnectionFailed
+        from kvcc.reference.wire import Transfer, TransferRefused, TransferStarted, node_credential
+        from kvcc.spec.vocabulary import LOCATION_SEPARATOR, location_host
+
+        node = location_host(grant.location)
+        proc = self._cluster.procs.get(node) if self._cluster is not None else None
+        if proc is None or not proc.alive:
+            raise AdapterError(f"location {grant.location!r} is down")
+        tier = grant.location.partition(LOCATION_SEPARATOR)[2]
+        dest = next((f"{node}{LOCATION_SEPARATOR}{t}" for t in NODE_TIER_NAMES if t != tier), None)
+        if dest is None or tier not in NODE_TIER_NAMES:
+            return Refused(REASON_NOT_FOUND, f"{grant.location} is not one of {node}'s tiers")
+        try:
+            reply = self._ask_as(node_credential(node), self._cluster.node_token(node), self._cluster.directory_address,
+                                 Transfer(node, grant.key, dest))  # fmt: skip
+        except ConnectionFailed as e:
+            raise _infra(e) from e
+        match reply:
+            case TransferStarted():
+                return Moving(grant.location, dest, reply.epoch)
+            case TransferRefused():
+                return Refused(reply.reason, f"the directory did not move the block to {dest}")
+        raise AdapterError(f"the directory answered a Transfer with {type(reply).__name__}")
 
     # ------------------------------------------------------------------ invalidation, eviction
 

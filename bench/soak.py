@@ -7,7 +7,8 @@ tier only; ``--backend etcd`` puts the directory's log on a one-member etcd star
 ``--clients M`` threads, each a ``SyncClient`` co-located with a node (``n1.c0``, ``n2.c1``, ...:
 its writes land on that node, and that node's crash is its crash), run a seeded random workload
 for the duration over a bounded key space (``NAMESPACES`` x ``CHAINS`` chains of
-``CHAIN_BLOCKS`` blocks, so the tiers never evict):
+``CHAIN_BLOCKS`` blocks, ``CHAINS`` more for every ``CHAINS_SCALE_S`` of run, so that no key outlives
+the validator's model; the tiers never evict):
 
 - **put chain**: a ``lookup`` of a chain's first 1 .. ``CHAIN_BLOCKS`` blocks, then
   ``begin_write`` / ``write_bytes`` / ``commit`` of those not cached, root first. Each
@@ -113,9 +114,13 @@ DEFAULT_SEED = 1
 NODES = 3
 BLOCK_TOKENS = 2
 BLOCK_BYTES = 4096
-TIERS = ("dram=8MiB",)  # 2,048 slots for at most NAMESPACES * CHAINS * CHAIN_BLOCKS live keys
+TIER_MIB = 8  # each node's DRAM: 2,048 slots for at most NAMESPACES * CHAINS * CHAIN_BLOCKS live keys
 NAMESPACES = 2
-CHAINS = 16  # per namespace
+CHAINS = 16  # per namespace, per CHAINS_SCALE_S of run (tiers scaled alike)
+# A longer run gets more chains, so that no key lives through more than the trace validator's model
+# holds in one projection (``validate.MAX_PROJECTION_COUNT`` epochs: a 10-minute run over one
+# CHAINS' worth took a key through 312). About 30 epochs a key a minute at the workload's rates.
+CHAINS_SCALE_S = 240
 CHAIN_BLOCKS = 4
 LEASE_TERM_MS, SKEW_MS = 1500, 100
 REQUEST_TIMEOUT_MS = 1500  # a request to a SIGSTOPped node gives up after this
@@ -137,7 +142,12 @@ FAULT_KINDS = ("kill_node", "pause_node", "restart_directory", "restart_etcd")
 
 assert PAUSE_S[1] * 1000 < 10_000  # NODE_DOWN_AFTER_MS_DEFAULT: a pause must not be taken for a crash
 assert REQUEST_TIMEOUT_MS <= LEASE_TERM_MS
-assert NAMESPACES * CHAINS * CHAIN_BLOCKS * 4 * BLOCK_BYTES < 8 << 20  # no eviction, even with frees pending
+assert NAMESPACES * CHAINS * CHAIN_BLOCKS * 4 * BLOCK_BYTES < TIER_MIB << 20  # no eviction, even with frees pending
+
+
+def key_space_scale(seconds: float) -> int:
+    """How many times ``CHAINS`` chains a namespace (and ``TIER_MIB`` a node) a run of ``seconds`` gets."""
+    return max(1, math.ceil(seconds / CHAINS_SCALE_S))
 
 
 class SoakError(Exception):
@@ -241,14 +251,16 @@ class Ledger:
 class Run:
     """One soak's mutable record."""
 
-    def __init__(self, cluster: LocalCluster, namespaces: list[Namespace], seed: int, etcd: Any = None) -> None:
+    def __init__(self, cluster: LocalCluster, namespaces: list[Namespace], seed: int, etcd: Any = None,
+                 chains: int = CHAINS) -> None:
         self.cluster = cluster
         self.etcd = etcd
         self.namespaces = namespaces
         self.seed = seed
         self.ledger = Ledger()
         self.chains = [[chain_keys(ns, [1000 * c + t for t in range(BLOCK_TOKENS * CHAIN_BLOCKS)])
-                        for c in range(CHAINS)] for ns in namespaces]  # fmt: skip
+                        for c in range(chains)] for ns in namespaces]  # fmt: skip
+        self.chain_count = chains
         for n, chains in enumerate(self.chains):
             for c, keys in enumerate(chains):
                 for i, key in enumerate(keys):
@@ -296,7 +308,7 @@ class Run:
     # ------------------------------------------------------------------ operations
 
     def op_put_chain(self, w: Worker, rng: random.Random) -> None:
-        n, c = rng.randrange(NAMESPACES), rng.randrange(CHAINS)
+        n, c = rng.randrange(NAMESPACES), rng.randrange(self.chain_count)
         ns, keys = self.namespaces[n], self.chains[n][c]
         depth = rng.randint(1, CHAIN_BLOCKS)
         cached = w.client.lookup(ns, keys[:depth]).blocks  # as an engine would: write only what is missing
@@ -334,7 +346,7 @@ class Run:
             self.count("put_committed")
 
     def op_read(self, w: Worker, rng: random.Random) -> None:
-        n, c = rng.randrange(NAMESPACES), rng.randrange(CHAINS)
+        n, c = rng.randrange(NAMESPACES), rng.randrange(self.chain_count)
         key = self.chains[n][c][rng.randrange(CHAIN_BLOCKS)]
         c_ = w.client
         held = c_.lease_of(key)
@@ -359,13 +371,13 @@ class Run:
             c_.release(lease)  # else kept: revoked by an invalidation, or expired
 
     def op_lookup(self, w: Worker, rng: random.Random) -> None:
-        n, c = rng.randrange(NAMESPACES), rng.randrange(CHAINS)
+        n, c = rng.randrange(NAMESPACES), rng.randrange(self.chain_count)
         hit = w.client.lookup(self.namespaces[n], self.chains[n][c])
         assert 0 <= hit.blocks <= CHAIN_BLOCKS and len(hit.locations) == hit.blocks, hit
         self.count(f"lookup_{'hit' if hit.blocks else 'miss'}")
 
     def op_invalidate(self, w: Worker, rng: random.Random) -> None:
-        n, c, i = rng.randrange(NAMESPACES), rng.randrange(CHAINS), rng.randrange(CHAIN_BLOCKS)
+        n, c, i = rng.randrange(NAMESPACES), rng.randrange(self.chain_count), rng.randrange(CHAIN_BLOCKS)
         scope = rng.choices((SCOPE_KEY, SCOPE_PREFIX, SCOPE_NAMESPACE), (9, 9, 1))[0]
         key = None if scope == SCOPE_NAMESPACE else self.chains[n][c][i]
         at = len(self.ledger.invalidations)
@@ -579,12 +591,13 @@ def soak(
             etcd = stack.enter_context(EtcdCluster(members=1, data_dir=workdir / "etcd"))
         namespaces = [Namespace("kvcc-soak", "rev1", "bfloat16", BLOCK_TOKENS, cache_salt=b"ns%d" % i)
                       for i in range(NAMESPACES)]  # fmt: skip
-        cluster = LocalCluster(workdir / "cluster", nodes=NODES, tiers=TIERS, block_bytes=BLOCK_BYTES,
+        scale = key_space_scale(seconds)
+        cluster = LocalCluster(workdir / "cluster", nodes=NODES, tiers=(f"dram={TIER_MIB * scale}MiB",), block_bytes=BLOCK_BYTES,
                                lease_term_ms=LEASE_TERM_MS, skew_ms=SKEW_MS, namespaces=namespaces, backend=backend,
                                etcd_endpoints=",".join(etcd.endpoints) if etcd else None)  # fmt: skip
         step(f"starting a directory ({backend}) and {NODES} nodes on loopback")
         stack.enter_context(cluster)
-        run = Run(cluster, namespaces, seed, etcd)
+        run = Run(cluster, namespaces, seed, etcd, chains=CHAINS * scale)
         run.quiesce_directory = quiesce_directory
         run.finished = finished
         if etcd is not None and faults:
@@ -723,7 +736,7 @@ def report(run: Run, end: dict[str, Any], trace: dict[str, Any], timings: dict[s
     classes = end["classes"]
     ops_total = sum(len(v) for v in run.latency_s.values())
     out = {
-        **config, "seed": run.seed,
+        **config, "seed": run.seed, "key_space": len(run.ledger.keys),
         "ops": ops_total, "ops_per_s": round(ops_total / timings["run_s"], 1) if timings.get("run_s") else None,
         "op_outcomes": dict(sorted(run.ops.items())),
         "faults": sum(run.faults.values()), "faults_by_kind": dict(run.faults),

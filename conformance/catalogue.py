@@ -683,3 +683,25 @@ _KILLED_MID_WRITE = (
              covers={"torn_write", "caching", "trace_complete"}),
 )  # fmt: skip
 _append(_KILLED_MID_WRITE)
+
+
+# -- an invalidation racing a tier transfer (KVCC-TIER-007) ------------------------------------------
+# What a directory gets wrong that drops a transfer under way when an invalidation voids its key:
+# the copy lands at the destination after the generation ended and nothing frees it
+# (``ForgetsTransferAdapter``). Only a race shows it: a transfer that finished first is freed
+# with the owner, and one the invalidation came before was never started.
+RULES = RULES + ("transfer_race",)
+_TRANSFER_RACES = (
+    TestCase("KVCC-TIER-007", "An invalidation racing a tier transfer leaves no copy at either end",
+             "A committed block's tier transfer (the `move` operation) and an invalidation of its key, sent "
+             "together from two nodes eight times with the invalidation starting from just before to well after "
+             "the transfer, then once after a transfer finished -- whose destination MUST first serve the block's "
+             "exact bytes: once each invalidation completed, lookup MUST NOT count the block and no node may be "
+             "granted it, and within the deployment's deletion bound every location that held that generation -- "
+             "the source and, wherever the copy landed, the destination -- MUST free it: a copy landing after the "
+             "invalidation is fenced or freed, never kept. (Only an adapter with native events declares `move`.)",
+             "tiering", ("NoStaleRead", "CommittedBytesIntact", "DeletionReachesEverywhere"), "2,4,9,progress",
+             "invalidation_racing_transfer", faults={"move"},
+             covers={"transfer_race", "deletion", "caching", "trace_complete"}),
+)  # fmt: skip
+_append(_TRANSFER_RACES)

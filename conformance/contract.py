@@ -81,12 +81,12 @@ PROFILES = ("core", "leases", "invalidation", "tiering", "faults", "load", "engi
 # by an adapter that runs engines; the others run without it.
 ENGINE_PROFILE = "engine"
 CACHE_PROFILES = tuple(p for p in PROFILES if p != ENGINE_PROFILE)
-FAULTS = ("kill", "restart", "pause", "resume", "skew_clock", "restart_directory", "corrupt", "intrude")
+FAULTS = ("kill", "restart", "pause", "resume", "skew_clock", "restart_directory", "corrupt", "intrude", "move")
 CORRUPT_REGIONS = ("payload", "header")  # what ``Adapter.corrupt`` damages of a stored block
 # What an intruder presents to a location (``Adapter.intrude``): no grant, a forged one, the owner's.
 INTRUSIONS = ("absent", "forged", "stolen")
 # Faults no profile needs: a test that needs one is required only of an adapter that declares it.
-OPTIONAL_FAULTS = frozenset({"corrupt", "intrude"})
+OPTIONAL_FAULTS = frozenset({"corrupt", "intrude", "move"})
 EVENT_SOURCES = ("native", "inferred")
 ENGINE_VOCAB = 512  # the engine tests' prompts use token ids 3 .. ENGINE_VOCAB - 1
 LEASE_MODES = ("enforced", "advisory", "none")
@@ -228,6 +228,10 @@ class Capabilities:
     block_bytes: int = field(default=0, validator=_nonneg_int)
     slot_bytes: int = field(default=0, validator=_nonneg_int)
 
+    def __attrs_post_init__(self) -> None:
+        if "move" in self.faults and self.events != "native":
+            raise ValueError("declaring move needs native events: a transfer's copy lands out of the suite's sight")
+
     def to_json(self) -> dict[str, object]:
         return {
             "profiles": sorted(self.profiles),
@@ -337,6 +341,16 @@ class Committed:
 @frozen
 class Evicted:
     """``evict`` dropped the node's copy of the block."""
+
+
+@frozen
+class Moving:
+    """``move`` started a tier transfer of the block from ``source`` to ``destination`` (location
+    ids, as grants name them) under fencing token ``epoch``; its copy lands on its own."""
+
+    source: str = field(validator=_text)
+    destination: str = field(validator=_text)
+    epoch: int = field(validator=_nonneg_int)
 
 
 @frozen
@@ -697,6 +711,23 @@ class Adapter(abc.ABC):
         down."""
         raise NotSupported("intrude")
 
+    def move(self, grant: ReadGrant) -> Moving | Refused:
+        """Start a tier transfer of the block ``grant`` names -- ``grant.key`` at generation
+        ``grant.gen``, whose copy is at ``grant.location`` -- to another location of the
+        deployment, as the location's own tiering would (a demotion or a promotion; docs/protocol.md,
+        transfers): an ownership transfer under ``epoch + 1`` whose copy lands at the destination
+        after this returns, the old copy draining until its leases end. ``grant`` may have been
+        released: it only names the block. Returns ``Moving`` once the directory started the
+        transfer, ``Refused`` when it did not (the key is not COMMITTED at that generation any
+        more, a transfer or an invalidation of it is under way, the copy is no longer at
+        ``grant.location``). Logs the deployment's own events of the transfer (``start_transfer``,
+        ``store_copy``, ``finish_transfer``...). The suite needs it to race an invalidation
+        against a transfer; only an adapter that can make its tiering move one block, and whose
+        events are native, declares it (``Capabilities`` refuses it with inferred events).
+        Raises ``NotSupported`` unless ``"move"`` is declared, ``AdapterError`` when the
+        location's node is down."""
+        raise NotSupported("move")
+
     # -- engines (profile "engine") ---------------------------------------------------------
     #
     # An adapter that claims the ``engine`` profile runs two or more serving engines on the
@@ -774,7 +805,7 @@ class Adapter(abc.ABC):
 AdapterFactory = Callable[[], Adapter]  # what --adapter names: a zero-argument callable
 
 __all__ = [
-    "CACHE_PROFILES", "CORRUPT_REGIONS", "ENGINE_PROFILE", "ENGINE_VOCAB", "Completion", "FAULTS", "INTRUSIONS", "OPTIONAL_FAULTS", "FREE_BOUND_MS_DEFAULT", "PROFILES", "REASONS", "SCOPES", "Adapter", "AdapterError", "AdapterFactory", "Capabilities", "Committed",
+    "CACHE_PROFILES", "CORRUPT_REGIONS", "ENGINE_PROFILE", "ENGINE_VOCAB", "Completion", "FAULTS", "INTRUSIONS", "OPTIONAL_FAULTS", "FREE_BOUND_MS_DEFAULT", "PROFILES", "REASONS", "SCOPES", "Adapter", "AdapterError", "AdapterFactory", "Capabilities", "Committed", "Moving",
     "ContractError", "Evicted", "InvalidationTicket", "NotSupported", "ReadGrant", "Refused", "RunContext",
     "Stored", "WriteGrant", "deletion_deadline_ms",
 ]  # fmt: skip

@@ -17,7 +17,7 @@ broken deployment, and counts how many the suite refuses to certify.
   the durable commit, the logged steps and the directives in order); the slot-tier logic
   its DRAM tiers run (``reference/tiers/base.py``, ``reference/tiers/dram.py``). What a target
   leaves out is listed with the reason (``Target.skip``): code the in-process deployment never runs
-  (transfers, the ``WaitTicket`` message, other tiers' hooks).
+  (a transfer given up, the ``WaitTicket`` message, other tiers' hooks).
 - **Operators** (``OPERATORS``), applied by an AST walk of each target function, each a textual
   splice of the one node it changes (so a mutant's diff is one line and its line numbers are the
   original's): ``negate-cond``, ``cond-true``, ``cond-false`` on the tests of ``if``, ``while`` and
@@ -139,18 +139,16 @@ def _origin(module: str) -> str:
     return spec.origin
 
 
-_NO_TRANSFER = "the in-process deployment starts no transfer (CoreAdapter raises on CopyAt)"
+_NO_CANCEL = ("no caller gives a transfer up: the reference's nodes and the kit keep one pending until its Copied, "
+              "an invalidation, or the destination's node rejoining or declared down ends it")
 _NO_DETECTOR = ("the in-process deployment has no failure detector: it never declares a node down nor back up "
                 "(a killed node comes back through restart, node_rejoined); only the reference server's watchdog calls it")
 TARGETS: tuple[Target, ...] = (
     Target("kvcc.reference.directory.core", skip=(
-        ("DirectoryCore.start_transfer", _NO_TRANSFER),
-        ("DirectoryCore.cancel_transfer", _NO_TRANSFER),
-        ("DirectoryCore._copied", _NO_TRANSFER + "; nothing sends Copied"),
-        ("CopyAt", _NO_TRANSFER),
-        ("DirectoryCore._maybe_free_drained", _NO_TRANSFER + ": no copy is ever draining"),
-        ("DirectoryCore._abandon_transfer", _NO_TRANSFER + ": no copy is ever moving (its callers are transfers, "
-                                            "node_down, and node_rejoined for a record with one)"),
+        ("DirectoryCore.cancel_transfer", _NO_CANCEL),
+        ("DirectoryCore._abandon_transfer", _NO_CANCEL + " (its callers: cancel_transfer, node_down, which the kit "
+                                            "has no detector for, and node_rejoined for a record moving to the "
+                                            "rejoining node: the kit moves blocks only in KVCC-TIER-007, which kills none)"),
         ("Ticket.completed_by", "reporting (how an invalidation ended); the deployment never reads it"),
         ("Record.phase_name", "reporting; the deployment never reads it"),
         ("DirectoryCore.children", "a reader for tests and tools; the core walks its index directly"),
@@ -173,7 +171,7 @@ TARGETS: tuple[Target, ...] = (
         *((f"CoreAdapter.{name}", "the kit's lifecycle and plumbing (logs, clocks, timers), not the deployment's logic")
           for name in ("__init__", "capabilities", "versions", "start", "stop", "nodes", "events", "_new_core",
                        "_clock_ns", "_new_log", "_new_node", "_new_tier", "_now_ms", "_node_now_ns", "_next_request",
-                       "_check_running", "_tick_loop", "_fault")),
+                       "_check_running", "_tick_loop", "_fault", "_after_copy_delay", "_run_due")),
         *((f"CoreAdapter.{name}", "fault injection: the environment the suite controls, not the deployment")
           for name in ("kill", "_crash_medium", "pause", "skew_clock", "corrupt")),
     )),  # fmt: skip

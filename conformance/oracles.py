@@ -78,6 +78,7 @@ from .contract import (
     Completion,
     Evicted,
     InvalidationTicket,
+    Moving,
     ReadGrant,
     Refused,
     Stored,
@@ -893,6 +894,15 @@ class Session:
                                              "bytes_sent": None if data is None else len(data)}, got, t0)  # fmt: skip
         return got
 
+    def move(self, grant: ReadGrant) -> Moving | Refused:
+        """``Adapter.move``, recorded. No event is inferred: the transfer's copy lands on its own,
+        out of the suite's sight (the test that moves blocks needs native events)."""
+        t0 = time.monotonic_ns()
+        got = self.adapter.move(grant)
+        _expect(got, (Moving, Refused), "move")
+        self._record("move", grant.node, {"key": grant.key.hex, "gen": grant.gen, "location": grant.location}, got, t0)
+        return got
+
     def fault(self, op: str, *args: Any) -> None:
         t0 = time.monotonic_ns()
         getattr(self.adapter, op)(*args)
@@ -1116,6 +1126,8 @@ def _summary(result: Any) -> Any:
         return {"committed": {"gen": result.gen, "epoch": result.epoch}}
     if isinstance(result, InvalidationTicket):
         return {"ticket": result.id, "keys": result.keys}
+    if isinstance(result, Moving):
+        return {"moving": {"source": result.source, "destination": result.destination, "epoch": result.epoch}}
     if isinstance(result, Completion):
         return {"completion": {"tokens": list(result.tokens), "prompt_tokens": result.prompt_tokens,
                                "cached_tokens": result.cached_tokens, "loaded_blocks": result.loaded_blocks,

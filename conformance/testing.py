@@ -20,7 +20,11 @@ Every piece logs the spec actions it performs (``kvcc.reference.events``), one l
   ``abandon``; each node's decisions are a ``kvcc.reference.holder.Holder``, the one the client
   and the Mooncake adapter use;
 - writer side: ``begin_write`` / ``start_writing``, ``abort``;
-- locations: ``store_bytes`` / ``fence_stale_write``, ``free_slot`` / ``fence_stale_free``;
+- locations: ``store_bytes`` / ``fence_stale_write``, ``free_slot`` / ``fence_stale_free``,
+  ``store_copy`` (a transfer's copy: ``move`` asks the directory to move a block to the next
+  node's location; the destination reads the source at once, and the copy lands -- then
+  ``Copied`` reaches the directory -- a beat later each, on the ticker thread, so that an
+  invalidation can come between);
 - faults: ``crash`` on the killed incarnation's log (the directory logs ``restart_node`` and
   ``restart_directory`` itself).
 
@@ -91,6 +95,7 @@ from kvcc.reference.wire import (
     WriteLeaseGranted,
 )
 from kvcc.reference.wire import Committed as WireCommitted
+from kvcc.reference.wire import Copied as WireCopied
 from kvcc.reference.wire import Evicted as WireEvicted
 from kvcc.reference.wire import Freed as WireFreed
 from kvcc.spec.keys import BlockKey, Namespace
@@ -101,6 +106,7 @@ from kvcc.spec.vocabulary import (
     REASON_LEASE_EXPIRED,
     REASON_MISS,
     REASON_NOT_FOUND,
+    REASON_NOT_TRANSFERABLE,
     REASON_NO_SPACE,
     REASON_REVOKED,
     REASON_TOO_LARGE,
@@ -120,6 +126,7 @@ from .contract import (
     Committed,
     Evicted,
     InvalidationTicket,
+    Moving,
     NotSupported,
     ReadGrant,
     Refused,
@@ -136,6 +143,11 @@ KIT_NODES = 3  # the nodes a run gives the kit (``runner.DEFAULT_NODES``; ``star
 BLOCK_SLOTS = 512  # blocks each node's DRAM tier holds
 BLOCK_BYTES = 4096  # the largest block a workload writes
 TICK_IDLE_MS = 20  # the ticker wakes at least this often while nothing is timed
+# A transfer's copy lands this long after the directory started it, and its Copied reaches the
+# directory as long again after that: windows an invalidation can fall into (KVCC-TIER-007 races
+# one from a fraction of a term before the transfer to a fraction after; a copy between tiers of
+# one host takes about as long for the suite's blocks on a loaded machine).
+COPY_DELAY_MS = 10
 PAUSED_WAIT_S = 0.05  # how often an operation on a paused node re-checks
 EMPTY_TICKETS_FROM = 1 << 40  # ids of the empty tickets of invalidations in a namespace the tenant may not use
 
@@ -166,6 +178,7 @@ class CoreAdapter(Adapter):
     name = "core"
     BROKEN_RULE: str | None = None  # the rule a known-bad subclass breaks
     CRASH_LOSES_MEDIUM = True  # a killed node comes back empty (``DurableDiskAdapter``: with its disk)
+    CORE: type[DirectoryCore] = DirectoryCore  # the directory's core (a known-bad one breaks it)
 
     def __init__(self, *, profiles: Sequence[str] = CACHE_PROFILES, faults: Sequence[str] = FAULTS) -> None:
         self._caps = Capabilities(
@@ -181,6 +194,7 @@ class CoreAdapter(Adapter):
         self._ticker: threading.Thread | None = None
         self._ticker_failed: BaseException | None = None  # what killed the timer thread, if anything
         self._logs: list[io.StringIO] = []
+        self._later: list[tuple[int, Callable[[], None]]] = []  # (due monotonic ns, step): a transfer's copy, its Copied
         self._last_ns = 0
         self._ns_lock = threading.Lock()
 
@@ -249,7 +263,7 @@ class CoreAdapter(Adapter):
     # -- plumbing --------------------------------------------------------------------------------
 
     def _new_core(self) -> DirectoryCore:
-        return DirectoryCore(self._config, lambda tenant, digest: tenant == TENANT and bytes(digest) in self._allowed)
+        return self.CORE(self._config, lambda tenant, digest: tenant == TENANT and bytes(digest) in self._allowed)
 
     def _clock_ns(self) -> int:
         # One strictly increasing clock for every log: the merged trace is one total order.
@@ -343,8 +357,8 @@ class CoreAdapter(Adapter):
                     self._inbox.append(e)
                 case CompleteTicket():
                     self._cond.notify_all()
-                case CopyAt():  # pragma: no cover - this deployment never starts a transfer
-                    raise AssertionError("CoreAdapter starts no transfers")
+                case CopyAt():
+                    self._copy_at(e)
 
     def _drain(self) -> None:
         while self._inbox:
@@ -393,10 +407,59 @@ class CoreAdapter(Adapter):
         assert reply is None
         self._carry_out(directives)
 
+    # -- transfers (``move``) ------------------------------------------------------------------
+
+    def _after_copy_delay(self, step: Callable[[], None]) -> None:
+        due = time.monotonic_ns() + COPY_DELAY_MS * 1_000_000
+        self._later.append((due, step))
+        self._later.sort(key=lambda d: d[0])
+        self._cond.notify_all()
+
+    def _run_due(self) -> None:
+        now = time.monotonic_ns()
+        while self._later and self._later[0][0] <= now:
+            _, step = self._later.pop(0)
+            step()
+
+    def _copy_at(self, e: CopyAt) -> None:
+        """The destination reads the block from the source at once and its bytes land a beat
+        later (spec ``store_copy``), then the directory hears ``Copied`` a beat after that. A
+        source that lost the generation or a destination whose fence refuses the epoch moves
+        nothing and logs nothing (the spec's ``copy_failed`` and ``fence_stale_copy`` are not
+        logged steps); a node down at either end loses the copy (the directory cancels the
+        transfer when the node rejoins)."""
+        dest, src = self._nodes.get(e.location), self._nodes.get(e.source)
+        if dest is None or src is None or not dest.alive or not src.alive:
+            return
+        data = src.tier.read(e.key.digest, e.gen)
+        if data is not None:
+            self._after_copy_delay(lambda: self._land_copy(dest, e, data))
+
+    def _land_copy(self, dest: _Node, e: CopyAt, data: bytes) -> None:
+        if not dest.alive:
+            return
+        if dest.paused:
+            self._after_copy_delay(lambda: self._land_copy(dest, e, data))
+            return
+        if not self._store_copy(dest, e, data):
+            return
+        dest.log.emit("store_copy", key=e.key, gen=e.gen, epoch=e.epoch, location=dest.id, source=e.source)
+        self._after_copy_delay(lambda: self._copied(dest, e))
+
+    def _store_copy(self, dest: _Node, e: CopyAt, data: bytes) -> bool:
+        return isinstance(dest.tier.write(e.key.digest, e.gen, e.epoch, data), TierStored)
+
+    def _copied(self, dest: _Node, e: CopyAt) -> None:
+        if dest.alive:
+            reply, directives = self._host.handle(WireCopied(dest.id, e.key, e.epoch), TENANT)
+            assert reply is None
+            self._carry_out(directives)
+
     def _tick_loop(self) -> None:
         with self._cond:
             while not self._stopping:
                 try:
+                    self._run_due()
                     self._carry_out(self._host.tick())
                     self._drain()
                 except Exception as e:  # noqa: BLE001 - a broken core shows up as errors of operations
@@ -404,7 +467,10 @@ class CoreAdapter(Adapter):
                         return
                     self._ticker_failed = e  # every later operation fails with it (_check_running)
                     raise
-                self._cond.wait(max(0.001, self._host.wait_s(TICK_IDLE_MS / 1000)))
+                wait_s = self._host.wait_s(TICK_IDLE_MS / 1000)
+                if self._later:
+                    wait_s = min(wait_s, (self._later[0][0] - time.monotonic_ns()) / 1e9)
+                self._cond.wait(max(0.001, wait_s))
 
     # -- data plane ------------------------------------------------------------------------------
 
@@ -753,6 +819,28 @@ class CoreAdapter(Adapter):
             outcome = loc.tier.write(grant.key.digest, grant.gen, max(grant.epoch, fence), data)
             return Stored() if isinstance(outcome, TierStored) else Refused(REASON_NO_SPACE, str(outcome))
 
+    def move(self, grant: ReadGrant) -> Moving | Refused:
+        """Ask the directory, as the node holding ``grant.location``, to move the block to the next
+        node's location (the kit's nodes have one tier each: a transfer between nodes, which the
+        spec allows between any two locations); its copy lands on the ticker thread."""
+        self._fault("move")
+        with self._lock:
+            self._check_running()
+            src = self._nodes.get(grant.location)
+            if src is None or not src.alive:
+                raise AdapterError(f"location {grant.location!r} is down")
+            ids = list(self._nodes)
+            dest = ids[(ids.index(src.id) + 1) % len(ids)]
+            rec = self._core.records.get(grant.key)
+            if rec is None or rec.gen != grant.gen or rec.owner != src.id:
+                return Refused(REASON_NOT_FOUND, f"generation {grant.gen} is not owned at {src.id}")
+            started, effects = self._core.start_transfer(grant.key, dest, self._now_ms())
+            self._apply(effects)
+            self._drain()
+            if not started:
+                return Refused(REASON_NOT_TRANSFERABLE, f"the directory did not start a transfer to {dest}")
+            return Moving(src.id, dest, self._core.records[grant.key].epoch)
+
     def _granted(self, who: str, key: BlockKey, lease: int | None, *, write: bool) -> bool:
         """Whether the directory granted ``lease`` on ``key`` to ``who``: a live read lease, or the
         key's open write lease."""
@@ -994,6 +1082,34 @@ class NeverAcksFreesAdapter(CoreAdapter):
         pass  # no Freed: the directory is never told
 
 
+class _ForgetsTransferCore(DirectoryCore):
+    """A directory that drops a transfer under way from a key's record when an invalidation
+    voids the key, instead of owing its destination a free: the copy lands unfenced after the
+    invalidation, and nothing ever frees it."""
+
+    def _start_invalidation(self, keys, effects, announce=None):
+        keys = list(keys)
+        for key in keys:
+            rec = self.records.get(key)
+            if rec is not None and rec.moving_to is not None:
+                self.records[key] = attrs.evolve(rec, moving_to=None)  # the transfer forgotten
+        return super()._start_invalidation(keys, effects, announce)
+
+
+class ForgetsTransferAdapter(CoreAdapter):
+    """Its directory forgets a tier transfer an invalidation cut short (``_ForgetsTransferCore``):
+    the copy lands at the destination after the invalidation voided the generation and stays
+    there for good (breaks docs/protocol.md progress: deletion reaches everywhere, for the
+    copies a transfer makes). Every read is still refused -- the generation is gone at the
+    directory -- so only a check of the locations, with the invalidation racing the transfer,
+    catches it."""
+
+    name = "bad-forgets-transfer"
+    BROKEN_RULE = "transfer_race"
+
+    CORE = _ForgetsTransferCore
+
+
 class WriteOnceAdapter(CoreAdapter):
     """Its locations are write-once and content-addressed, as L3 KV stores assume (the same key
     always has the same bytes): a location that ever stored bytes of a key, asked to store bytes
@@ -1104,7 +1220,7 @@ KNOWN_BAD: tuple[type[CoreAdapter], ...] = (
     StaleReadAdapter, NoFencingAdapter, EvictsLeasedAdapter, NeverCachesAdapter, NeverEvictsAdapter,
     ReusedLeaseIdsAdapter, EarlyCompletionAdapter, TrustsExpiredAdapter, TrustsPastSkewAdapter,
     SilentReadsAdapter, NeverFreesAdapter, NeverAcksFreesAdapter, WriteOnceAdapter, CommitLostUpdateAdapter,
-    OpenDataPlaneAdapter, DropsWhenFullAdapter, TornWriteAdapter,
+    OpenDataPlaneAdapter, DropsWhenFullAdapter, TornWriteAdapter, ForgetsTransferAdapter,
 )  # fmt: skip
 
 
@@ -1141,7 +1257,8 @@ class InferredCoreAdapter(CoreAdapter):
 
     def __init__(self, **kw: Any) -> None:
         super().__init__(**kw)
-        self._caps = attrs.evolve(self._caps, events="inferred")
+        # (no ``move``: a transfer's copy lands out of the suite's sight, so only native events show it)
+        self._caps = attrs.evolve(self._caps, events="inferred", faults=self._caps.faults - {"move"})
 
     def events(self):
         return None

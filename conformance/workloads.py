@@ -2099,6 +2099,89 @@ def killed_mid_write(s: Session) -> None:
 BODIES["killed_mid_write"] = killed_mid_write
 
 
+# -- an invalidation racing a tier transfer (KVCC-TIER-007) ----------------------------------------------
+
+# When the invalidation starts, in fractions of a term after the transfer was asked for (negative:
+# before): before the transfer, between its start and its copy, around the copy landing, after it.
+TRANSFER_RACE_OFFSETS = (-0.005, 0.0, 0.0025, 0.005, 0.0075, 0.01, 0.02, 0.04)
+
+
+def _moved_copy_serves(s: Session, node: str, key: BlockKey, data: bytes) -> str:
+    """Acquire, read and release ``key`` on ``node``; the read MUST return exactly ``data``.
+    Returns the location the lease named."""
+    g = s.acquire(node, s.ns, key)
+    s.check(isinstance(g, ReadGrant), "caching", f"acquire of a committed block being moved refused: {g}")
+    got = s.read(g)
+    s.check(got == data, "CommittedBytesIntact", f"a leased read at {g.location} of a block being moved answered "
+            f"{_answer(got) if not isinstance(got, Refused) else got}")  # fmt: skip
+    s.release(g)
+    return g.location
+
+
+def invalidation_racing_transfer(s: Session) -> None:
+    """A committed block's tier transfer (``Adapter.move``) and an invalidation of its key, sent
+    at once from two nodes, round after round with the invalidation a little earlier or later
+    each time; then a transfer left to finish, whose destination MUST then serve the block's exact
+    bytes, invalidated afterwards. Once each invalidation completed, lookup MUST NOT count the
+    block and no node may be granted it; and, within the deployment's deletion bound, every
+    location the trace shows holding that generation -- the transfer's source and, wherever the
+    copy landed, its destination -- MUST free it (a copy landing after the invalidation MUST be
+    fenced or freed)."""
+    from .contract import Moving, deletion_deadline_ms
+    from .oracles import unfreed_locations
+
+    caps = s.adapter.capabilities()  # native events: ``Capabilities`` refuses move with inferred ones
+    after_end_ms, _ = deletion_deadline_ms(s.lease_term_ms, s.skew_ms, caps.free_bound_ms)
+    w = s.nodes[0]
+    other = reader(s, w)
+    ended: dict[str, int] = {}  # key hex -> the generation its invalidation ended
+    for offset in TRANSFER_RACE_OFFSETS + (None,):  # None: the transfer is left to finish first
+        key = chain(s, 1)[0]
+        data = put(s, w, key, None)
+        g = read_back(s, other, key, data, "a block about to be moved")
+        where = "after the transfer finished" if offset is None else \
+            f"{offset * s.lease_term_ms:+.1f} ms after the transfer was asked for"
+        invalidate = lambda key=key: s.invalidate(other, s.ns, "key", key)  # noqa: E731
+        if offset is None:
+            m = s.move(g)
+            s.check(isinstance(m, Moving), "transfer_race", f"a transfer of a committed block no one reads was not started: {m}")
+            poll_until(s, lambda key=key, data=data: _moved_copy_serves(s, other, key, data),
+                       lambda at, m=m: at == m.destination, "transfer_race",
+                       f"the transfer to {m.destination} did not make its copy the one read")  # fmt: skip
+            ticket = invalidate()
+        elif offset < 0:
+            ticket, m = _race(invalidate, lambda g=g: s.move(g), -offset * s.lease_term_ms / 1000)
+        else:
+            m, ticket = _race(lambda g=g: s.move(g), invalidate, offset * s.lease_term_ms / 1000)
+        s.check(ticket.keys == 1, "caching", f"an invalidation of a committed block counted {ticket.keys} blocks ({where})")
+        wait_done(s, ticket, [key])
+        ended[key.hex] = g.gen
+        s.check(s.lookup(other, s.ns, [key]) == 0, "NoStaleRead",
+                f"lookup counted a block whose invalidation completed (it started {where})")  # fmt: skip
+        for node in (w, other):
+            got = s.acquire(node, s.ns, key)
+            if isinstance(got, ReadGrant):
+                s.release(got)
+            s.check(not isinstance(got, ReadGrant), "NoStaleRead",
+                    f"a block whose invalidation completed was granted on {node} at "
+                    f"{got.location if isinstance(got, ReadGrant) else '?'} (it started {where})")  # fmt: skip
+    events = s.adapter.events() or []
+    s.check(any(e.get("event") == "store_copy" and e.get("key") == key.hex for e in events), "trace_complete",
+            f"a transfer whose copy was read at its destination logged no store_copy for {key.hex[:16]}")  # fmt: skip
+    deadline = time.monotonic() + after_end_ms / 1000
+    while True:
+        left = unfreed_locations(s.adapter.events() or [], ended, caps.frees_acknowledged)
+        if not left:
+            break
+        s.check(time.monotonic() < deadline, "transfer_race",
+                f"{', '.join(left)} still hold a voided generation's bytes, or their free never settled, "
+                f"{caps.free_bound_ms} ms (free bound) + one term after its invalidation completed")  # fmt: skip
+        s.sleep_ms(s.lease_term_ms / 10)
+
+
+BODIES["invalidation_racing_transfer"] = invalidation_racing_transfer
+
+
 # -- engine: what only a serving engine shows -------------------------------------------------------
 # The first test namespace is the test's; the second is where an engine computes a prompt from
 # scratch (its tenant has nothing cached), the output every other serving of it must equal.

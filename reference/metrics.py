@@ -30,7 +30,7 @@ do not collide.
 
 Names follow Prometheus conventions: ``kvcc_<process>_<what>_<unit>``, counters end in
 ``_total``, durations are seconds and sizes bytes. Refusal reasons are the protocol's words
-(``kvcc.spec.vocabulary.DIRECTORY_REASONS``; ``not_transferable`` for a transfer), exactly as the reply on
+(``kvcc.spec.vocabulary.DIRECTORY_REASONS``), exactly as the reply on
 the wire carries them.
 """
 

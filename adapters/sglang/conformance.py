@@ -90,7 +90,7 @@ from kvcc.spec.keys import BlockKey, Namespace
 from kvcc.spec.vocabulary import REASON_MISS, REASON_NOT_FOUND, REASON_REVOKED, REASON_UNKNOWN_LEASE, SCOPE_NAMESPACE
 
 PROFILES_CLAIMED = frozenset(CACHE_PROFILES)
-FAULTS_CLAIMED = frozenset({"kill", "restart", "pause", "resume", "skew_clock", "restart_directory", "intrude"})
+FAULTS_CLAIMED = frozenset({"kill", "restart", "pause", "resume", "skew_clock", "restart_directory", "intrude", "move"})
 SCOPES_CLAIMED = frozenset({"key", "prefix", "namespace"})
 MODEL = "kvcc/conformance"  # SGLang's model name in the storage config (the namespace is the contract's)
 CLEAR_TIMEOUT_S = 60.0  # clear()'s own wait (the contract waits with wait_invalidation)

@@ -97,7 +97,7 @@ from kvcc.spec.vocabulary import (
     SCOPE_NAMESPACE,
 )
 
-FAULTS_CLAIMED = frozenset({"kill", "restart", "pause", "resume", "skew_clock", "restart_directory", "intrude"})
+FAULTS_CLAIMED = frozenset({"kill", "restart", "pause", "resume", "skew_clock", "restart_directory", "intrude", "move"})
 SCOPES_CLAIMED = frozenset({"key", "prefix", "namespace"})
 MODEL_ID = "kvcc/tiny-llama"
 BLOCK_TOKENS = 32  # vLLM's block size for the engine (a multiple of 32 on CPU)

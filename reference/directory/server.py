@@ -101,7 +101,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import attrs
 
 from kvcc.spec.keys import BlockKey, LocationId, NodeId
-from kvcc.spec.vocabulary import LOCATION_SEPARATOR, REASON_NOT_FOUND, location_host
+from kvcc.spec.vocabulary import LOCATION_SEPARATOR, REASON_NOT_FOUND, REASON_NOT_TRANSFERABLE, location_host
 
 from ..errors import PeerViolation, Unauthorized
 from ..events import EventLog
@@ -771,11 +771,11 @@ class DirectoryServer:
             return TransferRefused(msg.key, msg.destination, REASON_NOT_FOUND)
         node = self.tenants.node_of(tenant)
         if node is not None and rec.owner is not None and node_of(rec.owner) not in (node, None):
-            return TransferRefused(msg.key, msg.destination, "not_transferable")  # another node's copy
+            return TransferRefused(msg.key, msg.destination, REASON_NOT_TRANSFERABLE)  # another node's copy
         ok, effects = self.core.start_transfer(msg.key, msg.destination, self.now_ms())
         self._apply(effects)
         if not ok:
-            return TransferRefused(msg.key, msg.destination, "not_transferable")
+            return TransferRefused(msg.key, msg.destination, REASON_NOT_TRANSFERABLE)
         return TransferStarted(msg.key, msg.destination, self.core.records[msg.key].epoch)
 
     async def _wait_ticket(self, tenant: str, msg: WaitTicket) -> Any:
