@@ -146,6 +146,8 @@ _NO_DETECTOR = ("the in-process deployment has no failure detector: it never dec
 TARGETS: tuple[Target, ...] = (
     Target("kvcc.reference.directory.core", skip=(
         ("DirectoryCore.cancel_transfer", _NO_CANCEL),
+        ("DirectoryCore.copy_lost", "only a reference node reports a lost copy (Lost, after a granted read missed); the "
+                                    "kit's damaged copies (its corrupt fault) are evicted by KVCC-FAULT-010 itself"),
         ("DirectoryCore._abandon_transfer", _NO_CANCEL + " (its callers: cancel_transfer, node_down, which the kit "
                                             "has no detector for, and node_rejoined for a record moving to the "
                                             "rejoining node: the kit moves blocks only in KVCC-TIER-007, which kills none)"),

@@ -89,6 +89,7 @@ from .wire import (
     Revoke,
     Tenants,
     Transfer,
+    Lost,
     Welcome,
     WriteBytes,
 )
@@ -503,10 +504,19 @@ class CacheNode:
         self.stats["reads"] += 1
         if data is None:
             self.stats["misses"] += 1
+            self._spawn(self._report_lost(msg))
             return ReadRefused(msg.node, msg.key, msg.location, REASON_MISS)
         if self.counts is not None:
             self.counts.read_bytes[msg.location] += len(data)
         return BytesRead(msg.location, msg.key, msg.gen, tier.fence(msg.key.digest), data)
+
+    async def _report_lost(self, msg: ReadBytes) -> None:
+        """A read the directory granted found no valid bytes here (gone, or failing their
+        checksum): tell the directory (``Lost``), which voids the key if this was the generation's
+        owner copy -- else every lookup would find it, every read miss, and no one could write it
+        again. A report lost on the way is made again by the next read that misses."""
+        with contextlib.suppress(ConnectionFailed, TimeoutError_, OSError):
+            await self._to_directory(Lost(self.node_id, msg.key, msg.location, msg.gen))
 
     async def _evict_for(self, tenant: str, msg: Evict) -> Any:
         """A client asks to evict the copy at one of our locations: the directory decides (with

@@ -14,7 +14,10 @@ node itself, with no lease (``raw_read``): the bytes its tier would serve for (k
   copy were acknowledged or ran out;
 - (d) an invalidation racing a tier transfer (issue 14): whichever lands first, once the
   invalidation completes neither the source tier nor the transfer's destination serves the
-  voided generation, nothing finds or leases it, and the trace is ACCEPTED.
+  voided generation, nothing finds or leases it, and the trace is ACCEPTED;
+- (e) a committed copy whose bytes fail their checksum at rest: the read misses, the node reports
+  the lost copy (``Lost``), and the directory voids the key with its subtree, which is then
+  written again.
 
 Nothing asserts how long anything took: each check waits (up to ``UNTIL_S``, never reached
 unless broken) for a state to be reached.
@@ -233,4 +236,59 @@ def test_d_an_invalidation_racing_a_tier_transfer_leaves_no_copy_at_either_end(t
         print(f"transfers: {outcomes}")
         events = sorted(cl.events(), key=lambda e: (e["t_wall_ns"], e["node"], e["seq"]))
         verdict = validate_trace(events, TraceParams(TERM_MS, SKEW_MS, locations={"n1/dram": "n1", "n1/nvme": "n1"}))
+        assert verdict.status == ACCEPTED, verdict.to_json()
+
+
+# -- (e) a copy lost at rest ------------------------------------------------------------------------------
+
+
+def _damage_at_rest(cl: LocalCluster, node: str, data: bytes) -> None:
+    """Invert one byte in the middle of ``data`` where ``node``'s NVMe slabs hold it (as a failing
+    medium would, telling no one)."""
+    for slab in sorted((cl.workdir / "state" / node / "nvme").glob("slab-*.kvs")):
+        raw = slab.read_bytes()
+        at = raw.find(data)
+        if at >= 0:
+            fd = os.open(slab, os.O_WRONLY)
+            try:
+                pos = at + len(data) // 2
+                os.pwrite(fd, bytes([raw[pos] ^ 0xFF]), pos)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            return
+    raise AssertionError(f"{node}'s slabs do not hold the block")
+
+
+def test_e_a_copy_lost_at_rest_is_voided_with_its_subtree_and_written_again(tmp_path):
+    """A committed block whose bytes fail their checksum at rest: a leased read misses (never
+    other bytes), the node reports the lost copy, and the directory voids the key with its
+    subtree -- lookups stop finding it and it takes new bytes -- where before every lookup found
+    it, every read missed and every rewrite was refused ``not_absent``."""
+    from kvcc.conformance.validate import ACCEPTED, TraceParams, validate_trace
+
+    with cluster(tmp_path, nodes=2) as cl:
+        w, r = cl.client("n1.engine"), cl.client("n2.engine")
+        parent, child = chain_keys(NS, list(range(100, 100 + 2 * NS.block_tokens)))
+        data = payload("lost-at-rest", BLOCK_BYTES)
+        assert isinstance(w.put(NS, parent, None, data), Committed)
+        assert isinstance(w.put(NS, child, parent, payload("its-child", BLOCK_BYTES)), Committed)
+        assert r.lookup(NS, [parent, child]).blocks == 2
+        _damage_at_rest(cl, "n1", data)
+        lease = r.acquire(NS, parent)
+        assert not isinstance(lease, Refused), lease
+        got = r.read(lease)
+        assert isinstance(got, Refused) and got.reason == "miss", got
+        r.release(lease)
+        until("the directory voided the lost copy and its subtree", lambda: r.lookup(NS, [parent, child]).blocks == 0)
+        new = payload("written-again", BLOCK_BYTES)
+        until("the key takes new bytes", lambda: isinstance(w.put(NS, parent, None, new), Committed))
+        lease = r.acquire(NS, parent)
+        assert not isinstance(lease, Refused) and lease.gen > 0, lease
+        assert r.read(lease) == new
+        r.release(lease)
+        events = sorted(cl.events(), key=lambda e: (e["t_wall_ns"], e["node"], e["seq"]))
+        assert [e for e in events if e["event"] == "invalidate" and e.get("lost") == "n1/nvme"]
+        locations = {"n1/nvme": "n1", "n2/nvme": "n2"}
+        verdict = validate_trace(events, TraceParams(TERM_MS, SKEW_MS, locations=locations))
         assert verdict.status == ACCEPTED, verdict.to_json()

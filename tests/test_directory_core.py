@@ -523,6 +523,30 @@ def test_invalidation_cascades_to_descendants(d):
     assert d.core.tickets[started.ticket].pending == frozenset({A2})
 
 
+def test_a_lost_owner_copy_voids_its_subtree_and_nothing_else_does(d):
+    """``copy_lost``: a report about the owner copy of the COMMITTED generation voids the key with
+    its subtree (an invalidation: leases on it are revoked first); a report of another
+    generation, of another location or of a key not COMMITTED changes nothing."""
+    g0 = d.write(A0)
+    d.write(A1)
+    held, _ = d.acquire(A1)
+    owner = d.core.records[A0].owner
+    for key, loc, gen in ((A0, owner, g0.gen + 1), (A0, "elsewhere/dram", g0.gen), (B0, owner, 0)):
+        voided, effects = d.core.copy_lost(key, loc, gen, d.now)
+        assert not voided and not events(effects), (key, loc, gen)
+    assert d.core.records[A0].phase == d.core.records[A1].phase == COMMITTED
+    voided, effects = d.core.copy_lost(A0, owner, g0.gen, d.now)
+    d.apply(effects)
+    assert voided and events(effects)[0] == "invalidate"
+    assert [e.msg.lease for e in of(effects, Send)] == [held.lease]
+    phases = {k: d.core.records[k].phase for k in (A0, A1)}
+    assert phases == {A0: ABSENT, A1: INVALIDATING}
+    assert d.send(wire.Lookup(NS_A, (A0, A1)))[0].blocks_matched == 0
+    again, _ = d.begin_write(A0)
+    assert isinstance(again, wire.WriteLeaseGranted) and again.gen == g0.gen + 1
+    assert d.core.copy_lost(A0, owner, g0.gen, d.now)[0] is False  # a second report: already over
+
+
 def test_prefix_scope_voids_the_subtree_under_the_last_key(d):
     d.write(A0)
     d.write(A1)

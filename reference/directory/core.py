@@ -130,6 +130,7 @@ from kvcc.spec.vocabulary import (
     REASON_UNAUTHORIZED,
     REASON_UNKNOWN_LEASE,
     REASON_WRONG_GENERATION,
+    SCOPE_KEY,
     SCOPE_NAMESPACE,
     location_host,
 )
@@ -1238,6 +1239,31 @@ class DirectoryCore:
             # of a generation that just ended: its destination is freed (spec: evict).
             self._end_generation(rec, effects, frees=(rec.moving_to,))
         return Evicted(msg.node, msg.key, msg.location)
+
+    # a lost copy (docs/protocol.md §8, a lost copy)
+
+    def copy_lost(self, key: BlockKey, location: LocationId, gen: int, now_ms: int) -> tuple[bool, list[Effect]]:
+        """The node of ``location`` found no valid bytes of generation ``gen`` of ``key`` there (a
+        leased read missed: the bytes are gone or fail their checksum). If that copy is the
+        owner of the COMMITTED generation, nothing can ever read it again: void the key with its
+        subtree, as an invalidation (spec ``invalidate``, which the directory may take at any
+        time), so that lookups stop finding it and it can be written again. Any other report (a
+        draining or stale copy, a generation already over) changes nothing. Returns whether it
+        voided the key."""
+        effects: list[Effect] = []
+        self._advance(now_ms, effects)
+        rec = self.records.get(key)
+        if rec is None or rec.phase != COMMITTED or rec.gen != gen or rec.owner != location:
+            return False, effects
+        keys = self.subtree(key)
+
+        def announce(ticket: int) -> None:
+            self._emit(effects, "invalidate", None, key=key, ticket=ticket, keys=len(keys), scope=SCOPE_KEY,
+                       namespace=rec.namespace, lost=location)  # fmt: skip
+
+        self._start_invalidation(keys, effects, announce)
+        self._check_effects(effects)
+        return True, effects
 
     # transfer (promotion / demotion)
 

@@ -122,6 +122,7 @@ from ..wire import (
     Evict,
     Free,
     Freed,
+    Lost,
     Hello,
     Invalidate,
     InvalidationCompleted,
@@ -173,7 +174,7 @@ CLOSE_COMMITS_S = 10.0  # close() waits this long for the commit thread to finis
 # What only a client (a tenant's credential) asks: a node credential is refused each (issue 14).
 CLIENT_REQUESTS = (Acquire, Renew, Release, BeginWrite, Commit, RevokeAcked, Lookup, Invalidate, WaitTicket, Batch)
 # What only a cache node sends, about its own locations (issue 14).
-NODE_REQUESTS = (Freed, Copied, Transfer)
+NODE_REQUESTS = (Freed, Copied, Transfer, Lost)
 
 
 class Store(Protocol):
@@ -421,7 +422,7 @@ class DirectoryServer:
         self.fatal: BaseException | None = None
         self.incarnation = 0
         self.restarted = False
-        self.stats = {"requests": 0, "pushes": 0, "lost_directives": 0, "commits": 0}
+        self.stats = {"requests": 0, "pushes": 0, "lost_directives": 0, "commits": 0, "copies_lost": 0}
         self.counts = counts  # what the metrics export (``kvcc.reference.metrics``); None: not counted
 
     # ------------------------------------------------------------------ lifecycle
@@ -542,6 +543,8 @@ class DirectoryServer:
                 return NodeList(tuple(nodes), tuple(self._members[n].address for n in nodes))
             case Transfer():
                 return self._once_caught_up(self._answer(msg, self._transfer(tenant, msg), tenant))
+            case Lost():
+                return self._once_caught_up(self._lost(msg))
             case Free():
                 raise PeerViolation("Free is a directive, not a request", code="unexpected_message")
             case Batch():
@@ -643,6 +646,10 @@ class DirectoryServer:
                                        tenant=credential)  # fmt: skip
                 self._check_own_locations(node, msg.locations, msg.lost, msg.locations)
             case Freed() | Copied():
+                self._check_own_locations(node, (msg.location,), (), self._registered_locations(node))
+            case Lost():
+                if msg.node != node:
+                    raise Unauthorized(f"node {node!r} reported a lost copy as {msg.node[:80]!r}", tenant=credential)
                 self._check_own_locations(node, (msg.location,), (), self._registered_locations(node))
             case Transfer():
                 if msg.node != node:
@@ -764,6 +771,16 @@ class DirectoryServer:
         m.down = True
         log.warning("node %s is down: its connection has been gone for %d ms", m.node, self.config.disconnect_detection_ms)
         self._apply(self.core.node_down(m.node, m.own_locations, self.now_ms()))
+
+    def _lost(self, msg: Lost) -> Noted:
+        """A node's read found no valid bytes of a generation at its location (``Lost``): the
+        core voids the key if that copy was its owner (``DirectoryCore.copy_lost``)."""
+        voided, effects = self.core.copy_lost(msg.key, msg.location, msg.gen, self.now_ms())
+        self._apply(effects)
+        if voided:
+            self.stats["copies_lost"] += 1
+            log.warning("%s lost its copy of %s (generation %d): the key is voided", msg.location, msg.key.hex[:16], msg.gen)
+        return Noted("lost")
 
     def _transfer(self, tenant: str, msg: Transfer) -> Any:
         rec = self.core.records.get(msg.key)

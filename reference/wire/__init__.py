@@ -147,6 +147,7 @@ from .messages import (
     LeaseReleased,
     LeaseRenewed,
     ListNodes,
+    Lost,
     Lookup,
     Message,
     NodeList,

@@ -241,6 +241,19 @@ class Copied:
 
 
 @frozen
+class Lost:
+    """A location's node -> directory: a read under a grant found no valid bytes of generation
+    ``gen`` of ``key`` at ``location`` (gone, or failing its checksum). If that copy is the
+    generation's owner, the directory voids the key (docs/protocol.md §8, a lost copy); otherwise
+    it ignores the report. One-way (answered ``Noted``)."""
+
+    node: NodeId
+    key: BlockKey
+    location: LocationId
+    gen: Generation
+
+
+@frozen
 class CopyFailed:
     location: LocationId
     key: BlockKey
@@ -480,7 +493,7 @@ _ALL = (
     Acquire, Renew, ReadLeaseGranted, LeaseRenewed, LeaseRefused, Release, LeaseReleased,
     BeginWrite, WriteLeaseGranted, WriteBytes, BytesStored, Commit, Committed, CommitRejected,
     Revoke, RevokeAcked,
-    Free, Freed, Copy, Copied, CopyFailed, Fenced, ReadBytes, BytesRead, ReadRefused,
+    Free, Freed, Copy, Copied, Lost, CopyFailed, Fenced, ReadBytes, BytesRead, ReadRefused,
     Lookup, PrefixFound, Invalidate, InvalidationStarted, WaitTicket, InvalidationCompleted,
     InvalidationPending, Evict, Evicted, EvictRefused,
     Hello, Welcome, ListNodes, NodeList, Transfer, TransferStarted, TransferRefused, Noted,
