@@ -694,9 +694,9 @@ RULES = RULES + ("transfer_race",)
 _TRANSFER_RACES = (
     TestCase("KVCC-TIER-007", "An invalidation racing a tier transfer leaves no copy at either end",
              "A committed block's tier transfer (the `move` operation) and an invalidation of its key, sent "
-             "together from two nodes eight times with the invalidation starting from just before to well after "
+             "together from two nodes ten times with the invalidation starting from just before to well after "
              "the transfer, then once after a transfer finished -- whose destination MUST first serve the block's "
-             "exact bytes: once each invalidation completed, lookup MUST NOT count the block and no node may be "
+             "exact bytes, and whose source MUST free them within the deletion bound: once each invalidation completed, lookup MUST NOT count the block and no node may be "
              "granted it, and within the deployment's deletion bound every location that held that generation -- "
              "the source and, wherever the copy landed, the destination -- MUST free it: a copy landing after the "
              "invalidation is fenced or freed, never kept. (Only an adapter with native events declares `move`.)",

@@ -2103,7 +2103,7 @@ BODIES["killed_mid_write"] = killed_mid_write
 
 # When the invalidation starts, in fractions of a term after the transfer was asked for (negative:
 # before): before the transfer, between its start and its copy, around the copy landing, after it.
-TRANSFER_RACE_OFFSETS = (-0.005, 0.0, 0.0025, 0.005, 0.0075, 0.01, 0.02, 0.04)
+TRANSFER_RACE_OFFSETS = (-0.005, 0.0, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.12)
 
 
 def _moved_copy_serves(s: Session, node: str, key: BlockKey, data: bytes) -> str:
@@ -2118,11 +2118,30 @@ def _moved_copy_serves(s: Session, node: str, key: BlockKey, data: bytes) -> str
     return g.location
 
 
+def _source_freed(s: Session, m: object, key: BlockKey, gen: int, within_ms: float) -> None:
+    """The source of a finished transfer MUST free the block's bytes (it drained: no reader holds
+    it) within ``within_ms``, while the key lives on at the destination (native trace)."""
+    from .oracles import unfreed_locations
+
+    settled = s.adapter.capabilities().frees_acknowledged
+    deadline = time.monotonic() + within_ms / 1000
+    while True:
+        left = [x for x in unfreed_locations(s.adapter.events() or [], {key.hex: gen}, settled)
+                if x.split("@", 1)[1].split(" ")[0] == m.source]  # fmt: skip
+        if not left:
+            return
+        s.check(time.monotonic() < deadline, "transfer_race",
+                f"{left[0]}: the source of a finished transfer still holds its bytes, or their free never settled, "
+                f"{s.adapter.capabilities().free_bound_ms} ms (free bound) + one term after no reader held them")  # fmt: skip
+        s.sleep_ms(s.lease_term_ms / 10)
+
+
 def invalidation_racing_transfer(s: Session) -> None:
     """A committed block's tier transfer (``Adapter.move``) and an invalidation of its key, sent
     at once from two nodes, round after round with the invalidation a little earlier or later
     each time; then a transfer left to finish, whose destination MUST then serve the block's exact
-    bytes, invalidated afterwards. Once each invalidation completed, lookup MUST NOT count the
+    bytes and whose source MUST free them within the deletion bound (no reader holds it), then
+    invalidated. Once each invalidation completed, lookup MUST NOT count the
     block and no node may be granted it; and, within the deployment's deletion bound, every
     location the trace shows holding that generation -- the transfer's source and, wherever the
     copy landed, its destination -- MUST free it (a copy landing after the invalidation MUST be
@@ -2148,6 +2167,7 @@ def invalidation_racing_transfer(s: Session) -> None:
             poll_until(s, lambda key=key, data=data: _moved_copy_serves(s, other, key, data),
                        lambda at, m=m: at == m.destination, "transfer_race",
                        f"the transfer to {m.destination} did not make its copy the one read")  # fmt: skip
+            _source_freed(s, m, key, g.gen, after_end_ms)
             ticket = invalidate()
         elif offset < 0:
             ticket, m = _race(invalidate, lambda g=g: s.move(g), -offset * s.lease_term_ms / 1000)
