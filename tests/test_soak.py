@@ -86,3 +86,16 @@ def test_bad_input_exits_2():
     assert cli.main(["bench", "soak", "--minutes", "61"]) == 2
     assert cli.main(["bench", "soak", "--clients", "0"]) == 2
     assert cli.main(["bench", "soak", "--seconds", "-1"]) == 2
+
+
+def test_a_longer_run_gets_a_key_space_that_keeps_each_key_in_the_models_scope():
+    """A 10-minute run over the 128 keys of a short one took a key through 312 epochs, past the
+    validator model's 250 (INCONCLUSIVE, scope_limit): the chains and the tiers grow with the run."""
+    from kvcc.conformance.validate import MAX_PROJECTION_COUNT
+
+    assert [soak.key_space_scale(s) for s in (1, 60, soak.CHAINS_SCALE_S, soak.CHAINS_SCALE_S + 1, 600, 3600)] == \
+        [1, 1, 1, 2, 3, 15]
+    # The measured rate (312 epochs in 600 s over one scale's keys) stays under the model's scope.
+    per_key_per_s = 312 / 600
+    for seconds in (60, 600, soak.MAX_SECONDS):
+        assert per_key_per_s * seconds / soak.key_space_scale(seconds) < MAX_PROJECTION_COUNT * 0.6, seconds
