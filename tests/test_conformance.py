@@ -206,7 +206,7 @@ class _InferredLateCommitAnswer(testing.LateCommitAnswerAdapter):
 
     def __init__(self, **kw):
         super().__init__(answer_delay_s=1.5 * TERM_MS / 1000, **kw)
-        self._caps = attrs.evolve(self._caps, events="inferred")
+        self._caps = attrs.evolve(self._caps, events="inferred", faults=self._caps.faults - {"move"})
 
     def events(self):
         return None
