@@ -2162,11 +2162,18 @@ def invalidation_racing_transfer(s: Session) -> None:
             f"{offset * s.lease_term_ms:+.1f} ms after the transfer was asked for"
         invalidate = lambda key=key: s.invalidate(other, s.ns, "key", key)  # noqa: E731
         if offset is None:
+            held = s.acquire(w, s.ns, key)  # a reader of the source copy across the transfer
+            s.check(isinstance(held, ReadGrant), "caching", f"acquire of a committed block refused: {held}")
             m = s.move(g)
-            s.check(isinstance(m, Moving), "transfer_race", f"a transfer of a committed block no one reads was not started: {m}")
+            s.check(isinstance(m, Moving), "transfer_race", f"a transfer of a committed block was not started: {m}")
             poll_until(s, lambda key=key, data=data: _moved_copy_serves(s, other, key, data),
                        lambda at, m=m: at == m.destination, "transfer_race",
                        f"the transfer to {m.destination} did not make its copy the one read")  # fmt: skip
+            got = s.read(held)  # the drained source lives on under its lease (protocol property 5)
+            ran_out = isinstance(got, Refused) and got.reason in LEASE_RAN_OUT  # a loaded machine: cannot look
+            s.check(got == data or ran_out, "NoReclaimUnderLease",
+                    f"a read under a lease on the source of a finished transfer answered {_answer(got)}")  # fmt: skip
+            s.release(held)
             _source_freed(s, m, key, g.gen, after_end_ms)
             ticket = invalidate()
         elif offset < 0:
