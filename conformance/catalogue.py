@@ -696,11 +696,13 @@ _TRANSFER_RACES = (
              "A committed block's tier transfer (the `move` operation) and an invalidation of its key, sent "
              "together from two nodes ten times with the invalidation starting from just before to well after "
              "the transfer, then once after a transfer finished -- whose destination MUST first serve the block's "
-             "exact bytes, and whose source MUST free them within the deletion bound: once each invalidation completed, lookup MUST NOT count the block and no node may be "
+             "exact bytes, a lease on whose source held across it MUST still read them, and whose source MUST free "
+             "them within the deletion bound once that lease is released: once each invalidation completed, lookup MUST NOT count the block and no node may be "
              "granted it, and within the deployment's deletion bound every location that held that generation -- "
              "the source and, wherever the copy landed, the destination -- MUST free it: a copy landing after the "
              "invalidation is fenced or freed, never kept. (Only an adapter with native events declares `move`.)",
-             "tiering", ("NoStaleRead", "CommittedBytesIntact", "DeletionReachesEverywhere"), "2,4,9,progress",
+             "tiering", ("NoStaleRead", "CommittedBytesIntact", "NoReclaimUnderLease", "DeletionReachesEverywhere"),
+             "2,4,5,9,progress",
              "invalidation_racing_transfer", faults={"move"},
              covers={"transfer_race", "deletion", "caching", "trace_complete"}),
 )  # fmt: skip
