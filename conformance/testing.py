@@ -441,13 +441,10 @@ class CoreAdapter(Adapter):
         if dest.paused:
             self._after_copy_delay(lambda: self._land_copy(dest, e, data))
             return
-        if not self._store_copy(dest, e, data):
-            return
+        if not isinstance(dest.tier.write(e.key.digest, e.gen, e.epoch, data), TierStored):
+            return  # fenced (the invalidation freed the destination first) or no room: nothing moved
         dest.log.emit("store_copy", key=e.key, gen=e.gen, epoch=e.epoch, location=dest.id, source=e.source)
         self._after_copy_delay(lambda: self._copied(dest, e))
-
-    def _store_copy(self, dest: _Node, e: CopyAt, data: bytes) -> bool:
-        return isinstance(dest.tier.write(e.key.digest, e.gen, e.epoch, data), TierStored)
 
     def _copied(self, dest: _Node, e: CopyAt) -> None:
         if dest.alive:
