@@ -2118,21 +2118,23 @@ def _moved_copy_serves(s: Session, node: str, key: BlockKey, data: bytes) -> str
     return g.location
 
 
-def _source_freed(s: Session, m: object, key: BlockKey, gen: int, within_ms: float) -> None:
-    """The source of a finished transfer MUST free the block's bytes (it drained: no reader holds
-    it) within ``within_ms``, while the key lives on at the destination (native trace)."""
+def _freed_in_time(s: Session, ended: dict[str, int], within_ms: float, what: str, location: str | None = None) -> None:
+    """Every location the native trace shows holding a generation of ``ended`` (key hex ->
+    generation) -- or only ``location`` -- MUST free it within ``within_ms`` (and, where the
+    adapter declares ``frees_acknowledged``, see the free settled): FAIL ``transfer_race`` with
+    ``what`` otherwise."""
     from .oracles import unfreed_locations
 
-    settled = s.adapter.capabilities().frees_acknowledged
+    caps = s.adapter.capabilities()
     deadline = time.monotonic() + within_ms / 1000
     while True:
-        left = [x for x in unfreed_locations(s.adapter.events() or [], {key.hex: gen}, settled)
-                if x.split("@", 1)[1].split(" ")[0] == m.source]  # fmt: skip
+        left = [x for x in unfreed_locations(s.adapter.events() or [], ended, caps.frees_acknowledged)
+                if location is None or x.split("@", 1)[1].split(" ")[0] == location]  # fmt: skip
         if not left:
             return
         s.check(time.monotonic() < deadline, "transfer_race",
-                f"{left[0]}: the source of a finished transfer still holds its bytes, or their free never settled, "
-                f"{s.adapter.capabilities().free_bound_ms} ms (free bound) + one term after no reader held them")  # fmt: skip
+                f"{', '.join(left)}: {what} not freed (or the free never settled) within {caps.free_bound_ms} ms "
+                f"(free bound) + one term")  # fmt: skip
         s.sleep_ms(s.lease_term_ms / 10)
 
 
@@ -2147,7 +2149,6 @@ def invalidation_racing_transfer(s: Session) -> None:
     copy landed, its destination -- MUST free it (a copy landing after the invalidation MUST be
     fenced or freed)."""
     from .contract import Moving, deletion_deadline_ms
-    from .oracles import unfreed_locations
 
     caps = s.adapter.capabilities()  # native events: ``Capabilities`` refuses move with inferred ones
     after_end_ms, _ = deletion_deadline_ms(s.lease_term_ms, s.skew_ms, caps.free_bound_ms)
@@ -2174,7 +2175,8 @@ def invalidation_racing_transfer(s: Session) -> None:
             s.check(got == data or ran_out, "NoReclaimUnderLease",
                     f"a read under a lease on the source of a finished transfer answered {_answer(got)}")  # fmt: skip
             s.release(held)
-            _source_freed(s, m, key, g.gen, after_end_ms)
+            _freed_in_time(s, {key.hex: g.gen}, after_end_ms, "the bytes of a finished transfer's source, once no "
+                           "reader held them,", location=m.source)  # fmt: skip
             ticket = invalidate()
         elif offset < 0:
             ticket, m = _race(invalidate, lambda g=g: s.move(g), -offset * s.lease_term_ms / 1000)
@@ -2195,15 +2197,7 @@ def invalidation_racing_transfer(s: Session) -> None:
     events = s.adapter.events() or []
     s.check(any(e.get("event") == "store_copy" and e.get("key") == key.hex for e in events), "trace_complete",
             f"a transfer whose copy was read at its destination logged no store_copy for {key.hex[:16]}")  # fmt: skip
-    deadline = time.monotonic() + after_end_ms / 1000
-    while True:
-        left = unfreed_locations(s.adapter.events() or [], ended, caps.frees_acknowledged)
-        if not left:
-            break
-        s.check(time.monotonic() < deadline, "transfer_race",
-                f"{', '.join(left)} still hold a voided generation's bytes, or their free never settled, "
-                f"{caps.free_bound_ms} ms (free bound) + one term after its invalidation completed")  # fmt: skip
-        s.sleep_ms(s.lease_term_ms / 10)
+    _freed_in_time(s, ended, after_end_ms, "a voided generation's bytes, once its invalidation completed,")
 
 
 BODIES["invalidation_racing_transfer"] = invalidation_racing_transfer
