@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import attrs
 
@@ -1828,6 +1828,16 @@ def _race(first: Callable[[], object], second: Callable[[], object], delay_s: fl
     return answers[0], answers[1]
 
 
+def _granted_nowhere(s: Session, nodes: Sequence[str], key: BlockKey, what: Callable[[str, ReadGrant], str]) -> None:
+    """No node of ``nodes`` is granted ``key`` (a grant is given back at once): FAIL NoStaleRead
+    with ``what(node, grant)`` otherwise."""
+    for node in nodes:
+        got = s.acquire(node, s.ns, key)
+        if isinstance(got, ReadGrant):
+            s.release(got)
+            s.check(False, "NoStaleRead", what(node, got))
+
+
 def commit_racing_invalidation(s: Session) -> None:
     """A fresh block's commit and an invalidation of its key, sent at once from two nodes, round
     after round with the invalidation a little earlier or later each time. Whatever the order the
@@ -1860,13 +1870,8 @@ def commit_racing_invalidation(s: Session) -> None:
         if counted:
             n = s.lookup(other, s.ns, [key])
             s.check(n == 0, "NoStaleRead", f"lookup counted a block its completed invalidation had counted {where}")
-            for node in (w, other):
-                got = s.acquire(node, s.ns, key)
-                if isinstance(got, ReadGrant):
-                    s.release(got)
-                s.check(not isinstance(got, ReadGrant), "NoStaleRead",
-                        f"generation {got.gen if isinstance(got, ReadGrant) else '?'} was granted on {node} after the "
-                        f"invalidation that counted it completed {where}")  # fmt: skip
+            _granted_nowhere(s, (w, other), key, lambda node, g: f"generation {g.gen} was granted on {node} after the "
+                             f"invalidation that counted it completed {where}")  # fmt: skip
         elif committed:
             read_back(s, other, key, data, f"a block committed after a racing invalidation that did not count it {where}")
             s.check(s.lookup(w, s.ns, [key]) == 1, "caching",
@@ -2187,13 +2192,8 @@ def invalidation_racing_transfer(s: Session) -> None:
         ended[key.hex] = g.gen
         s.check(s.lookup(other, s.ns, [key]) == 0, "NoStaleRead",
                 f"lookup counted a block whose invalidation completed (it started {where})")  # fmt: skip
-        for node in (w, other):
-            got = s.acquire(node, s.ns, key)
-            if isinstance(got, ReadGrant):
-                s.release(got)
-            s.check(not isinstance(got, ReadGrant), "NoStaleRead",
-                    f"a block whose invalidation completed was granted on {node} at "
-                    f"{got.location if isinstance(got, ReadGrant) else '?'} (it started {where})")  # fmt: skip
+        _granted_nowhere(s, (w, other), key, lambda node, g: f"a block whose invalidation completed was granted on "
+                         f"{node} at {g.location} (it started {where})")  # fmt: skip
     events = s.adapter.events() or []
     s.check(any(e.get("event") == "store_copy" and e.get("key") == key.hex for e in events), "trace_complete",
             f"a transfer whose copy was read at its destination logged no store_copy for {key.hex[:16]}")  # fmt: skip
