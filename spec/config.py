@@ -54,6 +54,10 @@ class ModelConfig:
     # running ahead: the direction that is harmless for safety but harmful for progress (a slow
     # directory clock expires leases late), so the bounded-response deadlines are checked under it.
     directory_clock_lags: bool = False
+    # The directory mirrors its leases durably (reference: etcd's bucketed lease markers), so a
+    # restarted directory waits only until the longest lease it forgot may have run out
+    # (``Model.lease_horizon``), not the full ``restart_grace_ticks``.
+    mirrored_leases: bool = False
     description: str = ""
     extra: dict = field(factory=dict, eq=False, hash=False)
 
@@ -295,6 +299,11 @@ CONFIGS: dict[str, ModelConfig] = {
             name="failover", **_ONE_KEY, writers=(0,), readers=(1,), max_epoch=1, max_lease_id=2, max_requests=1,
             max_node_crashes=1, max_directory_restarts=0,
             description="a writer that owns its block on its own tier crashes: the failure detector, failover, frees reaching a node when it is back",
+        ),
+        ModelConfig(
+            name="mirrored", **_ONE_KEY, **_ROLES, max_epoch=1, max_lease_id=3, max_requests=1,
+            max_node_crashes=0, max_directory_restarts=2, mirrored_leases=True,
+            description="restart with the leases mirrored: two directory restarts, each waiting only for the leases outstanding",
         ),
         ModelConfig(
             name="medium", **_ONE_KEY, **_ROLES, max_epoch=2, max_lease_id=4, max_requests=2,

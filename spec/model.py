@@ -149,6 +149,7 @@ from .rules import (
     owe_free,
     request_deadline,
     restart_grace,
+    restart_grace_within,
     restored_fence,
     restored_freed_epoch,
     slot_accepts,
@@ -198,6 +199,9 @@ MUTANT_FLAGS = frozenset(
         "holder_never_times_out",
         "revoke_keeps_pending_acquire",
         "writer_never_gives_up",
+        # a restart that waits only for the leases outstanding (issue 14: the mirrored horizon)
+        "horizon_forgets_grace",
+        "horizon_short_by_a_tick",
         "no_failure_detector",
     }
 )
@@ -1268,7 +1272,33 @@ class Model:
                 if self.down_declaration_due(s, n):
                     out.append(("declare_node_down", (n,), self._declare_down(s, fixed, net, n)))
         if s[L.restarts_left] > 0:
-            out.append(("restart_directory", (), self._pack(self._restart_directory(s, fixed), net)))
+            for grace in self.restart_graces(s):
+                out.append(("restart_directory", (grace,), self._pack(self._restart_directory(s, fixed, grace), net)))
+
+    def lease_horizon(self, s: bytes) -> int:
+        """What a directory that mirrors its leases knows at a restart (``mirrored_leases``): the
+        longest any lease it holds may still run on its clock, and the grace it is still in (which
+        covers the leases an earlier incarnation granted). Its clock's offset survives the
+        restart, so no skew is added: the leases' time left was counted on that clock."""
+        L = self.L
+        horizon = 0 if "horizon_forgets_grace" in self.bugs else s[L.grace]
+        for k in range(self.K):
+            for n in range(self.N):
+                if s[L.r_id[k][n]]:
+                    horizon = max(horizon, s[L.r_left[k][n]])
+        if "horizon_short_by_a_tick" in self.bugs:
+            horizon = max(0, horizon - 1)
+        return horizon
+
+    def restart_graces(self, s: bytes) -> range:
+        """The graces a restarted directory may take: the full ``restart_grace`` without a mirror
+        of the leases; with one (``mirrored_leases``), any from the horizon (``lease_horizon``,
+        ``rules.restart_grace_within``) up to the full grace -- a deployment's horizon is a bound
+        it measured, rounded up (etcd counts a lease's time left in whole seconds)."""
+        full = self.restart_grace
+        if not self.cfg.mirrored_leases:
+            return range(full, full + 1)
+        return range(restart_grace_within(self.cfg.lease_term_ticks, self.cfg.skew_ticks, self.lease_horizon(s)), full + 1)
 
     def _crash(self, s: bytes, fixed: bytes, n: int, lose_disk: bool) -> bytearray:
         """kill -9: volatile state is gone; the disk survives unless ``lose_disk``."""
@@ -1356,9 +1386,9 @@ class Model:
                 self._invalidate_into(s, b, rest, self.subtree[k])
         return self._pack(b, rest)
 
-    def _restart_directory(self, s: bytes, fixed: bytes) -> bytearray:
+    def _restart_directory(self, s: bytes, fixed: bytes, grace: int) -> bytearray:
         """The directory process restarts from its durable log: records survive, the lease table
-        and timers do not."""
+        and timers do not. It frees nothing for ``grace`` (``restart_graces``)."""
         L, cfg = self.L, self.cfg
         b = bytearray(fixed)
         b[L.restarts_left] -= 1
@@ -1370,7 +1400,7 @@ class Model:
         if "epochs_not_durable" in self.bugs:
             b[L.epoch_block] = bytes(self.K)  # bug: epochs were kept in memory only
         if "restart_without_grace" not in self.bugs:
-            b[L.grace] = self.restart_grace
+            b[L.grace] = grace
         if "lease_id_reuse_after_restart" in self.bugs:
             b[L.next_id] = 1  # the counter was not in the durable log
         return b

@@ -91,6 +91,12 @@ MUTANTS: dict[str, Mutant] = {
                "a holder acks a revocation that overtook its grant, then trusts the grant when it arrives"),
         Mutant("no-failure-detector", ("no_failure_detector",), "CrashedOwnerWritableInTime", "failover",
                "the directory never declares a crashed node down: its owner copies stay COMMITTED, leased and unwritable"),
+        # A restart that waits only for the leases outstanding (issue 14): the horizon it takes.
+        Mutant("horizon-forgets-grace", ("horizon_forgets_grace",), "LeaseKnownToDirectory", "mirrored",
+               "a directory restarted during its grace takes its horizon from its (empty) lease table alone: the leases an "
+               "earlier incarnation granted are forgotten twice"),
+        Mutant("horizon-short-by-a-tick", ("horizon_short_by_a_tick",), "LeaseKnownToDirectory", "mirrored",
+               "a restarted directory waits one tick less than its longest mirrored lease may still run"),
         Mutant("writer-never-gives-up", ("writer_never_gives_up",), "Deadlock", "tiny",
                "a writer without a timeout waits forever for the answer to a lost BeginWrite: nothing can happen any more"),
     )

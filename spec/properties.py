@@ -547,6 +547,20 @@ def _trust_during_grace(m: Model, s: bytes) -> bool:
     return s[m.L.grace] > 0 and _holder_block(m, s)
 
 
+def _short_grace_under_trust(m: Model, pre: bytes, action: str, params: tuple, post: bytes) -> bool:
+    """A restarted directory takes less than the full grace (its mirrored horizon) while a holder
+    still trusts a lease it forgot: the horizon is what keeps that lease safe."""
+    return action == "restart_directory" and params[0] < m.restart_grace and _holder_block(m, post)
+
+
+def _restart_in_grace_under_trust(m: Model, pre: bytes, action: str, params: tuple, post: bytes) -> bool:
+    """The directory restarts again while still in a grace, a holder trusting a lease it forgot
+    before: the new horizon must cover the old grace."""
+    L = m.L
+    return action == "restart_directory" and pre[L.grace] > 0 and _holder_block(m, pre) and all(
+        not pre[L.r_id[k][n]] for k in range(m.K) for n in range(m.N))
+
+
 def _child_committed(m: Model, s: bytes) -> bool:
     L = m.L
     return any(p >= 0 and s[L.phase[k]] == COMMITTED for k, p in enumerate(m.cfg.parents))
@@ -789,6 +803,18 @@ def _no_restart(cfg: ModelConfig) -> str | None:
     return _no_readers(cfg)
 
 
+def _no_mirror(cfg: ModelConfig) -> str | None:
+    if not cfg.mirrored_leases:
+        return "the directory does not mirror its leases: every restart takes the full grace"
+    return _no_restart(cfg)
+
+
+def _no_second_restart(cfg: ModelConfig) -> str | None:
+    if cfg.max_directory_restarts < 2:
+        return "at most one directory restart"
+    return _no_mirror(cfg)
+
+
 def _no_renewal(cfg: ModelConfig) -> str | None:
     if cfg.max_requests < 2:
         return "one lease request per node (max_requests 1): nothing to renew with"
@@ -932,6 +958,12 @@ SOMETIMES: tuple[Sometimes, ...] = (
               outside_scope=lambda cfg: "the directory never restarts" if cfg.max_directory_restarts == 0 else None),
     Sometimes("RegrantAfterRestart", "a restarted directory, still in its grace period, grants a read lease again", reached_step=_regrant_after_restart,
               on_actions=('grant_read_lease',), companion_of=("LeaseIdsFresh", "LeaseKnownToDirectory"), outside_scope=_no_restart),
+    Sometimes("ShortGraceUnderTrustedLease", "a restarted directory that mirrors its leases takes less than the full grace "
+              "while a holder trusts a lease it forgot", reached_step=_short_grace_under_trust, on_actions=('restart_directory',),
+              companion_of=("LeaseKnownToDirectory",), outside_scope=_no_mirror),
+    Sometimes("RestartInGraceUnderTrustedLease", "the directory restarts again in its grace, with no lease in its table and a "
+              "holder trusting one an earlier incarnation granted", reached_step=_restart_in_grace_under_trust,
+              on_actions=('restart_directory',), companion_of=("LeaseKnownToDirectory",), outside_scope=_no_second_restart),
     Sometimes("LeaseRenewed", "a holder extends its trust by a renewal", reached_step=_renewal, companion_of=("RenewalNeverRevives",), on_actions=('trust_renewal',),
               outside_scope=_no_renewal),
     Sometimes("ChildCommitted", "a block is committed under a committed parent", reached_state=_child_committed,

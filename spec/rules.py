@@ -93,6 +93,19 @@ def restart_grace(term: int, eps: int) -> int:
     return directory_view(term, eps) + eps
 
 
+def restart_grace_within(term: int, eps: int, horizon: int | None) -> int:
+    """How long a restarted directory frees nothing when it knows ``horizon``: the longest any
+    lease it forgot may still run, on its own clock (the leases its predecessors granted, and
+    the grace a predecessor was still in when it stopped: that covers leases older still).
+    ``None`` -- no mirror of the leases: the full ``restart_grace``. Never longer than that,
+    which covers every lease that could have been granted."""
+    full = restart_grace(term, eps)
+    if horizon is None:
+        return full
+    assert horizon >= 0
+    return min(full, horizon)
+
+
 def invalidation_deadline(term: int, eps: int, restarts: int) -> int:
     """Bounded response: an invalidation completes within this much *true* time of starting.
 

@@ -144,7 +144,7 @@ def action_terms(acts: list[Action]) -> list[z3.ExprRef]:
     """The constants an action introduces: its parameters, sent and delivered messages."""
     out = []
     for act in acts:
-        out += list(act.params.values()) + list(act.sent.values())
+        out += [p for p in act.params.values() if _is_uninterpreted_sort(p.sort())] + list(act.sent.values())
         if act.delivered is not None:
             out.append(act.delivered)
     return out

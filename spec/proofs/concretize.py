@@ -104,6 +104,8 @@ def concretize_states(zmodel: z3.ModelRef, states: list[State], elements, bugs=f
         authorized=authorized, tiers_per_node=tiers, shared_pool=True, tiering=True,
         lease_term_ticks=term, skew_ticks=eps, max_epoch=200, max_lease_id=200, max_requests=250,
         max_messages=250, max_duplications=0, max_node_crashes=1, max_directory_restarts=1,
+        # The encoding's restart takes the full grace or a mirrored horizon: both are the model's then.
+        mirrored_leases=True,
         description="a counterexample to induction, read off a z3 model",
     )
     model = Model(cfg, bugs)

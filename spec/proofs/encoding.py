@@ -168,6 +168,8 @@ SUPPORTED_BUGS = frozenset(
         "write_lease_never_expires",
         "evict_parent_first",
         "invalidate_without_cascade",
+        "horizon_forgets_grace",
+        "horizon_short_by_a_tick",
     }
 )
 
@@ -1084,11 +1086,22 @@ class Protocol:
             r_left=z3.Lambda([kk, nn], z3.IntVal(0)),
             w_left=z3.Lambda([kk], z3.If(s.phase[kk] == WRITING, restart_grace_ticks(), s.w_left[kk])),
         )
+        # The grace taken (``Model.restart_graces``): the full one, or -- a directory that mirrors
+        # its leases -- any from the horizon (the longest lease in its table may still run, and
+        # the grace it is in) up to the full one. Both models' restarts are instances.
+        grace = fresh("rd_grace", INT)
+        slack = 1 if self.bug("horizon_short_by_a_tick") else 0
+        covers = [z3.ForAll([kk, nn], z3.Implies(s.r_id[kk, nn] != 0, s.r_left[kk, nn] <= grace + slack))]
+        if not self.bug("horizon_forgets_grace"):
+            covers.append(s.grace <= grace + slack)
+        guard = z3.Or(grace == restart_grace_ticks(), z3.And(grace <= restart_grace_ticks(), *covers))
         if not self.bug("restart_without_grace"):
-            upd["grace"] = restart_grace_ticks()
+            upd["grace"] = grace
+        else:
+            guard = z3.BoolVal(True)
         if self.bug("lease_id_reuse_after_restart"):
             upd["next_id"] = z3.IntVal(1)
-        return Action("restart_directory", ("restart_directory",), {}, z3.BoolVal(True), s.update(**upd))
+        return Action("restart_directory", ("restart_directory",), {"grace": grace}, guard, s.update(**upd))
 
     def drop(self, s: State) -> Action:
         m = fresh("msg_dropped", Msg)

@@ -71,6 +71,8 @@ MUTANT_OBLIGATIONS: dict[str, str] = {
     "no_namespace_check": "NamespaceIsolation",
     "evict_parent_first": "PrefixClosed",
     "invalidate_without_cascade": "PrefixClosed",
+    "horizon_forgets_grace": "LeaseKnownToDirectory",
+    "horizon_short_by_a_tick": "LeaseKnownToDirectory",
 }
 
 # Where each mutant's CTI for its mapped invariant appears: the actions whose obligation fails.
@@ -89,6 +91,8 @@ MUTANT_CTI_ACTIONS: dict[str, tuple[str, ...]] = {
     "no_namespace_check": ("grant_read_lease",),
     "evict_parent_first": ("evict_owner",),
     "invalidate_without_cascade": ("invalidate",),
+    "horizon_forgets_grace": ("restart_directory",),
+    "horizon_short_by_a_tick": ("restart_directory",),
 }
 
 MUTANT_NOTES: dict[str, str] = {

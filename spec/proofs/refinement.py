@@ -222,6 +222,8 @@ class _Topology:
             return range(self.keys)
         if sort == Loc:
             return range(self.locations + 1)
+        if sort == INT:  # a number of ticks an action chooses (restart_directory's grace)
+            return range(self.term + 2 * self.eps + 1)
         raise DontCare(f"a quantifier over {sort} has no finite domain here")
 
 
