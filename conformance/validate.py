@@ -258,7 +258,7 @@ MATCH_MEMO_MAX = 200_000  # memoised matches per model (``_Replay._matched``; th
 # The fields of an event that matching it reads (``_Replay._match``, ``_check``, ``_step_params``),
 # but its lease id, which only the binding reads: with the event's mode, the event in model terms.
 _MATCHED_FIELDS = ("event", "node", "location", "gen", "epoch", "result", "holder", "writer", "down", "crashed",
-                   "lose_disk", "rejoined", "lost", "_cascade")
+                   "lose_disk", "rejoined", "lost", "grace_ms", "_cascade")
 INCONCLUSIVE_CODES = ("frontier_limit", "network_limit", "scope_limit")
 
 # Spec steps no process logs: the environment's, and deliveries the receiver ignores (their state
@@ -923,6 +923,7 @@ class _Replay:
             max_epoch=MAX_PROJECTION_COUNT, max_lease_id=MAX_PROJECTION_COUNT, max_requests=MAX_PROJECTION_COUNT,
             max_messages=params.max_messages, max_duplications=params.max_duplications,
             max_node_crashes=counts["crashes"], max_directory_restarts=counts["restarts"],
+            mirrored_leases=True,  # a restart's grace is logged (``_grace_ticks``): a full one is one of these
         )  # fmt: skip
         if contexts is None:
             contexts = {}
@@ -1199,8 +1200,19 @@ class _Replay:
             lose = ev.get("lose_disk")
             return (R.n(ev.get("crashed") or ev["node"]), None if lose is None else int(bool(lose)))
         if name == "restart_directory":
-            return ()
+            return (self._grace_ticks(ev.get("grace_ms")),)
         return (0,)  # the directory's own steps on the key
+
+    def _grace_ticks(self, grace_ms: Any) -> int | None:
+        """A restart's logged grace in ticks (``None``, not logged: any the spec allows). Rounded
+        up: the spec's restart takes a grace from its horizon up (``Model.restart_graces``), and a
+        grace that covers a lease to within the tick that quantises time covers it. Longer than
+        the full grace is the full grace: what is freed later than the spec must is checked by
+        the events' times, as without a mirror."""
+        if type(grace_ms) is not int or grace_ms < 0:
+            return None
+        tick = self.params.effective_tick_ms
+        return min(self.model.restart_grace, -(-grace_ms // tick))
 
     def _drop_stale(self, s: bytes) -> bytes:
         """``s`` without the replies of a holder's request exchange (grant, renewal, refusal)

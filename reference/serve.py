@@ -270,7 +270,10 @@ def _event_log(path: str | None, node: str, incarnation: int) -> Any:
 # ---------------------------------------------------------------------------------- directory
 
 
-def open_store(backend: str, state: Path, etcd_endpoints: str | None, prefix: str) -> Any:
+def open_store(backend: str, state: Path, etcd_endpoints: str | None, prefix: str,
+               restart_grace_ms: int | None = None) -> Any:
+    """The directory's durable log. ``restart_grace_ms`` (the core's): on etcd, mirror the read
+    leases so that a restart waits only for those outstanding (``EtcdDirectoryStore``)."""
     if backend == "sqlite":
         from .directory.store import DirectoryStore
 
@@ -281,7 +284,8 @@ def open_store(backend: str, state: Path, etcd_endpoints: str | None, prefix: st
             raise ConfigError("--backend etcd needs --etcd-endpoints http://HOST:PORT[,...]")
         from .directory.etcd_store import EtcdDirectoryStore
 
-        return EtcdDirectoryStore([e.strip() for e in etcd_endpoints.split(",") if e.strip()], prefix=prefix)
+        endpoints = [e.strip() for e in etcd_endpoints.split(",") if e.strip()]
+        return EtcdDirectoryStore(endpoints, prefix=prefix, restart_grace_ms=restart_grace_ms)
     raise ConfigError(f"unknown backend {backend!r} (sqlite, etcd)")
 
 
@@ -295,8 +299,11 @@ async def serve_directory(config: ClusterConfig, *, state: Path, host: str, port
 
     check_metrics_port(metrics_port)
     config.check_serving(host, *([metrics_host] if metrics_port is not None else []))  # before the store opens
-    store = open_store(backend, state, etcd_endpoints, etcd_prefix)
     cfg = DirectoryConfig(lease_term_ms=config.lease_term_ms, skew_ms=config.skew_ms)
+    store = open_store(backend, state, etcd_endpoints, etcd_prefix, restart_grace_ms=cfg.restart_grace_ms)
+    if backend == "etcd":
+        cfg = DirectoryConfig(lease_term_ms=config.lease_term_ms, skew_ms=config.skew_ms,
+                              lease_mirror_bucket_ms=store.lease_bucket_ms)  # fmt: skip
     factory = None if not events else (lambda incarnation: _event_log(events, "directory", incarnation))
     recover = None if not events else functools.partial(append_missing, events)
     counts = None

@@ -34,6 +34,7 @@ from kvcc.reference.directory import (
     Emit,
     FreeAt,
     InvalidEffect,
+    MirrorLeases,
     Persist,
     PersistTicket,
     ReserveLeaseIds,
@@ -656,6 +657,65 @@ def test_grace_after_restart_blocks_frees_and_completions(dstore):
     assert of(effects, FreeAt) == [FreeAt("pool", A0, 1)]
     assert of(effects, CompleteTicket)[0].ticket.completed_by == "expiry"
     assert isinstance(d.send(wire.Evict("n", B0, "pool"))[0], wire.Evicted)
+
+
+def test_a_restart_with_a_mirrored_horizon_waits_only_for_it(dstore):
+    """Issue 14: a store that mirrored the leases tells the restart how long the longest may still
+    run (``lease_horizon_ms``); the grace is that, never more than the full grace, and a write
+    in progress still gets the full grace (write leases are not mirrored)."""
+    d = dstore
+    d.write(A0)
+    d.acquire(A0)
+    d.begin_write(B0)
+    started, _ = d.invalidate(A0)
+    d.store.close()
+    d.store = DirectoryStore(d.path)
+    loaded = d.store.load()
+    assert loaded.lease_horizon_ms is None  # the embedded store does not mirror
+    horizon = VIEW_MS // 2
+    d.core = DirectoryCore(CFG, authorize)
+    effects = d.apply(d.core.restarted(loaded.records, loaded.next_lease_id, d.now, loaded.tickets, loaded.next_ticket,
+                                       lease_horizon_ms=horizon))  # fmt: skip
+    [restart] = [e for e in effects if isinstance(e, Emit)]
+    assert restart.fields["grace_ms"] == horizon and d.core.grace_until_ms == d.now + horizon
+    restarted_at = d.now
+    assert not of(d.tick(to=restarted_at + horizon - 1), FreeAt)
+    effects = d.tick(to=restarted_at + horizon)
+    assert of(effects, CompleteTicket)[0].ticket.ticket == started.ticket
+    assert d.core.records[B0].write_lease_expires_at_ms == restarted_at + GRACE_MS
+    for longer in (GRACE_MS, GRACE_MS + 1, 10 * GRACE_MS):
+        core = DirectoryCore(CFG, authorize)
+        core.restarted(loaded.records, loaded.next_lease_id, d.now, lease_horizon_ms=longer)
+        assert core.grace_until_ms == d.now + GRACE_MS
+    for bad in (-1, 1.5, "10"):
+        with pytest.raises(ValueError, match="lease_horizon_ms"):
+            DirectoryCore(CFG, authorize).restarted(loaded.records, loaded.next_lease_id, d.now, lease_horizon_ms=bad)
+
+
+def test_read_leases_are_mirrored_once_per_bucket_before_their_grant_leaves():
+    """With ``lease_mirror_bucket_ms`` the core asks the store to cover a lease (``MirrorLeases``)
+    in the grant's own effects -- durable, so committed before the grant leaves -- once per
+    bucket: grants and renewals within it need nothing more. Without it, nothing is asked."""
+    bucket = VIEW_MS // 2
+    d = Directory()
+    d.core = DirectoryCore(attrs.evolve(CFG, lease_mirror_bucket_ms=bucket), authorize)
+    d.write(A0)
+    d.write(A1)
+    first, effects = d.acquire(A0)
+    assert of(effects, MirrorLeases) == [MirrorLeases(VIEW_MS + bucket)]
+    covered_until = d.now + VIEW_MS + bucket
+    d.now += bucket // 2  # within the bucket: covered
+    _, effects = d.acquire(A1, node="r2")
+    assert not of(effects, MirrorLeases)
+    d.now = covered_until - VIEW_MS + 1  # a renewal now outlives the cover (the lease is still live)
+    renewed, effects = d.send(wire.Renew("r1", A0, first.lease, first.location, 99))
+    assert isinstance(renewed, wire.LeaseRenewed), renewed
+    assert of(effects, MirrorLeases) == [MirrorLeases(VIEW_MS + bucket)]
+    plain = Directory()
+    plain.write(A0)
+    assert not of(plain.acquire(A0)[1], MirrorLeases)
+    with pytest.raises(ValueError, match="lease_mirror_bucket_ms"):
+        attrs.evolve(CFG, lease_mirror_bucket_ms=0)
 
 
 def test_lease_ids_are_never_reused_across_restarts(dstore):

@@ -555,3 +555,61 @@ def commits_in_flight(cl) -> float:
     with urllib.request.urlopen(cl.metrics_url("directory"), timeout=5) as f:
         text = f.read().decode()
     return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith("kvcc_directory_commits_in_flight "))
+
+
+# -- (e) etcd: a restart waits only for the leases outstanding ----------------------------------------------
+
+
+HORIZON_TERM_MS = 4000
+
+
+@pytest.mark.integration
+def test_an_etcd_directory_restart_waits_only_for_the_leases_outstanding(tmp_path, etcd3):
+    """Issue 14: on etcd the directory mirrors its read leases (bucketed etcd leases, one marker
+    per bucket, written before the grant leaves), and a restarted directory frees nothing only
+    for as long as the longest of them may still run (``rules.restart_grace_within``), not the
+    full term + 2 epsilon. With no lease ever granted, its grace is epsilon (the store's clock
+    against its own); with a lease held across the restart, the grace covers it: the key stays
+    unwritable while the holder may still trust it. The whole trace is ACCEPTED by the
+    validator, whose spec restart takes the logged grace only where it covers every lease the
+    trace shows outstanding (``Model.restart_graces``)."""
+    from kvcc.conformance.validate import ACCEPTED, REJECTED, TraceParams, validate_trace
+
+    full = HORIZON_TERM_MS + 2 * SKEW_MS
+    endpoints = ",".join(etcd3.endpoints)
+    with cluster(tmp_path, nodes=2, backend="etcd", etcd_endpoints=endpoints, lease_term_ms=HORIZON_TERM_MS) as cl:
+        # Each client co-located with a node (its writes land on its node's tier: the spec's placement).
+        w, r = cl.client("n1.engine"), cl.client("n2.engine")
+
+        def graces() -> list[int]:
+            return [e["grace_ms"] for e in cl.events() if e["event"] == "restart_directory"]
+
+        key = chain_keys(NS, [7] * NS.block_tokens)[0]
+        assert isinstance(w.put(NS, key, None, payload("horizon", SMALL_BLOCK_BYTES)), Committed)
+        # No read lease was ever granted: the restart knows none can be outstanding.
+        cl.restart_directory(kill=True)
+        until("the nodes are registered again", lambda: nodes_registered(w, cl.node_ids))
+        assert graces() == [SKEW_MS]
+        # A lease held across the next restart: the marker written before its grant covers it.
+        lease = r.acquire(NS, key)
+        assert not isinstance(lease, Refused)
+        cl.restart_directory(kill=True)
+        until("the nodes are registered again", lambda: nodes_registered(w, cl.node_ids))
+        first, second = graces()
+        assert SKEW_MS < second <= full, second
+        ticket = w.invalidate(NS, "key", key)
+        fresh = begin_write_when_free(w, key)
+        assert not r.trusted(lease), "a write was granted while a pre-crash lease was still trusted"
+        assert w.wait(ticket, UNTIL_S)
+        assert fresh.gen == 1
+        w.abort(fresh)
+        print(f"restart graces: {first} ms with no lease granted, {second} ms with one held (full grace {full} ms)")
+        events = sorted(cl.events(), key=lambda e: (e["t_wall_ns"], e["node"], e["seq"]))
+        params = TraceParams(HORIZON_TERM_MS, SKEW_MS, locations={"n1/nvme": "n1", "n2/nvme": "n2"})
+        verdict = validate_trace(events, params)
+        assert verdict.status == ACCEPTED, json.dumps(verdict.to_json(), indent=1, default=str)[:6000]
+        # The same trace with the second restart claiming no lease outstanding: rejected there.
+        short = [dict(e, grace_ms=SKEW_MS) if e["event"] == "restart_directory" and e["grace_ms"] == second else e
+                 for e in events]  # fmt: skip
+        verdict = validate_trace(short, params)
+        assert verdict.status == REJECTED and verdict.event["event"] == "restart_directory", verdict.to_json()

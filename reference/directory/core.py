@@ -121,6 +121,7 @@ from kvcc.spec.rules import (
     next_epoch,
     owe_free,
     restart_grace,
+    restart_grace_within,
     write_lease_must_expire,
 )
 from kvcc.spec.vocabulary import (
@@ -225,6 +226,10 @@ class DirectoryConfig:
     free_retry_max_ms: int = field(default=FREE_RETRY_MAX_MS_DEFAULT, validator=_positive)
     node_down_after_ms: int = field(default=NODE_DOWN_AFTER_MS_DEFAULT, validator=_positive)
     disconnected_down_after_ms: int | None = None
+    # Mirror read leases to the store (``MirrorLeases``), one bucket of this many ms at a time, so
+    # that a restart waits only for the leases outstanding (``restarted``'s ``lease_horizon_ms``).
+    # None: not mirrored (a restart waits the full grace).
+    lease_mirror_bucket_ms: int | None = None
 
     def __attrs_post_init__(self) -> None:
         if type(self.skew_ms) is not int or not 0 <= self.skew_ms < self.lease_term_ms:
@@ -233,6 +238,9 @@ class DirectoryConfig:
             raise ValueError("free_retry_first_ms must be at most free_retry_max_ms")
         if self.node_down_after_ms < 4 * HEARTBEAT_INTERVAL_MS:
             raise ValueError(f"node_down_after_ms must be at least 4 heartbeats ({4 * HEARTBEAT_INTERVAL_MS} ms)")
+        bucket = self.lease_mirror_bucket_ms
+        if bucket is not None and (type(bucket) is not int or bucket < 1):
+            raise ValueError(f"lease_mirror_bucket_ms must be an int >= 1 or None, got {bucket!r}")
         gone = self.disconnected_down_after_ms
         if gone is not None and (type(gone) is not int or gone < 1):
             raise ValueError(f"disconnected_down_after_ms must be an int >= 1 or None, got {gone!r}")
@@ -438,6 +446,17 @@ class ReserveLeaseIds:
     limit: int
 
 
+@frozen
+class MirrorLeases:
+    """Durable: a read lease that may run ``remaining_ms`` more (the directory's view, from now)
+    is about to be granted or renewed; the store must be able to tell a restarted directory that
+    a lease may run that long (``Loaded.lease_horizon_ms``). Emitted only with
+    ``DirectoryConfig.lease_mirror_bucket_ms``, once per bucket: ``remaining_ms`` covers every
+    grant of the next bucket too."""
+
+    remaining_ms: int
+
+
 @frozen(eq=False)
 class Emit:
     """One line of the protocol event log: ``EventLog.emit(event, **fields)``. ``is_spec_action``
@@ -462,8 +481,10 @@ class CompleteTicket:
     ticket: Ticket
 
 
-Effect = Union[Send, FreeAt, CopyAt, Persist, PersistTicket, ForgetTicket, ReserveLeaseIds, Emit, CompleteTicket]
-DURABLE_EFFECTS = (Persist, PersistTicket, ForgetTicket, ReserveLeaseIds)
+Effect = Union[
+    Send, FreeAt, CopyAt, Persist, PersistTicket, ForgetTicket, ReserveLeaseIds, MirrorLeases, Emit, CompleteTicket
+]
+DURABLE_EFFECTS = (Persist, PersistTicket, ForgetTicket, ReserveLeaseIds, MirrorLeases)
 
 Authorization = Callable[[str, bytes], bool]  # (tenant, namespace digest) -> may use it
 # (writer, key) -> where it writes; None: no location the writer may write to is up
@@ -532,6 +553,7 @@ class DirectoryCore:
         self.next_lease_id = next_lease_id
         self.lease_id_limit = next_lease_id  # nothing reserved yet in this incarnation
         self.grace_until_ms: int | None = None
+        self._mirrored_until_ms = 0  # leases expiring by then are covered by a MirrorLeases
         self.tickets: dict[int, Ticket] = {}
         self._tickets_on_key: dict[BlockKey, set[int]] = {}
         self._completed_order: deque[int] = deque()
@@ -746,6 +768,7 @@ class DirectoryCore:
             expires_at_ms=lease_expires_at(self.now_ms, self.config.lease_term_ms, self.config.skew_ms),
         )  # fmt: skip
         self._add_lease(entry)
+        self._mirror(entry.expires_at_ms, effects)
         self._emit(effects, "grant_read_lease", rec, lease=lease, holder=msg.node, location=rec.owner)
         assert self.live_lease_on(msg.key, rec.owner)
         return ReadLeaseGranted(
@@ -774,6 +797,7 @@ class DirectoryCore:
         assert renewed.expires_at_ms >= entry.expires_at_ms
         self.read_leases[entry.lease] = renewed
         heapq.heappush(self._lease_heap, (renewed.expires_at_ms, renewed.lease))
+        self._mirror(renewed.expires_at_ms, effects)
         self._emit(effects, "renew_lease", rec, lease=msg.lease, holder=msg.node)
         return LeaseRenewed(msg.node, msg.key, msg.lease, self.config.lease_term_ms, msg.request)
 
@@ -821,6 +845,16 @@ class DirectoryCore:
         self.next_lease_id += 1
         assert FIRST_LEASE_ID <= lease < self.lease_id_limit
         return lease
+
+    def _mirror(self, expires_at_ms: int, effects: list[Effect]) -> None:
+        """A ``MirrorLeases`` before a lease expiring at ``expires_at_ms`` leaves, unless the last
+        one covers it (``DirectoryConfig.lease_mirror_bucket_ms``): its reply then waits for the
+        store, as for ``ReserveLeaseIds``."""
+        bucket = self.config.lease_mirror_bucket_ms
+        if bucket is None or expires_at_ms <= self._mirrored_until_ms:
+            return
+        self._mirrored_until_ms = expires_at_ms + bucket
+        effects.append(MirrorLeases(self._mirrored_until_ms - self.now_ms))
 
     def _add_lease(self, entry: ReadLease) -> None:
         assert entry.lease not in self.read_leases
@@ -1390,17 +1424,25 @@ class DirectoryCore:
         now_ms: int,
         tickets: Iterable[Ticket] = (),
         next_ticket: int = FIRST_TICKET,
+        lease_horizon_ms: int | None = None,
     ) -> list[Effect]:
         """Become the directory recovered from its durable log (spec: restart_directory): the
         records and tickets survive, the lease table does not. ``next_lease_id`` is the durable
-        high-water mark (every id below it may have been handed out). For ``restart_grace``
-        (term + 2 epsilon) nothing is freed: leases the old incarnation granted may still be
-        trusted. A WRITING key's writer may still hold its lease: it gets as long."""
-        grace = self.config.restart_grace_ms
+        high-water mark (every id below it may have been handed out). For a grace nothing is
+        freed: leases the old incarnation granted may still be trusted. The grace is
+        ``rules.restart_grace_within``: ``restart_grace`` (term + 2 epsilon), or, when the store
+        mirrored the leases, ``lease_horizon_ms`` if shorter -- the longest a lease any earlier
+        incarnation granted may still run, counted on this directory's clock from ``now_ms``
+        (spec: ``Model.lease_horizon``). A WRITING key's writer may still hold its lease: it gets
+        the full grace (write leases are not mirrored)."""
+        full = self.config.restart_grace_ms
+        if lease_horizon_ms is not None and (type(lease_horizon_ms) is not int or lease_horizon_ms < 0):
+            raise ValueError(f"lease_horizon_ms must be an int >= 0 or None, got {lease_horizon_ms!r}")
+        grace = restart_grace_within(self.config.lease_term_ms, self.config.skew_ms, lease_horizon_ms)
         recovered = []
         for rec in records:
             if rec.phase == WRITING:
-                rec = attrs.evolve(rec, write_lease_expires_at_ms=now_ms + grace)  # a new clock
+                rec = attrs.evolve(rec, write_lease_expires_at_ms=now_ms + full)  # a new clock
             recovered.append(rec)
         self._reset(recovered, next_lease_id, now_ms)
         self.grace_until_ms = now_ms + grace

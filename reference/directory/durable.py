@@ -44,6 +44,7 @@ from .core import (
     Emit,
     ForgetTicket,
     FreeAt,
+    MirrorLeases,
     Persist,
     PersistTicket,
     Record,
@@ -82,9 +83,11 @@ RECORD_FIELDS = (
 RECORD_FIELD_DEFAULTS = {"to_free": b""}
 TICKET_FIELDS = ("ticket", "keys", "pending", "started_at_ms", "completed_at_ms", "acked", "expired", "restarts")
 ROW_INT_LIMIT = 2**63  # exclusive: SQLite's INTEGER and etcd's int64 both hold less
-_ALL_EFFECTS = (Send, FreeAt, CopyAt, Persist, PersistTicket, ForgetTicket, ReserveLeaseIds, Emit, CompleteTicket)
+_ALL_EFFECTS = (
+    Send, FreeAt, CopyAt, Persist, PersistTicket, ForgetTicket, ReserveLeaseIds, MirrorLeases, Emit, CompleteTicket
+)
 
-DurableEffect = Union[Persist, PersistTicket, ForgetTicket, ReserveLeaseIds]
+DurableEffect = Union[Persist, PersistTicket, ForgetTicket, ReserveLeaseIds, MirrorLeases]
 
 
 # -- errors ---------------------------------------------------------------------------------------
@@ -366,6 +369,9 @@ def durable_effects(effects: Iterable[Any]) -> list[DurableEffect]:
         elif isinstance(e, ForgetTicket):
             if not _int(e.ticket, FIRST_TICKET):
                 problem = f"ForgetTicket of {e.ticket!r}"
+        elif isinstance(e, MirrorLeases):
+            if not _int(e.remaining_ms, 0):
+                problem = f"MirrorLeases for {e.remaining_ms!r} ms"
         elif not _int(e.limit, FIRST_LEASE_ID):
             problem = f"ReserveLeaseIds up to {e.limit!r}"
         if problem is not None:

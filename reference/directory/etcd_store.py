@@ -120,7 +120,9 @@ from ..etcd_client import (
     Watch,
     WatchEvent,
 )
-from .core import FIRST_LEASE_ID, FIRST_TICKET, Effect, ForgetTicket, Persist, PersistTicket, Record, Ticket
+from .core import (
+    FIRST_LEASE_ID, FIRST_TICKET, Effect, ForgetTicket, MirrorLeases, Persist, PersistTicket, Record, ReserveLeaseIds, Ticket,
+)  # fmt: skip
 from .durable import (
     Deposed,
     DurableEffect,
@@ -641,7 +643,7 @@ class EtcdDirectoryStore:
                 high = max(high or 0, e.ticket.ticket + 1)
             elif isinstance(e, ForgetTicket):
                 ops[k.ticket_key(e.ticket)] = None
-            else:
+            elif isinstance(e, ReserveLeaseIds):
                 limit = max(limit or 0, e.limit)
         if limit != self._lease_id_limit:
             ops[k.lease_id_limit] = _enc(limit)
@@ -664,6 +666,10 @@ class EtcdDirectoryStore:
         self._usable()
         if not durable:
             return 0
+        # Leases first: a marker must outlive every lease the reply about to leave grants.
+        for e in durable:
+            if type(e) is MirrorLeases:
+                self._mirror_for(e.remaining_ms)
         ops, limit, high = self._ops(durable)
         pieces = [tail[i : i + JOURNAL_CHUNK_BYTES] for i in range(0, len(tail), JOURNAL_CHUNK_BYTES)]
         for i in range(max(len(pieces), self._tail_pieces) if pieces else 0):
@@ -751,6 +757,11 @@ class EtcdDirectoryStore:
 
     # ------------------------------------------------------------------ read leases
 
+    @property
+    def lease_bucket_ms(self) -> int:
+        """How long the read leases granted share one etcd lease (``DirectoryConfig.lease_mirror_bucket_ms``)."""
+        return self._lease_bucket_ms
+
     def mirror_leases(self, remaining_ms: int) -> None:
         """Before a lease that may run ``remaining_ms`` more (on the directory's view) is granted:
         make sure a bucket lease outlives it (module docstring, "Read leases"). No etcd call for
@@ -760,11 +771,18 @@ class EtcdDirectoryStore:
         if type(remaining_ms) is not int or remaining_ms < 0:
             raise ValueError(f"remaining_ms must be an int >= 0, got {remaining_ms!r}")
         self._usable()
-        if self._restart_grace_ms is None:
-            return
         if time.monotonic() + remaining_ms / 1000 <= self._mirror_until:
             return
-        ttl_s = math.ceil((remaining_ms + self._lease_bucket_ms) / 1000)
+        self._mirror_for(remaining_ms + self._lease_bucket_ms)
+
+    def _mirror_for(self, cover_ms: int) -> None:
+        """A bucket lease that outlives ``cover_ms`` from now, unless the last one does (the
+        core's ``MirrorLeases`` already adds its bucket)."""
+        if self._restart_grace_ms is None:
+            return
+        if time.monotonic() + cover_ms / 1000 <= self._mirror_until:
+            return
+        ttl_s = math.ceil(cover_ms / 1000)
         sent = time.monotonic()
         try:
             lease = self._kv.grant_lease(ttl_s)

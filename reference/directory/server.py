@@ -470,7 +470,8 @@ class DirectoryServer:
             # protocol property 12: honour every lease the previous incarnation may have granted.
             self.restarted = True
             effects = self.core.restarted(
-                loaded.records, loaded.next_lease_id, self.now_ms(), loaded.tickets, loaded.next_ticket
+                loaded.records, loaded.next_lease_id, self.now_ms(), loaded.tickets, loaded.next_ticket,
+                lease_horizon_ms=self._horizon_ms(loaded.lease_horizon_ms),
             )
             self._apply(effects)
             if self.counts is not None:
@@ -482,6 +483,11 @@ class DirectoryServer:
         self._watch_task = asyncio.create_task(self._watch_members())
         log.info("directory incarnation %d on port %d (%s)", self.incarnation, self.port, "restarted" if self.restarted else "fresh")
         return self
+
+    def _horizon_ms(self, loaded_ms: int | None) -> int | None:
+        """The store's lease horizon (``Loaded.lease_horizon_ms``) on this directory's clock: it
+        was counted on the store's (etcd's lease TTLs), so epsilon more."""
+        return None if loaded_ms is None else loaded_ms + self.core.config.skew_ms
 
     async def close(self) -> None:
         self._closing = True

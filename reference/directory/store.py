@@ -38,7 +38,9 @@ import os
 import sqlite3
 from collections.abc import Iterable, Sequence
 
-from .core import FIRST_LEASE_ID, FIRST_TICKET, Effect, ForgetTicket, Persist, PersistTicket, Record, Ticket
+from .core import (
+    FIRST_LEASE_ID, FIRST_TICKET, Effect, ForgetTicket, MirrorLeases, Persist, PersistTicket, Record, Ticket,
+)  # fmt: skip
 from .durable import (
     RECORD_FIELDS,
     TICKET_FIELDS,
@@ -193,7 +195,8 @@ class DirectoryStore:
         others are skipped. Returns how many were written. Call it before anything of the same
         call is sent. ``events_tail``: the event-log lines of the call's steps, kept in the same
         transaction (replacing the last ones) when there are any."""
-        durable = durable_effects(effects)  # InvalidEffect before anything is written
+        # InvalidEffect before anything is written; leases are not mirrored here (module docstring).
+        durable = [e for e in durable_effects(effects) if type(e) is not MirrorLeases]
         tail = events_tail_text(events_tail)
         if not durable:
             return 0
