@@ -151,6 +151,8 @@ TARGETS: tuple[Target, ...] = (
         ("DirectoryCore._abandon_transfer", _NO_CANCEL + " (its callers: cancel_transfer, node_down, which the kit "
                                             "has no detector for, and node_rejoined for a record moving to the "
                                             "rejoining node: the kit moves blocks only in KVCC-TIER-007, which kills none)"),
+        ("DirectoryCore._mirror", "only a directory on etcd mirrors its leases (lease_mirror_bucket_ms); the kit's "
+                                  "directory restarts on the full grace (tests/test_directory_core.py tests the mirror)"),
         ("Ticket.completed_by", "reporting (how an invalidation ended); the deployment never reads it"),
         ("Record.phase_name", "reporting; the deployment never reads it"),
         ("DirectoryCore.children", "a reader for tests and tools; the core walks its index directly"),
