@@ -1841,7 +1841,7 @@ class _Replay:
         diff = self._diff(frontier, best)
         if broke is not None:
             raise _reject(best.index, ev, "invariant", f"event {best.index} ({ev['event']}): the only matching spec steps break {broke}", diff)
-        timing = self._placement(best) or self._timing(frontier, best)
+        timing = self._placement(best) or self._fencing(frontier, best) or self._timing(frontier, best)
         if timing:
             diff["timing"] = timing
         raise _reject(
@@ -1865,6 +1865,24 @@ class _Replay:
         return (f"a write placed outside the spec: the spec grants writer {ev['writer']!r} (node "
                 f"{R.nodes[w]!r}) a write only to its own node's tiers or the shared pool, and "
                 f"{ev['location']!r} is a tier of node {host!r}")
+
+    def _fencing(self, frontier: dict, pe: _PEvent) -> str | None:
+        """When a write grant carries an epoch no state of the frontier would give it (every
+        grant takes the key's epoch + 1, its fencing token, so never 0), the words saying so:
+        the commonest cause, an adapter over a store with no fencing tokens logging epoch 0."""
+        ev = pe.ev
+        if ev["event"] != "grant_write_lease" or type(ev.get("epoch")) is not int:
+            return None
+        epochs = sorted({s[self.L.epoch[0]] for (s, *_), _ in list(frontier.items())[: self.params.diff_states]})
+        if not epochs or ev["epoch"] in {e + 1 for e in epochs}:
+            return None
+        due = " or ".join(str(e + 1) for e in epochs)
+        if ev["epoch"] == 0:
+            return (f"a write grant under epoch 0: every grant of a key takes its epoch + 1 (here {due}), its "
+                    "fencing token, so no grant carries 0 -- an implementation without fencing tokens cannot "
+                    "log one (docs/protocol.md section 3, docs/events.md)")
+        return (f"a write grant under epoch {ev['epoch']}: every grant of a key takes its epoch + 1, here {due} "
+                "(docs/protocol.md section 3): an epoch skipped, reused or gone back")
 
     def _timing(self, frontier: dict, pe: _PEvent) -> str | None:
         """When time, not the state, is why no element takes ``pe``: the words saying so (a

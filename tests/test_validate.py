@@ -195,6 +195,20 @@ def test_store_under_a_lower_epoch_is_rejected():
     rejected_at(events, params, i)
 
 
+def test_a_write_grant_under_epoch_zero_is_rejected_naming_the_epoch():
+    """Issue 9: an adapter over a store without fencing tokens logs its write grants under epoch 0.
+    The rejection names the epoch -- every grant takes the key's epoch + 1 -- not a missing step;
+    a grant that skips an epoch is named the same way."""
+    events, params = scenario(WRITE)
+    accepted(events, params)
+    i = index_of(events, "grant_write_lease")
+    assert events[i]["epoch"] == 1
+    for epoch, words in ((0, "a write grant under epoch 0"), (3, "a write grant under epoch 3")):
+        bad = [dict(e, epoch=epoch) if e.get("epoch") == 1 else e for e in events]
+        v = rejected_at(bad, params, i)
+        assert words in v.reason and "here 1" in v.reason and "begin_write" not in v.reason.split("; it needs")[0], v.reason
+
+
 def test_commit_after_the_write_lease_expired_is_rejected():
     events, params = scenario(WRITE + READ)
     accepted(events, params)
