@@ -55,7 +55,9 @@ was sent (the write may land on the node from then on). At the end the key is:
   scope cascades to descendants), a prefix at or above it, its namespace -- was *answered* at or
   after *t* (or never answered): it was asked to go, so its absence is not a loss;
 - ``lost_to_crash``: not readable, not invalidated, and a node that held any generation of the
-  key or of one of its ancestors was killed at or after *t*. DRAM is volatile: a kill -9 of the
+  key or of one of its ancestors was down at or after *t* (killed then, or killed before and back
+  only then: the directory voids a lost copy's subtree when its node says Hello again, so a child
+  committed under a parent already lost goes with it). DRAM is volatile: a kill -9 of the
   only copy's node loses it (a lost ancestor takes its subtree with it: the directory voids the
   keys of a node declared down, and a rejoined node has nothing);
 - ``lost_committed`` (must be 0): anything else -- an acknowledged commit that no invalidation
@@ -208,7 +210,10 @@ class Ledger:
         self.acked: dict[BlockKey, tuple[int, Gen]] = {}  # the newest acknowledged generation
         self.uncertain = 0
         self.invalidations: list[Invalidation] = []
-        self.kills: list[tuple[str, float]] = []  # (node, monotonic time of the kill)
+        # (node, monotonic time of the kill, of its restart: None until it is back). The loss
+        # reaches the directory when the node says Hello again (spec: restart_node voids the lost
+        # copies with their subtrees), so a key written between the kill and then is lost too.
+        self.kills: list[list[Any]] = []
         self.gen_reused = 0  # a (key, generation) granted to two writes
 
     def wrote(self, key: BlockKey, gen: int, g: Gen) -> None:
@@ -223,9 +228,15 @@ class Ledger:
             if key not in self.acked or self.acked[key][0] < gen:
                 self.acked[key] = (gen, g)
 
-    def kill(self, node: str) -> None:
+    def kill(self, node: str) -> list[Any]:
         with self.lock:
-            self.kills.append((node, time.monotonic()))
+            outage = [node, time.monotonic(), None]
+            self.kills.append(outage)
+            return outage
+
+    def back(self, outage: list[Any]) -> None:
+        with self.lock:
+            outage[2] = time.monotonic()
 
     def matches(self, key: BlockKey, gen: int, data: bytes) -> bool:
         with self.lock:
@@ -245,7 +256,9 @@ class Ledger:
         return False
 
     def killed_since(self, nodes: set[str], since_s: float) -> bool:
-        return any(n in nodes and t >= since_s for n, t in self.kills)
+        """A node of ``nodes`` was down at or after ``since_s``: killed then, or killed before and
+        back (its Hello, which voids what it lost) only then."""
+        return any(n in nodes and (back is None or back >= since_s) for n, _, back in self.kills)
 
 
 class Run:
@@ -437,9 +450,10 @@ class Run:
                 held.enter_context(w.lock)
             for w in home:  # down first: a Revoke it took after the node's crash would be a dead node's step
                 w.client.crash()
-            self.ledger.kill(node)
+            outage = self.ledger.kill(node)
             self.cluster.kill(node)
-            self.cluster.restart(node)
+            self.cluster.restart(node)  # ready once its Hello was answered
+            self.ledger.back(outage)
             for w in home:
                 w.client.rejoin()
                 with contextlib.suppress(KvccError, concurrent.futures.TimeoutError):

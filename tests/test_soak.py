@@ -99,3 +99,19 @@ def test_a_longer_run_gets_a_key_space_that_keeps_each_key_in_the_models_scope()
     per_key_per_s = 312 / 600
     for seconds in (60, 600, soak.MAX_SECONDS):
         assert per_key_per_s * seconds / soak.key_space_scale(seconds) < MAX_PROJECTION_COUNT * 0.6, seconds
+
+
+def test_a_node_down_across_a_writes_start_excuses_its_loss():
+    """Found by CI's one-minute soak: node n2 was killed, a child block was committed on n3 under
+    a parent n2 had held, and n2's Hello then voided the parent with its subtree (spec:
+    restart_node). The kill came before the child's write began, so the end check called the
+    child ``lost_committed``; a node counts as down from its kill until it is back."""
+    ledger = soak.Ledger()
+    outage = ledger.kill("n2")
+    killed_at = outage[1]
+    assert ledger.killed_since({"n2"}, killed_at + 1.0)  # still down: a write begun now may be voided
+    ledger.back(outage)
+    back_at = outage[2]
+    assert ledger.killed_since({"n2"}, back_at) and ledger.killed_since({"n2"}, killed_at)
+    assert not ledger.killed_since({"n2"}, back_at + 1.0)  # written after it was back: no excuse
+    assert not ledger.killed_since({"n1", "n3"}, killed_at)
