@@ -85,6 +85,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
+import dataclasses
 import hashlib
 import heapq
 import json
@@ -199,6 +200,17 @@ def _digest(data: bytes) -> bytes:
     return hashlib.sha256(data).digest()
 
 
+@dataclasses.dataclass
+class Outage:
+    """A node killed (``killed_s``, monotonic) and back (``back_s``: None until then). Its loss
+    reaches the directory when it says Hello again (spec: restart_node voids the lost copies with
+    their subtrees), so a key written between the two is lost too."""
+
+    node: str
+    killed_s: float
+    back_s: float | None = None
+
+
 class Ledger:
     """What the soak did that the end check judges by: every write (by digest), every
     acknowledged commit, every invalidation, every kill. Shared by the threads (one lock)."""
@@ -210,10 +222,7 @@ class Ledger:
         self.acked: dict[BlockKey, tuple[int, Gen]] = {}  # the newest acknowledged generation
         self.uncertain = 0
         self.invalidations: list[Invalidation] = []
-        # (node, monotonic time of the kill, of its restart: None until it is back). The loss
-        # reaches the directory when the node says Hello again (spec: restart_node voids the lost
-        # copies with their subtrees), so a key written between the kill and then is lost too.
-        self.kills: list[list[Any]] = []
+        self.kills: list[Outage] = []
         self.gen_reused = 0  # a (key, generation) granted to two writes
 
     def wrote(self, key: BlockKey, gen: int, g: Gen) -> None:
@@ -228,15 +237,15 @@ class Ledger:
             if key not in self.acked or self.acked[key][0] < gen:
                 self.acked[key] = (gen, g)
 
-    def kill(self, node: str) -> list[Any]:
+    def kill(self, node: str) -> Outage:
         with self.lock:
-            outage = [node, time.monotonic(), None]
+            outage = Outage(node, time.monotonic())
             self.kills.append(outage)
             return outage
 
-    def back(self, outage: list[Any]) -> None:
+    def back(self, outage: Outage) -> None:
         with self.lock:
-            outage[2] = time.monotonic()
+            outage.back_s = time.monotonic()
 
     def matches(self, key: BlockKey, gen: int, data: bytes) -> bool:
         with self.lock:
@@ -258,7 +267,7 @@ class Ledger:
     def killed_since(self, nodes: set[str], since_s: float) -> bool:
         """A node of ``nodes`` was down at or after ``since_s``: killed then, or killed before and
         back (its Hello, which voids what it lost) only then."""
-        return any(n in nodes and (back is None or back >= since_s) for n, _, back in self.kills)
+        return any(o.node in nodes and (o.back_s is None or o.back_s >= since_s) for o in self.kills)
 
 
 class Run:

@@ -293,17 +293,18 @@ async def serve_directory(config: ClusterConfig, *, state: Path, host: str, port
                           etcd_endpoints: str | None = None, etcd_prefix: str = "kvcc", events: str | None = None,
                           ready_file: str | None = None, metrics_host: str = DEFAULT_METRICS_HOST,
                           metrics_port: int | None = None) -> None:  # fmt: skip
+    from kvcc.spec.rules import restart_grace
+
     from .directory.core import DirectoryConfig
     from .directory.server import DirectoryServer
     from .events import append_missing
 
     check_metrics_port(metrics_port)
     config.check_serving(host, *([metrics_host] if metrics_port is not None else []))  # before the store opens
-    cfg = DirectoryConfig(lease_term_ms=config.lease_term_ms, skew_ms=config.skew_ms)
-    store = open_store(backend, state, etcd_endpoints, etcd_prefix, restart_grace_ms=cfg.restart_grace_ms)
-    if backend == "etcd":
-        cfg = DirectoryConfig(lease_term_ms=config.lease_term_ms, skew_ms=config.skew_ms,
-                              lease_mirror_bucket_ms=store.lease_bucket_ms)  # fmt: skip
+    grace_ms = restart_grace(config.lease_term_ms, config.skew_ms)  # DirectoryConfig.restart_grace_ms
+    store = open_store(backend, state, etcd_endpoints, etcd_prefix, restart_grace_ms=grace_ms)
+    bucket_ms = store.lease_bucket_ms if backend == "etcd" else None  # only etcd mirrors the leases
+    cfg = DirectoryConfig(lease_term_ms=config.lease_term_ms, skew_ms=config.skew_ms, lease_mirror_bucket_ms=bucket_ms)
     factory = None if not events else (lambda incarnation: _event_log(events, "directory", incarnation))
     recover = None if not events else functools.partial(append_missing, events)
     counts = None

@@ -108,10 +108,10 @@ def test_a_node_down_across_a_writes_start_excuses_its_loss():
     child ``lost_committed``; a node counts as down from its kill until it is back."""
     ledger = soak.Ledger()
     outage = ledger.kill("n2")
-    killed_at = outage[1]
+    killed_at = outage.killed_s
     assert ledger.killed_since({"n2"}, killed_at + 1.0)  # still down: a write begun now may be voided
     ledger.back(outage)
-    back_at = outage[2]
+    back_at = outage.back_s
     assert ledger.killed_since({"n2"}, back_at) and ledger.killed_since({"n2"}, killed_at)
     assert not ledger.killed_since({"n2"}, back_at + 1.0)  # written after it was back: no excuse
     assert not ledger.killed_since({"n1", "n3"}, killed_at)
