@@ -71,7 +71,7 @@ from kvcc.spec.vocabulary import (
     location_host,
 )
 
-from .errors import ConnectionFailed
+from .errors import ConnectionFailed, TimeoutError_
 from .events import EventLog
 from .holder import Holder, Trust
 from .tiers.base import copy_into, sink_bytes, source_bytes
@@ -239,6 +239,7 @@ class KvccClient:
         self.tls = tls
         self._dir = Client(*directory, tenant, token, on_push=self._on_push, tls=tls, **kwargs)
         self._hello_connects = -1
+        self._term_ms: int | None = None  # the lease term the directory's Welcome stated
         self._requests = itertools.count(1)
         self.holder = Holder(skew_ms)  # the read leases this client trusts (kvcc.reference.holder)
         self._writes: dict[tuple[BlockKey, int], str] = {}  # (key, write lease) -> progress
@@ -282,6 +283,7 @@ class KvccClient:
         reply = await self._dir.request(Hello(self.client_id, self.incarnation, "", (), ()))
         if type(reply) is not Welcome:
             raise ConnectionFailed(f"Hello answered with {reply!r}", code="unexpected_reply")
+        self._term_ms = reply.term_ms
 
     async def _ask(self, msg: Any) -> Any:
         await self._ensure_hello()
@@ -290,10 +292,32 @@ class KvccClient:
             raise ConnectionFailed(f"the directory failed {type(msg).__name__}: {reply.code}: {reply.text}", code=reply.code)
         return reply
 
-    async def _ask_batch(self, items: Sequence[Any]) -> tuple[Any, ...]:
+    async def _ask_by_budget(self, msg: Any, sent_ns: int, term_ms: int | None = None) -> Any:
+        """``_ask`` for a lease request sent at ``sent_ns`` (holder's clock), given up
+        (``TimeoutError_``) once the holder's budget from then is spent: the spec's pending timer.
+        Past it the holder must have abandoned the request, whatever the transport's timeout (a
+        reply held behind a stalled store can come later than that budget plus epsilon). ``term_ms``:
+        the term of the lease renewed; ``None``: the term the directory's ``Welcome`` stated."""
+        if term_ms is None:
+            if self._term_ms is None:
+                await self._ensure_hello()
+            term_ms = self._term_ms
+            assert term_ms is not None  # set by every Welcome
+        left_ms = (sent_ns + self.holder.budget_ns(term_ms) - self._now_ns()) / 1_000_000
+        try:
+            async with asyncio.timeout(max(0.0, left_ms) / 1000):
+                return await self._ask(msg)
+        except TimeoutError_:
+            raise
+        except TimeoutError:
+            raise TimeoutError_(f"{type(msg).__name__} request within the holder's budget", max(0, int(left_ms))) from None
+
+    async def _ask_batch(self, items: Sequence[Any], sent_ns: int | None = None) -> tuple[Any, ...]:
         """The directory's answers to ``items``, sent as one ``Batch``: ``answers[i]`` answers
-        ``items[i]``."""
-        reply = await self._ask(Batch(tuple(items)))
+        ``items[i]``. ``sent_ns``: lease requests, given up by the budget from then
+        (``_ask_by_budget``)."""
+        batch = Batch(tuple(items))
+        reply = await (self._ask(batch) if sent_ns is None else self._ask_by_budget(batch, sent_ns))
         assert type(reply) is Batched and len(reply.replies) == len(items), reply
         return reply.replies
 
@@ -415,7 +439,7 @@ class KvccClient:
             return started
         request, sent = started
         try:
-            reply = await self._ask(Acquire(self.client_id, key, _digest(ns), request))
+            reply = await self._ask_by_budget(Acquire(self.client_id, key, _digest(ns), request), sent)
         except BaseException:
             self._acquire_unanswered(key, request)
             raise
@@ -440,7 +464,8 @@ class KvccClient:
         for part in range(0, len(asked), MAX_BATCH_ITEMS):
             chunk = asked[part : part + MAX_BATCH_ITEMS]
             try:
-                answers = await self._ask_batch([Acquire(self.client_id, keys[i], digest, r) for i, r, _ in chunk])
+                answers = await self._ask_batch([Acquire(self.client_id, keys[i], digest, r) for i, r, _ in chunk],
+                                                sent_ns=min(sent for _, _, sent in chunk))  # fmt: skip
             except BaseException:
                 for i, r, _ in asked[part:]:
                     self._acquire_unanswered(keys[i], r)
@@ -517,7 +542,8 @@ class KvccClient:
         self.holder.renewing(lease.key, request)
         self._emit("renew", key=lease.key, gen=held.gen, lease=held.lease, request=request)
         try:
-            reply = await self._ask(Renew(self.client_id, lease.key, held.lease, held.location, request))
+            reply = await self._ask_by_budget(Renew(self.client_id, lease.key, held.lease, held.location, request), sent,
+                                              held.term_ms)  # fmt: skip
         except BaseException:
             if self.holder.answered(lease.key, request):  # no answer: given up (spec: abandon)
                 self._emit("abandon", key=lease.key, lease=held.lease, request=request, result=REASON_UNREACHABLE)

@@ -16,7 +16,7 @@ import json
 import pytest
 
 from kvcc.reference.client import KvccClient, ReadLease, Refused
-from kvcc.reference.errors import ConnectionFailed
+from kvcc.reference.errors import ConnectionFailed, TimeoutError_
 from kvcc.spec.vocabulary import REASON_REVOKED
 from kvcc.reference.events import EventLog
 from kvcc.spec.keys import BlockKey
@@ -29,6 +29,7 @@ NODE = "n1.engine"
 def _holder() -> tuple[KvccClient, io.StringIO]:
     sink = io.StringIO()
     client = KvccClient(("127.0.0.1", 9), "t", b"s" * 32, client_id=NODE, skew_ms=10, events=EventLog(sink, NODE, 1))
+    client._term_ms = 10**6  # as a directory's Welcome would state it (there is no directory here)
     return client, sink
 
 
@@ -121,6 +122,38 @@ def test_an_unanswered_request_is_given_up_and_logged():
         with pytest.raises(ConnectionFailed):
             await client2.acquire(b"n" * 32, KEY)
         assert _events(sink2) == ["acquire", "drop_and_ack"]
+
+    asyncio.run(main())
+
+
+def test_a_lease_request_is_given_up_within_the_holder_budget():
+    # A reply held behind a stalled store (an etcd restart) came 1,506 ms after the acquire, and
+    # the client, on its 1,500 ms request timeout, abandoned past its budget of term - epsilon =
+    # 1,400 ms plus epsilon: the soak's etcd trace was REJECTED. The spec's pending timer ends at
+    # the budget; the client now gives up there, whatever its transport's timeout.
+    async def main():
+        client, sink = _holder()
+        client._term_ms = 200  # the directory's term: a budget of 190 ms
+        asked = []
+
+        async def stalled(msg):
+            asked.append(msg)
+            await asyncio.sleep(60)  # the answer would come long after the budget
+            raise AssertionError("not given up")
+
+        client._ask = stalled
+        for call in (lambda: client.acquire(b"n" * 32, KEY), lambda: client.acquire_many(b"n" * 32, [KEY])):
+            with pytest.raises(TimeoutError_) as e:
+                await call()
+            assert e.value.timeout_ms <= 190 and not client.holder.busy(KEY)
+        client.holder.acquiring(KEY, 99)
+        client.holder.granted(KEY, 99, lease=7, gen=1, epoch=1, location="n1/dram", term_ms=100,
+                              sent_ns=client._now_ns())  # fmt: skip
+        lease = client.lease_of(KEY)
+        with pytest.raises(TimeoutError_) as e:
+            await client.renew(lease)  # the renewed lease's own term: a budget of 90 ms
+        assert e.value.timeout_ms <= 90 and len(asked) == 3
+        assert _events(sink) == ["acquire", "abandon", "acquire", "abandon", "renew", "abandon"]
 
     asyncio.run(main())
 

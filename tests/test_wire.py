@@ -98,7 +98,7 @@ def message_strategy(cls: type) -> st.SearchStrategy:
         return st.lists(st.tuples(_keys, _uint), max_size=6).flatmap(
             lambda pairs: st.builds(Welcome, node=_ids, incarnation=_uint,
                                     fence_keys=st.just(tuple(k for k, _ in pairs)),
-                                    fence_epochs=st.just(tuple(e for _, e in pairs)))
+                                    fence_epochs=st.just(tuple(e for _, e in pairs)), term_ms=_uint)
         )  # fmt: skip
     if cls is NodeList:
         return st.lists(_ids, max_size=6).flatmap(

@@ -754,7 +754,7 @@ class DirectoryServer:
         # locations goes out on this connection now (those sent while it was away were lost).
         self._apply(self.core.locations_up(msg.locations, self.now_ms()))
         self._wake.set()
-        return Welcome(msg.node, msg.incarnation, tuple(fence_keys), tuple(fence_epochs))
+        return Welcome(msg.node, msg.incarnation, tuple(fence_keys), tuple(fence_epochs), self.core.config.lease_term_ms)
 
     def _disconnected(self, node: NodeId, conn: Any) -> None:
         self._member_of_conn.pop(conn, None)

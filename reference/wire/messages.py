@@ -397,12 +397,15 @@ class Hello:
 class Welcome:
     """Directory -> a node that said Hello. After a restart (a new ``incarnation``) it carries the
     fences the node must restore: for every key owned at (or moving to) one of its locations, the
-    key's epoch, which bounds every epoch ever issued for it (``rules.restored_fence``)."""
+    key's epoch, which bounds every epoch ever issued for it (``rules.restored_fence``).
+    ``term_ms`` is the lease term the directory grants: a holder knows its budget before its first
+    grant, so it gives up a request no later than the budget (the spec's pending timer)."""
 
     node: NodeId
     incarnation: int
     fence_keys: tuple[BlockKey, ...]
     fence_epochs: tuple[int, ...]
+    term_ms: int
 
 
 @frozen
