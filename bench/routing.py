@@ -48,6 +48,7 @@ TARGET_MAX_MEAN_LOAD = 1.1
 BASELINES = ("sglang_cache_aware", "dynamo_cost", "smg:cache_aware")
 CONFIG_KEYS = ("trace", "nodes", "capacity", "utilisation")
 LIVE_DEFAULT_LIMIT = 300  # = routing_live.DEFAULT_LIMIT (not imported here: it pulls the cluster in)
+VLLM_DEFAULT_LIMIT = 100  # = routing_vllm.DEFAULT_LIMIT
 
 
 def check_target(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -162,11 +163,13 @@ def measure(traces: Iterable[Path], nodes: Sequence[int], capacities: Sequence[f
             smg_policies: Sequence[str] = (), smg_concurrency: int = 1,
             sla_ms: float | None = None, costs: sim.Costs | None = None,
             calibration: dict[str, Any] | None = None, live: bool = False,
-            step: Any = None) -> dict[str, Any]:  # fmt: skip
+            step: Any = None, live_vllm: bool = False) -> dict[str, Any]:  # fmt: skip
     """Every (trace, N, F, U, policy) row; ``costs`` the simulator's per-block times (default
     ``sim.Costs()``, modelled), ``calibration`` what measured them when they were measured;
     ``live``: also each row replayed through a local kvcc cluster (``routing_live``), on the first
-    ``limit`` requests (``routing_live.DEFAULT_LIMIT`` if none)."""
+    ``limit`` requests (``routing_live.DEFAULT_LIMIT`` if none); ``live_vllm``: also through real
+    vLLM engines sharing a kvcc cluster (``routing_vllm``, ``routing_vllm.DEFAULT_LIMIT`` if no
+    ``limit``)."""
     from kvcc.bench import routing_live
 
     costs = costs or sim.Costs()
@@ -174,6 +177,7 @@ def measure(traces: Iterable[Path], nodes: Sequence[int], capacities: Sequence[f
     sla_rows: list[dict[str, Any]] = []
     smg_runs: list[dict[str, Any]] = []
     live_rows: list[dict[str, Any]] = []
+    vllm_rows: list[dict[str, Any]] = []
     for path in traces:
         trace = sim.load_trace(path, limit)
         replays, runs = smg_replays(trace, nodes, smg_policies, smg_concurrency)
@@ -184,6 +188,11 @@ def measure(traces: Iterable[Path], nodes: Sequence[int], capacities: Sequence[f
         if live:
             cut = trace if limit is not None else sim.load_trace(path, routing_live.DEFAULT_LIMIT)
             live_rows += routing_live.run(cut, nodes, capacities, utilisations, policies, costs, step=step)
+        if live_vllm:
+            from kvcc.bench import routing_vllm
+
+            cut = trace if limit is not None else sim.load_trace(path, routing_vllm.DEFAULT_LIMIT)
+            vllm_rows += routing_vllm.run(cut, nodes, capacities, policies, step=step or (lambda _: None))
     out = {
         "costs": {"prefill_ms_per_block": costs.prefill_ms, "load_ms_per_block": costs.load_ms,
                   "block_tokens": sim.BLOCK_TOKENS, "prefill_tokens_per_s": costs.prefill_tokens_per_s,
@@ -201,6 +210,10 @@ def measure(traces: Iterable[Path], nodes: Sequence[int], capacities: Sequence[f
         out["live"] = {"block_bytes": routing_live.BLOCK_BYTES, "rows": live_rows,
                        "against": "bound_pooled and bound_infinite of the same requests, same run; ttft: the "
                                   "prefill of the blocks not read (costs above) plus the measured lookup and reads"}  # fmt: skip
+    if live_vllm:
+        out["live_vllm"] = {"block_tokens": 32, "rows": vllm_rows,
+                            "against": "bound_pooled (kvcc's capacity) and bound_infinite of the same requests, same "
+                                       "run; ttft: each request's completion on loopback, one request at a time"}  # fmt: skip
     if sla_ms is not None:
         out["sla"] = {"bound": f"p99 TTFT <= {sla_ms:g} ms", "rows": sla_rows,
                       "recompute_vs_load_per_block": costs.prefill_ms / costs.load_ms}  # fmt: skip
@@ -237,6 +250,8 @@ def render(console: Any, r: dict[str, Any]) -> None:
         render_sla(console, r["sla"])
     if "live" in r:
         render_live(console, r["live"])
+    if "live_vllm" in r:
+        render_live_vllm(console, r["live_vllm"])
     for x in r["beats_pooled"]:
         console.print(f"[dim]{x['policy']} beats the pooled LRU on {x['trace']} N={x['nodes']} "
                       f"cap={x['capacity']:g} U={x['utilisation']:g} ({x['vs_pooled']:.4f})[/]")  # fmt: skip
@@ -271,6 +286,23 @@ def render_live(console: Any, live: dict[str, Any]) -> None:
                   _fmt_ratio(x["vs_pooled"]), _fmt_ratio(x["local_share"]), f"{x['max_mean_load']:.3f}",
                   f"{x['ttft_p50']:,.0f}", f"{x['ttft_p99']:,.0f}", f"{x['cache_ms_p50']:.2f}",
                   f"{x['write_ms_p50']:.2f}", str(x["evictions"]), str(x["refused_writes"]))  # fmt: skip
+    console.print(t)
+
+
+def render_live_vllm(console: Any, live: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    t = Table(title=f"live: through vLLM engines sharing a kvcc cluster ({live['block_tokens']}-token blocks; "
+                    f"{live['against']})")  # fmt: skip
+    for col in ("trace", "N", "cap", "policy", "requests", "hit", "local", "kvcc", "pooled", "vs pooled", "infinite",
+                "max/mean", "p50 ms", "p99 ms", "per engine"):  # fmt: skip
+        t.add_column(col, justify="left" if col in ("trace", "policy") else "right")
+    for x in live["rows"]:
+        t.add_row(x["trace"].split("_trace")[0], str(x["nodes"]), f"{x['capacity']:g}", x["policy"], str(x["requests"]),
+                  f"{x['hit_ratio']:.4f}", f"{x['local_hit_ratio']:.4f}", f"{x['kvcc_hit_ratio']:.4f}",
+                  f"{x['bound_pooled']:.4f}", _fmt_ratio(x["vs_pooled"]), f"{x['bound_infinite']:.4f}",
+                  f"{x['max_mean_load']:.3f}", f"{x['ttft_p50']:,.1f}", f"{x['ttft_p99']:,.1f}",
+                  "/".join(map(str, x["requests_per_engine"])))  # fmt: skip
     console.print(t)
 
 
@@ -316,11 +348,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "nodes on loopback, one per replay), on the first --limit requests (default "
                              f"{LIVE_DEFAULT_LIMIT}): hits read from kvcc, evictions by kvcc's rules, lookups and "
                              "reads timed")
+    parser.add_argument("--live-vllm", action="store_true",
+                        help="also replay each (N, F) through N real vLLM engines (the vllm extra) sharing a kvcc "
+                             "cluster, routed by their KV events, on the first --limit requests (default "
+                             f"{VLLM_DEFAULT_LIMIT}), one at a time; --utilisation does not apply")
     parser.add_argument("--json", action="store_true", help="print one JSON object and nothing else")  # fmt: skip
 
 
 def cli(args: argparse.Namespace) -> int:
-    from kvcc.bench import routing_live
+    from kvcc.bench import routing_live, routing_vllm
     from kvcc.console import print_json, stdout_console
 
     smg_policies = args.smg_policy or (["cache_aware"] if args.smg else [])
@@ -340,7 +376,7 @@ def cli(args: argparse.Namespace) -> int:
             sim.load_trace(path, 1)  # a bad trace is refused before anything is measured
         from kvcc.bench.suite import _progress
 
-        with _progress(not args.json and (args.calibrate or args.live)) as progress:
+        with _progress(not args.json and (args.calibrate or args.live or args.live_vllm)) as progress:
             task = progress.add_task("bench routing", total=None)
 
             def step(text: str) -> None:
@@ -349,8 +385,9 @@ def cli(args: argparse.Namespace) -> int:
             costs, calibration = calibrate(step) if args.calibrate else (None, None)
             step("simulating")
             r = measure(traces, args.nodes, args.capacity, args.utilisation, args.policy, args.limit, smg_policies,
-                        args.smg_concurrency, args.sla_ms, costs, calibration, args.live, step)  # fmt: skip
-    except (ValueError, sim.TraceError, smg_router.SmgError, CalibrationError, routing_live.LiveError) as exc:
+                        args.smg_concurrency, args.sla_ms, costs, calibration, args.live, step, args.live_vllm)  # fmt: skip
+    except (ValueError, sim.TraceError, smg_router.SmgError, CalibrationError, routing_live.LiveError,
+            routing_vllm.LiveVllmError) as exc:
         print(f"kvcc bench routing: error: {exc}", file=sys.stderr)
         return 2
     if args.json:

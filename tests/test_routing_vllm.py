@@ -1,0 +1,48 @@
+"""``kvcc bench routing --live-vllm``: a trace routed through real vLLM engines (CPU) that share a
+kvcc cluster through ``KvccConnector``, the router fed by the engines' KV events. A hand-made
+trace, where every hit can be counted by hand: whichever engine serves, every repeated block is
+a hit (the engine's own prefix cache or kvcc's pool, whose room is ample here), and the engine's
+own account of each hit is split by its connector's counters into local and kvcc. No test asserts
+a measured time.
+
+Needs the ``vllm`` extra (``bash scripts/setup.sh --with vllm``); without it the test fails naming
+that command. It shares test_vllm's xdist group, so engine starts never run side by side.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvcc.adapters.vllm import harness
+from kvcc.bench import routing_vllm
+from kvcc.reference.routing import sim
+
+pytestmark = pytest.mark.xdist_group("vllm-engine")
+
+
+def test_every_repeated_block_is_a_hit_from_the_engine_or_from_kvcc(tmp_path):
+    try:
+        harness.check_installed()
+    except harness.VllmNotInstalled as e:
+        pytest.fail(f"the vllm extra is required (bash scripts/setup.sh --with vllm): {e}")
+    # refs 4 + 6 + 3 + 5 + 4 + 6 = 28; repeated: 1-4 (request 2), 7-9 (request 5's 7-8-9, of 4),
+    # 1-4 again (request 4), 1-4-5-6 (request 6): 4 + 0 + 4 + 3 + 6 = 17 hits of 28.
+    requests = [[1, 2, 3, 4], [1, 2, 3, 4, 5, 6], [7, 8, 9], [1, 2, 3, 4, 10], [7, 8, 9, 11], [1, 2, 3, 4, 5, 6]]
+    path = tmp_path / "hand.jsonl"
+    path.write_text("".join(json.dumps({"timestamp": 1000 * i, "hash_ids": r}) + "\n" for i, r in enumerate(requests)))
+    trace = sim.load_trace(path)
+    assert sim.bound_infinite(trace) == pytest.approx(17 / 28)
+    rows = routing_vllm.run(trace, [2], [1.0], ["round_robin", "cache_aware"], workdir=tmp_path)
+    by = {r["policy"]: r for r in rows}
+    for r in rows:
+        assert r["hit_ratio"] == pytest.approx(17 / 28), r
+        assert r["local_hit_ratio"] + r["kvcc_hit_ratio"] == pytest.approx(r["hit_ratio"])
+        assert r["requests_per_engine"] and sum(r["requests_per_engine"]) == len(requests)
+    # Round robin (engine 0, 1, 0, 1 ...) serves request 2 on the engine that did not compute 1-4:
+    # it loads them from kvcc, saved by the other engine; every later hit is in the serving
+    # engine's own cache (4: 1-4 on engine 1; 3: 7-9 on engine 0; 6: 1-6 on engine 1).
+    rr = by["round_robin"]
+    assert rr["kvcc_hit_ratio"] == pytest.approx(4 / 28) and rr["local_hit_ratio"] == pytest.approx(13 / 28), rr
+    assert rr["requests_per_engine"] == [3, 3] and rr["events_late"] == 0
