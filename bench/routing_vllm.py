@@ -10,7 +10,8 @@ levels of cache, as in a real deployment: each engine's own prefix cache (``--nu
 about one long request's worth) and kvcc's pool (F of the requests' unique blocks, split evenly
 across the nodes).
 
-The trace's requests are replayed in order, one at a time (a closed loop: nothing queues, so TTFT
+Each engine computes on its own share of the CPUs (``cores``). The trace's requests are replayed
+in order, one at a time (a closed loop: nothing queues, so TTFT
 is each request's own service). A trace block (one hash id) becomes one 32-token engine block,
 its tokens drawn from a generator seeded by the id, so requests that share hash ids share token
 prefixes; a request's prompt is its blocks' tokens and one more token (vLLM computes at least
@@ -39,6 +40,7 @@ and the pooled LRU bound of kvcc's capacity (``kvcc.reference.routing.sim``).
 from __future__ import annotations
 
 import json as _json
+import os
 import random
 import tempfile
 import time
@@ -66,6 +68,17 @@ class LiveVllmError(Exception):
     engine's account of a hit disagrees with its connector's."""
 
 
+def cores(i: int, engines: int) -> str:
+    """The CPUs engine ``i`` of ``engines`` computes on (``VLLM_CPU_OMP_THREADS_BIND``): an equal
+    share of this process's, its own where there are enough. An idle vLLM engine's compute threads
+    spin for a while after each request; engines sharing cores would slow whichever ran next, so
+    a policy that alternates engines would pay for it in TTFT."""
+    cpus = sorted(os.sched_getaffinity(0))
+    share = max(1, len(cpus) // engines)
+    mine = [cpus[(i * share + k) % len(cpus)] for k in range(share)]
+    return ",".join(map(str, mine))
+
+
 def block_tokens(block_id: int) -> list[int]:
     """The 32 token ids trace block ``block_id`` stands for (the same for every request)."""
     rng = random.Random(block_id * 1_000_003 + 7)
@@ -77,11 +90,15 @@ def prompt_of(blocks: Sequence[int]) -> list[int]:
     return tokens + [VOCAB[0]]
 
 
-def _worker_stats(stats: Path) -> dict[str, int]:
+def _worker_stats_side(stats: Path, side: str) -> dict[str, int]:
     try:
-        return _json.loads((stats.parent / f"{stats.name}.worker.json").read_text())
+        return _json.loads((stats.parent / f"{stats.name}.{side}.json").read_text())
     except (OSError, ValueError):
         return {}
+
+
+def _worker_stats(stats: Path) -> dict[str, int]:
+    return _worker_stats_side(stats, "worker")
 
 
 def _cached_tokens(out: dict[str, Any]) -> int:
@@ -124,7 +141,8 @@ class _Deployment:
                             "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
                 engine = harness.VllmEngine(model, served_name=MODEL_ID, num_blocks=longest + 16,
                                             max_model_len=(longest + 2) * BLOCK_TOKENS,
-                                            extra_args=("--kv-transfer-config", _json.dumps(transfer)))  # fmt: skip
+                                            extra_args=("--kv-transfer-config", _json.dumps(transfer)),
+                                            extra_env={"VLLM_CPU_OMP_THREADS_BIND": cores(i, nodes)})  # fmt: skip
                 self.engines.append(engine)
                 self.stats.append(stats)
                 step(f"vLLM engine {i + 1}/{nodes}")
@@ -154,7 +172,10 @@ class _Deployment:
         """Every engine's prefix cache and kvcc's pool emptied; the views from an empty cache."""
         for i, engine in enumerate(self.engines):
             if not engine.reset_prefix_cache(REQUEST_TIMEOUT_S, external=True):
-                raise LiveVllmError(f"engine {i} refused to reset its prefix cache and kvcc's")
+                sched = _worker_stats_side(self.stats[i], "scheduler")
+                raise LiveVllmError(f"engine {i} refused to reset its prefix cache and kvcc's (its connector: "
+                                    f"{sched.get('namespace_invalidations_unfinished', 0)} namespace invalidations "
+                                    f"unfinished); its log ends:\n{engine.logs(15)}")  # fmt: skip
             # Its AllBlocksCleared goes out with the next step: a prompt shorter than a block
             # runs one and caches nothing.
             engine.complete([VOCAB[1]] * (BLOCK_TOKENS // 2), max_tokens=1, timeout_s=REQUEST_TIMEOUT_S)

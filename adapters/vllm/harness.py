@@ -161,6 +161,7 @@ class VllmEngine:
         max_model_len: int = MAX_MODEL_LEN_DEFAULT,
         topic: str = "kv",
         extra_args: tuple[str, ...] = (),
+        extra_env: dict[str, str] | None = None,
         start_timeout_s: float = ENGINE_START_TIMEOUT_S,
     ) -> None:
         if block_size <= 0 or block_size % 32:
@@ -174,6 +175,7 @@ class VllmEngine:
         self.max_model_len = max_model_len
         self.topic = topic
         self.extra_args = tuple(extra_args)
+        self.extra_env = dict(extra_env or {})  # e.g. VLLM_CPU_OMP_THREADS_BIND: the cores it computes on
         self.start_timeout_s = start_timeout_s
         self.port = _free_port()
         self.workdir = Path(tempfile.mkdtemp(prefix="kvcc-vllm-"))
@@ -236,6 +238,7 @@ class VllmEngine:
             TRANSFORMERS_OFFLINE="1",
             LMCACHE_TRACK_USAGE="false",
         )
+        env.update(self.extra_env)
         return env
 
     def start(self, timeout_s: float | None = None) -> VllmEngine:
