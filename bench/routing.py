@@ -295,14 +295,15 @@ def render_live_vllm(console: Any, live: dict[str, Any]) -> None:
     t = Table(title=f"live: through vLLM engines sharing a kvcc cluster ({live['block_tokens']}-token blocks; "
                     f"{live['against']})")  # fmt: skip
     for col in ("trace", "N", "cap", "policy", "requests", "hit", "local", "kvcc", "pooled", "vs pooled", "infinite",
-                "max/mean", "p50 ms", "p99 ms", "per engine"):  # fmt: skip
+                "max/mean", "p50 ms", "p99 ms", "per engine", "saved", "refused"):  # fmt: skip
         t.add_column(col, justify="left" if col in ("trace", "policy") else "right")
     for x in live["rows"]:
         t.add_row(x["trace"].split("_trace")[0], str(x["nodes"]), f"{x['capacity']:g}", x["policy"], str(x["requests"]),
                   f"{x['hit_ratio']:.4f}", f"{x['local_hit_ratio']:.4f}", f"{x['kvcc_hit_ratio']:.4f}",
                   f"{x['bound_pooled']:.4f}", _fmt_ratio(x["vs_pooled"]), f"{x['bound_infinite']:.4f}",
                   f"{x['max_mean_load']:.3f}", f"{x['ttft_p50']:,.1f}", f"{x['ttft_p99']:,.1f}",
-                  "/".join(map(str, x["requests_per_engine"])))  # fmt: skip
+                  "/".join(map(str, x["requests_per_engine"])), str(x["saves"].get("saved_blocks", 0)),
+                  str(sum(v for k, v in x["saves"].items() if k.startswith("save_refused_"))))  # fmt: skip
     console.print(t)
 
 

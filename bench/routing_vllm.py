@@ -33,7 +33,9 @@ Between policies every engine's prefix cache and kvcc's pool are emptied
 completed before it answers) and the event views restart from an empty cache, so each policy
 starts cold on the same engines. Reported per policy: ``hit_ratio`` (blocks the engine did not
 compute / block refs), ``local_hit_ratio`` and ``kvcc_hit_ratio``, ``max_mean_load`` (busy time),
-``ttft_p50``/``ttft_p99`` (ms), and beside them, for the same requests, the infinite-cache bound
+``ttft_p50``/``ttft_p99`` (ms), ``saves`` (the connectors' counts over the replay: blocks planned
+for save and saved, refused by reason -- a refused save is a block the pool will not have -- and load errors), and
+beside them, for the same requests, the infinite-cache bound
 and the pooled LRU bound of kvcc's capacity (``kvcc.reference.routing.sim``).
 """
 
@@ -99,6 +101,16 @@ def _worker_stats_side(stats: Path, side: str) -> dict[str, int]:
 
 def _worker_stats(stats: Path) -> dict[str, int]:
     return _worker_stats_side(stats, "worker")
+
+
+def _save_stats(stats: Path) -> dict[str, int]:
+    """The connector's save counters: planned (its scheduler side), saved, refused by reason,
+    dropped, and its load errors (its worker side)."""
+    worker = _worker_stats(stats)
+    out = {k: v for k, v in worker.items() if k in ("saved_blocks", "already_stored", "load_errors")
+           or k.startswith(("save_refused_", "saves_dropped_"))}  # fmt: skip
+    out["blocks_planned_for_save"] = _worker_stats_side(stats, "scheduler").get("blocks_planned_for_save", 0)
+    return out
 
 
 def _cached_tokens(out: dict[str, Any]) -> int:
@@ -198,6 +210,7 @@ def replay(dep: _Deployment, trace: sim.Trace, policy_name: str, costs: sim.Cost
 
     nodes = len(dep.engines)
     dep.empty()
+    before = [_save_stats(st) for st in dep.stats]
     policy = POLICIES[policy_name](nodes, sim.DEFAULT_SEED)
     busy_ms = [0.0] * nodes
     served = [0] * nodes
@@ -216,7 +229,7 @@ def replay(dep: _Deployment, trace: sim.Trace, policy_name: str, costs: sim.Cost
                     load_ms=costs.load_ms)  # fmt: skip
         j = policy.choose(Request(float(i), tuple(blocks)), view)
         engine, stats = dep.engines[j], dep.stats[j]
-        before = _worker_stats(stats).get("loaded_blocks", 0)
+        loaded_before = _worker_stats(stats).get("loaded_blocks", 0)
         t0 = time.perf_counter()
         try:
             out = engine.complete(prompt, max_tokens=1, timeout_s=REQUEST_TIMEOUT_S)
@@ -225,7 +238,7 @@ def replay(dep: _Deployment, trace: sim.Trace, policy_name: str, costs: sim.Cost
         ttft_ms = (time.perf_counter() - t0) * 1000
         if not wait_saves_settled(lambda: _worker_stats(stats), REQUEST_TIMEOUT_S):
             raise LiveVllmError(f"request {i}: engine {j}'s saves did not finish")
-        got = _worker_stats(stats).get("loaded_blocks", 0) - before
+        got = _worker_stats(stats).get("loaded_blocks", 0) - loaded_before
         hit = _cached_tokens(out) // BLOCK_TOKENS
         if not 0 <= got <= hit <= len(blocks):
             raise LiveVllmError(f"request {i}: engine {j} reports {hit} cached blocks of {len(blocks)}, "
@@ -239,6 +252,10 @@ def replay(dep: _Deployment, trace: sim.Trace, policy_name: str, costs: sim.Cost
         if not dep.sub.wait_for(lambda: dep.views[j].matched_blocks(keys) == len(keys), EVENTS_WAIT_S):
             events_late += 1  # the router routes the next request on an older view
     mean = sum(busy_ms) / nodes
+    saves: dict[str, int] = {}  # the connectors' save outcomes over this replay, every engine
+    for st, was in zip(dep.stats, before, strict=True):
+        for name, value in _save_stats(st).items():
+            saves[name] = saves.get(name, 0) + value - was.get(name, 0)
     return {
         "hit_ratio": (local + loaded) / max(refs, 1),
         "local_hit_ratio": local / max(refs, 1),
@@ -250,6 +267,7 @@ def replay(dep: _Deployment, trace: sim.Trace, policy_name: str, costs: sim.Cost
         "ttft_p99": sim.percentile(ttfts, 99),
         "busy_s": round(sum(busy_ms) / 1000, 2),
         "events_late": events_late,
+        "saves": {k: v for k, v in sorted(saves.items()) if v},
     }
 
 

@@ -11,12 +11,14 @@ that command. It shares test_vllm's xdist group, so engine starts never run side
 
 from __future__ import annotations
 
+import io
 import json
 
 import pytest
+from rich.console import Console
 
 from kvcc.adapters.vllm import harness
-from kvcc.bench import routing_vllm
+from kvcc.bench import routing, routing_vllm
 from kvcc.reference.routing import sim
 
 pytestmark = pytest.mark.xdist_group("vllm-engine")
@@ -40,9 +42,17 @@ def test_every_repeated_block_is_a_hit_from_the_engine_or_from_kvcc(tmp_path):
         assert r["hit_ratio"] == pytest.approx(17 / 28), r
         assert r["local_hit_ratio"] + r["kvcc_hit_ratio"] == pytest.approx(r["hit_ratio"])
         assert r["requests_per_engine"] and sum(r["requests_per_engine"]) == len(requests)
+        # every block an engine computed (28 - 17) is planned for save once, and each is saved or
+        # refused (a node whose slots hold only ancestors of blocks cached elsewhere has no room)
+        saves = r["saves"]
+        assert saves["blocks_planned_for_save"] == 11, saves
+        assert saves.get("saved_blocks", 0) + sum(v for k, v in saves.items() if k.startswith("save_refused_")) == 11
     # Round robin (engine 0, 1, 0, 1 ...) serves request 2 on the engine that did not compute 1-4:
     # it loads them from kvcc, saved by the other engine; every later hit is in the serving
     # engine's own cache (4: 1-4 on engine 1; 3: 7-9 on engine 0; 6: 1-6 on engine 1).
+    out = io.StringIO()
+    routing.render_live_vllm(Console(file=out, width=250), {"block_tokens": 32, "rows": rows, "against": "bounds"})
+    assert "round_robin" in out.getvalue() and "cache_aware" in out.getvalue()
     rr = by["round_robin"]
     assert rr["kvcc_hit_ratio"] == pytest.approx(4 / 28) and rr["local_hit_ratio"] == pytest.approx(13 / 28), rr
     assert rr["requests_per_engine"] == [3, 3] and rr["events_late"] == 0
