@@ -98,7 +98,7 @@ COST_CLASSES = {
                     "test_procs", "test_vllm", "test_vllm_connector", "test_routing_smg", "test_fuzz", "test_soak",
                     "test_transport_limits", "test_tls", "test_sglang", "test_sglang_conformance", "test_identities",
                     "test_vllm_conformance", "test_chains", "test_crash_points", "test_routing_calibrate",
-                    "test_routing_live", "test_bench_suite_reference"},
+                    "test_routing_live", "test_routing_vllm", "test_bench_suite_reference"},
 }
 
 
