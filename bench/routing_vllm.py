@@ -92,7 +92,7 @@ def prompt_of(blocks: Sequence[int]) -> list[int]:
     return tokens + [VOCAB[0]]
 
 
-def _worker_stats_side(stats: Path, side: str) -> dict[str, int]:
+def _connector_stats(stats: Path, side: str) -> dict[str, int]:
     try:
         return _json.loads((stats.parent / f"{stats.name}.{side}.json").read_text())
     except (OSError, ValueError):
@@ -100,7 +100,7 @@ def _worker_stats_side(stats: Path, side: str) -> dict[str, int]:
 
 
 def _worker_stats(stats: Path) -> dict[str, int]:
-    return _worker_stats_side(stats, "worker")
+    return _connector_stats(stats, "worker")
 
 
 def _save_stats(stats: Path) -> dict[str, int]:
@@ -109,7 +109,7 @@ def _save_stats(stats: Path) -> dict[str, int]:
     worker = _worker_stats(stats)
     out = {k: v for k, v in worker.items() if k in ("saved_blocks", "already_stored", "load_errors")
            or k.startswith(("save_refused_", "saves_dropped_"))}  # fmt: skip
-    out["blocks_planned_for_save"] = _worker_stats_side(stats, "scheduler").get("blocks_planned_for_save", 0)
+    out["blocks_planned_for_save"] = _connector_stats(stats, "scheduler").get("blocks_planned_for_save", 0)
     return out
 
 
@@ -184,7 +184,7 @@ class _Deployment:
         """Every engine's prefix cache and kvcc's pool emptied; the views from an empty cache."""
         for i, engine in enumerate(self.engines):
             if not engine.reset_prefix_cache(REQUEST_TIMEOUT_S, external=True):
-                sched = _worker_stats_side(self.stats[i], "scheduler")
+                sched = _connector_stats(self.stats[i], "scheduler")
                 raise LiveVllmError(f"engine {i} refused to reset its prefix cache and kvcc's (its connector: "
                                     f"{sched.get('namespace_invalidations_unfinished', 0)} namespace invalidations "
                                     f"unfinished); its log ends:\n{engine.logs(15)}")  # fmt: skip
