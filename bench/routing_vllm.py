@@ -289,7 +289,7 @@ def run(trace: sim.Trace, nodes_list: Sequence[int], capacities: Sequence[float]
         for nodes in nodes_list:
             for fraction in capacities:
                 capacity = sim.capacity_blocks(trace, fraction)
-                pooled = sum(sim.pooled_hits(trace, capacity)) / max(sim.block_refs(trace), 1)
+                pooled = sim.bound_pooled(trace, capacity)
                 dep = _Deployment(nodes, capacity, longest, Path(tmp) / f"{nodes}-{fraction:g}", step)
                 try:
                     for name in policy_names:

@@ -534,7 +534,7 @@ def trace_replay_on(d: Deployment, trace: sim.Trace, step: Step) -> dict[str, An
     # same slice; none without a declared capacity.
     caps = d.adapter.capabilities()
     capacity = caps.capacity_bytes // max(size, caps.slot_bytes)
-    pooled = sum(sim.pooled_hits(trace, capacity)) / max(sim.block_refs(trace), 1) if capacity else None
+    pooled = sim.bound_pooled(trace, capacity) if capacity else None
     return {
         "trace": trace.name, "requests": len(trace.blocks), "block_refs": rep.refs,
         "unique_blocks": sim.unique_blocks(trace), "block_bytes": size,

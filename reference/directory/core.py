@@ -1239,7 +1239,8 @@ class DirectoryCore:
 
     def _settle(self, t: int, done: frozenset[BlockKey], effects: list[Effect]) -> None:
         """Ticket ``t`` waits for the keys of ``done`` no more: persisted, or complete."""
-        ticket = self.tickets[t] = attrs.evolve(self.tickets[t], pending=self.tickets[t].pending - done)
+        ticket = self.tickets[t]
+        ticket = self.tickets[t] = attrs.evolve(ticket, pending=ticket.pending - done)
         if ticket.pending:
             effects.append(PersistTicket(ticket))  # the log's tickets stay the core's
         else:

@@ -187,6 +187,11 @@ def pooled_hits(trace: Trace, capacity: int) -> list[int]:
     return hits
 
 
+def bound_pooled(trace: Trace, capacity: int) -> float:
+    """Block refs one LRU cache of ``capacity`` blocks hits / block refs (``pooled_hits``)."""
+    return sum(pooled_hits(trace, capacity)) / max(block_refs(trace), 1)
+
+
 # ---------------------------------------------------------------------------------- simulator
 
 
