@@ -213,6 +213,11 @@ class Capabilities:
     - ``slot_bytes``: a location keeps every block in a slot of this many bytes, whatever its
       size (the reference's tiers); 0 (the default): a block takes its own size. The performance
       suite counts the capacity in blocks of ``max(size, slot_bytes)`` for its pooled bound.
+    - ``unavailable``: profiles the deployment cannot run where the suite runs, each with the
+      reason and what runs it instead (SGLang's engine profile on a machine without CUDA, where no
+      SGLang server runs). Never claimed: a run of the adapter's profiles lists every test of them
+      NOT_APPLICABLE with that reason, without starting anything, so the report says what was not
+      shown and why rather than leaving it out.
     - ``notes``: free text for the report.
     """
 
@@ -227,10 +232,17 @@ class Capabilities:
     capacity_bytes: int = field(default=0, validator=_nonneg_int)
     block_bytes: int = field(default=0, validator=_nonneg_int)
     slot_bytes: int = field(default=0, validator=_nonneg_int)
+    unavailable: Mapping[str, str] = field(factory=dict, converter=lambda m: dict(sorted(dict(m).items())), hash=False)
 
     def __attrs_post_init__(self) -> None:
         if "move" in self.faults and self.events != "native":
             raise ValueError("declaring move needs native events: a transfer's copy lands out of the suite's sight")
+        _subset(PROFILES)(self, type(self).__attrs_attrs__.unavailable, frozenset(self.unavailable))
+        if self.profiles & set(self.unavailable):
+            raise ValueError(f"a profile is claimed or unavailable, not both: {sorted(self.profiles & set(self.unavailable))}")
+        for profile, why in self.unavailable.items():
+            if not isinstance(why, str) or not why.strip():
+                raise ValueError(f"unavailable[{profile!r}]: say why, in words")
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -245,6 +257,7 @@ class Capabilities:
             "capacity_bytes": self.capacity_bytes,
             "block_bytes": self.block_bytes,
             "slot_bytes": self.slot_bytes,
+            **({"unavailable": dict(self.unavailable)} if self.unavailable else {}),
         }
 
 

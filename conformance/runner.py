@@ -236,7 +236,7 @@ def run_conformance(
         raise TypeError(f"capabilities() returned {type(caps).__name__}, not Capabilities")
     name = str(getattr(probe, "name", type(probe).__name__))
     if profiles is None:
-        wanted = [p for p in PROFILES if p in caps.profiles] or list(PROFILES)
+        wanted = [p for p in PROFILES if p in caps.profiles or p in caps.unavailable] or list(PROFILES)
     else:
         profiles = list(profiles)
         unknown = set(profiles) - set(PROFILES)
@@ -259,6 +259,8 @@ def run_conformance(
                     progress("start", test, None)
                 if selected is not None and test.id not in selected:
                     result = TestResult(test.id, test.profile, SKIP, "deselected")
+                elif profile in caps.unavailable:
+                    result = TestResult(test.id, test.profile, NOT_APPLICABLE, f"unavailable here: {caps.unavailable[profile]}")
                 elif test.audit:
                     result = _audit(test, [r for r in report.results if r.profile == profile])
                 else:

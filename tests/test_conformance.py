@@ -587,6 +587,44 @@ def test_contract_values_refuse_bad_input():
         RunContext(Path("."), 1, lease_term_ms=100, skew_ms=60)
 
 
+def test_an_unavailable_profile_must_say_why_and_cannot_also_be_claimed():
+    for bad in ({"gold": "no such profile"}, {"engine": ""}, {"engine": "   "}):
+        with pytest.raises(ValueError):
+            Capabilities(profiles={"core"}, unavailable=bad)
+    with pytest.raises(ValueError, match="claimed or unavailable"):
+        Capabilities(profiles={"core", "engine"}, unavailable={"engine": "no server here"})
+    caps = Capabilities(profiles={"core"}, unavailable={"engine": "no server here"})
+    assert caps.to_json()["unavailable"] == {"engine": "no server here"}
+    assert "unavailable" not in Capabilities(profiles={"core"}).to_json()
+    hash(caps)  # still a value
+
+
+class _NoEngineHere(testing.CoreAdapter):
+    """The kit, declaring the engine profile unavailable; an engine call would be a bug of the runner."""
+
+    WHY = "needs engines, which do not run on this machine"
+
+    def capabilities(self) -> Capabilities:
+        return attrs.evolve(super().capabilities(), unavailable={"engine": self.WHY})
+
+    def engines(self):
+        raise AssertionError("an unavailable profile's test was run")
+
+
+def test_an_unavailable_profiles_tests_are_listed_not_applicable_with_the_reason_and_not_run():
+    engine_ids = {t.id for t in CATALOGUE if t.profile == "engine"}
+    core_id = "KVCC-CORE-003"
+    # The default run is the claimed profiles and the unavailable ones.
+    rep = run(_NoEngineHere, ids=[core_id, *engine_ids], profiles=None)
+    assert "engine" in rep.profiles and "engine" not in rep.claimed
+    by_id = rep.by_id()
+    assert {i for i, r in by_id.items() if r.profile == "engine"} == engine_ids
+    for i in engine_ids:
+        assert by_id[i].status == "NOT_APPLICABLE" and by_id[i].message == f"unavailable here: {_NoEngineHere.WHY}"
+    assert by_id[core_id].status == "PASS"
+    assert rep.to_json()["capabilities"]["unavailable"] == {"engine": _NoEngineHere.WHY}
+
+
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("bundle") / "b"

@@ -88,3 +88,24 @@ def test_hicache_file_runs_and_fails_without_error(tmp_path):
         assert status[test] == "FAIL", (test, status[test])
     assert status["KVCC-LEASE-004"] == "NOT_APPLICABLE"  # no per-page eviction call
     assert not report.certified
+
+
+def test_the_engine_profile_is_reported_not_applicable_with_why_not_left_out(tmp_path):
+    # No SGLang server runs without CUDA: the default run lists the engine profile's tests with
+    # the reason, claims only the cache profiles, and starts nothing for them.
+    from kvcc.adapters.sglang.conformance import ENGINE_UNAVAILABLE, PROFILES_CLAIMED
+
+    caps = resolve("sglang")().capabilities()
+    assert caps.unavailable == {"engine": ENGINE_UNAVAILABLE} and "engine" not in caps.profiles
+    report = run_conformance(resolve("sglang"), seed=1, lease_term_ms=TERM_MS, skew_ms=SKEW_MS,
+                             ids=_engine_ids())  # fmt: skip
+    assert "engine" in report.profiles and set(report.claimed) == set(PROFILES_CLAIMED)
+    engine = [r for r in report.results if r.profile == "engine"]
+    assert {r.id for r in engine} == set(_engine_ids())
+    assert all(r.status == "NOT_APPLICABLE" and ENGINE_UNAVAILABLE in r.message for r in engine), engine
+
+
+def _engine_ids() -> list[str]:
+    from kvcc.conformance.catalogue import CATALOGUE
+
+    return [t.id for t in CATALOGUE if t.profile == "engine"]

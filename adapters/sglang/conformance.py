@@ -76,6 +76,7 @@ from kvcc.adapters.engine_calls import ClearingAdapter, Step, TicketHandover, cu
 from kvcc.adapters.reference import NODE_BLOCK_BYTES, NODE_CAPACITY_BYTES
 from kvcc.conformance.contract import (
     CACHE_PROFILES,
+    ENGINE_PROFILE,
     AdapterError,
     Capabilities,
     Committed,
@@ -90,6 +91,10 @@ from kvcc.spec.keys import BlockKey, Namespace
 from kvcc.spec.vocabulary import REASON_MISS, REASON_NOT_FOUND, REASON_REVOKED, REASON_UNKNOWN_LEASE, SCOPE_NAMESPACE
 
 PROFILES_CLAIMED = frozenset(CACHE_PROFILES)
+# The engine profile needs serving engines; SGLang's server has no CPU build (it needs CUDA and its
+# own kernels), so where the suite runs without a GPU its tests are reported, not run.
+ENGINE_UNAVAILABLE = ("needs SGLang servers, and SGLang's server does not run without CUDA; the backend's own calls "
+                      "are what this adapter drives here")
 FAULTS_CLAIMED = frozenset({"kill", "restart", "pause", "resume", "skew_clock", "restart_directory", "intrude", "move"})
 SCOPES_CLAIMED = frozenset({"key", "prefix", "namespace"})
 MODEL = "kvcc/conformance"  # SGLang's model name in the storage config (the namespace is the contract's)
@@ -207,6 +212,7 @@ class SglangAdapter(ClearingAdapter):
             capacity_bytes=self._node_count() * NODE_CAPACITY_BYTES,
             block_bytes=NODE_BLOCK_BYTES,
             slot_bytes=NODE_BLOCK_BYTES,
+            unavailable={ENGINE_PROFILE: ENGINE_UNAVAILABLE},
             notes="SGLang's HiCache storage backend KvccHiCacheStorage (loaded by SGLang's dynamic backend factory) "
             "on the kvcc reference cluster (processes on loopback): read is the backend's get, commit its set, a "
             "namespace invalidation its clear; begin_write, write_bytes, acquire, renew, release, lookup, key and "
