@@ -3,12 +3,14 @@
 #   etcd-server, etcd-client  etcd for the directory's etcd backend (tests start members on loopback);
 #   libibverbs1, libnuma1, libcurl4  shared libraries of Mooncake's master and store client
 #                                    (the [mooncake] extra; libibverbs is needed even over TCP);
+#   g++, libssl-dev           SGLang builds its page-hash extension (C++, linked with -lcrypto) the
+#                             first time a test derives page keys with SGLang's own hash;
 #   python3-venv              only where python3 cannot create a venv.
 # A no-op when everything is present. Fails loudly when something is missing and cannot be
 # installed: a test that would then be skipped is a test that did not run.
 set -euo pipefail
 
-PACKAGES=(etcd-server etcd-client libibverbs1 libnuma1 libcurl4)
+PACKAGES=(etcd-server etcd-client libibverbs1 libnuma1 libcurl4 g++ libssl-dev)
 if ! python3 -c 'import venv, ensurepip' >/dev/null 2>&1; then
     PACKAGES+=(python3-venv)
 fi

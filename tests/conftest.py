@@ -95,7 +95,7 @@ COST_CLASSES = {
     "integration": {"test_cluster_cli", "test_cluster_stateful", "test_cluster_processes", "test_deletion",
                     "test_faults", "test_etcd", "test_mooncake", "test_directory_server", "test_directory_store",
                     "test_transport", "test_tiers", "test_tiers_recovery", "test_tiers_stateful", "test_metrics",
-                    "test_procs", "test_vllm", "test_vllm_connector", "test_routing_smg", "test_fuzz", "test_soak",
+                    "test_procs", "test_vllm", "test_vllm_connector", "test_vllm_connector_contract", "test_routing_smg", "test_fuzz", "test_soak",
                     "test_transport_limits", "test_tls", "test_sglang", "test_sglang_conformance", "test_identities",
                     "test_vllm_conformance", "test_chains", "test_crash_points", "test_routing_calibrate",
                     "test_routing_live", "test_routing_vllm", "test_bench_suite_reference"},
