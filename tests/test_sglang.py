@@ -309,6 +309,59 @@ def test_batch_exists_counts_the_consecutive_hits_from_the_start(backend):
     assert [backend.exists(k) for k in keys] == [True, True, False, True, False]
 
 
+def test_batch_exists_leases_what_it_counts_until_the_prefetch_reads_it(make_backend, tester):
+    """Where SGLang's prefetch decides what to load, the pages are leased: none of them can be
+    evicted before the read, one invalidated in between is a miss, and the read lets them go."""
+    from kvcc.reference.client import Refused as ClientRefused
+    from kvcc.spec.vocabulary import SCOPE_KEY
+
+    rng = random.Random(12)
+    backend = make_backend("sglang-prefetch")
+    client = backend.client
+    keys = _page_keys(rng, 4)
+    pages = {k: _page(rng) for k in keys}
+    assert backend.batch_set([keys[0], keys[1], keys[3]], [pages[keys[0]], pages[keys[1]], pages[keys[3]]])
+
+    def held(key):
+        lease = client.lease_of(backend.kvcc_key(key))
+        return lease if lease is not None and client.trusted(lease) else None
+
+    asked: list[int] = []
+    acquire_many = client.acquire_many
+
+    async def counting(ns, batch):
+        asked.append(len(batch))
+        return await acquire_many(ns, batch)
+
+    client.acquire_many = counting
+    try:
+        assert backend.batch_exists(keys) == 2
+        assert [held(k) is not None for k in keys] == [True, True, False, False]  # none past the gap
+        # Counted, so leased: the node may not evict it before the prefetch reads it.
+        lease = held(keys[0])
+        assert isinstance(tester.evict(backend.kvcc_key(keys[0]), lease.location), ClientRefused)
+        # A second decision on the same pages reuses the leases: no new acquire.
+        assert backend.batch_exists(keys[:2]) == 2 and asked == [4]
+        indices = torch.arange(0, 2 * PAGE, dtype=torch.int64)
+        assert backend.batch_get_v1(keys[:2], indices) == [True, True] and asked == [4]
+        assert [_bytes(backend.mem_pool_host.get_data_page(int(i))) for i in indices[::PAGE]] == \
+            [_bytes(pages[k]) for k in keys[:2]]
+        assert held(keys[0]) is not None, "released while the second decision was still to be read"
+        assert backend.batch_get(keys[:2], [_HostPool().get_dummy_flat_data_page() for _ in range(2)])[0] is not None
+        assert held(keys[0]) is None and held(keys[1]) is None, "read twice as decided: released"
+        assert not isinstance(tester.evict(backend.kvcc_key(keys[0]), lease.location), ClientRefused)
+
+        # Decided, then invalidated before the read: the lease is revoked, the read a miss.
+        assert backend.batch_exists([keys[3]]) == 1 and held(keys[3]) is not None
+        ticket = tester.invalidate(backend.namespace, SCOPE_KEY, backend.kvcc_key(keys[3]))
+        assert tester.wait(ticket, INVALIDATION_TIMEOUT_S)  # the backend acknowledged the revocation
+        target = _HostPool().get_dummy_flat_data_page()
+        assert backend.get(keys[3], target) is None and held(keys[3]) is None
+        assert not target.view(torch.uint8).any()
+    finally:
+        del client.acquire_many
+
+
 def test_two_namespaces_never_share_a_page(backend, make_backend):
     rng = random.Random(3)
     other_model = make_backend("sglang-other-model", model=OTHER_MODEL)

@@ -49,14 +49,21 @@ hash already chains over the whole prefix, so nothing is lost for lookups. What 
 ``prefix`` invalidation does not cascade along a SGLang chain (``clear``, a namespace
 invalidation, covers every page).
 
-**Exists** (``exists``, ``batch_exists``): a ``Lookup`` per page, side-effect free (no lease), a
-batch's in one round trip (the client's ``lookup_many``); ``batch_exists`` answers the number of
-consecutive committed pages from the start, which is how ``HiCacheController._storage_hit_query``
-uses it (it fetches ``keys[:n]`` and stops at the first batch with a miss).
+**Exists.** ``batch_exists`` is where a prefetch decides what to load
+(``HiCacheController._storage_hit_query`` fetches ``keys[:n]`` and stops at the first batch with a
+miss), so it takes the read leases: per page a lease (``Acquire``), a batch's in one round trip
+(the client's ``acquire_many``); it answers the number of consecutive pages leased from the start,
+releases any lease granted past the first miss, and keeps the others for the read. A page it
+counted cannot then be evicted or replaced before the prefetch reads it; one invalidated in
+between is revoked (the client acknowledges) and the read is a miss. A page whose lease this
+backend still holds and trusts is counted without asking the directory again. A decision never
+read (a prefetch SGLang terminated) leaves its leases to end at the holder's deadline.
+``exists`` is a side-effect-free ``Lookup``.
 
-**Reads** (``get``, ``batch_get``, ``batch_get_v1``): per page, a read lease (``Acquire``), the
-bytes read from the lease's location into a staging buffer of the page's size, the lease
-released -- for a whole batch in one round trip each (the client's ``acquire_many``,
+**Reads** (``get``, ``batch_get``, ``batch_get_v1``): per page, the read lease ``batch_exists``
+kept (if still trusted) or a new one, the bytes read from the lease's location into a staging
+buffer of the page's size, then the lease released once no other decision or read of this
+backend needs it -- for a whole batch in one round trip each (the client's ``acquire_many``,
 ``read_many``: one request per node, ``release_many``). A refused acquire (not committed,
 invalidating), a read refused because the lease was revoked or ran past the holder's budget
 while the bytes were in flight (the client checks trust *after* they arrive), a short or long
@@ -79,8 +86,9 @@ the directory completes it (every read lease revoked and acknowledged or expired
 
 **Threads.** SGLang calls the backend from its prefetch and backup threads at once. The kvcc client
 runs on a private event loop thread; each call submits one coroutine there and waits for it. Two
-threads reading the same page at the same moment
-are two acquires of one key by one holder: the second is refused here and is a miss.
+threads reading the same page at once share the lease when it is already held here (the backend
+counts the reads under way and releases after the last); while the first is still acquiring it,
+the second's acquire is refused (one request per key and holder) and its read is a miss.
 
 Limits: the v2 calls (``batch_exists_v2``/``batch_get_v2``/``batch_set_v2``: hybrid models' extra
 pools), head-split TP (``tp_lcm_size``) and decode context parallelism (DCP) are not supported (the
@@ -103,7 +111,7 @@ from typing import Any, Optional
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
-from kvcc.reference.client import KvccClient, Refused
+from kvcc.reference.client import KvccClient, ReadLease, Refused
 from kvcc.reference.loop import loop_factory
 from kvcc.reference.tiers.base import copy_into, sink_bytes, source_bytes
 from kvcc.spec.keys import BlockKey, Namespace, cbor_encode
@@ -238,6 +246,11 @@ class KvccHiCacheStorage(HiCacheStorage):
         if self._page_size and self._kv_dtype and self._kv_layout:
             self._set_namespace()
         self.counts: dict[str, int] = {}
+        # Read leases kept between a prefetch's decision and its read (``batch_exists`` ..
+        # ``batch_get``): per page, the decisions not yet read and the reads under way. Touched
+        # only on the client's loop thread.
+        self._decided: dict[BlockKey, int] = {}
+        self._reading: dict[BlockKey, int] = {}
         self._metrics = KvccStorageMetrics()
         self._metrics_lock = threading.Lock()
         client_id = str(extra.get("kvcc_client_id") or f"sglang{os.getpid()}-tp{storage_config.tp_rank}")
@@ -303,6 +316,69 @@ class KvccHiCacheStorage(HiCacheStorage):
 
     # ------------------------------------------------------------------ exists
 
+    def _kept(self, key: BlockKey) -> ReadLease | None:
+        """The read lease this backend holds and still trusts on ``key``, or ``None`` (then no
+        prefetch decision on it is pending any more: an expired or revoked lease protects nothing)."""
+        lease = self.client.lease_of(key)
+        if lease is not None and self.client.trusted(lease):
+            return lease
+        self._decided.pop(key, None)
+        return None
+
+    async def _lease(self, keys: list[BlockKey]) -> dict[BlockKey, ReadLease | Refused]:
+        """A trusted read lease on each of ``keys`` (distinct): the one this backend keeps, else a
+        new one, all new ones in one round trip (``acquire_many``); a ``Refused`` where none."""
+        out: dict[BlockKey, ReadLease | Refused] = {}
+        ask = []
+        for k in keys:
+            lease = self._kept(k)
+            if lease is None:
+                ask.append(k)
+            else:
+                out[k] = lease
+        if ask:
+            try:
+                answers = await self.client.acquire_many(self._digest(), ask)
+            except Exception as e:  # the directory unreachable: nothing leased
+                log.warning("kvcc acquire failed: %s", e)
+                answers = [Refused("unreachable")] * len(ask)
+            out.update(zip(ask, answers))
+        return out
+
+    async def _release_unless_kept(self, keys: list[BlockKey]) -> None:
+        """Release the leases on ``keys`` that no pending decision or read still needs."""
+        done = []
+        for k in keys:
+            if self._reading.get(k) or self._decided.get(k):
+                continue
+            self._reading.pop(k, None)
+            self._decided.pop(k, None)
+            lease = self.client.lease_of(k)
+            if lease is not None:
+                done.append(lease)
+        if done:
+            try:
+                await self.client.release_many(done)
+            except Exception as e:  # the leases then end by expiry
+                log.info("kvcc release failed: %s", e)
+
+    async def _lease_prefix(self, keys: list[BlockKey]) -> int:
+        """The number of consecutive committed pages from the start of ``keys``, each now under a
+        read lease this backend keeps for the read that follows (see ``batch_exists``); leases
+        granted past the first miss are released at once."""
+        leases = await self._lease(list(dict.fromkeys(keys)))
+        n = 0
+        for k in keys:
+            if isinstance(leases[k], Refused):
+                self._count(f"exists_miss_{leases[k].reason}")
+                break
+            n += 1
+        counted = set(keys[:n])
+        for k in counted:
+            self._decided[k] = self._decided.get(k, 0) + 1
+        await self._release_unless_kept([k for k, lease in leases.items() if k not in counted and not isinstance(lease, Refused)])
+        return n
+
     async def _exists(self, keys: list[BlockKey]) -> list[bool]:
         """Whether each page is committed: one ``Lookup`` per page (a page is a root), all in one
         round trip (``lookup_many``)."""
@@ -318,11 +394,13 @@ class KvccHiCacheStorage(HiCacheStorage):
         return self._loop.run(self._exists([self.kvcc_key(key)]))[0]
 
     def batch_exists(self, keys: list[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
-        """The number of consecutive committed pages from the start of ``keys``."""
+        """The number of consecutive committed pages from the start of ``keys``, each leased until
+        it is read (``HiCacheController._storage_hit_query`` decides with this what its prefetch
+        loads): a page counted here cannot be evicted or replaced before the read, and a page
+        invalidated in between is revoked and then a miss."""
         if not keys:
             return 0
-        found = self._loop.run(self._exists([self.kvcc_key(k) for k in keys]))
-        return found.index(False) if False in found else len(found)
+        return self._loop.run(self._lease_prefix([self.kvcc_key(k) for k in keys]))
 
     # ------------------------------------------------------------------ reads
 
@@ -337,18 +415,15 @@ class KvccHiCacheStorage(HiCacheStorage):
         unique = list(first)
         c = self.client
         by_key: dict[BlockKey, bytes | bytearray | None] = dict.fromkeys(unique)
-        try:
-            leases = await c.acquire_many(self._digest(), unique)
-        except Exception as e:
-            log.warning("kvcc acquire failed: %s", e)
-            self._count("read_failed", len(unique))
-            return [None] * len(keys)
+        leases = await self._lease(unique)
         granted = []
-        for k, lease in zip(unique, leases):
+        for k in unique:
+            lease = leases[k]
             if isinstance(lease, Refused):
                 self._count(f"read_refused_{lease.reason}")
             else:
                 granted.append((k, lease))
+                self._reading[k] = self._reading.get(k, 0) + 1
         try:
             sizes = [nbytes[first[k]] for k, _ in granted]
             outs = [None if n is None else bytearray(n) for n in sizes]
@@ -358,10 +433,11 @@ class KvccHiCacheStorage(HiCacheStorage):
                 log.warning("kvcc read failed: %s", e)
                 got = [Refused("unreachable")] * len(granted)
         finally:
-            try:
-                await c.release_many([lease for _, lease in granted])
-            except Exception as e:  # the leases then end by expiry
-                log.info("kvcc release failed: %s", e)
+            for k, _ in granted:  # read: one decision taken on the page is served
+                self._reading[k] -= 1
+                if self._decided.get(k):
+                    self._decided[k] -= 1
+            await self._release_unless_kept([k for k, _ in granted])
         for (k, _), n, out, answer in zip(granted, sizes, outs, got):
             if isinstance(answer, Refused) and answer.reason == REASON_MISS and "buffer" in answer.detail:
                 answer = Refused("wrong_size")  # longer than the page

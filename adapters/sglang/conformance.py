@@ -143,6 +143,12 @@ class _HolderView:
             return [ClientRefused(REASON_UNKNOWN_LEASE, "no read lease handed over")] * len(keys)  # never reached by the suite
         return [step.read_lease]
 
+    def lease_of(self, key: BlockKey) -> None:
+        return None  # the backend keeps no lease of its own here: each read's is handed over
+
+    def trusted(self, lease: Any) -> bool:
+        return self._real.trusted(lease)
+
     async def read_many(self, leases: list[Any], outs: list[Any] | None = None) -> Any:
         step = current.get()
         try:
