@@ -8,6 +8,14 @@ the absolute figures do). A metric one run has and another has not (a size one a
 workload it skipped) shows "-". With ``--json``: ``{"bundles": [...], "workloads": {workload:
 {metric: [value per bundle]}}}``.
 
+``--plots DIR`` also draws the bundles together, one line or bar per bundle, into DIR:
+``latency_vs_clients.png`` (acquire+release p50 against concurrent clients),
+``bandwidth_vs_size.png`` (write and read over the raw copy of the same run, against block size),
+``invalidation_vs_holders.png`` (completion by acknowledgement, p50, against holders) and
+``trace_replay.png`` (the replay's hit ratio as a fraction of its infinite-cache and pooled bounds).
+A bundle that has nothing for a plot (a workload skipped, every size refused) is left out of it
+and the plot's legend says so.
+
 Exit 0 when every bundle verified, 1 when one did not (the reasons on stderr), 2 on bad input (a
 path that is no directory).
 """
@@ -67,9 +75,121 @@ def render(console: Any, names: Sequence[str], table: dict[str, dict[str, list[p
         console.print(t)
 
 
+def _ok_rows(results: dict[str, Any], workload: str) -> list[dict[str, Any]]:
+    w = results["workloads"].get(workload) or {}
+    return [r for r in w.get("rows", []) if "refused" not in r] if w.get("status") == "ok" else []
+
+
+def _legend(ax: Any, left_out: list[str]) -> None:
+    if left_out:
+        ax.plot([], [], " ", label=f"nothing to plot: {', '.join(left_out)}")
+    ax.legend(fontsize="x-small")
+
+
+def plot_latency(names: Sequence[str], bundles: Sequence[dict[str, Any]]) -> bytes:
+    plt, (fig, ax) = perf_bundle._figure(7.2, 4.0)
+    left_out, ticks = [], set()
+    for name, b in zip(names, bundles):
+        rows = [r for r in _ok_rows(b, "lease_lookup") if r["op"] == "acquire+release"]
+        if not rows:
+            left_out.append(name)
+            continue
+        ticks.update(r["clients"] for r in rows)
+        ax.plot([r["clients"] for r in rows], [r["p50_us"] for r in rows], marker="o", label=name)
+    ax.set(xlabel="concurrent clients", ylabel="acquire+release p50 (µs)", title="lease latency vs clients")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(sorted(ticks), [str(t) for t in sorted(ticks)])
+    _legend(ax, left_out)
+    return perf_bundle._png(plt, fig)
+
+
+def plot_bandwidth(names: Sequence[str], bundles: Sequence[dict[str, Any]]) -> bytes:
+    plt, (fig, _) = perf_bundle._figure(9.6, 4.0)
+    fig.clf()
+    axes = fig.subplots(1, 2, sharey=True)
+    left_out, sizes = [], set()
+    for i, (name, b) in enumerate(zip(names, bundles)):
+        rows = _ok_rows(b, "bandwidth")
+        if not rows:
+            left_out.append(name)
+            continue
+        sizes.update(r["size"] for r in rows)
+        for ax, op in zip(axes, ("write", "read")):
+            ax.plot([r["size"] for r in rows], [r[f"{op}_vs_raw"] for r in rows], marker="o", label=name, color=f"C{i}")
+    for ax, op in zip(axes, ("write", "read")):
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set(xlabel="block size", title=f"{op} / raw copy of the same run")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(sorted(sizes), [perf_bundle.size_text(x) for x in sorted(sizes)])
+    axes[0].set_ylabel("bandwidth / raw copy")
+    _legend(axes[1], left_out)
+    return perf_bundle._png(plt, fig)
+
+
+def plot_invalidation(names: Sequence[str], bundles: Sequence[dict[str, Any]]) -> bytes:
+    plt, (fig, ax) = perf_bundle._figure(7.2, 4.0)
+    left_out, holders = [], set()
+    for name, b in zip(names, bundles):
+        rows = [r for r in _ok_rows(b, "invalidation") if r["mode"] == "ack"]
+        if not rows:
+            left_out.append(name)
+            continue
+        holders.update(r["holders"] for r in rows)
+        ax.plot([r["holders"] for r in rows], [r["p50_ms"] for r in rows], marker="o", label=name)
+    ax.set(xlabel="holders of read leases", ylabel="completion by ack, p50 (ms)", title="invalidation vs holders")
+    ax.set_yscale("log")
+    ax.set_xticks(sorted(holders))
+    _legend(ax, left_out)
+    return perf_bundle._png(plt, fig)
+
+
+def plot_trace_replay(names: Sequence[str], bundles: Sequence[dict[str, Any]]) -> bytes:
+    plt, (fig, ax) = perf_bundle._figure(7.2, 4.0)
+    shown, inf, pooled = [], [], []
+    for name, b in zip(names, bundles):
+        w = b["workloads"].get("trace_replay") or {}
+        if w.get("status") != "ok":
+            continue
+        shown.append(name)
+        inf.append(w["vs_bound_infinite"])
+        pooled.append(w.get("vs_bound_pooled"))
+    xs = list(range(len(shown)))
+    ax.bar([x - 0.2 for x in xs], inf, width=0.4, label="hit ratio / infinite-cache bound")
+    ax.bar([x + 0.2 for x in xs], [0 if p is None else p for p in pooled], width=0.4,
+           label="hit ratio / pooled bound (0: no capacity declared)")  # fmt: skip
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xticks(xs, shown, rotation=30, ha="right", fontsize="small")
+    ax.set(ylabel="fraction of the bound", title="trace replay: hit ratio against its bounds")
+    _legend(ax, [n for n in names if n not in shown])
+    return perf_bundle._png(plt, fig)
+
+
+COMBINED_PLOTS = {
+    "latency_vs_clients.png": plot_latency,
+    "bandwidth_vs_size.png": plot_bandwidth,
+    "invalidation_vs_holders.png": plot_invalidation,
+    "trace_replay.png": plot_trace_replay,
+}
+
+
+def write_plots(out: Path, names: Sequence[str], bundles: Sequence[dict[str, Any]]) -> list[Path]:
+    """Draw every combined plot into ``out`` (created if missing); the files written."""
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for file, draw in COMBINED_PLOTS.items():
+        path = out / file
+        path.write_bytes(draw(names, bundles))
+        written.append(path)
+    return written
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dirs", nargs="+", type=Path, metavar="DIR", help="bundles written by kvcc bench suite")
     parser.add_argument("--json", action="store_true", help="print one JSON object and nothing else")
+    parser.add_argument("--plots", type=Path, metavar="DIR", default=None,
+                        help="also draw the bundles together into PNG plots in DIR")
 
 
 def cli(args: argparse.Namespace) -> int:
@@ -90,15 +210,25 @@ def cli(args: argparse.Namespace) -> int:
             print(f"kvcc bench compare: error: {line}", file=sys.stderr)
         return 1
     table = side_by_side(bundles)
+    plotted: list[Path] = []
+    if args.plots is not None:
+        try:
+            plotted = write_plots(args.plots, [f"{b['run']['adapter']} ({b['run']['profile']})" for b in bundles], bundles)
+        except OSError as e:
+            print(f"kvcc bench compare: error: cannot write plots to {args.plots}: {e}", file=sys.stderr)
+            return 2
     if args.json:
         print_json({
             "bundles": [{"dir": str(d), "adapter": b["run"]["adapter"], "profile": b["run"]["profile"],
                          "date": b["run"]["date"]} for d, b in zip(args.dirs, bundles)],
             "workloads": {w: {label: [None if c is None else c[0] for c in cells] for label, cells in rows.items()}
                           for w, rows in table.items()},
+            **({"plots": [str(p) for p in plotted]} if args.plots is not None else {}),
         })  # fmt: skip
     else:
         render(stdout_console(), [column_name(b, d) for d, b in zip(args.dirs, bundles)], table)
+        for p in plotted:
+            print(f"plot: {p}")
     return 0
 
 

@@ -161,6 +161,24 @@ def test_compare_prints_both_adapters(core_bundle, no_leases_bundle, capsys):
     assert r["workloads"]["lease_lookup"]["status"][0] is None  # core ran it; the other one says why not
 
 
+def test_compare_draws_the_bundles_together(core_bundle, no_leases_bundle, tmp_path, capsys):
+    from kvcc.bench import compare
+
+    out = tmp_path / "plots"
+    assert kvcc_main(["bench", "compare", "--json", "--plots", str(out), str(core_bundle), str(no_leases_bundle)]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert sorted(Path(p).name for p in r["plots"]) == sorted(compare.COMBINED_PLOTS)
+    for name in compare.COMBINED_PLOTS:
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Each plot draws every bundle it can: one bundle alone draws another picture.
+    bundles = [perf_bundle.load(core_bundle), perf_bundle.load(no_leases_bundle)]
+    for draw in compare.COMBINED_PLOTS.values():
+        assert draw(["a", "b"], bundles) != draw(["a"], bundles[:1])
+    (tmp_path / "file").write_text("")
+    assert kvcc_main(["bench", "compare", "--plots", str(tmp_path / "file" / "p"), str(core_bundle)]) == 2
+    assert "cannot write plots" in capsys.readouterr().err
+
+
 def test_compare_rejects_a_tampered_bundle(core_bundle, no_leases_bundle, tmp_path, capsys):
     bundle = copy_of(core_bundle, tmp_path)
     (bundle / "report.html").write_text("<html>faster than ever</html>")
