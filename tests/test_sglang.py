@@ -362,6 +362,35 @@ def test_batch_exists_leases_what_it_counts_until_the_prefetch_reads_it(make_bac
         del client.acquire_many
 
 
+def test_a_kept_lease_is_not_released_under_a_read_still_leasing_its_other_pages(make_backend):
+    """Two reads of a page ``batch_exists`` leased: the one that finishes first lets go of the
+    decision, not of the lease the other is still counting on while it leases its other pages."""
+    rng = random.Random(13)
+    backend = make_backend("sglang-two-reads")
+    client = backend.client
+    kept, other = _page_keys(rng, 2)
+    pages = {k: _page(rng) for k in (kept, other)}
+    assert backend.batch_set([kept, other], [pages[kept], pages[other]])
+    assert backend.batch_exists([kept]) == 1
+
+    reached, go = threading.Event(), threading.Event()
+    _pause_client(client, "acquire_many", reached, go, after=False)  # A stops while leasing `other`
+    got: dict[str, list] = {}
+    a = threading.Thread(target=lambda: got.setdefault("a", backend.batch_get([kept, other], [
+        _HostPool().get_dummy_flat_data_page() for _ in range(2)])))  # fmt: skip
+    a.start()
+    try:
+        assert reached.wait(UNTIL_S)
+        del client.acquire_many  # B leases nothing new: it reads under the kept lease
+        got["b"] = backend.batch_get([kept], [_HostPool().get_dummy_flat_data_page()])
+    finally:
+        go.set()
+        a.join(UNTIL_S)
+    assert [_bytes(t) for t in got["b"]] == [_bytes(pages[kept])]
+    assert [_bytes(t) for t in got["a"]] == [_bytes(pages[kept]), _bytes(pages[other])], "A lost its lease to B's release"
+    assert client.lease_of(backend.kvcc_key(kept)) is None and client.lease_of(backend.kvcc_key(other)) is None
+
+
 def test_two_namespaces_never_share_a_page(backend, make_backend):
     rng = random.Random(3)
     other_model = make_backend("sglang-other-model", model=OTHER_MODEL)

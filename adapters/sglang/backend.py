@@ -221,6 +221,10 @@ def _address(text: Any) -> tuple[str, int]:
     return host, int(port)
 
 
+# Past this many pages with a prefetch decision pending, forget those whose lease ran out: a
+# decision SGLang never reads (a terminated prefetch) would otherwise be remembered for ever.
+DECIDED_SWEEP_AT = 4096
+
 class KvccHiCacheStorage(HiCacheStorage):
     """``KvccHiCacheStorage(storage_config, kwargs=None)``: SGLang's dynamic factory passes its
     keyword arguments as one dict. See the module docstring for the extra config."""
@@ -345,13 +349,21 @@ class KvccHiCacheStorage(HiCacheStorage):
             out.update(zip(ask, answers))
         return out
 
+    def _claim(self, keys: list[BlockKey], by: int = 1) -> None:
+        """Count (or, ``by=-1``, uncount) a call of this backend using the leases of ``keys``."""
+        for k in keys:
+            n = self._reading.get(k, 0) + by
+            if n:
+                self._reading[k] = n
+            else:
+                del self._reading[k]
+
     async def _release_unless_kept(self, keys: list[BlockKey]) -> None:
         """Release the leases on ``keys`` that no pending decision or read still needs."""
         done = []
         for k in keys:
             if self._reading.get(k) or self._decided.get(k):
                 continue
-            self._reading.pop(k, None)
             self._decided.pop(k, None)
             lease = self.client.lease_of(k)
             if lease is not None:
@@ -366,7 +378,15 @@ class KvccHiCacheStorage(HiCacheStorage):
         """The number of consecutive committed pages from the start of ``keys``, each now under a
         read lease this backend keeps for the read that follows (see ``batch_exists``); leases
         granted past the first miss are released at once."""
-        leases = await self._lease(list(dict.fromkeys(keys)))
+        if len(self._decided) > DECIDED_SWEEP_AT:
+            for k in list(self._decided):  # decisions never read (terminated prefetches) whose leases ran out
+                self._kept(k)
+        unique = list(dict.fromkeys(keys))
+        self._claim(unique)  # while leasing: no other call of this backend releases these keys' leases
+        try:
+            leases = await self._lease(unique)
+        finally:
+            self._claim(unique, -1)
         n = 0
         for k in keys:
             if isinstance(leases[k], Refused):
@@ -415,16 +435,16 @@ class KvccHiCacheStorage(HiCacheStorage):
         unique = list(first)
         c = self.client
         by_key: dict[BlockKey, bytes | bytearray | None] = dict.fromkeys(unique)
-        leases = await self._lease(unique)
+        self._claim(unique)  # until read: no other call of this backend releases these keys' leases
         granted = []
-        for k in unique:
-            lease = leases[k]
-            if isinstance(lease, Refused):
-                self._count(f"read_refused_{lease.reason}")
-            else:
-                granted.append((k, lease))
-                self._reading[k] = self._reading.get(k, 0) + 1
         try:
+            leases = await self._lease(unique)
+            for k in unique:
+                lease = leases[k]
+                if isinstance(lease, Refused):
+                    self._count(f"read_refused_{lease.reason}")
+                else:
+                    granted.append((k, lease))
             sizes = [nbytes[first[k]] for k, _ in granted]
             outs = [None if n is None else bytearray(n) for n in sizes]
             try:
@@ -433,11 +453,11 @@ class KvccHiCacheStorage(HiCacheStorage):
                 log.warning("kvcc read failed: %s", e)
                 got = [Refused("unreachable")] * len(granted)
         finally:
+            self._claim(unique, -1)
             for k, _ in granted:  # read: one decision taken on the page is served
-                self._reading[k] -= 1
                 if self._decided.get(k):
                     self._decided[k] -= 1
-            await self._release_unless_kept([k for k, _ in granted])
+            await self._release_unless_kept(unique)
         for (k, _), n, out, answer in zip(granted, sizes, outs, got):
             if isinstance(answer, Refused) and answer.reason == REASON_MISS and "buffer" in answer.detail:
                 answer = Refused("wrong_size")  # longer than the page
