@@ -19,7 +19,11 @@ What runs, exactly:
   - ``hit``: vLLM's own prefix cache is then reset, and the same prompt served again: the
     connector loads every full block from the node's tier (leases, reads, scatter into the paged
     KV) and vLLM computes one token; the worker's counters must show ``L / 32`` blocks loaded;
-  - ``plain``: a fresh prompt of the same length on the engine without a connector.
+  - ``plain``: a fresh prompt of the same length on the engine without a connector;
+  - ``skip``: a fresh prompt of the same length on the connector's engine, with
+    ``kv_transfer_params {"kvcc": "skip"}``: the connector neither looks it up nor saves it, so
+    ``miss_overhead_same_engine = miss / skip - 1`` is what the connector adds within one engine
+    process, free of what differs between processes.
   TTFT is the wall time of the ``max_tokens=1`` completion request on loopback.
 
 One engine process runs at a time (plain first, then each tier's), each warmed by one untimed
@@ -71,9 +75,12 @@ def _prompt(rng: random.Random, length: int) -> list[int]:
     return [rng.choice(VOCAB) for _ in range(length + 1)]
 
 
-def _ttft(engine: Any, prompt: list[int]) -> float:
+SKIP_PARAMS = {"kvcc": "skip"}  # the connector's per-request opt-out: neither looked up nor saved
+
+
+def _ttft(engine: Any, prompt: list[int], kv_transfer_params: dict[str, Any] | None = None) -> float:
     t0 = time.perf_counter()
-    out = engine.complete(prompt, max_tokens=1, timeout_s=REQUEST_TIMEOUT_S)
+    out = engine.complete(prompt, max_tokens=1, kv_transfer_params=kv_transfer_params, timeout_s=REQUEST_TIMEOUT_S)
     dt = time.perf_counter() - t0
     if not out.get("choices"):
         raise BenchError(f"the engine answered no completion: {str(out)[:200]}")
@@ -151,11 +158,15 @@ def measure(*, lengths: Sequence[int] = LENGTHS, tiers: Sequence[str] = TIERS, t
                 warm(engine)
                 if not wait_saves_settled(lambda: _worker_stats(stats), REQUEST_TIMEOUT_S):
                     raise BenchError(f"{tier}: the warm-up's saves did not finish")
-                raw[tier] = {n: {"miss": [], "hit": [], "save": [], "load": [], "lookup": [], "saved_after": []}
+                raw[tier] = {n: {"miss": [], "hit": [], "skip": [], "save": [], "load": [], "lookup": [], "saved_after": []}
                              for n in lengths}  # fmt: skip
                 for n in lengths:
                     for t in range(trials):
                         on_progress(f"{tier}: {n} tokens, trial {t + 1}/{trials}")
+                        # The same engine process, a fresh prompt the connector is told to leave alone.
+                        raw[tier][n]["skip"].append(_ttft(engine, _prompt(rng, n), SKIP_PARAMS))
+                        if not engine.reset_prefix_cache():
+                            raise BenchError("vLLM refused to reset its prefix cache")
                         prompt = _prompt(rng, n)
                         before, sched = _worker_stats(stats), _worker_stats(stats, "scheduler")
                         raw[tier][n]["miss"].append(_ttft(engine, prompt))
@@ -189,11 +200,13 @@ def measure(*, lengths: Sequence[int] = LENGTHS, tiers: Sequence[str] = TIERS, t
     rows = []
     for tier in tiers:
         for n in lengths:
-            miss, hit, base = (statistics.median(v) for v in (raw[tier][n]["miss"], raw[tier][n]["hit"], plain_ttft[n]))
+            miss, hit, base, skip = (statistics.median(v) for v in (raw[tier][n]["miss"], raw[tier][n]["hit"], plain_ttft[n],
+                                                                    raw[tier][n]["skip"]))  # fmt: skip
             rows.append({
                 "tier": tier, "prefix_tokens": n, "ttft_miss_s": round(miss, 4), "ttft_hit_s": round(hit, 4),
                 "ttft_plain_s": round(base, 4), "speedup": round(miss / hit, 3), "prefill_speedup": round(base / hit, 3),
                 "miss_overhead": round(miss / base - 1, 4), "hit_tokens_per_s": round(n / hit), "plain_tokens_per_s": round(n / base),
+                "ttft_skip_s": round(skip, 4), "miss_overhead_same_engine": round(miss / skip - 1, 4),
                 "miss_save_s": round(statistics.median(raw[tier][n]["save"]), 4),
                 "saved_after_s": round(statistics.median(raw[tier][n]["saved_after"]), 4),
                 "miss_lookup_s": round(statistics.median(raw[tier][n]["lookup"]), 4),
@@ -218,13 +231,14 @@ def render(console: Any, r: dict[str, Any]) -> None:
 
     t = Table(title="vLLM TTFT: prefix from kvcc vs computed (medians)")
     for col in ("tier", "prefix", "miss s", "of it saving", "saved after s", "hit s", "of it loading", "plain s",
-                "miss/hit", "plain/hit", "miss overhead", "hit tok/s"):
+                "miss/hit", "plain/hit", "miss overhead", "skip s", "vs skip", "hit tok/s"):
         t.add_column(col, justify="right")
     for row in r["rows"]:
         t.add_row(row["tier"], str(row["prefix_tokens"]), f"{row['ttft_miss_s']:.3f}", f"{row['miss_save_s']:.3f}",
                   f"{row['saved_after_s']:.3f}", f"{row['ttft_hit_s']:.3f}", f"{row['hit_load_s']:.3f}",
                   f"{row['ttft_plain_s']:.3f}", f"{row['speedup']:.2f}", f"{row['prefill_speedup']:.2f}",
-                  f"{100 * row['miss_overhead']:+.1f}%", str(row["hit_tokens_per_s"]))  # fmt: skip
+                  f"{100 * row['miss_overhead']:+.1f}%", f"{row['ttft_skip_s']:.3f}",
+                  f"{100 * row['miss_overhead_same_engine']:+.1f}%", str(row["hit_tokens_per_s"]))  # fmt: skip
     console.print(t)
     console.print(Text(f"{r['trials']} trials per figure; baseline {r['baseline']}; vLLM {r['vllm']}, {r['cpus']} CPUs, "
                        f"load {r['load_average']}; {r['seconds']} s", style="dim"))  # fmt: skip

@@ -154,11 +154,12 @@ def _scheduler_connector(model_path, cluster, client_id: str):
     return KVConnectorFactory.create_connector(args.create_engine_config(), KVConnectorRole.SCHEDULER, None)
 
 
-def _request(request_id: str, tokens: list[int], salt: str | None = None):
+def _request(request_id: str, tokens: list[int], salt: str | None = None, kv_transfer_params: dict | None = None):
     from vllm import SamplingParams
     from vllm.v1.request import Request
 
-    return Request(request_id, tokens, SamplingParams(max_tokens=1), None, cache_salt=salt)
+    extra = None if kv_transfer_params is None else {"kv_transfer_params": kv_transfer_params}
+    return Request(request_id, tokens, SamplingParams(max_tokens=1, extra_args=extra), None, cache_salt=salt)
 
 
 def test_matching_a_prefix_is_repeatable_and_takes_no_lease(model_path, cluster, client, mapper, namespace):
@@ -219,6 +220,34 @@ def test_matching_a_prefix_is_repeatable_and_takes_no_lease(model_path, cluster,
         for _ in range(REPEATS):
             assert conn.get_num_new_matched_tokens(hit, 0) == (0, False)
         no_side_effect()
+    finally:
+        conn.shutdown()
+
+
+def test_a_request_that_opts_out_is_neither_looked_up_nor_tracked(model_path, cluster, client, mapper, namespace):
+    """``kv_transfer_params: {"kvcc": "skip"}``: a prompt whose prefix kvcc holds answers 0 without
+    a lookup, and the connector keeps nothing of the request (so it plans no save for it); the same
+    prompt without the opt-out finds the prefix."""
+    rng = random.Random(302)
+    tokens = _tokens(rng, 3 * BLOCK + 5)
+    keys = mapper.keys(tokens)
+    for i, key in enumerate(keys[:2]):
+        put = client.put(namespace, key, keys[i - 1] if i else None, rng.randbytes(TINY_BLOCK_BYTES))
+        assert not hasattr(put, "reason"), put
+    conn = _scheduler_connector(model_path, cluster, "sched-skip")
+    try:
+        for other in ({"kvcc": "load"}, {"other_connector": "skip"}):  # only the exact opt-out opts out
+            asked = _request(f"asked-{len(conn.stats)}", tokens, kv_transfer_params=other)
+            conn.on_new_request(asked)
+            assert conn.get_num_new_matched_tokens(asked, 0) == (2 * BLOCK, False)
+        lookups = conn.stats.get("lookups", 0)
+        skipped = _request("skipped", tokens, kv_transfer_params={"kvcc": "skip"})
+        conn.on_new_request(skipped)
+        for _ in range(REPEATS):
+            assert conn.get_num_new_matched_tokens(skipped, 0) == (0, False)
+        assert conn.stats.get("lookups", 0) == lookups and conn.stats["requests_skipped"] == 1
+        assert "skipped" not in conn._requests  # nothing to plan a load or a save from
+        assert conn.request_finished(skipped, []) == (False, None)
     finally:
         conn.shutdown()
 

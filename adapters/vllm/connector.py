@@ -33,7 +33,9 @@ view gives the blocks an engine announces -- over the namespace
 ``kvcc.adapters.vllm.model.engine_namespace`` derives from the served model folder (model id,
 revision = content digest, KV dtype, block size, layer layout ``L<layers>.H<kv heads>.D<head dim>``,
 tensor-parallel rank) with the request's cache salt. Requests with LoRA, multimodal or
-prompt-embedding inputs are neither looked up nor saved (their KV depends on more than tokens).
+prompt-embedding inputs are neither looked up nor saved (their KV depends on more than tokens);
+nor is a request that opts out with ``kv_transfer_params: {"kvcc": "skip"}`` (an operator's
+per-request choice, and the benchmark's baseline in the same engine process).
 
 **Byte layout of a block** (independent of the engine's own paged layout): for each attention
 layer in model order (``extract_layer_index``), K then V, each ``[block_tokens, kv_heads,
@@ -148,6 +150,7 @@ CLIENT_TIMEOUT_MS_DEFAULT = 10_000  # one directory or node request; a slow kvcc
 RESET_TIMEOUT_S_DEFAULT = 60.0  # reset_cache's wait for its namespace invalidations to complete
 MAX_BLOCKS_PER_LOOKUP = 4096
 LOAD_CHAIN_BLOCKS = 64  # blocks leased, read and released per round trip in a load (bounds its staging)
+SKIP = "skip"  # kv_transfer_params {"kvcc": "skip"}: a request the connector leaves alone
 SAVE_QUEUE_MAX = 64  # request batches packed and waiting for the saver thread; more are dropped (lost saves)
 SAVER_STOP_S = 30.0  # shutdown's wait for the saves already queued  # a prompt longer than this many blocks is looked up only this far
 
@@ -386,6 +389,9 @@ class KvccConnector(KVConnectorBase_V1):
         tokens = request.prompt_token_ids
         if tokens is None or request.lora_request is not None or request.mm_features or request.prompt_embeds is not None:
             return  # KV that depends on more than the tokens: not ours to key
+        if (request.kv_transfer_params or {}).get("kvcc") == SKIP:
+            self._count("requests_skipped")
+            return  # the request opted out: neither looked up nor saved
         keys = self.mapper.keys(tokens[: MAX_BLOCKS_PER_LOOKUP * self.block_size], request.cache_salt)
         ns = bytes(self.mapper.namespace(request.cache_salt).digest())
         self._namespaces.add(ns)

@@ -394,10 +394,12 @@ class VllmEngine:
         *,
         max_tokens: int = 1,
         cache_salt: str | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
         timeout_s: float = REQUEST_TIMEOUT_S,
     ) -> dict[str, Any]:
         """A greedy completion (temperature 0, no early stop): the OpenAI response, with
-        ``usage.prompt_tokens_details.cached_tokens`` the engine's prefix-cache hit."""
+        ``usage.prompt_tokens_details.cached_tokens`` the engine's prefix-cache hit.
+        ``kv_transfer_params`` go to the engine's KV connector with the request."""
         body: dict[str, Any] = {
             "model": self.served_name,
             "prompt": prompt,
@@ -408,6 +410,8 @@ class VllmEngine:
         }
         if cache_salt is not None:
             body["cache_salt"] = cache_salt
+        if kv_transfer_params is not None:
+            body["kv_transfer_params"] = kv_transfer_params
         return self._post("/v1/completions", body, timeout_s)
 
     def tokenize(self, text: str, timeout_s: float = REQUEST_TIMEOUT_S) -> list[int]:
