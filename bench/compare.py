@@ -86,22 +86,37 @@ def _legend(ax: Any, left_out: list[str]) -> None:
     ax.legend(fontsize="x-small")
 
 
-def plot_latency(names: Sequence[str], bundles: Sequence[dict[str, Any]]) -> bytes:
+def _plot_lines(names: Sequence[str], bundles: Sequence[dict[str, Any]], rows_of: Any, x: str, y: str, *,
+                xlabel: str, ylabel: str, title: str, log_x: bool) -> bytes:
+    """One line per bundle of ``y`` against ``x`` over the rows ``rows_of(bundle)`` gives."""
     plt, (fig, ax) = perf_bundle._figure(7.2, 4.0)
-    left_out, ticks = [], set()
+    left_out, xs = [], set()
     for name, b in zip(names, bundles):
-        rows = [r for r in _ok_rows(b, "lease_lookup") if r["op"] == "acquire+release"]
+        rows = rows_of(b)
         if not rows:
             left_out.append(name)
             continue
-        ticks.update(r["clients"] for r in rows)
-        ax.plot([r["clients"] for r in rows], [r["p50_us"] for r in rows], marker="o", label=name)
-    ax.set(xlabel="concurrent clients", ylabel="acquire+release p50 (µs)", title="lease latency vs clients")
-    ax.set_xscale("log", base=2)
+        xs.update(r[x] for r in rows)
+        ax.plot([r[x] for r in rows], [r[y] for r in rows], marker="o", label=name)
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    if log_x:
+        ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set_xticks(sorted(ticks), [str(t) for t in sorted(ticks)])
+    ax.set_xticks(sorted(xs), [str(v) for v in sorted(xs)])
     _legend(ax, left_out)
     return perf_bundle._png(plt, fig)
+
+
+def plot_latency(names: Sequence[str], bundles: Sequence[dict[str, Any]]) -> bytes:
+    return _plot_lines(names, bundles, lambda b: [r for r in _ok_rows(b, "lease_lookup") if r["op"] == "acquire+release"],
+                       "clients", "p50_us", xlabel="concurrent clients", ylabel="acquire+release p50 (µs)",
+                       title="lease latency vs clients", log_x=True)  # fmt: skip
+
+
+def plot_invalidation(names: Sequence[str], bundles: Sequence[dict[str, Any]]) -> bytes:
+    return _plot_lines(names, bundles, lambda b: [r for r in _ok_rows(b, "invalidation") if r["mode"] == "ack"],
+                       "holders", "p50_ms", xlabel="holders of read leases", ylabel="completion by ack, p50 (ms)",
+                       title="invalidation vs holders", log_x=False)  # fmt: skip
 
 
 def plot_bandwidth(names: Sequence[str], bundles: Sequence[dict[str, Any]]) -> bytes:
@@ -125,23 +140,6 @@ def plot_bandwidth(names: Sequence[str], bundles: Sequence[dict[str, Any]]) -> b
         ax.set_xticks(sorted(sizes), [perf_bundle.size_text(x) for x in sorted(sizes)])
     axes[0].set_ylabel("bandwidth / raw copy")
     _legend(axes[1], left_out)
-    return perf_bundle._png(plt, fig)
-
-
-def plot_invalidation(names: Sequence[str], bundles: Sequence[dict[str, Any]]) -> bytes:
-    plt, (fig, ax) = perf_bundle._figure(7.2, 4.0)
-    left_out, holders = [], set()
-    for name, b in zip(names, bundles):
-        rows = [r for r in _ok_rows(b, "invalidation") if r["mode"] == "ack"]
-        if not rows:
-            left_out.append(name)
-            continue
-        holders.update(r["holders"] for r in rows)
-        ax.plot([r["holders"] for r in rows], [r["p50_ms"] for r in rows], marker="o", label=name)
-    ax.set(xlabel="holders of read leases", ylabel="completion by ack, p50 (ms)", title="invalidation vs holders")
-    ax.set_yscale("log")
-    ax.set_xticks(sorted(holders))
-    _legend(ax, left_out)
     return perf_bundle._png(plt, fig)
 
 
