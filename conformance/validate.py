@@ -102,6 +102,15 @@ frontier of possible states, time as intervals) over the same transitions the ch
    time is up or an invalidation may complete), so a directory that logs such a step later
    than epsilon after it was due is REJECTED.
 
+   Wall-clock steps: ``w`` is ``t_wall_ns`` with the forward steps of the wall clock taken out
+   (``_Shapes.wall_steps``): two lines of one log whose wall times moved more than epsilon
+   further than their ``t_local_ns`` show a step (a virtual machine paused while its monotonic
+   clock stood still and then set right: seen on CI as a write-lease expiry "logged 1475 ms
+   late" that no process's clock had seen pass). The step is no time the processes saw, so
+   every event after it, in every log on that clock, is placed that much earlier; a log whose
+   lines on both sides of it do not show it is on another clock and keeps its stamps. A step
+   on both clocks (a directory that took its timer late) is not a wall-clock step.
+
    Memory: two streaming passes (shapes and roles, then the shadow and each key's projection as
    packed indices, 4 bytes an event), and each key's events fetched again only for its replay;
    ``validate_file`` keeps 4 bytes of offset per line (of a file under 4 GiB), not the events.
@@ -528,10 +537,49 @@ def _check_shapes(events: Iterable[Any]) -> int | None:
 
 class _Shapes:
     """Every event's shape checked as it passes (``checked``), so that the pass that reads the
-    roles checks the shapes too (one parse of a file fewer); the earliest wall time seen."""
+    roles checks the shapes too (one parse of a file fewer); the earliest wall time seen; and the
+    wall-clock steps the logs show (``wall_steps``, then ``wall``: module docstring, section 4)."""
 
-    def __init__(self) -> None:
+    def __init__(self, step_ns: int | None = None) -> None:
         self.w0: int | None = None
+        self._step_ns = step_ns  # a wall clock that gains more than this on t_local has stepped
+        self._walls: dict[tuple[str, int], tuple[int, int, int]] = {}  # log: first wall, last wall, last local
+        self._seen: list[tuple[int, int, int, tuple[str, int]]] = []  # (wall before, wall after, gain, log)
+        self._steps: list[tuple[int, int, frozenset]] = []  # (cut, gain, logs that showed it), by cut
+        self._skip: dict[tuple[str, int], list[tuple[int, int]]] = {}  # per log: the steps not its own
+
+    def wall_steps(self) -> list[tuple[int, int, frozenset]]:
+        """The forward steps of the wall clock every log shows together, once the events have
+        passed: ``(cut, gain, logs)``: events stamped at or after ``cut`` (wall ns) were stamped
+        ``gain`` ns late. A step shows in a log as two lines whose ``t_wall_ns`` moved more
+        than ``step_ns`` further than their ``t_local_ns`` (a virtual machine paused while its
+        monotonic clock stood still, then its wall clock set right; an NTP step). Detections in
+        several logs whose gains agree within ``step_ns`` and whose moments overlap are one
+        step. The cut is where no line of any log on that clock can be (between the last moment
+        before the step and the first after), so each event falls on its side."""
+        clusters: list[list] = []  # [post lo, post hi, gain, logs]
+        for before, after, gain, log in sorted(self._seen, key=lambda d: d[0] + d[2]):
+            lo, hi = before + gain, after  # the step's moment, on the clock after it
+            c = clusters[-1] if clusters else None
+            if c is not None and lo <= c[1] and hi >= c[0] and abs(gain - c[2]) <= (self._step_ns or 0):
+                c[0], c[1] = max(c[0], lo), min(c[1], hi)
+                c[3].add(log)
+            else:
+                clusters.append([lo, hi, gain, {log}])
+        self._steps = [((hi - gain + lo) // 2, gain, frozenset(logs)) for lo, hi, gain, logs in clusters]
+        self._skip = {}
+        for log, (first, last, _) in self._walls.items():
+            # A log with lines on both sides of a step that did not show it is on another clock.
+            self._skip[log] = [(cut, gain) for cut, gain, logs in self._steps if log not in logs and first < cut <= last]
+        return self._steps
+
+    def wall(self, ev: dict) -> int:
+        """``ev``'s wall time with the steps before it taken out (``wall_steps`` first)."""
+        w = ev["t_wall_ns"]
+        if not self._steps:
+            return w
+        skip = self._skip.get((ev["node"], ev["incarnation"]), ())
+        return w - sum(gain for cut, gain, _ in self._steps if cut <= w and (cut, gain) not in skip)
 
     def checked(self, events: Iterable[Any]) -> Iterator[dict]:
         last: dict[tuple[str, int], tuple[int, int]] = {}
@@ -574,8 +622,19 @@ class _Shapes:
         if ev["t_local_ns"] < prev_t:
             raise _reject(i, ev, "clock_back", f"event {i}: t_local_ns went back within {log[0]!r} incarnation {log[1]}")
         last[log] = (ev["seq"], ev["t_local_ns"])
-        if self.w0 is None or ev["t_wall_ns"] < self.w0:
-            self.w0 = ev["t_wall_ns"]
+        wall = ev["t_wall_ns"]
+        if self.w0 is None or wall < self.w0:
+            self.w0 = wall
+        if self._step_ns is not None:
+            was = self._walls.get(log)
+            if was is None:
+                self._walls[log] = (wall, wall, ev["t_local_ns"])
+                return
+            first, last_wall, last_local = was
+            gain = (wall - last_wall) - (ev["t_local_ns"] - last_local)
+            if gain > self._step_ns:
+                self._seen.append((last_wall, wall, gain, log))
+            self._walls[log] = (first, max(last_wall, wall), ev["t_local_ns"])
 
 
 class _Shadow:
@@ -2005,11 +2064,12 @@ def _validate(events: Sequence[dict], params: TraceParams) -> Verdict:
     # event: shapes (and the earliest wall time) with roles, then the shadow and each key's
     # projection as indices. Each key's events are fetched again only for its replay, so a
     # trace read from a file (``validate_file``) is never in memory as a whole.
-    shapes = _Shapes()
+    shapes = _Shapes(params.skew_ms * 1_000_000)
     roles = _Roles(shapes.checked(events), params)
     w0 = shapes.w0
     if w0 is None:
         return Verdict(ACCEPTED, reason="an empty trace", frontier_max=1)
+    shapes.wall_steps()
     shadow = _Shadow(roles.host)
     per_key: dict[str, array] = {}
     counts: dict[str, dict[str, int]] = {}
@@ -2088,8 +2148,9 @@ def _validate(events: Sequence[dict], params: TraceParams) -> Verdict:
             ev = events[i]
             if mode == _GLOBAL_CASCADE:
                 ev = dict(ev, _cascade=True)
-            lo, hi = _interval(ev["t_wall_ns"], w0, params)
-            out.append(_PEvent(i, ev, _MODE_NAMES[mode], lo, hi, ev["t_wall_ns"], ev["t_local_ns"]))
+            wall = shapes.wall(ev)
+            lo, hi = _interval(wall, w0, params)
+            out.append(_PEvent(i, ev, _MODE_NAMES[mode], lo, hi, wall, ev["t_local_ns"]))
         return out
 
     explored, fmax = 0, 1

@@ -256,6 +256,35 @@ def test_a_missing_or_late_write_expiry_is_named_before_the_next_write():
         assert "expire_write_lease was due at +" in v.reason and "logged too late, or an earlier step missing" in v.reason
 
 
+def test_a_wall_clock_step_is_not_a_late_expiry():
+    # Every log's wall clock steps 1.4 s forward while a write lease runs (a virtual machine
+    # paused with its monotonic clock stopped, then its wall clock set right; seen once on CI:
+    # "logged too late: due at +1000 ms, logged at about +2475 ms"). t_local says no time
+    # passed: the step is taken out, and the expiry is on time. The same delay on both clocks
+    # is a directory that took it late: REJECTED (the test above).
+    a = _adapter()
+    try:
+        (k,) = _keys(random.Random(14), 1)
+        a.abort(a.begin_write("cache-1", NS, k, None))
+        time.sleep((TERM_MS + 3 * SKEW_MS) / 1000)
+        assert isinstance(a.begin_write("cache-1", NS, k, None), WriteGrant)
+        events = a.events()
+    finally:
+        a.stop()
+    i = [e["event"] for e in events].index("expire_write_lease")
+    step = 1_400_000_000
+    stepped = [dict(e, t_wall_ns=e["t_wall_ns"] + step) if j >= i else e for j, e in enumerate(events)]
+    assert _verdict(stepped).status == ACCEPTED
+    # Only the directory's clock stepped (the others' lines on both sides show no step): its
+    # lines alone are taken back.
+    own = [dict(e, t_wall_ns=e["t_wall_ns"] + step) if j >= i and e["node"] == "directory" else e
+           for j, e in enumerate(events)]  # fmt: skip
+    assert _verdict(own).status == ACCEPTED
+    both = _shift(events, lambda j, e: j >= i, 1400)
+    v = _verdict(both)
+    assert (v.status, v.event["event"]) == (REJECTED, "expire_write_lease") and "logged too late" in v.reason, v.reason
+
+
 def test_data_plane_logs_stamped_early_say_out_of_order():
     # R4: every non-directory record 200 ms early (epsilon 50 ms).
     a = _adapter()

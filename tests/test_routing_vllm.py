@@ -1,7 +1,7 @@
 """``kvcc bench routing --live-vllm``: a trace routed through real vLLM engines (CPU) that share a
 kvcc cluster through ``KvccConnector``, the router fed by the engines' KV events. A hand-made
 trace, where every hit can be counted by hand: whichever engine serves, every repeated block is
-a hit (the engine's own prefix cache or kvcc's pool, whose room is ample here), and the engine's
+a hit (the engine's own prefix cache or kvcc's pool, which has room for every save here), and the engine's
 own account of each hit is split by its connector's counters into local and kvcc. No test asserts
 a measured time.
 
@@ -36,17 +36,20 @@ def test_every_repeated_block_is_a_hit_from_the_engine_or_from_kvcc(tmp_path):
     path.write_text("".join(json.dumps({"timestamp": 1000 * i, "hash_ids": r}) + "\n" for i, r in enumerate(requests)))
     trace = sim.load_trace(path)
     assert sim.bound_infinite(trace) == pytest.approx(17 / 28)
-    rows = routing_vllm.run(trace, [2], [1.0], ["round_robin", "cache_aware"], workdir=tmp_path)
+    # kvcc's pool at twice the trace's 11 unique blocks: 11 slots on each node, so no save is
+    # refused and every block computed once can be loaded anywhere after. cache_aware's guard is
+    # on the work measured so far (its engines' TTFTs), so its route varies from run to run;
+    # with room for every save, the hits may not. (At 1.0, 5 slots a node, a refused save
+    # turned a route that left the engine holding a prefix into 2 misses: 15/28.)
+    rows = routing_vllm.run(trace, [2], [2.0], ["round_robin", "cache_aware"], workdir=tmp_path)
     by = {r["policy"]: r for r in rows}
     for r in rows:
-        assert r["hit_ratio"] == pytest.approx(17 / 28), r
-        assert r["local_hit_ratio"] + r["kvcc_hit_ratio"] == pytest.approx(r["hit_ratio"])
-        assert r["requests_per_engine"] and sum(r["requests_per_engine"]) == len(requests)
-        # every block an engine computed (28 - 17) is planned for save once, and each is saved or
-        # refused (a node whose slots hold only ancestors of blocks cached elsewhere has no room)
-        saves = r["saves"]
-        assert saves["blocks_planned_for_save"] == 11, saves
-        assert saves.get("saved_blocks", 0) + sum(v for k, v in saves.items() if k.startswith("save_refused_")) == 11
+        row = json.dumps(r, sort_keys=True)
+        assert r["hit_ratio"] == pytest.approx(17 / 28), row
+        assert r["local_hit_ratio"] + r["kvcc_hit_ratio"] == pytest.approx(r["hit_ratio"]), row
+        assert r["requests_per_engine"] and sum(r["requests_per_engine"]) == len(requests), row
+        # every block an engine computed (28 - 17) is planned for save once, and each is saved
+        assert r["saves"]["blocks_planned_for_save"] == 11 and r["saves"].get("saved_blocks") == 11, row
     # Round robin (engine 0, 1, 0, 1 ...) serves request 2 on the engine that did not compute 1-4:
     # it loads them from kvcc, saved by the other engine; every later hit is in the serving
     # engine's own cache (4: 1-4 on engine 1; 3: 7-9 on engine 0; 6: 1-6 on engine 1).
@@ -54,5 +57,6 @@ def test_every_repeated_block_is_a_hit_from_the_engine_or_from_kvcc(tmp_path):
     routing.render_live_vllm(Console(file=out, width=250), {"block_tokens": 32, "rows": rows, "against": "bounds"})
     assert "round_robin" in out.getvalue() and "cache_aware" in out.getvalue()
     rr = by["round_robin"]
-    assert rr["kvcc_hit_ratio"] == pytest.approx(4 / 28) and rr["local_hit_ratio"] == pytest.approx(13 / 28), rr
-    assert rr["requests_per_engine"] == [3, 3] and rr["events_late"] == 0
+    row = json.dumps(rr, sort_keys=True)
+    assert rr["kvcc_hit_ratio"] == pytest.approx(4 / 28) and rr["local_hit_ratio"] == pytest.approx(13 / 28), row
+    assert rr["requests_per_engine"] == [3, 3] and rr["events_late"] == 0, row
