@@ -1025,3 +1025,34 @@ def test_an_element_keeps_its_shared_ticks_exactly_up_to_a_bound_then_their_hull
     everything = frozenset(range(MAX_BOXES + 1))
     assert _hull(diagonal) == ((1, everything), (2, everything))
     assert _hull(frozenset({((1, frozenset({0})),), ((2, frozenset({0})),)})) is None, "not the same events"
+
+
+def test_wall_clock_steps_are_found_once_and_taken_out_on_their_clock():
+    # _Shapes.wall_steps on hand-made lines (ms): logs "a" and "b" on one clock, whose wall
+    # steps +1000 between 10 and 30 (t_local moves 20, t_wall 1020), and again +500 later;
+    # "c" starts after the first step (no line before it: on the same clock, it is moved too);
+    # "d" has lines on both sides of the first step (wall 8 and 600) and does not show it: another
+    # clock, kept as stamped.
+    from kvcc.conformance.validate import _Shapes
+
+    ms = 1_000_000
+
+    def line(node, seq, local, wall):
+        return {"node": node, "incarnation": 1, "seq": seq, "t_local_ns": local * ms, "t_wall_ns": wall * ms,
+                "event": "crash", "key": None, "gen": None, "epoch": None, "lease": None, "result": None}  # fmt: skip
+
+    lines = [line("a", 1, 0, 0), line("b", 1, 5, 5), line("d", 1, 8, 8), line("a", 2, 10, 10),
+             line("b", 2, 30, 1030), line("a", 3, 31, 1031), line("c", 1, 40, 1040), line("d", 2, 600, 600),
+             line("a", 4, 60, 1060), line("a", 5, 70, 1570), line("b", 3, 75, 1575)]  # fmt: skip
+    shapes = _Shapes(50 * ms)
+    assert list(shapes.checked(lines)) == lines
+    steps = shapes.wall_steps()
+    assert [(gain // ms, sorted(logs)) for _, gain, logs in steps] == [(1000, [("a", 1), ("b", 1)]),
+                                                                       (500, [("a", 1), ("b", 1)])]
+    got = {(e["node"], e["seq"]): shapes.wall(e) // ms for e in lines}
+    assert got == {("a", 1): 0, ("b", 1): 5, ("d", 1): 8, ("a", 2): 10, ("b", 2): 30, ("a", 3): 31,
+                   ("c", 1): 40, ("d", 2): 600, ("a", 4): 60, ("a", 5): 70, ("b", 3): 75}  # fmt: skip
+    # A gain within epsilon is drift, not a step.
+    small = _Shapes(50 * ms)
+    list(small.checked([line("a", 1, 0, 0), line("a", 2, 100, 140)]))
+    assert small.wall_steps() == []
