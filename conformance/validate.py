@@ -103,10 +103,11 @@ frontier of possible states, time as intervals) over the same transitions the ch
    than epsilon after it was due is REJECTED.
 
    Wall-clock steps: ``w`` is ``t_wall_ns`` with the forward steps of the wall clock taken out
-   (``_Shapes.wall_steps``): two lines of one log whose wall times moved more than epsilon
-   further than their ``t_local_ns`` show a step (a virtual machine paused while its monotonic
-   clock stood still and then set right: seen on CI as a write-lease expiry "logged 1475 ms
-   late" that no process's clock had seen pass). The step is no time the processes saw, so
+   (``_Shapes.wall_steps``): a line of a log whose wall time is more than epsilon further
+   ahead of its ``t_local_ns`` than the line before, and the log's next line as far, shows a
+   step (a virtual machine paused while its monotonic clock stood still and then set right:
+   seen on CI as a write-lease expiry "logged 1475 ms late" that no process's clock had seen
+   pass; one line ahead and the next back is a thread descheduled between its two clock reads). The step is no time the processes saw, so
    every event after it, in every log on that clock, is placed that much earlier; a log whose
    lines on both sides of it do not show it is on another clock and keeps its stamps. A step
    on both clocks (a directory that took its timer late) is not a wall-clock step.
@@ -543,32 +544,42 @@ class _Shapes:
     def __init__(self, step_ns: int | None = None) -> None:
         self.w0: int | None = None
         self._step_ns = step_ns  # a wall clock that gains more than this on t_local has stepped
-        self._walls: dict[tuple[str, int], tuple[int, int, int]] = {}  # log: first wall, last wall, last local
-        self._seen: list[tuple[int, int, int, tuple[str, int]]] = []  # (wall before, wall after, gain, log)
+        # Per log: first wall, last wall, the offset (wall - local) of its clock so far, the wall
+        # of the line it was last read at, and a step seen on one line, not yet confirmed.
+        self._walls: dict[tuple[str, int], list] = {}
+        self._seen: list[tuple[int, int, int, tuple[str, int], bool]] = []  # (wall before, wall after, gain, log, confirmed)
         self._steps: list[tuple[int, int, frozenset]] = []  # (cut, gain, logs that showed it), by cut
         self._skip: dict[tuple[str, int], list[tuple[int, int]]] = {}  # per log: the steps not its own
 
     def wall_steps(self) -> list[tuple[int, int, frozenset]]:
-        """The forward steps of the wall clock every log shows together, once the events have
-        passed: ``(cut, gain, logs)``: events stamped at or after ``cut`` (wall ns) were stamped
-        ``gain`` ns late. A step shows in a log as two lines whose ``t_wall_ns`` moved more
-        than ``step_ns`` further than their ``t_local_ns`` (a virtual machine paused while its
-        monotonic clock stood still, then its wall clock set right; an NTP step). Detections in
-        several logs whose gains agree within ``step_ns`` and whose moments overlap are one
-        step. The cut is where no line of any log on that clock can be (between the last moment
-        before the step and the first after), so each event falls on its side."""
-        clusters: list[list] = []  # [post lo, post hi, gain, logs]
-        for before, after, gain, log in sorted(self._seen, key=lambda d: d[0] + d[2]):
+        """The forward steps of the wall clock the logs show, once the events have passed:
+        ``(cut, gain, logs)``: events stamped at or after ``cut`` (wall ns) were stamped ``gain``
+        ns late. A step shows in a log as a line whose ``t_wall_ns`` is more than ``step_ns``
+        further ahead of its ``t_local_ns`` than before, and stays so on the log's next line (a
+        virtual machine paused while its monotonic clock stood still, then its wall clock set
+        right; an NTP step). One line ahead and the next back is not a step: the thread was
+        descheduled between reading its two clocks. A log's last line cannot be confirmed by its
+        own log, so it counts only with a confirmed detection of the same step in another log.
+        Detections whose gains agree within ``step_ns`` and whose moments overlap are one step.
+        The cut is where no line of any log on that clock can be (between the last moment before
+        the step and the first after), so each event falls on its side."""
+        seen = list(self._seen)
+        for log, (_, _, _, _, pending) in self._walls.items():
+            if pending is not None:
+                seen.append((*pending, log, False))
+        clusters: list[list] = []  # [post lo, post hi, gain, logs, confirmed]
+        for before, after, gain, log, confirmed in sorted(seen, key=lambda d: d[0] + d[2]):
             lo, hi = before + gain, after  # the step's moment, on the clock after it
             c = clusters[-1] if clusters else None
             if c is not None and lo <= c[1] and hi >= c[0] and abs(gain - c[2]) <= (self._step_ns or 0):
                 c[0], c[1] = max(c[0], lo), min(c[1], hi)
                 c[3].add(log)
+                c[4] = c[4] or confirmed
             else:
-                clusters.append([lo, hi, gain, {log}])
-        self._steps = [((hi - gain + lo) // 2, gain, frozenset(logs)) for lo, hi, gain, logs in clusters]
+                clusters.append([lo, hi, gain, {log}, confirmed])
+        self._steps = [((hi - gain + lo) // 2, gain, frozenset(logs)) for lo, hi, gain, logs, ok in clusters if ok]
         self._skip = {}
-        for log, (first, last, _) in self._walls.items():
+        for log, (first, last, *_) in self._walls.items():
             # A log with lines on both sides of a step that did not show it is on another clock.
             self._skip[log] = [(cut, gain) for cut, gain, logs in self._steps if log not in logs and first < cut <= last]
         return self._steps
@@ -626,15 +637,27 @@ class _Shapes:
         if self.w0 is None or wall < self.w0:
             self.w0 = wall
         if self._step_ns is not None:
-            was = self._walls.get(log)
-            if was is None:
-                self._walls[log] = (wall, wall, ev["t_local_ns"])
+            self._follow_offset(log, wall, wall - ev["t_local_ns"])
+
+    def _follow_offset(self, log: tuple[str, int], wall: int, offset: int) -> None:
+        """One line of ``log``: its wall time and ``t_wall_ns - t_local_ns`` (see ``wall_steps``)."""
+        w = self._walls.get(log)
+        if w is None:
+            self._walls[log] = [wall, wall, offset, wall, None]
+            return
+        w[1] = max(w[1], wall)
+        pending, limit = w[4], self._step_ns
+        if pending is not None:
+            w[4] = None
+            before, at, gain = pending
+            if abs(offset - (w[2] + gain)) <= limit:  # still ahead: the clock stepped
+                self._seen.append((before, at, gain, log, True))
+                w[2], w[3] = offset, wall
                 return
-            first, last_wall, last_local = was
-            gain = (wall - last_wall) - (ev["t_local_ns"] - last_local)
-            if gain > self._step_ns:
-                self._seen.append((last_wall, wall, gain, log))
-            self._walls[log] = (first, max(last_wall, wall), ev["t_local_ns"])
+        if offset - w[2] > limit:
+            w[4] = (w[3], wall, offset - w[2])  # confirmed, or not, by the next line
+        else:
+            w[2], w[3] = offset, wall  # the clock as it is now (a drift, or back from a glitch)
 
 
 class _Shadow:

@@ -1032,7 +1032,8 @@ def test_wall_clock_steps_are_found_once_and_taken_out_on_their_clock():
     # steps +1000 between 10 and 30 (t_local moves 20, t_wall 1020), and again +500 later;
     # "c" starts after the first step (no line before it: on the same clock, it is moved too);
     # "d" has lines on both sides of the first step (wall 8 and 600) and does not show it: another
-    # clock, kept as stamped.
+    # clock, kept as stamped; "e" has one line 180 ms ahead and the next back: its thread was
+    # descheduled between reading its two clocks, not a step.
     from kvcc.conformance.validate import _Shapes
 
     ms = 1_000_000
@@ -1041,18 +1042,21 @@ def test_wall_clock_steps_are_found_once_and_taken_out_on_their_clock():
         return {"node": node, "incarnation": 1, "seq": seq, "t_local_ns": local * ms, "t_wall_ns": wall * ms,
                 "event": "crash", "key": None, "gen": None, "epoch": None, "lease": None, "result": None}  # fmt: skip
 
-    lines = [line("a", 1, 0, 0), line("b", 1, 5, 5), line("d", 1, 8, 8), line("a", 2, 10, 10),
-             line("b", 2, 30, 1030), line("a", 3, 31, 1031), line("c", 1, 40, 1040), line("d", 2, 600, 600),
-             line("a", 4, 60, 1060), line("a", 5, 70, 1570), line("b", 3, 75, 1575)]  # fmt: skip
-    shapes = _Shapes(50 * ms)
+    lines = [line("a", 1, 0, 0), line("e", 1, 1, 1), line("b", 1, 5, 5), line("d", 1, 8, 8), line("a", 2, 10, 10),
+             line("e", 2, 20, 200), line("e", 3, 22, 22), line("b", 2, 30, 1030), line("a", 3, 31, 1031),
+             line("c", 1, 40, 1040), line("b", 3, 50, 1050), line("d", 2, 600, 600), line("a", 4, 60, 1060),
+             line("a", 5, 70, 1570), line("b", 4, 75, 1575), line("a", 6, 80, 1580), line("b", 5, 85, 1585)]  # fmt: skip
+    shapes = _Shapes(10 * ms)
     assert list(shapes.checked(lines)) == lines
     steps = shapes.wall_steps()
     assert [(gain // ms, sorted(logs)) for _, gain, logs in steps] == [(1000, [("a", 1), ("b", 1)]),
                                                                        (500, [("a", 1), ("b", 1)])]
     got = {(e["node"], e["seq"]): shapes.wall(e) // ms for e in lines}
-    assert got == {("a", 1): 0, ("b", 1): 5, ("d", 1): 8, ("a", 2): 10, ("b", 2): 30, ("a", 3): 31,
-                   ("c", 1): 40, ("d", 2): 600, ("a", 4): 60, ("a", 5): 70, ("b", 3): 75}  # fmt: skip
-    # A gain within epsilon is drift, not a step.
-    small = _Shapes(50 * ms)
-    list(small.checked([line("a", 1, 0, 0), line("a", 2, 100, 140)]))
+    assert got == {("a", 1): 0, ("a", 2): 10, ("a", 3): 31, ("a", 4): 60, ("a", 5): 70, ("a", 6): 80,
+                   ("b", 1): 5, ("b", 2): 30, ("b", 3): 50, ("b", 4): 75, ("b", 5): 85, ("c", 1): 40,
+                   ("d", 1): 8, ("d", 2): 600, ("e", 1): 1, ("e", 2): 200, ("e", 3): 22}  # fmt: skip
+    # A gain within the threshold is drift, not a step; a step on a log's last line alone
+    # (no other log confirms it) is not taken.
+    small = _Shapes(10 * ms)
+    list(small.checked([line("a", 1, 0, 0), line("a", 2, 100, 104), line("a", 3, 200, 208), line("a", 4, 300, 900)]))
     assert small.wall_steps() == []
