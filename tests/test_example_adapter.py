@@ -235,17 +235,22 @@ def test_a_completion_logged_late_says_too_late():
     assert not any(c["time_reachable"] for c in v.diff["closest"])
 
 
-def test_a_missing_or_late_write_expiry_is_named_before_the_next_write():
-    # R3: the next begin_write is not the writer's fault: the expiry due before it is missing.
+def _aborted_then_written_again() -> list[dict]:
+    """The events of a write aborted, its lease left to expire, and the key written again."""
     a = _adapter()
     try:
         (k,) = _keys(random.Random(14), 1)
         a.abort(a.begin_write("cache-1", NS, k, None))
         time.sleep((TERM_MS + 3 * SKEW_MS) / 1000)
         assert isinstance(a.begin_write("cache-1", NS, k, None), WriteGrant)
-        events = a.events()
+        return a.events()
     finally:
         a.stop()
+
+
+def test_a_missing_or_late_write_expiry_is_named_before_the_next_write():
+    # R3: the next begin_write is not the writer's fault: the expiry due before it is missing.
+    events = _aborted_then_written_again()
     assert _verdict(events).status == ACCEPTED
     i = [e["event"] for e in events].index("expire_write_lease")
     missing = _renumber(events[:i] + events[i + 1 :])
@@ -262,15 +267,7 @@ def test_a_wall_clock_step_is_not_a_late_expiry():
     # "logged too late: due at +1000 ms, logged at about +2475 ms"). t_local says no time
     # passed: the step is taken out, and the expiry is on time. The same delay on both clocks
     # is a directory that took it late: REJECTED (the test above).
-    a = _adapter()
-    try:
-        (k,) = _keys(random.Random(14), 1)
-        a.abort(a.begin_write("cache-1", NS, k, None))
-        time.sleep((TERM_MS + 3 * SKEW_MS) / 1000)
-        assert isinstance(a.begin_write("cache-1", NS, k, None), WriteGrant)
-        events = a.events()
-    finally:
-        a.stop()
+    events = _aborted_then_written_again()
     i = [e["event"] for e in events].index("expire_write_lease")
     step = 1_400_000_000
     stepped = [dict(e, t_wall_ns=e["t_wall_ns"] + step) if j >= i else e for j, e in enumerate(events)]
