@@ -14,6 +14,7 @@ is installed. The module is one xdist group, so that one worker starts the one e
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
@@ -42,6 +43,7 @@ BLOCK = 32
 NUM_BLOCKS = 32  # 31 usable (vLLM reserves one): a few prompts fill it, so eviction is easy to drive
 MAX_MODEL_LEN = 512
 EVENT_TIMEOUT_S = 60.0
+JOIN_PROBE_S = 2.0  # how long one probe of _joined is waited for before the next
 VOCAB = range(3, 512)  # the tiny model's ids without its special tokens
 
 
@@ -262,10 +264,27 @@ def sub(engine, mapper):
 def fresh(engine, sub):
     """A cleared prefix cache, and a view that has seen the AllBlocksCleared."""
     view = sub.view("e0")
+    _joined(engine, sub)
     assert engine.reset_prefix_cache()
     _sync(engine, sub)
     assert len(view.hashes()) == 1  # the probe's block
     return view
+
+
+def _joined(engine, sub) -> None:
+    """Return once the subscriber hears the engine. A ZMQ SUB socket drops what the engine
+    publishes before its subscription has reached the publisher (the slow joiner), and a first
+    message lost is a gap no later message reveals: a clean CI run once waited 60 s for a probe
+    published then. So probe, a fresh block each time, until one probe's BlockStored arrives."""
+    view = sub.view("e0")
+    deadline = time.monotonic() + EVENT_TIMEOUT_S
+    while view.next_seq is None:
+        probe = _tokens(random.Random(), BLOCK)
+        engine.complete(probe, max_tokens=1)
+        (h,) = ev.vllm_block_hashes(probe, BLOCK)
+        if sub.wait_for(lambda: view.holds(h), JOIN_PROBE_S):
+            return
+        assert time.monotonic() < deadline, f"the subscriber heard nothing from the engine\n{view}"
 
 
 def _sync(engine, sub, salt_probe=None) -> None:
