@@ -107,10 +107,11 @@ frontier of possible states, time as intervals) over the same transitions the ch
    ahead of its ``t_local_ns`` than the line before, and the log's next line as far, shows a
    step (a virtual machine paused while its monotonic clock stood still and then set right:
    seen on CI as a write-lease expiry "logged 1475 ms late" that no process's clock had seen
-   pass; one line ahead and the next back is a thread descheduled between its two clock reads). The step is no time the processes saw, so
-   every event after it, in every log on that clock, is placed that much earlier; a log whose
-   lines on both sides of it do not show it is on another clock and keeps its stamps. A step
-   on both clocks (a directory that took its timer late) is not a wall-clock step.
+   pass; one line ahead and the next back is a thread descheduled between its two clock
+   reads). The step is no time the processes saw, so every event after it, in every log on
+   that clock, is placed that much earlier; a log whose lines on both sides of it do not show
+   it is on another clock and keeps its stamps. A step on both clocks (a directory that took
+   its timer late) is not a wall-clock step.
 
    Memory: two streaming passes (shapes and roles, then the shadow and each key's projection as
    packed indices, 4 bytes an event), and each key's events fetched again only for its replay;
