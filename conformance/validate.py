@@ -195,7 +195,7 @@ from array import array
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from attrs import field, frozen
+from attrs import define, field, frozen
 
 try:  # parsing is most of the validator's single-process passes over a file
     from orjson import loads as _fast_loads
@@ -537,6 +537,19 @@ def _check_shapes(events: Iterable[Any]) -> int | None:
     return shapes.w0
 
 
+@define
+class _LogClock:
+    """What ``_Shapes`` follows of one log's clocks: its first and last wall time, the offset
+    ``t_wall_ns - t_local_ns`` of its clock so far and the wall time of the line that set it,
+    and a step seen on one line, not yet confirmed (wall before, wall at, gain)."""
+
+    first: int
+    last: int
+    offset: int
+    at: int
+    pending: tuple[int, int, int] | None = None
+
+
 class _Shapes:
     """Every event's shape checked as it passes (``checked``), so that the pass that reads the
     roles checks the shapes too (one parse of a file fewer); the earliest wall time seen; and the
@@ -545,9 +558,7 @@ class _Shapes:
     def __init__(self, step_ns: int | None = None) -> None:
         self.w0: int | None = None
         self._step_ns = step_ns  # a wall clock that gains more than this on t_local has stepped
-        # Per log: first wall, last wall, the offset (wall - local) of its clock so far, the wall
-        # of the line it was last read at, and a step seen on one line, not yet confirmed.
-        self._walls: dict[tuple[str, int], list] = {}
+        self._walls: dict[tuple[str, int], _LogClock] = {}
         self._seen: list[tuple[int, int, int, tuple[str, int], bool]] = []  # (wall before, wall after, gain, log, confirmed)
         self._steps: list[tuple[int, int, frozenset]] = []  # (cut, gain, logs that showed it), by cut
         self._skip: dict[tuple[str, int], list[tuple[int, int]]] = {}  # per log: the steps not its own
@@ -565,9 +576,9 @@ class _Shapes:
         The cut is where no line of any log on that clock can be (between the last moment before
         the step and the first after), so each event falls on its side."""
         seen = list(self._seen)
-        for log, (_, _, _, _, pending) in self._walls.items():
-            if pending is not None:
-                seen.append((*pending, log, False))
+        for log, c in self._walls.items():
+            if c.pending is not None:
+                seen.append((*c.pending, log, False))
         clusters: list[list] = []  # [post lo, post hi, gain, logs, confirmed]
         for before, after, gain, log, confirmed in sorted(seen, key=lambda d: d[0] + d[2]):
             lo, hi = before + gain, after  # the step's moment, on the clock after it
@@ -580,9 +591,9 @@ class _Shapes:
                 clusters.append([lo, hi, gain, {log}, confirmed])
         self._steps = [((hi - gain + lo) // 2, gain, frozenset(logs)) for lo, hi, gain, logs, ok in clusters if ok]
         self._skip = {}
-        for log, (first, last, *_) in self._walls.items():
+        for log, c in self._walls.items():
             # A log with lines on both sides of a step that did not show it is on another clock.
-            self._skip[log] = [(cut, gain) for cut, gain, logs in self._steps if log not in logs and first < cut <= last]
+            self._skip[log] = [(cut, gain) for cut, gain, logs in self._steps if log not in logs and c.first < cut <= c.last]
         return self._steps
 
     def wall(self, ev: dict) -> int:
@@ -642,23 +653,23 @@ class _Shapes:
 
     def _follow_offset(self, log: tuple[str, int], wall: int, offset: int) -> None:
         """One line of ``log``: its wall time and ``t_wall_ns - t_local_ns`` (see ``wall_steps``)."""
-        w = self._walls.get(log)
-        if w is None:
-            self._walls[log] = [wall, wall, offset, wall, None]
+        c = self._walls.get(log)
+        if c is None:
+            self._walls[log] = _LogClock(wall, wall, offset, wall)
             return
-        w[1] = max(w[1], wall)
-        pending, limit = w[4], self._step_ns
+        c.last = max(c.last, wall)
+        pending, limit = c.pending, self._step_ns
         if pending is not None:
-            w[4] = None
+            c.pending = None
             before, at, gain = pending
-            if abs(offset - (w[2] + gain)) <= limit:  # still ahead: the clock stepped
+            if abs(offset - (c.offset + gain)) <= limit:  # still ahead: the clock stepped
                 self._seen.append((before, at, gain, log, True))
-                w[2], w[3] = offset, wall
+                c.offset, c.at = offset, wall
                 return
-        if offset - w[2] > limit:
-            w[4] = (w[3], wall, offset - w[2])  # confirmed, or not, by the next line
+        if offset - c.offset > limit:
+            c.pending = (c.at, wall, offset - c.offset)  # confirmed, or not, by the next line
         else:
-            w[2], w[3] = offset, wall  # the clock as it is now (a drift, or back from a glitch)
+            c.offset, c.at = offset, wall  # the clock as it is now (a drift, or back from a glitch)
 
 
 class _Shadow:
