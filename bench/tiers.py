@@ -176,6 +176,134 @@ def _trials(trials: int, nbytes: int, raw_write: Callable[[], object], tier_writ
     return {k: nbytes / statistics.median(v) / 1e9 for k, v in times.items()}
 
 
+# ------------------------------------------------------------------------------------ memory limits
+
+
+def probe_memory(block: int = 1 * MIB, ring_bytes: int = 64 * MIB, rounds: int = 3) -> dict[str, Any]:
+    """The limits a verified memory-tier read runs into, measured on this machine (reported next
+    to the table; README "Tier bandwidth" reads them). A verified read must hash the whole block
+    before its first byte reaches the caller's buffer (the buffer stays untouched on a miss), so
+    it costs a hash pass plus a copy, against the raw limit's copy alone; doing better needs a
+    second core, and a second core helps only if handing it work is cheap. Figures (GB/s unless
+    named otherwise), each the best of ``rounds``:
+
+    - ``xxh3_cached``, ``xxh3_memory``: XXH3-64 over one 512 KiB piece kept in cache, and over
+      ``block``-sized blocks of a ``ring_bytes`` ring (each from memory, as the tiers read them);
+    - ``memcpy``: ``numpy.copyto`` of those blocks into one buffer (the raw limit's copy);
+    - ``hash_then_copy_ratio``: memcpy time / (hash + memcpy time) per block, one thread: the
+      ceiling of a verified read on one core, before any per-call overhead;
+    - ``gil_free_share``: how much of a pure-Python loop's speed survives while another thread
+      hashes large buffers (near 1: the hash releases the GIL; near 0.5 or below: it does not);
+    - ``hash_two_threads_speedup``: two threads hashing the two halves of the ring at once, against
+      one thread hashing both;
+    - ``thread_handoff_us``: half a round trip between two threads over ``queue.SimpleQueue``
+      (what handing one piece of a read to a helper thread costs before it starts);
+    - ``torch_copy``: ``torch`` CPU ``copy_`` of the same blocks with its intra-op threads
+      (``torch_threads``), which split one copy across cores.
+    """
+    import queue
+
+    import numpy as np
+    import torch
+    import xxhash
+
+    from kvcc.reference.tiers.base import CHECKSUM_PIECE_BYTES
+
+    h = xxhash.xxh3_64_intdigest
+    count = max(2, ring_bytes // block)
+    ring = np.frombuffer(os.urandom(count * block), dtype=np.uint8).copy()
+    view = memoryview(ring)
+    out = np.empty(block, dtype=np.uint8)
+    piece = CHECKSUM_PIECE_BYTES
+
+    def hash_block(i: int) -> None:
+        a = (i % count) * block
+        for p in range(a, a + block, piece):
+            h(view[p:min(p + piece, a + block)])
+
+    def copy_block(i: int) -> None:
+        a = (i % count) * block
+        np.copyto(out, ring[a:a + block])
+
+    def best(fn: Callable[[], object]) -> float:
+        return min(_timed(fn) for _ in range(rounds))
+
+    cached = view[:piece]
+    t_cached = best(lambda: [h(cached) for _ in range(64)]) / (64 * piece)
+    t_hash = best(lambda: [hash_block(i) for i in range(count)]) / (count * block)
+    t_copy = best(lambda: [copy_block(i) for i in range(count)]) / (count * block)
+    t_both = best(lambda: [(hash_block(i), copy_block(i)) for i in range(count)]) / (count * block)
+
+    def spin(seconds: float, hashing: bool) -> float:
+        """Pure-Python loop iterations per second while another thread hashes (or sleeps)."""
+        stop = threading.Event()
+
+        def other() -> None:
+            while not stop.is_set():
+                if hashing:
+                    h(view)
+                else:
+                    time.sleep(0.001)
+
+        t = threading.Thread(target=other, daemon=True)
+        t.start()
+        n, end = 0, time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            n += 1
+        stop.set()
+        t.join()
+        return n / seconds
+
+    gil_free_share = spin(0.2, True) / spin(0.2, False)
+
+    half = count * block // 2
+
+    def hash_range(lo: int, hi: int) -> None:
+        for p in range(lo, hi, piece):
+            h(view[p:min(p + piece, hi)])
+
+    def two_threads() -> None:
+        t = threading.Thread(target=hash_range, args=(0, half))
+        t.start()
+        hash_range(half, 2 * half)
+        t.join()
+
+    t_one = best(lambda: hash_range(0, 2 * half))
+    t_two = best(two_threads)
+
+    ping: queue.SimpleQueue = queue.SimpleQueue()
+    pong: queue.SimpleQueue = queue.SimpleQueue()
+
+    def echo() -> None:
+        while (x := ping.get()) is not None:
+            pong.put(x)
+
+    t = threading.Thread(target=echo, daemon=True)
+    t.start()
+    trips = 200
+
+    def round_trips() -> None:
+        for i in range(trips):
+            ping.put(i)
+            pong.get()
+
+    t_trip = best(round_trips) / trips
+    ping.put(None)
+    t.join()
+
+    ring_t, out_t = torch.from_numpy(ring), torch.from_numpy(out)
+    t_torch = best(lambda: [out_t.copy_(ring_t[(i % count) * block:(i % count + 1) * block])
+                            for i in range(count)]) / (count * block)
+    return {
+        "block": block, "ring_bytes": count * block,
+        "xxh3_cached": round(1 / t_cached / 1e9, 2), "xxh3_memory": round(1 / t_hash / 1e9, 2),
+        "memcpy": round(1 / t_copy / 1e9, 2), "hash_then_copy_ratio": round(t_copy / t_both, 3),
+        "gil_free_share": round(gil_free_share, 2), "hash_two_threads_speedup": round(t_one / t_two, 2),
+        "thread_handoff_us": round(t_trip / 2 * 1e6, 1),
+        "torch_copy": round(1 / t_torch / 1e9, 2), "torch_threads": torch.get_num_threads(),
+    }
+
+
 # ------------------------------------------------------------------------------------ file tiers
 
 
@@ -298,6 +426,7 @@ def measure(sizes: Sequence[int] = SIZES, tiers: Sequence[str] = TIERS, director
                         "ratio": round(ratio, 3), "raw": r["raw"],
                         "meets_target": (ratio >= TARGET_RATIO) if size >= TARGET_MIN_SIZE else None,
                     })
+        limits = probe_memory() if any(t in ("dram", "gpu") for t in tiers) else None
     finally:
         shutil.rmtree(work, ignore_errors=True)
     summary: dict[str, bool | None] = {}
@@ -319,6 +448,7 @@ def measure(sizes: Sequence[int] = SIZES, tiers: Sequence[str] = TIERS, director
         "target": {"ratio": TARGET_RATIO, "min_size": TARGET_MIN_SIZE},
         "rows": rows,
         "met": summary,
+        "memory_limits": limits,
         "seconds": round(time.perf_counter() - started, 1),
         "python": sys.version.split()[0],
         "torch": torch.__version__,
@@ -363,6 +493,14 @@ def render(console: Any, r: dict[str, Any]) -> None:
     console.print(t)
     raws = sorted({(row["tier"].split(" ")[0], row["raw"]) for row in r["rows"]})
     console.print(Text("cells: ratio, then tier/raw GB/s. raw limits: " + "; ".join(f"{k}: {v}" for k, v in raws), style="dim"))
+    m = r.get("memory_limits")
+    if m:
+        console.print(Text(
+            f"memory limits ({_fmt_size(m['block'])} blocks, GB/s): XXH3 {m['xxh3_cached']} in cache, "
+            f"{m['xxh3_memory']} from memory; memcpy {m['memcpy']}; one core hash+copy = "
+            f"{m['hash_then_copy_ratio']} of copy; GIL-free share while hashing {m['gil_free_share']}; "
+            f"two hashing threads {m['hash_two_threads_speedup']}x; thread handoff {m['thread_handoff_us']} us; "
+            f"torch copy ({m['torch_threads']} threads) {m['torch_copy']}", style="dim"))
     console.print(Text(f"directory {r['directory']} ({r['filesystem']}): O_DIRECT "
                        f"{'used' if r['direct_io'] else 'unavailable (' + r['direct_io_detail'] + '), buffered + fdatasync'}; "
                        f"CUDA {'yes' if r['cuda'] else 'no (gpu tier on the cpu device)'}; {r['seconds']} s", style="dim"))

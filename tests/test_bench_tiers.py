@@ -53,6 +53,34 @@ def test_bench_tiers_json_every_tier(capsys, tmp_path):
     assert set(r["met"]) == {f"{row['tier']}/{row['op']}" for row in rows}
     assert isinstance(r["direct_io"], bool) and r["filesystem"]
     assert not list(tmp_path.iterdir()), "the benchmark must remove its files"
+    _check_memory_limits(r["memory_limits"])
+
+
+LIMIT_KEYS = {"block", "ring_bytes", "xxh3_cached", "xxh3_memory", "memcpy", "hash_then_copy_ratio",
+              "gil_free_share", "hash_two_threads_speedup", "thread_handoff_us", "torch_copy", "torch_threads"}
+
+
+def _check_memory_limits(m: dict) -> None:
+    """Every figure of the memory-limits probe is there and is a measurement (positive)."""
+    assert set(m) == LIMIT_KEYS, set(m) ^ LIMIT_KEYS
+    assert all(isinstance(v, int | float) and v > 0 for v in m.values()), m
+    assert m["ring_bytes"] % m["block"] == 0 and m["ring_bytes"] >= 2 * m["block"]
+
+
+def test_memory_limits_probe_alone():
+    from kvcc.bench.tiers import probe_memory
+
+    m = probe_memory(block=256 << 10, ring_bytes=1 << 20, rounds=1)
+    _check_memory_limits(m)
+    assert m["block"] == 256 << 10 and m["ring_bytes"] == 1 << 20
+
+
+def test_file_tiers_only_skip_the_memory_probe(capsys, tmp_path):
+    code = cli.main(["bench", "tiers", "--tiers", "nvme", "--sizes", "64K", "--trials", "1",
+                     "--file-trial-bytes", "1M", "--dir", str(tmp_path), "--json"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert _one_json(captured.out)["memory_limits"] is None
 
 
 def test_bench_tiers_table(capsys, tmp_path):
@@ -63,6 +91,7 @@ def test_bench_tiers_table(capsys, tmp_path):
     assert "Tier bandwidth / raw limit" in out
     for tier in ("dram", "nvme"):
         assert tier in out
+    assert "memory limits (" in out, "the probe's figures are printed under the table"
     assert "pool" not in out.split("raw limits:")[0]
 
 
