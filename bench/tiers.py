@@ -164,7 +164,9 @@ def _bench_memory(kind: str, size: int, verify: bool, trials: int, trial_bytes: 
 def _trials(trials: int, nbytes: int, raw_write: Callable[[], object], tier_write: Callable[[], object],
             raw_read: Callable[[], object], tier_read: Callable[[], object],
             after_write: Callable[[], None] | None = None) -> dict[str, Any]:
-    """Interleaved trials (raw, tier, raw, tier, ...) so drift hits both; medians in GB/s."""
+    """Interleaved trials (raw, tier, raw, tier, ...) so drift hits both; medians in GB/s, and the
+    least and greatest ratio of one trial's tier figure to the raw one timed just before it
+    (``spread_write``, ``spread_read``): how far one trial could be off on a shared machine."""
     times: dict[str, list[float]] = {"raw_write": [], "tier_write": [], "raw_read": [], "tier_read": []}
     for t in range(trials):
         times["raw_write"].append(_timed(raw_write))
@@ -173,7 +175,11 @@ def _trials(trials: int, nbytes: int, raw_write: Callable[[], object], tier_writ
             after_write()
         times["raw_read"].append(_timed(raw_read))
         times["tier_read"].append(_timed(tier_read))
-    return {k: nbytes / statistics.median(v) / 1e9 for k, v in times.items()}
+    res: dict[str, Any] = {k: nbytes / statistics.median(v) / 1e9 for k, v in times.items()}
+    for op in ("write", "read"):
+        pairs = [raw / tier for raw, tier in zip(times[f"raw_{op}"], times[f"tier_{op}"], strict=True)]
+        res[f"spread_{op}"] = (min(pairs), max(pairs))
+    return res
 
 
 # ------------------------------------------------------------------------------------ memory limits
@@ -423,7 +429,8 @@ def measure(sizes: Sequence[int] = SIZES, tiers: Sequence[str] = TIERS, director
                     rows.append({
                         "tier": label, "op": op, "size": size,
                         "tier_gb_per_s": round(r[f"tier_{op}"], 3), "raw_gb_per_s": round(r[f"raw_{op}"], 3),
-                        "ratio": round(ratio, 3), "raw": r["raw"],
+                        "ratio": round(ratio, 3), "ratio_min": round(r[f"spread_{op}"][0], 3),
+                        "ratio_max": round(r[f"spread_{op}"][1], 3), "raw": r["raw"],
                         "meets_target": (ratio >= TARGET_RATIO) if size >= TARGET_MIN_SIZE else None,
                     })
         limits = probe_memory() if any(t in ("dram", "gpu") for t in tiers) else None
@@ -487,12 +494,15 @@ def render(console: Any, r: dict[str, Any]) -> None:
             style = "green" if row["ratio"] >= r["target"]["ratio"] else ("yellow" if size < r["target"]["min_size"] else "red")
             cell = Text(f"{row['ratio']:.2f}", style=style)
             cell.append(f"\n{row['tier_gb_per_s']:.2f}/{row['raw_gb_per_s']:.2f}", style="dim")
+            if "ratio_min" in row and r["trials"] > 1:
+                cell.append(f"\n{row['ratio_min']:.2f}-{row['ratio_max']:.2f}", style="dim")
             cells.append(cell)
         verdict = Text("-") if met is None else (Text("met", style="green") if met else Text("missed", style="bold yellow"))
         t.add_row(tier, op, *cells, verdict)
     console.print(t)
     raws = sorted({(row["tier"].split(" ")[0], row["raw"]) for row in r["rows"]})
-    console.print(Text("cells: ratio, then tier/raw GB/s. raw limits: " + "; ".join(f"{k}: {v}" for k, v in raws), style="dim"))
+    console.print(Text("cells: ratio, then tier/raw GB/s" + (", then the least and greatest ratio of one trial"
+                       if r["trials"] > 1 else "") + ". raw limits: " + "; ".join(f"{k}: {v}" for k, v in raws), style="dim"))
     m = r.get("memory_limits")
     if m:
         console.print(Text(

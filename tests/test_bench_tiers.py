@@ -12,7 +12,8 @@ from kvcc import cli
 
 pytest.importorskip("torch")
 
-ROW_KEYS = {"tier", "op", "size", "tier_gb_per_s", "raw_gb_per_s", "ratio", "raw", "meets_target"}
+ROW_KEYS = {"tier", "op", "size", "tier_gb_per_s", "raw_gb_per_s", "ratio", "ratio_min", "ratio_max", "raw",
+            "meets_target"}
 TINY = ["--sizes", "64K,1M", "--trials", "1", "--threads", "2",
         "--memory-trial-bytes", "4M", "--file-trial-bytes", "8M"]
 
@@ -47,6 +48,8 @@ def test_bench_tiers_json_every_tier(capsys, tmp_path):
         assert {(tier, "read", s) for s in r["sizes"]} <= seen
     for row in rows:
         assert row["tier_gb_per_s"] > 0 and row["raw_gb_per_s"] > 0 and row["ratio"] > 0, row
+        # One trial here: the spread of per-trial ratios is that trial's ratio.
+        assert row["ratio_min"] == row["ratio_max"] == pytest.approx(row["ratio"], abs=0.0015), row
         assert row["raw"], row
         # The target applies from 1 MiB; below it the row says so with null.
         assert (row["meets_target"] is None) == (row["size"] < r["target"]["min_size"]), row
