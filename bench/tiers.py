@@ -18,7 +18,8 @@ What the tiers do on top: every write checksums the block (XXH3-64 in 512 KiB pi
 right after each piece is copied) and every verified read checksums it before copying it out
 (the caller's buffer is untouched on a miss, so the copy cannot start before the check ends);
 the memory tiers also run with ``verify_reads=False`` (rows marked "no verify") to show the copy
-alone. An NVMe write copies the block into an aligned buffer behind its header page and writes
+alone, and the DRAM tier with ``split_reads=True`` (row "dram (split reads)": blocks from 4 MiB
+are hashed, then copied, in two halves, one maybe on a helper thread). An NVMe write copies the block into an aligned buffer behind its header page and writes
 both with one ``pwrite`` + ``fdatasync``; reads stage through an aligned buffer. A pool write
 creates the key's directory and fence file, writes and fsyncs a temp file, renames it and fsyncs
 the directory. Writes go to fresh keys (a node storing new blocks) in slots that were written
@@ -94,7 +95,8 @@ def _timed(fn: Callable[[], Any]) -> float:
 # ------------------------------------------------------------------------------------ memory tiers
 
 
-def _bench_memory(kind: str, size: int, verify: bool, trials: int, trial_bytes: int) -> dict[str, Any]:
+def _bench_memory(kind: str, size: int, verify: bool, trials: int, trial_bytes: int,
+                  split: bool = False) -> dict[str, Any]:
     import numpy as np
     import torch
 
@@ -102,7 +104,7 @@ def _bench_memory(kind: str, size: int, verify: bool, trials: int, trial_bytes: 
 
     ring = _clamp(trial_bytes // size, MEMORY_RING_BLOCKS)
     ops = max(ring, trial_bytes // size)
-    tier = (DramTier(ring + 1, size, verify_reads=verify) if kind == "dram"
+    tier = (DramTier(ring + 1, size, verify_reads=verify, split_reads=split) if kind == "dram"
             else GpuTier(ring + 1, size, verify_reads=verify))
     cuda = kind == "gpu" and tier.device.type == "cuda"
     pin = torch.cuda.is_available()
@@ -409,22 +411,25 @@ def measure(sizes: Sequence[int] = SIZES, tiers: Sequence[str] = TIERS, director
     rows: list[dict[str, Any]] = []
     direct, why = probe_direct_io(work)
     try:
-        plan: list[tuple[str, str, bool]] = []
+        plan: list[tuple[str, str, bool, bool]] = []  # label, tier, verify, split reads
         for t in tiers:
             if t in ("dram", "gpu"):
-                plan += [(t, t, True), (f"{t} (no verify)", t, False)]
+                plan += [(t, t, True, False), (f"{t} (no verify)", t, False, False)]
+                if t == "dram":
+                    plan.append(("dram (split reads)", t, True, True))
             else:
-                plan.append((t, t, True))
-        for label, kind, verify in plan:
+                plan.append((t, t, True, False))
+        for label, kind, verify, split in plan:
             for size in sizes:
                 if on_progress is not None:
                     on_progress(f"{label} {_fmt_size(size)}")
                 if kind in ("dram", "gpu"):
-                    r = _bench_memory(kind, size, verify, trials, memory_trial_bytes)
+                    r = _bench_memory(kind, size, verify, trials, memory_trial_bytes, split)
                 else:
                     r = _bench_file(kind, size, work, threads, trials, file_trial_bytes)
-                # Writes always checksum; the "no verify" variants differ only in reads.
-                for op in ("write", "read") if verify else ("read",):
+                # Writes always checksum; the "no verify" and "split reads" variants differ only in
+                # reads.
+                for op in ("write", "read") if verify and not split else ("read",):
                     ratio = r[f"tier_{op}"] / r[f"raw_{op}"]
                     rows.append({
                         "tier": label, "op": op, "size": size,

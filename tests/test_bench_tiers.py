@@ -44,8 +44,9 @@ def test_bench_tiers_json_every_tier(capsys, tmp_path):
         for op in ("read", "write"):
             for size in r["sizes"]:
                 assert (tier, op, size) in seen, (tier, op, size)
-    for tier in ("dram (no verify)", "gpu (no verify)"):
+    for tier in ("dram (no verify)", "gpu (no verify)", "dram (split reads)"):
         assert {(tier, "read", s) for s in r["sizes"]} <= seen
+        assert not any(t == tier and op == "write" for t, op, _ in seen), "only reads differ"
     for row in rows:
         assert row["tier_gb_per_s"] > 0 and row["raw_gb_per_s"] > 0 and row["ratio"] > 0, row
         # One trial here: the spread of per-trial ratios is that trial's ratio.

@@ -11,6 +11,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -27,7 +28,8 @@ from kvcc.reference.tiers import (
     Stored,
     TierClosed,
 )
-from kvcc.reference.tiers.base import HEADER_BYTES, PAGE_BYTES
+from kvcc.reference.tiers.base import CHECKSUM_PIECE_BYTES, HEADER_BYTES, PAGE_BYTES, HalfHelper
+from kvcc.reference.tiers.dram import SPLIT_READ_BYTES
 
 from tier_support import (  # noqa: F401 (kind, tier: fixtures)
     tier_events,
@@ -351,3 +353,106 @@ def test_pool_fence_behind_its_block_still_fences(tmp_path):
     assert tier.fence(K(1)) == 5
     assert tier.write(K(1), 3, 4, b"zombie") == Fenced(5)
     tier.close()
+
+
+# ------------------------------------------------------------------------------- split reads
+
+
+def _run_on_helper(helper: HalfHelper, first, second):
+    """``helper.run``, with the caller waiting until the helper has started the first half: the
+    helper thread runs it, every time (plain ``run`` leaves that to timing)."""
+    started = threading.Event()
+
+    def helper_half():
+        started.set()
+        return first()
+
+    def caller_half():
+        assert started.wait(30), "the helper never started the first half"
+        return second()
+
+    return HalfHelper.run(helper, helper_half, caller_half)
+
+
+class _HelperTakesFirst(HalfHelper):
+    def run(self, first, second):
+        return _run_on_helper(self, first, second)
+
+
+def _split_tier(kind: str, helper: str, n: int):
+    tier = (DramTier(2, n, split_reads=True, pin_memory=False) if kind == "dram"
+            else GpuTier(2, n, device="cpu", split_reads=True))
+    if helper == "helper thread":
+        tier._helper.close()
+        tier._helper = _HelperTakesFirst("test-helper")
+    else:
+        tier._helper.close()  # no helper thread left: the calling thread claims both halves
+    return tier
+
+
+@pytest.mark.parametrize("kind", ["dram", "gpu"])
+@pytest.mark.parametrize("helper", ["helper thread", "caller only"])
+def test_split_reads_verify_every_piece_before_copying(kind, helper, caplog):
+    """split_reads: hits are exact; a corrupt byte in either half (the one the helper verifies or
+    the caller's) is a logged Miss(corrupt) and ``out`` is untouched; blocks below the split size
+    take the unsplit path."""
+    n = SPLIT_READ_BYTES + 3 * CHECKSUM_PIECE_BYTES + 4097  # halves of 5 and 6 pieces
+    tier = _split_tier(kind, helper, n)
+    data = payload(K(1), 1, n)
+    assert tier.write(K(1), 1, 1, data) == Stored(n)
+    out = bytearray(b"\x07" * (n + 10))
+    assert tier.read_into(K(1), 1, out) == Hit(n)
+    assert bytes(out[:n]) == data and out[n:] == b"\x07" * 10
+    mid = n // CHECKSUM_PIECE_BYTES // 2 * CHECKSUM_PIECE_BYTES
+    for spot in (0, mid - 1, mid, n - 1):
+        corrupt(kind, tier, K(1), 1, spot)
+        out = bytearray(b"\xaa" * n)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="kvcc.tiers"):
+            assert tier.read_into(K(1), 1, out) == Miss(MissReason.CORRUPT), spot
+        assert out == b"\xaa" * n, f"a miss must not hand out bytes (corrupt byte at {spot})"
+        assert len(tier_events(caplog, "read_corrupt")) == 1
+        corrupt(kind, tier, K(1), 1, spot)  # flipped back
+        assert tier.read(K(1), 1) == data
+    small = payload(K(2), 1, SPLIT_READ_BYTES - 1)
+    assert tier.write(K(2), 1, 1, small) == Stored(len(small))
+    assert tier.read(K(2), 1) == small
+    tier.close()
+
+
+def test_half_helper_runs_halves_once_and_never_waits_for_an_unstarted_one():
+    helper = HalfHelper("test-helper")
+    main = threading.get_ident()
+    ran: list[tuple[str, int]] = []
+
+    # The helper runs the first half while the caller runs the second.
+    a, b = _run_on_helper(helper, lambda: ran.append(("first", threading.get_ident())) or 1,
+                          lambda: ran.append(("second", threading.get_ident())) or 2)
+    assert (a, b) == (1, 2)
+    threads = dict(ran)
+    assert len(ran) == 2 and threads["second"] == main and threads["first"] != main
+    ran.clear()
+
+    # The helper is busy: the caller claims the first half itself rather than wait for it.
+    gate, busy = threading.Event(), threading.Event()
+    blocker = threading.Thread(target=helper.run, args=(lambda: (busy.set(), gate.wait(30)), lambda: busy.wait(30)))
+    blocker.start()
+    assert busy.wait(30)
+    a, b = helper.run(lambda: ran.append(("first", threading.get_ident())) or 1, lambda: 2)
+    assert (a, b) == (1, 2) and ran == [("first", main)]
+    gate.set()
+    blocker.join(30)
+    helper.run(lambda: None, lambda: None)  # the helper has drained its queue up to here
+    assert ran == [("first", main)], "a half claimed by the caller is not run again by the helper"
+
+    # Errors: either half's is raised by run; a first half not yet started is not run afterwards.
+    with pytest.raises(KeyError):
+        _run_on_helper(helper, lambda: {}["x"], lambda: 2)
+    with pytest.raises(KeyError):
+        helper.run(lambda: 1, lambda: {}["y"])
+    helper.close()
+    late: list[int] = []
+    with pytest.raises(ZeroDivisionError):
+        helper.run(lambda: late.append(1), lambda: 1 / 0)  # no helper thread: never started
+    assert late == [], "the first half must not run after run() raised for the second"
+    assert helper.run(lambda: 3, lambda: 4) == (3, 4), "after close, the caller runs both halves"

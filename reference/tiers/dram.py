@@ -19,6 +19,15 @@ back from the directory (``restore_fences``), as the spec's ``_crash`` with ``lo
 this process, trusted like GPU memory; the write-time checksum is kept either way. Verification
 is what a read costs beyond a memcpy (XXH3 at 30-60 GB/s against a memcpy at 10-25 GB/s, one
 core each); ``bench/tiers.py`` measures both.
+
+``split_reads`` (default off) gives the tier one helper thread for verified reads of at least
+``SPLIT_READ_BYTES`` into host buffers: the block's pieces are hashed in two halves, one maybe
+on the helper (``base.HalfHelper``, which never makes a read wait for a half that has not
+started), the checksum is checked, and then the two halves are copied the same way. The order is
+the unsplit one's, so ``out`` is untouched on a miss. It can pay only where a second core is
+idle and waking a thread is cheap next to hashing and copying the block (hence blocks from
+4 MiB); on a machine whose cores are busy it gains nothing and costs a thread wake-up per read
+(README, "Tier bandwidth", has the figures). Off by default.
 """
 
 from __future__ import annotations
@@ -26,8 +35,10 @@ from __future__ import annotations
 from typing import Any
 
 from .base import (
+    CHECKSUM_PIECE_BYTES,
     FLAG_COMMITTED,
     HEADER_BYTES,
+    HalfHelper,
     Header,
     Hit,
     Miss,
@@ -37,13 +48,18 @@ from .base import (
     _Entry,
     block_checksum,
     check_key,
+    combine_digests,
     copy_checksum,
     copy_into,
     decode_header,
     is_tensor,
     make_header,
+    piece_digests,
     source_bytes,
 )
+
+# With ``split_reads``, a verified read of at least this many bytes is split (see the docstring).
+SPLIT_READ_BYTES = 8 * CHECKSUM_PIECE_BYTES
 
 
 class DramTier(SlotTier):
@@ -54,12 +70,13 @@ class DramTier(SlotTier):
     """
 
     def __init__(self, num_blocks: int, block_bytes: int, *, verify_reads: bool = True,
-                 pin_memory: bool | None = None, name: str = "dram") -> None:
+                 split_reads: bool = False, pin_memory: bool | None = None, name: str = "dram") -> None:
         import torch
 
         super().__init__(name, num_blocks, block_bytes)
         self._torch = torch
         self.verify_reads = verify_reads
+        self._helper = HalfHelper(f"kvcc-{name}-read") if split_reads else None
         self.pinned = torch.cuda.is_available() if pin_memory is None else pin_memory
         if self.pinned:
             self._arena = torch.empty(num_blocks * block_bytes, dtype=torch.uint8, pin_memory=True)
@@ -110,6 +127,8 @@ class DramTier(SlotTier):
             return Miss(MissReason.CORRUPT)
         assert self._host is not None
         src = self._host[a:a + n]
+        if self._helper is not None and self.verify_reads and n >= SPLIT_READ_BYTES and not is_tensor(sink):
+            return self._load_split(entry, src, sink)
         if self.verify_reads and block_checksum(entry.key, entry.gen, entry.epoch, n, entry.seq, src) != entry.crc:
             return Miss(MissReason.CORRUPT)
         if is_tensor(sink):
@@ -118,6 +137,21 @@ class DramTier(SlotTier):
                 self._torch.cuda.current_stream(sink.device).synchronize()
         else:
             copy_into(sink, src, n)
+        return Hit(n)
+
+    def _load_split(self, entry: _Entry, src: memoryview, sink: memoryview) -> ReadOutcome:
+        """A verified read in two halves, one maybe on the helper thread: both halves' pieces are
+        hashed, the block checksum is checked, and only then are both halves copied. Nothing
+        reaches ``sink`` before every piece has been verified, so on a miss it is untouched."""
+        assert self._helper is not None
+        n = entry.length
+        mid = n // CHECKSUM_PIECE_BYTES // 2 * CHECKSUM_PIECE_BYTES  # on a piece boundary
+        first, second = self._helper.run(lambda: piece_digests(src[:mid], mid),
+                                         lambda: piece_digests(src[mid:], n - mid))
+        if combine_digests(entry.key, entry.gen, entry.epoch, n, entry.seq, first + second) != entry.crc:
+            return Miss(MissReason.CORRUPT)
+        self._helper.run(lambda: copy_into(sink[:mid], src[:mid], mid),
+                         lambda: copy_into(sink[mid:n], src[mid:], n - mid))
         return Hit(n)
 
     def _erase(self, entry: _Entry, fence: int) -> None:
@@ -147,3 +181,5 @@ class DramTier(SlotTier):
 
     def close(self) -> None:
         super().close()
+        if self._helper is not None:
+            self._helper.close()

@@ -51,7 +51,8 @@ class GpuTier(DramTier):
     available, else ``cpu``). ``read_into`` fills host buffers or tensors on any device."""
 
     def __init__(self, num_blocks: int, block_bytes: int, *, device: Any = None, verify_reads: bool = True,
-                 staging_buffers: int = DEFAULT_STAGING_BUFFERS, name: str = "gpu") -> None:
+                 split_reads: bool = False, staging_buffers: int = DEFAULT_STAGING_BUFFERS,
+                 name: str = "gpu") -> None:
         import torch
 
         dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -60,10 +61,13 @@ class GpuTier(DramTier):
         self.device = dev
         if dev.type == "cpu":
             # The same slot machinery on a CPU tensor: DramTier's host paths are this tier's paths.
-            super().__init__(num_blocks, block_bytes, verify_reads=verify_reads, pin_memory=False, name=name)
+            super().__init__(num_blocks, block_bytes, verify_reads=verify_reads, split_reads=split_reads,
+                             pin_memory=False, name=name)
             return
         if dev.type != "cuda":
             raise ValueError(f"GpuTier supports cuda and cpu devices, not {dev}")
+        if split_reads:
+            raise ValueError("split_reads is for the CPU device (a CUDA read verifies a staging copy)")
         # DramTier.__init__ would allocate a host arena; set up the shared state by hand instead.
         SlotTier.__init__(self, name, num_blocks, block_bytes)
         self._torch = torch
@@ -71,6 +75,7 @@ class GpuTier(DramTier):
         self.pinned = True
         self._arena = torch.empty(num_blocks * block_bytes, dtype=torch.uint8, device=dev)
         self._host = None
+        self._helper = None
         self._headers = bytearray(num_blocks * HEADER_BYTES)
         self._stream = torch.cuda.Stream(dev)
         self._staging: queue.SimpleQueue = queue.SimpleQueue()
