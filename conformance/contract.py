@@ -218,6 +218,17 @@ class Capabilities:
       SGLang server runs). Never claimed: a run of the adapter's profiles lists every test of them
       NOT_APPLICABLE with that reason, without starting anything, so the report says what was not
       shown and why rather than leaving it out.
+    - ``keeps_engines_up``: the adapter keeps its engines (profile ``engine``) up across the
+      tests of a run instead of starting them per test, and resets them between tests. It
+      weakens nothing a test may assume: at the start of each test, every engine is up and
+      healthy (one a previous test killed, paused or restarted is repaired, or started again),
+      its prefix cache is empty, no save of an earlier test is still in flight (they settled, or
+      the engine was killed, before that test's deployment stopped), the adapter's view of its
+      KV events is fresh, and it talks only to this test's deployment, with client identities,
+      event logs and counters of its own. The adapter then has ``close_run()``, which the
+      runner calls once, after the run's last test, whatever the tests did (failed, errored,
+      timed out); it stops the engines. Default ``False``: each test's ``start``/``stop`` is the
+      engines' whole life.
     - ``notes``: free text for the report.
     """
 
@@ -233,6 +244,7 @@ class Capabilities:
     block_bytes: int = field(default=0, validator=_nonneg_int)
     slot_bytes: int = field(default=0, validator=_nonneg_int)
     unavailable: Mapping[str, str] = field(factory=dict, converter=lambda m: dict(sorted(dict(m).items())), hash=False)
+    keeps_engines_up: bool = field(default=False, validator=validators.instance_of(bool))
 
     def __attrs_post_init__(self) -> None:
         if "move" in self.faults and self.events != "native":
@@ -258,6 +270,7 @@ class Capabilities:
             "block_bytes": self.block_bytes,
             "slot_bytes": self.slot_bytes,
             **({"unavailable": dict(self.unavailable)} if self.unavailable else {}),
+            **({"keeps_engines_up": True} if self.keeps_engines_up else {}),
         }
 
 
@@ -457,7 +470,8 @@ class Adapter(abc.ABC):
 
         Must: return only when every node answers; start from empty state (no block of an
         earlier run visible); put every file it writes under ``ctx.workdir``.
-        Must not: reuse processes or state of another ``start``.
+        Must not: reuse processes or state of another ``start`` -- except, with
+        ``Capabilities.keeps_engines_up``, the run's engines, reset as that field says.
         Raises: ``AdapterError`` if the deployment does not come up (after cleaning up what it
         started).
         """
@@ -468,8 +482,19 @@ class Adapter(abc.ABC):
 
         Must: succeed after any error, after a partial ``start``, when called twice, and when
         called from another thread while an operation hangs (making that operation fail).
-        Must not: raise (log and swallow instead); leave a process behind.
+        Must not: raise (log and swallow instead); leave a process behind (with
+        ``Capabilities.keeps_engines_up``, the engines excepted: ``close_run`` stops them).
         """
+
+    def close_run(self) -> None:
+        """The run-end hook of an adapter that declares ``Capabilities.keeps_engines_up``: stop
+        what it kept up across the run's tests (its engines). The runner calls it once, on an
+        adapter made by the run's factory, after the last test, whatever the tests did.
+
+        Must: succeed when nothing was kept up, and when called twice. Must not: raise.
+        The default does nothing.
+        """
+        return None
 
     @abc.abstractmethod
     def nodes(self) -> Sequence[str]:

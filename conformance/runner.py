@@ -25,6 +25,12 @@ keys), runs the workload in a worker thread and waits for it up to the test's ti
 - Audits (tests numbered 9xx) are evaluated after their profile's other tests from the counts
   the sessions gathered (non-vacuity).
 
+An adapter that declares ``Capabilities.keeps_engines_up`` keeps its engines up from one test
+to the next (each test's adapter still gets its own ``start`` and ``stop``; the contract says
+what it must reset); the runner calls ``close_run()`` on the probe adapter once, after the last
+test, however the tests ended (also when the run itself raised), and gives it
+``CLOSE_RUN_GRACE_S``.
+
 A test that was deselected (``ids=``) is SKIP. ``Report.certified`` is true when every
 required test of every claimed and requested profile PASSed with its trace ACCEPTED.
 
@@ -35,6 +41,7 @@ A failure's message names the rule and the history index; the report keeps each 
 from __future__ import annotations
 
 import hashlib
+import logging
 import random
 import shutil
 import tempfile
@@ -61,6 +68,7 @@ DEFAULT_SKEW_MS = 50
 DEFAULT_NODES = 3
 STOP_GRACE_S = 10.0  # how long stop() and a stopped worker get before the runner moves on
 EVENTS_TIMEOUT_S = 10.0
+CLOSE_RUN_GRACE_S = 120.0  # how long close_run() (engines kept up across a run) gets
 BLOCK_TOKENS = 16
 
 Factory = Callable[[], Adapter]
@@ -234,6 +242,8 @@ def run_conformance(
     caps = probe.capabilities()
     if not isinstance(caps, Capabilities):
         raise TypeError(f"capabilities() returned {type(caps).__name__}, not Capabilities")
+    if caps.keeps_engines_up and not callable(getattr(probe, "close_run", None)):
+        raise TypeError("capabilities() declares keeps_engines_up and the adapter has no close_run()")
     name = str(getattr(probe, "name", type(probe).__name__))
     if profiles is None:
         wanted = [p for p in PROFILES if p in caps.profiles or p in caps.unavailable] or list(PROFILES)
@@ -271,6 +281,10 @@ def run_conformance(
                     progress("done", test, result)
         report.versions = versions or {k: str(v) for k, v in _safe_versions(probe).items()}
     finally:
+        if caps.keeps_engines_up:  # the engines it kept up across the tests, whatever they did
+            got = _call_with_timeout(probe.close_run, CLOSE_RUN_GRACE_S)
+            if isinstance(got, BaseException):  # the report stands; the operator is told
+                logging.getLogger("kvcc.conformance").warning("close_run() failed: %s: %s", type(got).__name__, got)
         shutil.rmtree(workroot, ignore_errors=True)
     report.finished_at = time.time()
     if out is not None:
