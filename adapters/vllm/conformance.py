@@ -115,6 +115,10 @@ ENGINE_MAX_MODEL_LEN = 1024
 SCRUB_PROMPTS, SCRUB_BLOCKS = 3, 30  # forget(): prompts that pass over every block of an engine's cache
 SCRUB_SALT = "kvcc-scrub"  # their namespace: the tenant may not use it, so nothing of them is stored
 TOP_LOGPROBS = 5
+# The engines stay up across the tests of a run (_EnginePool): a test waits this long for the one
+# before it to let go of them, which waits this long for their saves to settle.
+POOL_WAIT_S, SETTLE_TIMEOUT_S = 120.0, 10.0
+CLOSE_WAIT_S = 30.0  # close_run's wait for a test still stopping
 INDEX_QUIET_S, INDEX_WAIT_S = 0.3, 5.0  # engine_index: the KV events quiet this long (waiting at most this)
 PUMP_INTERVAL_S = 0.01
 # The engines' connectors hold each read lease this long before reading (``load_hold_ms``): a
@@ -215,10 +219,20 @@ class _ConnectorClient:
 
 class _EngineMixin:
     """The ``engine`` profile: two real vLLM engines (``kvcc.adapters.vllm.harness``) whose
-    ``KvccConnector`` uses the adapter's cluster, started when a test first asks for one; their
-    connectors' clients log their protocol events beside the cluster's (``events_dir``), so the
-    engines' own reads and writes are validated with the rest; ``KvEventSubscriber`` follows their
-    KV events for ``engine_index``."""
+    ``KvccConnector`` uses the adapter's cluster; their connectors' clients log their protocol
+    events beside the cluster's (``events_dir``), so the engines' own reads and writes are
+    validated with the rest; ``KvEventSubscriber`` follows their KV events for ``engine_index``.
+
+    The engines stay up across the tests of a run (``Capabilities.keeps_engines_up``; an
+    ``_EnginePool`` of the module, stopped by ``close_run``): started when the run's first test
+    asks for one, then, at the first engine call of each later test, made what a fresh pair would
+    be for it (``_prepare_engines``): each engine's deployment file rewritten for this test's
+    cluster (its connector, both roles, switches at its next call: a new client id
+    ``vllm-<engine>-<generation>``, event log and stats file), a paused engine resumed, the prefix
+    cache reset (``POST /reset_prefix_cache``), a dead, unhealthy or unresettable engine started
+    again, the KV-events views emptied once the engines are quiet. At ``stop``, before the
+    cluster goes, their saves settle (the worker's stats file); an engine still serving a request
+    of the test, or whose saves do not settle, is killed, and the next test starts it again."""
 
     _key_mapper: Any = None  # the engines' KeyMapper, made on first use
 
@@ -244,19 +258,37 @@ class _EngineMixin:
         return mapper.namespace(_salt(ns)), mapper.keys(list(tokens), _salt(ns))
 
     def _transfer_config(self, name: str) -> str:
-        host, port = self._cluster.directory_address
-        start = self._engine_starts.get(name, 0)
+        """Engine ``name``'s ``--kv-transfer-config``: what never changes; the deployment (the
+        test's cluster, the client id, the stats file, the event logs' folder) is in its
+        deployment file, which the connector follows (``_deployment``)."""
         return json.dumps({
             "kv_connector": self.engine_connector[1], "kv_connector_module_path": self.engine_connector[0],
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {
-                "directory": f"{host}:{port}", "tenant": "engine", "token_hex": self._cluster.engine_token.hex(),
-                "skew_ms": self._ctx.skew_ms, "model_id": MODEL_ID, "client_id": f"vllm-{name}-{start}",
-                "colocated_node": self._engine_node(name), "load_hold_ms": LOAD_HOLD_MS,
-                "stats_path": str(self._ctx.workdir / f"engine-{name}-{start}"),
-                "events_dir": str(self._cluster.workdir / "events"),
+                "model_id": MODEL_ID, "load_hold_ms": LOAD_HOLD_MS,
+                "deployment_file": str(self._pool.deployment_file(name)),
             },
         })  # fmt: skip
+
+    def _deployment(self, name: str) -> dict[str, Any]:
+        """Engine ``name``'s connector settings for this test's cluster, under its current
+        generation (a new client id, event log and stats file each time it changes)."""
+        host, port = self._cluster.directory_address
+        gen = self._pool.gens[name]
+        return {"directory": f"{host}:{port}", "tenant": "engine", "token_hex": self._cluster.engine_token.hex(),
+                "skew_ms": self._ctx.skew_ms, "client_id": f"vllm-{name}-{gen}",
+                "colocated_node": self._engine_node(name),
+                "stats_path": str(self._ctx.workdir / f"engine-{name}-{gen}"),
+                "events_dir": str(self._cluster.workdir / "events")}  # fmt: skip
+
+    def _retarget(self, name: str) -> None:
+        """A new generation for engine ``name``, its deployment file rewritten (atomically)."""
+        from kvcc.adapters.vllm.connector import write_deployment
+
+        pool = self._pool
+        pool.gens[name] = pool.next_gen
+        pool.next_gen += 1
+        write_deployment(pool.deployment_file(name), self._deployment(name))
 
     def _engine_node(self, name: str) -> str:
         """The cache node engine ``name`` runs beside (the i-th engine, the i-th node): the spec's
@@ -265,61 +297,132 @@ class _EngineMixin:
         return nodes[ENGINES.index(name) % len(nodes)]
 
     def _engine(self, name: str) -> Any:
-        """Engine ``name``, both engines started on first use (side by side)."""
+        """Engine ``name``: the run's engines (``_EnginePool``), started on first use, made ready
+        for this test the first time it asks for one (``_prepare_engines``)."""
         if name not in ENGINES:
             raise AdapterError(f"no engine {name!r}")
         with self._engine_lock:
-            if not self._engines:
+            if self._pool is None:
+                if self._ctx is None or self._engines_let_go:
+                    raise AdapterError("the adapter is stopped: its test has no engines any more")
+                self._take_pool()
+            return self._pool.engines[name]
+
+    def _take_pool(self) -> None:
+        global _POOL
+        key = (str(self._model), self.engine_connector)
+        with _POOL_LOCK:
+            if _POOL is not None and _POOL.key != key:  # another connector or model: other engines
+                _POOL.close()
+                _POOL = None
+            if _POOL is None:
+                _POOL = _EnginePool(key)
+            pool = _POOL
+        # Held from here to _release_pool (stop, maybe on another thread): one test at a time.
+        if not pool.lock.acquire(timeout=POOL_WAIT_S):
+            prev = pool.owner  # its adapter never let go (never stopped): the engines taken over, made safe
+            if prev is not None:
+                prev._settle_engines(pool)
+                prev._pool = None  # (its release, if it ever comes, leaves the lock to us)
+        try:
+            pool.owner = self
+            self._pool = pool
+            if pool.subscriber is not None:
+                self._prepare_engines()
+            else:  # none started yet, or their start failed: from scratch
+                for e in pool.engines.values():
+                    e.close()
+                pool.engines.clear()
                 self._start_engines()
-            return self._engines[name]
+            pool.tests += 1
+        except BaseException:
+            self._release_pool()
+            raise
 
     def _start_engines(self) -> None:
         from kvcc.adapters.vllm import harness
         from kvcc.adapters.vllm.events import KvEventSubscriber
 
+        pool = self._pool
         model = self._model
         engines = {}
         for name in ENGINES:
+            self._retarget(name)
             engines[name] = harness.VllmEngine(model, served_name=MODEL_ID, num_blocks=ENGINE_NUM_BLOCKS,
                                                max_model_len=ENGINE_MAX_MODEL_LEN,
                                                extra_args=("--kv-transfer-config", self._transfer_config(name)))  # fmt: skip
-        self._engines.update(engines)  # stop() closes whatever started
-        errors: list[BaseException] = []
-
-        def up(e: Any) -> None:
-            try:
-                e.start()
-            except BaseException as exc:  # noqa: BLE001 -- reported below
-                errors.append(exc)
-
-        threads = [threading.Thread(target=up, args=(e,), daemon=True) for e in engines.values()]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise AdapterError(f"a vLLM engine did not start: {errors[0]}")
+        pool.engines.update(engines)  # close_run closes whatever started
+        _start_all(list(engines.values()), "a vLLM engine did not start")
+        pool.starts += len(engines)
         sub = KvEventSubscriber()
         for name, e in engines.items():
             sub.add_engine(name, e.events_endpoint, e.replay_endpoint, topic=e.topic, keys=self._mapper())
-        self._subscriber = sub
-        self._pumping = threading.Event()
-        self._pumping.set()
-        self._pump_thread = threading.Thread(target=self._pump, args=(sub, self._pumping), name="vllm-kv-events", daemon=True)
-        self._pump_thread.start()
+        pool.subscriber = sub
+        pool.pumping.set()
+        pool.pump_thread = threading.Thread(target=pool.pump, name="vllm-kv-events", daemon=True)
+        pool.pump_thread.start()
 
-    def _pump(self, sub: Any, running: threading.Event) -> None:
-        """Follow the engines' KV events all along, as a router does (a subscriber that is not
-        pumping while an engine restarts never hears from the new process: ``KvEventSubscriber``)."""
-        while running.is_set():
-            with self._index_lock:
-                if sub.pump(0.0):
-                    self._last_event = time.monotonic()
-            time.sleep(PUMP_INTERVAL_S)
+    def _prepare_engines(self) -> None:
+        """The engines as a test may assume them, after an earlier test used them: each on this
+        test's cluster (a new deployment generation), resumed if paused, its prefix cache empty
+        (``POST /reset_prefix_cache``, not the external one: the old cluster is gone), and its
+        KV-events view emptied once the engines are quiet. An engine that is down, unhealthy or
+        refuses the reset is killed and started again (its connector then reads the new
+        deployment as it starts). The previous test already settled their saves."""
+        from kvcc.adapters.vllm.harness import EngineError
+
+        pool = self._pool
+        broken = []
+        for name, e in pool.engines.items():
+            self._retarget(name)
+            if e.paused:
+                e.resume()
+            ok = e.is_running() and e.healthy(5.0)
+            if ok:
+                try:
+                    ok = e.reset_prefix_cache(timeout_s=ENGINE_REQUEST_TIMEOUT_S)
+                except EngineError:
+                    ok = False
+            if not ok:
+                broken.append(e)
+        for e in broken:
+            e.kill()
+        _start_all(broken, "a vLLM engine did not start again")
+        pool.starts += len(broken)
+        pool.quiet()
+        with pool.index_lock:
+            for name in pool.engines:
+                pool.subscriber.view(name).reset()
+
+    def _settle_engines(self, pool: _EnginePool) -> None:
+        """Before this test's cluster goes: every paused engine resumed; an engine that still
+        serves a request of this test, or whose saves do not settle in ``SETTLE_TIMEOUT_S``, is
+        killed (the next test starts it again): no save of this test reaches the next one."""
+        from kvcc.adapters.vllm.connector import wait_saves_settled
+
+        for name, e in pool.engines.items():
+            if e.paused:
+                e.resume()
+            if not e.is_running():
+                continue
+            if pool.busy[name] or not wait_saves_settled(lambda n=name: self._stats(n), SETTLE_TIMEOUT_S):
+                e.kill()
+
+    def _release_pool(self) -> None:
+        pool = self._pool
+        if pool is None:
+            return
+        try:
+            self._settle_engines(pool)
+        finally:
+            self._pool = None
+            if pool.owner is self:  # (not taken over meanwhile)
+                pool.owner = None
+                pool.lock.release()
 
     def _stats(self, name: str) -> dict[str, int]:
-        start = self._engine_starts.get(name, 0)
-        path = self._ctx.workdir / f"engine-{name}-{start}.worker.json"
+        gen = self._pool.gens[name]
+        path = self._ctx.workdir / f"engine-{name}-{gen}.worker.json"
         try:
             return json.loads(path.read_text())
         except (OSError, ValueError):
@@ -333,10 +436,11 @@ class _EngineMixin:
         before = self._stats(engine)
         body = {"model": e.served_name, "prompt": list(tokens), "max_tokens": max_tokens, "temperature": 0.0,
                 "ignore_eos": True, "return_token_ids": True, "logprobs": TOP_LOGPROBS, "cache_salt": _salt(ns)}  # fmt: skip
-        try:
-            out = e._post("/v1/completions", body, ENGINE_REQUEST_TIMEOUT_S)
-        except EngineError as exc:
-            raise AdapterError(f"engine {engine}: {exc}") from exc
+        with self._pool.serving(engine):
+            try:
+                out = e._post("/v1/completions", body, ENGINE_REQUEST_TIMEOUT_S)
+            except EngineError as exc:
+                raise AdapterError(f"engine {engine}: {exc}") from exc
         # The engine's saves run after the answer (async_saves): done with the request once they
         # are, or once the engine is gone (killed meanwhile: they never will be).
         if not wait_saves_settled(lambda: self._stats(engine) if e.is_running() else {}, ENGINE_REQUEST_TIMEOUT_S):
@@ -364,9 +468,10 @@ class _EngineMixin:
         try:
             if not e.reset_prefix_cache():
                 raise AdapterError(f"engine {engine} refused to reset its prefix cache")
-            for _ in range(SCRUB_PROMPTS):
-                prompt = [rng.randrange(3, ENGINE_VOCAB) for _ in range(SCRUB_BLOCKS * BLOCK_TOKENS)]
-                e.complete(prompt, max_tokens=1, cache_salt=SCRUB_SALT, timeout_s=ENGINE_REQUEST_TIMEOUT_S)
+            with self._pool.serving(engine):
+                for _ in range(SCRUB_PROMPTS):
+                    prompt = [rng.randrange(3, ENGINE_VOCAB) for _ in range(SCRUB_BLOCKS * BLOCK_TOKENS)]
+                    e.complete(prompt, max_tokens=1, cache_salt=SCRUB_SALT, timeout_s=ENGINE_REQUEST_TIMEOUT_S)
             wait_saves_settled(lambda: self._stats(engine), ENGINE_REQUEST_TIMEOUT_S)  # (refused: not its namespace)
             if not e.reset_prefix_cache():
                 raise AdapterError(f"engine {engine} refused to reset its prefix cache")
@@ -381,12 +486,12 @@ class _EngineMixin:
 
         e = self._engine(engine)
         e.kill()
-        self._engine_starts[engine] = self._engine_starts.get(engine, 0) + 1
-        e.extra_args = ("--kv-transfer-config", self._transfer_config(engine))  # a new client: a new event log
+        self._retarget(engine)  # a new client: a new event log
         try:
             e.start()
         except EngineError as exc:
             raise AdapterError(f"engine {engine} did not start again: {exc}") from exc
+        self._pool.starts += 1
 
     def pause_engine(self, engine: str) -> None:
         self._engine(engine).pause()
@@ -395,8 +500,8 @@ class _EngineMixin:
         self._engine(engine).resume()
 
     def _worker_log(self, name: str) -> Any:
-        start = self._engine_starts.get(name, 0)
-        return self._cluster.workdir / "events" / f"{self._engine_node(name)}.vllm-{name}-{start}-w.ndjson"
+        gen = self._pool.gens[name]
+        return self._cluster.workdir / "events" / f"{self._engine_node(name)}.vllm-{name}-{gen}-w.ndjson"
 
     def pause_engine_reading(self, engine: str, timeout_s: float) -> bool:
         """Watch the engine's worker client's event log: at a ``trust_read_lease`` whose lease
@@ -419,12 +524,129 @@ class _EngineMixin:
     def engine_index(self, engine: str, ns: Namespace) -> set[BlockKey]:
         """The view, once no KV event came for ``INDEX_QUIET_S`` (at most ``INDEX_WAIT_S``)."""
         self._engine(engine)
+        pool = self._pool
+        pool.quiet()
+        with pool.index_lock:
+            return set(pool.subscriber.view(engine).keys())
+
+
+def _start_all(engines: list[Any], what: str) -> None:
+    """Start ``engines`` side by side; ``AdapterError`` if one did not start."""
+    errors: list[BaseException] = []
+
+    def up(e: Any) -> None:
+        try:
+            e.start()
+        except BaseException as exc:  # noqa: BLE001 -- reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=up, args=(e,), daemon=True) for e in engines]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise AdapterError(f"{what}: {errors[0]}")
+
+
+class _EnginePool:
+    """The run's vLLM engines, kept up across its tests (``Capabilities.keeps_engines_up``): one
+    test's adapter at a time holds them (``lock``, from its first engine call to its ``stop``);
+    ``close_run`` stops them. ``gens`` numbers each engine's deployments: every test and every
+    restart gives its connector a new client id, event log and stats file."""
+
+    def __init__(self, key: tuple[Any, ...]) -> None:
+        import tempfile
+        from pathlib import Path
+
+        self.key = key  # (model folder, connector): the engines of one kind of adapter
+        self.lock = threading.Lock()  # not an RLock: released by the thread that stops the test
+        self.owner: Any = None
+        self.engines: dict[str, Any] = {}  # name -> harness.VllmEngine
+        self.gens: dict[str, int] = {}
+        self.next_gen = 0
+        self.dir = Path(tempfile.mkdtemp(prefix="kvcc-vllm-engines-"))
+        self.busy = dict.fromkeys(ENGINES, 0)  # requests the adapter has in flight, per engine
+        self._busy_lock = threading.Lock()
+        self.subscriber: Any = None
+        self.index_lock = threading.Lock()
+        self.last_event = 0.0
+        self.pumping = threading.Event()
+        self.pump_thread: threading.Thread | None = None
+        self.tests = 0  # tests served
+        self.starts = 0  # engine processes started
+
+    def deployment_file(self, name: str) -> Any:
+        return self.dir / f"deployment-{name}.json"
+
+    def serving(self, name: str) -> Any:
+        from contextlib import contextmanager
+
+        @contextmanager
+        def counted():
+            with self._busy_lock:
+                self.busy[name] += 1
+            try:
+                yield
+            finally:
+                with self._busy_lock:
+                    self.busy[name] -= 1
+
+        return counted()
+
+    def pump(self) -> None:
+        """Follow the engines' KV events all along, as a router does (a subscriber that is not
+        pumping while an engine restarts never hears from the new process: ``KvEventSubscriber``)."""
+        sub = self.subscriber
+        while self.pumping.is_set():
+            with self.index_lock:
+                if sub.pump(0.0):
+                    self.last_event = time.monotonic()
+            time.sleep(PUMP_INTERVAL_S)
+
+    def quiet(self) -> None:
+        """Wait until no KV event came for ``INDEX_QUIET_S`` (at most ``INDEX_WAIT_S``)."""
         deadline = time.monotonic() + INDEX_WAIT_S
         time.sleep(INDEX_QUIET_S)
-        while time.monotonic() - self._last_event < INDEX_QUIET_S and time.monotonic() < deadline:
+        while time.monotonic() - self.last_event < INDEX_QUIET_S and time.monotonic() < deadline:
             time.sleep(PUMP_INTERVAL_S)
-        with self._index_lock:
-            return set(self._subscriber.view(engine).keys())
+
+    def close(self) -> None:
+        import shutil
+
+        held = self.lock.acquire(timeout=CLOSE_WAIT_S)  # a test still stopping: its engines go regardless
+        try:
+            for engine in list(self.engines.values()):
+                try:
+                    engine.close()
+                except Exception:  # noqa: BLE001 -- stopping regardless
+                    pass
+            self.engines.clear()
+            if self.pump_thread is not None:
+                self.pumping.clear()
+                self.pump_thread.join(5)
+                self.pump_thread = None
+            if self.subscriber is not None:
+                self.subscriber.close()
+                self.subscriber = None
+            shutil.rmtree(self.dir, ignore_errors=True)
+        finally:
+            if held:
+                self.lock.release()
+
+
+_POOL: _EnginePool | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def close_run() -> None:
+    """The run-end hook (``Capabilities.keeps_engines_up``): stop the engines kept up across the
+    run's tests. Safe to call again, and when no engine ever started."""
+    global _POOL
+    with _POOL_LOCK:
+        pool, _POOL = _POOL, None
+    if pool is not None:
+        pool.close()
 
 
 def _open_read_leases(path) -> set[int]:
@@ -476,12 +698,9 @@ class VllmAdapter(_EngineMixin, ClearingAdapter):
         self._leased: dict[tuple[str, bytes, int], bytes] = {}  # read grant -> ns
         self._frames: dict[tuple[str, bytes, int], bytes] = {}  # write grant -> the frame write_bytes sent
         self._req = itertools.count(1)
-        self._engines: dict[str, Any] = {}  # name -> harness.VllmEngine, once started
-        self._engine_starts: dict[str, int] = {}
+        self._pool: _EnginePool | None = None  # the run's engines, once this test asked for one
+        self._engines_let_go = False  # stop() gave the engines back: a late call must not take them again
         self._engine_lock = threading.Lock()
-        self._subscriber: Any = None
-        self._index_lock = threading.Lock()
-        self._last_event = 0.0
 
     def capabilities(self) -> Capabilities:
         return Capabilities(
@@ -494,6 +713,7 @@ class VllmAdapter(_EngineMixin, ClearingAdapter):
             capacity_bytes=self._node_count() * NODE_CAPACITY_BYTES,
             block_bytes=FRAME_PAYLOAD_MAX,
             slot_bytes=NODE_BLOCK_BYTES,
+            keeps_engines_up=True,
             notes="vLLM's KV connector KvccConnector (worker and scheduler roles, built as vLLM builds them, paged "
             "KV tensors of vLLM's CPU layout, the tiny Llama's 32 KiB blocks) on the kvcc reference cluster (processes "
             "on loopback); no engine forward pass: read is the worker's start_load_kv, write_bytes its pack of a paged "
@@ -503,9 +723,12 @@ class VllmAdapter(_EngineMixin, ClearingAdapter):
             "reference adapter)",
         )
 
+    close_run = staticmethod(close_run)  # Capabilities.keeps_engines_up: the run's engines stop here
+
     # ------------------------------------------------------------------ lifecycle
 
     def start(self, ctx) -> None:
+        self._engines_let_go = False
         super().start(ctx)
         try:
             from kvcc.adapters.vllm.model import tiny_llama
@@ -558,17 +781,12 @@ class VllmAdapter(_EngineMixin, ClearingAdapter):
     def stop(self) -> None:
         for view in self._views.values():
             view.tickets.fail_all("stopped")
-        for engine in list(self._engines.values()):
-            try:
-                engine.close()
-            except Exception:  # noqa: BLE001 -- stopping regardless
-                pass
-        self._engines.clear()
-        if self._subscriber is not None:
-            self._pumping.clear()
-            self._pump_thread.join(5)
-            self._subscriber.close()
-            self._subscriber = None
+        with self._engine_lock:
+            self._engines_let_go = True
+        try:
+            self._release_pool()  # the engines stay up for the next test; their saves settle first
+        except Exception:  # noqa: BLE001 -- stopping regardless
+            pass
         self._idle.clear()
         self._schedulers.clear()
         super().stop()
@@ -741,4 +959,4 @@ def factory() -> VllmAdapter:
     return VllmAdapter()
 
 
-__all__ = ["VllmAdapter", "factory", "frame", "unframe"]
+__all__ = ["VllmAdapter", "close_run", "factory", "frame", "unframe"]

@@ -16,7 +16,8 @@ served model name), ``client_id`` (default ``vllm<pid>``), ``colocated_node`` (o
 cache node this engine runs beside; its clients are then ``<node>.<client_id>-s`` and ``-w``,
 and the directory places the engine's writes on that node), ``load_hold_ms`` (fault injection,
 default 0: hold each read lease this long before reading, so that a test can stop the engine
-while it holds one), ``async_saves`` (default true; see Worker side, saves), ``stats_path`` (optional; see Counting). The tenant must be allowed the
+while it holds one), ``async_saves`` (default true; see Worker side, saves), ``stats_path`` (optional; see Counting),
+``deployment_file`` (optional; see Deployment file). The tenant must be allowed the
 engine's namespace (``engine_namespace``, plus each cache salt used).
 
 Theory of operation
@@ -103,6 +104,22 @@ in lookups, loads and saves, ``lookup_us``/``load_us``/``save_us``) and, with ``
 the extra config, writes them after each step that changed them to
 ``<stats_path>.<scheduler|worker>.json`` (replaced atomically): the tests count loads there.
 
+**Deployment file.** With ``deployment_file`` (a path) in the extra config, the settings that
+name the kvcc deployment -- ``directory``, ``tenant``, ``token_hex``/``token_file``, ``skew_ms``,
+``timeout_ms``, ``client_id``, ``colocated_node``, ``events_dir``, ``stats_path``,
+``load_hold_ms`` -- are read from that JSON object, over the extra config's, when the connector is
+built, and again whenever the file changes: a running engine can be moved to another deployment
+(kvcc's conformance suite keeps its engines up across its tests, each on a cluster of its own).
+Each instance checks the file with one ``os.stat`` (inode, times, size) at the start of
+``get_num_new_matched_tokens``, ``build_connector_meta`` and ``reset_cache`` (scheduler) and of
+``start_load_kv`` and ``wait_for_save`` (worker); when it changed, the instance closes its kvcc
+client (the next call opens one from the new settings: a new client id, event log and stats file),
+and its counters and the namespaces it has seen start afresh. Blocks packed for a save before the
+switch are not sent to the new deployment (``saves_dropped_deployment_switched``); whoever
+rewrites the file should first wait until the engine's saves settled (``wait_saves_settled``).
+Rewrite it atomically (``write_deployment``: a temporary file, then a rename). Without the key,
+nothing is re-read: the extra config is the deployment for the engine's life.
+
 Limits: tensor and pipeline parallelism are refused (the scheduler's lookup would speak for rank 0
 only); one KV cache group; saves and loads block the engine's step.
 """
@@ -141,7 +158,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-__all__ = ["KvccConnector", "KvccConnectorMetadata", "block_layout", "saves_settled", "wait_saves_settled"]
+__all__ = ["KvccConnector", "KvccConnectorMetadata", "block_layout", "saves_settled", "wait_saves_settled", "write_deployment"]
 
 log = logging.getLogger("kvcc.vllm.connector")
 
@@ -222,6 +239,36 @@ def _token(extra: dict[str, Any]) -> bytes:
     if "token_file" in extra:
         return bytes.fromhex(Path(extra["token_file"]).read_text().strip())
     raise ValueError("kv_connector_extra_config needs token_hex or token_file (the tenant's token, hex)")
+
+
+# What _configure sets: the deployment's settings (see Deployment file).
+_DEPLOYMENT_ATTRS = ("_address", "_tenant", "_token", "_skew_ms", "_timeout_ms", "client_id", "_events_dir",
+                     "_load_hold_s", "_stats_file")  # fmt: skip
+
+
+def _file_sig(path: Path) -> tuple[int, ...] | None:
+    """What changes when a file is replaced or rewritten (``None``: no such file)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_ino, st.st_dev, st.st_mtime_ns, st.st_ctime_ns, st.st_size)
+
+
+def _read_deployment(path: Path) -> dict[str, Any]:
+    settings = json.loads(path.read_text())
+    if not isinstance(settings, dict):
+        raise ValueError(f"deployment file {path}: not a JSON object")
+    return settings
+
+
+def write_deployment(path: str | os.PathLike[str], settings: dict[str, Any]) -> None:
+    """Write a connector's deployment file atomically (a temporary file, then a rename): a
+    connector reading it sees the old settings or the new ones, never part of them."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    tmp.write_text(json.dumps(settings, sort_keys=True))
+    os.replace(tmp, path)
 
 
 def _layer_order(name: str) -> tuple[int, str]:
@@ -312,26 +359,25 @@ class KvccConnector(KVConnectorBase_V1):
             namespace = evolve(namespace, kv_dtype=self.kv_cache_dtype)
         self.mapper = KeyMapper(namespace)
         self.layers, self.kv_heads, self.head_dim = block_layout(namespace.kv_layout)
-        host, _, port = str(extra["directory"]).rpartition(":")
-        self._address = (host, int(port))
-        self._tenant = str(extra.get("tenant", "engine"))
-        self._token = _token(extra)
-        self._skew_ms = int(extra.get("skew_ms", SKEW_MS_DEFAULT))
-        self._timeout_ms = int(extra.get("timeout_ms", CLIENT_TIMEOUT_MS_DEFAULT))
-        side = "s" if role == KVConnectorRole.SCHEDULER else "w"
-        base = f"{extra.get('client_id') or f'vllm{os.getpid()}'}-{side}"
-        if "." in base:
-            raise ValueError(f"KvccConnector: client_id {base!r}: a '.' would make it co-located with a cache node")
-        colocated = extra.get("colocated_node")
-        self.client_id = f"{colocated}.{base}" if colocated else base
-        self._events_dir = Path(extra["events_dir"]) if extra.get("events_dir") else None
-        self._load_hold_s = float(extra.get("load_hold_ms", 0)) / 1000
+        self._role_side = "s" if role == KVConnectorRole.SCHEDULER else "w"
         self._async_saves = bool(extra.get("async_saves", True))
         self._save_queue: queue.Queue | None = None
         self._saver: threading.Thread | None = None
         self._stats_lock = threading.Lock()
-        stats_path = extra.get("stats_path")
-        self._stats_file = None if not stats_path else Path(f"{stats_path}.{'scheduler' if side == 's' else 'worker'}.json")
+        self._client_lock = threading.Lock()  # making or swapping the client (the worker's thread and the saver's)
+        self._save_lock = threading.Lock()  # a save sending: a deployment switch waits for it (never taken by a load)
+        # A deployment file (see Deployment file): its settings over the extra config's, re-read when it changes.
+        self._extra = extra
+        self._deployment_file = Path(extra["deployment_file"]) if extra.get("deployment_file") else None
+        self._deployment_sig: tuple[int, ...] | None = None
+        self.deployment_generation = 0  # deployments switched to since start
+        settings = dict(extra)
+        if self._deployment_file is not None:
+            self._deployment_sig = _file_sig(self._deployment_file)
+            if self._deployment_sig is None:
+                raise ValueError(f"KvccConnector: deployment_file {str(self._deployment_file)!r} does not exist")
+            settings.update(_read_deployment(self._deployment_file))
+        self._configure(settings)
         self._client: Any = None
         self.stats: dict[str, Any] = {}
         # scheduler side
@@ -346,8 +392,69 @@ class KvccConnector(KVConnectorBase_V1):
         self._failed_requests: set[str] = set()  # requests whose load failed in this step
 
     # ---------------------------------------------------------------- plumbing
+    def _configure(self, extra: dict[str, Any]) -> None:
+        """The settings that name the kvcc deployment this connector talks to (and its identity,
+        event log and stats file there): from the extra config, or the deployment file over it."""
+        host, _, port = str(extra["directory"]).rpartition(":")
+        self._address = (host, int(port))
+        self._tenant = str(extra.get("tenant", "engine"))
+        self._token = _token(extra)
+        self._skew_ms = int(extra.get("skew_ms", SKEW_MS_DEFAULT))
+        self._timeout_ms = int(extra.get("timeout_ms", CLIENT_TIMEOUT_MS_DEFAULT))
+        side = self._role_side
+        base = f"{extra.get('client_id') or f'vllm{os.getpid()}'}-{side}"
+        if "." in base:
+            raise ValueError(f"KvccConnector: client_id {base!r}: a '.' would make it co-located with a cache node")
+        colocated = extra.get("colocated_node")
+        self.client_id = f"{colocated}.{base}" if colocated else base
+        self._events_dir = Path(extra["events_dir"]) if extra.get("events_dir") else None
+        self._load_hold_s = float(extra.get("load_hold_ms", 0)) / 1000
+        stats_path = extra.get("stats_path")
+        self._stats_file = None if not stats_path else Path(f"{stats_path}.{'scheduler' if side == 's' else 'worker'}.json")
+
+    def _follow_deployment(self) -> None:
+        """With a deployment file: if it changed since last read (``os.stat``: inode, times, size),
+        switch to what it now names -- close the old kvcc client (the next call opens one with the
+        new settings), counters and the namespaces seen start afresh. A file that cannot be read
+        or parsed keeps the current deployment (a warning)."""
+        path = self._deployment_file
+        if path is None:
+            return
+        sig = _file_sig(path)
+        if sig is None or sig == self._deployment_sig:
+            return
+        try:
+            settings = {**self._extra, **_read_deployment(path)}
+            with self._save_lock, self._client_lock:
+                kept = {k: getattr(self, k) for k in _DEPLOYMENT_ATTRS}
+                try:
+                    self._configure(settings)
+                except BaseException:
+                    self.__dict__.update(kept)  # all of the current deployment, not part of each
+                    raise
+                old, self._client = self._client, None
+                self._deployment_sig = sig
+                self.deployment_generation += 1
+                with self._stats_lock:
+                    self.stats = {}
+                self._namespaces = {bytes(self.mapper.namespace(None).digest())}
+        except (OSError, ValueError, KeyError) as e:
+            self._deployment_sig = sig  # not again until it changes
+            log.warning("KvccConnector: deployment file %s unusable, keeping the current deployment: %s", path, e)
+            return
+        log.info("KvccConnector: switched to the deployment of %s (client %s)", path, self.client_id)
+        if old is not None:
+            try:
+                old.close()
+            except Exception as e:  # the old deployment may be gone already
+                log.info("kvcc client: close failed: %s", e)
+
     @property
     def client(self) -> Any:
+        with self._client_lock:
+            return self._make_client()
+
+    def _make_client(self) -> Any:
         if self._client is None:
             from kvcc.reference.client import SyncClient
 
@@ -398,6 +505,7 @@ class KvccConnector(KVConnectorBase_V1):
         self._requests[request.request_id] = _Request(keys, ns, len(tokens))
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        self._follow_deployment()
         state = self._requests.get(request.request_id)
         if state is None:
             return 0, False
@@ -438,6 +546,7 @@ class KvccConnector(KVConnectorBase_V1):
         self._count("blocks_scheduled", count)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvccConnectorMetadata:
+        self._follow_deployment()
         meta = KvccConnectorMetadata(loads=self._loads)
         self._loads = []
         scheduled = scheduler_output.num_scheduled_tokens
@@ -484,6 +593,7 @@ class KvccConnector(KVConnectorBase_V1):
         completed in time; vLLM then reports the reset as failed."""
         if self._role != KVConnectorRole.SCHEDULER:
             return None
+        self._follow_deployment()
         done = True
         for ns in sorted(self._namespaces):
             try:
@@ -529,6 +639,7 @@ class KvccConnector(KVConnectorBase_V1):
         self.layout.unpack(self._kv, block_id, staging.view(self._kv[0].dtype).view(self.layers, -1))
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self._follow_deployment()
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvccConnectorMetadata)
         self._failed_requests = set()
@@ -596,6 +707,7 @@ class KvccConnector(KVConnectorBase_V1):
         """Pack the step's newly full prompt blocks out of the paged tensors now (vLLM may reuse
         the blocks once the step ends), and save them: on the saver thread (``async_saves``, the
         default; the engine's step does not wait for kvcc), else here."""
+        self._follow_deployment()
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvccConnectorMetadata)
         if not meta.saves:
@@ -606,7 +718,8 @@ class KvccConnector(KVConnectorBase_V1):
             if save.req_id in self._failed_requests:
                 self._count("saves_dropped_after_load_error", len(save.blocks))
                 continue  # computed over blocks that did not load
-            batches.append((save.namespace, [(key, parent, self._block_bytes(block_id)) for key, parent, block_id in save.blocks]))
+            blocks = [(key, parent, self._block_bytes(block_id)) for key, parent, block_id in save.blocks]
+            batches.append((self.deployment_generation, save.namespace, blocks))
         if not self._async_saves:
             for batch in batches:
                 self._save_batch(*batch)
@@ -616,7 +729,7 @@ class KvccConnector(KVConnectorBase_V1):
         self._count("save_us", round((time.perf_counter() - began) * 1e6))
         self._publish_stats()
 
-    def _enqueue_save(self, batch: tuple[bytes, list[tuple[BlockKey, BlockKey | None, bytes]]]) -> None:
+    def _enqueue_save(self, batch: tuple[int, bytes, list[tuple[BlockKey, BlockKey | None, bytes]]]) -> None:
         if self._saver is None:  # started on first use: no thread exists before vLLM forks
             self._save_queue = queue.Queue(SAVE_QUEUE_MAX)
             self._saver = threading.Thread(target=self._save_loop, name="kvcc-saver", daemon=True)
@@ -624,7 +737,7 @@ class KvccConnector(KVConnectorBase_V1):
         try:
             self._save_queue.put_nowait(batch)
         except queue.Full:  # kvcc is behind: a lost save, never a stalled engine
-            self._count("saves_dropped_queue_full", len(batch[1]))
+            self._count("saves_dropped_queue_full", len(batch[2]))
             return
         self._count("save_batches_queued")
 
@@ -640,15 +753,21 @@ class KvccConnector(KVConnectorBase_V1):
             self._count("save_batches_done")
             self._publish_stats()
 
-    def _save_batch(self, namespace: bytes, blocks: list[tuple[BlockKey, BlockKey | None, bytes]]) -> None:
+    def _save_batch(self, generation: int, namespace: bytes, blocks: list[tuple[BlockKey, BlockKey | None, bytes]]) -> None:
         """Write and commit one request's blocks of a step, root first (``put_chain``: each
-        commit travels with the next block's write lease request). A refusal is a lost save."""
+        commit travels with the next block's write lease request). A refusal is a lost save.
+        Blocks packed under an earlier deployment (the deployment file changed meanwhile) are
+        never sent to the new one: lost saves too."""
         from kvcc.reference.client import Refused
 
-        try:
-            outs = self.client.put_chain(namespace, blocks)
-        except Exception as e:
-            outs = [Refused(f"put_failed:{type(e).__name__}")] * len(blocks)
+        with self._save_lock:  # a deployment switch waits for a save in progress
+            if generation != self.deployment_generation:
+                self._count("saves_dropped_deployment_switched", len(blocks))
+                return
+            try:
+                outs = self.client.put_chain(namespace, blocks)
+            except Exception as e:
+                outs = [Refused(f"put_failed:{type(e).__name__}")] * len(blocks)
         for out in outs:
             if isinstance(out, Refused):
                 self._count("already_stored" if out.reason == REASON_NOT_ABSENT else f"save_refused_{out.reason}")
