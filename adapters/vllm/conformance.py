@@ -114,6 +114,7 @@ ENGINE_NUM_BLOCKS = 64  # blocks of an engine's own KV cache (a prompt of the su
 ENGINE_MAX_MODEL_LEN = 1024
 SCRUB_PROMPTS, SCRUB_BLOCKS = 3, 30  # forget(): prompts that pass over every block of an engine's cache
 SCRUB_SALT = "kvcc-scrub"  # their namespace: the tenant may not use it, so nothing of them is stored
+WARM_UP_TOKENS = 2 * BLOCK_TOKENS + 1  # a started engine's first prompt (under SCRUB_SALT; _warm_up)
 TOP_LOGPROBS = 5
 # The engines stay up across the tests of a run (_EnginePool): a test waits this long for the one
 # before it to let go of them, which waits this long for their saves to settle.
@@ -352,7 +353,7 @@ class _EngineMixin:
                                                max_model_len=ENGINE_MAX_MODEL_LEN,
                                                extra_args=("--kv-transfer-config", self._transfer_config(name)))  # fmt: skip
         pool.engines.update(engines)  # close_run closes whatever started
-        _start_all(list(engines.values()), "a vLLM engine did not start")
+        self._start_all(list(engines.values()), "a vLLM engine did not start")
         pool.starts += len(engines)
         sub = KvEventSubscriber()
         for name, e in engines.items():
@@ -387,12 +388,48 @@ class _EngineMixin:
                 broken.append(e)
         for e in broken:
             e.kill()
-        _start_all(broken, "a vLLM engine did not start again")
+        self._start_all(broken, "a vLLM engine did not start again")
         pool.starts += len(broken)
         pool.quiet()
         with pool.index_lock:
             for name in pool.engines:
                 pool.subscriber.view(name).reset()
+
+    def _start_all(self, engines: list[Any], what: str) -> None:
+        """Start ``engines`` side by side, each warmed up; ``AdapterError`` if one did not start."""
+        errors: list[BaseException] = []
+
+        def up(e: Any) -> None:
+            try:
+                e.start()
+                self._warm_up(e)
+            except BaseException as exc:  # noqa: BLE001 -- reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=up, args=(e,), daemon=True) for e in engines]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise AdapterError(f"{what}: {errors[0]}")
+
+    def _warm_up(self, e: Any) -> None:
+        """A freshly started engine serves one short prompt under the scrub salt (kvcc refuses
+        its saves: not the tenant's namespace), then its prefix cache is reset: a test gets an
+        engine that has run its kernels once. On the 2-core VM this was measured on (AMX
+        attention) an engine's worker died of SIGILL when its first attention step came after a
+        SIGSTOP/SIGCONT (KVCC-ENGINE-004 stops an engine that has computed nothing yet: it
+        failed so on fresh engines, before and without this pool)."""
+        from kvcc.adapters.vllm.connector import wait_saves_settled
+        from kvcc.adapters.vllm.harness import EngineError
+
+        e.complete(list(range(3, 3 + WARM_UP_TOKENS)), max_tokens=2, cache_salt=SCRUB_SALT,
+                   timeout_s=ENGINE_REQUEST_TIMEOUT_S)  # fmt: skip
+        name = next(n for n, x in self._pool.engines.items() if x is e)
+        wait_saves_settled(lambda: self._stats(name), ENGINE_REQUEST_TIMEOUT_S)
+        if not e.reset_prefix_cache():
+            raise EngineError("the engine refused to reset its prefix cache after its warm-up")
 
     def _settle_engines(self, pool: _EnginePool) -> None:
         """Before this test's cluster goes: every paused engine resumed; an engine that still
@@ -489,6 +526,7 @@ class _EngineMixin:
         self._retarget(engine)  # a new client: a new event log
         try:
             e.start()
+            self._warm_up(e)
         except EngineError as exc:
             raise AdapterError(f"engine {engine} did not start again: {exc}") from exc
         self._pool.starts += 1
@@ -530,23 +568,6 @@ class _EngineMixin:
             return set(pool.subscriber.view(engine).keys())
 
 
-def _start_all(engines: list[Any], what: str) -> None:
-    """Start ``engines`` side by side; ``AdapterError`` if one did not start."""
-    errors: list[BaseException] = []
-
-    def up(e: Any) -> None:
-        try:
-            e.start()
-        except BaseException as exc:  # noqa: BLE001 -- reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=up, args=(e,), daemon=True) for e in engines]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise AdapterError(f"{what}: {errors[0]}")
 
 
 class _EnginePool:
