@@ -2147,8 +2147,12 @@ def invalidation_racing_transfer(s: Session) -> None:
     """A committed block's tier transfer (``Adapter.move``) and an invalidation of its key, sent
     at once from two nodes, round after round with the invalidation a little earlier or later
     each time; then a transfer left to finish, whose destination MUST then serve the block's exact
-    bytes and whose source MUST free them within the deletion bound (no reader holds it), then
-    invalidated. Once each invalidation completed, lookup MUST NOT count the
+    bytes and whose source MUST free them within the deletion bound once the lease a reader held on
+    it across the transfer is released, then invalidated; then one no reader holds, asked twice in
+    a row -- the second ``move`` MUST be refused (a transfer of the block is under way, or its copy
+    left ``grant.location``) -- whose source MUST be freed within the bound by the transfer's own
+    end (no lease release is left to trigger it), then invalidated. Once each invalidation
+    completed, lookup MUST NOT count the
     block and no node may be granted it; and, within the deployment's deletion bound, every
     location the trace shows holding that generation -- the transfer's source and, wherever the
     copy landed, its destination -- MUST free it (a copy landing after the invalidation MUST be
@@ -2160,14 +2164,29 @@ def invalidation_racing_transfer(s: Session) -> None:
     w = s.nodes[0]
     other = reader(s, w)
     ended: dict[str, int] = {}  # key hex -> the generation its invalidation ended
-    for offset in TRANSFER_RACE_OFFSETS + (None,):  # None: the transfer is left to finish first
+    # None: the transfer is left to finish first, a reader holding the source across it; "unread":
+    # likewise with no reader, and a second move of the block asked for at once.
+    for offset in TRANSFER_RACE_OFFSETS + (None, "unread"):
         key = chain(s, 1)[0]
         data = put(s, w, key, None)
         g = read_back(s, other, key, data, "a block about to be moved")
-        where = "after the transfer finished" if offset is None else \
+        where = "after the transfer finished" if offset is None or offset == "unread" else \
             f"{offset * s.lease_term_ms:+.1f} ms after the transfer was asked for"
         invalidate = lambda key=key: s.invalidate(other, s.ns, "key", key)  # noqa: E731
-        if offset is None:
+        if offset == "unread":
+            m = s.move(g)
+            s.check(isinstance(m, Moving), "transfer_race", f"a transfer of a committed block was not started: {m}")
+            again = s.move(g)
+            s.check(isinstance(again, Refused), "transfer_race",
+                    f"a second move of a block, asked for as its transfer to {m.destination} had just started, answered "
+                    f"{again}: a transfer of it was under way, or its copy had left {g.location}")  # fmt: skip
+            poll_until(s, lambda key=key, data=data: _moved_copy_serves(s, other, key, data),
+                       lambda at, m=m: at == m.destination, "transfer_race",
+                       f"the transfer to {m.destination} did not make its copy the one read")  # fmt: skip
+            _freed_in_time(s, {key.hex: g.gen}, after_end_ms, "the bytes of a finished transfer's source, which no "
+                           "reader held,", location=m.source)  # fmt: skip
+            ticket = invalidate()
+        elif offset is None:
             held = s.acquire(w, s.ns, key)  # a reader of the source copy across the transfer
             s.check(isinstance(held, ReadGrant), "caching", f"acquire of a committed block refused: {held}")
             m = s.move(g)
