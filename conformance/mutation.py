@@ -214,6 +214,8 @@ TARGETS: tuple[Target, ...] = (
         ("DramTier.__init__", "construction with the kit's fixed sizes"),
         ("DramTier._prepare_source", "tensor plumbing: the kit writes bytes"),
         ("DramTier.damage", "fault injection (the kit's corrupt): the environment the suite controls"),
+        ("DramTier._load_split", "opt-in split reads (split_reads=True), which the kit's tiers never enable; "
+                                 "tests/test_tiers.py checks them (every piece verified before anything is copied)"),
     )),  # fmt: skip
 )
 
