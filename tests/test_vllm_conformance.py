@@ -136,3 +136,29 @@ def test_the_engine_profile_fails_engines_whose_loads_copy_nothing(tmp_path):
     (result,) = [r for r in report.results if r.id == "KVCC-ENGINE-001"]
     assert result.status == "FAIL", (result.status, result.message)
     assert "CommittedBytesIntact" in result.message and "output differs" in result.message, result.message
+
+
+@pytest.mark.xdist_group("vllm-engine")
+def test_the_engines_stay_up_across_a_run_and_stop_at_its_end(monkeypatch):
+    """Two engine tests in one run: the two engines start once (not once per test), both tests
+    PASS with their traces ACCEPTED (each on its own cluster), and ``close_run`` leaves no engine
+    process behind."""
+    from kvcc.adapters.vllm import conformance as vc
+
+    started: list[object] = []
+    real_start = harness.VllmEngine.start
+
+    def start(self, *args, **kwargs):
+        started.append(self)
+        return real_start(self, *args, **kwargs)
+
+    monkeypatch.setattr(harness.VllmEngine, "start", start)
+    before = set(harness.live_pids())
+    ids = ["KVCC-ENGINE-001", "KVCC-ENGINE-002"]
+    report = run_conformance(vc.factory, profiles=["engine"], seed=1, ids=ids)
+    results = {r.id: r for r in report.results if r.id in ids}
+    assert all(r.counts for r in results.values()), [(r.id, r.status, r.message, r.verdict.get("status")) for r in results.values()]
+    assert report.capabilities["keeps_engines_up"] is True
+    assert len(started) == 2, f"{len(started)} engine starts for two tests of two engines"
+    assert vc._POOL is None
+    assert set(harness.live_pids()) <= before, "close_run left engine processes running"
