@@ -64,6 +64,8 @@ SKEW_MS = 100
 REQUEST_TIMEOUT_S = 600.0
 EVENTS_WAIT_S = 5.0  # how long the events of a request's step may take to arrive
 
+WARM_UP_PARAMS = {"kvcc": "skip"}  # the connector neither looks a warm-up prompt up nor saves it (``_warm``)
+
 
 class LiveVllmError(Exception):
     """The replay could not run: an engine or the cluster did not start, a request failed, or the
@@ -172,10 +174,16 @@ class _Deployment:
     @staticmethod
     def _warm(engine: Any, longest: int) -> None:
         """The first prefill of each length pays for the engine's buffers: prompts of 1, 2, 4 ...
-        and ``longest`` blocks of one repeated token, untimed; ``empty`` then drops their blocks."""
+        and ``longest`` blocks of one repeated token, untimed; ``empty`` then drops their blocks.
+        The connector leaves them alone (``kvcc: skip``): each engine computes them itself. Loaded
+        from kvcc, where the engine before had saved them, they would not warm the prefill; and
+        on an AMX machine (this project's VM, vLLM 0.32's CPU attention) an engine whose first
+        attention step ran over blocks the connector loaded died of SIGILL in
+        ``cpu_attention_with_kv_cache`` -- the second engine, every time."""
         n = 1
         while True:
-            engine.complete([VOCAB[2]] * (min(n, longest) * BLOCK_TOKENS + 1), max_tokens=1, timeout_s=REQUEST_TIMEOUT_S)
+            engine.complete([VOCAB[2]] * (min(n, longest) * BLOCK_TOKENS + 1), max_tokens=1, timeout_s=REQUEST_TIMEOUT_S,
+                            kv_transfer_params=WARM_UP_PARAMS)  # fmt: skip
             if n >= longest:
                 return
             n *= 2
