@@ -41,6 +41,7 @@ from .contract import (
     Committed,
     Completion,
     Evicted,
+    Moving,
     NotSupported,
     ReadGrant,
     Refused,
@@ -2123,6 +2124,20 @@ def _moved_copy_serves(s: Session, node: str, key: BlockKey, data: bytes) -> str
     return g.location
 
 
+def _started_move(s: Session, g: ReadGrant) -> Moving:
+    """``move(g)``, which MUST start a transfer (the block is committed and nothing moves it)."""
+    m = s.move(g)
+    s.check(isinstance(m, Moving), "transfer_race", f"a transfer of a committed block was not started: {m}")
+    return m
+
+
+def _await_moved_copy(s: Session, m: Moving, node: str, key: BlockKey, data: bytes) -> None:
+    """Read ``key`` on ``node`` until the lease names the transfer's destination (its copy is the
+    one read, with exactly ``data``); FAIL ``transfer_race`` past the poll's deadline."""
+    poll_until(s, lambda: _moved_copy_serves(s, node, key, data), lambda at: at == m.destination, "transfer_race",
+               f"the transfer to {m.destination} did not make its copy the one read")  # fmt: skip
+
+
 def _freed_in_time(s: Session, ended: dict[str, int], within_ms: float, what: str, location: str | None = None) -> None:
     """Every location the native trace shows holding a generation of ``ended`` (key hex ->
     generation) -- or only ``location`` -- MUST free it within ``within_ms`` (and, where the
@@ -2157,7 +2172,7 @@ def invalidation_racing_transfer(s: Session) -> None:
     location the trace shows holding that generation -- the transfer's source and, wherever the
     copy landed, its destination -- MUST free it (a copy landing after the invalidation MUST be
     fenced or freed)."""
-    from .contract import Moving, deletion_deadline_ms
+    from .contract import deletion_deadline_ms
 
     caps = s.adapter.capabilities()  # native events: ``Capabilities`` refuses move with inferred ones
     after_end_ms, _ = deletion_deadline_ms(s.lease_term_ms, s.skew_ms, caps.free_bound_ms)
@@ -2174,26 +2189,20 @@ def invalidation_racing_transfer(s: Session) -> None:
             f"{offset * s.lease_term_ms:+.1f} ms after the transfer was asked for"
         invalidate = lambda key=key: s.invalidate(other, s.ns, "key", key)  # noqa: E731
         if offset == "unread":
-            m = s.move(g)
-            s.check(isinstance(m, Moving), "transfer_race", f"a transfer of a committed block was not started: {m}")
+            m = _started_move(s, g)
             again = s.move(g)
             s.check(isinstance(again, Refused), "transfer_race",
                     f"a second move of a block, asked for as its transfer to {m.destination} had just started, answered "
                     f"{again}: a transfer of it was under way, or its copy had left {g.location}")  # fmt: skip
-            poll_until(s, lambda key=key, data=data: _moved_copy_serves(s, other, key, data),
-                       lambda at, m=m: at == m.destination, "transfer_race",
-                       f"the transfer to {m.destination} did not make its copy the one read")  # fmt: skip
+            _await_moved_copy(s, m, other, key, data)
             _freed_in_time(s, {key.hex: g.gen}, after_end_ms, "the bytes of a finished transfer's source, which no "
                            "reader held,", location=m.source)  # fmt: skip
             ticket = invalidate()
         elif offset is None:
             held = s.acquire(w, s.ns, key)  # a reader of the source copy across the transfer
             s.check(isinstance(held, ReadGrant), "caching", f"acquire of a committed block refused: {held}")
-            m = s.move(g)
-            s.check(isinstance(m, Moving), "transfer_race", f"a transfer of a committed block was not started: {m}")
-            poll_until(s, lambda key=key, data=data: _moved_copy_serves(s, other, key, data),
-                       lambda at, m=m: at == m.destination, "transfer_race",
-                       f"the transfer to {m.destination} did not make its copy the one read")  # fmt: skip
+            m = _started_move(s, g)
+            _await_moved_copy(s, m, other, key, data)
             got = s.read(held)  # the drained source lives on under its lease (protocol property 5)
             ran_out = isinstance(got, Refused) and got.reason in LEASE_RAN_OUT  # a loaded machine: cannot look
             s.check(got == data or ran_out, "NoReclaimUnderLease",
