@@ -1688,7 +1688,8 @@ def _rewrite(s: Session, node: str, key: BlockKey, data: bytes) -> WriteGrant:
     completed); the grant it was written under."""
     g = s.begin_write(node, s.ns, key, None)
     s.check(isinstance(g, WriteGrant), "write", f"begin_write of a key whose invalidation completed refused: {g}")
-    s.check(isinstance(s.write_bytes(g, data), Stored), "write", "write_bytes of a rewrite refused")
+    stored = s.write_bytes(g, data)
+    s.check(isinstance(stored, Stored), "write", f"write_bytes of a rewrite refused: {stored}")
     s.check(isinstance(s.commit(g), Committed), "write", "commit of a rewrite refused")
     return g
 

@@ -75,3 +75,39 @@ def test_a_block_written_during_the_run_is_caught_as_a_state_change(deployment):
 
 def test_bad_input_exits_2():
     assert cli.main(["bench", "fuzz", "--seconds", "0"]) == 2
+
+
+def test_the_attacker_reads_a_refusal_that_came_before_a_reset():
+    """A server refuses, then resets the connection (its linger ran out while the attacker was
+    still sending); the attacker reads only afterwards, as on a loaded machine. asyncio's own
+    reader raises the reset and loses the refusal; the fuzzer's reader hands it out, then EOF."""
+    import asyncio
+    import socket
+    import struct
+
+    async def scenario(open_stream):
+        reset = asyncio.Event()
+
+        async def refuse_then_reset(reader, writer):
+            writer.write(b"refused")
+            await writer.drain()
+            await asyncio.sleep(0.05)  # the refusal is in the peer's receive buffer
+            sock = writer.get_extra_info("socket")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            writer.transport.abort()  # linger 0: RST
+            reset.set()
+
+        server = await asyncio.start_server(refuse_then_reset, "127.0.0.1", 0)
+        async with server:
+            reader, writer = await open_stream(server.sockets[0].getsockname()[1])
+            await reset.wait()
+            await asyncio.sleep(0.2)  # the attacker was busy: the reset arrived first
+            try:
+                return await reader.read(100), await reader.read(100)
+            except ConnectionResetError:
+                return "reset"
+            finally:
+                writer.transport.abort()
+
+    assert asyncio.run(scenario(lambda port: asyncio.open_connection("127.0.0.1", port))) == "reset"
+    assert asyncio.run(scenario(fuzz._open)) == (b"refused", b"")
