@@ -125,6 +125,42 @@ def test_inconclusive_never_certifies(monkeypatch):
     assert all("does not count: trace INCONCLUSIVE" in r.message for r in rep.results if not catalogue.BY_ID[r.id].audit)
 
 
+def test_a_trace_past_the_validators_bounds_is_run_again_and_only_acceptance_counts(monkeypatch):
+    """A stall widens a trace's intervals past what the validator keeps (CI saw "more than 20000
+    possible states" for a correct adapter): the test runs again, up to ``UNDECIDED_RETRIES``
+    times, and counts only once a trace is ACCEPTED; a rejection is never run again."""
+    from kvcc.conformance import runner, validate
+
+    assert runner.VALIDATOR_BOUNDS == validate.INCONCLUSIVE_CODES
+    real = runner.validate_events
+    calls: list[str] = []
+    undecided = {"status": "INCONCLUSIVE", "code": "frontier_limit", "event_index": 9, "diff": None,
+                 "reason": "more than 20000 possible states at event 9"}  # fmt: skip
+
+    def first_undecided(events, term, skew):
+        calls.append("undecided" if len(calls) % 2 == 0 else "real")
+        return dict(undecided) if calls[-1] == "undecided" else real(events, term, skew)
+
+    monkeypatch.setattr(runner, "validate_events", first_undecided)
+    rep = run(testing.CoreAdapter, profiles=["core"], ids=["KVCC-CORE-001", "KVCC-CORE-002"])
+    ran = [r for r in rep.results if r.status != "SKIP"]
+    assert [(r.attempts, r.verdict["status"], r.counts) for r in ran] == [(2, "ACCEPTED", True)] * 2
+    assert all(r.message.startswith("trace ACCEPTED on attempt 2; before, INCONCLUSIVE: more than 20000") for r in ran)
+    assert all(r.to_json()["attempts"] == 2 for r in ran)
+
+    monkeypatch.setattr(runner, "validate_events", lambda *a: dict(undecided))
+    rep = run(testing.CoreAdapter, profiles=["core"], ids=["KVCC-CORE-001"])
+    (r,) = [r for r in rep.results if r.status != "SKIP"]
+    assert (r.attempts, r.status, r.counts) == (1 + runner.UNDECIDED_RETRIES, "PASS", False)
+    assert r.message.startswith("does not count: trace INCONCLUSIVE")
+
+    rejected = {"status": "REJECTED", "code": "no_spec_step", "event_index": 3, "reason": "no spec state", "diff": None}
+    monkeypatch.setattr(runner, "validate_events", lambda *a: dict(rejected))
+    rep = run(testing.CoreAdapter, profiles=["core"], ids=["KVCC-CORE-001"])
+    (r,) = [r for r in rep.results if r.status != "SKIP"]
+    assert (r.attempts, r.status) == (1, "FAIL")
+
+
 def test_an_adapter_that_logs_nothing_is_not_certified():
     rep = run(testing.SilentAdapter, profiles=["core", "leases"])
     traced = [r for r in rep.results if not catalogue.BY_ID[r.id].audit]
