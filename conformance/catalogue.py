@@ -308,7 +308,8 @@ def catalogue_markdown() -> str:
         "The key words MUST, MUST NOT, SHOULD and MAY are to be read as in RFC 2119. A profile is certified "
         "when every required test of it PASSes with its trace ACCEPTED by the validator (`kvcc certify verify` "
         "re-validates them): a trace that is missing, empty, incomplete against the suite's own history, or "
-        "INCONCLUSIVE never counts. Tests numbered 9xx are audits over the counts of their profile's other tests "
+        "INCONCLUSIVE never counts (a test whose trace went past the validator's bounds runs again, at most "
+        "twice, and counts only once a trace is ACCEPTED). Tests numbered 9xx are audits over the counts of their profile's other tests "
         "that ran (PASS or FAIL): a test that FAILs stops at its first failed check, so the counts it would have "
         "added after it are missing, and an audit that fails in a run where another test of its profile failed "
         "may be only a knock-on: fix that test first (the audit's message names it).",
