@@ -426,9 +426,17 @@ class Session:
         t_local = time.monotonic_ns()
 
         def emit(at_ns: int | None = None) -> None:
-            """``at_ns``: when the request was sent, if the answer tells (else the call's start)."""
+            """``at_ns``: when the request was sent, if the answer tells. Else the call's start --
+            unless the answer came more than half a request's budget (term - epsilon) after it:
+            a client takes an answer only within that budget of sending, so a call that stalled
+            before it sent (a loaded machine) sent within it; then half the budget before now,
+            inside what both ends allow (stamped at the start, the refusal it got reads as
+            answering a request its holder had given up)."""
             self._emit(node, event, **fields)
-            self._backdate_newest(t_local if at_ns is None else at_ns)
+            if at_ns is None:
+                half_budget_ns = (self.lease_term_ms - self.skew_ms) * 500_000
+                at_ns = max(t_local, time.monotonic_ns() - half_budget_ns)
+            self._backdate_newest(at_ns)
 
         return emit
 
@@ -605,14 +613,18 @@ class Session:
                 self._infer_revoked(node, key, t0)
             with self.lock:
                 t1 = time.monotonic_ns()
+                # The request left when the holder says (its clock is the suite's, for the kit and
+                # most in-process adapters), somewhere in the call; the grant was taken and trusted
+                # by the time the answer came back. Stamped later, a trust reads as past the
+                # request's budget on a loaded machine -- the holder had given it up
+                # (``Holder.gave_up``). The directory granted after it, so held the lease live at
+                # least until term + epsilon after it (``_live_at_directory``); the call's start
+                # is earlier still when the call stalled before sending.
+                sent_ns = min(max(g.requested_at_ns, t0), t1)
                 self.deadlines_ns[(node, g.lease)] = t1 + (g.term_ms - self.skew_ms) * 1_000_000
-                self.earliest_deadlines_ns[(node, g.lease)] = t0 + (g.term_ms - self.skew_ms) * 1_000_000
+                self.earliest_deadlines_ns[(node, g.lease)] = sent_ns + (g.term_ms - self.skew_ms) * 1_000_000
                 self.read_grants[(node, g.lease)] = g
-            # The request left when the holder says (its clock is the suite's, for the kit and
-            # most in-process adapters), somewhere in the call; the grant was taken and trusted by
-            # the time the answer came back. Stamped later, a trust reads as past the request's
-            # budget on a loaded machine -- the holder had given it up (``Holder.gave_up``).
-            sent(min(max(g.requested_at_ns, t0), t1))
+            sent(sent_ns)
             self._emit_dir("grant_read_lease", key=key, gen=g.gen, epoch=g.epoch, lease=g.lease, holder=node,
                            location=g.location)  # fmt: skip
             granted_ns = self._backdate_newest(t1)
@@ -646,9 +658,10 @@ class Session:
                 if old is not None and t0 > old + self.skew_ms * 1_000_000:
                     raise OracleFailure("RenewalNeverRevives", f"lease {grant.lease} renewed after its deadline", i)
                 t1 = time.monotonic_ns()
+                sent_ns = min(max(g.requested_at_ns, t0), t1)  # as ``acquire``'s
                 self.deadlines_ns[(grant.node, grant.lease)] = t1 + (g.term_ms - self.skew_ms) * 1_000_000
-                self.earliest_deadlines_ns[(grant.node, grant.lease)] = t0 + (g.term_ms - self.skew_ms) * 1_000_000
-            sent()
+                self.earliest_deadlines_ns[(grant.node, grant.lease)] = sent_ns + (g.term_ms - self.skew_ms) * 1_000_000
+            sent(sent_ns)
             with self.lock:
                 self.forgotten.discard((grant.node, grant.lease))  # renewed: the directory holds it again
             self._emit_dir("renew_lease", key=grant.key, lease=grant.lease, holder=grant.node)
