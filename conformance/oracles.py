@@ -288,7 +288,7 @@ class Session:
             self._infer_key_free(key, g)
             self._emit_dir("grant_write_lease", key=key, gen=g.gen, epoch=g.epoch, lease=g.lease, writer=node,
                            location=g.location, parent=parent_hex, namespace=ns.digest().hex())  # fmt: skip
-            self._backdate_newest(self.history[i]["t_ns"] + self.history[i]["dt_ns"])  # at the answer
+            self._backdate_newest(self._answered_ns(i))  # at the answer
             self._emit(node, "start_writing", key=key, gen=g.gen, epoch=g.epoch, lease=g.lease, location=g.location)
             with self.lock:
                 self.writing[(key, g.lease)] = g
@@ -422,23 +422,33 @@ class Session:
         """An event of a request whose answer decides whether it was sent: call the result to log
         it, stamped with the time it was sent (now)."""
         if not self.infer:
-            return lambda at_ns=None: None
+            return lambda at_ns=None, answered_ns=None: None
         t_local = time.monotonic_ns()
 
-        def emit(at_ns: int | None = None) -> None:
+        def emit(at_ns: int | None = None, *, answered_ns: int | None = None) -> None:
             """``at_ns``: when the request was sent, if the answer tells. Else the call's start --
-            unless the answer came more than half a request's budget (term - epsilon) after it:
-            a client takes an answer only within that budget of sending, so a call that stalled
-            before it sent (a loaded machine) sent within it; then half the budget before now,
-            inside what both ends allow (stamped at the start, the refusal it got reads as
-            answering a request its holder had given up)."""
+            unless ``answered_ns`` (a lease request's refusal: when it came back) is more than half
+            a request's budget (term - epsilon) after it: a holder takes an answer only within
+            that budget of sending, so a call that stalled before it sent (a loaded machine)
+            sent within it; then half the budget before the answer, inside what both ends allow
+            (stamped at the start, the refusal reads as answering a request its holder had given
+            up)."""
             self._emit(node, event, **fields)
             if at_ns is None:
-                half_budget_ns = (self.lease_term_ms - self.skew_ms) * 500_000
-                at_ns = max(t_local, time.monotonic_ns() - half_budget_ns)
+                at_ns = t_local
+                if answered_ns is not None:
+                    at_ns = max(t_local, min(answered_ns, time.monotonic_ns()) - self._half_budget_ns())
             self._backdate_newest(at_ns)
 
         return emit
+
+    def _half_budget_ns(self) -> int:
+        """Half a holder's request budget, term - epsilon (``_emit_later``)."""
+        return (self.lease_term_ms - self.skew_ms) * 500_000
+
+    def _answered_ns(self, i: int) -> int:
+        """When the answer of history entry ``i`` came back."""
+        return self.history[i]["t_ns"] + self.history[i]["dt_ns"]
 
     def _backdate_newest(self, t_local: int) -> int:
         """Stamp the newest inferred event at ``t_local``, the earliest the suite saw it can have
@@ -635,7 +645,7 @@ class Session:
             # holder gave it up -- nothing a correct holder logs, the directory's grant unseen.)
             if self.infer:
                 self._infer_revoked(node, key, t0)
-            sent()
+            sent(answered_ns=self._answered_ns(i))
             self._emit_dir("refuse_read_lease", key=key, holder=node, result=g.reason)
             self._emit(node, "abandon", key=key, result=g.reason)  # a refusal answers: the holder stops waiting
         return g
@@ -646,7 +656,7 @@ class Session:
         with self.lock:
             # A holder that no longer trusts the lease refuses on its own, without asking.
             asks = self._trusted_ns(grant.node, grant.lease, t0)
-        sent = self._emit_later(grant.node, "renew", key=grant.key, lease=grant.lease) if asks else (lambda: None)
+        sent = self._emit_later(grant.node, "renew", key=grant.key, lease=grant.lease) if asks else (lambda *a, **k: None)
         g = self.adapter.renew(grant)
         _expect(g, (ReadGrant, Refused), "renew")
         i = self._record("renew", grant.node, {"key": grant.key.hex, "lease": grant.lease}, g, t0)
@@ -667,7 +677,7 @@ class Session:
             self._emit_dir("renew_lease", key=grant.key, lease=grant.lease, holder=grant.node)
             self._emit(grant.node, "trust_renewal", key=grant.key, gen=g.gen, epoch=g.epoch, lease=g.lease)
         elif asks and g.reason not in LOCAL_REFUSALS and g.reason != REASON_LEASE_EXPIRED:
-            sent()
+            sent(answered_ns=self._answered_ns(i))
             self._emit_dir("refuse_renewal", key=grant.key, lease=grant.lease, holder=grant.node, result=g.reason)
             self._emit(grant.node, "abandon", key=grant.key, lease=grant.lease, result=g.reason)
         return g

@@ -169,6 +169,7 @@ class _StallsBeforeSending(testing.InferredCoreAdapter):
     outlast the writer's own lease)."""
 
     name = "core-inferred-stalling"
+    every = 5
 
     def start(self, ctx):
         self._calls, self._writing = itertools.count(1), 0
@@ -186,7 +187,7 @@ class _StallsBeforeSending(testing.InferredCoreAdapter):
             self._writing -= 1
 
     def acquire(self, node, ns, key):
-        if next(self._calls) % 5 == 0 and not self._writing:
+        if next(self._calls) % self.every == 0 and not self._writing:
             time.sleep(1.5 * TERM_MS / 1000)
         return super().acquire(node, ns, key)
 
@@ -207,6 +208,33 @@ def test_inferred_events_explain_a_request_that_stalled_before_it_left():
     strict = validate.TraceParams(lease_term_ms=TERM_MS, skew_ms=SKEW_MS, clock_steps="never")
     verdict = validate.validate_trace(r.events, strict)
     assert verdict.status == "ACCEPTED", verdict.reason
+
+
+class _StallsOften(_StallsBeforeSending):
+    every = 2
+
+
+class _RefusesReadsAsExpired(testing.CoreAdapter):
+    """Refuses every read as ``lease_expired`` at once, the lease still trusted: a miss."""
+
+    name = "bad-reads-expire-early"
+
+    def read(self, grant):
+        return Refused(reason="lease_expired", detail="refused at once")
+
+
+@pytest.mark.parametrize("cls, passes", [(_StallsOften, True), (_RefusesReadsAsExpired, False)])
+def test_a_read_refused_after_its_deadline_is_asked_again_and_one_before_is_a_miss(cls, passes):
+    """KVCC-CORE-008: a reader whose lease ran out while the suite was held up (with inferred
+    events, behind another thread's stalled request) is refused rightly, and reads again under a
+    fresh lease (it FAILed before); a read refused as expired before the holder's
+    deadline still FAILs."""
+    rep = run(cls, profiles=["core"], ids=["KVCC-CORE-008"])
+    (r,) = [r for r in rep.results if r.status != "SKIP"]
+    if passes:
+        assert r.counts, (r.status, r.message, r.verdict["reason"])
+    else:
+        assert r.status == "FAIL" and r.message.startswith("caching: a leased read missed"), r.message
 
 
 def test_an_adapter_that_logs_nothing_is_not_certified():
