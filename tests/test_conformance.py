@@ -192,17 +192,23 @@ class _StallsBeforeSending(testing.InferredCoreAdapter):
         return super().acquire(node, ns, key)
 
 
-def test_inferred_events_explain_a_request_that_stalled_before_it_left():
-    """Rewrites racing readers, whose lease requests sometimes stall past a term before leaving:
-    the inferred trace is ACCEPTED without clock steps. Before, the suite judged a stalled grant
-    by the call's start -- it stamped the request there, and ruled the lease run out at the
-    directory by the time an invalidation started, so it inferred no acknowledgement -- and the
-    trace needed clock steps (KVCC-INVAL-013: "complete_invalidation ... needs the key
-    INVALIDATING with no live lease"; "abandon ... needs the holder up with a request pending"),
-    where the frontier outgrew the validator's bound (CI: INCONCLUSIVE)."""
+@pytest.mark.parametrize("profile, test_id", [("invalidation", "KVCC-INVAL-013"), ("faults", "KVCC-FAULT-017")])
+def test_inferred_events_explain_a_request_that_stalled_before_it_left(profile, test_id):
+    """Lease requests that sometimes stall past a term before leaving: the inferred trace is
+    ACCEPTED without clock steps.
+    - Rewrites racing readers (KVCC-INVAL-013). Before, the suite judged a stalled grant by the
+      call's start -- it stamped the request there, and ruled the lease run out at the directory
+      by the time an invalidation started, so it inferred no acknowledgement -- and the trace
+      needed clock steps ("complete_invalidation ... needs the key INVALIDATING with no live
+      lease"; "abandon ... needs the holder up with a request pending"), where the frontier
+      outgrew the validator's bound (CI: INCONCLUSIVE).
+    - A node killed mid-write (KVCC-FAULT-017). Before, the completion of a key whose last copy
+      the restart lost was stamped when the suite learnt of it, the next grant, a stalled
+      request later: REJECTED ("complete_invalidation was due at +0 ms ... logged at about +210
+      ms"); it is stamped at the restart now."""
     from kvcc.conformance import validate
 
-    rep = run(_StallsBeforeSending, profiles=["invalidation"], ids=["KVCC-INVAL-013"])
+    rep = run(_StallsBeforeSending, profiles=[profile], ids=[test_id])
     (r,) = [r for r in rep.results if r.status != "SKIP"]
     assert (r.status, r.verdict["status"], r.attempts) == ("PASS", "ACCEPTED", 1), (r.message, r.verdict["reason"])
     strict = validate.TraceParams(lease_term_ms=TERM_MS, skew_ms=SKEW_MS, clock_steps="never")
