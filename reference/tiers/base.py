@@ -270,6 +270,35 @@ def copy_checksum(dst: memoryview, src: Any, n: int, key: bytes, gen: int, epoch
     return combine_digests(key, gen, epoch, n, seq, digests)
 
 
+def hash_copy_pieces(dst: memoryview, src: Any, n: int) -> list[int]:
+    """``dst[:n] = src[:n]`` piece by piece, each piece hashed (XXH3-64) just before it is copied,
+    and the pieces' digests (``combine_digests`` makes the block checksum of them). The piece is
+    read from memory once, by the hash, and copied from cache: a verified read then costs a copy
+    plus a hash from cache, where hashing the whole block and then copying it reads the block
+    from memory twice once it outgrows the cache (README, "Tier bandwidth"). ``dst`` holds the
+    bytes before they are verified: the caller checks the digests and, on a mismatch, must not
+    hand ``dst`` out (``poison``)."""
+    import numpy as np
+
+    d = np.frombuffer(dst, dtype=np.uint8, count=n)
+    s = np.frombuffer(src, dtype=np.uint8, count=n)
+    view = src if isinstance(src, memoryview) else memoryview(src)
+    digests = []
+    for a in range(0, n, CHECKSUM_PIECE_BYTES):
+        b = min(n, a + CHECKSUM_PIECE_BYTES)
+        digests.append(_piece_digest(view[a:b]))
+        np.copyto(d[a:b], s[a:b])
+    return digests
+
+
+def poison(dst: memoryview, n: int) -> None:
+    """Zero ``dst[:n]``: a read that copied before it verified (``hash_copy_pieces``) and then
+    found the block corrupt leaves no byte of it behind."""
+    import numpy as np
+
+    np.frombuffer(dst, dtype=np.uint8, count=n).fill(0)
+
+
 class HalfHelper:
     """One helper thread that may run the first half of a job while the calling thread runs the
     second (``run``). The halves are claimed, not assigned: the helper runs the first half only
@@ -517,7 +546,10 @@ class Tier(abc.ABC):
         ``Hit(n)``: ``out[:n]`` holds exactly the committed bytes; bytes past ``n`` are untouched.
         ``Miss(reason)``: no block vouched for; must never hand out other bytes as a hit. On a miss
         the contract allows ``out`` to have been overwritten (its contents are then unspecified);
-        every tier in this package verifies before copying and leaves ``out`` untouched.
+        the tiers in this package verify before copying and leave ``out`` untouched, except the
+        memory tiers' verified reads of blocks of several pieces into host memory, which copy
+        each piece as it is hashed and zero what they copied on a miss (``hash_copy_pieces``):
+        a miss never leaves a byte of the block in ``out``.
         Corrupt, truncated or lost data must be logged (``kvcc.tiers``).
         A hit makes the key the most recently used. Raises ``ValueError`` if ``out`` is smaller
         than the block.
