@@ -242,22 +242,21 @@ def test_corruption_reads_as_miss(kind, tmp_path, caplog, where):
     tier.close()
 
 
-@pytest.mark.parametrize("tier_kind", ["dram", "gpu"])
 @pytest.mark.parametrize("piece", [0, 1, 2])
-def test_a_block_of_several_pieces_copied_before_its_check_leaves_no_byte_on_a_miss(tier_kind, piece):
+def test_a_block_of_several_pieces_copied_before_its_check_leaves_no_byte_on_a_miss(kind, tmp_path, piece):
     """A verified read of a block of several pieces into host memory copies each piece as it
-    hashes it (``hash_copy_pieces``) and checks the block checksum after the last: a damaged byte
-    in the first, a middle or the last piece is a Miss(corrupt) and ``out`` holds zeros where the
-    block would be -- none of its bytes, damaged or not -- and is untouched past it; an
-    undamaged block reads back exactly."""
+    hashes it (``base.verified_copy``) and checks the block checksum after the last: a damaged
+    byte in the first, a middle or the last piece is a Miss(corrupt) and ``out`` holds zeros
+    where the block would be -- none of its bytes, damaged or not -- and is untouched past it;
+    an undamaged block reads back exactly."""
     n = 2 * CHECKSUM_PIECE_BYTES + 5000  # three pieces, the last one short
-    tier = DramTier(2, n, pin_memory=False) if tier_kind == "dram" else GpuTier(2, n, device="cpu")
+    tier = make(kind, tmp_path, slots=2, block=n)
     data = payload(K(1), 1, n)
     assert tier.write(K(1), 1, 1, data) == Stored(n) and tier.write(K(2), 1, 1, data) == Stored(n)
     out = bytearray(b"\xaa" * (n + 100))
     assert tier.read_into(K(2), 1, out) == Hit(n)
     assert out[:n] == data and out[n:] == b"\xaa" * 100
-    corrupt(tier_kind, tier, K(1), 1, piece * CHECKSUM_PIECE_BYTES + 17)
+    corrupt(kind, tier, K(1), 1, piece * CHECKSUM_PIECE_BYTES + 17)
     out = bytearray(b"\xaa" * (n + 100))
     assert tier.read_into(K(1), 1, out) == Miss(MissReason.CORRUPT)
     assert out[:n] == bytes(n) and out[n:] == b"\xaa" * 100

@@ -299,6 +299,23 @@ def poison(dst: memoryview, n: int) -> None:
     np.frombuffer(dst, dtype=np.uint8, count=n).fill(0)
 
 
+def verified_copy(sink: Any, payload: Any, n: int, key: bytes, gen: int, epoch: int, seq: int, crc: int) -> bool:
+    """Copy the ``n`` bytes of ``payload`` (host memory) into ``sink`` (from ``prepare_sink``) if
+    their block checksum is ``crc``; False, and no byte of the block left in ``sink``, if not. A
+    block of several pieces going to host memory is hashed and copied piece by piece
+    (``hash_copy_pieces``, zeroed on a mismatch: the block is read from memory once); anything
+    else is verified before its first byte is copied (``sink`` untouched on a mismatch)."""
+    if n > CHECKSUM_PIECE_BYTES and not is_tensor(sink):
+        if combine_digests(key, gen, epoch, n, seq, hash_copy_pieces(sink, payload, n)) == crc:
+            return True
+        poison(sink, n)
+        return False
+    if block_checksum(key, gen, epoch, n, seq, payload) != crc:
+        return False
+    copy_out(sink, payload, n)
+    return True
+
+
 class HalfHelper:
     """One helper thread that may run the first half of a job while the calling thread runs the
     second (``run``). The halves are claimed, not assigned: the helper runs the first half only

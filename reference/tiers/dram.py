@@ -57,12 +57,11 @@ from .base import (
     copy_checksum,
     copy_into,
     decode_header,
-    hash_copy_pieces,
     is_tensor,
     make_header,
     piece_digests,
-    poison,
     source_bytes,
+    verified_copy,
 )
 
 # With ``split_reads``, a verified read of at least this many bytes is split (see the docstring).
@@ -136,15 +135,11 @@ class DramTier(SlotTier):
         src = self._host[a:a + n]
         if self._helper is not None and self.verify_reads and n >= SPLIT_READ_BYTES and not is_tensor(sink):
             return self._load_split(entry, src, sink)
-        if self.verify_reads and n > CHECKSUM_PIECE_BYTES and not is_tensor(sink):
-            # Hash each piece, then copy it from cache (``hash_copy_pieces``), and check the
-            # block checksum at the end; a mismatch zeroes what was copied. (A block of one
-            # piece is verified before its copy, which costs the same: ``out`` stays untouched.)
-            digests = hash_copy_pieces(sink, src, n)
-            if combine_digests(entry.key, entry.gen, entry.epoch, n, entry.seq, digests) != entry.crc:
-                poison(sink, n)
-                return Miss(MissReason.CORRUPT)
-            return Hit(n)
+        if self.verify_reads and not is_tensor(sink):
+            # Each piece hashed, then copied from cache (``verified_copy``); a block of one piece
+            # is verified before its copy, which costs the same.
+            ok = verified_copy(sink, src, n, entry.key, entry.gen, entry.epoch, entry.seq, entry.crc)
+            return Hit(n) if ok else Miss(MissReason.CORRUPT)
         if self.verify_reads and block_checksum(entry.key, entry.gen, entry.epoch, n, entry.seq, src) != entry.crc:
             return Miss(MissReason.CORRUPT)
         if is_tensor(sink):

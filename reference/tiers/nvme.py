@@ -55,8 +55,9 @@ torn or corrupt payloads and superseded blocks are dropped (the last two are tom
 that they are not considered again); a key whose newest committed block fails verification and
 that has no intact block left is reported as lost.
 
-**Reads** check the header and checksum in a page-aligned staging buffer before copying into the
-caller's buffer (``out`` is untouched on a miss). ``os.preadv`` releases the GIL, so reads run in
+**Reads** check the header in a page-aligned staging buffer, then the checksum as the payload is
+copied into the caller's buffer (``base.verified_copy``: ``out`` holds no byte of a block that
+fails it). ``os.preadv`` releases the GIL, so reads run in
 parallel on a thread pool: ``read_many`` submits whole blocks, and a single large read is split in
 ``READ_CHUNK_BYTES`` pieces read concurrently.
 """
@@ -98,11 +99,11 @@ from .base import (
     _Entry,
     block_checksum,
     copy_checksum,
-    copy_out,
     decode_header,
     event,
     make_header,
     round_up,
+    verified_copy,
 )
 
 FORMAT_VERSION = 2  # 1: two-phase publish, CRC-32 checksums; 2: one-sync publish, XXH3 checksums
@@ -523,10 +524,9 @@ class NvmeTier(SlotTier):
             if (header is None or header.flags != FLAG_COMMITTED or header.block_crc != entry.crc
                     or not header.same_block(entry.key, entry.gen, entry.epoch, n, entry.seq)):
                 return Miss(MissReason.CORRUPT)
-            payload = view[PAGE_BYTES:PAGE_BYTES + n]
-            if block_checksum(entry.key, entry.gen, entry.epoch, n, entry.seq, payload) != entry.crc:
+            if not verified_copy(sink, view[PAGE_BYTES:PAGE_BYTES + n], n, entry.key, entry.gen, entry.epoch,
+                                 entry.seq, entry.crc):  # fmt: skip
                 return Miss(MissReason.CORRUPT)
-            copy_out(sink, payload, n)
         return Hit(n)
 
     def _erase(self, entry: _Entry, fence: int) -> None:

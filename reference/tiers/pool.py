@@ -21,8 +21,9 @@ ends below an epoch that was stored. The check-fence-then-publish runs under ``f
 fencing holds across processes.
 
 **Read** needs no lock: a file, once opened, keeps its bytes even if it is replaced or removed
-(POSIX), and a published file is never written again. The header (key, gen, committed flag) and
-block checksum are verified in a staging buffer before ``out`` is touched; a file shorter than its header
+(POSIX), and a published file is never written again. The header (key, gen, committed flag) is
+verified in a staging buffer, the block checksum as the payload is copied out (``base.verified_copy``:
+``out`` holds no byte of a block that fails it); a file shorter than its header
 says is ``Miss(truncated)``.
 
 **Free** (under the flock) is taken by ``rules.free_takes``: the key's published block decides by
@@ -94,12 +95,12 @@ from .base import (
     check_gen,
     check_key,
     copy_checksum,
-    copy_out,
     decode_header,
     event,
     prepare_sink,
     round_up,
     source_bytes,
+    verified_copy,
 )
 from kvcc.spec.rules import fence_accepts, free_takes, slot_accepts
 
@@ -365,12 +366,11 @@ class SharedPoolTier(Tier):
             n = header.length
             if got < PAGE_BYTES + n:
                 return Miss(MissReason.TRUNCATED)
-            payload = view[PAGE_BYTES:PAGE_BYTES + n]
-            if block_checksum(key, gen, header.epoch, n, header.seq, payload) != header.block_crc:
-                return Miss(MissReason.CORRUPT)
             if n > room:
                 raise ValueError(f"out has {room} bytes, block is {n}")
-            copy_out(sink, payload, n)
+            if not verified_copy(sink, view[PAGE_BYTES:PAGE_BYTES + n], n, key, gen, header.epoch, header.seq,
+                                 header.block_crc):  # fmt: skip
+                return Miss(MissReason.CORRUPT)
         return Hit(n)
 
     def read_many(self, requests: Sequence[tuple[bytes, int, Any]]) -> list[ReadOutcome]:
