@@ -454,7 +454,10 @@ class _Explorer:
         self.fingerprint = checker.fingerprint if checker.symmetry is not None else hash
         self.group_slices, self.messages_bit, self.invariant_masks = checker._invariant_masks()
         self.everything = (self.messages_bit << 1) - 1
-        self.state_sometimes = [sm for sm in checker.sometimes if sm.reached_state is not None]
+        # The state ``sometimes`` not yet reached, each with the mask of the groups it reads: a
+        # new state is asked only where one of them changed from its parent, on which every
+        # pending one was false (``Sometimes.reads``; all groups if it declares none).
+        self.state_sometimes = [(sm, self._mask_of(sm.reads)) for sm in checker.sometimes if sm.reached_state is not None]
         # action -> the step ``sometimes`` not yet reached that may fire on it
         self.step_sometimes: dict[str, list] = {}
         for sm in checker.sometimes:
@@ -491,6 +494,13 @@ class _Explorer:
         sample = next(iter(self.seen), 0)
         return sys.getsizeof(self.seen) + len(self.seen) * sys.getsizeof(sample)
 
+    def _mask_of(self, reads: tuple[str, ...]) -> int:
+        groups = list(self.m.L.groups)
+        mask = 0
+        for name in reads:
+            mask |= self.messages_bit if name == "messages" else 1 << groups.index(name)
+        return mask or self.everything
+
     def start(self) -> list[bytes]:
         frontier = []
         for s in self.m.init_states():
@@ -513,10 +523,10 @@ class _Explorer:
                 self.violation = Violation(inv.name, "invariant", depth + 1)
                 return
         if self.state_sometimes:
-            hit = [sm for sm in self.state_sometimes if sm.reached_state(m, t)]
+            hit = [sm for sm, mask in self.state_sometimes if mask & changed and sm.reached_state(m, t)]
             if hit:
                 self.reached.update(sm.name for sm in hit)
-                self.state_sometimes = [sm for sm in self.state_sometimes if sm.name not in self.reached]
+                self.state_sometimes = [(sm, mask) for sm, mask in self.state_sometimes if sm.name not in self.reached]
 
     def absorb(self, batch: list[tuple[int, bytes]], depth: int, nxt: list[bytes]) -> None:
         """States found by another process for this one, each with its changed-groups mask."""

@@ -111,6 +111,11 @@ class Sometimes:
     companion_of: tuple[str, ...] = ()
     # The actions a ``reached_step`` can fire on (empty: any); the checker asks only on those.
     on_actions: tuple[str, ...] = ()
+    # As ``Invariant.reads``, for a ``reached_state``: the checker asks it of a new state only
+    # when one of these groups changed from the parent, on which it was false (a ``sometimes``
+    # is asked until it is reached). Declaring too few could only leave it unreached -- a failed
+    # check, never a hidden one; ``tests/test_spec.py`` checks every declaration on random walks.
+    reads: tuple[str, ...] = ()
     # The argument, per configuration, that its scope cannot contain this situation. The checker
     # requires every ``sometimes`` this returns None for, and rejects an argument the search
     # refutes (an exempt ``sometimes`` that is reached after all).
@@ -925,7 +930,7 @@ SOMETIMES: tuple[Sometimes, ...] = (
     Sometimes("InvalidationCompletedByExpiry", "the last lease of an invalidating key ends by expiry", reached_step=_completed_by_expiry,
               companion_of=("InvalidationCompletesInTime",), on_actions=('tick', 'clock_forward'), outside_scope=_no_readers),
     Sometimes("InvalidationWithTwoHolders", "an invalidation waits on leases held by two nodes", reached_state=_multi_holder_invalidation,
-              companion_of=("InvalidationCompletesInTime", "NoStaleRead"), outside_scope=_one_reader),
+              companion_of=("InvalidationCompletesInTime", "NoStaleRead"), outside_scope=_one_reader, reads=('records', 'leases')),
     Sometimes("FencedStaleWrite", "a stale writer's bytes are refused by a fence", reached_step=_step("fence_stale_write"), on_actions=('fence_stale_write',),
               companion_of=("FencingHolds", "OneOwnerPerEpoch")),
     Sometimes("StaleCommitRejected", "the directory rejects a late commit", reached_step=_step("reject_stale_commit"), on_actions=('reject_stale_commit',),
@@ -934,7 +939,7 @@ SOMETIMES: tuple[Sometimes, ...] = (
               reached_step=_acquire_refused_uncommitted, on_actions=('refuse_read_lease',),
               companion_of=("LeasesGrantedOnlyOnCommitted",), outside_scope=_no_readers),
     Sometimes("TwoWritersRace", "two nodes race to write one key", reached_state=_writers_race,
-              companion_of=("OneWriterPerGeneration",), outside_scope=_no_race),
+              companion_of=("OneWriterPerGeneration",), outside_scope=_no_race, reads=('writers',)),
     Sometimes("RefusedEvictionOfLeasedBlock", "an eviction is refused because the copy is leased", reached_step=_step("evict_refused"), on_actions=('evict_refused',),
               companion_of=("NoReclaimUnderLease",), outside_scope=_no_readers),
     Sometimes("Eviction", "an unleased copy is evicted", reached_step=_step("evict"), on_actions=('evict',)),
@@ -944,15 +949,15 @@ SOMETIMES: tuple[Sometimes, ...] = (
               reached_step=_write_aborted_on_rejoin, companion_of=("LostCopyVoidedOnRejoin",), on_actions=('restart_node',),
               outside_scope=_no_write_to_a_crashing_node),
     Sometimes("OwnerCrashedWhileDraining", "an owner's node is down while its previous copy drains on a second node under a third's lease",
-              reached_state=_owner_crashed_while_draining, companion_of=("NoReclaimUnderLease",), outside_scope=_no_draining_third),
+              reached_state=_owner_crashed_while_draining, companion_of=("NoReclaimUnderLease",), outside_scope=_no_draining_third, reads=('holders', 'records', 'nodes')),
     Sometimes("TrustedDuringInvalidation", "a holder still trusts a lease while its key is invalidating", reached_state=_trusting_while_invalidating,
-              companion_of=("NoStaleRead",), outside_scope=_no_readers),
+              companion_of=("NoStaleRead",), outside_scope=_no_readers, reads=('holders', 'records')),
     Sometimes("AckInFlight", "an acknowledgement of a revocation is in flight", reached_state=_ack_in_flight,
-              companion_of=("NoReadAfterAck",), outside_scope=_no_readers),
+              companion_of=("NoReadAfterAck",), outside_scope=_no_readers, reads=('messages',)),
     Sometimes("TrustedDuringRestartGrace", "a holder trusts a lease the restarted directory forgot", reached_state=_trust_during_grace,
-              companion_of=("LeaseKnownToDirectory",), outside_scope=_no_restart),
+              companion_of=("LeaseKnownToDirectory",), outside_scope=_no_restart, reads=('directory', 'holders')),
     Sometimes("FenceAtDirectoryEpoch", "a slot's fence has reached the directory's epoch for its key", reached_state=_fence_at_the_bound,
-              companion_of=("EpochsBoundFences", "FencingHolds")),
+              companion_of=("EpochsBoundFences", "FencingHolds"), reads=('epochs', 'slots')),
     Sometimes("RestartAfterEpochs", "the directory restarts after handing out an epoch", reached_step=_restart_with_epochs,
               on_actions=('restart_directory',), companion_of=("EpochMonotonic", "EpochsBoundFences"),
               outside_scope=lambda cfg: "the directory never restarts" if cfg.max_directory_restarts == 0 else None),
@@ -967,18 +972,18 @@ SOMETIMES: tuple[Sometimes, ...] = (
     Sometimes("LeaseRenewed", "a holder extends its trust by a renewal", reached_step=_renewal, companion_of=("RenewalNeverRevives",), on_actions=('trust_renewal',),
               outside_scope=_no_renewal),
     Sometimes("ChildCommitted", "a block is committed under a committed parent", reached_state=_child_committed,
-              companion_of=("PrefixClosed",), outside_scope=_no_chain),
+              companion_of=("PrefixClosed",), outside_scope=_no_chain, reads=('records',)),
     Sometimes("ParentRewrittenUnderCachedChild", "a parent's next generation is written while a holder trusts its child from before",
-              reached_state=_parent_rewritten_under_cached_child, companion_of=("PrefixClosed", "NoStaleRead"), outside_scope=_no_parent_rewrite),
+              reached_state=_parent_rewritten_under_cached_child, companion_of=("PrefixClosed", "NoStaleRead"), outside_scope=_no_parent_rewrite, reads=('holders', 'records')),
     Sometimes("NamespaceInvalidationRacesKey", "invalidate(namespace) starts while one of its keys is already invalidating",
               reached_step=_namespace_races_key, on_actions=('invalidate_namespace',), companion_of=("PrefixClosed",),
               outside_scope=_one_key_per_namespace),
     Sometimes("DemotionWithinNode", "ownership moves between two tiers of one node", reached_step=_demotion_within_node,
               on_actions=('finish_transfer',), companion_of=("OneOwnerPerEpoch", "CommittedBytesIntact"), outside_scope=_no_within_node_transfer),
     Sometimes("CommittedAtOwner", "a committed block's bytes are at its owner", reached_state=_committed_at_owner,
-              companion_of=("CommittedBytesIntact",)),
+              companion_of=("CommittedBytesIntact",), reads=('records', 'slots')),
     Sometimes("TwoEpochsStored", "copies of one key under two epochs coexist", reached_state=_two_epochs_stored,
-              companion_of=("EpochsBoundFences", "EpochMonotonic", "OneOwnerPerEpoch"), outside_scope=_single_copy),
+              companion_of=("EpochsBoundFences", "EpochMonotonic", "OneOwnerPerEpoch"), outside_scope=_single_copy, reads=('slots',)),
     Sometimes("WriteLeaseExpired", "a write lease ends by expiry", reached_step=lambda m, pre, a, p, post: True,
               companion_of=("WriteLeaseEndsInTime",), on_actions=('expire_write_lease', 'expire_write_lease_of_crashed')),
     Sometimes("RequestRefused", "a refusal reaches the requester, which stops waiting", reached_step=_refusal_answered,
@@ -998,8 +1003,8 @@ SOMETIMES: tuple[Sometimes, ...] = (
     Sometimes("UnauthorisedRequestRefused", "a request outside the tenant's namespaces is refused", reached_step=_unauthorised_refused,
               companion_of=("NamespaceIsolation",), on_actions=('refuse_read_lease', 'refuse_write_lease'), outside_scope=_everyone_authorised),
     Sometimes("DuplicateInFlight", "a message and its duplicate are in flight together", reached_state=_duplicate_in_flight,
-              companion_of=("LeaseIdsFresh", "RenewalNeverRevives"), outside_scope=_no_duplication),
-    Sometimes("ThreeMessagesInFlight", "three messages are in flight at once", reached_state=_three_in_flight, outside_scope=_two_messages),
+              companion_of=("LeaseIdsFresh", "RenewalNeverRevives"), outside_scope=_no_duplication, reads=('budgets', 'messages')),
+    Sometimes("ThreeMessagesInFlight", "three messages are in flight at once", reached_state=_three_in_flight, outside_scope=_two_messages, reads=('messages',)),
 )
 
 
