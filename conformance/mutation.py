@@ -191,6 +191,9 @@ TARGETS: tuple[Target, ...] = (
         ("CoreHost.due", "the Mooncake adapter's timer asks it; the kit's ticker ticks at every wake"),
         ("CoreHost.wait_s", "a wake-up hint: the kit's ticker wakes at least every TICK_IDLE_MS whatever it says, "
                             "and every entry point first lets time pass (a late tick only delays)"),
+        *((f"CoreHost.{name}", "the journaled path: only the directory server journals its steps (_StepJournal); "
+                               "the kit's host has no journal, so record never takes it")
+          for name in ("prepare", "_record_journaled")),
     )),  # fmt: skip
     Target("kvcc.reference.tiers.base", only={"SlotTier", "Tier", "Header", "decode_header", "block_checksum",
                                                "piece_digests", "combine_digests", "copy_checksum"}, skip=(
