@@ -84,6 +84,53 @@ def test_a_renewal_overtaken_by_a_revocation_is_not_trusted():
     assert h._cancelled == set()
 
 
+def test_an_answer_after_the_request_budget_is_given_up_and_ends_the_request():
+    """``gave_up``: an answer that comes once the request's own budget (term - epsilon from its
+    send time) ran out is ignored, and the request is over -- the key takes a new request; one
+    that comes a nanosecond earlier is taken."""
+    h = Holder(SKEW_MS)
+    budget = h.budget_ns(TERM_MS)
+    assert budget == (TERM_MS - SKEW_MS) * MS
+    h.acquiring(KEY, 1)
+    assert not h.gave_up(KEY, 1, sent_ns=10 * MS, term_ms=TERM_MS, now_ns=10 * MS + budget - 1)
+    assert h.busy(KEY), "an answer in time leaves the request to its caller"
+    assert h.gave_up(KEY, 1, sent_ns=10 * MS, term_ms=TERM_MS, now_ns=10 * MS + budget)
+    assert not h.busy(KEY) and h.may_acquire(KEY, 10 * MS + budget) is None
+    _granted(h, request=2)
+    h.renewing(KEY, 3)
+    assert h.gave_up(KEY, 3, sent_ns=0, term_ms=TERM_MS, now_ns=budget)
+    assert not h.busy(KEY), "a renewal given up is over too"
+
+
+def test_a_renewal_of_a_lease_no_longer_held_is_not_trusted():
+    """``renewed``: a renewal answered for a lease the holder no longer holds (released, or
+    replaced by another lease on the key) gives no trust, and changes none."""
+    h = Holder(SKEW_MS)
+    _granted(h)
+    h.renewing(KEY, 2)
+    assert h.release(KEY, 7, 0) is not None
+    assert h.renewed(KEY, 2, lease=7, term_ms=TERM_MS, sent_ns=0) is None
+    assert h.held(KEY) is None
+    other = _granted(h, request=3, lease=9)
+    h.renewing(KEY, 4)
+    assert h.renewed(KEY, 4, lease=7, term_ms=TERM_MS, sent_ns=100 * MS) is None
+    assert h.held(KEY) == other
+
+
+def test_a_renewal_carries_its_new_data_plane_grant_or_keeps_the_old():
+    """A renewal's answer may carry a new data-plane grant (the token a location checks): the
+    trust takes it; one without keeps the grant it had."""
+    h = Holder(SKEW_MS)
+    h.acquiring(KEY, 1)
+    h.granted(KEY, 1, lease=7, gen=1, epoch=1, location="n1/dram", term_ms=TERM_MS, sent_ns=0, grant=b"first")
+    h.renewing(KEY, 2)
+    kept = h.renewed(KEY, 2, lease=7, term_ms=TERM_MS, sent_ns=10 * MS)
+    assert kept is not None and kept.grant == b"first"
+    h.renewing(KEY, 3)
+    fresh = h.renewed(KEY, 3, lease=7, term_ms=TERM_MS, sent_ns=20 * MS, grant=b"second")
+    assert fresh is not None and fresh.grant == b"second"
+
+
 def test_release_tells_the_directory_only_of_a_trusted_lease():
     h = Holder(SKEW_MS)
     _granted(h)
