@@ -897,6 +897,7 @@ def cmd_mutation_score(args: Any) -> int:
     """``kvcc conform --mutation-score [--json] [--jobs N] [--limit N] [--seed N] [--profile P ...]
     [--rerun PREV.json] [--module NAME ...]``."""
     from rich.console import Console
+    from rich.markup import escape
 
     params = RunParams(
         profiles=tuple(args.profile) if args.profile else DEFAULT_PROFILES,
@@ -904,11 +905,13 @@ def cmd_mutation_score(args: Any) -> int:
         lease_term_ms=args.lease_term_ms or DEFAULT_LEASE_TERM_MS,
         skew_ms=DEFAULT_SKEW_MS if args.skew_ms is None else args.skew_ms,
     )  # fmt: skip
-    console = Console(stderr=True, highlight=False)
+    # No emoji codes: an id such as "core:100:cond-true:0" holds ":100:", which rich would print
+    # as an emoji, and the ids are what one searches the progress for. Mutant text is escaped.
+    console = Console(stderr=True, highlight=False, emoji=False)
 
     def progress(mutant_id: str, i: int, n: int, o: Outcome) -> None:
         mark = "[green]killed[/]" if o.killed else "[bold red]survived[/]"
-        console.print(f"{i:4}/{n} {mark} {mutant_id} {o.duration_s:6.1f}s {o.test or ''} {o.status or ''}")
+        console.print(f"{i:4}/{n} {mark} {escape(mutant_id)} {o.duration_s:6.1f}s {escape(o.test or '')} {o.status or ''}")
 
     try:
         targets = select_targets(getattr(args, "module", None))
@@ -923,13 +926,14 @@ def cmd_mutation_score(args: Any) -> int:
     if args.json:
         print(json.dumps(res, default=str))
     else:
-        out = Console(highlight=False)
+        out = Console(highlight=False, emoji=False)
         for s in res["survivors"]:
-            out.print(f"[bold red]SURVIVOR[/] {s['id']} ({s['function']}): {s['before']!r} -> {s['after']!r}")
+            out.print(f"[bold red]SURVIVOR[/] {escape(s['id'])} ({escape(s['function'])}): "
+                      f"{escape(repr(s['before']))} -> {escape(repr(s['after']))}")
         for s in res.get("stale_equivalents", []):
-            out.print(f"[yellow]STALE EQUIVALENT[/] {s['fingerprint']}: {s['why']}")
+            out.print(f"[yellow]STALE EQUIVALENT[/] {s['fingerprint']}: {escape(s['why'])}")
         for s in res.get("unconfirmed_kills", []):
-            out.print(f"[yellow]UNCONFIRMED KILL[/] {s['id']}: {s['test']} {s['status']} once, certified when run again")
+            out.print(f"[yellow]UNCONFIRMED KILL[/] {escape(s['id'])}: {s['test']} {s['status']} once, certified when run again")
         out.print(f"mutants {res['mutants']}  killed {res['killed']}  survivors {len(res['survivors'])}  "
                   f"equivalent {res['equivalent']}  score {res['score']}  (target {TARGET_SCORE}; "
                   f"{res.get('elapsed_s')} s)")  # fmt: skip

@@ -154,6 +154,23 @@ def test_the_command_prints_the_score_as_json(capsys):
     assert rc == (0 if out["score"] is not None and out["score"] >= mutation.TARGET_SCORE else 1)
 
 
+def test_the_progress_and_survivors_print_ids_and_code_verbatim(monkeypatch, capsys):
+    """Rich would print ":100:" in an id as an emoji and take "[key]" in mutant code as markup:
+    the command prints both as they are (the full run of 2026-12-05 lost five ids that way)."""
+    mid, before = "reference.directory.host:100:cond-true:0", "self._trusts[key] is None"
+
+    def fake_score(params, *, progress, **kw):
+        progress(mid, 1, 1, mutation.Outcome("fp", False, False, None, None, "", 1.0))
+        survivor = {"id": mid, "function": "CoreHost._taken_ns", "before": before, "after": "(True)"}
+        return {"survivors": [survivor], "mutants": 1, "killed": 0, "equivalent": 0, "score": 0.0, "elapsed_s": 1}
+
+    monkeypatch.setattr(mutation, "mutation_score", fake_score)
+    assert main(["conform", "--mutation-score"]) == 1
+    captured = capsys.readouterr()
+    assert f"survived {mid}" in captured.err
+    assert f"SURVIVOR {mid} (CoreHost._taken_ns): {before!r} -> '(True)'" in captured.out.replace("\n", "")
+
+
 def test_a_rerun_runs_only_the_earlier_survivors_and_carries_the_kills():
     mutants = mutation.generate(mutation.TARGETS[:1])
     survivor = _find(mutants, "DirectoryCore._acquire", "cond-false", "reason is not None")  # killed when run
