@@ -258,21 +258,25 @@ class Checker:
         self.progress = progress
         self.symmetry = Symmetry(model) if model.cfg.symmetry else None
 
-    def _invariant_masks(self):
-        """Bit masks of the variable groups each invariant reads (``Invariant.reads``)."""
+    def _read_masks(self):
+        """Bit masks of the variable groups each invariant reads (``Invariant.reads``) and each
+        state ``sometimes`` reads (``Sometimes.reads``); all groups where none are declared."""
         groups = self.model.L.groups
         bits = {name: 1 << i for i, name in enumerate(groups)}
         messages_bit = 1 << len(groups)
         bits["messages"] = messages_bit
         everything = (messages_bit << 1) - 1
         group_slices = [(bits[name], sl) for name, sl in groups.items()]
-        masks = []
-        for inv in self.invariants:
-            mask = 0
-            for name in inv.reads:
-                mask |= bits[name]
-            masks.append((inv, mask or everything))
-        return group_slices, messages_bit, masks
+
+        def mask(reads: tuple[str, ...]) -> int:
+            m = 0
+            for name in reads:
+                m |= bits[name]
+            return m or everything
+
+        invariants = [(inv, mask(inv.reads)) for inv in self.invariants]
+        sometimes = [(sm, mask(sm.reads)) for sm in self.sometimes if sm.reached_state is not None]
+        return group_slices, messages_bit, invariants, sometimes
 
     def fingerprint(self, s: bytes) -> int:
         if self.symmetry is not None:
@@ -452,12 +456,11 @@ class _Explorer:
         self.worker, self.workers = worker, workers
         # Without symmetry the fingerprint is the built-in hash: no Python call per state.
         self.fingerprint = checker.fingerprint if checker.symmetry is not None else hash
-        self.group_slices, self.messages_bit, self.invariant_masks = checker._invariant_masks()
-        self.everything = (self.messages_bit << 1) - 1
         # The state ``sometimes`` not yet reached, each with the mask of the groups it reads: a
         # new state is asked only where one of them changed from its parent, on which every
         # pending one was false (``Sometimes.reads``; all groups if it declares none).
-        self.state_sometimes = [(sm, self._mask_of(sm.reads)) for sm in checker.sometimes if sm.reached_state is not None]
+        self.group_slices, self.messages_bit, self.invariant_masks, self.state_sometimes = checker._read_masks()
+        self.everything = (self.messages_bit << 1) - 1
         # action -> the step ``sometimes`` not yet reached that may fire on it
         self.step_sometimes: dict[str, list] = {}
         for sm in checker.sometimes:
@@ -493,13 +496,6 @@ class _Explorer:
         """Memory held by the visited set: the table plus one integer per fingerprint."""
         sample = next(iter(self.seen), 0)
         return sys.getsizeof(self.seen) + len(self.seen) * sys.getsizeof(sample)
-
-    def _mask_of(self, reads: tuple[str, ...]) -> int:
-        groups = list(self.m.L.groups)
-        mask = 0
-        for name in reads:
-            mask |= self.messages_bit if name == "messages" else 1 << groups.index(name)
-        return mask or self.everything
 
     def start(self) -> list[bytes]:
         frontier = []

@@ -563,10 +563,10 @@ class Tier(abc.ABC):
         ``Hit(n)``: ``out[:n]`` holds exactly the committed bytes; bytes past ``n`` are untouched.
         ``Miss(reason)``: no block vouched for; must never hand out other bytes as a hit. On a miss
         the contract allows ``out`` to have been overwritten (its contents are then unspecified);
-        the tiers in this package verify before copying and leave ``out`` untouched, except the
-        memory tiers' verified reads of blocks of several pieces into host memory, which copy
-        each piece as it is hashed and zero what they copied on a miss (``hash_copy_pieces``):
-        a miss never leaves a byte of the block in ``out``.
+        the tiers in this package verify before copying and leave ``out`` untouched, except
+        their verified reads of blocks of several pieces into host memory, which copy each piece
+        as it is hashed and zero what they copied on a miss (``verified_copy``): a miss never
+        leaves a byte of the block in ``out``.
         Corrupt, truncated or lost data must be logged (``kvcc.tiers``).
         A hit makes the key the most recently used. Raises ``ValueError`` if ``out`` is smaller
         than the block.
