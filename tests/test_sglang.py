@@ -11,7 +11,7 @@ installed here, it would replace the CPU torch); page keys are SHA-256 chains in
 (64 hex digits, each page's hash over the previous one's) computed with hashlib, since SGLang's
 own ``get_hash_str`` compiles a C++ extension on first use. The test of per-request tenants does
 call SGLang's ``get_storage_hash_str`` (that extension: it needs a C++ compiler and OpenSSL's
-headers), on ``_RadixKey``, a stand-in for ``RadixKey`` (whose module imports those model configs).
+headers), on a stand-in for ``RadixKey`` (whose module imports those model configs).
 
 Each test uses pages of fresh random tokens, so tests do not see each other's pages. Needs SGLang
 (``bash scripts/setup.sh --with sglang``; ``--with vllm``, the README's test command, includes it);
@@ -26,7 +26,6 @@ import json
 import random
 import threading
 import time
-from array import array
 from pathlib import Path
 
 import pytest
@@ -110,23 +109,12 @@ def _bytes(t: torch.Tensor | None) -> bytes | None:
     return None if t is None else t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
 
 
-class _RadixKey:
-    """What SGLang's storage page hash reads of a ``RadixKey`` (``sglang.srt.mem_cache.radix_cache``):
-    the token ids, the request's ``extra_key`` and its ``cache_salt`` (an empty salt is none)."""
-
-    def __init__(self, token_ids: list[int], extra_key: str | None = None, cache_salt: str | None = None) -> None:
-        self.token_ids, self.extra_key, self.cache_salt = array("q", token_ids), extra_key, cache_salt or None
-
-    def __len__(self) -> int:
-        return len(self.token_ids)
-
-
 def _sglang_page_keys(tokens: list[int], extra_key: str | None = None, cache_salt: str | None = None) -> list[str]:
-    """The page keys SGLang gives a request's tokens in storage (``compute_node_hash_values`` of a
-    root node): its own ``get_storage_hash_str``, the chain seeded by extra key and cache salt."""
-    from sglang.srt.mem_cache.utils import get_storage_hash_str
+    """The page keys SGLang gives a request's tokens in storage: its own ``get_storage_hash_str``,
+    the chain seeded by extra key and cache salt (``kvcc.adapters.sglang.server.page_hashes``)."""
+    from kvcc.adapters.sglang.server import page_hashes
 
-    return get_storage_hash_str(_RadixKey(tokens, extra_key, cache_salt), None, page_size=PAGE)
+    return page_hashes(tokens, PAGE, extra_key=extra_key, cache_salt=cache_salt)
 
 
 class _Paused:
@@ -833,3 +821,86 @@ def test_kvcc_and_hicache_file_side_by_side_under_concurrent_calls(backend, make
         assert rec["free-running: rounds ending in a miss"] == 0
     assert kvcc_record["free-running: rounds whose reads saw A's page and B's"] == 0
     assert file_record["free-running: rounds with a set False"] == 0
+
+
+def test_a_servers_backend_reports_its_namespace_calls_and_counts_and_logs_as_part_of_its_node(cluster, tmp_path):
+    """What the engine profile's harness reads of a server's backend (``kvcc_status_file``,
+    ``kvcc_events_dir``, ``kvcc_colocated_node``): the status file names the namespace digest the
+    pages are filed under, says a call is under way while one is (a request's backups are done
+    once it says none is, and the counts stay put), and counts pages read and refused; the client
+    is ``<node>.<id>``, part of the node, and logs its leases, reads and writes."""
+    from kvcc.adapters.sglang.backend import page_key
+
+    node = cluster.node_ids[0]
+    status, events = tmp_path / "status.json", tmp_path / "events"
+    events.mkdir()
+    extra = {**_extra(cluster, "sglang-status"), "kvcc_colocated_node": node, "kvcc_status_file": str(status),
+             "kvcc_events_dir": str(events)}  # fmt: skip
+    backend = StorageBackendFactory.create_backend("dynamic", _config(extra), None)
+    try:
+        assert json.loads(status.read_text())["namespace"] is None  # no host pool yet: no namespace
+        backend.register_mem_pool_host(_HostPool())
+        assert json.loads(status.read_text())["namespace"] == _namespace().digest().hex()
+        rng = random.Random(31)
+        keys, pages = _page_keys(rng, 2), [_page(rng) for _ in range(2)]
+        assert backend.batch_set(keys, pages)
+        assert backend.batch_exists(keys) == 2
+        reached, go = threading.Event(), threading.Event()
+        _pause_client(backend.client, "read_many", reached, go, after=False)
+        reader = threading.Thread(target=lambda: backend.batch_get(keys), daemon=True)
+        reader.start()
+        try:
+            assert reached.wait(UNTIL_S)
+            assert json.loads(status.read_text())["busy"] == 1
+        finally:
+            go.set()
+            reader.join(UNTIL_S)
+            del backend.client.read_many
+        got = json.loads(status.read_text())
+        assert got["busy"] == 0 and got["client_id"] == f"{node}.sglang-status"
+        assert got["counts"]["write_committed"] == 2 and got["counts"]["read_hits"] == 2
+        # A page never written: refused at the acquire, counted as a refusal.
+        assert backend.batch_get(_page_keys(rng, 1)) == [None]
+        assert sum(n for k, n in json.loads(status.read_text())["counts"].items() if k.startswith("read_refused_")) == 1
+        log = [json.loads(line) for line in (events / f"{node}.sglang-status.ndjson").read_text().splitlines()]
+        wanted = {page_key(_namespace().digest(), k).hex for k in keys}
+        assert {e["event"] for e in log if e.get("key") in wanted} >= {"trust_read_lease", "read", "begin_write"}
+    finally:
+        backend.close()
+
+
+def test_the_engine_profiles_server_settings_make_a_backend_that_names_pages_as_the_suite_expects(cluster, tmp_path):
+    """The settings the ``sglang`` adapter gives each SGLang server (``_extra_config``) build, through
+    SGLang's factory, a backend whose client is co-located with the server's node, whose status
+    file names the namespace ``engine_namespace`` computes, and which names SGLang's page hashes
+    of a prompt with the keys ``engine_keys`` gives the suite -- what the engine tests look up."""
+    import types
+
+    from kvcc.adapters.sglang.conformance import ENGINE_PAGE_TOKENS, engine_namespace, factory
+    from attrs import evolve
+
+    from kvcc.adapters.sglang.server import BACKEND, page_hashes
+
+    adapter = factory()
+    adapter._cluster = cluster
+    adapter._ctx = types.SimpleNamespace(skew_ms=SKEW_MS, workdir=tmp_path)
+    adapter._revision = REVISION
+    (tmp_path / "events").mkdir(exist_ok=True)
+    cluster_workdir, cluster.workdir = cluster.workdir, tmp_path  # the backend's event log goes to tmp_path/events
+    try:
+        extra = adapter._extra_config("s2")
+    finally:
+        cluster.workdir = cluster_workdir
+    backend = StorageBackendFactory.create_backend("dynamic", _config({**BACKEND, **extra}, "served-name"), None)
+    try:
+        ens = engine_namespace(REVISION)
+        assert backend.namespace == ens
+        status = json.loads(adapter._status_path("s2").read_text())
+        assert status["namespace"] == ens.digest().hex()
+        assert status["client_id"] == f"{adapter._engine_node('s2')}.sglang-s2-{adapter._gens['s2']}"
+        tokens = [random.Random(4).choice(VOCAB) for _ in range(3 * ENGINE_PAGE_TOKENS + 7)]
+        got_ns, keys = adapter.engine_keys(evolve(ens, cache_salt=b"\x01\x02"), tokens)  # a test namespace's salt
+        assert got_ns == ens and len(keys) == 3
+        assert keys == [backend.kvcc_key(h) for h in page_hashes(tokens, ENGINE_PAGE_TOKENS, cache_salt="0102")]
+    finally:
+        backend.close()

@@ -24,6 +24,13 @@ prefixed ``kvcc_`` so as not to collide with SGLang's own entries:
   request, default 10 s), ``kvcc_client_id`` (default ``sglang<pid>-tp<rank>``; no ``.``:
   ``<node>.<name>`` means a client co-located with a cache node), ``kvcc_clear_timeout_s``
   (default 60);
+- what a test harness reads (``kvcc.adapters.sglang.conformance``, the ``engine`` profile):
+  ``kvcc_events_dir`` (a folder where the client logs its protocol events, as
+  ``<client id>.ndjson``), ``kvcc_status_file`` (a JSON file this backend replaces atomically
+  after every call: its namespace digest, its counters, the calls under way) and
+  ``kvcc_load_hold_ms`` (fault injection: a read holds its leases this long before it reads);
+  ``kvcc_colocated_node`` (the cache node this server runs beside: its client is then
+  ``<node>.<client id>``, part of that node, and the directory places its writes there);
 - namespace inputs: ``kvcc_model_id`` (default SGLang's model name), ``kvcc_model_revision``
   (default ``unpinned``: set it to the weights' commit), ``kvcc_cache_salt`` (an operator's salt,
   text); ``kvcc_page_size``, ``kvcc_kv_dtype`` and ``kvcc_kv_layout``, which the registered host
@@ -99,6 +106,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 import os
 import threading
@@ -260,20 +268,55 @@ class KvccHiCacheStorage(HiCacheStorage):
         client_id = str(extra.get("kvcc_client_id") or f"sglang{os.getpid()}-tp{storage_config.tp_rank}")
         if "." in client_id:
             raise ValueError(f"kvcc_client_id {client_id!r} has a '.': that names a client co-located with a node")
+        if extra.get("kvcc_colocated_node"):  # the server runs beside that cache node: its client is part of it
+            client_id = f"{extra['kvcc_colocated_node']}.{client_id}"
+        self.client_id = client_id
+        self._load_hold_s = float(extra.get("kvcc_load_hold_ms") or 0) / 1000
+        self._status_file = Path(extra["kvcc_status_file"]) if extra.get("kvcc_status_file") else None
+        self._calls = 0  # backend calls under way (the status file's ``busy``)
+        events = None
+        if extra.get("kvcc_events_dir"):
+            from kvcc.reference.events import EventLog
+
+            events = EventLog(Path(extra["kvcc_events_dir"]) / f"{client_id}.ndjson", client_id, 1)
         self._loop = _LoopThread()
         try:
             self.client = self._loop.run(self._connect(
                 _address(extra.get("kvcc_directory")), str(extra.get("kvcc_tenant") or "engine"), _token(extra),
                 client_id, int(extra.get("kvcc_skew_ms") or SKEW_MS_DEFAULT),
-                int(extra.get("kvcc_timeout_ms") or CLIENT_TIMEOUT_MS_DEFAULT)))  # fmt: skip
+                int(extra.get("kvcc_timeout_ms") or CLIENT_TIMEOUT_MS_DEFAULT), events))  # fmt: skip
         except BaseException:
             self._loop.close()
             raise
+        self._publish()
 
     @staticmethod
-    async def _connect(directory, tenant, token, client_id, skew_ms, timeout_ms) -> KvccClient:
+    async def _connect(directory, tenant, token, client_id, skew_ms, timeout_ms, events=None) -> KvccClient:
         return await KvccClient(directory, tenant, token, client_id=client_id, skew_ms=skew_ms,
-                                timeout_ms=timeout_ms).start()  # fmt: skip
+                                timeout_ms=timeout_ms, events=events).start()  # fmt: skip
+
+    def _run(self, coro: Any, timeout_s: float = CALL_TIMEOUT_S) -> Any:
+        """``coro`` on the client's loop, counted as a call under way in the status file."""
+        with self._metrics_lock:
+            self._calls += 1
+        self._publish()
+        try:
+            return self._loop.run(coro, timeout_s)
+        finally:
+            with self._metrics_lock:
+                self._calls -= 1
+            self._publish()
+
+    def _publish(self) -> None:
+        """Replace the status file (``kvcc_status_file``), if one is configured."""
+        if self._status_file is None:
+            return
+        with self._metrics_lock:
+            status = {"client_id": self.client_id, "busy": self._calls, "counts": dict(self.counts),
+                      "namespace": None if self._ns_digest is None else self._ns_digest.hex()}  # fmt: skip
+            tmp = self._status_file.with_name(f".{self._status_file.name}.{threading.get_ident()}")
+            tmp.write_text(json.dumps(status))
+            os.replace(tmp, self._status_file)
 
     def close(self) -> None:
         try:
@@ -304,6 +347,7 @@ class KvccHiCacheStorage(HiCacheStorage):
         page = mem_pool_host.get_dummy_flat_data_page()
         self._page_bytes = page.numel() * page.element_size()
         self._set_namespace()
+        self._publish()
 
     def _digest(self) -> bytes:
         if self._ns_digest is None:
@@ -411,7 +455,7 @@ class KvccHiCacheStorage(HiCacheStorage):
         return [hit.blocks == 1 for hit in hits]
 
     def exists(self, key: str) -> bool:
-        return self._loop.run(self._exists([self.kvcc_key(key)]))[0]
+        return self._run(self._exists([self.kvcc_key(key)]))[0]
 
     def batch_exists(self, keys: list[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
         """The number of consecutive committed pages from the start of ``keys``, each leased until
@@ -420,7 +464,7 @@ class KvccHiCacheStorage(HiCacheStorage):
         invalidated in between is revoked and then a miss."""
         if not keys:
             return 0
-        return self._loop.run(self._lease_prefix([self.kvcc_key(k) for k in keys]))
+        return self._run(self._lease_prefix([self.kvcc_key(k) for k in keys]))
 
     # ------------------------------------------------------------------ reads
 
@@ -446,6 +490,8 @@ class KvccHiCacheStorage(HiCacheStorage):
                 else:
                     granted.append((k, lease))
             sizes = [nbytes[first[k]] for k, _ in granted]
+            if self._load_hold_s and granted:
+                await asyncio.sleep(self._load_hold_s)  # fault injection: a slow read (kvcc_load_hold_ms)
             outs = [None if n is None else bytearray(n) for n in sizes]
             try:
                 got = await c.read_many([lease for _, lease in granted], outs)
@@ -493,7 +539,7 @@ class KvccHiCacheStorage(HiCacheStorage):
         assert len(targets) == len(keys)
         sizes = [None if t is None else t.numel() * t.element_size() for t in targets]
         start = time.perf_counter()
-        datas = self._loop.run(self._read_many([self.kvcc_key(k) for k in keys], sizes))
+        datas = self._run(self._read_many([self.kvcc_key(k) for k in keys], sizes))
         out: list[torch.Tensor | None] = []
         for t, d in zip(targets, datas):
             if d is None:
@@ -513,7 +559,7 @@ class KvccHiCacheStorage(HiCacheStorage):
             return []
         assert host_indices.numel() == len(keys) * self._page_size, "one page of host indices per key"
         start = time.perf_counter()
-        datas = self._loop.run(self._read_many([self.kvcc_key(k) for k in keys], [self._page_bytes] * len(keys)))
+        datas = self._run(self._read_many([self.kvcc_key(k) for k in keys], [self._page_bytes] * len(keys)))
         ok = []
         for i, d in enumerate(datas):
             if d is not None:
@@ -572,7 +618,7 @@ class KvccHiCacheStorage(HiCacheStorage):
         assert values is not None and len(values) == len(keys)
         datas = [self._page_bytes_of(v) for v in values]
         start = time.perf_counter()
-        ok = self._loop.run(self._write_many([self.kvcc_key(k) for k in keys], datas))
+        ok = self._run(self._write_many([self.kvcc_key(k) for k in keys], datas))
         self._note("backup", sum(ok), sum(len(d) for d, o in zip(datas, ok) if o), start)
         return all(ok)
 
@@ -586,7 +632,7 @@ class KvccHiCacheStorage(HiCacheStorage):
         datas = [self._page_bytes_of(pool.get_data_page(int(host_indices[i * self._page_size]), flat=True))
                  for i in range(len(keys))]  # fmt: skip
         start = time.perf_counter()
-        ok = self._loop.run(self._write_many([self.kvcc_key(k) for k in keys], datas))
+        ok = self._run(self._write_many([self.kvcc_key(k) for k in keys], datas))
         self._note("backup", sum(ok), sum(ok) * self._page_bytes, start)
         return ok
 
@@ -605,7 +651,7 @@ class KvccHiCacheStorage(HiCacheStorage):
     def clear(self) -> bool:
         """Invalidate every page of this namespace; ``True`` once the invalidation completed (no
         read lease on any of them is trusted anywhere), ``False`` if it did not in time."""
-        done = self._loop.run(self._clear(), self._clear_timeout_s + CALL_TIMEOUT_S)
+        done = self._run(self._clear(), self._clear_timeout_s + CALL_TIMEOUT_S)
         self._count("clears_completed" if done else "clears_timed_out")
         if not done:
             log.error("kvcc: the namespace invalidation did not complete within %.0f s", self._clear_timeout_s)

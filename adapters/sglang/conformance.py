@@ -59,7 +59,14 @@ zero-copy calls (they need a host pool of fixed page size; the suite's blocks va
 Events are native: the directory's, every node's and every co-located client's NDJSON logs (the
 backend's operations are the co-located client's, so they are in the node's log).
 
-Every profile is claimed (``tiering`` exercises the kvcc nodes' tiers behind the backend, through
+The ``engine`` profile, on a machine with a CUDA GPU (``_SglangEngines``): two real SGLang
+servers (``kvcc.adapters.sglang.server``), each beside one cache node, their HiCache L3 this backend
+on the test's cluster, loaded by SGLang's own ``dynamic`` factory from the server's command line;
+``complete`` is the server's ``/generate``, ``forget`` its ``/flush_cache``, kills and pauses go to
+its process group, ``engine_index`` follows its KV events. Without CUDA (SGLang's server has no CPU
+build) the profile is reported unavailable, with that reason; ``scripts/sglang_cuda.sh`` runs it.
+
+Every cache profile is claimed (``tiering`` exercises the kvcc nodes' tiers behind the backend, through
 ``evict``; ``load`` runs reads and commits through SGLang's calls concurrently); the ``corrupt``
 fault is not declared, as for ``reference`` (a block lands in the node process's DRAM tier first,
 out of the adapter's reach).
@@ -69,7 +76,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import itertools
+import json
+import threading
+import time
+from collections.abc import Sequence
 from typing import Any
 
 from kvcc.adapters.engine_calls import ClearingAdapter, Step, TicketHandover, current
@@ -80,6 +92,7 @@ from kvcc.conformance.contract import (
     AdapterError,
     Capabilities,
     Committed,
+    Completion,
     InvalidationTicket,
     NotSupported,
     ReadGrant,
@@ -194,7 +207,302 @@ class _HolderView:
         return None  # the node's client is the adapter's to close
 
 
-class SglangAdapter(ClearingAdapter):
+# -- the engine profile: real SGLang servers (CUDA only) -----------------------------------------------
+
+ENGINES = ("s1", "s2")
+ENGINE_MODEL_ID = "kvcc/tiny-llama"
+ENGINE_PAGE_TOKENS = 32
+ENGINE_KV_DTYPE = "bfloat16"  # the servers run --dtype bfloat16
+ENGINE_LAYOUT = "page_first"  # the servers' --hicache-mem-layout
+TOP_LOGPROBS = 5
+# The servers' backends hold each read lease this long before reading (kvcc_load_hold_ms): a
+# window in which pause_engine_reading can stop a server holding one.
+LOAD_HOLD_MS = 50
+ENGINE_REQUEST_TIMEOUT_S = 120.0
+# A request is done once its backups are: the server's backend idle, its counters unchanged this long.
+SAVES_QUIET_S, SAVES_TIMEOUT_S = 1.0, 60.0
+FLUSH_TIMEOUT_S = 30.0  # flush_cache is refused while a request runs: retried this long
+INDEX_QUIET_S, INDEX_WAIT_S = 0.3, 5.0  # engine_index: the KV events quiet this long (waiting at most this)
+PUMP_INTERVAL_S = 0.01
+
+
+def engines_available() -> str:
+    """Why SGLang servers cannot run here ("" when they can: a CUDA GPU and SGLang installed)."""
+    try:
+        import torch
+    except ImportError:
+        return "needs torch"
+    if not torch.cuda.is_available():
+        return ENGINE_UNAVAILABLE
+    return ""
+
+
+def engine_namespace(model_revision: str) -> Namespace:
+    """The kvcc namespace the servers' backends file their pages under (``storage_namespace`` of
+    TP rank 0 of 1, the servers' page size, KV dtype and host layout, the tiny Llama and its
+    revision); each backend checks the host pool agrees, and the status file shows its digest."""
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+
+    from kvcc.adapters.sglang.backend import storage_namespace
+
+    config = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+                                  is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
+                                  model_name=ENGINE_MODEL_ID, extra_config={})  # fmt: skip
+    return storage_namespace(config, page_size=ENGINE_PAGE_TOKENS, kv_dtype=ENGINE_KV_DTYPE, kv_layout=ENGINE_LAYOUT,
+                             model_id=ENGINE_MODEL_ID, model_revision=model_revision)  # fmt: skip
+
+
+def engine_page_keys(engine_ns: Namespace, tokens: Sequence[int], salt: str) -> list[BlockKey]:
+    """The kvcc keys of a prompt's full pages as the servers' backends name them: SGLang's own page
+    hashes (seeded by the request's cache salt), each hashed into the engine namespace."""
+    from kvcc.adapters.sglang.backend import page_key
+    from kvcc.adapters.sglang.server import page_hashes
+
+    digest = engine_ns.digest()
+    return [page_key(digest, h) for h in page_hashes(tokens, ENGINE_PAGE_TOKENS, cache_salt=salt)]
+
+
+def _salt(ns: Namespace) -> str:
+    """The cache salt of the servers' requests in test namespace ``ns``."""
+    return (ns.cache_salt or b"").hex() or "kvcc-unsalted"
+
+
+class _SglangEngines:
+    """The ``engine`` profile on a CUDA machine: two real SGLang servers
+    (``kvcc.adapters.sglang.server.SglangServer``), each beside one cache node of the test's
+    cluster, its L3 storage kvcc's backend on that cluster (its client ``<node>.sglang-<engine>-
+    <generation>``, co-located with the node; its protocol events logged beside the cluster's, so
+    the servers' own reads and writes are validated with the rest); ``SglangEngineView`` follows
+    their KV events for ``engine_index``. Started at a test's first engine call and stopped with
+    the test (an SGLang server on a GPU starts in well under a minute; the engines are not kept
+    up across tests). ``complete`` is ``POST /generate`` (greedy, top log-probabilities), done
+    once the server's backend has gone quiet (its write-through backups are asynchronous), with
+    the pages it loaded and failed to load counted from the backend's status file; ``forget`` is
+    ``POST /flush_cache`` (GPU and host caches; storage untouched)."""
+
+    _servers: dict[str, Any]
+    _gens: dict[str, int]
+
+    def _engines_init(self) -> None:
+        self._servers = {}
+        self._gens = {}
+        self._next_gen = itertools.count(1)
+        self._revision: str | None = None
+        self._subscriber: Any = None
+        self._index_lock = threading.Lock()
+        self._last_event = 0.0
+        self._pumping = threading.Event()
+        self._pump_thread: threading.Thread | None = None
+        self._engine_lock = threading.Lock()
+
+    def _engine_ns(self) -> Namespace:
+        if self._revision is None:
+            from kvcc.adapters.vllm.model import read_revision, tiny_llama
+
+            self._revision = read_revision(tiny_llama())
+        return engine_namespace(self._revision)
+
+    def engines(self) -> list[str]:
+        return [] if engines_available() else list(ENGINES)
+
+    def engine_keys(self, ns: Namespace, tokens) -> tuple[Namespace, list[BlockKey]]:
+        ens = self._engine_ns()
+        return ens, engine_page_keys(ens, list(tokens), _salt(ns))
+
+    def _engine_node(self, name: str) -> str:
+        nodes = list(self._cluster.node_ids)
+        return nodes[ENGINES.index(name) % len(nodes)]
+
+    def _status_path(self, name: str) -> Any:
+        return self._ctx.workdir / f"sglang-{name}-{self._gens[name]}.status.json"
+
+    def _client_log(self, name: str) -> Any:
+        return self._cluster.workdir / "events" / f"{self._engine_node(name)}.sglang-{name}-{self._gens[name]}.ndjson"
+
+    def _extra_config(self, name: str) -> dict[str, Any]:
+        """Engine ``name``'s backend settings, under a new generation (a new client id, event log
+        and status file at every start)."""
+        self._gens[name] = next(self._next_gen)
+        host, port = self._cluster.directory_address
+        return {"kvcc_directory": f"{host}:{port}", "kvcc_tenant": "engine",
+                "kvcc_token_hex": self._cluster.engine_token.hex(), "kvcc_skew_ms": self._ctx.skew_ms,
+                "kvcc_client_id": f"sglang-{name}-{self._gens[name]}", "kvcc_colocated_node": self._engine_node(name),
+                "kvcc_events_dir": str(self._cluster.workdir / "events"), "kvcc_status_file": str(self._status_path(name)),
+                "kvcc_load_hold_ms": LOAD_HOLD_MS, "kvcc_model_id": ENGINE_MODEL_ID,
+                "kvcc_model_revision": self._revision, "kvcc_page_size": ENGINE_PAGE_TOKENS,
+                "kvcc_kv_dtype": ENGINE_KV_DTYPE, "kvcc_kv_layout": ENGINE_LAYOUT}  # fmt: skip
+
+    def _engine(self, name: str) -> Any:
+        if name not in ENGINES or engines_available():
+            raise AdapterError(f"no engine {name!r}: {engines_available() or 'not one of ' + ', '.join(ENGINES)}")
+        with self._engine_lock:
+            if not self._servers:
+                self._start_engines()
+            return self._servers[name]
+
+    def _start_engines(self) -> None:
+        from kvcc.adapters.sglang.backend import page_key
+        from kvcc.adapters.sglang.server import SglangEngineView, SglangServer
+        from kvcc.adapters.vllm.events import KvEventSubscriber
+        from kvcc.adapters.vllm.model import tiny_llama
+
+        if self._cluster is None:
+            raise AdapterError("the adapter is stopped: its test has no engines any more")
+        ens = self._engine_ns()
+        servers = {name: SglangServer(tiny_llama(), served_name=ENGINE_MODEL_ID, page_size=ENGINE_PAGE_TOKENS,
+                                      extra_config=lambda n=name: self._extra_config(n))
+                   for name in ENGINES}  # fmt: skip
+        self._servers.update(servers)  # stop() closes whatever started
+        errors: list[BaseException] = []
+
+        def up(s: Any) -> None:
+            try:
+                s.start()
+            except BaseException as exc:  # noqa: BLE001 -- reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=up, args=(s,), daemon=True) for s in servers.values()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise AdapterError(f"an SGLang server did not start: {errors[0]}")
+        for name in ENGINES:
+            got = self._status(name).get("namespace")
+            if got != ens.digest().hex():
+                raise AdapterError(f"engine {name}'s backend files pages under namespace {got}, not the expected "
+                                   f"{ens.digest().hex()} (page size, KV dtype or layout differ)")  # fmt: skip
+        sub = KvEventSubscriber()
+        name_of = functools.partial(page_key, ens.digest())
+        for name, s in servers.items():
+            sub.add_engine(name, s.events_endpoint, s.replay_endpoint, topic=s.topic,
+                           view=SglangEngineView(name, ENGINE_PAGE_TOKENS, name_of))  # fmt: skip
+        self._subscriber = sub
+        self._pumping.set()
+        self._pump_thread = threading.Thread(target=self._pump, name="sglang-kv-events", daemon=True)
+        self._pump_thread.start()
+
+    def _pump(self) -> None:
+        sub = self._subscriber
+        while self._pumping.is_set():
+            with self._index_lock:
+                if sub.pump(0.0):
+                    self._last_event = time.monotonic()
+            time.sleep(PUMP_INTERVAL_S)
+
+    def _stop_engines(self) -> None:
+        self._pumping.clear()
+        if self._pump_thread is not None:
+            self._pump_thread.join(5)
+            self._pump_thread = None
+        for s in self._servers.values():
+            try:
+                s.close()
+            except Exception:  # noqa: BLE001 -- stopping regardless
+                pass
+        self._servers.clear()
+        if self._subscriber is not None:
+            self._subscriber.close()
+            self._subscriber = None
+
+    def _status(self, name: str) -> dict[str, Any]:
+        try:
+            return json.loads(self._status_path(name).read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def _saves_settled(self, name: str) -> bool:
+        """Wait until engine ``name``'s backend runs no call and its counters stay unchanged for
+        ``SAVES_QUIET_S`` (its backups after a request are asynchronous); ``False`` on timeout."""
+        deadline = time.monotonic() + SAVES_TIMEOUT_S
+        last, since = None, time.monotonic()
+        while time.monotonic() < deadline:
+            status = self._status(name)
+            now = (status.get("busy"), status.get("counts"))
+            if now != last:
+                last, since = now, time.monotonic()
+            elif status.get("busy") == 0 and time.monotonic() - since >= SAVES_QUIET_S:
+                return True
+            time.sleep(PUMP_INTERVAL_S * 10)
+        return False
+
+    @staticmethod
+    def _loads(counts: dict[str, int]) -> tuple[int, int]:
+        """(pages read into SGLang's buffers, pages whose read was refused)."""
+        return counts.get("read_hits", 0), sum(n for k, n in counts.items() if k.startswith("read_refused_"))
+
+    def complete(self, engine: str, ns: Namespace, tokens, max_tokens: int) -> Completion:
+        from kvcc.adapters.vllm.harness import EngineError
+
+        s = self._engine(engine)
+        before = self._loads(self._status(engine).get("counts", {}))
+        try:
+            out = s.generate(list(tokens), max_tokens=max_tokens, cache_salt=_salt(ns), top_logprobs=TOP_LOGPROBS,
+                             timeout_s=ENGINE_REQUEST_TIMEOUT_S)  # fmt: skip
+        except EngineError as exc:
+            raise AdapterError(f"engine {engine}: {exc}") from exc
+        if not self._saves_settled(engine) or not s.is_running():
+            raise AdapterError(f"engine {engine}: its backups of a request did not settle in {SAVES_TIMEOUT_S:g} s")
+        after = self._loads(self._status(engine).get("counts", {}))
+        meta = out.get("meta_info") or {}
+        steps = meta.get("output_top_logprobs") or []
+        return Completion(
+            tuple(out["output_ids"]),
+            tuple(tuple(sorted((int(tok), float(lp)) for lp, tok, *_ in step)) for step in steps),
+            int(meta.get("prompt_tokens", len(tokens))), int(meta.get("cached_tokens") or 0),
+            after[0] - before[0], after[1] - before[1],
+        )  # fmt: skip
+
+    def forget(self, engine: str) -> None:
+        from kvcc.adapters.vllm.harness import EngineError
+
+        s = self._engine(engine)
+        deadline = time.monotonic() + FLUSH_TIMEOUT_S
+        try:
+            while not s.flush_cache():
+                if time.monotonic() > deadline:
+                    raise AdapterError(f"engine {engine} refused to flush its cache for {FLUSH_TIMEOUT_S:g} s")
+                time.sleep(0.2)
+        except EngineError as exc:
+            raise AdapterError(f"engine {engine}: {exc}") from exc
+
+    def kill_engine(self, engine: str) -> None:
+        self._engine(engine).kill()
+
+    def restart_engine(self, engine: str) -> None:
+        from kvcc.adapters.vllm.harness import EngineError
+
+        s = self._engine(engine)
+        s.kill()
+        try:
+            s.start()  # a new generation: a new client, event log and status file
+        except EngineError as exc:
+            raise AdapterError(f"engine {engine} did not start again: {exc}") from exc
+
+    def pause_engine(self, engine: str) -> None:
+        self._engine(engine).pause()
+
+    def resume_engine(self, engine: str) -> None:
+        self._engine(engine).resume()
+
+    def pause_engine_reading(self, engine: str, timeout_s: float) -> bool:
+        from kvcc.adapters.vllm.conformance import pause_while_reading
+
+        return pause_while_reading(self._engine(engine), self._client_log(engine), timeout_s)
+
+    def engine_index(self, engine: str, ns: Namespace) -> set[BlockKey]:
+        """The view, once no KV event came for ``INDEX_QUIET_S`` (at most ``INDEX_WAIT_S``)."""
+        self._engine(engine)
+        deadline = time.monotonic() + INDEX_WAIT_S
+        time.sleep(INDEX_QUIET_S)
+        while time.monotonic() - self._last_event < INDEX_QUIET_S and time.monotonic() < deadline:
+            time.sleep(PUMP_INTERVAL_S)
+        with self._index_lock:
+            return set(self._subscriber.view(engine).keys())
+
+
+class SglangAdapter(_SglangEngines, ClearingAdapter):
     """kvcc's SGLang HiCache backend on a real kvcc cluster; see the module docstring."""
 
     ENGINE_VERSION = ("sglang", "sglang")
@@ -206,10 +514,12 @@ class SglangAdapter(ClearingAdapter):
         self._views: dict[str, _HolderView] = {}
         self._stored: dict[tuple[str, bytes, int], Any] = {}
         self._seq = itertools.count(1)
+        self._engines_init()
 
     def capabilities(self) -> Capabilities:
+        why = engines_available()
         return Capabilities(
-            profiles=PROFILES_CLAIMED,
+            profiles=PROFILES_CLAIMED if why else PROFILES_CLAIMED | {ENGINE_PROFILE},
             faults=FAULTS_CLAIMED,
             scopes=SCOPES_CLAIMED,
             events="native",
@@ -218,12 +528,13 @@ class SglangAdapter(ClearingAdapter):
             capacity_bytes=self._node_count() * NODE_CAPACITY_BYTES,
             block_bytes=NODE_BLOCK_BYTES,
             slot_bytes=NODE_BLOCK_BYTES,
-            unavailable={ENGINE_PROFILE: ENGINE_UNAVAILABLE},
+            unavailable={ENGINE_PROFILE: why} if why else {},
             notes="SGLang's HiCache storage backend KvccHiCacheStorage (loaded by SGLang's dynamic backend factory) "
             "on the kvcc reference cluster (processes on loopback): read is the backend's get, commit its set, a "
             "namespace invalidation its clear; begin_write, write_bytes, acquire, renew, release, lookup, key and "
             "prefix invalidation, evict and faults use the same node's kvcc client. Not declared: the corrupt fault "
-            "(as the reference adapter: a block lands in the node process's DRAM tier first)",
+            "(as the reference adapter: a block lands in the node process's DRAM tier first). The engine profile, "
+            "where a CUDA GPU is: two SGLang servers with this backend as their HiCache L3",
         )
 
     # ------------------------------------------------------------------ lifecycle
@@ -261,7 +572,12 @@ class SglangAdapter(ClearingAdapter):
         backend.kvcc_key = lambda page: BlockKey(bytes.fromhex(page))
         return backend
 
+    def _cluster_namespaces(self, ctx) -> list[Namespace]:
+        """The run's namespaces, and the servers' (where they run)."""
+        return [*ctx.namespaces, *(() if engines_available() else (self._engine_ns(),))]
+
     def stop(self) -> None:
+        self._stop_engines()  # before the cluster: their backups end with them
         for view in self._views.values():
             view.tickets.fail_all("stopped")
         self._backends.clear()

@@ -545,19 +545,7 @@ class _EngineMixin:
         """Watch the engine's worker client's event log: at a ``trust_read_lease`` whose lease
         has no ``read`` or ``release`` logged yet, stop the engine, then look again -- if the read
         got logged meanwhile, continue it and wait for the next lease."""
-        e = self._engine(engine)
-        path = self._worker_log(engine)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            open_lease = _open_read_lease(path)
-            if open_lease is None:
-                time.sleep(LEASE_POLL_S)
-                continue
-            e.pause()
-            if open_lease in _open_read_leases(path):
-                return True
-            e.resume()
-        return False
+        return pause_while_reading(self._engine(engine), self._worker_log(engine), timeout_s)
 
     def engine_index(self, engine: str, ns: Namespace) -> set[BlockKey]:
         """The view, once no KV event came for ``INDEX_QUIET_S`` (at most ``INDEX_WAIT_S``)."""
@@ -692,6 +680,24 @@ def _open_read_leases(path) -> set[int]:
 def _open_read_lease(path) -> int | None:
     leases = _open_read_leases(path)
     return max(leases) if leases else None
+
+
+def pause_while_reading(engine: Any, log_path: Any, timeout_s: float) -> bool:
+    """Pause ``engine`` (its ``pause``/``resume``) while its client, whose event log is
+    ``log_path``, holds a read lease it trusts and has neither read under nor released: at such a
+    ``trust_read_lease``, stop it, then look again -- if the read got logged meanwhile, continue
+    it and wait for the next lease. ``True`` once so paused."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        open_lease = _open_read_lease(log_path)
+        if open_lease is None:
+            time.sleep(LEASE_POLL_S)
+            continue
+        engine.pause()
+        if open_lease in _open_read_leases(log_path):
+            return True
+        engine.resume()
+    return False
 
 
 def _salt(ns: Namespace) -> str:

@@ -123,6 +123,7 @@ class BlockStored:
     group_idx: int
     lora_name: str | None
     extra_keys: tuple[tuple[Any, ...] | None, ...] | None  # one entry per block, untagged
+    cache_salt: str | None = None  # the request's salt, where the engine sends it (SGLang does)
 
 
 @frozen
@@ -145,7 +146,8 @@ Event = BlockStored | BlockRemoved | AllBlocksCleared
 def _hash(value: Any, what: str) -> ExternalHash:
     if isinstance(value, bytes) and len(value) == 32:
         return value
-    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _LOW64:
+    # vLLM's low 64 bits are unsigned; SGLang publishes signed int64 (``hash_str_to_int64``)
+    if isinstance(value, int) and not isinstance(value, bool) and -(1 << 63) <= value <= _LOW64:
         return value
     raise KvEventError(f"{what}: a block hash is 32 bytes or a 64-bit int, got {value!r:.80}")
 
@@ -201,6 +203,7 @@ def _decode_event(raw: Any, i: int) -> Event:
     return BlockStored(
         hashes, parent, tokens, block_size, _opt_str(raw.get("medium"), what),
         _int(raw.get("group_idx", 0) or 0, what), _opt_str(raw.get("lora_name"), what), extra,
+        _opt_str(raw.get("cache_salt"), what),
     )  # fmt: skip
 
 
@@ -468,11 +471,14 @@ class KvEventSubscriber:
         self.replay_timeout_s = replay_timeout_s
 
     def add_engine(
-        self, engine_id: str, endpoint: str, replay_endpoint: str | None = None, *, topic: str = "", keys: KeyMapper | None = None
+        self, engine_id: str, endpoint: str, replay_endpoint: str | None = None, *, topic: str = "",
+        keys: KeyMapper | None = None, view: EngineView | None = None,
     ) -> EngineView:
+        """Follow engine ``engine_id``'s events into ``view`` (default: a vLLM ``EngineView`` with ``keys``)."""
         if engine_id in self._feeds:
             raise ValueError(f"engine {engine_id!r} is already followed")
-        feed = _Feed(EngineView(engine_id, keys), endpoint, replay_endpoint, topic.encode("utf-8"), None, None)
+        view = EngineView(engine_id, keys) if view is None else view
+        feed = _Feed(view, endpoint, replay_endpoint, topic.encode("utf-8"), None, None)
         self._open(feed)
         self._feeds[engine_id] = feed
         return feed.view

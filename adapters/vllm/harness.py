@@ -57,6 +57,7 @@ from typing import Any
 __all__ = [
     "VLLM_DIST",
     "EngineError",
+    "EngineServer",
     "VllmEngine",
     "VllmNotInstalled",
     "check_installed",
@@ -103,7 +104,7 @@ def check_installed() -> None:
 # -- processes ------------------------------------------------------------------------------------
 
 _SESSIONS: set[int] = set()  # session ids (= the API server's pid) of engines we started
-_ENGINES: set[VllmEngine] = set()
+_ENGINES: set[EngineServer] = set()
 _LOCK = threading.Lock()
 
 
@@ -148,8 +149,216 @@ def _tail(path: Path, lines: int) -> str:
 # -- the engine -----------------------------------------------------------------------------------
 
 
-class VllmEngine:
+class EngineServer:
+    """A serving engine's HTTP server as a process group of its own on a free loopback port: what
+    every engine harness shares (start and wait until healthy, kill, stop, pause, resume, POST).
+    A subclass says how to run it (``argv``, ``env``, ``check_installed``) and what it is called
+    (``label``): ``VllmEngine`` below, ``kvcc.adapters.sglang.server.SglangServer``."""
+
+    label = "engine"
+    health_path = "/health"
+
+    def __init__(
+        self,
+        model_path: Path | str,
+        *,
+        prefix: str,
+        served_name: str = "tiny",
+        topic: str = "kv",
+        extra_args: tuple[str, ...] = (),
+        extra_env: dict[str, str] | None = None,
+        start_timeout_s: float = ENGINE_START_TIMEOUT_S,
+    ) -> None:
+        self.model_path = Path(model_path)
+        self.served_name = served_name
+        self.topic = topic
+        self.extra_args = tuple(extra_args)
+        self.extra_env = dict(extra_env or {})
+        self.start_timeout_s = start_timeout_s
+        self.port = _free_port()
+        self.workdir = Path(tempfile.mkdtemp(prefix=prefix))
+        self.log_path = self.workdir / "engine.log"
+        # The KV events' publisher and replay sockets: ipc:// in the engine's folder (unreachable from outside).
+        self.events_endpoint = f"ipc://{self.workdir}/events.sock"
+        self.replay_endpoint = f"ipc://{self.workdir}/replay.sock"
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+        self.paused = False
+        self.start_seconds: list[float] = []  # wall-clock seconds of each start, for reports
+
+    def check_installed(self) -> None:
+        """Raise ``EngineError`` naming what this engine needs and is missing."""
+
+    def argv(self) -> list[str]:
+        raise NotImplementedError
+
+    def env(self) -> dict[str, str]:
+        return dict(os.environ)
+
+    # ---------------------------------------------------------------- lifecycle
+    def __enter__(self) -> EngineServer:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float | None = None) -> EngineServer:
+        """Start the engine (again, after ``kill``/``stop``) on the same port and sockets, and wait
+        until ``/health`` answers. Raises ``EngineError`` with the log's tail if it does not."""
+        self.check_installed()
+        if self.is_running():
+            raise EngineError("the engine is already running")
+        began = time.monotonic()
+        with open(self.log_path, "ab", buffering=0) as log:
+            log.write(f"=== start #{self.starts} ===\n".encode())
+            self.proc = subprocess.Popen(
+                self.argv(),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env(),
+                cwd=str(self.workdir),
+                start_new_session=True,
+                close_fds=True,
+            )
+        self.starts += 1
+        self.paused = False
+        with _LOCK:
+            _SESSIONS.add(self.proc.pid)
+            _ENGINES.add(self)
+        try:
+            self._wait_ready(self.start_timeout_s if timeout_s is None else timeout_s)
+        except BaseException:
+            self.kill()
+            raise
+        self.start_seconds.append(time.monotonic() - began)
+        return self
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self.healthy():
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise EngineError(f"{self.label} exited (code {self.proc.returncode}) during start\n{self.logs()}")
+            if time.monotonic() > deadline:
+                raise EngineError(f"{self.label} not healthy within {timeout_s} s\n{self.logs()}")
+            time.sleep(POLL_INTERVAL_S)
+
+    def is_running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    def pids(self) -> list[int]:
+        """The engine's processes still running (the server and its children: vLLM's engine core, SGLang's scheduler)."""
+        return [] if self.proc is None else _session_pids(self.proc.pid)
+
+    def _signal_group(self, sig: int) -> None:
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def _reap(self) -> None:
+        """Wait for the API server and for every other process of its session to be gone."""
+        p = self.proc
+        if p is None:
+            return
+        try:
+            p.wait(timeout=REAP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise EngineError(f"{self.label} server pid {p.pid} survived SIGKILL for {REAP_TIMEOUT_S} s") from None
+        deadline = time.monotonic() + REAP_TIMEOUT_S
+        while left := _session_pids(p.pid):
+            if time.monotonic() > deadline:
+                raise EngineError(f"{self.label} processes {left} survived SIGKILL for {REAP_TIMEOUT_S} s")
+            self._signal_group(signal.SIGKILL)  # a child may have been mid-fork
+            time.sleep(POLL_INTERVAL_S)
+        self.proc = None
+        self.paused = False
+
+    def kill(self) -> None:
+        """SIGKILL the whole engine (the server and its children) and wait until it is gone."""
+        self._signal_group(signal.SIGKILL)
+        self._reap()
+
+    def stop(self, grace_s: float = ENGINE_STOP_GRACE_S) -> None:
+        """SIGTERM (the server shuts its children down), then SIGKILL whatever is left."""
+        if self.proc is None:
+            return
+        if self.paused:
+            self._signal_group(signal.SIGCONT)
+        self._signal_group(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+        self.kill()
+
+    def close(self) -> None:
+        """Stop the engine and remove its folder."""
+        try:
+            self.stop()
+        finally:
+            with _LOCK:
+                _ENGINES.discard(self)
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def restart(self, timeout_s: float | None = None) -> None:
+        """Kill the engine (all its KV is lost, its event sequence starts again at 0) and start it."""
+        self.kill()
+        self.start(timeout_s)
+
+    def pause(self) -> None:
+        """SIGSTOP the server and its children: requests hang, no events are published."""
+        if not self.is_running():
+            raise EngineError("the engine is not running")
+        self._signal_group(signal.SIGSTOP)
+        self.paused = True
+
+    def resume(self) -> None:
+        self._signal_group(signal.SIGCONT)
+        self.paused = False
+
+    def logs(self, lines: int = 60) -> str:
+        return f"--- {self.label} engine ({self.log_path}) ---\n{_tail(self.log_path, lines)}"
+
+    # ---------------------------------------------------------------- HTTP
+    def healthy(self, timeout_s: float = 1.0) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.base_url}{self.health_path}", timeout=timeout_s) as r:
+                return r.status == 200
+        except (OSError, urllib.error.URLError):
+            return False
+
+    def _post(self, path: str, body: dict[str, Any] | None, timeout_s: float) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(
+            f"{self.base_url}{path}", data=data if data is not None else b"", method="POST",
+            headers={"Content-Type": "application/json"},
+        )  # fmt: skip
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as r:
+                return json.loads(r.read() or b"null")
+        except urllib.error.HTTPError as e:
+            raise EngineError(f"POST {path}: HTTP {e.code}: {e.read()[:500]!r}") from None
+        except (OSError, urllib.error.URLError) as e:
+            raise EngineError(f"POST {path}: {e}") from None
+
+
+
+class VllmEngine(EngineServer):
     """One vLLM OpenAI-compatible server and its engine core, serving ``model_path``."""
+
+    label = "vLLM"
 
     def __init__(
         self,
@@ -168,35 +377,15 @@ class VllmEngine:
             raise ValueError(f"block_size {block_size}: vLLM's CPU attention needs a positive multiple of 32")
         if num_blocks < 2:
             raise ValueError(f"num_blocks {num_blocks}: at least 2 (vLLM reserves one)")
-        self.model_path = Path(model_path)
-        self.served_name = served_name
+        # extra_env: e.g. VLLM_CPU_OMP_THREADS_BIND, the cores it computes on
+        super().__init__(model_path, prefix="kvcc-vllm-", served_name=served_name, topic=topic, extra_args=extra_args,
+                         extra_env=extra_env, start_timeout_s=start_timeout_s)  # fmt: skip
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len
-        self.topic = topic
-        self.extra_args = tuple(extra_args)
-        self.extra_env = dict(extra_env or {})  # e.g. VLLM_CPU_OMP_THREADS_BIND: the cores it computes on
-        self.start_timeout_s = start_timeout_s
-        self.port = _free_port()
-        self.workdir = Path(tempfile.mkdtemp(prefix="kvcc-vllm-"))
-        self.events_endpoint = f"ipc://{self.workdir}/events.sock"
-        self.replay_endpoint = f"ipc://{self.workdir}/replay.sock"
-        self.log_path = self.workdir / "engine.log"
-        self.proc: subprocess.Popen | None = None
-        self.starts = 0
-        self.paused = False
-        self.start_seconds: list[float] = []  # wall-clock seconds of each start, for reports
 
-    # ---------------------------------------------------------------- lifecycle
-    def __enter__(self) -> VllmEngine:
-        return self.start()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+    def check_installed(self) -> None:
+        check_installed()
 
     def argv(self) -> list[str]:
         events = {
@@ -241,153 +430,6 @@ class VllmEngine:
         env.update(self.extra_env)
         return env
 
-    def start(self, timeout_s: float | None = None) -> VllmEngine:
-        """Start the engine (again, after ``kill``/``stop``) on the same port and sockets, and wait
-        until ``/health`` answers. Raises ``EngineError`` with the log's tail if it does not."""
-        check_installed()
-        if self.is_running():
-            raise EngineError("the engine is already running")
-        began = time.monotonic()
-        with open(self.log_path, "ab", buffering=0) as log:
-            log.write(f"=== start #{self.starts} ===\n".encode())
-            self.proc = subprocess.Popen(
-                self.argv(),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=self.env(),
-                cwd=str(self.workdir),
-                start_new_session=True,
-                close_fds=True,
-            )
-        self.starts += 1
-        self.paused = False
-        with _LOCK:
-            _SESSIONS.add(self.proc.pid)
-            _ENGINES.add(self)
-        try:
-            self._wait_ready(self.start_timeout_s if timeout_s is None else timeout_s)
-        except BaseException:
-            self.kill()
-            raise
-        self.start_seconds.append(time.monotonic() - began)
-        return self
-
-    def _wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not self.healthy():
-            assert self.proc is not None
-            if self.proc.poll() is not None:
-                raise EngineError(f"vLLM exited (code {self.proc.returncode}) during start\n{self.logs()}")
-            if time.monotonic() > deadline:
-                raise EngineError(f"vLLM not healthy within {timeout_s} s\n{self.logs()}")
-            time.sleep(POLL_INTERVAL_S)
-
-    def is_running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    @property
-    def pid(self) -> int | None:
-        return None if self.proc is None else self.proc.pid
-
-    def pids(self) -> list[int]:
-        """The engine's processes still running (the API server and its engine core)."""
-        return [] if self.proc is None else _session_pids(self.proc.pid)
-
-    def _signal_group(self, sig: int) -> None:
-        if self.proc is None:
-            return
-        try:
-            os.killpg(self.proc.pid, sig)
-        except ProcessLookupError:
-            pass
-
-    def _reap(self) -> None:
-        """Wait for the API server and for every other process of its session to be gone."""
-        p = self.proc
-        if p is None:
-            return
-        try:
-            p.wait(timeout=REAP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            raise EngineError(f"vLLM server pid {p.pid} survived SIGKILL for {REAP_TIMEOUT_S} s") from None
-        deadline = time.monotonic() + REAP_TIMEOUT_S
-        while left := _session_pids(p.pid):
-            if time.monotonic() > deadline:
-                raise EngineError(f"vLLM processes {left} survived SIGKILL for {REAP_TIMEOUT_S} s")
-            self._signal_group(signal.SIGKILL)  # a child may have been mid-fork
-            time.sleep(POLL_INTERVAL_S)
-        self.proc = None
-        self.paused = False
-
-    def kill(self) -> None:
-        """SIGKILL the whole engine (server and engine core) and wait until it is gone."""
-        self._signal_group(signal.SIGKILL)
-        self._reap()
-
-    def stop(self, grace_s: float = ENGINE_STOP_GRACE_S) -> None:
-        """SIGTERM (vLLM shuts its engine core down), then SIGKILL whatever is left."""
-        if self.proc is None:
-            return
-        if self.paused:
-            self._signal_group(signal.SIGCONT)
-        self._signal_group(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            pass
-        self.kill()
-
-    def close(self) -> None:
-        """Stop the engine and remove its folder."""
-        try:
-            self.stop()
-        finally:
-            with _LOCK:
-                _ENGINES.discard(self)
-            shutil.rmtree(self.workdir, ignore_errors=True)
-
-    def restart(self, timeout_s: float | None = None) -> None:
-        """Kill the engine (all its KV is lost, its event sequence starts again at 0) and start it."""
-        self.kill()
-        self.start(timeout_s)
-
-    def pause(self) -> None:
-        """SIGSTOP the server and the engine core: requests hang, no events are published."""
-        if not self.is_running():
-            raise EngineError("the engine is not running")
-        self._signal_group(signal.SIGSTOP)
-        self.paused = True
-
-    def resume(self) -> None:
-        self._signal_group(signal.SIGCONT)
-        self.paused = False
-
-    def logs(self, lines: int = 60) -> str:
-        return f"--- vLLM engine ({self.log_path}) ---\n{_tail(self.log_path, lines)}"
-
-    # ---------------------------------------------------------------- HTTP
-    def healthy(self, timeout_s: float = 1.0) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.base_url}/health", timeout=timeout_s) as r:
-                return r.status == 200
-        except (OSError, urllib.error.URLError):
-            return False
-
-    def _post(self, path: str, body: dict[str, Any] | None, timeout_s: float) -> Any:
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(
-            f"{self.base_url}{path}", data=data if data is not None else b"", method="POST",
-            headers={"Content-Type": "application/json"},
-        )  # fmt: skip
-        try:
-            with urllib.request.urlopen(req, timeout=timeout_s) as r:
-                return json.loads(r.read() or b"null")
-        except urllib.error.HTTPError as e:
-            raise EngineError(f"POST {path}: HTTP {e.code}: {e.read()[:500]!r}") from None
-        except (OSError, urllib.error.URLError) as e:
-            raise EngineError(f"POST {path}: {e}") from None
-
     def complete(
         self,
         prompt: list[int] | str,
@@ -429,6 +471,7 @@ class VllmEngine:
 
     def __repr__(self) -> str:
         return f"VllmEngine({self.base_url}, pid={self.pid}, blocks={self.num_blocks}x{self.block_size})"
+
 
 
 @atexit.register
