@@ -177,11 +177,13 @@ def _namespace(model: str = MODEL, salt: str = ""):
 def cluster(tmp_path_factory):
     if _MISSING:
         pytest.fail(f"SGLang is required (bash scripts/setup.sh --with sglang): {_MISSING}")
+    from kvcc.adapters.sglang.conformance import engine_namespace
     from kvcc.reference.cluster import LocalCluster
 
     cl = LocalCluster(tmp_path_factory.mktemp("kvcc") / "cluster", nodes=1, tiers=("nvme=16MiB",),
                       block_bytes=BLOCK_BYTES, lease_term_ms=LEASE_TERM_MS, skew_ms=SKEW_MS,
-                      namespaces=[_namespace(), _namespace(OTHER_MODEL), _namespace(MODEL, SALT)])  # fmt: skip
+                      namespaces=[_namespace(), _namespace(OTHER_MODEL), _namespace(MODEL, SALT),
+                                  engine_namespace(REVISION)])  # fmt: skip
     cl.start()
     try:
         yield cl
@@ -299,7 +301,9 @@ def test_batch_exists_counts_the_consecutive_hits_from_the_start(backend):
 
 def test_batch_exists_leases_what_it_counts_until_the_prefetch_reads_it(make_backend, tester):
     """Where SGLang's prefetch decides what to load, the pages are leased: none of them can be
-    evicted before the read, one invalidated in between is a miss, and the read lets them go."""
+    evicted before the read, one invalidated in between is a miss, one whose lease ran out before
+    the read is a miss (recomputed, never leased again behind the decision), and the read lets
+    them go."""
     from kvcc.reference.client import Refused as ClientRefused
     from kvcc.spec.vocabulary import SCOPE_KEY
 
@@ -346,6 +350,16 @@ def test_batch_exists_leases_what_it_counts_until_the_prefetch_reads_it(make_bac
         target = _HostPool().get_dummy_flat_data_page()
         assert backend.get(keys[3], target) is None and held(keys[3]) is None
         assert not target.view(torch.uint8).any()
+
+        # Decided, then the lease ran out before the read (the engine stalled): a miss, not a
+        # lease taken again behind the decision; a page no decision covers is leased and read.
+        assert backend.batch_exists([keys[1]]) == 1 and held(keys[1]) is not None
+        before, lost = len(asked), backend.counts.get("read_refused_lease_lost", 0)
+        time.sleep((LEASE_TERM_MS + 2 * SKEW_MS) / 1000)
+        assert held(keys[1]) is None
+        assert backend.batch_get([keys[1]]) == [None] and len(asked) == before
+        assert backend.counts.get("read_refused_lease_lost") == lost + 1
+        assert _bytes(backend.batch_get([keys[1]])[0]) == _bytes(pages[keys[1]])  # no decision now: leased, read
     finally:
         del client.acquire_many
 
@@ -869,11 +883,13 @@ def test_a_servers_backend_reports_its_namespace_calls_and_counts_and_logs_as_pa
         backend.close()
 
 
-def test_the_engine_profiles_server_settings_make_a_backend_that_names_pages_as_the_suite_expects(cluster, tmp_path):
+def test_the_engine_profiles_server_settings_make_a_backend_that_names_pages_as_the_suite_expects(cluster, tester, tmp_path):
     """The settings the ``sglang`` adapter gives each SGLang server (``_extra_config``) build, through
     SGLang's factory, a backend whose client is co-located with the server's node, whose status
     file names the namespace ``engine_namespace`` computes, and which names SGLang's page hashes
-    of a prompt with the keys ``engine_keys`` gives the suite -- what the engine tests look up."""
+    of a prompt with the keys ``engine_keys`` gives the suite; the adapter's ``lookup`` there counts
+    the leading committed pages as SGLang's prefetch does (pages are kvcc roots: a chain lookup
+    would stop after the first)."""
     import types
 
     from kvcc.adapters.sglang.conformance import ENGINE_PAGE_TOKENS, engine_namespace, factory
@@ -901,6 +917,18 @@ def test_the_engine_profiles_server_settings_make_a_backend_that_names_pages_as_
         tokens = [random.Random(4).choice(VOCAB) for _ in range(3 * ENGINE_PAGE_TOKENS + 7)]
         got_ns, keys = adapter.engine_keys(evolve(ens, cache_salt=b"\x01\x02"), tokens)  # a test namespace's salt
         assert got_ns == ens and len(keys) == 3
-        assert keys == [backend.kvcc_key(h) for h in page_hashes(tokens, ENGINE_PAGE_TOKENS, cache_salt="0102")]
+        hashes = page_hashes(tokens, ENGINE_PAGE_TOKENS, cache_salt="0102")
+        assert keys == [backend.kvcc_key(h) for h in hashes]
+        node = adapter._engine_node("s2")
+        adapter._clients[node] = tester
+        try:
+            assert adapter.lookup(node, ens, keys) == 0
+            assert backend.batch_set([hashes[0], hashes[2]], [_page(random.Random(5)) for _ in range(2)])
+            assert adapter.lookup(node, ens, keys) == 1  # the second page is missing
+            assert backend.batch_set([hashes[1]], [_page(random.Random(6))])
+            assert adapter.lookup(node, ens, keys) == 3
+            assert tester.lookup(ens, keys).blocks == 1  # the directory's chain lookup
+        finally:
+            adapter._clients.clear()
     finally:
         backend.close()

@@ -68,7 +68,8 @@ read (a prefetch SGLang terminated) leaves its leases to end at the holder's dea
 ``exists`` is a side-effect-free ``Lookup``.
 
 **Reads** (``get``, ``batch_get``, ``batch_get_v1``): per page, the read lease ``batch_exists``
-kept (if still trusted) or a new one, the bytes read from the lease's location into a staging
+kept (a page decided on whose lease was lost since is a miss: recomputed, not leased again), or a
+new one for a page no decision covers, the bytes read from the lease's location into a staging
 buffer of the page's size, then the lease released once no other decision or read of this
 backend needs it -- for a whole batch in one round trip each (the client's ``acquire_many``,
 ``read_many``: one request per node, ``release_many``). A refused acquire (not committed,
@@ -479,10 +480,14 @@ class KvccHiCacheStorage(HiCacheStorage):
         unique = list(first)
         c = self.client
         by_key: dict[BlockKey, bytes | bytearray | None] = dict.fromkeys(unique)
+        # A page a prefetch decided on (batch_exists) whose lease was lost since -- expired or
+        # revoked before the read -- is a miss, recomputed: never leased again behind SGLang's back.
+        lost = {k for k in unique if self._decided.get(k) and self._kept(k) is None}
         self._claim(unique)  # until read: no other call of this backend releases these keys' leases
         granted = []
         try:
-            leases = await self._lease(unique)
+            leases = await self._lease([k for k in unique if k not in lost])
+            leases.update((k, Refused("lease_lost", "the lease its prefetch decision took ended before the read")) for k in lost)
             for k in unique:
                 lease = leases[k]
                 if isinstance(lease, Refused):

@@ -305,6 +305,18 @@ class _SglangEngines:
     def engines(self) -> list[str]:
         return [] if engines_available() else list(ENGINES)
 
+    def _engine_lookup(self, node: str, ns: Namespace, keys: list[BlockKey]) -> int | None:
+        """``lookup`` in the servers' namespace: SGLang's pages are kvcc roots (its page hash
+        already chains over the prefix; the backend's docstring), so a prompt's pages are not a
+        kvcc chain and the directory's chain lookup would stop after the first. Counted as SGLang's
+        prefetch counts them: the leading pages each committed (one ``Lookup`` per page, in one
+        round trip). ``None`` for any other namespace (and before the servers' namespace is known:
+        ``_cluster_namespaces`` learns it at ``start`` where servers run)."""
+        if self._revision is None or ns != self._engine_ns():
+            return None
+        hits = self._call(node, "lookup_many", ns, [[k] for k in keys])
+        return next((i for i, hit in enumerate(hits) if hit.blocks != 1), len(keys))
+
     def engine_keys(self, ns: Namespace, tokens) -> tuple[Namespace, list[BlockKey]]:
         ens = self._engine_ns()
         return ens, engine_page_keys(ens, list(tokens), _salt(ns))
@@ -607,6 +619,10 @@ class SglangAdapter(_SglangEngines, ClearingAdapter):
         return out
 
     # ------------------------------------------------------------------ writes
+
+    def lookup(self, node: str, ns: Namespace, keys) -> int:
+        n = self._engine_lookup(node, ns, list(keys))
+        return super().lookup(node, ns, keys) if n is None else n
 
     def begin_write(self, node, ns, key, parent):
         out = super().begin_write(node, ns, key, parent)
