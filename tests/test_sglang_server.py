@@ -67,7 +67,8 @@ def test_the_servers_command_line_parses_with_sglangs_own_parser():
         assert argv[1:3] == ["-m", "sglang.launch_server"]
         args = _parse(argv[3:])
         assert (args.model_path, args.host, args.port, args.page_size) == ("/models/tiny", "127.0.0.1", server.port, PAGE)
-        assert args.enable_hierarchical_cache and args.enable_cache_report
+        assert args.enable_hierarchical_cache and args.enable_cache_report and args.max_total_tokens > 1000
+        assert args.cuda_graph_backend_decode == args.cuda_graph_backend_prefill == "disabled"
         assert (args.hicache_storage_backend, args.hicache_write_policy, args.hicache_storage_prefetch_policy,
                 args.hicache_mem_layout) == ("dynamic", "write_through", "wait_complete", "page_first")  # fmt: skip
         events = json.loads(args.kv_events_config)

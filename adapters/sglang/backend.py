@@ -57,8 +57,8 @@ hash already chains over the whole prefix, so nothing is lost for lookups. What 
 invalidation, covers every page).
 
 **Exists.** ``batch_exists`` is where a prefetch decides what to load
-(``HiCacheController._storage_hit_query`` fetches ``keys[:n]`` and stops at the first batch with a
-miss), so it takes the read leases: per page a lease (``Acquire``), a batch's in one round trip
+(SGLang 0.5.23's ``HybridCacheController`` asks once with every page hash of a prefetch, then
+reads the pages counted in batches), so it takes the read leases: per page a lease (``Acquire``), a batch's in one round trip
 (the client's ``acquire_many``); it answers the number of consecutive pages leased from the start,
 releases any lease granted past the first miss, and keeps the others for the read. A page it
 counted cannot then be evicted or replaced before the prefetch reads it; one invalidated in
@@ -460,8 +460,7 @@ class KvccHiCacheStorage(HiCacheStorage):
 
     def batch_exists(self, keys: list[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
         """The number of consecutive committed pages from the start of ``keys``, each leased until
-        it is read (``HiCacheController._storage_hit_query`` decides with this what its prefetch
-        loads): a page counted here cannot be evicted or replaced before the read, and a page
+        it is read (SGLang's cache controller decides with this what its prefetch loads): a page counted here cannot be evicted or replaced before the read, and a page
         invalidated in between is revoked and then a miss."""
         if not keys:
             return 0

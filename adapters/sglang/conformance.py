@@ -254,7 +254,9 @@ def engine_namespace(model_revision: str) -> Namespace:
 
 def engine_page_keys(engine_ns: Namespace, tokens: Sequence[int], salt: str) -> list[BlockKey]:
     """The kvcc keys of a prompt's full pages as the servers' backends name them: SGLang's own page
-    hashes (seeded by the request's cache salt), each hashed into the engine namespace."""
+    hashes (seeded by the request's cache salt), each hashed into the engine namespace. (SGLang
+    loads no page holding a prompt's last token: the suite's prompts end in a partial page, so
+    every page listed here can be loaded.)"""
     from kvcc.adapters.sglang.backend import page_key
     from kvcc.adapters.sglang.server import page_hashes
 
@@ -365,21 +367,15 @@ class _SglangEngines:
                                       extra_config=lambda n=name: self._extra_config(n))
                    for name in ENGINES}  # fmt: skip
         self._servers.update(servers)  # stop() closes whatever started
-        errors: list[BaseException] = []
+        # One after the other: a server sizes its KV pool from the GPU memory free when it starts,
+        # so two starting at once can each count the other's memory as free.
+        from kvcc.adapters.vllm.harness import EngineError
 
-        def up(s: Any) -> None:
+        for s in servers.values():
             try:
                 s.start()
-            except BaseException as exc:  # noqa: BLE001 -- reported below
-                errors.append(exc)
-
-        threads = [threading.Thread(target=up, args=(s,), daemon=True) for s in servers.values()]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise AdapterError(f"an SGLang server did not start: {errors[0]}")
+            except EngineError as exc:
+                raise AdapterError(f"an SGLang server did not start: {exc}") from exc
         for name in ENGINES:
             got = self._status(name).get("namespace")
             if got != ens.digest().hex():
@@ -461,7 +457,7 @@ class _SglangEngines:
         steps = meta.get("output_top_logprobs") or []
         return Completion(
             tuple(out["output_ids"]),
-            tuple(tuple(sorted((int(tok), float(lp)) for lp, tok, *_ in step)) for step in steps),
+            tuple(tuple(sorted((int(tok), float(lp)) for lp, tok, *_ in step or ())) for step in steps),
             int(meta.get("prompt_tokens", len(tokens))), int(meta.get("cached_tokens") or 0),
             after[0] - before[0], after[1] - before[1],
         )  # fmt: skip

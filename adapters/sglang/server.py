@@ -22,7 +22,9 @@ handling it shares). It is configured for kvcc's view of it:
   timing;
 - the KV events on ``ipc://`` sockets in the server's folder (a publisher and its replay socket:
   nothing reachable from outside the machine), ``--enable-cache-report`` (``cached_tokens`` in
-  every answer), bfloat16, a fixed seed, no CUDA graphs (a test server starts faster).
+  every answer), bfloat16, a fixed seed, no CUDA graphs (a test server starts faster), a KV pool of
+  ``MAX_TOTAL_TOKENS`` (SGLang sizes it from the GPU memory free when it starts, and pins
+  ``HICACHE_RATIO`` times as much host memory: two servers on one GPU must each take little).
 
 SGLang's server needs CUDA (there is no CPU build of its kernels here): ``check_installed``
 refuses without it. What can be checked without a GPU is checked by ``tests/test_sglang_server.py``:
@@ -59,6 +61,7 @@ __all__ = ["SglangEngineView", "SglangServer", "generate_body", "page_hashes"]
 BACKEND = {"backend_name": "kvcc", "module_path": "kvcc.adapters.sglang.backend", "class_name": "KvccHiCacheStorage"}
 MEM_FRACTION_STATIC = 0.3  # of the GPU: a tiny model needs little, and two servers share one GPU
 HICACHE_RATIO = 2.0  # host pool size over the device pool's
+MAX_TOTAL_TOKENS = 16384  # the device KV pool, in tokens (a suite prompt is under 1,000)
 
 
 class _PageKey:
@@ -163,7 +166,11 @@ class SglangServer(EngineServer):
             "--hicache-storage-prefetch-policy", "wait_complete",
             "--kv-events-config", json.dumps(events),
             "--enable-cache-report",
-            "--disable-cuda-graph",
+            # A bounded KV pool: its host pool (HICACHE_RATIO times it, pinned) then stays small, and
+            # a second server on the same GPU still finds room.
+            "--max-total-tokens", str(MAX_TOTAL_TOKENS),
+            "--cuda-graph-backend-decode", "disabled",
+            "--cuda-graph-backend-prefill", "disabled",
             *self.extra_args,
         ]  # fmt: skip
 
