@@ -2180,6 +2180,25 @@ def _freed_in_time(s: Session, ended: dict[str, int], within_ms: float, what: st
         s.sleep_ms(s.lease_term_ms / 10)
 
 
+def _stale_move_refused(s: Session, g: ReadGrant, node: str, key: BlockKey, data: bytes, m: Moving) -> None:
+    """The block, moved once (``m``, asked under ``g``), moved again from where it landed; once
+    that copy serves, unless it came back to ``g.location``, a ``move`` under the old grant MUST
+    be refused: the copy ``g`` names is gone (a deployment that moves whatever the key's owner is
+    would start a third transfer)."""
+    g2 = s.acquire(node, s.ns, key)
+    s.check(isinstance(g2, ReadGrant), "caching", f"acquire of a moved block refused: {g2}")
+    s.check(g2.location == m.destination, "transfer_race",
+            f"a lease after the transfer to {m.destination} finished names {g2.location}")  # fmt: skip
+    m2 = _started_move(s, g2)
+    s.release(g2)
+    _await_moved_copy(s, m2, node, key, data)
+    if m2.destination != g.location:
+        stale = s.move(g)
+        s.check(isinstance(stale, Refused), "transfer_race",
+                f"a move under a grant on {g.location}, after the block moved on to {m.destination} and then "
+                f"{m2.destination}, answered {stale}: the copy it names is gone")  # fmt: skip
+
+
 def invalidation_racing_transfer(s: Session) -> None:
     """A committed block's tier transfer (``Adapter.move``) and an invalidation of its key, sent
     at once from two nodes, round after round with the invalidation a little earlier or later
@@ -2188,7 +2207,9 @@ def invalidation_racing_transfer(s: Session) -> None:
     it across the transfer is released, then invalidated; then one no reader holds, asked twice in
     a row -- the second ``move`` MUST be refused (a transfer of the block is under way, or its copy
     left ``grant.location``) -- whose source MUST be freed within the bound by the transfer's own
-    end (no lease release is left to trigger it), then invalidated. Once each invalidation
+    end (no lease release is left to trigger it), then moved on again, after which a ``move``
+    under the first grant MUST be refused unless the block came back to its location, then
+    invalidated. Once each invalidation
     completed, lookup MUST NOT count the
     block and no node may be granted it; and, within the deployment's deletion bound, every
     location the trace shows holding that generation -- the transfer's source and, wherever the
@@ -2219,6 +2240,7 @@ def invalidation_racing_transfer(s: Session) -> None:
             _await_moved_copy(s, m, other, key, data)
             _freed_in_time(s, {key.hex: g.gen}, after_end_ms, "the bytes of a finished transfer's source, which no "
                            "reader held,", location=m.source)  # fmt: skip
+            _stale_move_refused(s, g, other, key, data, m)
             ticket = invalidate()
         elif offset is None:
             held = s.acquire(w, s.ns, key)  # a reader of the source copy across the transfer
