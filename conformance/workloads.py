@@ -2199,6 +2199,29 @@ def _stale_move_refused(s: Session, g: ReadGrant, node: str, key: BlockKey, data
                 f"{m2.destination}, answered {stale}: the copy it names is gone")  # fmt: skip
 
 
+def _no_move_from_a_killed_node(s: Session, w: str, other: str) -> None:
+    """Where the adapter can kill and restart nodes: a ``move`` under a grant whose location's
+    node is killed MUST raise ``AdapterError`` (the contract: the location's node is down) --
+    never start a transfer from a copy nobody can serve."""
+    if not {"kill", "restart"} <= s.adapter.capabilities().faults:
+        return
+    key = chain(s, 1)[0]
+    data = put(s, w, key, None)
+    g = read_back(s, other, key, data, "a block about to be moved")
+    victim = location_host(g.location)
+    if victim not in s.nodes:  # a shared location: no node to kill
+        return
+    s.fault("kill", victim)
+    try:
+        m = s.move(g)
+    except AdapterError:
+        m = None
+    finally:
+        s.fault("restart", victim)
+    s.check(m is None, "transfer_race", f"a move under a grant on {g.location}, whose node {victim} was killed, "
+            f"answered {m} (the contract: AdapterError)")  # fmt: skip
+
+
 def invalidation_racing_transfer(s: Session) -> None:
     """A committed block's tier transfer (``Adapter.move``) and an invalidation of its key, sent
     at once from two nodes, round after round with the invalidation a little earlier or later
@@ -2209,7 +2232,8 @@ def invalidation_racing_transfer(s: Session) -> None:
     left ``grant.location``) -- whose source MUST be freed within the bound by the transfer's own
     end (no lease release is left to trigger it), then moved on again, after which a ``move``
     under the first grant MUST be refused unless the block came back to its location, then
-    invalidated. Once each invalidation
+    invalidated; and, where the adapter can kill nodes, a ``move`` under a grant whose node was
+    killed MUST raise ``AdapterError``. Once each invalidation
     completed, lookup MUST NOT count the
     block and no node may be granted it; and, within the deployment's deletion bound, every
     location the trace shows holding that generation -- the transfer's source and, wherever the
@@ -2269,6 +2293,7 @@ def invalidation_racing_transfer(s: Session) -> None:
     events = s.adapter.events() or []
     s.check(any(e.get("event") == "store_copy" and e.get("key") == key.hex for e in events), "trace_complete",
             f"a transfer whose copy was read at its destination logged no store_copy for {key.hex[:16]}")  # fmt: skip
+    _no_move_from_a_killed_node(s, w, other)
     _freed_in_time(s, ended, after_end_ms, "a voided generation's bytes, once its invalidation completed,")
 
 
