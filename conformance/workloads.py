@@ -2132,6 +2132,7 @@ BODIES["killed_mid_write"] = killed_mid_write
 # When the invalidation starts, in fractions of a term after the transfer was asked for (negative:
 # before): before the transfer, between its start and its copy, around the copy landing, after it.
 TRANSFER_RACE_OFFSETS = (-0.005, 0.0, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.12)
+PAUSED_DESTINATION_MS = 100  # how long a transfer's destination is paused (at most a tenth of a term)
 
 
 def _moved_copy_serves(s: Session, node: str, key: BlockKey, data: bytes) -> str:
@@ -2199,6 +2200,28 @@ def _stale_move_refused(s: Session, g: ReadGrant, node: str, key: BlockKey, data
                 f"{m2.destination}, answered {stale}: the copy it names is gone")  # fmt: skip
 
 
+def _transfer_outlives_a_paused_destination(s: Session, w: str, other: str) -> None:
+    """Where the adapter can pause nodes: a transfer whose destination's node is paused as soon
+    as it started, for a moment, MUST still finish once the node resumes -- its copy then the one
+    read, with exactly the block's bytes (a copy that arrives at a paused node is delayed, not
+    dropped)."""
+    if not {"pause", "resume"} <= s.adapter.capabilities().faults:
+        return
+    key = chain(s, 1)[0]
+    data = put(s, w, key, None)
+    g = read_back(s, other, key, data, "a block about to be moved")
+    m = _started_move(s, g)
+    dest = location_host(m.destination)
+    if dest not in s.nodes:  # a shared location: no node to pause
+        return
+    s.fault("pause", dest)
+    try:
+        s.sleep_ms(min(PAUSED_DESTINATION_MS, s.lease_term_ms / 10))
+    finally:
+        s.fault("resume", dest)
+    _await_moved_copy(s, m, other, key, data)
+
+
 def _no_move_from_a_killed_node(s: Session, w: str, other: str) -> None:
     """Where the adapter can kill and restart nodes: a ``move`` under a grant whose location's
     node is killed MUST raise ``AdapterError`` (the contract: the location's node is down) --
@@ -2232,8 +2255,9 @@ def invalidation_racing_transfer(s: Session) -> None:
     left ``grant.location``) -- whose source MUST be freed within the bound by the transfer's own
     end (no lease release is left to trigger it), then moved on again, after which a ``move``
     under the first grant MUST be refused unless the block came back to its location, then
-    invalidated; and, where the adapter can kill nodes, a ``move`` under a grant whose node was
-    killed MUST raise ``AdapterError``. Once each invalidation
+    invalidated; where the adapter can pause nodes, a transfer whose destination is paused as it
+    starts MUST finish once it resumes; and, where it can kill nodes, a ``move`` under a grant
+    whose node was killed MUST raise ``AdapterError``. Once each invalidation
     completed, lookup MUST NOT count the
     block and no node may be granted it; and, within the deployment's deletion bound, every
     location the trace shows holding that generation -- the transfer's source and, wherever the
@@ -2293,6 +2317,7 @@ def invalidation_racing_transfer(s: Session) -> None:
     events = s.adapter.events() or []
     s.check(any(e.get("event") == "store_copy" and e.get("key") == key.hex for e in events), "trace_complete",
             f"a transfer whose copy was read at its destination logged no store_copy for {key.hex[:16]}")  # fmt: skip
+    _transfer_outlives_a_paused_destination(s, w, other)
     _no_move_from_a_killed_node(s, w, other)
     _freed_in_time(s, ended, after_end_ms, "a voided generation's bytes, once its invalidation completed,")
 
