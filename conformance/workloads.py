@@ -2299,6 +2299,11 @@ def invalidation_racing_transfer(s: Session) -> None:
             ran_out = isinstance(got, Refused) and got.reason in LEASE_RAN_OUT  # a loaded machine: cannot look
             s.check(got == data or ran_out, "NoReclaimUnderLease",
                     f"a read under a lease on the source of a finished transfer answered {_answer(got)}")  # fmt: skip
+            # A renewal of that lease: the copy it names is no longer the owner (the spec refuses it,
+            # not_owner; the trace must then show the directory's refusal, as for every refusal only
+            # a directory can give).
+            renewed = s.renew(held)
+            held = renewed if isinstance(renewed, ReadGrant) else held
             s.release(held)
             _freed_in_time(s, {key.hex: g.gen}, after_end_ms, "the bytes of a finished transfer's source, once no "
                            "reader held them,", location=m.source)  # fmt: skip
