@@ -702,7 +702,8 @@ _TRANSFER_RACES = (
              "row -- the second `move` MUST be refused, the source MUST be freed within the deletion bound by the "
              "transfer's own end, and once the block moved on again, a `move` under the first grant MUST be refused "
              "unless the block came back to its location (a transfer whose destination is paused as it starts MUST "
-             "finish once it resumes, and a `move` under a grant whose node was killed MUST fail with AdapterError): once each invalidation completed, lookup MUST NOT count the block and no node may be "
+             "finish once it resumes, one whose destination on another node is killed as it starts MUST leave the block "
+             "served by its source, and a `move` under a grant whose node was killed MUST fail with AdapterError): once each invalidation completed, lookup MUST NOT count the block and no node may be "
              "granted it, and within the deployment's deletion bound every location that held that generation -- "
              "the source and, wherever the copy landed, the destination -- MUST free it: a copy landing after the "
              "invalidation is fenced or freed, never kept. (Only an adapter with native events declares `move`.)",

@@ -2222,6 +2222,28 @@ def _transfer_outlives_a_paused_destination(s: Session, w: str, other: str) -> N
     _await_moved_copy(s, m, other, key, data)
 
 
+def _transfer_to_a_killed_destination(s: Session, w: str, other: str) -> None:
+    """Where the adapter can kill and restart nodes and moves blocks between nodes: a transfer
+    whose destination's node is killed as soon as it started, then restarted, lands nothing there
+    (a killed process stores nothing: the trace judges it) and leaves the block with its source,
+    which MUST still serve its exact bytes."""
+    if not {"kill", "restart"} <= s.adapter.capabilities().faults:
+        return
+    key = chain(s, 1)[0]
+    data = put(s, w, key, None)
+    g = read_back(s, other, key, data, "a block about to be moved")
+    m = _started_move(s, g)
+    dest, src = location_host(m.destination), location_host(m.source)
+    if dest not in s.nodes or dest == src:  # a shared location, or a move within one node
+        return
+    s.fault("kill", dest)
+    try:
+        s.sleep_ms(min(PAUSED_DESTINATION_MS, s.lease_term_ms / 10))
+    finally:
+        s.fault("restart", dest)
+    read_back(s, w, key, data, f"a block whose transfer to {m.destination} lost its destination to a kill")
+
+
 def _no_move_from_a_killed_node(s: Session, w: str, other: str) -> None:
     """Where the adapter can kill and restart nodes: a ``move`` under a grant whose location's
     node is killed MUST raise ``AdapterError`` (the contract: the location's node is down) --
@@ -2256,8 +2278,9 @@ def invalidation_racing_transfer(s: Session) -> None:
     end (no lease release is left to trigger it), then moved on again, after which a ``move``
     under the first grant MUST be refused unless the block came back to its location, then
     invalidated; where the adapter can pause nodes, a transfer whose destination is paused as it
-    starts MUST finish once it resumes; and, where it can kill nodes, a ``move`` under a grant
-    whose node was killed MUST raise ``AdapterError``. Once each invalidation
+    starts MUST finish once it resumes; and, where it can kill nodes, a transfer whose
+    destination on another node is killed as it starts MUST leave the block served by its source,
+    and a ``move`` under a grant whose node was killed MUST raise ``AdapterError``. Once each invalidation
     completed, lookup MUST NOT count the
     block and no node may be granted it; and, within the deployment's deletion bound, every
     location the trace shows holding that generation -- the transfer's source and, wherever the
@@ -2323,6 +2346,7 @@ def invalidation_racing_transfer(s: Session) -> None:
     s.check(any(e.get("event") == "store_copy" and e.get("key") == key.hex for e in events), "trace_complete",
             f"a transfer whose copy was read at its destination logged no store_copy for {key.hex[:16]}")  # fmt: skip
     _transfer_outlives_a_paused_destination(s, w, other)
+    _transfer_to_a_killed_destination(s, w, other)
     _no_move_from_a_killed_node(s, w, other)
     _freed_in_time(s, ended, after_end_ms, "a voided generation's bytes, once its invalidation completed,")
 
