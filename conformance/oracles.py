@@ -89,6 +89,7 @@ INFERRED_INCARNATION = 0  # a node's first incarnation in an inferred trace (a r
 INFERRED_DIRECTORY = "directory"  # the node name of the directory's inferred events
 # Refusals a correct client gives on its own, without asking the directory (no event).
 LOCAL_REFUSALS = frozenset({REASON_ALREADY_LEASED, REASON_BUSY})
+LATE_GRANT_RETRIES = 3  # acquires answered lease_expired (a grant after the request's budget), asked again
 
 
 class OracleFailure(AssertionError):
@@ -631,8 +632,21 @@ class Session:
             del self.open_writes[grant.key]
         self._emit_write_expired(grant)
 
-    @_ordered
     def acquire(self, node: str, ns: Namespace, key: BlockKey) -> ReadGrant | Refused:
+        """The adapter's ``acquire``, asked again (up to ``LATE_GRANT_RETRIES`` times, once the
+        lease the directory granted has run out there too) while it answers ``lease_expired``: the
+        grant came after the request's own budget ran out, so the holder gave it up -- what a
+        correct holder does on a stalled machine, and no answer about the block. A holder that
+        gives up every grant is still refused in the end."""
+        for attempt in range(LATE_GRANT_RETRIES + 1):
+            g = self._acquire_once(node, ns, key)
+            if not (isinstance(g, Refused) and g.reason == REASON_LEASE_EXPIRED) or attempt == LATE_GRANT_RETRIES:
+                return g
+            self.sleep_ms(self.lease_term_ms + 2 * self.skew_ms)
+        raise AssertionError("unreachable")
+
+    @_ordered
+    def _acquire_once(self, node: str, ns: Namespace, key: BlockKey) -> ReadGrant | Refused:
         t0 = time.monotonic_ns()
         sent = self._emit_later(node, "acquire", key=key)
         g = self.adapter.acquire(node, ns, key)
