@@ -2132,7 +2132,7 @@ BODIES["killed_mid_write"] = killed_mid_write
 # When the invalidation starts, in fractions of a term after the transfer was asked for (negative:
 # before): before the transfer, between its start and its copy, around the copy landing, after it.
 TRANSFER_RACE_OFFSETS = (-0.005, 0.0, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.12)
-PAUSED_DESTINATION_MS = 100  # how long a transfer's destination is paused (at most a tenth of a term)
+DESTINATION_DOWN_MS = 100  # how long a transfer's destination is paused or down (at most a tenth of a term)
 
 
 def _moved_copy_serves(s: Session, node: str, key: BlockKey, data: bytes) -> str:
@@ -2200,48 +2200,46 @@ def _stale_move_refused(s: Session, g: ReadGrant, node: str, key: BlockKey, data
                 f"{m2.destination}, answered {stale}: the copy it names is gone")  # fmt: skip
 
 
-def _transfer_outlives_a_paused_destination(s: Session, w: str, other: str) -> None:
-    """Where the adapter can pause nodes: a transfer whose destination's node is paused as soon
-    as it started, for a moment, MUST still finish once the node resumes -- its copy then the one
-    read, with exactly the block's bytes (a copy that arrives at a paused node is delayed, not
-    dropped)."""
-    if not {"pause", "resume"} <= s.adapter.capabilities().faults:
-        return
+def _destination_down_for_a_moment(s: Session, w: str, other: str, down: str, up: str, *,
+                                   within_a_node: bool) -> tuple | None:  # fmt: skip
+    """A fresh block, moved (``move``), its destination's node put ``down`` (``pause``/``kill``)
+    as soon as the transfer started and brought ``up`` again a moment later: ``(key, data,
+    Moving)``, or ``None`` where the adapter has no such faults, the destination is a shared
+    location, or -- unless ``within_a_node`` -- it is on the source's node."""
+    if not {down, up} <= s.adapter.capabilities().faults:
+        return None
     key = chain(s, 1)[0]
     data = put(s, w, key, None)
-    g = read_back(s, other, key, data, "a block about to be moved")
-    m = _started_move(s, g)
+    m = _started_move(s, read_back(s, other, key, data, "a block about to be moved"))
     dest = location_host(m.destination)
-    if dest not in s.nodes:  # a shared location: no node to pause
-        return
-    s.fault("pause", dest)
+    if dest not in s.nodes or (dest == location_host(m.source) and not within_a_node):
+        return None
+    s.fault(down, dest)
     try:
-        s.sleep_ms(min(PAUSED_DESTINATION_MS, s.lease_term_ms / 10))
+        s.sleep_ms(min(DESTINATION_DOWN_MS, s.lease_term_ms / 10))
     finally:
-        s.fault("resume", dest)
-    _await_moved_copy(s, m, other, key, data)
+        s.fault(up, dest)
+    return key, data, m
+
+
+def _transfer_outlives_a_paused_destination(s: Session, w: str, other: str) -> None:
+    """A transfer whose destination's node is paused as soon as it started, for a moment, MUST
+    still finish once the node resumes -- its copy then the one read, with exactly the block's
+    bytes (a copy that arrives at a paused node is delayed, not dropped)."""
+    moved = _destination_down_for_a_moment(s, w, other, "pause", "resume", within_a_node=True)
+    if moved is not None:
+        key, data, m = moved
+        _await_moved_copy(s, m, other, key, data)
 
 
 def _transfer_to_a_killed_destination(s: Session, w: str, other: str) -> None:
-    """Where the adapter can kill and restart nodes and moves blocks between nodes: a transfer
-    whose destination's node is killed as soon as it started, then restarted, lands nothing there
-    (a killed process stores nothing: the trace judges it) and leaves the block with its source,
-    which MUST still serve its exact bytes."""
-    if not {"kill", "restart"} <= s.adapter.capabilities().faults:
-        return
-    key = chain(s, 1)[0]
-    data = put(s, w, key, None)
-    g = read_back(s, other, key, data, "a block about to be moved")
-    m = _started_move(s, g)
-    dest, src = location_host(m.destination), location_host(m.source)
-    if dest not in s.nodes or dest == src:  # a shared location, or a move within one node
-        return
-    s.fault("kill", dest)
-    try:
-        s.sleep_ms(min(PAUSED_DESTINATION_MS, s.lease_term_ms / 10))
-    finally:
-        s.fault("restart", dest)
-    read_back(s, w, key, data, f"a block whose transfer to {m.destination} lost its destination to a kill")
+    """A transfer whose destination's node is killed as soon as it started, then restarted, lands
+    nothing there (a killed process stores nothing: the trace judges it) and leaves the block with
+    its source, which MUST still serve its exact bytes."""
+    moved = _destination_down_for_a_moment(s, w, other, "kill", "restart", within_a_node=False)
+    if moved is not None:
+        key, data, m = moved
+        read_back(s, w, key, data, f"a block whose transfer to {m.destination} lost its destination to a kill")
 
 
 def _no_move_from_a_killed_node(s: Session, w: str, other: str) -> None:
