@@ -290,6 +290,7 @@ class _SglangEngines:
         self._gens = {}
         self._next_gen = itertools.count(1)
         self._revision: str | None = None
+        self._ens: Namespace | None = None
         self._subscriber: Any = None
         self._index_lock = threading.Lock()
         self._last_event = 0.0
@@ -302,7 +303,9 @@ class _SglangEngines:
             from kvcc.adapters.vllm.model import read_revision, tiny_llama
 
             self._revision = read_revision(tiny_llama())
-        return engine_namespace(self._revision)
+        if self._ens is None or self._ens.model_revision != self._revision:
+            self._ens = engine_namespace(self._revision)
+        return self._ens
 
     def engines(self) -> list[str]:
         return [] if engines_available() else list(ENGINES)
