@@ -415,7 +415,7 @@ class ReferenceAdapter(Adapter):
             return Refused(REASON_NOT_FOUND, f"{grant.location} is not one of {node}'s tiers")
         try:
             reply = self._ask_as(node_credential(node), self._cluster.node_token(node), self._cluster.directory_address,
-                                 Transfer(node, grant.key, dest))  # fmt: skip
+                                 Transfer(node, grant.key, grant.gen, grant.location, dest))  # fmt: skip
         except ConnectionFailed as e:
             raise _infra(e) from e
         match reply:

@@ -701,7 +701,7 @@ _TRANSFER_RACES = (
              "them within the deletion bound once that lease is released, then once more with no reader, asked twice in a "
              "row -- the second `move` MUST be refused, the source MUST be freed within the deletion bound by the "
              "transfer's own end, and once the block moved on again, a `move` under the first grant MUST be refused "
-             "unless the block came back to its location (a transfer whose destination is paused as it starts MUST "
+             "unless the block came back to its location, and a `move` under a grant on a generation invalidated and written again since MUST be refused (a transfer whose destination is paused as it starts MUST "
              "finish once it resumes, one whose destination on another node is killed as it starts MUST leave the block "
              "served by its source, and a `move` under a grant whose node was killed MUST fail with AdapterError): once each invalidation completed, lookup MUST NOT count the block and no node may be "
              "granted it, and within the deployment's deletion bound every location that held that generation -- "

@@ -2200,6 +2200,25 @@ def _stale_move_refused(s: Session, g: ReadGrant, node: str, key: BlockKey, data
                 f"{m2.destination}, answered {stale}: the copy it names is gone")  # fmt: skip
 
 
+def _rewritten_move_refused(s: Session, w: str, other: str) -> None:
+    """A block invalidated and written again by the same writer: a ``move`` under a grant on its
+    first generation MUST be refused -- the generation it names is gone, even where the new one
+    sits at the same location (a deployment that moves whatever the key's owner holds moves the
+    new bytes under the old grant)."""
+    key = chain(s, 1)[0]
+    data = put(s, w, key, None)
+    g = read_back(s, other, key, data, "a block about to be rewritten")
+    wait_done(s, s.invalidate(other, s.ns, "key", key), [key])
+    new = _different_payload(s, data)
+    g2 = _rewrite(s, w, key, new)
+    stale = s.move(g)
+    same = ", at the same location" if g2.location == g.location else ""
+    s.check(isinstance(stale, Refused), "transfer_race",
+            f"a move under a grant on generation {g.gen} of a block rewritten since (generation {g2.gen}{same}) "
+            f"answered {stale}: the generation it names is gone")  # fmt: skip
+    read_back(s, other, key, new, "a rewritten block, after a move under its first generation's grant")
+
+
 def _destination_down_for_a_moment(s: Session, w: str, other: str, down: str, up: str, *,
                                    within_a_node: bool) -> tuple | None:  # fmt: skip
     """A fresh block, moved (``move``), its destination's node put ``down`` (``pause``/``kill``)
@@ -2346,6 +2365,7 @@ def invalidation_racing_transfer(s: Session) -> None:
     _transfer_outlives_a_paused_destination(s, w, other)
     _transfer_to_a_killed_destination(s, w, other)
     _no_move_from_a_killed_node(s, w, other)
+    _rewritten_move_refused(s, w, other)
     _freed_in_time(s, ended, after_end_ms, "a voided generation's bytes, once its invalidation completed,")
 
 

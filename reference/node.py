@@ -616,10 +616,14 @@ class CacheNode:
                 tier = self.tiers[upper]
                 if tier.used_bytes <= self.demote_watermark * tier.capacity_bytes:
                     continue
+                gens = {b.key: b.gen for b in tier.blocks()}
                 for raw in tier.lru()[:DEMOTE_BATCH]:
+                    if raw not in gens:
+                        continue  # freed since
                     key = BlockKey(raw)
+                    source, dest = location_id(self.node_id, upper), location_id(self.node_id, lower)
                     with contextlib.suppress(ConnectionFailed, TimeoutError_):
-                        await self._to_directory(Transfer(self.node_id, key, location_id(self.node_id, lower)))
+                        await self._to_directory(Transfer(self.node_id, key, gens[raw], source, dest))
                         self.stats["demotions"] += 1
 
     def snapshot(self) -> dict[str, Any]:

@@ -214,7 +214,7 @@ def test_d_an_invalidation_racing_a_tier_transfer_leaves_no_copy_at_either_end(t
 
             def move(key=key):
                 go.wait()
-                moved.append(_ask(cl, "n1", Transfer("n1", key, "n1/nvme")))
+                moved.append(_ask(cl, "n1", Transfer("n1", key, 0, "n1/dram", "n1/nvme")))
 
             mover = threading.Thread(target=move)
             mover.start()

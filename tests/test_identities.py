@@ -209,7 +209,7 @@ def test_a_tenant_cannot_send_what_only_nodes_send(cluster, unchanged):
     key = CHAIN[0]
     _refused(cluster, ENGINE_TENANT, Freed("n1/dram", key, 1))
     _refused(cluster, ENGINE_TENANT, Copied("n1/nvme", key, 2))
-    _refused(cluster, ENGINE_TENANT, Transfer("n1", key, "n1/nvme"))
+    _refused(cluster, ENGINE_TENANT, Transfer("n1", key, 0, "n1/dram", "n1/nvme"))
 
 
 # ---------------------------------------------------------------------------------- a node as another
@@ -225,10 +225,10 @@ def test_a_node_cannot_act_as_another_node(cluster, unchanged):
     _refused(cluster, "n2", Copied("n1/nvme", key, 2))
     _refused(cluster, "n2", Evict("n1", key, "n1/dram"))
     _refused(cluster, "n2", Evict("n2", key, "n1/dram"))
-    _refused(cluster, "n2", Transfer("n2", key, "n1/nvme"))
-    _refused(cluster, "n2", Transfer("n1", key, "n1/nvme"))
+    _refused(cluster, "n2", Transfer("n2", key, 0, "n1/dram", "n1/nvme"))
+    _refused(cluster, "n2", Transfer("n1", key, 0, "n1/dram", "n1/nvme"))
     # Onto its own tier, but the copy is n1's: refused as a transfer, nothing moves.
-    refused = _ask(cluster, "n2", Transfer("n2", key, "n2/nvme"))
+    refused = _ask(cluster, "n2", Transfer("n2", key, 0, "n1/dram", "n2/nvme"))
     assert type(refused) is TransferRefused and refused.reason == "not_transferable", refused
 
 
@@ -378,7 +378,12 @@ def test_normal_operation_is_unchanged(cluster):
     # A node's own credential moves a block between its own tiers: the directory pushes Copy to
     # the real n1, which copies and acknowledges (Copied) under its own credential.
     key = CHAIN[1]
-    started = _ask(cluster, "n1", Transfer("n1", key, "n1/nvme"))
+    # Naming a generation the key does not have, or a copy it has not, moves nothing: the node's
+    # view is stale (the key rewritten, or moved, since it looked).
+    for stale in (Transfer("n1", key, 1, "n1/dram", "n1/nvme"), Transfer("n1", key, 0, "n1/nvme", "n1/dram")):
+        refused = _ask(cluster, "n1", stale)
+        assert type(refused) is TransferRefused and refused.reason == "not_found", refused
+    started = _ask(cluster, "n1", Transfer("n1", key, 0, "n1/dram", "n1/nvme"))
     assert type(started) is TransferStarted, started
     deadline = time.monotonic() + WAIT_S
     while time.monotonic() < deadline:

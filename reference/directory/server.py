@@ -795,6 +795,8 @@ class DirectoryServer:
         node = self.tenants.node_of(tenant)
         if node is not None and rec.owner is not None and node_of(rec.owner) not in (node, None):
             return TransferRefused(msg.key, msg.destination, REASON_NOT_TRANSFERABLE)  # another node's copy
+        if rec.gen != msg.gen or rec.owner != msg.source:
+            return TransferRefused(msg.key, msg.destination, REASON_NOT_FOUND)  # rewritten or moved since
         ok, effects = self.core.start_transfer(msg.key, msg.destination, self.now_ms())
         self._apply(effects)
         if not ok:

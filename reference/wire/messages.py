@@ -423,11 +423,16 @@ class NodeList:
 
 @frozen
 class Transfer:
-    """Node -> directory: move the owner copy of ``key`` to ``destination`` (promotion or
-    demotion between tiers: an ownership transfer under ``epoch + 1``)."""
+    """Node -> directory: move the owner copy of ``key`` -- generation ``gen``, at ``source`` --
+    to ``destination`` (promotion or demotion between tiers: an ownership transfer under
+    ``epoch + 1``). Refused (``not_found``) unless that generation is the key's, owned at
+    ``source``: a node whose view is stale (the key rewritten, or moved, since it looked) moves
+    nothing it did not mean to."""
 
     node: NodeId
     key: BlockKey
+    gen: Generation
+    source: LocationId
     destination: LocationId
 
 
