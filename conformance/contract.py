@@ -526,7 +526,10 @@ class Adapter(abc.ABC):
         Must: grant at most one write lease per key and generation (protocol property 1), with an
         epoch one above the key's previous epoch (property 2) and a lease id never used before
         (property 8); refuse, in this order, ``unauthorized`` for a namespace not in
-        ``RunContext.namespaces`` (or a key recorded under another namespace), ``not_absent``
+        ``RunContext.namespaces`` (or a key recorded under another namespace), ``key_identity``
+        if the key was written before under another parent (a key's digest chains over its
+        parent's, ``kvcc.spec.keys``: one key under two parents is a forged or broken key, and a
+        grant would move it to another chain -- even once it is ABSENT again), ``not_absent``
         if the key is not ABSENT (WRITING, COMMITTED or INVALIDATING), ``parent_not_committed``
         if the parent is not COMMITTED in the same namespace.
         Must not: make the key readable before ``commit``; refuse for a restarted directory's

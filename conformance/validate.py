@@ -229,6 +229,7 @@ from kvcc.spec.vocabulary import (
     HOLDER,
     LOCATION,
     LOCATION_SEPARATOR,
+    REASON_KEY_IDENTITY,
     REASON_LOCATION_DOWN,
     REASON_PARENT_NOT_COMMITTED,
     REASON_UNAUTHORIZED,
@@ -289,7 +290,7 @@ HOLDER_EVENTS, WRITER_EVENTS, LOCATION_EVENTS = taken_by(HOLDER), taken_by(WRITE
 # Refusals for reasons the one-key model has no rule for: each is replayed as the request's loss.
 _DROPPING_REFUSALS = {
     "refuse_read_lease": (REASON_UNAUTHORIZED, REASON_PARENT_NOT_COMMITTED),
-    "refuse_write_lease": (REASON_UNAUTHORIZED, REASON_PARENT_NOT_COMMITTED, REASON_LOCATION_DOWN),
+    "refuse_write_lease": (REASON_UNAUTHORIZED, REASON_PARENT_NOT_COMMITTED, REASON_LOCATION_DOWN, REASON_KEY_IDENTITY),
 }
 FAILURE_EVENTS = frozenset({"crash", "restart_node", "restart_directory", "declare_node_down"})
 assert DIRECTORY_EVENTS | HOLDER_EVENTS | WRITER_EVENTS | LOCATION_EVENTS | FAILURE_EVENTS == set(EVENTS)
@@ -1247,7 +1248,8 @@ class _Replay:
                 if b is not None:
                     out.append((s2, b, lab, p, s))
         if name in ("refuse_read_lease", "refuse_write_lease") and ev.get("result") in _DROPPING_REFUSALS[name]:
-            # A refusal for a reason outside the one-key model (tenant, parent; for a write, no
+            # A refusal for a reason outside the one-key model (tenant, parent; for a write, a key
+            # named under another parent than its own (``key_identity``), or no
             # location the writer may write to is up: the spec's directory grants no write then,
             # and its request waits or is lost): the request is consumed and nothing else
             # changes -- the spec's ``drop``, the writer then giving up.

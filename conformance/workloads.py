@@ -1721,10 +1721,12 @@ def overwrite_refused(s: Session) -> None:
     exactly. Once an invalidation of the key completed, the key takes new bytes of the same size:
     written first by the node whose location held the old bytes, then by another, each MUST read
     back exactly on every node -- a store that keeps a key's first bytes (write-once, content
-    addressed) fails here."""
+    addressed) fails here. Between the invalidation and the rewrite, a write of the key under
+    another (committed) parent MUST be refused: the key is a root (``key_identity``)."""
     w = s.nodes[0]
     other = reader(s, w)
-    key = chain(s, 1)[0]
+    key, elsewhere = chain(s, 1)[0], chain(s, 1)[0]
+    put(s, w, elsewhere, None)
     data = put(s, w, key, None)
     for node in dict.fromkeys((w, other)):
         g = s.begin_write(node, s.ns, key, None)
@@ -1734,6 +1736,10 @@ def overwrite_refused(s: Session) -> None:
     gen = -1
     for node in dict.fromkeys((w, other)):
         wait_done(s, s.invalidate(w, s.ns, "key", key), [key])
+        moved = s.begin_write(node, s.ns, key, elsewhere)
+        s.check(isinstance(moved, Refused), "overwrite",
+                f"begin_write of a root key, ABSENT again, naming a parent it was never written under answered "
+                f"{moved}: a key's digest chains over its parent's (key_identity)")  # fmt: skip
         data = _different_payload(s, data)
         g = _rewrite(s, node, key, data)
         s.check(g.gen > gen, "EpochMonotonic", f"a rewrite's generation {g.gen} is not above the one before ({gen})")

@@ -220,14 +220,16 @@ def test_many_writes_take_three_round_trips_and_each_answers_as_a_put(directory_
         a.abort(wl)
         with pytest.raises(ValueError):
             await a.put_many(NS, [(extra, None, b"1"), (extra, None, b"2")])
-        # Two parents for one key in one batch: refused whole, nothing taken.
-        state = (dict(w.core.records), w.core.next_lease_id)
+        # Two parents for one key in one batch: the first item is taken, the second refused
+        # (key_identity: the key is known under the first parent), and the session goes on.
         fresh = keys(1, salt=92)[0]
-        with pytest.raises(ConnectionFailed) as caught:
-            await w.raw().request(Batch((BeginWrite("q", fresh, NS.digest(), None, 1),
-                                         BeginWrite("q", fresh, NS.digest(), roots[0], 2))))  # fmt: skip
-        assert caught.value.code == "key_identity"
-        assert (dict(w.core.records), w.core.next_lease_id) == state
+        raw = w.raw()
+        got = await raw.request(Batch((BeginWrite("q", fresh, NS.digest(), None, 1),
+                                       BeginWrite("q", fresh, NS.digest(), roots[0], 2))))  # fmt: skip
+        first, second = got.replies
+        assert type(first).__name__ == "WriteLeaseGranted" and second.reason == "key_identity", got
+        assert w.core.records[fresh].parent is None
+        assert (await raw.request(Lookup(NS.digest(), (fresh,)))).blocks == 0
 
     world_test(directory_store_factory, body)
 

@@ -39,6 +39,7 @@ from kvcc.reference.wire import (
     Free,
     LeaseRefused,
     LeaseReleased,
+    Lookup,
     ReadBytes,
     Release,
     Renew,
@@ -680,16 +681,21 @@ def test_malformed_and_unauthorised_input_gets_typed_errors_and_changes_nothing(
         with pytest.raises(ConnectionFailed) as e:
             await x.invalidate(NS, SCOPE_NAMESPACE)
         assert e.value.code == "unauthorized"
-        # Messages the directory does not take, tickets never issued, a key under a second parent.
+        # Messages the directory does not take, tickets never issued.
         for msg, code in ((Free("n1/dram", ks[0], 1), "unexpected_message"),
                           (ReadBytes("a", ks[0], 1, "n1/dram", 0), "unexpected_message"),
-                          (WaitTicket(12345, 0), "unknown_ticket"),
-                          (BeginWrite("a", ks[0], NS.digest(), ks[1], 1), "key_identity")):  # fmt: skip
+                          (WaitTicket(12345, 0), "unknown_ticket")):  # fmt: skip
             r = w.raw()
             with pytest.raises(ConnectionFailed) as e:
                 await r.request(msg)
             assert e.value.code == code, msg
         unchanged()
+        # A key under a second parent: refused (key_identity), nothing changed, the session goes on.
+        r = w.raw()
+        refused = await r.request(BeginWrite("a", ks[0], NS.digest(), ks[1], 1))
+        assert type(refused).__name__ == "LeaseRefused" and refused.reason == "key_identity", refused
+        unchanged()
+        assert (await r.request(Lookup(NS.digest(), tuple(ks)))).blocks == 1
         # The directory still serves, the same as before.
         assert (await a.lookup(NS, ks)).blocks == 1
         unchanged()

@@ -79,7 +79,7 @@ from kvcc.reference.directory.core import (
     TICKET_COMPLETED,
 )
 from kvcc.reference.directory.host import CoreHost
-from kvcc.reference.errors import PeerViolation, Unauthorized
+from kvcc.reference.errors import Unauthorized
 from kvcc.reference.holder import Holder, Trust
 from kvcc.spec.keys import BlockKey, LocationId, Namespace, NodeId
 from kvcc.spec.rules import fence_accepts
@@ -354,12 +354,7 @@ class MooncakeKvccAdapter(MooncakeDeployment):
             sent = time.monotonic_ns()
             request = self.next_id()
             self.logs.emit(node, "begin_write", key=key, writer=node)
-            try:
-                reply, effects = self._handle(wire.BeginWrite(NodeId(node), key, ns.digest(), parent, request))
-            except PeerViolation as e:
-                self._write_in_progress.discard((node, key))
-                self.logs.emit(node, "abort", key=key, writer=node)
-                return Refused("key_identity", str(e))
+            reply, effects = self._handle(wire.BeginWrite(NodeId(node), key, ns.digest(), parent, request))
             if isinstance(reply, wire.LeaseRefused):
                 # The writer gives up the write it asked for (spec: abort from "requested").
                 self._write_in_progress.discard((node, key))

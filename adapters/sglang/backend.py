@@ -50,7 +50,7 @@ the same on every TP rank: they share rank 0 of 1), the PP rank and size, the at
 context-parallel shard, and ``kvcc_cache_salt``.
 
 Every page is a kvcc *root* (parent ``None``). kvcc makes a key's parent part of its identity (a
-second parent for one key is a protocol violation), and SGLang tells the backend a page's
+second parent for one key is refused, ``key_identity``), and SGLang tells the backend a page's
 predecessor only with ``--hicache-storage-pass-prefix-keys`` (``extra_info.prefix_keys``); its page
 hash already chains over the whole prefix, so nothing is lost for lookups. What is lost: a
 ``prefix`` invalidation does not cascade along a SGLang chain (``clear``, a namespace

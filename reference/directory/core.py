@@ -64,8 +64,9 @@ declaration and never sooner.
 Handlers follow TigerBeetle's shape: first the message is ignored with a reason if it is stale or
 duplicated (network weather: an ``Emit`` of an ``ignore_*`` event, which is a diagnostic and not a
 spec action, and no state change); then a rule decides; then the handler asserts what must now
-hold. A peer that breaks the protocol in a way no network can (a key claimed under two different
-parents) gets ``PeerViolation``; a request for a namespace its tenant may not use, where the reply
+hold. A peer that breaks the protocol in a way no network can (a ticket never issued, a message
+the directory does not take) gets ``PeerViolation``; a key claimed under a second parent is refused
+(``key_identity``: the writer's session goes on, nothing changes); a request for a namespace its tenant may not use, where the reply
 has no refusal to carry it (``Lookup``, ``Invalidate``), gets ``Unauthorized``. Anything else that
 goes wrong is our bug: an ``AssertionError``.
 
@@ -125,6 +126,7 @@ from kvcc.spec.rules import (
     write_lease_must_expire,
 )
 from kvcc.spec.vocabulary import (
+    REASON_KEY_IDENTITY,
     REASON_LEASED,
     REASON_LOCATION_DOWN,
     REASON_NOT_FOUND,
@@ -899,17 +901,16 @@ class DirectoryCore:
         nothing: a batch is checked item by item before any item is taken."""
         if type(msg) is Lookup:
             self._authorize(tenant, msg.namespace)
-        elif type(msg) is BeginWrite:
-            rec = self.records.get(msg.key)
-            authorized = self._authorized(tenant, msg.namespace) and (rec is None or rec.namespace == msg.namespace)
-            if authorized and rec is not None and rec.parent != msg.parent:
-                # A key's hash chains over its parent's: one key, two parents is a lie (or SHA-256 broke).
-                raise PeerViolation(f"key {msg.key.hex[:16]}… claimed under a second parent", code="key_identity")
 
     def _begin_write(self, msg: BeginWrite, tenant: str, effects: list[Effect]) -> Any:
-        self.check_request(msg, tenant)
         rec = self.records.get(msg.key)
         authorized = self._authorized(tenant, msg.namespace) and (rec is None or rec.namespace == msg.namespace)
+        if authorized and rec is not None and rec.parent != msg.parent:
+            # A key's digest chains over its parent's: one key under two parents is a forged or
+            # broken key (or SHA-256 broke). Refused, nothing changed, the writer's session kept:
+            # outside the one-key model, like a parent not committed (the spec's ``drop``).
+            self._emit(effects, "refuse_write_lease", rec, key=msg.key, result=REASON_KEY_IDENTITY, writer=msg.node)
+            return LeaseRefused(msg.node, msg.key, msg.request, REASON_KEY_IDENTITY)
         parent_phase = None
         if msg.parent is not None:
             parent = self.records.get(msg.parent)

@@ -578,11 +578,6 @@ class DirectoryServer:
                                     code="unexpected_message")  # fmt: skip
             self._check_identity(tenant, item)
             self.core.check_request(item, tenant)
-        # Two items of one key under two parents: the second would raise once the first is taken.
-        parents: dict[Any, Any] = {}
-        for item in msg.items:
-            if type(item) is BeginWrite and parents.setdefault(item.key, item.parent) != item.parent:
-                raise PeerViolation(f"key {item.key.hex[:16]}… claimed under a second parent", code="key_identity")
         self.stats["requests"] += len(msg.items) - 1  # the items count, not the batch
         now_ms = self.now_ms()
         replies: list[Any] = []
