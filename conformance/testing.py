@@ -195,8 +195,6 @@ class CoreAdapter(Adapter):
         self._ticker_failed: BaseException | None = None  # what killed the timer thread, if anything
         self._logs: list[io.StringIO] = []
         self._later: list[tuple[int, Callable[[], None]]] = []  # (due monotonic ns, step): a transfer's copy, its Copied
-        self._silent: dict[str, int] = {}  # killed node -> directory ms its registration runs out
-        self._declared_down: set[str] = set()  # nodes the failure detector declared down
         self._last_ns = 0
         self._ns_lock = threading.Lock()
 
@@ -324,7 +322,6 @@ class CoreAdapter(Adapter):
     def _dir(self, msg: Any) -> Any:
         """One request to the directory, its effects applied in order, then the messages they
         caused delivered (after, so that the logs keep the causal order)."""
-        self._detect_failures()
         reply, directives = self._host.handle(msg, TENANT)
         self._carry_out(directives)
         self._drain()
@@ -344,6 +341,10 @@ class CoreAdapter(Adapter):
                     self._durable_lease_limit = max(self._durable_lease_limit, e.limit)
 
     def _emit_step(self, e: Emit, late_ns: Callable[[], int]) -> None:
+        if e.event == "retry_free" and not self._nodes[e.fields["location"]].alive:
+            # As the server: a retry to a location no live node serves is not sent (``_free_at``
+            # drops it), so no step -- the spec retries only to a location that is up.
+            return
         self._dir_log.emit(e.event, late_ns=late_ns, **e.fields)
 
     def _apply(self, effects: Sequence[Any]) -> None:
@@ -455,29 +456,10 @@ class CoreAdapter(Adapter):
             assert reply is None
             self._carry_out(directives)
 
-    def _detect_failures(self) -> None:
-        """The failure detector (spec: ``declare_node_down``): a killed node's registration, a
-        lease of one term, runs out on the directory's clock one term after the kill, and the
-        directory declares the node down then -- urgent, like every directory timer, so it is
-        taken before anything the directory does later, stamped at the time it fell due. (A
-        node restarted sooner re-registers first: ``restart``.) Before it, a kit whose killed
-        node stayed down a term -- a loaded machine between ``kill`` and ``restart`` -- logged a
-        trace the spec cannot take: time cannot pass the declaration."""
-        if not self._silent:
-            return
-        now = self._host.now_ms()
-        for node, due in sorted(self._silent.items(), key=lambda item: item[1]):
-            if due > now:
-                break
-            del self._silent[node]
-            self._declared_down.add(node)
-            self._apply(self._core.node_down(node, [node], max(due, self._core.now_ms)))
-
     def _tick_loop(self) -> None:
         with self._cond:
             while not self._stopping:
                 try:
-                    self._detect_failures()
                     self._run_due()
                     self._carry_out(self._host.tick())
                     self._drain()
@@ -487,8 +469,6 @@ class CoreAdapter(Adapter):
                     self._ticker_failed = e  # every later operation fails with it (_check_running)
                     raise
                 wait_s = self._host.wait_s(TICK_IDLE_MS / 1000)
-                if self._silent:
-                    wait_s = min(wait_s, (min(self._silent.values()) - self._host.now_ms()) / 1000)
                 if self._later:
                     wait_s = min(wait_s, (self._later[0][0] - time.monotonic_ns()) / 1e9)
                 self._cond.wait(max(0.001, wait_s))
@@ -748,7 +728,9 @@ class CoreAdapter(Adapter):
             if not n.alive:
                 return
             n.log.emit("crash", lose_disk=self.CRASH_LOSES_MEDIUM)
-            self._silent[node] = self._now_ms() + self._config.lease_term_ms  # its registration: one term
+            # The directory stops hearing from it: one term later it declares it down (spec:
+            # declare_node_down, urgent), unless it rejoined first (``CoreHost.killed``).
+            self._host.killed(node, [node])
             n.alive = False
             n.paused = False
             n.holder.forget()
@@ -777,14 +759,13 @@ class CoreAdapter(Adapter):
             # node's, and the location's restored fence judges them (KVCC-FAULT-011).
             n.issued = old.issued
             lost = self._medium_after_restart(old, n)
-            self._detect_failures()
-            self._silent.pop(node, None)  # registered again
+            self._carry_out(self._host.detect())  # declared down first, if it stayed down a term
+            self._host.rejoined(node)
             fences, effects = self._core.node_rejoined(node, lost, self._now_ms(), [node])
             n.tier.restore_fences({k.digest: e for k, e in fences.items()})
             self._apply(effects)
-            if node in self._declared_down:  # back: leased and placed on again, its owed frees sent
-                self._declared_down.discard(node)
-                self._apply(self._core.locations_up([node], self._now_ms()))
+            # Back, as at the server's Hello: leased and placed on again, what is owed to it sent.
+            self._apply(self._core.locations_up([node], self._now_ms()))
             self._drain()
 
     def pause(self, node: str) -> None:
@@ -861,7 +842,7 @@ class CoreAdapter(Adapter):
             rec = self._core.records.get(grant.key)
             if rec is None or rec.gen != grant.gen or rec.owner != src.id:
                 return Refused(REASON_NOT_FOUND, f"generation {grant.gen} is not owned at {src.id}")
-            self._detect_failures()
+            self._carry_out(self._host.detect())
             started, effects = self._core.start_transfer(grant.key, dest, self._now_ms())
             self._apply(effects)
             self._drain()
@@ -884,7 +865,7 @@ class CoreAdapter(Adapter):
         self._fault("restart_directory")
         with self._cond:
             self._check_running()
-            self._detect_failures()
+            self._carry_out(self._host.detect())
             self._host.restart(self._new_core())
             self._dir_incarnation += 1
             self._dir_log = self._new_log(DIRECTORY_NODE, self._dir_incarnation)
@@ -893,9 +874,7 @@ class CoreAdapter(Adapter):
             effects = self._core.restarted(
                 list(self._durable_records.values()), self._restart_lease_id(), self._now_ms(), tickets, next_ticket
             )
-            # What the detector declared is durable (spec: a directory restart keeps known_down),
-            # and a silent node's registration keeps running out.
-            self._core.down_locations |= self._declared_down
+            self._host.restore_declared()  # (a silent node's registration keeps running out)
             self._apply(effects)
             self._drain()
             self._cond.notify_all()

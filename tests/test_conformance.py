@@ -280,7 +280,9 @@ def test_a_node_restarted_a_term_after_its_kill_was_declared_down_first(cls):
 def test_a_directory_without_a_failure_detector_is_rejected_once_a_node_stays_down_a_term(monkeypatch):
     """The same late restart against a kit whose failure detector never fires: the trace is
     REJECTED at the rejoin (time cannot pass the declaration), so the check above can fail."""
-    monkeypatch.setattr(testing.CoreAdapter, "_detect_failures", lambda self: None)
+    from kvcc.reference.directory.host import CoreHost
+
+    monkeypatch.setattr(CoreHost, "killed", lambda self, node, locations: None)
     rep = run(_restarting_late(testing.CoreAdapter), profiles=["faults"], ids=["KVCC-FAULT-006"])
     (r,) = [r for r in rep.results if r.id == "KVCC-FAULT-006"]
     assert r.status == "FAIL" and "restart_node" in r.message and "logged too late" in r.message, r.message

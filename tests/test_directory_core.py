@@ -961,6 +961,25 @@ def test_a_down_location_gets_no_lease_no_write_and_its_keys_come_back():
     d.core.check_invariants()
 
 
+def test_a_node_declared_down_as_a_free_to_it_falls_due_takes_the_retry_first():
+    """A free to a node whose retry falls due at the moment the node is declared down: the retry
+    goes out first (a step of its own, taken at its time), then the declaration, and the free
+    waits for the node to be back. Before, the declaration's own check took that Free for one
+    sent to a down location (AssertionError: a runtime whose node died with a free owed to it
+    and stayed down a term -- the Mooncake adapter's first failure detector -- stopped)."""
+    d = Directory(place_write=lambda node, key: f"{node}/nvme")
+    d.write(A0, node="n1")
+    _, effects = d.invalidate(A0)  # no lease: completes at once, its free to n1 unacknowledged
+    assert frees_at(effects) == [("n1/nvme", A0, 1)]
+    effects = d.apply(d.core.node_down("n1", ["n1/nvme"], d.now + FIRST_MS))
+    assert events(effects) == ["retry_free", "declare_node_down"] and frees_at(effects) == [("n1/nvme", A0, 1)]
+    d.now += FIRST_MS
+    assert not frees_at(d.tick(dt=10 * MAX_MS)), "nothing more to a down location"
+    effects = d.apply(d.core.locations_up(["n1/nvme"], d.now))
+    assert frees_at(effects) == [("n1/nvme", A0, 1)]
+    d.core.check_invariants()
+
+
 def test_a_revocation_is_due_only_while_its_lease_is_live():
     """The runtime logs a step after the durable commit, later than the time the core decided
     at: a node declared down 1 ms before a lease runs out on the directory's clock revokes it,

@@ -255,13 +255,18 @@ class MooncakeKvccAdapter(MooncakeDeployment):
             self._store.commit(durable)  # before any reply or directive of this call leaves
 
     def _emit_step(self, e: Emit, late_ns: Callable[[], int]) -> None:
+        if e.event == "retry_free" and e.fields["location"] in self._down:
+            # As the server: a retry to a location no live node serves is not sent (``_free``
+            # drops it), so no step -- the spec retries only to a location that is up.
+            return
         self.logs.emit(DIRECTORY_LOG, e.event, late_ns=late_ns, **dict(e.fields))
 
     def _handle(self, msg: Any) -> tuple[Any, list]:
         """One message through the core (lock held by the caller); Emit lines are logged now, in
         the core's order; the directives are returned for ``_carry_out`` after the lock."""
+        declared = self._host.detect()  # a node silent a term is declared down first
         reply, effects = self.core.handle(msg, self._dir_now_ms(), TENANT)
-        return reply, self._log_emits(effects)
+        return reply, declared + self._log_emits(effects)
 
     def _log_emits(self, effects: list) -> list:
         # The core emits an invalidation's own step after the steps it caused (a key completed at
@@ -696,6 +701,9 @@ class MooncakeKvccAdapter(MooncakeDeployment):
                 del self._writing[lease]
             self._write_in_progress = {(n, k) for n, k in self._write_in_progress if n != node}
             self.logs.emit(node, "crash")
+            # The directory stops hearing from it: one term later it declares it down (spec:
+            # declare_node_down), unless it rejoined first (``CoreHost.killed``).
+            self._host.killed(node, [LocationId(node)])
 
     def _on_restarted(self, node: str) -> None:
         with self._lock:
@@ -703,10 +711,14 @@ class MooncakeKvccAdapter(MooncakeDeployment):
             # The node's segment came back empty: what the directory placed there is lost.
             for k in [k for k in self._objects if k[0] == node]:
                 del self._objects[k]
+            declared = self._host.detect()  # declared down first, if it stayed down a term
+            self._host.rejoined(node)
             fences, effects = self.core.node_rejoined(
                 NodeId(node), [LocationId(node)], self._dir_now_ms(), [LocationId(node)]
             )
-            effects = self._log_emits(effects)
+            # Back, as at the server's Hello: leased and placed on again, what is owed to it sent.
+            effects = declared + self._log_emits(effects)
+            effects += self._log_emits(self.core.locations_up([LocationId(node)], self._dir_now_ms()))
             for key, epoch in fences.items():
                 self._fence[(node, key)] = max(epoch, self._fence.get((node, key), 0))
             self._down.discard(node)
@@ -732,6 +744,7 @@ class MooncakeKvccAdapter(MooncakeDeployment):
         from kvcc.reference.directory.store import DirectoryStore
 
         with self._lock:
+            early = self._host.detect()  # what the crashed incarnation declared before it crashed
             self._store.close()
             self._store = DirectoryStore(self._store_path)
             loaded = self._store.load()
@@ -741,7 +754,8 @@ class MooncakeKvccAdapter(MooncakeDeployment):
             effects = self._log_emits(
                 core.restarted(loaded.records, loaded.next_lease_id, 0, loaded.tickets, loaded.next_ticket)
             )
-        self._carry_out(effects)
+            self._host.restore_declared()
+        self._carry_out(early + effects)
 
 
 def factory() -> MooncakeKvccAdapter:

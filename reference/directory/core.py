@@ -1088,11 +1088,15 @@ class DirectoryCore:
         step (``rules.down_owner_invalidates``): its leases are revoked, and the key is writable
         again once they were acknowledged or expired -- within term + epsilon of this call, never
         sooner. Transfers to it are cancelled; frees to it wait for ``locations_up``."""
+        # Time passes first, checked as it stands: a free to the node whose retry fell due went
+        # out before the declaration (and is lost with the node, then sent again once it is up).
+        advanced: list[Effect] = []
+        self._advance(now_ms, advanced)
+        self._check_effects(advanced)
         effects: list[Effect] = []
-        self._advance(now_ms, effects)
         down = frozenset(locations) - self.down_locations
         if not down:
-            return effects
+            return advanced
         self.down_locations |= down
         voided: list[BlockKey] = []
         seen: set[BlockKey] = set()
@@ -1116,7 +1120,7 @@ class DirectoryCore:
             for key in self._frees_at.get(loc, ()):
                 self._free_due.pop((key, loc), None)
         self._check_effects(effects)
-        return effects
+        return advanced + effects
 
     def locations_up(self, locations: Iterable[LocationId], now_ms: int) -> list[Effect]:
         """The node serving ``locations`` is heard from again (it said Hello, or its heartbeat is

@@ -28,6 +28,16 @@ in the order the core's docstring requires, and ``CoreHost`` is that, once:
 5. **Timers**: ``due`` says whether the core's next deadline has come, ``tick`` runs it, and
    ``wait_s`` says how long a timer may sleep before the next one (capped: a host's timer
    re-reads the deadline at least that often).
+6. **Failure detection**, for a host that sees its own nodes die (the kit, the Mooncake adapter;
+   the server has its watchdog of connections and heartbeats instead): ``killed(node,
+   locations)`` starts the node's registration running out -- one lease term on the directory's
+   clock, the spec's failure-detection time -- and the first ``handle``, ``tick`` or ``detect``
+   at or after that time declares it down (``core.node_down``, the spec's urgent
+   ``declare_node_down``), stamped when it fell due. ``rejoined(node)`` stops it; the caller then
+   has the core take the rejoin and brings the node's locations back (``core.locations_up``, as
+   the server does at a Hello: what is owed to them leaves at once); after ``restart``, ``restore_declared`` tells the new core what was declared
+   (the spec keeps it across a directory restart). A host that calls the core directly calls
+   ``detect`` first.
 
 The host holds no lock: the server calls it from its event loop's one thread, the threaded hosts
 under their own lock, so the core is never entered twice at once.
@@ -73,6 +83,8 @@ class CoreHost:
         self.core = core
         self._commit = commit
         self._emit = emit
+        self._silent: dict[str, tuple[int, tuple[str, ...]]] = {}  # node -> (ms it is declared down, its locations)
+        self.declared: dict[str, tuple[str, ...]] = {}  # node declared down -> its locations
         self._journal = journal
         self._monotonic_ns = monotonic_ns
         self._start_ns = self._read_ns = monotonic_ns()
@@ -107,7 +119,38 @@ class CoreHost:
         ``new_clock`` its clock starts again at 0, as a restarted process's would."""
         self.core = core
         if new_clock:
+            now = self.now_ms()
             self._start_ns = self._read_ns = self._monotonic_ns()
+            # A silent node's registration keeps running out, on the new clock from its reading.
+            self._silent = {n: (max(0, due - now), locs) for n, (due, locs) in self._silent.items()}
+
+    def restore_declared(self) -> None:
+        """After ``restart`` and the core's ``restarted``: the nodes declared down stay down."""
+        self.core.down_locations |= {loc for locs in self.declared.values() for loc in locs}
+
+    def killed(self, node: str, locations: Sequence[str]) -> None:
+        """``node`` (serving ``locations``) died now: declared down one lease term from now."""
+        self._silent[node] = (self.now_ms() + self.core.config.lease_term_ms, tuple(locations))
+
+    def rejoined(self, node: str) -> None:
+        """``node`` is back (before the core takes its rejoin): no longer silent, nor declared down."""
+        self._silent.pop(node, None)
+        self.declared.pop(node, None)
+
+    def detect(self) -> list[Effect]:
+        """Declare down every killed node whose detection time has come, at that time, earliest
+        first: the directives it left."""
+        if not self._silent:
+            return []
+        now = self.now_ms()
+        directives: list[Effect] = []
+        for node, (due, locations) in sorted(self._silent.items(), key=lambda item: item[1][0]):
+            if due > now:
+                break
+            del self._silent[node]
+            self.declared[node] = locations
+            directives += self.record(self.core.node_down(node, locations, max(due, self.core.now_ms)))
+        return directives
 
     def record(self, effects: Sequence[Effect]) -> list[Effect]:
         """Commit the durable effects, then log the spec steps, in order; the directives, in order."""
@@ -155,20 +198,27 @@ class CoreHost:
 
     def handle(self, msg: Any, tenant: str) -> tuple[Any, list[Effect]]:
         """One request: the core's reply and the directives it left, its step recorded."""
+        declared = self.detect() if self._silent else None
         reply, effects = self.core.handle(msg, self.now_ms(), tenant)
-        return reply, self.record(effects)
+        return reply, (declared + self.record(effects) if declared else self.record(effects))
+
+    def _next_deadline_ms(self) -> int | None:
+        deadlines = [d for d in (self.core.next_deadline_ms(), *(due for due, _ in self._silent.values())) if d is not None]
+        return min(deadlines, default=None)
 
     def due(self) -> bool:
-        deadline = self.core.next_deadline_ms()
+        deadline = self._next_deadline_ms()
         return deadline is not None and deadline <= self.now_ms()
 
     def tick(self) -> list[Effect]:
-        """Let time pass to now (expiries, completions, retries): the directives it left."""
-        return self.record(self.core.tick(self.now_ms()))
+        """Let time pass to now (detections, expiries, completions, retries): the directives it left."""
+        declared = self.detect()
+        return declared + self.record(self.core.tick(self.now_ms()))
 
     def wait_s(self, cap_s: float) -> float:
-        """How long a timer may sleep: until the core's next deadline, at most ``cap_s``."""
-        deadline = self.core.next_deadline_ms()
+        """How long a timer may sleep: until the next deadline (the core's, a detection's), at
+        most ``cap_s``."""
+        deadline = self._next_deadline_ms()
         if deadline is None:
             return cap_s
         return min(cap_s, max(0.0, (deadline - self.now_ms()) / 1000))
