@@ -687,6 +687,24 @@ _KILLED_MID_WRITE = (
 )  # fmt: skip
 _append(_KILLED_MID_WRITE)
 
+# -- a crashed owner (P4) ---------------------------------------------------------------------------
+# No other test leaves a node down: each restarts its node at once. A directory with no failure
+# detector (a crashed owner's key unwritable until the node comes back, if it ever does) passed
+# them all; and one that declares the node down must log it, which the validator checks for time.
+_CRASHED_OWNER = (
+    TestCase("KVCC-FAULT-018", "A crashed owner's block is given up while its node stays down",
+             "A committed block whose owner copy is on a node (not a shared location) that is killed and stays "
+             "down: the directory MUST declare the node down and void the block within its failure-detection time "
+             "(a lease term) plus the invalidation bound, so that another node's begin_write of the key is granted "
+             "within a few terms while the node is still down, and the new block MUST read back exactly -- on the "
+             "writer before the node restarts, and on the restarted node after. A block owned at a shared location "
+             "MUST instead keep being served, exactly, while the node is down.",
+             "faults", ("CrashedOwnerWritableInTime", "CrashedOwnerDeclaredDown", "CommittedBytesIntact"),
+             "4,progress", "crashed_owner_failover", faults={"kill", "restart"},
+             covers={"caching", "trace_complete"}),
+)  # fmt: skip
+_append(_CRASHED_OWNER)
+
 
 # -- an invalidation racing a tier transfer (KVCC-TIER-007) ------------------------------------------
 # What a directory gets wrong that drops a transfer under way when an invalidation voids its key:
@@ -712,6 +730,6 @@ _TRANSFER_RACES = (
              "tiering", ("NoStaleRead", "CommittedBytesIntact", "NoReclaimUnderLease", "DeletionReachesEverywhere"),
              "2,4,5,9,progress",
              "invalidation_racing_transfer", faults={"move"},
-             covers={"transfer_race", "deletion", "caching", "trace_complete"}),
+             covers={"transfer_race", "deletion", "caching", "trace_complete", "overwrite"}),
 )  # fmt: skip
 _append(_TRANSFER_RACES)

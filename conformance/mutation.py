@@ -141,16 +141,16 @@ def _origin(module: str) -> str:
 
 _NO_CANCEL = ("no caller gives a transfer up: the reference's nodes and the kit keep one pending until its Copied, "
               "an invalidation, or the destination's node rejoining or declared down ends it")
-_NO_DETECTOR = ("the in-process deployment has no failure detector: it never declares a node down nor back up "
-                "(a killed node comes back through restart, node_rejoined); only the reference server's watchdog calls it")
+_NO_DISCONNECT = ("only the reference server's watchdog reads it (a lost connection); the in-process deployment's "
+                  "failure detector is CoreHost's, one lease term after a kill")
 TARGETS: tuple[Target, ...] = (
     Target("kvcc.reference.directory.core", skip=(
         ("DirectoryCore.cancel_transfer", _NO_CANCEL),
         ("DirectoryCore.copy_lost", "only a reference node reports a lost copy (Lost, after a granted read missed); the "
                                     "kit's damaged copies (its corrupt fault) are evicted by KVCC-FAULT-010 itself"),
-        ("DirectoryCore._abandon_transfer", _NO_CANCEL + " (its callers: cancel_transfer, node_down, which the kit "
-                                            "has no detector for, and node_rejoined for a record moving to the "
-                                            "rejoining node: the kit moves blocks only in KVCC-TIER-007, which kills none)"),
+        ("DirectoryCore._abandon_transfer", _NO_CANCEL + " (its callers: cancel_transfer; node_down, for a record "
+                                            "moving to the node declared down, and node_rejoined, for one moving to the "
+                                            "rejoining node: no test moves a block to a node that then stays down a term)"),
         ("DirectoryCore._mirror", "only a directory on etcd mirrors its leases (lease_mirror_bucket_ms); the kit's "
                                   "directory restarts on the full grace (tests/test_directory_core.py tests the mirror)"),
         ("Ticket.completed_by", "reporting (how an invalidation ended); the deployment never reads it"),
@@ -163,8 +163,9 @@ TARGETS: tuple[Target, ...] = (
         ("DirectoryCore.next_deadline_ms", "a wake-up hint: the kit's ticker wakes every TICK_IDLE_MS whatever it says, "
                                            "and every entry point first lets time pass (a late tick only delays)"),
         ("DirectoryCore.check_invariants", "a debugging check that tests call, not the deployment"),
-        *((name, _NO_DETECTOR) for name in ("DirectoryCore.node_down", "DirectoryCore.locations_up",
-                                            "DirectoryConfig.disconnect_detection_ms")),
+        ("DirectoryConfig.disconnect_detection_ms", _NO_DISCONNECT),
+        ("DirectoryCore.check_request", "only the directory server's batch path calls it (a batch's Lookup items "
+                                        "checked before any item is taken); the in-process deployment has no batches"),
         ("DirectoryConfig.directory_view_ms", "a derived figure for callers; the core does not use it"),
         ("DirectoryConfig.holder_budget_ms", "a derived figure for callers; the core does not use it"),
         ("DirectoryConfig.invalidation_deadline_ms", "a derived figure for callers; the core does not use it"),

@@ -875,6 +875,37 @@ def restarted_node(s: Session) -> None:
     read_back(s, w, key, new, "a block after the node's restart")
 
 
+def crashed_owner_failover(s: Session) -> None:
+    """P4: a committed block whose owner's node is killed and stays down is given up -- the node
+    declared down, the block voided -- so that another node writes the key again while the node
+    is still down; the new block reads back there, and on the node once it is back. A block owned
+    at a shared location is served on, exactly, while the node is down."""
+    if len(s.nodes) < 2:
+        raise _not_applicable("needs two nodes")
+    w, r = s.nodes[0], s.nodes[1]
+    key = chain(s, 1)[0]
+    data = put(s, w, key, None)
+    g = read_back(s, r, key, data, "a block about to lose its owner's node")
+    s.fault("kill", w)
+    if location_host(g.location) != w:
+        read_back(s, r, key, data, f"a block owned at {g.location}, its writer's node {w} down")
+        s.fault("restart", w)
+        return
+    g2 = poll_until(s, lambda: s.begin_write(r, s.ns, key, None), lambda got: isinstance(got, WriteGrant),
+                    "CrashedOwnerWritableInTime", f"a key whose owner copy was on {w}, killed and still down, "
+                    "stayed unwritable")  # fmt: skip
+    assert isinstance(g2, WriteGrant)
+    new = _different_payload(s, data)
+    s.check(isinstance(s.write_bytes(g2, new), Stored), "write", "write_bytes refused")
+    s.check(isinstance(s.commit(g2), Committed), "write", "commit refused")
+    read_back(s, r, key, new, f"a block rewritten while its first owner's node {w} was down")
+    s.fault("restart", w)
+    read_back(s, w, key, new, f"a block rewritten while {w} was down, read on {w} once it is back")
+
+
+BODIES["crashed_owner_failover"] = crashed_owner_failover
+
+
 def late_commit(s: Session) -> None:
     """A writer that stalls past its write lease with its bytes stored, then commits: refused."""
     w = s.nodes[0]

@@ -229,7 +229,7 @@ def test_many_writes_take_three_round_trips_and_each_answers_as_a_put(directory_
         first, second = got.replies
         assert type(first).__name__ == "WriteLeaseGranted" and second.reason == "key_identity", got
         assert w.core.records[fresh].parent is None
-        assert (await raw.request(Lookup(NS.digest(), (fresh,)))).blocks == 0
+        assert (await raw.request(Lookup(NS.digest(), (fresh,)))).blocks_matched == 0
 
     world_test(directory_store_factory, body)
 

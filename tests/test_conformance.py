@@ -279,13 +279,15 @@ def test_a_node_restarted_a_term_after_its_kill_was_declared_down_first(cls):
 
 def test_a_directory_without_a_failure_detector_is_rejected_once_a_node_stays_down_a_term(monkeypatch):
     """The same late restart against a kit whose failure detector never fires: the trace is
-    REJECTED at the rejoin (time cannot pass the declaration), so the check above can fail."""
+    REJECTED at the rejoin (time cannot pass the declaration), so the check above can fail; and
+    KVCC-FAULT-018, whose owner node stays down, FAILs: the key stays unwritable."""
     from kvcc.reference.directory.host import CoreHost
 
     monkeypatch.setattr(CoreHost, "killed", lambda self, node, locations: None)
-    rep = run(_restarting_late(testing.CoreAdapter), profiles=["faults"], ids=["KVCC-FAULT-006"])
-    (r,) = [r for r in rep.results if r.id == "KVCC-FAULT-006"]
-    assert r.status == "FAIL" and "restart_node" in r.message and "logged too late" in r.message, r.message
+    rep = run(_restarting_late(testing.CoreAdapter), profiles=["faults"], ids=["KVCC-FAULT-006", "KVCC-FAULT-018"])
+    late, down = [r for r in rep.results if r.id in ("KVCC-FAULT-006", "KVCC-FAULT-018")]
+    assert late.status == "FAIL" and "restart_node" in late.message and "logged too late" in late.message, late.message
+    assert down.status == "FAIL" and "CrashedOwnerWritableInTime" in down.message, down.message
 
 
 class _RefusesReadsAsExpired(testing.CoreAdapter):

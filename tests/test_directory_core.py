@@ -300,8 +300,11 @@ def test_begin_write_needs_an_absent_key_under_a_committed_parent(d):
     assert d.begin_write(A1, parent=A0, namespace=NS_B)[0].reason in (
         vocabulary.REASON_PARENT_NOT_COMMITTED, vocabulary.REASON_UNAUTHORIZED)
     d.write(A1)
-    with pytest.raises(PeerViolation):
-        d.begin_write(A1, parent=None)  # one key, two parents
+    # One key, two parents: refused, nothing changed (the key stays in its chain).
+    before = d.core.records[A1]
+    refused, effects = d.begin_write(A1, parent=None)
+    assert refused.reason == vocabulary.REASON_KEY_IDENTITY and events(effects) == ["refuse_write_lease"]
+    assert d.core.records[A1] == before
 
 
 def test_lookup_is_the_longest_committed_chain(d):

@@ -695,7 +695,7 @@ def test_malformed_and_unauthorised_input_gets_typed_errors_and_changes_nothing(
         refused = await r.request(BeginWrite("a", ks[0], NS.digest(), ks[1], 1))
         assert type(refused).__name__ == "LeaseRefused" and refused.reason == "key_identity", refused
         unchanged()
-        assert (await r.request(Lookup(NS.digest(), tuple(ks)))).blocks == 1
+        assert (await r.request(Lookup(NS.digest(), tuple(ks)))).blocks_matched == 1
         # The directory still serves, the same as before.
         assert (await a.lookup(NS, ks)).blocks == 1
         unchanged()
