@@ -596,11 +596,11 @@ _OVERWRITES = (
     TestCase("KVCC-CORE-013", "A committed key is not overwritten in place",
              "begin_write of a key that holds committed bytes MUST be refused as not absent (`not_absent`), by its "
              "writer and by any other node, and the block MUST still read back exactly. Once an invalidation of the "
-             "key completed, begin_write naming another parent than the key was written under MUST be refused "
-             "(`key_identity`: a key's digest chains over its parent's), and new bytes of the same size written as "
-             "its next generation -- by the node whose location held the old bytes, then by another -- MUST read "
-             "back exactly on every node, under a higher generation each time; a write that succeeds and keeps the "
-             "old bytes fails.",
+             "key completed, new bytes of the same size written as its next generation -- by the node whose "
+             "location held the old bytes, then by another -- MUST read back exactly on every node, under a higher "
+             "generation each time; a write that succeeds and keeps the old bytes fails. Once invalidated again, "
+             "begin_write naming another parent than the key was written under MUST be refused (`key_identity`: "
+             "a key's digest chains over its parent's).",
              "core", ("OneWriterPerGeneration", "CommittedBytesIntact", "EpochMonotonic"), "1,2,4", "overwrite_refused",
              covers={"overwrite", "caching", "trace_complete"}),
     TestCase("KVCC-INVAL-013", "Rewrites racing readers",

@@ -1752,8 +1752,8 @@ def overwrite_refused(s: Session) -> None:
     exactly. Once an invalidation of the key completed, the key takes new bytes of the same size:
     written first by the node whose location held the old bytes, then by another, each MUST read
     back exactly on every node -- a store that keeps a key's first bytes (write-once, content
-    addressed) fails here. Between the invalidation and the rewrite, a write of the key under
-    another (committed) parent MUST be refused: the key is a root (``key_identity``)."""
+    addressed) fails here. Once invalidated again, a write of the key under another (committed)
+    parent MUST be refused: the key is a root (``key_identity``)."""
     w = s.nodes[0]
     other = reader(s, w)
     key, elsewhere = chain(s, 1)[0], chain(s, 1)[0]
@@ -1767,16 +1767,17 @@ def overwrite_refused(s: Session) -> None:
     gen = -1
     for node in dict.fromkeys((w, other)):
         wait_done(s, s.invalidate(w, s.ns, "key", key), [key])
-        moved = s.begin_write(node, s.ns, key, elsewhere)
-        s.check(isinstance(moved, Refused), "overwrite",
-                f"begin_write of a root key, ABSENT again, naming a parent it was never written under answered "
-                f"{moved}: a key's digest chains over its parent's (key_identity)")  # fmt: skip
         data = _different_payload(s, data)
         g = _rewrite(s, node, key, data)
         s.check(g.gen > gen, "EpochMonotonic", f"a rewrite's generation {g.gen} is not above the one before ({gen})")
         gen = g.gen
         for r in dict.fromkeys((node, other, w)):
             read_back(s, r, key, data, f"a block rewritten by {node}")
+    wait_done(s, s.invalidate(w, s.ns, "key", key), [key])
+    moved = s.begin_write(other, s.ns, key, elsewhere)
+    s.check(isinstance(moved, Refused), "overwrite",
+            f"begin_write of a root key, ABSENT again, naming a parent it was never written under answered "
+            f"{moved}: a key's digest chains over its parent's (key_identity)")  # fmt: skip
 
 
 BODIES["overwrite_refused"] = overwrite_refused

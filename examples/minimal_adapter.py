@@ -342,6 +342,8 @@ class MinimalCache(Adapter):
             reason = None
             if digest not in self._allowed or (rec is not None and rec.namespace != digest):
                 reason = "unauthorized"  # protocol property 11
+            elif rec is not None and rec.parent != parent:
+                reason = "key_identity"  # a key's digest chains over its parent's: it has one parent
             elif rec is not None and rec.phase != ABSENT:
                 reason = "not_absent"  # one writer per key and generation (protocol property 1)
             elif parent is not None:
