@@ -713,6 +713,10 @@ class MooncakeKvccAdapter(MooncakeDeployment):
                 del self._objects[k]
             declared = self._host.detect()  # declared down first, if it stayed down a term
             self._host.rejoined(node)
+            # Up again before the core hears of it: what it sends the node from now on is sent
+            # (and its steps logged: ``_emit_step``).
+            self._down.discard(node)
+            self._paused.discard(node)
             fences, effects = self.core.node_rejoined(
                 NodeId(node), [LocationId(node)], self._dir_now_ms(), [LocationId(node)]
             )
@@ -721,8 +725,6 @@ class MooncakeKvccAdapter(MooncakeDeployment):
             effects += self._log_emits(self.core.locations_up([LocationId(node)], self._dir_now_ms()))
             for key, epoch in fences.items():
                 self._fence[(node, key)] = max(epoch, self._fence.get((node, key), 0))
-            self._down.discard(node)
-            self._paused.discard(node)
         self._carry_out(effects)
 
     def pause(self, node: str) -> None:
