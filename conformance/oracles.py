@@ -1067,12 +1067,7 @@ class Session:
                 for held, (g, end) in list(self.dead_grants.items()):
                     if held[0] == node:
                         self.dead_grants[held] = (g, min(end, at))
-                completed = self._completions_due(time.monotonic_ns() + 1)
-            for at, voided in completed:
-                for key, gen in voided.items():
-                    self._emit_dir("complete_invalidation", key=key, gen=gen)
-                    with self.lock:
-                        self._place_newest(at)
+            self._infer_what_fell_due()
         elif op == "restart_directory":
             with self.lock:
                 self.incarnations[INFERRED_DIRECTORY] = self.incarnations.get(INFERRED_DIRECTORY, INFERRED_INCARNATION) + 1

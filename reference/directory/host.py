@@ -35,8 +35,9 @@ in the order the core's docstring requires, and ``CoreHost`` is that, once:
    at or after that time declares it down (``core.node_down``, the spec's urgent
    ``declare_node_down``), stamped when it fell due. ``rejoined(node)`` stops it; the caller then
    has the core take the rejoin and brings the node's locations back (``core.locations_up``, as
-   the server does at a Hello: what is owed to them leaves at once); after ``restart``, ``restore_declared`` tells the new core what was declared
-   (the spec keeps it across a directory restart). A host that calls the core directly calls
+   the server does at a Hello: what is owed to them leaves at once); after ``restart``,
+   ``restore_declared`` tells the new core what was declared (the spec keeps it across a
+   directory restart). A host that calls the core directly calls
    ``detect`` first.
 
 The host holds no lock: the server calls it from its event loop's one thread, the threaded hosts
@@ -198,9 +199,9 @@ class CoreHost:
 
     def handle(self, msg: Any, tenant: str) -> tuple[Any, list[Effect]]:
         """One request: the core's reply and the directives it left, its step recorded."""
-        declared = self.detect() if self._silent else None
+        declared = self.detect()
         reply, effects = self.core.handle(msg, self.now_ms(), tenant)
-        return reply, (declared + self.record(effects) if declared else self.record(effects))
+        return reply, declared + self.record(effects)
 
     def _next_deadline_ms(self) -> int | None:
         deadlines = [d for d in (self.core.next_deadline_ms(), *(due for due, _ in self._silent.values())) if d is not None]
