@@ -219,7 +219,9 @@ class CoreAdapter(Adapter):
             self._ctx = ctx
             self._config = DirectoryConfig(lease_term_ms=ctx.lease_term_ms, skew_ms=ctx.skew_ms)
             self._allowed = frozenset(ns.digest() for ns in ctx.namespaces)
-            self._host = CoreHost(self._new_core(), commit=self._commit, emit=self._emit_step)
+            # As the server: a free retried to a dead node's location is not sent, so not logged.
+            self._host = CoreHost(self._new_core(), commit=self._commit, emit=self._emit_step,
+                                  reachable=lambda location: self._nodes[location].alive)  # fmt: skip
             self._dir_incarnation = 1
             self._dir_log = self._new_log(DIRECTORY_NODE, 1)
             self._durable_records: dict[BlockKey, Any] = {}
@@ -341,10 +343,6 @@ class CoreAdapter(Adapter):
                     self._durable_lease_limit = max(self._durable_lease_limit, e.limit)
 
     def _emit_step(self, e: Emit, late_ns: Callable[[], int]) -> None:
-        if e.event == "retry_free" and not self._nodes[e.fields["location"]].alive:
-            # As the server: a retry to a location no live node serves is not sent (``_free_at``
-            # drops it), so no step -- the spec retries only to a location that is up.
-            return
         self._dir_log.emit(e.event, late_ns=late_ns, **e.fields)
 
     def _apply(self, effects: Sequence[Any]) -> None:

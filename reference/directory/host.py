@@ -39,6 +39,10 @@ in the order the core's docstring requires, and ``CoreHost`` is that, once:
    ``restore_declared`` tells the new core what was declared (the spec keeps it across a
    directory restart). A host that calls the core directly calls
    ``detect`` first.
+7. **Frees to a location that is down are not sent**: with ``reachable(location)`` given, a
+   ``retry_free`` to a location no live node serves is not logged (its ``FreeAt`` is dropped by
+   the host, which has nowhere to send it): the spec retries a free only to a location that is
+   up. The core tries again later, and at once when the node is back (``locations_up``).
 
 The host holds no lock: the server calls it from its event loop's one thread, the threaded hosts
 under their own lock, so the core is never entered twice at once.
@@ -70,7 +74,8 @@ class CoreHost:
     logged). ``journal``: a step with durable effects is then staged (``journal.stage(Emit,
     late_ns)``: its line, or ``None`` for none), committed with its lines (``commit(durable,
     lines)``) and written (``journal.write(lines)``); a commit that raises gives them up
-    (``journal.discard(lines)``)."""
+    (``journal.discard(lines)``). ``reachable(location)``: whether a live node serves the
+    location (``None``: every location is; see 7. in the module docstring)."""
 
     def __init__(
         self,
@@ -79,9 +84,11 @@ class CoreHost:
         commit: Callable[[list[Effect]], Any] | None = None,
         emit: Callable[[Emit, Callable[[], int]], Any] | None = None,
         journal: Journal | None = None,
+        reachable: Callable[[str], bool] | None = None,
         monotonic_ns: Callable[[], int] = time.monotonic_ns,
     ) -> None:
         self.core = core
+        self._reachable = reachable
         self._commit = commit
         self._emit = emit
         self._silent: dict[str, tuple[int, tuple[str, ...]]] = {}  # node -> (ms it is declared down, its locations)
@@ -153,6 +160,13 @@ class CoreHost:
             directives += self.record(self.core.node_down(node, locations, max(due, self.core.now_ms)))
         return directives
 
+    def _logged(self, e: Emit) -> bool:
+        """Whether ``e`` is a step the log takes: a spec action, and not a free retried to a
+        location that is down (7. in the module docstring)."""
+        if not e.is_spec_action:
+            return False
+        return e.event != "retry_free" or self._reachable is None or self._reachable(e.fields["location"])
+
     def record(self, effects: Sequence[Effect]) -> list[Effect]:
         """Commit the durable effects, then log the spec steps, in order; the directives, in order."""
         durable = [e for e in effects if isinstance(e, DURABLE_EFFECTS)]
@@ -163,7 +177,7 @@ class CoreHost:
         directives = []
         for e in effects:
             if type(e) is Emit:
-                if e.is_spec_action and self._emit is not None:
+                if self._emit is not None and self._logged(e):
                     # How late, measured by the log once it has read its clocks (a wait for the
                     # log's lock or clock in between would otherwise count as time the step took).
                     self._emit(e, functools.partial(self._late_from, self._taken_ns(e)))
@@ -179,7 +193,7 @@ class CoreHost:
         assert self._journal is not None, "prepare needs a journal"
         lines = []
         for e in effects:
-            if type(e) is Emit and e.is_spec_action:
+            if type(e) is Emit and self._logged(e):
                 line = self._journal.stage(e, functools.partial(self._late_from, self._taken_ns(e)))
                 if line is not None:
                     lines.append(line)

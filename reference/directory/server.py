@@ -402,7 +402,10 @@ class DirectoryServer:
         self._pending_keys: dict[BlockKey, int] = {}  # key -> calls in the pipeline that change it
         self._members: dict[NodeId, _Member] = {}
         core = DirectoryCore(config, tenants.allows, rendezvous_placement(self._locations_by_node))
+        # A retry to a location no connected node serves is not sent (its FreeAt, with the
+        # directives, is lost), so not logged (``CoreHost``, 7.).
         self.host = CoreHost(core, commit=self._commit, emit=self._emit_step, journal=_StepJournal(self),
+                             reachable=lambda location: self._serving_node(location) is not None,
                              monotonic_ns=monotonic_ns)  # fmt: skip
         kwargs = {} if request_timeout_ms is None else {"request_timeout_ms": request_timeout_ms}
         self._server = Server(self._handle, tenants, host=host, port=port, max_frame_bytes=MAX_CONTROL_FRAME_BYTES,
@@ -833,18 +836,12 @@ class DirectoryServer:
 
     def _stage_step(self, e: Emit, late_ns: Callable[[], int]) -> str | None:
         """``_emit_step``'s line, staged (``CoreHost``'s journal)."""
-        if self.events is None or self._unsent(e):
+        if self.events is None:
             return None
         return self.events.stage(e.event, late_ns=late_ns, **dict(e.fields))
 
-    def _unsent(self, e: Emit) -> bool:
-        # A retry to a location no connected node serves is not sent (its FreeAt, with the
-        # directives, is lost): no step to log -- the spec retries only to a location that is up.
-        # The core tries again later, and at once when the node is back.
-        return e.event == "retry_free" and self._serving_node(e.fields["location"]) is None
-
     def _emit_step(self, e: Emit, late_ns: Callable[[], int]) -> None:
-        if self.events is not None and not self._unsent(e):
+        if self.events is not None:
             self.events.emit(e.event, late_ns=late_ns, **dict(e.fields))
 
     def _apply(self, effects: list[Effect]) -> asyncio.Future | None:
