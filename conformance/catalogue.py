@@ -464,8 +464,9 @@ _TIER_TESTS = (
     TestCase("KVCC-FAULT-010", "Corrupt bytes at rest are a miss",
              "Once one byte of a committed block is damaged where it is stored (any of the first 96 bytes of what "
              "the location keeps to vouch for it, or a byte of the payload: the `corrupt` fault), a read of it "
-             "under a lease MUST be refused (miss) and MUST NOT return bytes; evicting the copy MUST succeed and "
-             "the key MUST then take new bytes that are read back exactly.",
+             "under a lease MUST be refused (miss) and MUST NOT return bytes, also when the block was read before it "
+             "was damaged; evicting the copy MUST succeed and the key MUST then take new bytes that are read back "
+             "exactly.",
              "faults", ("CommittedBytesIntact",), "4", "corrupt_is_a_miss", faults={"corrupt"},
              covers={"caching", "eviction", "trace_complete"}),
     TestCase("KVCC-FAULT-011", "A restarted node fences bytes sent before its crash",

@@ -1185,16 +1185,19 @@ def corrupt_is_a_miss(s: Session) -> None:
     """Damage one byte of a committed block at rest -- each of the first ``CORRUPT_HEADER_BYTES``
     bytes of its header, then its payload's first, last and a random byte -- and read it under a
     lease: the read MUST be refused (miss), never served; evicting the copy MUST succeed and the key
-    MUST then take new bytes, read back exactly."""
+    MUST then take new bytes, read back exactly. Every other block is read back once before it is
+    damaged: a location that remembers having verified a block must still catch the damage."""
     w = s.nodes[0]
     r = reader(s, w)
     probes: list[tuple[str, int | None]] = [("header", i) for i in range(CORRUPT_HEADER_BYTES)]
-    probes += [("payload", 0), ("payload", -1), ("payload", None)]
-    for region, at in probes:
+    probes += [("payload", 0), ("payload", -1), ("payload", None), ("payload", None)]
+    for i, (region, at) in enumerate(probes):
         key = chain(s, 1)[0]
         data = put(s, w, key, None)
+        if i % 2:
+            read_back(s, r, key, data, "a committed block before it was damaged")
         offset = len(data) - 1 if at == -1 else s.rng.randrange(len(data)) if at is None else at
-        what = f"a block whose {region} byte {offset} was damaged at rest"
+        what = f"a block whose {region} byte {offset} was damaged at rest{' after a read' if i % 2 else ''}"
         s.fault("corrupt", w, key, region, offset)
         g = s.acquire(r, s.ns, key)
         s.check(isinstance(g, ReadGrant), "caching", f"acquire of {what} refused: {g}")

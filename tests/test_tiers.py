@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -270,7 +271,7 @@ def test_truncation_reads_as_miss(kind, tmp_path, caplog):
     if kind == "nvme":
         path, base = tier.slab_path(tier.slot_of(K(1)))
     else:
-        path, base = tier._block_path(K(1), 1), 0
+        path, base = tier._block_path(K(1)), 0
     os.truncate(path, base + PAGE_BYTES + 10_001)
     out = bytearray(20_000)
     with caplog.at_level(logging.WARNING, logger="kvcc.tiers"):
@@ -362,17 +363,156 @@ def test_dram_tier_pinned_to_and_from_cuda():
 
 
 def test_pool_fence_behind_its_block_still_fences(tmp_path):
-    """A crash can persist a block's rename but not its fence file's (one directory flush covers
-    both): the block's epoch fences writers and frees until the fence file catches up, and a
-    free keeps it."""
+    """A write leaves the key's fence in its block's header, not in the fence file: the block's
+    epoch fences writers and frees above a fence file left behind (by a free before a later
+    write), and a free keeps it in the file."""
     tier = make("pool", tmp_path)
     assert tier.write(K(1), 1, 5, b"x" * 100) == Stored(100)
-    tier._write_fence(K(1), 1)  # as if the fence file's rename had been lost
+    tier._write_fence(K(1), 1)
     assert tier.write(K(1), 2, 3, b"zombie") == Fenced(5)
     assert tier.free(K(1), 4) == Fenced(5)
     assert tier.free(K(1), 5) == Freed()
     assert tier.fence(K(1)) == 5
     assert tier.write(K(1), 3, 4, b"zombie") == Fenced(5)
+    tier.close()
+
+
+def test_pool_key_lock_excludes_threads_and_processes(tmp_path):
+    """The key's lock (a byte-range lock of the open file description) excludes another thread of
+    the same process as well as another process, and only for that key."""
+    tier = make("pool", tmp_path)
+    held, release, got = threading.Event(), threading.Event(), threading.Event()
+
+    def holder():
+        with tier._locked(K(1)):
+            held.set()
+            release.wait(30)
+
+    def waiter():
+        with tier._locked(K(1)):
+            got.set()
+
+    threads = [threading.Thread(target=holder), threading.Thread(target=waiter)]
+    threads[0].start()
+    assert held.wait(30)
+    threads[1].start()
+    assert not got.wait(0.3), "a second thread took a held key lock"
+    with tier._locked(K(2)):
+        pass  # another key's lock is free
+    release.set()
+    assert got.wait(30)
+    for t in threads:
+        t.join(30)
+    code = (f"import sys, time; from kvcc.reference.tiers.pool import SharedPoolTier; "
+            f"t = SharedPoolTier({str(tier.root)!r}, 1 << 20, recover=False)\n"
+            f"with t._locked(bytes.fromhex({K(1).hex()!r})):\n"
+            f"    print('locked', flush=True); time.sleep(1.0)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "locked"
+        t0 = time.monotonic()
+        assert tier.write(K(1), 1, 1, b"after") == Stored(5)
+        assert time.monotonic() - t0 > 0.5, "the write did not wait for the other process's lock"
+    finally:
+        proc.wait(30)
+        proc.stdout.close()
+    tier.close()
+
+
+def test_pool_freed_file_is_rewritten_in_place_only_without_readers(tmp_path):
+    """A free keeps its block's file as a spare; a write of that size rewrites it in place (no
+    allocation), but never while a reader that opened it when it was published still reads it:
+    that write takes a new file, and the spare waits for a later one."""
+    tier = make("pool", tmp_path)
+    spares = tier.root / "spares"
+    assert tier.write(K(1), 1, 1, payload(K(1), 1, BLOCK)) == Stored(BLOCK)
+    path = tier._block_path(K(1))
+    inode = path.stat().st_ino
+    fd = tier._open_published(path, os.O_RDONLY)  # a reader, mid-read
+    assert tier.free(K(1), 1) == Freed() and not path.exists()
+    assert [f.stat().st_ino for f in spares.iterdir()] == [inode]
+    assert tier.write(K(2), 1, 1, payload(K(2), 1, BLOCK)) == Stored(BLOCK)
+    assert tier._block_path(K(2)).stat().st_ino != inode
+    assert os.pread(fd, BLOCK, PAGE_BYTES) == payload(K(1), 1, BLOCK), "the spare was rewritten under a reader"
+    os.close(fd)
+    assert [f.stat().st_ino for f in spares.iterdir()] == [inode]
+    tier._spares_listed = 0.0  # as after USAGE_REFRESH_S: the write lists spares/ again
+    assert tier.write(K(3), 1, 1, payload(K(3), 1, BLOCK)) == Stored(BLOCK)
+    assert tier._block_path(K(3)).stat().st_ino == inode and not list(spares.iterdir())
+    assert tier.read(K(3), 1) == payload(K(3), 1, BLOCK) and tier.read(K(2), 1) == payload(K(2), 1, BLOCK)
+    tier.close()
+
+
+def test_pool_read_of_a_file_freed_and_rewritten_before_its_flock(tmp_path, monkeypatch, caplog):
+    """A read that opened a block's file which was then freed and rewritten as a spare (between
+    its open and its flock) sees that the file left its name: a miss for the free, not damage."""
+    from kvcc.reference.tiers import pool
+
+    tier = make("pool", tmp_path)
+    assert tier.write(K(1), 1, 1, payload(K(1), 1, BLOCK)) == Stored(BLOCK)
+    real, fired = pool.fcntl.flock, []
+
+    def flock(fd, op):
+        if op & pool.fcntl.LOCK_SH and not fired:
+            fired.append(True)
+            monkeypatch.setattr(pool.fcntl, "flock", real)
+            assert tier.free(K(1), 1) == Freed()
+            assert tier.write(K(2), 1, 1, payload(K(2), 1, BLOCK)) == Stored(BLOCK)  # takes the spare
+        return real(fd, op)
+
+    monkeypatch.setattr(pool.fcntl, "flock", flock)
+    with caplog.at_level(logging.WARNING, logger="kvcc.tiers"):
+        assert tier.read_into(K(1), 1, bytearray(BLOCK)) == Miss(MissReason.ABSENT)
+    assert fired and not tier_events(caplog, "read_corrupt")
+    assert tier.read(K(2), 1) == payload(K(2), 1, BLOCK)
+    tier.close()
+
+
+def test_a_pool_of_the_earlier_layout_is_refused_untouched(tmp_path):
+    """A directory per key (the layout before buckets) keeps its fence inside: opened by this code,
+    those fences would be unseen. The open is refused and makes nothing."""
+    from kvcc.reference.tiers.pool import IncompatiblePool, SharedPoolTier
+
+    old = tmp_path / "pool" / bytes(range(32)).hex()
+    old.mkdir(parents=True)
+    (old / f"{old.name}.fence").write_bytes(b"KVCF")
+    before = sorted(p.name for p in (tmp_path / "pool").iterdir())
+    with pytest.raises(IncompatiblePool, match="earlier one-directory-per-key layout"):
+        SharedPoolTier(tmp_path / "pool", 1 << 20)
+    assert sorted(p.name for p in (tmp_path / "pool").iterdir()) == before
+
+
+def test_pool_spares_are_bounded(tmp_path):
+    tier = make("pool", tmp_path, spare_bytes=0)
+    assert tier.write(K(1), 1, 1, payload(K(1), 1, BLOCK)) == Stored(BLOCK)
+    assert tier.free(K(1), 1) == Freed()
+    assert not list((tier.root / "spares").iterdir()), "a free beyond spare_bytes unlinks"
+    tier.close()
+
+
+def test_pool_fence_never_reads_back_lower(tmp_path):
+    """``fence()`` takes no lock, while the fence moves from block to block (replacements) and from
+    a block to the fence file (frees): every value it reads is one the key had, so it never goes
+    back."""
+    tier = make("pool", tmp_path)
+    done = threading.Event()
+    seen: list[int] = []
+
+    def reader():
+        while not done.is_set():
+            seen.append(tier.fence(K(1)))
+
+    t = threading.Thread(target=reader)
+    t.start()
+    try:
+        for epoch in range(1, 120):
+            assert tier.write(K(1), epoch, epoch, b"x" * 64) == Stored(64)
+            if epoch % 3 == 0:
+                assert tier.free(K(1), epoch) == Freed()
+    finally:
+        done.set()
+        t.join(30)
+    assert len(seen) > 10 and all(a <= b for a, b in zip(seen, seen[1:], strict=False)), "the fence went back"
     tier.close()
 
 
@@ -477,3 +617,143 @@ def test_half_helper_runs_halves_once_and_never_waits_for_an_unstarted_one():
         helper.run(lambda: late.append(1), lambda: 1 / 0)  # no helper thread: never started
     assert late == [], "the first half must not run after run() raised for the second"
     assert helper.run(lambda: 3, lambda: 4) == (3, 4), "after close, the caller runs both halves"
+
+
+# ------------------------------------------------------------------------------- DRAM read caches
+
+
+@pytest.mark.parametrize("kind", ["dram", "gpu"])
+@pytest.mark.parametrize("n", [3000, 2 * CHECKSUM_PIECE_BYTES + 5000])
+def test_a_cached_header_check_never_outlives_its_block(kind, tmp_path, n):
+    """DramTier (and GpuTier) keep per slot what the full check of its block's header found
+    (``DramTier._checked``: reused while the header bytes are the ones checked, for the same
+    block). After reads have filled it, a rewrite of the key (another generation, or the same
+    one with other bytes), a free, the slot taken by another key, ``damage`` and a byte flipped
+    behind the tier's back all make the next read a miss or exactly the new block: never the old
+    bytes, and on a miss no byte of the block in ``out``."""
+    tier = make(kind, tmp_path, slots=2, block=n)
+    out = torch.full((n,), 7, dtype=torch.uint8)
+
+    def read(key: bytes, gen: int, salt: int = 0):
+        out.fill_(7)
+        got = tier.read_into(key, gen, out)
+        if isinstance(got, Hit):
+            assert bytes(out.numpy()) == payload(key, gen, n, salt), (key, gen)
+        else:
+            assert bool((out == 7).all()) or bool((out == 0).all()), "a miss leaves no byte of the block"
+        return got
+
+    assert tier.write(K(1), 1, 1, payload(K(1), 1, n)) == Stored(n)
+    slot = tier._by_key[K(1)].slot
+    assert read(K(1), 1) == Hit(n) and read(K(1), 1) == Hit(n)  # the second from the cache
+    assert tier._checked_slots[slot] is not None
+    # Rewritten under another generation (into the other slot; this one erased and freed) ...
+    assert tier.write(K(1), 2, 2, payload(K(1), 2, n)) == Stored(n)
+    assert read(K(1), 1) == Miss(MissReason.OTHER_GENERATION)
+    assert read(K(1), 2) == Hit(n) and read(K(1), 2) == Hit(n)
+    # ... and the slot taken by another key.
+    assert tier.write(K(2), 1, 1, payload(K(2), 1, n)) == Stored(n)
+    assert tier._by_key[K(2)].slot == slot
+    assert read(K(2), 1) == Hit(n) and read(K(1), 2) == Hit(n)
+    # The same key and generation again, with other bytes: the new bytes, never the cached block's.
+    assert tier.free(K(2), 1) == Freed()
+    assert read(K(2), 1) == Miss(MissReason.ABSENT)
+    assert tier.write(K(2), 1, 2, payload(K(2), 1, n, salt=1)) == Stored(n)
+    assert read(K(2), 1, salt=1) == Hit(n) and read(K(2), 1, salt=1) == Hit(n)
+    assert tier.free(K(1), 2) == Freed() and read(K(1), 2) == Miss(MissReason.ABSENT)
+    assert tier.write(K(2), 1, 3, payload(K(2), 1, n, salt=2)) == Stored(n)  # replaced, same generation
+    assert read(K(2), 1, salt=2) == Hit(n) and read(K(2), 1, salt=2) == Hit(n)
+    # Damage after cached reads: header (through the tier and behind its back) and payload.
+    for header, offset in ((True, 40), (True, HEADER_BYTES - 1), (False, 17), (False, n - 1)):
+        corrupt(kind, tier, K(2), 1, offset, header=header)
+        assert read(K(2), 1, salt=2) == Miss(MissReason.CORRUPT), (header, offset)
+        corrupt(kind, tier, K(2), 1, offset, header=header)  # flipped back: the same block again
+        assert read(K(2), 1, salt=2) == Hit(n), (header, offset)
+    if kind == "dram" or not tier.on_cuda:  # DramTier.damage, the conformance kit's corrupt
+        assert tier.damage(K(2), "header", 3)
+        assert read(K(2), 1, salt=2) == Miss(MissReason.CORRUPT)
+        assert tier.damage(K(2), "header", 3) and read(K(2), 1, salt=2) == Hit(n)
+        assert tier.damage(K(2), "payload", n // 2)
+        assert read(K(2), 1, salt=2) == Miss(MissReason.CORRUPT)
+    tier.close()
+
+
+@pytest.mark.parametrize("kind", ["dram", "gpu"])
+def test_cached_reads_race_rewrites_and_frees_and_never_hand_out_wrong_bytes(kind, tmp_path):
+    """Readers into tensors (their numpy views and the slots' header checks cached) race a writer
+    that replaces and frees blocks of several pieces, reusing slots: every hit is exact, and no
+    miss is 'corrupt'."""
+    n = CHECKSUM_PIECE_BYTES + 4096
+    tier = make(kind, tmp_path, slots=5, block=n)
+    stop = time.monotonic() + 0.8
+    bad: list[str] = []
+
+    def writer() -> None:
+        i = 0
+        while time.monotonic() < stop:
+            i += 1
+            k, gen = i % 3, i % 4
+            if i % 5 == 0:
+                tier.free(K(k), 10**6)
+            else:
+                tier.write(K(k), gen, 1, payload(K(k), gen, n))
+
+    def reader(seed: int) -> None:
+        out = torch.empty(n, dtype=torch.uint8)
+        i = seed
+        while time.monotonic() < stop:
+            i += 1
+            k, gen = i % 3, (i // 3) % 4
+            r = tier.read_into(K(k), gen, out)
+            if isinstance(r, Hit) and bytes(out.numpy()) != payload(K(k), gen, n):
+                bad.append(f"wrong bytes for {k}/{gen}")
+            if isinstance(r, Miss) and r.reason not in (MissReason.ABSENT, MissReason.OTHER_GENERATION):
+                bad.append(f"{r} for {k}/{gen}")
+
+    threads = [threading.Thread(target=writer)] + [threading.Thread(target=reader, args=(s,)) for s in (0, 7)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not bad, bad[:5]
+    tier.close()
+
+
+def test_dram_reuses_a_tensor_view_only_while_the_tensor_keeps_its_memory():
+    """``DramTier._prepare_sink`` (``dram._Sinks``) reuses the numpy view of the last CPU tensor it was given while
+    the tensor still has the same memory, size, dtype and layout: after ``set_``, ``resize_``,
+    ``as_strided_`` or ``.data =`` the bytes land in the tensor's memory as it is now, or the read
+    raises as it would for a tensor seen for the first time."""
+    tier = DramTier(2, BLOCK, pin_memory=False)
+    data = payload(K(1), 1, 5000)
+    assert tier.write(K(1), 1, 1, data) == Stored(5000)
+    out = torch.zeros(BLOCK, dtype=torch.uint8)
+    first = out.view(-1)  # the first storage, kept alive
+    assert tier.read_into(K(1), 1, out) == Hit(5000) and bytes(out[:5000].numpy()) == data
+    first.zero_()
+    other = torch.zeros(BLOCK, dtype=torch.uint8)
+    out.set_(other)
+    assert tier.read_into(K(1), 1, out) == Hit(5000)
+    assert bytes(other[:5000].numpy()) == data and not bool(first.any()), "the tensor's memory as it is now"
+    out.resize_(100)
+    with pytest.raises(ValueError):
+        tier.read_into(K(1), 1, out)
+    out.resize_(BLOCK)
+    out.zero_()
+    assert tier.read_into(K(1), 1, out) == Hit(5000) and bytes(out[:5000].numpy()) == data
+    out.as_strided_((BLOCK // 2,), (2,))
+    with pytest.raises(ValueError):
+        tier.read_into(K(1), 1, out)
+    out.data = torch.zeros(BLOCK, dtype=torch.int8)
+    with pytest.raises(TypeError):
+        tier.read_into(K(1), 1, out)
+    out.data = torch.zeros((2, BLOCK // 2), dtype=torch.uint8)  # 2-D and contiguous: a flat view of it
+    assert tier.read_into(K(1), 1, out) == Hit(5000) and bytes(out.reshape(-1)[:5000].numpy()) == data
+
+    def read_into_a_new_tensor() -> None:
+        t = torch.zeros(BLOCK, dtype=torch.uint8)
+        assert tier.read_into(K(1), 1, t) == Hit(5000) and tier._sinks.last is not None
+
+    read_into_a_new_tensor()
+    assert tier._sinks.last is None, "the cached view goes with the caller's tensor, not keeping its memory"
+    tier.close()

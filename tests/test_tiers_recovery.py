@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from kvcc.reference.tiers import (
+    Absent,
     CorruptFence,
     Fenced,
     Freed,
@@ -212,23 +213,118 @@ def test_nvme_recovery_reports_lost_block(tmp_path, caplog):
 def test_pool_recovery(tmp_path, caplog):
     tier = make("pool", tmp_path)
     tier.write(K(1), 0, 1, payload(K(1), 0, 5000))
-    shutil.copy(tier._block_path(K(1), 0), tmp_path / "gen0")
-    tier.write(K(1), 1, 2, payload(K(1), 1, 5000))
+    tier.write(K(1), 1, 2, payload(K(1), 1, 5000))  # replaces generation 0 in the same rename
     tier.write(K(2), 1, 2, payload(K(2), 1, 5000))
     tier.free(K(2), 2)
-    d = tier._dir(K(1))
-    (d / ".tmp-9-1-abandoned").write_bytes(b"half a block")  # a writer killed mid-write
-    shutil.copy(tmp_path / "gen0", tier._block_path(K(1), 0))  # an older generation left behind
-    tier.write(K(3), 1, 1, payload(K(3), 1, 5000))
+    d = tier._block_path(K(1)).parent
+    (d / f".tmp-{K(1).hex()}-9-abandoned").write_bytes(b"half a block")  # a writer killed mid-write
+    tier.write(K(3), 1, 3, payload(K(3), 1, 5000))
     corrupt("pool", tier, K(3), 1, 99)
     with caplog.at_level(logging.WARNING, logger="kvcc.tiers"):
         tier = reopen("pool", tier, tmp_path)
     r = tier.recovery
-    assert (r.kept, r.dropped_uncommitted, r.superseded, r.dropped_corrupt, r.tombstones) == (1, 1, 1, 1, 1)
+    assert (r.kept, r.dropped_uncommitted, r.superseded, r.dropped_corrupt, r.tombstones) == (1, 1, 0, 1, 1)
     assert r.lost == (K(3),)
-    assert sorted(os.listdir(d)) == sorted([f"{K(1).hex()}-1", f"{K(1).hex()}.fence", f"{K(1).hex()}.lock"])
+    # One file per written key, no fence file: its block carries the fence.
+    assert sorted(n for n in os.listdir(d) if n.startswith(K(1).hex()) or n.startswith(".tmp")) == [K(1).hex()]
+    assert tier.fence(K(1)) == 2
+    assert tier.read(K(1), 0) is None
     assert tier.read(K(1), 1) == payload(K(1), 1, 5000)
     assert tier.read(K(2), 1) is None and tier.fence(K(2)) == 2
+    # The damaged block's header still told its epoch: the fence file keeps it after the block went.
+    assert tier._read_marks(K(3)) == (3, None) and tier.fence(K(3)) == 3
+    assert tier.write(K(3), 2, 2, b"stale") == Fenced(3)
+    tier.close()
+
+
+def _crash_on_bucket_fsync(monkeypatch, tier):
+    """Make the pool 'crash' at its next fsync of a bucket: after the rename that publishes a
+    block (or the unlink that frees one), before it is durable or answered."""
+    from kvcc.reference.tiers import pool
+
+    def fsync_dir(path):
+        if Path(path).parent == tier.root:
+            raise SimulatedCrash
+        return real(path)
+
+    real = pool.fsync_dir
+    monkeypatch.setattr(pool, "fsync_dir", fsync_dir)
+
+
+def test_pool_crash_after_publish_before_flush(tmp_path, monkeypatch):
+    """The rename that publishes a block replaces the previous generation and carries the fence in
+    the same step: a crash after it leaves the new block with its fence or, if the rename was not
+    yet durable, the previous block with its own; never a key without either."""
+    tier = make("pool", tmp_path)
+    assert tier.write(K(1), 1, 2, payload(K(1), 1, 5000)) == Stored(5000)
+    shutil.copy(tier._block_path(K(1)), tmp_path / "gen1")
+    _crash_on_bucket_fsync(monkeypatch, tier)
+    with pytest.raises(SimulatedCrash):
+        tier.write(K(1), 2, 5, payload(K(1), 2, 5000))  # not acknowledged
+    with pytest.raises(SimulatedCrash):
+        tier.write(K(2), 1, 3, payload(K(2), 1, 700))  # a fresh key, not acknowledged
+    monkeypatch.undo()
+    tier = reopen("pool", tier, tmp_path)
+    r = tier.recovery
+    assert (r.kept, r.lost, r.dropped_uncommitted, r.dropped_corrupt) == (2, (), 0, 0)
+    assert tier.read(K(1), 2) == payload(K(1), 2, 5000)
+    assert tier.read_into(K(1), 1, bytearray(5000)) == Miss(MissReason.OTHER_GENERATION)
+    assert tier.fence(K(1)) == 5 and tier.write(K(1), 3, 4, b"stale") == Fenced(5)
+    assert tier.read(K(2), 1) == payload(K(2), 1, 700) and tier.fence(K(2)) == 3
+    assert not tier._fence_path(K(1)).exists(), "a write writes no fence file"
+    # As if the power cut had taken the rename too: the previous generation, whole, with its fence.
+    shutil.copy(tmp_path / "gen1", tier._block_path(K(1)))
+    tier = reopen("pool", tier, tmp_path)
+    assert tier.recovery.kept == 2 and tier.read(K(1), 1) == payload(K(1), 1, 5000)
+    assert tier.fence(K(1)) == 2
+    tier.close()
+
+
+def test_pool_crash_in_free(tmp_path, monkeypatch):
+    """A free makes the fence its block carried, and its freed mark, durable in the fence file
+    before the block goes. A crash after the mark leaves the block and the mark (the free was not
+    answered; its retry removes the block); a crash after the unlink, before the bucket's fsync,
+    leaves the mark and maybe the block, which the retry removes. The fence stays either way."""
+    tier = make("pool", tmp_path)
+    assert tier.write(K(1), 1, 4, payload(K(1), 1, 3000)) == Stored(3000)
+    real = tier._write_fence
+
+    def write_fence_then_crash(*args, **kwargs):
+        real(*args, **kwargs)
+        raise SimulatedCrash
+
+    tier._write_fence = write_fence_then_crash
+    with pytest.raises(SimulatedCrash):
+        tier.free(K(1), 4)
+    tier = reopen("pool", tier, tmp_path)
+    assert tier.read(K(1), 1) == payload(K(1), 1, 3000) and tier._read_marks(K(1)) == (4, 4)
+    assert tier.write(K(1), 2, 4, b"late bytes of the freed epoch") == Fenced(4)
+    assert tier.free(K(1), 4) == Freed() and tier.read(K(1), 1) is None
+    assert tier.write(K(2), 1, 6, b"x") == Stored(1)
+    _crash_on_bucket_fsync(monkeypatch, tier)
+    with pytest.raises(SimulatedCrash):
+        tier.free(K(2), 6)
+    monkeypatch.undo()
+    tier = reopen("pool", tier, tmp_path)
+    assert tier.keys() == [] and tier.recovery.tombstones == 2
+    assert (tier.fence(K(1)), tier.fence(K(2))) == (4, 6)
+    assert tier.write(K(2), 2, 6, b"late") == Fenced(6) and tier.free(K(2), 6) == Absent()
+    tier.close()
+
+
+def test_pool_spare_still_linked_as_a_block_is_not_taken(tmp_path):
+    """A crash can keep a free's rename into spares/ and undo the bucket's side of it (on a
+    filesystem that does not journal a rename as one): the file is then a block and a spare. A
+    writer never rewrites such a file; it drops the spare's name for it."""
+    tier = make("pool", tmp_path)
+    assert tier.write(K(1), 1, 1, payload(K(1), 1, BLOCK)) == Stored(BLOCK)
+    block = tier._block_path(K(1))
+    os.link(block, tier.root / "spares" / f"{block.stat().st_size}-1-crashed")
+    tier = reopen("pool", tier, tmp_path)
+    assert tier.recovery.kept == 1
+    assert tier.write(K(2), 1, 1, payload(K(2), 1, BLOCK)) == Stored(BLOCK)
+    assert tier.read(K(1), 1) == payload(K(1), 1, BLOCK) and block.stat().st_nlink == 1
+    assert not list((tier.root / "spares").iterdir())
     tier.close()
 
 

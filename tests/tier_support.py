@@ -81,7 +81,7 @@ def corrupt(kind: str, tier, key: bytes, gen: int, offset: int, *, header: bool 
     if kind == "nvme":
         path, base = tier.slab_path(tier.slot_of(key))
     else:
-        path, base = tier._block_path(key, gen), 0
+        path, base = tier._block_path(key), 0  # one file per key: its current generation
     pos = base + offset + (0 if header else PAGE_BYTES)
     with open(path, "r+b") as f:
         f.seek(pos)

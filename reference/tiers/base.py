@@ -24,8 +24,11 @@ ownership grant that allowed the write.
   one, never a mix. A tier may therefore answer ``NoSpace`` to a replacement when it is full.
 - **Checked reads.** Every block carries a header (key, gen, epoch, length, publish sequence), a
   64-bit block checksum over the header's identity fields and the payload, and a CRC-32 over the
-  header itself; every read checks all of them before a byte reaches the caller. Corrupt, truncated or lost data is a ``Miss`` with a reason and a log record
-  on the ``kvcc.tiers`` logger, never other bytes (spec property 4).
+  header itself; every read checks all of them before a byte reaches the caller (the DRAM and GPU
+  tiers check a slot's header in full at a block's first read and then, on every read, compare its
+  bytes with the ones that passed: the same check, ``DramTier._checked``). Corrupt, truncated or
+  lost data is a ``Miss`` with a reason and a log record on the ``kvcc.tiers`` logger, never other
+  bytes (spec property 4).
 - **No policy.** A tier never evicts on its own: the node knows the leases (spec property 5) and
   decides what to free; the tier only reports ``used_bytes``, ``capacity_bytes`` and ``lru()``.
 
@@ -291,6 +294,66 @@ def hash_copy_pieces(dst: memoryview, src: Any, n: int) -> list[int]:
     return digests
 
 
+def identity_bytes(key: bytes, gen: int, epoch: int, length: int, seq: int) -> bytes:
+    """The identity fields a block checksum covers, packed as ``combine_digests`` hashes them
+    ahead of the piece digests: a tier that checks one block again and again packs them once."""
+    return _IDENTITY.pack(key, gen, epoch, length, seq)
+
+
+_DIGEST_STRUCTS: dict[int, struct.Struct] = {}
+
+
+def digests_struct(count: int) -> struct.Struct:
+    """The struct that packs ``count`` piece digests as ``combine_digests`` hashes them after the
+    identity: ``XXH3-64(identity_bytes(...) + digests_struct(k).pack(*digests))`` is the block
+    checksum, made without packing the identity or compiling a format per call."""
+    s = _DIGEST_STRUCTS.get(count)
+    if s is None:
+        s = _DIGEST_STRUCTS.setdefault(count, struct.Struct(f"<{count}Q"))
+    return s
+
+
+def source_pieces(src: memoryview, n: int) -> tuple[tuple[int, int, memoryview, Any], ...]:
+    """The ``CHECKSUM_PIECE_BYTES`` pieces of ``src[:n]`` (a flat byte view), each as (start, stop,
+    byte view, numpy view): made once for a buffer that is read again and again (a DRAM slot),
+    they spare each read building views and slicing per piece. They are views of the memory,
+    not of its contents: they stay right whatever is written there later."""
+    import numpy as np
+
+    arr = np.frombuffer(src, dtype=np.uint8, count=n)
+    return tuple((a, min(n, a + CHECKSUM_PIECE_BYTES), src[a:min(n, a + CHECKSUM_PIECE_BYTES)],
+                  arr[a:min(n, a + CHECKSUM_PIECE_BYTES)]) for a in range(0, n, CHECKSUM_PIECE_BYTES))
+
+
+def verified_copy_pieces(sink: Any, pieces: Sequence[tuple[int, int, memoryview, Any]], identity: bytes,
+                         pack: Any, crc: int) -> bool:
+    """``verified_copy`` of a source cut once into ``source_pieces``, into ``sink``, a flat
+    writable ``numpy.uint8`` array, with the block's ``identity_bytes`` and the ``pack`` of
+    ``digests_struct`` for its number of pieces: the same order and the same guarantees. A block of
+    several pieces is hashed and copied piece by piece (each piece hashed, then copied from cache,
+    as ``hash_copy_pieces`` does) and zeroed on a mismatch (``poison``); a block of one piece is
+    verified before its first byte is copied (``sink`` untouched on a mismatch). False, and no byte
+    of the block left in ``sink``, when the block checksum is not ``crc``."""
+    import numpy as np
+
+    copyto, digests = np.copyto, []
+    if len(pieces) > 1:
+        for lo, hi, view, arr in pieces:
+            digests.append(_piece_digest(view))
+            copyto(sink[lo:hi], arr)
+        if xxhash.xxh3_64_intdigest(identity + pack(*digests)) == crc:
+            return True
+        poison(sink, pieces[-1][1])
+        return False
+    for _, _, view, _ in pieces:
+        digests.append(_piece_digest(view))
+    if xxhash.xxh3_64_intdigest(identity + pack(*digests)) != crc:
+        return False
+    for lo, hi, _, arr in pieces:
+        copyto(sink[lo:hi], arr)
+    return True
+
+
 def poison(dst: memoryview, n: int) -> None:
     """Zero ``dst[:n]``: a read that copied before it verified (``hash_copy_pieces``) and then
     found the block corrupt leaves no byte of it behind."""
@@ -408,6 +471,8 @@ def decode_header(raw: Any) -> tuple[Header | None, str]:
 
 
 def check_key(key: Any) -> bytes:
+    if type(key) is bytes and len(key) == KEY_BYTES:  # the usual case, answered at once
+        return key
     if not isinstance(key, bytes | bytearray | memoryview):
         raise TypeError(f"key must be bytes, not {type(key).__name__}")
     key = bytes(key)
@@ -417,6 +482,8 @@ def check_key(key: Any) -> bytes:
 
 
 def _check_int(name: str, value: Any, top: int) -> int:
+    if type(value) is int and 0 <= value <= top:  # the usual case, answered at once
+        return value
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, not {type(value).__name__}")
     if not 0 <= value <= top:
@@ -425,6 +492,8 @@ def _check_int(name: str, value: Any, top: int) -> int:
 
 
 def check_gen(gen: Any) -> int:
+    if type(gen) is int and 0 <= gen <= MAX_GEN:  # the usual case, answered at once
+        return gen
     return _check_int("gen", gen, MAX_GEN)
 
 
@@ -442,7 +511,7 @@ def _torch() -> Any:
 
 
 def is_tensor(obj: Any) -> bool:
-    torch = _torch()
+    torch = sys.modules.get("torch")  # _torch(), without a call: on every read's path
     return torch is not None and isinstance(obj, torch.Tensor)
 
 

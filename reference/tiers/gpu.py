@@ -59,6 +59,7 @@ class GpuTier(DramTier):
         if dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
         self.device = dev
+        self._on_cuda = dev.type == "cuda"  # read on every call of _load and _store
         if dev.type == "cpu":
             # The same slot machinery on a CPU tensor: DramTier's host paths are this tier's paths.
             super().__init__(num_blocks, block_bytes, verify_reads=verify_reads, split_reads=split_reads,
@@ -77,6 +78,7 @@ class GpuTier(DramTier):
         self._host = None
         self._helper = None
         self._headers = bytearray(num_blocks * HEADER_BYTES)
+        self._init_read_cache()
         self._stream = torch.cuda.Stream(dev)
         self._staging: queue.SimpleQueue = queue.SimpleQueue()
         for _ in range(max(1, staging_buffers)):
@@ -85,7 +87,7 @@ class GpuTier(DramTier):
 
     @property
     def on_cuda(self) -> bool:
-        return self.device.type == "cuda"
+        return self._on_cuda
 
     @contextmanager
     def _stage(self):
@@ -101,11 +103,12 @@ class GpuTier(DramTier):
         done.synchronize()
 
     def _store(self, slot: int, key: bytes, gen: int, epoch: int, seq: int, src: Any, n: int) -> int:
-        if not self.on_cuda:
-            return super()._store(slot, key, gen, epoch, seq, src, n)
+        if not self._on_cuda:
+            return DramTier._store(self, slot, key, gen, epoch, seq, src, n)
         torch = self._torch
         a = slot * self.block_bytes
         dst = self._arena[a:a + n]
+        self._checked_slots[slot] = None  # a free slot has none; made sure before it is reused
         with self._stage() as (stage, stage_mv):
             if is_tensor(src):
                 if src.device.type == "cuda":
@@ -126,11 +129,11 @@ class GpuTier(DramTier):
         return header.block_crc
 
     def _load(self, entry: _Entry, sink: Any) -> ReadOutcome:
-        if not self.on_cuda:
-            return super()._load(entry, sink)
+        if not self._on_cuda:
+            return DramTier._load(self, entry, sink)
         torch = self._torch
         n, a = entry.length, entry.slot * self.block_bytes
-        if not self._check_header(entry):
+        if self._checked(entry) is None:  # the header, checked in full once per block (DramTier)
             return Miss(MissReason.CORRUPT)
         src = self._arena[a:a + n]
         if self.verify_reads:

@@ -1,57 +1,92 @@
-"""Shared-pool tier: one file per block in a directory many processes (and hosts) share.
+"""Shared-pool tier: one file per key in a directory many processes (and hosts) share.
 
 Theory of operation
 -------------------
-Layout, one directory per key (so that a key's generations are found without listing the pool)::
+Layout: 256 bucket directories and a spare-file directory, made (and the root fsynced) by every
+process that opens the pool, so that a write never makes a directory::
 
-    <root>/<hex>/<hex>-<gen>     a block: header page + payload padded to a page (as on NVMe)
-    <root>/<hex>/<hex>.fence     the key's fence and freed mark: magic, epoch, freed epoch, CRC-32;
+    <root>/<hh>/<hex>            the key's block, one generation: header page + payload padded to
+                                 a page (as on NVMe); <hh> is the first byte of the key in hex
+    <root>/<hh>/<hex>.fence      the key's fence file and freed mark: magic, epoch, freed epoch,
+                                 CRC-32; written by a free, ``restore_fences`` and recovery only,
                                  replaced by write-temp-rename
-    <root>/<hex>/<hex>.lock      fcntl.flock target serialising writers and freers of the key
-    <root>/<hex>/.tmp-...        a block or fence being written (invisible to readers)
+    <root>/<hh>/.tmp-<hex>...    a block or fence file being written (invisible to readers)
+    <root>/spares/<size>-...     freed blocks' files, kept (up to ``spare_bytes``) to be rewritten
+                                 in place by writes of the same size
+    <root>/.lock                 byte-range locks (``F_OFD_SETLKW``), one byte per key: they
+                                 serialise the writers and freers of a key, across processes, with
+                                 no file per key
 
-**Write**: the block goes to a temp file (flocked by its writer while it exists), fsynced; then,
-under the key's flock: read the fence, refuse a lower epoch, or one at or below the key's freed
-mark (``rules.slot_accepts``; the temp file is removed: no state changed), raise the fence file first if the epoch is higher (its own temp file, fsynced and
-renamed: other processes see the raised fence before the block), ``rename`` the temp file over
-``<hex>-<gen>`` (the atomic publish), remove the key's other generations, and fsync the
-directory once for both renames. A crash may persist the block's rename and not the fence's; the
-block carries its epoch and recovery raises a fence that is behind its block, so the fence never
-ends below an epoch that was stored. The check-fence-then-publish runs under ``flock``, so
-fencing holds across processes.
+What a write costs the filesystem decides its speed: a new file's blocks are allocated, and its
+``fdatasync`` then commits the journal, as every ``rename`` made durable does; rewriting allocated
+blocks in place needs no commit. So a write adds no directory and no fence file, and reuses a
+freed block's file when one of its size is spare: one journal commit (its ``rename``) a block.
 
-**Read** needs no lock: a file, once opened, keeps its bytes even if it is replaced or removed
-(POSIX), and a published file is never written again. The header (key, gen, committed flag) is
-verified in a staging buffer, the block checksum as the payload is copied out (``base.verified_copy``:
-``out`` holds no byte of a block that fails it); a file shorter than its header
-says is ``Miss(truncated)``.
+**The fence** of a key is the higher of its fence file's epoch (0 without one) and the epoch in
+the header of its block: a block carries its own fence, so a write adds no file and no flush for
+it. Whatever removes a block keeps that maximum: a write replaces the block with one of an epoch
+at least the fence (one ``rename``: the old block is gone exactly when the new one is there); a
+free records the fence in the fence file, durably, before it removes the block; recovery, before
+it removes a damaged block whose header still reads, raises the fence file to that header's epoch.
+The fence file only ever rises, so ``fence()``, which takes no lock, reads the block's header
+first and the file after: a block removed in between wrote its epoch to the file first.
 
-**Free** (under the flock) is taken by ``rules.free_takes``: the key's published block decides by
-its own epoch, an empty key by its fence. It first makes the freed mark durable in the fence file
-(the highest epoch freed: bytes under it that land late, from a paused writer or a slow copy, are
-refused as fenced, or a deletion would not stay done), then removes every generation, oldest
-first, and fsyncs the directory. The fence file stays. A crash between the two leaves the blocks
-and the mark; the free was not answered, and its retry removes them. Unlike the SlotTiers' mark,
-which is volatile, this one survives restarts with the fence (a fence file of the earlier format,
-without a mark, reads as none).
+**Write**: the block goes to a temp file in its bucket, flocked exclusively by its writer while it
+holds it: a spare of the block's size, taken by renaming it out of ``spares/`` (one that a reader
+still holds, or that is linked anywhere else too, is not taken), else a new file. It is written with ``O_DIRECT`` and
+``fdatasync``-ed: its bytes and size are durable before it has a name. Then, under the key's lock:
+read the fence, refuse a lower epoch, or one at or below the key's freed mark
+(``rules.slot_accepts``; the temp file is removed: no state changed), and ``rename`` the temp
+file over ``<hex>`` (the atomic publish: bytes, generation and fence together, replacing the
+previous generation in the same step). The bucket is fsynced after the lock is released, and
+``Stored`` is answered only after that fsync: what it acknowledges (bytes, name, fence) is
+durable. A crash before the fsync leaves the previous block or the new one, whole, and nothing
+else changed (the fence, carried by the block, moves with it); a decision another writer or a
+free took on the new block meanwhile is at or above its epoch, so losing the block can only leave
+such a decision stricter than needed, never an acknowledged write or fence behind. The
+check-fence-then-publish runs under the lock, so fencing holds across processes.
 
-**Recovery** (on open, and ``recover()``): per key, under its flock, removes temp files whose
-writer is gone (their flock is free), removes block files that fail verification, keeps the
-block with the highest (epoch, gen, write time) and removes the rest, and raises a fence file
-that is behind its block. A fence file that cannot be read back is reported, not guessed: writes
-and frees of that key raise ``CorruptFence`` until ``restore_fences`` sets it.
+**Read** takes no lock of the key: it opens ``<hex>``, takes a shared flock on the file (without
+waiting), and checks that ``<hex>`` still names it. While it holds the flock the file's bytes stay
+as they are: a file is written only by a writer that holds it exclusively, a new one before its
+publish, a spare (which its free took off its name) only if no reader holds it. A file that left
+its name before the flock was taken, or that a writer holds, is not the block any more (or has
+just become it): the read starts again with what ``<hex>`` names now. The header (key, gen, committed flag) is verified in a staging buffer (a block of
+another generation is ``Miss(other_generation)``), the block checksum as the payload is copied
+out (``base.verified_copy``: ``out`` holds no byte of a block that fails it); a file shorter than
+its header says is ``Miss(truncated)``.
+
+**Free** (under the key's lock) is taken by ``rules.free_takes``: the key's block decides by its
+own epoch, an empty key by its fence. It first makes the fence and the freed mark durable in the
+fence file (the fence the block carried, which must outlive it; and the highest epoch freed: bytes
+under it that land late, from a paused writer or a slow copy, are refused as fenced, or a deletion
+would not stay done), then takes the block off its name: renamed into ``spares/``, or unlinked if
+the spares hold ``spare_bytes`` already; the bucket is fsynced before ``Freed`` is answered. The
+fence file stays. A crash between the two leaves the block and the mark; the free was not
+answered, and its retry removes it. Unlike the SlotTiers' mark, which is volatile, this one
+survives restarts with the fence (a fence file of the earlier format, without a mark, reads as
+none).
+
+**Recovery** (on open, and ``recover()``): per key, under its lock, removes temp files whose
+writer is gone (a block's temp file is flocked by its writer; a fence file's is written under the
+key's lock), and removes a block that fails verification (after raising the fence file to its
+header's epoch, if the header still reads). A fence file that cannot be read back is reported, not
+guessed: writes and frees of that key raise ``CorruptFence`` until ``restore_fences`` sets it.
+Spares need no recovery: one is only ever rewritten after a writer took it off ``spares/``.
 
 I/O uses ``O_DIRECT`` where the filesystem allows it (as the NVMe tier does; on a network
 filesystem this also keeps a host from reading stale cached pages), else buffered I/O + fsync.
 
-Across processes, ``capacity_bytes`` is a soft quota: ``used_bytes`` is a scan of the directory,
-refreshed every ``USAGE_REFRESH_S`` and adjusted by this process's own writes and frees; the
-filesystem's ENOSPC is always ``NoSpace``. ``lru()`` orders by this process's own uses, after
-the blocks it has not touched (by file modification time).
+Across processes, ``capacity_bytes`` is a soft quota on blocks: ``used_bytes`` is a scan of the
+buckets, refreshed every ``USAGE_REFRESH_S`` and adjusted by this process's own writes and frees;
+spares, outside it, are held to ``spare_bytes`` (a quarter of the capacity, at most 1 GiB, unless
+given). The filesystem's ENOSPC is always ``NoSpace``. ``lru()`` orders by this process's own uses,
+after the blocks it has not touched (by file modification time).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
@@ -109,13 +144,17 @@ from .nvme import AlignedBuffers, fsync_dir, pread_upto, pwrite_all, resolve_dir
 DEFAULT_THREADS = 4
 USAGE_REFRESH_S = 2.0
 TEMP_PREFIX = ".tmp-"
+SPARES_DIR = "spares"
+DEFAULT_SPARE_BYTES = 1 << 30
 FENCE_SUFFIX = ".fence"
-LOCK_SUFFIX = ".lock"
+LOCK_NAME = ".lock"
 FENCE_MAGIC = b"KVCF"
 _FENCE_V1 = struct.Struct("<4sQ")  # magic, fence; then CRC-32 (no freed mark)
 _FENCE = struct.Struct("<4sQQ")  # magic, fence, freed mark + 1 (0: none); then CRC-32
+_FLOCK = struct.Struct("hhqqi4x")  # struct flock (Linux): type, whence, start, len, pid
 _ZERO_PAGE = bytes(PAGE_BYTES)
 _HEX_DIGITS = frozenset("0123456789abcdef")
+_BUCKETS = [f"{i:02x}" for i in range(256)]
 
 
 def _accepts(epoch: int, fence: int, freed: int | None) -> bool:
@@ -124,7 +163,27 @@ def _accepts(epoch: int, fence: int, freed: int | None) -> bool:
     return fence_accepts(epoch, fence) if freed is None else slot_accepts(epoch, fence, freed)
 
 
-def _is_key_dir(name: str) -> bool:
+def _key_of(name: str) -> bytes | None:
+    """The key a block file, fence file or temp file of a bucket belongs to, from its name."""
+    if name.startswith(TEMP_PREFIX):
+        name = name[len(TEMP_PREFIX):]
+    hex_key = name[:2 * KEY_BYTES]
+    if len(hex_key) == 2 * KEY_BYTES and set(hex_key) <= _HEX_DIGITS:
+        return bytes.fromhex(hex_key)
+    return None
+
+
+class IncompatiblePool(RuntimeError):
+    """The pool directory was written in another layout (see ``SharedPoolTier.__init__``)."""
+
+
+def _spare_size(name: str) -> int:
+    """The size of a spare file, from its name ("<size>-<pid>-<random>"); 0 for another name."""
+    size = name.split("-", 1)[0]
+    return int(size) if size.isdigit() else 0
+
+
+def _is_block(name: str) -> bool:
     return len(name) == 2 * KEY_BYTES and set(name) <= _HEX_DIGITS
 
 
@@ -133,13 +192,30 @@ class SharedPoolTier(Tier):
 
     def __init__(self, root: str | os.PathLike, capacity_bytes: int, *, direct_io: bool | None = None,
                  threads: int = DEFAULT_THREADS, recover: bool = True, verify_on_recover: bool = True,
-                 name: str = "pool") -> None:
+                 spare_bytes: int | None = None, name: str = "pool") -> None:
         if capacity_bytes < 1:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
         self.name = name
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
+        earlier = [n for n in os.listdir(self.root) if _is_block(n) and (self.root / n).is_dir()]
+        if earlier:
+            # The earlier layout (a directory per key, its fence file inside): this code would
+            # not see those blocks' fences, so a late writer's stale epoch could land. Refused,
+            # before anything is made here.
+            raise IncompatiblePool(f"{self.root} holds {len(earlier)} keys in the earlier one-directory-per-key "
+                                   "layout: empty it (its blocks are lost, as on a node rejoining without its "
+                                   "disk) or open it with the version that wrote it")  # fmt: skip
+        for bucket in [*_BUCKETS, SPARES_DIR]:
+            (self.root / bucket).mkdir(exist_ok=True)
+        # Every process, not only the one that made them: a bucket another process has just made
+        # may not be durable yet, and no write of ours may be acknowledged in it before it is.
+        fsync_dir(self.root)
+        os.close(os.open(self.root / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644))
         self._capacity = capacity_bytes
+        self.spare_bytes = min(capacity_bytes // 4, DEFAULT_SPARE_BYTES) if spare_bytes is None else spare_bytes
+        self._spares: dict[int, list[str]] = defaultdict(list)  # by file size: names seen in spares/
+        self._spares_listed = 0.0
         self.verify_on_recover = verify_on_recover
         self.direct_io = resolve_direct_io(self.root, direct_io, name)
         self._buffers = AlignedBuffers(limit=2 * threads + 8)
@@ -153,44 +229,27 @@ class SharedPoolTier(Tier):
 
     # -- paths and locks ----------------------------------------------------------------------
 
-    def _dir(self, key: bytes) -> Path:
-        return self.root / key.hex()
+    def _bucket(self, key: bytes) -> Path:
+        return self.root / _BUCKETS[key[0]]
 
-    def _block_path(self, key: bytes, gen: int) -> Path:
-        return self._dir(key) / f"{key.hex()}-{gen}"
+    def _block_path(self, key: bytes) -> Path:
+        return self._bucket(key) / key.hex()
 
     def _fence_path(self, key: bytes) -> Path:
-        return self._dir(key) / f"{key.hex()}{FENCE_SUFFIX}"
-
-    def _ensure_dir(self, key: bytes) -> Path:
-        d = self._dir(key)
-        try:
-            os.mkdir(d)
-        except FileExistsError:
-            return d
-        fsync_dir(self.root)  # the key's directory entry must survive a crash with its blocks
-        return d
+        return self._bucket(key) / f"{key.hex()}{FENCE_SUFFIX}"
 
     @contextmanager
-    def _locked(self, key: bytes) -> Iterator[Path]:
-        d = self._ensure_dir(key)
-        fd = os.open(d / f"{key.hex()}{LOCK_SUFFIX}", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    def _locked(self, key: bytes) -> Iterator[None]:
+        """The key's lock: an open-file-description lock on one byte of the pool's lock file (at an
+        offset taken from the key), exclusive between threads as between processes, released when
+        the descriptor is closed (also when its process dies)."""
+        fd = os.open(self.root / LOCK_NAME, os.O_RDWR | os.O_CLOEXEC)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield d
+            start = int.from_bytes(key[:8], "little") >> 1  # an off_t: below 2**63
+            fcntl.fcntl(fd, fcntl.F_OFD_SETLKW, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, start, 1, 0))
+            yield
         finally:
-            os.close(fd)  # releases the flock
-
-    def _generations(self, key: bytes) -> list[tuple[int, Path]]:
-        """The key's block files, oldest generation first."""
-        prefix = f"{key.hex()}-"
-        try:
-            names = os.listdir(self._dir(key))
-        except FileNotFoundError:
-            return []
-        found = [(int(n[len(prefix):]), self._dir(key) / n) for n in names
-                 if n.startswith(prefix) and n[len(prefix):].isdigit()]
-        return sorted(found)
+            os.close(fd)  # releases the lock
 
     def _check_open(self) -> None:
         if self._closed:
@@ -198,11 +257,20 @@ class SharedPoolTier(Tier):
 
     # -- fences -------------------------------------------------------------------------------
 
-    def _read_fence(self, key: bytes) -> int:
-        return self._read_marks(key)[0]
+    def _marks(self, key: bytes) -> tuple[int, int | None]:
+        """(the key's fence, the highest epoch freed or None): the fence is the higher of the fence
+        file's and the epoch the key's block carries (module docstring). The header is read first,
+        the file after: the file only rises, and a free writes the block's epoch to it before it
+        removes the block, so the fence read is one the key had during the call. Needs no lock;
+        raises ``CorruptFence`` as ``_read_marks`` does."""
+        header = self._block_header(key)
+        carried = header.epoch if header is not None else 0
+        fence, freed = self._read_marks(key)
+        return max(fence, carried), freed
 
     def _read_marks(self, key: bytes) -> tuple[int, int | None]:
-        """(fence, the highest epoch freed or None) from the key's fence file; (0, None) without one."""
+        """(fence, the highest epoch freed or None) from the key's fence file alone; (0, None)
+        without one. The key's fence also counts its block's epoch: see ``_marks``."""
         try:
             raw = self._fence_path(key).read_bytes()
         except FileNotFoundError:
@@ -215,28 +283,25 @@ class SharedPoolTier(Tier):
         event(logging.ERROR, "fence_corrupt", self.name, key, path=str(self._fence_path(key)))
         raise CorruptFence(f"{self._fence_path(key)} cannot be read back; restore_fences it from the directory")
 
-    def _locked_fence(self, key: bytes) -> int:
-        """The fence for a decision taken under the key's flock: the fence file, or the epoch of a
-        published block if higher (a crash can persist a block's rename without its fence's; see
-        the write path). Raises ``CorruptFence`` as ``_read_fence`` does."""
-        fence = self._read_fence(key)
-        return max([fence] + [h.epoch for h in self._headers_of(key) if h.key == key])
-
-    def _write_fence(self, key: bytes, epoch: int, freed: int | None = None, *, sync_dir: bool = True) -> None:
+    def _write_fence(self, key: bytes, epoch: int, freed: int | None = None) -> None:
+        """Replace the key's fence file, durably (its bucket fsynced) before returning."""
         body = _FENCE.pack(FENCE_MAGIC, epoch, 0 if freed is None else freed + 1)
-        write_file_atomic(self._fence_path(key), body + zlib.crc32(body).to_bytes(4, "little"), sync_dir=sync_dir)
+        write_file_atomic(self._fence_path(key), body + zlib.crc32(body).to_bytes(4, "little"))
 
     # -- usage --------------------------------------------------------------------------------
 
+    def _block_files(self) -> Iterator[os.DirEntry[str]]:
+        for bucket in _BUCKETS:
+            with os.scandir(self.root / bucket) as it:
+                yield from (f for f in it if _is_block(f.name))
+
     def _scan_usage(self) -> int:
         total = 0
-        with os.scandir(self.root) as it:
-            for d in it:
-                if not (_is_key_dir(d.name) and d.is_dir()):
-                    continue
-                prefix = f"{d.name}-"
-                with os.scandir(d.path) as files:
-                    total += sum(f.stat().st_size for f in files if f.name.startswith(prefix))
+        for f in self._block_files():
+            try:
+                total += f.stat().st_size
+            except FileNotFoundError:
+                pass  # freed or replaced meanwhile
         return total
 
     def _adjust_usage(self, delta: int) -> None:
@@ -253,7 +318,7 @@ class SharedPoolTier(Tier):
         with self._mu:
             self._check_open()
         try:
-            fence, freed = self._read_marks(key)  # an early refusal; the check that counts is under the lock
+            fence, freed = self._marks(key)  # an early refusal; the check that counts is under the lock
         except CorruptFence:
             fence, freed = 0, None
         if not _accepts(epoch, fence, freed):
@@ -261,10 +326,11 @@ class SharedPoolTier(Tier):
         size = PAGE_BYTES + round_up(n)
         if self.used_bytes + size > self._capacity:
             return NoSpace(n)
-        d = self._ensure_dir(key)
+        bucket = self._bucket(key)
         tmp: Path | None
-        tmp, fd = self._create_temp(d, str(gen))
-        removed = 0
+        fd: int | None
+        tmp, fd = self._take_spare(bucket, key.hex(), size) or self._create_temp(bucket, key.hex())
+        replaced = 0
         try:
             with self._buffers.get(size) as buf:
                 payload = buf[PAGE_BYTES:PAGE_BYTES + n]
@@ -275,66 +341,148 @@ class SharedPoolTier(Tier):
                 buf[:HEADER_BYTES] = header.pack()
                 buf[HEADER_BYTES:PAGE_BYTES] = _ZERO_PAGE[HEADER_BYTES:]
                 pwrite_all(fd, buf[:size], 0)
-            os.fdatasync(fd)  # the data and the file size; the name is the directory's fsync
+            os.fdatasync(fd)  # the data and the file size, before the file has a name
             with self._locked(key):
-                fence = self._locked_fence(key)
-                freed = self._read_marks(key)[1]
+                fence, freed = self._marks(key)
                 if not _accepts(epoch, fence, freed):
                     # A stale writer; or bytes of a generation already freed here, landing late.
                     return Fenced(fence)  # the finally removes the temp file: nothing changed
-                if epoch > fence:
-                    # Renamed before the block, made durable by the same directory fsync below: a
-                    # crash that keeps the block but not the fence is repaired by recovery (which
-                    # raises a fence behind its block), so one directory flush covers both. The
-                    # mark stays: below the new fence, it refuses nothing the fence does not.
-                    self._write_fence(key, epoch, freed, sync_dir=False)
-                final = self._block_path(key, gen)
-                old = [(g, p) for g, p in self._generations(key) if g != gen]
-                replaced = final.stat().st_size if final.exists() else 0
+                final = self._block_path(key)
+                try:
+                    replaced = final.stat().st_size
+                except FileNotFoundError:
+                    pass
+                # The publish: the bytes, their generation and the fence their header carries, in
+                # place of the previous generation.
                 os.rename(tmp, final)
                 tmp = None
-                for _, p in old:
-                    removed += p.stat().st_size
-                    p.unlink()
-                fsync_dir(d)
-                removed += replaced
+                os.close(fd)  # drops our flock: readers of the new block wait for it
+                fd = None
+            fsync_dir(bucket)  # ... durable: what Stored acknowledges
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 return NoSpace(n)
             raise
         finally:
-            os.close(fd)
+            if fd is not None:
+                os.close(fd)
             if tmp is not None:
                 tmp.unlink(missing_ok=True)
-        self._adjust_usage(size - removed)
+        self._adjust_usage(size - replaced)
         with self._mu:
             self._lru[key] = None
             self._lru.move_to_end(key)
         return Stored(n)
 
-    def _create_temp(self, d: Path, tag: str) -> tuple[Path, int]:
+    def _create_temp(self, bucket: Path, tag: str) -> tuple[Path, int]:
         """A new temp file, flocked for as long as we hold it open. ``recover`` in another process
         removes only temp files whose flock it can take; if it removed ours between our create and
         our flock, the link count says so and we start again."""
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (os.O_DIRECT if self.direct_io else 0)
         while True:
-            tmp = d / f"{TEMP_PREFIX}{tag}-{os.getpid()}-{secrets.token_hex(6)}"
+            tmp = bucket / f"{TEMP_PREFIX}{tag}-{os.getpid()}-{secrets.token_hex(6)}"
             fd = os.open(tmp, flags, 0o644)
             fcntl.flock(fd, fcntl.LOCK_EX)
             if os.fstat(fd).st_nlink > 0:
                 return tmp, fd
             os.close(fd)
 
+    def _take_spare(self, bucket: Path, tag: str, size: int) -> tuple[Path, int] | None:
+        """A spare file of exactly ``size`` bytes as our temp file, or None. Its blocks are allocated
+        and written, so rewriting it in place needs no allocation, and its ``fdatasync`` no journal
+        commit. Taken by a rename (one process wins it), then flocked exclusively without waiting:
+        a reader that opened it while it was published holds a shared flock until it is done, and
+        a spare still being read (maybe by a paused process) goes back for a later write."""
+        for name in self._spare_names(size):
+            spare = self.root / SPARES_DIR / name
+            tmp = bucket / f"{TEMP_PREFIX}{tag}-{os.getpid()}-{secrets.token_hex(6)}"
+            try:
+                os.rename(spare, tmp)
+            except FileNotFoundError:
+                continue  # taken by another process
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CLOEXEC | (os.O_DIRECT if self.direct_io else 0))
+            except FileNotFoundError:
+                continue  # removed as abandoned by a recovery in another process
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                with contextlib.suppress(FileNotFoundError):
+                    os.rename(tmp, spare)
+                continue
+            links = os.fstat(fd).st_nlink
+            if links == 1:
+                return tmp, fd
+            os.close(fd)
+            if links > 1:
+                # Also linked as a block: a crash kept its free's rename into spares/ but undid
+                # the rename of its bucket. Not a spare; drop our name for it.
+                tmp.unlink()
+        return None
+
+    def _spare_names(self, size: int) -> Iterator[str]:
+        """Names in spares/ of files of ``size`` bytes, popped from this process's list (refilled by
+        its own frees, and by listing the directory at most every ``USAGE_REFRESH_S``)."""
+        now = time.monotonic()
+        with self._mu:
+            if not self._spares[size] and now - self._spares_listed >= USAGE_REFRESH_S:
+                self._spares_listed = now
+                self._spares.clear()
+                for name in os.listdir(self.root / SPARES_DIR):
+                    self._spares[_spare_size(name)].append(name)
+        while True:
+            with self._mu:
+                if not self._spares[size]:
+                    return
+                name = self._spares[size].pop()
+            yield name
+
+    def _retire(self, path: Path, size: int) -> None:
+        """Take a block file off its published name, under its key's lock: into spares/ while they
+        hold less than ``spare_bytes``, else unlinked. Either way the name is gone in one step."""
+        spares = self.root / SPARES_DIR
+        held = sum(_spare_size(name) for name in os.listdir(spares))
+        if held + size > self.spare_bytes:
+            path.unlink()
+            return
+        name = f"{size}-{os.getpid()}-{secrets.token_hex(6)}"
+        os.rename(path, spares / name)
+        with self._mu:
+            self._spares[size].append(name)
+
+    def _open_published(self, path: Path, flags: int) -> int | None:
+        """The file published at ``path``, opened for reading with a shared flock held; None if
+        there is none. Its bytes stay as they are while we hold the flock: a freed block's file is
+        rewritten as a spare only under an exclusive one. The flock is taken without waiting, then
+        ``path`` is checked to still name the file; a file that left it meanwhile (freed, maybe
+        being rewritten) is not the block any more, and we open what is there now. The flock is
+        refused only by a writer of a file that left ``path``, or by the one that has just
+        published it there, until its next step (it closes the file under the key's lock)."""
+        while True:
+            try:
+                fd = os.open(path, flags | os.O_CLOEXEC)
+            except FileNotFoundError:
+                return None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                still = os.stat(path).st_ino == os.fstat(fd).st_ino
+            except (BlockingIOError, FileNotFoundError):
+                still = False
+            if still:
+                return fd
+            os.close(fd)
+            time.sleep(0)  # let a writer that has just published it close it
+
     def read_into(self, key: bytes, gen: int, out: Any) -> ReadOutcome:
         key, gen = check_key(key), check_gen(gen)
         sink, room = prepare_sink(out)
         with self._mu:
             self._check_open()
-        path = self._block_path(key, gen)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if self.direct_io else 0))
-        except FileNotFoundError:
-            return Miss(MissReason.OTHER_GENERATION if self._generations(key) else MissReason.ABSENT)
+        path = self._block_path(key)
+        fd = self._open_published(path, os.O_RDONLY | (os.O_DIRECT if self.direct_io else 0))
+        if fd is None:
+            return Miss(MissReason.ABSENT)
         try:
             outcome = self._read_file(fd, key, gen, sink, room)
         except OSError as exc:
@@ -345,7 +493,8 @@ class SharedPoolTier(Tier):
         finally:
             os.close(fd)
         if isinstance(outcome, Miss):
-            event(logging.WARNING, f"read_{outcome.reason.value}", self.name, key, gen=gen, path=str(path))
+            if outcome.reason != MissReason.OTHER_GENERATION:
+                event(logging.WARNING, f"read_{outcome.reason.value}", self.name, key, gen=gen, path=str(path))
         else:
             with self._mu:
                 self._lru[key] = None
@@ -361,8 +510,10 @@ class SharedPoolTier(Tier):
             if got < HEADER_BYTES:
                 return Miss(MissReason.TRUNCATED)
             header, _ = decode_header(view)
-            if header is None or header.flags != FLAG_COMMITTED or header.key != key or header.gen != gen:
+            if header is None or header.flags != FLAG_COMMITTED or header.key != key:
                 return Miss(MissReason.CORRUPT)
+            if header.gen != gen:
+                return Miss(MissReason.OTHER_GENERATION)
             n = header.length
             if got < PAGE_BYTES + n:
                 return Miss(MissReason.TRUNCATED)
@@ -380,34 +531,34 @@ class SharedPoolTier(Tier):
         key, epoch = check_key(key), check_epoch(epoch)
         with self._mu:
             self._check_open()
-        removed = 0
-        with self._locked(key) as d:  # a key never written here gets its directory: the mark lives there
-            fence = self._locked_fence(key)
-            gens = self._generations(key)
+        path = self._block_path(key)
+        with self._locked(key):
+            header = self._block_header(key)
+            present = path.exists()  # with a header that reads back or not
+            kept, freed = self._read_marks(key)
+            block_epoch = header.epoch if header is not None else 0
+            fence = max(kept, block_epoch)
             # The block's own epoch decides, not only the fence (rules.free_takes): a fence raised
             # without new bytes (restored on rejoin) must not make an ended generation's bytes
             # undeletable; bytes of a newer epoch are never dropped.
-            block_epoch = max((h.epoch for h in self._headers_of(key) if h.key == key), default=0)
-            if not free_takes(epoch, fence, bool(gens), block_epoch):
+            if not free_takes(epoch, fence, present, block_epoch):
                 return Fenced(fence)
-            kept, freed = self._read_marks(key)
             if kept < fence or freed is None or freed < epoch:
-                # Durable before any block goes: the blocks carried the fence (keep it when they
-                # go), and late bytes under this epoch are refused from now on.
+                # Durable before the block goes: the block carried the fence (the file keeps it when
+                # it goes), and late bytes under this epoch are refused from now on.
                 self._write_fence(key, fence, epoch if freed is None else max(freed, epoch))
-            if not gens:
+            if not present:
                 return Absent()
-            for _, p in gens:  # oldest first: a crash part-way leaves the newest, which was current
-                removed += p.stat().st_size
-                p.unlink()
-            fsync_dir(d)
+            removed = path.stat().st_size
+            self._retire(path, removed)
+        fsync_dir(path.parent)  # the removal is durable before Freed, as the mark is before it
         self._adjust_usage(-removed)
         with self._mu:
             self._lru.pop(key, None)
         return Freed()
 
     def fence(self, key: bytes) -> int:
-        return self._read_fence(check_key(key))
+        return self._marks(check_key(key))[0]
 
     def restore_fences(self, fences: Mapping[bytes, int]) -> None:
         with self._mu:
@@ -416,49 +567,48 @@ class SharedPoolTier(Tier):
             key, epoch = check_key(key), check_epoch(epoch)
             with self._locked(key):
                 try:
-                    current, freed = self._read_marks(key)
+                    current, freed = self._marks(key)
                 except CorruptFence:
                     # The mark went with the file, as a SlotTier's goes with a restart.
-                    current = max((h.epoch for h in self._headers_of(key)), default=0)
-                    self._write_fence(key, max(current, epoch))
+                    header = self._header_of(self._block_path(key))
+                    self._write_fence(key, max(header.epoch if header is not None else 0, epoch))
                     continue
                 if epoch > current:
                     self._write_fence(key, epoch, freed)
 
     def _header_of(self, path: Path) -> Header | None:
-        try:
-            with open(path, "rb") as f:
-                raw = f.read(HEADER_BYTES)
-        except FileNotFoundError:
+        fd = self._open_published(path, os.O_RDONLY)
+        if fd is None:
             return None
+        try:
+            raw = os.pread(fd, HEADER_BYTES, 0)
+        finally:
+            os.close(fd)
         header, _ = decode_header(raw)
         return header
 
-    def _headers_of(self, key: bytes) -> list[Header]:
-        return [h for _, p in self._generations(key) if (h := self._header_of(p)) is not None]
+    def _block_header(self, key: bytes) -> Header | None:
+        """The header of the key's block, if it reads back and is the key's."""
+        header = self._header_of(self._block_path(key))
+        return header if header is not None and header.key == key else None
 
     def contains(self, key: bytes, gen: int) -> bool:
-        return self._block_path(check_key(key), gen).exists()
+        header = self._block_header(check_key(key))
+        return header is not None and header.gen == gen
 
     def nbytes(self, key: bytes, gen: int) -> int | None:
-        header = self._header_of(self._block_path(check_key(key), gen))
-        return header.length if header is not None and header.key == key and header.gen == gen else None
+        header = self._block_header(check_key(key))
+        return header.length if header is not None and header.gen == gen else None
 
     def keys(self) -> list[bytes]:
-        out = []
-        with os.scandir(self.root) as it:
-            for d in it:
-                if _is_key_dir(d.name) and d.is_dir() and self._generations(bytes.fromhex(d.name)):
-                    out.append(bytes.fromhex(d.name))
-        return out
+        return [bytes.fromhex(f.name) for f in self._block_files()]
 
     def blocks(self) -> list[BlockInfo]:
         out = []
         for key in self.keys():
-            for gen, path in self._generations(key):
-                h = self._header_of(path)
-                if h is not None and h.key == key and h.gen == gen:
-                    out.append(BlockInfo(key, gen, h.epoch, h.length))
+            h = self._block_header(key)
+            if h is not None:
+                out.append(BlockInfo(key, h.gen, h.epoch, h.length))
         return out
 
     def lru(self) -> list[bytes]:
@@ -469,9 +619,8 @@ class SharedPoolTier(Tier):
         seen = set(mine)
 
         def mtime(k: bytes) -> float:
-            gens = self._generations(k)
             try:
-                return gens[-1][1].stat().st_mtime if gens else 0.0
+                return self._block_path(k).stat().st_mtime
             except FileNotFoundError:
                 return 0.0
 
@@ -495,7 +644,7 @@ class SharedPoolTier(Tier):
 
     # -- recovery -----------------------------------------------------------------------------
 
-    def _verify_file(self, path: Path, key: bytes, gen: int) -> tuple[str, Header | None]:
+    def _verify_file(self, path: Path, key: bytes) -> tuple[str, Header | None]:
         """ok / corrupt / truncated, checking the payload when ``verify_on_recover``."""
         flags = os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if self.direct_io else 0)
         fd = os.open(path, flags)
@@ -505,13 +654,14 @@ class SharedPoolTier(Tier):
             with self._buffers.get(want) as buf:
                 got = pread_upto(fd, buf[:want], 0)
                 header, _ = decode_header(buf[:got])
-                if header is None or header.flags != FLAG_COMMITTED or header.key != key or header.gen != gen:
+                if header is None or header.flags != FLAG_COMMITTED or header.key != key:
                     return ("truncated" if got < HEADER_BYTES else "corrupt"), None
                 if size < PAGE_BYTES + header.length:
                     return "truncated", header
                 if self.verify_on_recover:
                     payload = buf[PAGE_BYTES:PAGE_BYTES + header.length]
-                    if block_checksum(key, gen, header.epoch, header.length, header.seq, payload) != header.block_crc:
+                    if block_checksum(key, header.gen, header.epoch, header.length, header.seq,
+                                      payload) != header.block_crc:  # fmt: skip
                         return "corrupt", header
             return "ok", header
         finally:
@@ -519,64 +669,37 @@ class SharedPoolTier(Tier):
 
     def recover(self) -> RecoveryReport:
         """Clean up after crashed writers and damaged files (see the module docstring). Safe to run
-        while other processes use the pool: each key is handled under its flock."""
+        while other processes use the pool: each key is handled under its lock."""
         started = time.perf_counter()
         with self._mu:
             self._check_open()
         counts: dict[str, int] = defaultdict(int)
         lost: list[bytes] = []
         fences_corrupt: list[bytes] = []
-        with os.scandir(self.root) as it:
-            key_dirs = [d.name for d in it if _is_key_dir(d.name) and d.is_dir()]
-        for name in key_dirs:
-            key = bytes.fromhex(name)
-            with self._locked(key) as d:
-                changed = False
-                for entry in os.listdir(d):
-                    if entry.startswith(TEMP_PREFIX) and self._remove_abandoned(d / entry):
-                        counts["uncommitted"] += 1
-                        changed = True
-                good: list[tuple[tuple[int, int, int], Path]] = []
-                damaged = False
-                for gen, path in self._generations(key):
-                    verdict, header = self._verify_file(path, key, gen)
-                    if verdict == "ok":
-                        assert header is not None
-                        good.append(((header.epoch, gen, header.seq), path))
-                        continue
-                    counts[verdict] += 1
-                    damaged = True
-                    event(logging.WARNING, f"recover_{verdict}", self.name, key, gen=gen, path=str(path))
-                    path.unlink()
-                    changed = True
-                good.sort()
-                for _, path in good[:-1]:
-                    counts["superseded"] += 1
-                    path.unlink()
-                    changed = True
-                if damaged and not good:
-                    lost.append(key)
-                try:
-                    fence, freed = self._read_marks(key)
-                except CorruptFence:
-                    fences_corrupt.append(key)
-                    fence, freed = None, None
-                if good:
-                    counts["kept"] += 1
-                    top_epoch = good[-1][0][0]
-                    if fence is not None and fence < top_epoch:
-                        # The fence is raised before a rename; repair if not.
-                        self._write_fence(key, top_epoch, freed)
-                elif fence and not damaged:
-                    counts["tombstones"] += 1  # a freed key: only its fence is left
-                if changed:
-                    fsync_dir(d)
+        for bucket in _BUCKETS:
+            d = self.root / bucket
+            by_key: dict[bytes, list[str]] = defaultdict(list)
+            for name in os.listdir(d):
+                key = _key_of(name)
+                if key is not None:
+                    by_key[key].append(name)
+            changed = False
+            for key, names in by_key.items():
+                with self._locked(key):
+                    for name in names:
+                        if name.startswith(TEMP_PREFIX) and self._remove_abandoned(d / name):
+                            counts["uncommitted"] += 1
+                            changed = True
+                    verdict = self._recover_block(key, counts, lost, fences_corrupt)
+                    changed |= verdict == "dropped"
+            if changed:
+                fsync_dir(d)
         with self._mu:
             self._usage = None
         report = RecoveryReport(
             kept=counts["kept"], dropped_corrupt=counts["corrupt"], dropped_truncated=counts["truncated"],
-            dropped_uncommitted=counts["uncommitted"], superseded=counts["superseded"],
-            tombstones=counts["tombstones"], lost=tuple(sorted(lost)), fences_corrupt=tuple(sorted(fences_corrupt)),
+            dropped_uncommitted=counts["uncommitted"], tombstones=counts["tombstones"],
+            lost=tuple(sorted(lost)), fences_corrupt=tuple(sorted(fences_corrupt)),
             seconds=round(time.perf_counter() - started, 6))
         event(logging.INFO, "recovered", self.name, None, directory=str(self.root), kept=report.kept,
               dropped_corrupt=report.dropped_corrupt, dropped_truncated=report.dropped_truncated,
@@ -584,6 +707,34 @@ class SharedPoolTier(Tier):
               tombstones=report.tombstones, lost=len(lost), fences_corrupt=len(fences_corrupt),
               seconds=report.seconds)
         return report
+
+    def _recover_block(self, key: bytes, counts: dict[str, int], lost: list[bytes],
+                       fences_corrupt: list[bytes]) -> str:
+        """Verify the key's block, under its lock: "kept", "dropped" (damaged: removed, its epoch
+        kept in the fence file if its header still tells it), or "none" (no block)."""
+        path = self._block_path(key)
+        try:
+            fence, freed = self._read_marks(key)
+        except CorruptFence:
+            fences_corrupt.append(key)
+            fence, freed = None, None
+        if not path.exists():
+            if fence:
+                counts["tombstones"] += 1  # a freed key: only its fence is left
+            return "none"
+        verdict, header = self._verify_file(path, key)
+        if verdict == "ok":
+            counts["kept"] += 1
+            return "kept"
+        counts[verdict] += 1
+        lost.append(key)
+        event(logging.WARNING, f"recover_{verdict}", self.name, key, path=str(path))
+        if fence is not None and header is not None and header.epoch > fence:
+            # The damaged block carried the key's fence: the file keeps it, durably, before the
+            # block goes (as a free does).
+            self._write_fence(key, header.epoch, freed)
+        path.unlink()
+        return "dropped"
 
     @staticmethod
     def _remove_abandoned(path: Path) -> bool:
