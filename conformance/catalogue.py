@@ -228,7 +228,9 @@ CATALOGUE: tuple[TestCase, ...] = (
     # -- engine ---------------------------------------------------------------------------------------
     # Each test checks its own non-vacuity (it requires the loads it is about to have happened).
     T("KVCC-ENGINE-001", "A prefix one engine computed is reused by another, output unchanged",
-      "After engine A computed a prompt, its full blocks MUST be committed, and the same prompt in another "
+      "After engine A computed a prompt, its full blocks MUST be committed (a save lost to a write lease that "
+      "ran out is made again: A forgets the prompt and serves it again, up to three times), and the same "
+      "prompt in another "
       "namespace (another tenant's cache salt) MUST load none of them; engine B, which never saw the prompt, "
       "and A once it forgot it, MUST load every one of them, and their greedy outputs (tokens and top "
       "log-probabilities) MUST equal the output computed without the cache.",
