@@ -424,13 +424,9 @@ class SharedPoolTier(Tier):
     def _spare_names(self, size: int) -> Iterator[str]:
         """Names in spares/ of files of ``size`` bytes, popped from this process's list (refilled by
         its own frees, and by listing the directory at most every ``USAGE_REFRESH_S``)."""
-        now = time.monotonic()
         with self._mu:
-            if not self._spares[size] and now - self._spares_listed >= USAGE_REFRESH_S:
-                self._spares_listed = now
-                self._spares.clear()
-                for name in os.listdir(self.root / SPARES_DIR):
-                    self._spares[_spare_size(name)].append(name)
+            if not self._spares[size]:
+                self._list_spares()
         while True:
             with self._mu:
                 if not self._spares[size]:
@@ -438,16 +434,30 @@ class SharedPoolTier(Tier):
                 name = self._spares[size].pop()
             yield name
 
+    def _list_spares(self) -> None:
+        """Refill this process's view of spares/ from the directory, at most every
+        ``USAGE_REFRESH_S`` (the caller holds ``_mu``): between listings it is adjusted by this
+        process's own frees and takes, as ``used_bytes`` is."""
+        now = time.monotonic()
+        if now - self._spares_listed >= USAGE_REFRESH_S:
+            self._spares_listed = now
+            self._spares.clear()
+            for name in os.listdir(self.root / SPARES_DIR):
+                self._spares[_spare_size(name)].append(name)
+
     def _retire(self, path: Path, size: int) -> None:
         """Take a block file off its published name, under its key's lock: into spares/ while they
-        hold less than ``spare_bytes``, else unlinked. Either way the name is gone in one step."""
-        spares = self.root / SPARES_DIR
-        held = sum(_spare_size(name) for name in os.listdir(spares))
+        hold less than ``spare_bytes`` (a soft bound across processes, as ``capacity_bytes`` is:
+        counted on this process's view of spares/, not a listing per free), else unlinked. Either
+        way the name is gone in one step."""
+        with self._mu:
+            self._list_spares()
+            held = sum(n * len(names) for n, names in self._spares.items())
         if held + size > self.spare_bytes:
             path.unlink()
             return
         name = f"{size}-{os.getpid()}-{secrets.token_hex(6)}"
-        os.rename(path, spares / name)
+        os.rename(path, self.root / SPARES_DIR / name)
         with self._mu:
             self._spares[size].append(name)
 
