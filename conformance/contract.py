@@ -531,7 +531,9 @@ class Adapter(abc.ABC):
         parent's, ``kvcc.spec.keys``: one key under two parents is a forged or broken key, and a
         grant would move it to another chain -- even once it is ABSENT again), ``not_absent``
         if the key is not ABSENT (WRITING, COMMITTED or INVALIDATING), ``parent_not_committed``
-        if the parent is not COMMITTED in the same namespace.
+        if the parent is not COMMITTED in the same namespace. A shard of a sharded directory
+        (docs/sharding.md) refuses ``wrong_shard`` before all of these: a root (``parent``
+        ``None``) whose chain another shard owns (``kvcc.spec.keys.shard_of``).
         Must not: make the key readable before ``commit``; refuse for a restarted directory's
         grace period (the spec grants writes of ABSENT keys during it: no lease it forgot can be
         on an ABSENT key).

@@ -233,6 +233,7 @@ from kvcc.spec.vocabulary import (
     REASON_LOCATION_DOWN,
     REASON_PARENT_NOT_COMMITTED,
     REASON_UNAUTHORIZED,
+    REASON_WRONG_SHARD,
     WRITER,
     location_host,
     taken_by,
@@ -290,7 +291,8 @@ HOLDER_EVENTS, WRITER_EVENTS, LOCATION_EVENTS = taken_by(HOLDER), taken_by(WRITE
 # Refusals for reasons the one-key model has no rule for: each is replayed as the request's loss.
 _DROPPING_REFUSALS = {
     "refuse_read_lease": (REASON_UNAUTHORIZED, REASON_PARENT_NOT_COMMITTED),
-    "refuse_write_lease": (REASON_UNAUTHORIZED, REASON_PARENT_NOT_COMMITTED, REASON_LOCATION_DOWN, REASON_KEY_IDENTITY),
+    "refuse_write_lease": (REASON_UNAUTHORIZED, REASON_PARENT_NOT_COMMITTED, REASON_LOCATION_DOWN, REASON_KEY_IDENTITY,
+                           REASON_WRONG_SHARD),
 }
 FAILURE_EVENTS = frozenset({"crash", "restart_node", "restart_directory", "declare_node_down"})
 assert DIRECTORY_EVENTS | HOLDER_EVENTS | WRITER_EVENTS | LOCATION_EVENTS | FAILURE_EVENTS == set(EVENTS)
@@ -1249,7 +1251,8 @@ class _Replay:
                     out.append((s2, b, lab, p, s))
         if name in ("refuse_read_lease", "refuse_write_lease") and ev.get("result") in _DROPPING_REFUSALS[name]:
             # A refusal for a reason outside the one-key model (tenant, parent; for a write, a key
-            # named under another parent than its own (``key_identity``), or no
+            # named under another parent than its own (``key_identity``), a root written to a
+            # shard that does not own its chain (``wrong_shard``, docs/sharding.md), or no
             # location the writer may write to is up: the spec's directory grants no write then,
             # and its request waits or is lost): the request is consumed and nothing else
             # changes -- the spec's ``drop``, the writer then giving up.

@@ -31,6 +31,9 @@ produces (canonical, definite, no floats, no tags, no trailing bytes), under exp
 nesting depth, item counts and string lengths, and reports every refusal as ``CborError``. Any
 garbage input raises ``CborError`` and nothing else.
 
+``shard_of`` names the shard of a sharded directory that owns a chain: a hash of the chain's
+root key, computed the same way everywhere (docs/sharding.md).
+
 Generations, epochs, lease ids, node and location ids are plain ints and strings on the wire; the
 ``NewType`` names below say which is which in signatures.
 
@@ -465,3 +468,35 @@ def chain_keys(
         parent = BlockKey._chain(ns_digest, block_tokens, parent, tokens[start : start + block_tokens])
         keys.append(parent)
     return keys
+
+
+# -- shards ---------------------------------------------------------------------------------------
+# docs/sharding.md: a sharded directory is N whole directories, each owning the chains whose root
+# hashes to it. A chain lives in its root's shard -- every rule that spans keys (a COMMITTED
+# parent, an invalidation's subtree, leaves evicted first) spans one chain, so each stays one
+# shard's decision. The root's digest already chains over its namespace; the domain prefix keeps
+# this hash apart from every other use of a key's digest.
+SHARD_DOMAIN = b"kvcc shard\0"
+SHARD_HASH_BYTES = 8  # the leading bytes of the SHA-256 read as a big-endian int
+
+
+def shard_of(root_digest: bytes, shards: int) -> int:
+    """The shard, in ``0 .. shards - 1``, that owns the chain whose root block's digest is
+    ``root_digest`` (``BlockKey.digest`` of the block with parent ``None``)::
+
+        int.from_bytes(SHA-256(b"kvcc shard\\0" + root_digest)[:8], "big") % shards
+
+    Pure and total over its domain, and the same in every process and language (like the key
+    itself), so a client, a cache node and every shard agree on a chain's shard without asking.
+    Raises ``TypeError`` for a digest that is not ``bytes`` or a shard count that is not an
+    ``int``, ``ValueError`` for a digest that is not ``DIGEST_BYTES`` long or fewer than one shard."""
+    if not isinstance(root_digest, bytes):
+        raise TypeError(f"a root digest is bytes, not {type(root_digest).__name__}")
+    if len(root_digest) != DIGEST_BYTES:
+        raise ValueError(f"a root digest is {DIGEST_BYTES} bytes, not {len(root_digest)}")
+    if type(shards) is not int:  # not a bool either: True shards is a bug, not one shard
+        raise TypeError(f"the shard count is an int, not {type(shards).__name__}")
+    if shards < 1:
+        raise ValueError(f"the shard count is at least 1, got {shards}")
+    head = hashlib.sha256(SHARD_DOMAIN + root_digest).digest()[:SHARD_HASH_BYTES]
+    return int.from_bytes(head, "big") % shards

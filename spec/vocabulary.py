@@ -72,12 +72,13 @@ REASON_DRAINING_FIRST = "draining_first"  # the owner copy is the last one: the 
 REASON_LOCATION_DOWN = "location_down"  # the copy is on a node the directory has declared down
 REASON_NOT_TRANSFERABLE = "not_transferable"  # a transfer the directory did not start (not COMMITTED, one under way, another node's copy)
 REASON_KEY_IDENTITY = "key_identity"  # begin_write naming another parent than the key's: its digest chains over its parent's
+REASON_WRONG_SHARD = "wrong_shard"  # a root written to a shard that does not own it (docs/sharding.md: keys.shard_of)
 DIRECTORY_REASONS = (
     REASON_NOT_COMMITTED, REASON_INVALIDATING, REASON_NOT_ABSENT, REASON_PARENT_NOT_COMMITTED,
     REASON_UNAUTHORIZED, REASON_UNKNOWN_LEASE, REASON_STALE_EPOCH, REASON_LEASE_EXPIRED,
     REASON_LEASED, REASON_HAS_CHILDREN, REASON_RESTARTING, REASON_NOT_FOUND, REASON_WRONG_GENERATION,
     REASON_ALREADY_LEASED, REASON_NOT_OWNER, REASON_DRAINING_FIRST, REASON_LOCATION_DOWN, REASON_NOT_TRANSFERABLE,
-    REASON_KEY_IDENTITY,
+    REASON_KEY_IDENTITY, REASON_WRONG_SHARD,
 )  # fmt: skip
 # ... and what a holder, a writer or a location refuses with on its own, without the directory.
 REASON_BUSY = "busy"  # this client already has a request or a write of that key under way

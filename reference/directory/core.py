@@ -34,6 +34,10 @@ spec's state (``spec/layout.py``):
   reserved in blocks of ``lease_id_block``: the high-water mark ``lease_id_limit`` is made durable
   (``ReserveLeaseIds``) *before* any id below it is handed out, and a restarted directory starts
   at the durable mark, so ids are never reused (protocol property 8), whatever was lost in the crash.
+  Shard ``i`` of a sharded directory (``DirectoryConfig.shard``/``shards``, docs/sharding.md)
+  hands out only the ids congruent to ``i`` modulo ``shards``, stepping by ``shards``, and a
+  restarted shard starts at the first of them at or above its durable mark: ids are then unique
+  across the shards too. With one shard that is every id, in order.
 - ``grace_until_ms`` is ``directory.restart_grace_left``: after ``restarted`` the directory frees
   nothing for ``rules.restart_grace`` (term + 2 epsilon), the longest lease it may have issued
   plus the skew its own clock may have gathered (protocol property 12).
@@ -66,9 +70,10 @@ duplicated (network weather: an ``Emit`` of an ``ignore_*`` event, which is a di
 spec action, and no state change); then a rule decides; then the handler asserts what must now
 hold. A peer that breaks the protocol in a way no network can (a ticket never issued, a message
 the directory does not take) gets ``PeerViolation``; a key claimed under a second parent is refused
-(``key_identity``: the writer's session goes on, nothing changes); a request for a namespace its tenant may not use, where the reply
-has no refusal to carry it (``Lookup``, ``Invalidate``), gets ``Unauthorized``. Anything else that
-goes wrong is our bug: an ``AssertionError``.
+(``key_identity``: the writer's session goes on, nothing changes), and so is a root write to a
+shard that does not own its chain (``wrong_shard``, docs/sharding.md); a request for a namespace
+its tenant may not use, where the reply has no refusal to carry it (``Lookup``, ``Invalidate``),
+gets ``Unauthorized``. Anything else that goes wrong is our bug: an ``AssertionError``.
 
 Event names are the spec's action names (``kvcc.reference.events.EVENTS``), except the
 ``ignore_*`` diagnostics and the ``PROPOSED_EVENTS`` (logged once the spec names them); extra
@@ -86,7 +91,7 @@ from typing import Any, Union
 import attrs
 from attrs import field, frozen
 
-from kvcc.spec.keys import BlockKey, LeaseId, LocationId, NamespaceDigest, NodeId
+from kvcc.spec.keys import BlockKey, LeaseId, LocationId, NamespaceDigest, NodeId, shard_of
 from kvcc.spec.rules import (
     ABSENT,
     COMMITTED,
@@ -133,6 +138,7 @@ from kvcc.spec.vocabulary import (
     REASON_UNAUTHORIZED,
     REASON_UNKNOWN_LEASE,
     REASON_WRONG_GENERATION,
+    REASON_WRONG_SHARD,
     SCOPE_KEY,
     SCOPE_NAMESPACE,
     location_host,
@@ -217,7 +223,13 @@ class DirectoryConfig:
     ``disconnected_down_after_ms`` (default: the lease term, the spec's failure-detection time:
     a node's registration is a lease of one term), or once it has been silent on an open
     connection for ``node_down_after_ms`` (a stopped or hung process: longer, since the spec
-    declares only crashed nodes and a paused one comes back)."""
+    declares only crashed nodes and a paused one comes back).
+
+    ``shard`` / ``shards``: this directory is shard ``shard`` of ``shards`` (docs/sharding.md). It
+    owns the chains whose root ``keys.shard_of`` maps to ``shard`` (a root write of another shard's
+    chain is refused ``wrong_shard``) and hands out the lease ids congruent to ``shard`` modulo
+    ``shards``, so that ids stay unique across the deployment and every check naming a lease by
+    id alone holds unchanged. ``shards == 1`` (the default) is the one directory, exactly."""
 
     lease_term_ms: int = field(default=10_000, validator=_positive)
     skew_ms: int = SKEW_MS_DEFAULT
@@ -232,8 +244,12 @@ class DirectoryConfig:
     # that a restart waits only for the leases outstanding (``restarted``'s ``lease_horizon_ms``).
     # None: not mirrored (a restart waits the full grace).
     lease_mirror_bucket_ms: int | None = None
+    shard: int = 0
+    shards: int = field(default=1, validator=_positive)
 
     def __attrs_post_init__(self) -> None:
+        if type(self.shard) is not int or not 0 <= self.shard < self.shards:
+            raise ValueError(f"shard must be an int in 0 .. shards - 1 ({self.shards - 1}), got {self.shard!r}")
         if type(self.skew_ms) is not int or not 0 <= self.skew_ms < self.lease_term_ms:
             raise ValueError("skew_ms must be an int in 0 .. lease_term_ms - 1: a holder must keep a positive budget")
         if self.free_retry_first_ms > self.free_retry_max_ms:
@@ -268,6 +284,14 @@ class DirectoryConfig:
 
     def invalidation_deadline_ms(self, restarts: int = 0) -> int:
         return invalidation_deadline(self.lease_term_ms, self.skew_ms, restarts)
+
+
+def own_lease_id_from(at_least: int, shard: int, shards: int) -> int:
+    """The first lease id at or above ``at_least`` that shard ``shard`` of ``shards`` may hand out:
+    the ids congruent to ``shard`` modulo ``shards`` (docs/sharding.md). ``at_least`` itself with
+    one shard."""
+    assert 0 <= shard < shards
+    return at_least + (shard - at_least) % shards
 
 
 # -- state --------------------------------------------------------------------------------------------
@@ -526,6 +550,9 @@ class DirectoryCore:
 
     def _reset(self, records: Iterable[Record], next_lease_id: int, now_ms: int) -> None:
         assert next_lease_id >= FIRST_LEASE_ID
+        # The durable mark may be any id (another shard count's, or a block boundary): start at
+        # this shard's first id at or above it, never below it (protocol property 8).
+        next_lease_id = own_lease_id_from(next_lease_id, self.config.shard, self.config.shards)
         self.now_ms = now_ms
         self.records: dict[BlockKey, Record] = {}
         self._children: dict[BlockKey, set[BlockKey]] = {}
@@ -843,13 +870,17 @@ class DirectoryCore:
 
     def _allocate_lease_id(self, effects: list[Effect]) -> int:
         """A fresh lease id. The high-water mark goes to the durable log first (``ReserveLeaseIds``
-        precedes the reply carrying the id), so no restart can hand it out again (protocol property 8)."""
+        precedes the reply carrying the id), so no restart can hand it out again (protocol property 8).
+        A shard hands out only its own residue class, one id in ``shards``: a block reserves
+        ``lease_id_block`` of its own ids, and ids stay unique across the shards."""
+        shards = self.config.shards
         if self.next_lease_id >= self.lease_id_limit:
-            self.lease_id_limit = self.next_lease_id + self.config.lease_id_block
+            self.lease_id_limit = self.next_lease_id + self.config.lease_id_block * shards
             effects.append(ReserveLeaseIds(self.lease_id_limit))
         lease = self.next_lease_id
-        self.next_lease_id += 1
+        self.next_lease_id += shards
         assert FIRST_LEASE_ID <= lease < self.lease_id_limit
+        assert lease % shards == self.config.shard, "a shard hands out only its own ids"
         return lease
 
     def _mirror(self, expires_at_ms: int, effects: list[Effect]) -> None:
@@ -904,6 +935,15 @@ class DirectoryCore:
 
     def _begin_write(self, msg: BeginWrite, tenant: str, effects: list[Effect]) -> Any:
         rec = self.records.get(msg.key)
+        if msg.parent is None and self.config.shards > 1 and shard_of(msg.key.digest, self.config.shards) != self.config.shard:
+            # A chain lives in its root's shard (docs/sharding.md), and this shard does not own
+            # this one: it decides nothing about it, and a client routing with another shard
+            # count learns so here. Refused first, nothing changed -- no record, no lease id.
+            # A child needs no such check: it is refused ``parent_not_committed`` in any shard
+            # but its parent's, hence its root's. Outside the one-key model, like
+            # ``key_identity``: each shard is the spec's one directory over its own keys.
+            self._emit(effects, "refuse_write_lease", rec, key=msg.key, result=REASON_WRONG_SHARD, writer=msg.node)
+            return LeaseRefused(msg.node, msg.key, msg.request, REASON_WRONG_SHARD)
         authorized = self._authorized(tenant, msg.namespace) and (rec is None or rec.namespace == msg.namespace)
         if authorized and rec is not None and rec.parent != msg.parent:
             # A key's digest chains over its parent's: one key under two parents is a forged or
@@ -1527,12 +1567,14 @@ class DirectoryCore:
             assert entry.gen == rec.gen, "NoStaleRead: a lease names the current generation"
             assert entry.location in (rec.owner, rec.draining), "DirectoryDataAgreement: a lease is on a copy"
             assert lease < self.next_lease_id <= self.lease_id_limit, "LeaseIdsFresh"
+            assert lease % self.config.shards == self.config.shard, "LeaseIdsFresh: this shard's ids only"
             assert self._authorized(entry.tenant, rec.namespace), "NamespaceIsolation"
         for key, rec in self.records.items():
             if rec.phase in (WRITING, COMMITTED) and rec.parent is not None:
                 assert self.phase_of(rec.parent) == COMMITTED, "PrefixClosed"
             if rec.phase == WRITING:
                 assert rec.write_lease < self.next_lease_id, "LeaseIdsFresh"
+                assert rec.write_lease % self.config.shards == self.config.shard, "LeaseIdsFresh: this shard's ids only"
             if rec.phase == INVALIDATING and not self.in_grace:
                 assert self._leases_on_key.get(key), "an invalidation with no lease left has completed"
             for loc, _ in rec.to_free:
