@@ -500,7 +500,7 @@ class CacheNode:
         tier = self._tier(msg.location)
         if tier is None:
             return ReadRefused(msg.node, msg.key, msg.location, "not_here")
-        data = await asyncio.to_thread(tier.read, msg.key.digest, msg.gen)
+        data, fence = await asyncio.to_thread(self._read_and_fence, tier, msg.key.digest, msg.gen)
         self.stats["reads"] += 1
         if data is None:
             self.stats["misses"] += 1
@@ -508,7 +508,14 @@ class CacheNode:
             return ReadRefused(msg.node, msg.key, msg.location, REASON_MISS)
         if self.counts is not None:
             self.counts.read_bytes[msg.location] += len(data)
-        return BytesRead(msg.location, msg.key, msg.gen, tier.fence(msg.key.digest), data)
+        return BytesRead(msg.location, msg.key, msg.gen, fence, data)
+
+    @staticmethod
+    def _read_and_fence(tier: Tier, digest: bytes, gen: int) -> tuple[Any, int]:
+        """The block's bytes (None: a miss) and then the key's fence, both off the event loop: a
+        file tier's fence is a read of its block's header and its fence file."""
+        data = tier.read(digest, gen)
+        return data, (tier.fence(digest) if data is not None else 0)
 
     async def _report_lost(self, msg: ReadBytes) -> None:
         """A read the directory granted found no valid bytes here (gone, or failing their

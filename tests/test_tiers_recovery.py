@@ -238,8 +238,8 @@ def test_pool_recovery(tmp_path, caplog):
 
 
 def _crash_on_bucket_fsync(monkeypatch, tier):
-    """Make the pool 'crash' at its next fsync of a bucket: after the rename that publishes a
-    block (or the unlink that frees one), before it is durable or answered."""
+    """Make the pool 'crash' at its next fsync of a bucket: after the rename that frees a block,
+    before it is durable or answered."""
     from kvcc.reference.tiers import pool
 
     def fsync_dir(path):
@@ -251,32 +251,75 @@ def _crash_on_bucket_fsync(monkeypatch, tier):
     monkeypatch.setattr(pool, "fsync_dir", fsync_dir)
 
 
-def test_pool_crash_after_publish_before_flush(tmp_path, monkeypatch):
-    """The rename that publishes a block replaces the previous generation and carries the fence in
-    the same step: a crash after it leaves the new block with its fence or, if the rename was not
-    yet durable, the previous block with its own; never a key without either."""
+def _undo_publish(tier, key: bytes, to: Path, previous: Path | None = None) -> None:
+    """What a power cut does to a write acknowledged before its rename was flushed: the block goes
+    back off its name (to ``to``: its temp name, or spares/ for a reused spare), and the name holds
+    the previous generation again (``previous``, a copy of it) or nothing."""
+    os.rename(tier._block_path(key), to)
+    if previous is not None:
+        shutil.copy(previous, tier._block_path(key))
+
+
+def test_pool_crash_undoing_an_acknowledged_publish_loses_nothing(tmp_path):
+    """A write is acknowledged once its bytes are synced and its rename done, before the rename is
+    flushed. A power cut that undoes the rename leaves the block whole off its name -- under its
+    temp name, or back in spares/ when it reused a spare -- and the previous generation at the name:
+    recovery publishes it again, with its fence. A file a write would not publish now is not: one
+    of an older epoch than the published block, one at or under the key's freed mark (a freed
+    block's spare among them), a torn one."""
     tier = make("pool", tmp_path)
+    bucket = tier._bucket(K(1))
     assert tier.write(K(1), 1, 2, payload(K(1), 1, 5000)) == Stored(5000)
     shutil.copy(tier._block_path(K(1)), tmp_path / "gen1")
-    _crash_on_bucket_fsync(monkeypatch, tier)
-    with pytest.raises(SimulatedCrash):
-        tier.write(K(1), 2, 5, payload(K(1), 2, 5000))  # not acknowledged
-    with pytest.raises(SimulatedCrash):
-        tier.write(K(2), 1, 3, payload(K(2), 1, 700))  # a fresh key, not acknowledged
-    monkeypatch.undo()
+    assert tier.write(K(1), 2, 5, payload(K(1), 2, 5000)) == Stored(5000)
+    _undo_publish(tier, K(1), bucket / f".tmp-{K(1).hex()}-1-undone", previous=tmp_path / "gen1")
+    # A reused spare: K(2)'s freed file rewritten in place for K(3); both renames undone.
+    assert tier.write(K(2), 1, 3, payload(K(2), 1, 5000)) == Stored(5000)
+    assert tier.free(K(2), 3) == Freed()
+    [spare] = os.listdir(tier.root / "spares")
+    assert tier.write(K(3), 1, 4, payload(K(3), 1, 5000)) == Stored(5000)
+    assert os.listdir(tier.root / "spares") == [], "the write took the spare"
+    _undo_publish(tier, K(3), tier.root / "spares" / spare)
+    # Not to publish: an older epoch than K(1)'s published block; a block of K(4)'s freed epoch; a
+    # torn block of K(5).
+    shutil.copy(tmp_path / "gen1", bucket / f".tmp-{K(1).hex()}-1-older")
+    assert tier.write(K(4), 1, 6, payload(K(4), 1, 3000)) == Stored(3000)
+    shutil.copy(tier._block_path(K(4)), tmp_path / "k4")
+    assert tier.free(K(4), 6) == Freed()
+    shutil.copy(tmp_path / "k4", tier._bucket(K(4)) / f".tmp-{K(4).hex()}-1-freed")
+    assert tier.write(K(5), 1, 2, payload(K(5), 1, 3000)) == Stored(3000)
+    corrupt("pool", tier, K(5), 1, 99)
+    _undo_publish(tier, K(5), tier._bucket(K(5)) / f".tmp-{K(5).hex()}-1-torn")
+
     tier = reopen("pool", tier, tmp_path)
     r = tier.recovery
-    assert (r.kept, r.lost, r.dropped_uncommitted, r.dropped_corrupt) == (2, (), 0, 0)
+    assert (r.republished, r.dropped_uncommitted, r.lost, r.dropped_corrupt) == (2, 3, (), 0)
     assert tier.read(K(1), 2) == payload(K(1), 2, 5000)
     assert tier.read_into(K(1), 1, bytearray(5000)) == Miss(MissReason.OTHER_GENERATION)
     assert tier.fence(K(1)) == 5 and tier.write(K(1), 3, 4, b"stale") == Fenced(5)
-    assert tier.read(K(2), 1) == payload(K(2), 1, 700) and tier.fence(K(2)) == 3
+    assert tier.read(K(3), 1) == payload(K(3), 1, 5000) and tier.fence(K(3)) == 4
+    assert tier.read(K(2), 1) is None and tier.read(K(4), 1) is None and tier.fence(K(4)) == 6
+    assert tier.read(K(5), 1) is None
+    assert not [n for b in (bucket, tier._bucket(K(4)), tier._bucket(K(5))) for n in os.listdir(b)
+                if n.startswith(".tmp")]
     assert not tier._fence_path(K(1)).exists(), "a write writes no fence file"
-    # As if the power cut had taken the rename too: the previous generation, whole, with its fence.
+    assert tier.recover().republished == 0, "nothing left to publish"
+    tier.close()
+
+
+def test_pool_crash_with_a_write_unfinished_keeps_the_previous_block(tmp_path):
+    """A write whose bytes are not all there when the crash comes (never acknowledged) is dropped;
+    the key keeps its previous block and fence."""
+    tier = make("pool", tmp_path)
+    assert tier.write(K(1), 1, 2, payload(K(1), 1, 5000)) == Stored(5000)
+    shutil.copy(tier._block_path(K(1)), tmp_path / "gen1")
+    assert tier.write(K(1), 2, 5, payload(K(1), 2, 5000)) == Stored(5000)
+    half = tier._block_path(K(1)).read_bytes()[:PAGE_BYTES + 2000]  # gen 2's header, part of its bytes
     shutil.copy(tmp_path / "gen1", tier._block_path(K(1)))
+    (tier._bucket(K(1)) / f".tmp-{K(1).hex()}-1-half").write_bytes(half)
     tier = reopen("pool", tier, tmp_path)
-    assert tier.recovery.kept == 2 and tier.read(K(1), 1) == payload(K(1), 1, 5000)
-    assert tier.fence(K(1)) == 2
+    assert (tier.recovery.republished, tier.recovery.dropped_uncommitted) == (0, 1)
+    assert tier.read(K(1), 1) == payload(K(1), 1, 5000) and tier.fence(K(1)) == 2
     tier.close()
 
 

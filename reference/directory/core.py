@@ -935,7 +935,8 @@ class DirectoryCore:
 
     def _begin_write(self, msg: BeginWrite, tenant: str, effects: list[Effect]) -> Any:
         rec = self.records.get(msg.key)
-        if msg.parent is None and self.config.shards > 1 and shard_of(msg.key.digest, self.config.shards) != self.config.shard:
+        shards = self.config.shards
+        if msg.parent is None and shards > 1 and shard_of(msg.key.digest, shards) != self.config.shard:
             # A chain lives in its root's shard (docs/sharding.md), and this shard does not own
             # this one: it decides nothing about it, and a client routing with another shard
             # count learns so here. Refused first, nothing changed -- no record, no lease id.

@@ -179,12 +179,14 @@ class RecoveryReport:
     """What a recovery scan found. ``lost`` lists keys whose block was there but failed
     verification (the node must tell the directory those copies are lost); ``fences_corrupt`` lists
     keys whose fence could not be read back (the node must ``restore_fences`` them from the
-    directory before writing or freeing them)."""
+    directory before writing or freeing them). ``republished`` counts whole blocks found off their
+    name (a publish a crash undid) and published again, as their write would have."""
 
     kept: int = 0
     dropped_corrupt: int = 0
     dropped_truncated: int = 0
     dropped_uncommitted: int = 0
+    republished: int = 0
     superseded: int = 0
     tombstones: int = 0
     journal_records: int = 0

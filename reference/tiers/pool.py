@@ -20,7 +20,8 @@ process that opens the pool, so that a write never makes a directory::
 What a write costs the filesystem decides its speed: a new file's blocks are allocated, and its
 ``fdatasync`` then commits the journal, as every ``rename`` made durable does; rewriting allocated
 blocks in place needs no commit. So a write adds no directory and no fence file, and reuses a
-freed block's file when one of its size is spare: one journal commit (its ``rename``) a block.
+freed block's file when one of its size is spare: then no journal commit of its own (its
+``rename`` is not flushed: see *Write*).
 
 **The fence** of a key is the higher of its fence file's epoch (0 without one) and the epoch in
 the header of its block: a block carries its own fence, so a write adds no file and no flush for
@@ -38,13 +39,19 @@ still holds, or that is linked anywhere else too, is not taken), else a new file
 read the fence, refuse a lower epoch, or one at or below the key's freed mark
 (``rules.slot_accepts``; the temp file is removed: no state changed), and ``rename`` the temp
 file over ``<hex>`` (the atomic publish: bytes, generation and fence together, replacing the
-previous generation in the same step). The bucket is fsynced after the lock is released, and
-``Stored`` is answered only after that fsync: what it acknowledges (bytes, name, fence) is
-durable. A crash before the fsync leaves the previous block or the new one, whole, and nothing
-else changed (the fence, carried by the block, moves with it); a decision another writer or a
-free took on the new block meanwhile is at or above its epoch, so losing the block can only leave
-such a decision stricter than needed, never an acknowledged write or fence behind. The
-check-fence-then-publish runs under the lock, so fencing holds across processes.
+previous generation in the same step). ``Stored`` is answered then, with no flush of the bucket:
+the bytes are durable (the ``fdatasync``), the rename is not yet. A crash that undoes it leaves
+the new block whole, off its name -- under its temp name, or, for a reused spare whose rename out
+of ``spares/`` was undone too, back in ``spares/`` -- and the previous block, if any, at the name.
+Recovery publishes such a file again exactly when the write would publish it now
+(``_publishable``: every payload byte checked, the key's marks accept its epoch, and that epoch
+is above the published block's), so what ``Stored`` acknowledges (bytes, fence) is never lost: a
+crash delays the publish to the next open. Publishing a block late is what the fence rules
+already allow at any moment (a paused writer's bytes landing late: a free or a newer write in
+between has raised the marks, and then it is refused). The renames become durable with the next
+journal commit (a new file's ``fdatasync``, a free's flush, the filesystem's interval), so a
+write costs no journal commit of its own when it reuses a spare. The check-fence-then-publish
+runs under the lock, so fencing holds across processes.
 
 **Read** takes no lock of the key: it opens ``<hex>``, takes a shared flock on the file (without
 waiting), and checks that ``<hex>`` still names it. While it holds the flock the file's bytes stay
@@ -67,12 +74,15 @@ answered, and its retry removes it. Unlike the SlotTiers' mark, which is volatil
 survives restarts with the fence (a fence file of the earlier format, without a mark, reads as
 none).
 
-**Recovery** (on open, and ``recover()``): per key, under its lock, removes temp files whose
-writer is gone (a block's temp file is flocked by its writer; a fence file's is written under the
-key's lock), and removes a block that fails verification (after raising the fence file to its
-header's epoch, if the header still reads). A fence file that cannot be read back is reported, not
-guessed: writes and frees of that key raise ``CorruptFence`` until ``restore_fences`` sets it.
-Spares need no recovery: one is only ever rewritten after a writer took it off ``spares/``.
+**Recovery** (on open, and ``recover()``): first the spares that hold a block a write would
+publish (a power cut undid a reused spare's renames after its bytes were synced; a freed block's
+file never qualifies: its free made the freed mark durable first) are published. Then per key,
+under its lock, each temp file whose writer is gone (a block's temp file is flocked by its
+writer; a fence file's is written under the key's lock) is published if it qualifies the same
+way, else removed; and a block that fails verification is removed (after raising the fence file
+to its header's epoch, if the header still reads). A fence file that cannot be read back is
+reported, not guessed: writes and frees of that key raise ``CorruptFence`` until
+``restore_fences`` sets it (its temp files are kept until then).
 
 I/O uses ``O_DIRECT`` where the filesystem allows it (as the NVMe tier does; on a network
 filesystem this also keeps a host from reading stale cached pages), else buffered I/O + fsync.
@@ -211,7 +221,10 @@ class SharedPoolTier(Tier):
         # Every process, not only the one that made them: a bucket another process has just made
         # may not be durable yet, and no write of ours may be acknowledged in it before it is.
         fsync_dir(self.root)
-        os.close(os.open(self.root / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644))
+        self._bucket_dirs = [str(self.root / bucket) for bucket in _BUCKETS]
+        self._spares_str = str(self.root / SPARES_DIR)
+        self._lock_str = str(self.root / LOCK_NAME)
+        os.close(os.open(self._lock_str, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644))
         self._capacity = capacity_bytes
         self.spare_bytes = min(capacity_bytes // 4, DEFAULT_SPARE_BYTES) if spare_bytes is None else spare_bytes
         self._spares: dict[int, list[str]] = defaultdict(list)  # by file size: names seen in spares/
@@ -238,12 +251,20 @@ class SharedPoolTier(Tier):
     def _fence_path(self, key: bytes) -> Path:
         return self._bucket(key) / f"{key.hex()}{FENCE_SUFFIX}"
 
+    # The same paths as strings, for the per-call paths (a ``Path`` costs microseconds to build).
+
+    def _bucket_str(self, key: bytes) -> str:
+        return self._bucket_dirs[key[0]]
+
+    def _block_str(self, key: bytes) -> str:
+        return f"{self._bucket_dirs[key[0]]}/{key.hex()}"
+
     @contextmanager
     def _locked(self, key: bytes) -> Iterator[None]:
         """The key's lock: an open-file-description lock on one byte of the pool's lock file (at an
         offset taken from the key), exclusive between threads as between processes, released when
         the descriptor is closed (also when its process dies)."""
-        fd = os.open(self.root / LOCK_NAME, os.O_RDWR | os.O_CLOEXEC)
+        fd = os.open(self._lock_str, os.O_RDWR | os.O_CLOEXEC)
         try:
             start = int.from_bytes(key[:8], "little") >> 1  # an off_t: below 2**63
             fcntl.fcntl(fd, fcntl.F_OFD_SETLKW, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, start, 1, 0))
@@ -263,18 +284,26 @@ class SharedPoolTier(Tier):
         the file after: the file only rises, and a free writes the block's epoch to it before it
         removes the block, so the fence read is one the key had during the call. Needs no lock;
         raises ``CorruptFence`` as ``_read_marks`` does."""
-        header = self._block_header(key)
-        carried = header.epoch if header is not None else 0
+        return self._marks_sized(key)[:2]
+
+    def _marks_sized(self, key: bytes) -> tuple[int, int | None, int]:
+        """``_marks`` and the size of the key's block file (0 without one)."""
+        header, size = self._published(self._block_str(key))
+        carried = header.epoch if header is not None and header.key == key else 0
         fence, freed = self._read_marks(key)
-        return max(fence, carried), freed
+        return max(fence, carried), freed, size
 
     def _read_marks(self, key: bytes) -> tuple[int, int | None]:
         """(fence, the highest epoch freed or None) from the key's fence file alone; (0, None)
         without one. The key's fence also counts its block's epoch: see ``_marks``."""
         try:
-            raw = self._fence_path(key).read_bytes()
+            fd = os.open(f"{self._bucket_dirs[key[0]]}/{key.hex()}{FENCE_SUFFIX}", os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             return 0, None
+        try:
+            raw = os.read(fd, _FENCE.size + 5)
+        finally:
+            os.close(fd)
         for form in (_FENCE, _FENCE_V1):
             if len(raw) == form.size + 4 and zlib.crc32(raw[:form.size]) == int.from_bytes(raw[form.size:], "little"):
                 magic, epoch, *freed = form.unpack(raw[:form.size])
@@ -317,19 +346,15 @@ class SharedPoolTier(Tier):
         n = src.nbytes
         with self._mu:
             self._check_open()
-        try:
-            fence, freed = self._marks(key)  # an early refusal; the check that counts is under the lock
-        except CorruptFence:
-            fence, freed = 0, None
-        if not _accepts(epoch, fence, freed):
-            return Fenced(fence)
         size = PAGE_BYTES + round_up(n)
         if self.used_bytes + size > self._capacity:
             return NoSpace(n)
-        bucket = self._bucket(key)
-        tmp: Path | None
+        # No fence check before the bytes are written: the one that decides is under the key's
+        # lock, and a stale writer (rare) only costs its own I/O.
+        bucket, tag = self._bucket_str(key), key.hex()
+        tmp: str | None
         fd: int | None
-        tmp, fd = self._take_spare(bucket, key.hex(), size) or self._create_temp(bucket, key.hex())
+        tmp, fd = self._take_spare(bucket, tag, size) or self._create_temp(bucket, tag)
         replaced = 0
         try:
             with self._buffers.get(size) as buf:
@@ -343,22 +368,22 @@ class SharedPoolTier(Tier):
                 pwrite_all(fd, buf[:size], 0)
             os.fdatasync(fd)  # the data and the file size, before the file has a name
             with self._locked(key):
-                fence, freed = self._marks(key)
+                fence, freed, replaced = self._marks_sized(key)
                 if not _accepts(epoch, fence, freed):
                     # A stale writer; or bytes of a generation already freed here, landing late.
                     return Fenced(fence)  # the finally removes the temp file: nothing changed
-                final = self._block_path(key)
-                try:
-                    replaced = final.stat().st_size
-                except FileNotFoundError:
-                    pass
+                final = f"{bucket}/{tag}"
                 # The publish: the bytes, their generation and the fence their header carries, in
                 # place of the previous generation.
                 os.rename(tmp, final)
                 tmp = None
                 os.close(fd)  # drops our flock: readers of the new block wait for it
                 fd = None
-            fsync_dir(bucket)  # ... durable: what Stored acknowledges
+            # No flush of the bucket: the bytes are durable (the fdatasync above), and a crash that
+            # undoes the rename leaves the block whole under its temp name, or back in spares/,
+            # where recovery publishes it again as this write would (``_publishable``). A crash
+            # can delay the publish, not lose it; the rename is made durable by the next journal
+            # commit (a new file's fdatasync, a free, the filesystem's own interval).
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 return NoSpace(n)
@@ -367,35 +392,36 @@ class SharedPoolTier(Tier):
             if fd is not None:
                 os.close(fd)
             if tmp is not None:
-                tmp.unlink(missing_ok=True)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
         self._adjust_usage(size - replaced)
         with self._mu:
             self._lru[key] = None
             self._lru.move_to_end(key)
         return Stored(n)
 
-    def _create_temp(self, bucket: Path, tag: str) -> tuple[Path, int]:
+    def _create_temp(self, bucket: str, tag: str) -> tuple[str, int]:
         """A new temp file, flocked for as long as we hold it open. ``recover`` in another process
         removes only temp files whose flock it can take; if it removed ours between our create and
         our flock, the link count says so and we start again."""
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (os.O_DIRECT if self.direct_io else 0)
         while True:
-            tmp = bucket / f"{TEMP_PREFIX}{tag}-{os.getpid()}-{secrets.token_hex(6)}"
+            tmp = f"{bucket}/{TEMP_PREFIX}{tag}-{os.getpid()}-{secrets.token_hex(6)}"
             fd = os.open(tmp, flags, 0o644)
             fcntl.flock(fd, fcntl.LOCK_EX)
             if os.fstat(fd).st_nlink > 0:
                 return tmp, fd
             os.close(fd)
 
-    def _take_spare(self, bucket: Path, tag: str, size: int) -> tuple[Path, int] | None:
+    def _take_spare(self, bucket: str, tag: str, size: int) -> tuple[str, int] | None:
         """A spare file of exactly ``size`` bytes as our temp file, or None. Its blocks are allocated
         and written, so rewriting it in place needs no allocation, and its ``fdatasync`` no journal
         commit. Taken by a rename (one process wins it), then flocked exclusively without waiting:
         a reader that opened it while it was published holds a shared flock until it is done, and
         a spare still being read (maybe by a paused process) goes back for a later write."""
         for name in self._spare_names(size):
-            spare = self.root / SPARES_DIR / name
-            tmp = bucket / f"{TEMP_PREFIX}{tag}-{os.getpid()}-{secrets.token_hex(6)}"
+            spare = f"{self._spares_str}/{name}"
+            tmp = f"{bucket}/{TEMP_PREFIX}{tag}-{os.getpid()}-{secrets.token_hex(6)}"
             try:
                 os.rename(spare, tmp)
             except FileNotFoundError:
@@ -418,7 +444,7 @@ class SharedPoolTier(Tier):
             if links > 1:
                 # Also linked as a block: a crash kept its free's rename into spares/ but undid
                 # the rename of its bucket. Not a spare; drop our name for it.
-                tmp.unlink()
+                os.unlink(tmp)
         return None
 
     def _spare_names(self, size: int) -> Iterator[str]:
@@ -461,7 +487,7 @@ class SharedPoolTier(Tier):
         with self._mu:
             self._spares[size].append(name)
 
-    def _open_published(self, path: Path, flags: int) -> int | None:
+    def _open_published(self, path: Path | str, flags: int) -> int | None:
         """The file published at ``path``, opened for reading with a shared flock held; None if
         there is none. Its bytes stay as they are while we hold the flock: a freed block's file is
         rewritten as a spare only under an exclusive one. The flock is taken without waiting, then
@@ -489,7 +515,7 @@ class SharedPoolTier(Tier):
         sink, room = prepare_sink(out)
         with self._mu:
             self._check_open()
-        path = self._block_path(key)
+        path = self._block_str(key)
         fd = self._open_published(path, os.O_RDONLY | (os.O_DIRECT if self.direct_io else 0))
         if fd is None:
             return Miss(MissReason.ABSENT)
@@ -504,7 +530,7 @@ class SharedPoolTier(Tier):
             os.close(fd)
         if isinstance(outcome, Miss):
             if outcome.reason != MissReason.OTHER_GENERATION:
-                event(logging.WARNING, f"read_{outcome.reason.value}", self.name, key, gen=gen, path=str(path))
+                event(logging.WARNING, f"read_{outcome.reason.value}", self.name, key, gen=gen, path=path)
         else:
             with self._mu:
                 self._lru[key] = None
@@ -586,20 +612,26 @@ class SharedPoolTier(Tier):
                 if epoch > current:
                     self._write_fence(key, epoch, freed)
 
-    def _header_of(self, path: Path) -> Header | None:
+    def _header_of(self, path: Path | str) -> Header | None:
+        return self._published(path)[0]
+
+    def _published(self, path: Path | str) -> tuple[Header | None, int]:
+        """The header of the file published at ``path`` (None if it does not decode) and the
+        file's size; (None, 0) without one."""
         fd = self._open_published(path, os.O_RDONLY)
         if fd is None:
-            return None
+            return None, 0
         try:
             raw = os.pread(fd, HEADER_BYTES, 0)
+            size = os.fstat(fd).st_size
         finally:
             os.close(fd)
         header, _ = decode_header(raw)
-        return header
+        return header, size
 
     def _block_header(self, key: bytes) -> Header | None:
         """The header of the key's block, if it reads back and is the key's."""
-        header = self._header_of(self._block_path(key))
+        header = self._header_of(self._block_str(key))
         return header if header is not None and header.key == key else None
 
     def contains(self, key: bytes, gen: int) -> bool:
@@ -656,26 +688,122 @@ class SharedPoolTier(Tier):
 
     def _verify_file(self, path: Path, key: bytes) -> tuple[str, Header | None]:
         """ok / corrupt / truncated, checking the payload when ``verify_on_recover``."""
-        flags = os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if self.direct_io else 0)
-        fd = os.open(path, flags)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if self.direct_io else 0))
         try:
-            size = os.fstat(fd).st_size
-            want = PAGE_BYTES if not self.verify_on_recover else round_up(max(size, PAGE_BYTES))
-            with self._buffers.get(want) as buf:
-                got = pread_upto(fd, buf[:want], 0)
-                header, _ = decode_header(buf[:got])
-                if header is None or header.flags != FLAG_COMMITTED or header.key != key:
-                    return ("truncated" if got < HEADER_BYTES else "corrupt"), None
-                if size < PAGE_BYTES + header.length:
-                    return "truncated", header
-                if self.verify_on_recover:
-                    payload = buf[PAGE_BYTES:PAGE_BYTES + header.length]
-                    if block_checksum(key, header.gen, header.epoch, header.length, header.seq,
-                                      payload) != header.block_crc:  # fmt: skip
-                        return "corrupt", header
-            return "ok", header
+            return self._verify_fd(fd, key, self.verify_on_recover)
         finally:
             os.close(fd)
+
+    def _verify_fd(self, fd: int, key: bytes, payload_too: bool) -> tuple[str, Header | None]:
+        size = os.fstat(fd).st_size
+        want = PAGE_BYTES if not payload_too else round_up(max(size, PAGE_BYTES))
+        with self._buffers.get(want) as buf:
+            got = pread_upto(fd, buf[:want], 0)
+            header, _ = decode_header(buf[:got])
+            if header is None or header.flags != FLAG_COMMITTED or header.key != key:
+                return ("truncated" if got < HEADER_BYTES else "corrupt"), None
+            if size < PAGE_BYTES + header.length:
+                return "truncated", header
+            if payload_too:
+                payload = buf[PAGE_BYTES:PAGE_BYTES + header.length]
+                if block_checksum(key, header.gen, header.epoch, header.length, header.seq,
+                                  payload) != header.block_crc:  # fmt: skip
+                    return "corrupt", header
+        return "ok", header
+
+    def _publishable(self, fd: int, key: bytes) -> bool:
+        """Whether the file open at ``fd`` (flocked exclusively by the caller, under the key's
+        lock) is a block a write would publish now: whole (every payload byte checked), the key's,
+        accepted by the key's marks (``_accepts``, as under the write's lock) and of a newer epoch
+        than the key's published block (an equal epoch is the same block: one owner per epoch).
+        A crash that undid a write's publish leaves such a file; publishing it is the state the
+        write would have reached a moment later, which the fence rules allow at any time (a
+        paused writer's bytes landing late). Raises ``CorruptFence`` as ``_read_marks``."""
+        verdict, header = self._verify_fd(fd, key, True)
+        if verdict != "ok" or header is None:
+            return False
+        fence, freed = self._read_marks(key)
+        published = self._block_header(key)
+        return _accepts(header.epoch, fence, freed) and (published is None or header.epoch > published.epoch)
+
+    def _open_orphan(self, path: Path) -> int | None:
+        """``path`` opened and flocked exclusively without waiting; None if it is gone or in use (a
+        live writer's temp file, a spare a reader still holds)."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if self.direct_io else 0))
+        except FileNotFoundError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        return fd
+
+    def _settle_temp(self, path: Path, key: bytes) -> str | None:
+        """A temp file of ``key`` (the caller holds the key's lock): "republished" if it is a whole
+        block its write would publish (a crash undid the publish: the write may have been
+        acknowledged), "removed" if not (a write that never finished, or that lost to the fence),
+        None if its writer is alive or the key's fence file cannot be read (kept for a recovery
+        after ``restore_fences``)."""
+        fd = self._open_orphan(path)
+        if fd is None:
+            return None
+        try:
+            try:
+                publish = os.fstat(fd).st_nlink == 1 and self._publishable(fd, key)
+            except CorruptFence:
+                return None
+            if publish:
+                os.fsync(fd)  # its bytes, if the writer was killed before its fdatasync
+                os.rename(path, self._block_path(key))
+                return "republished"
+            path.unlink(missing_ok=True)
+            return "removed"
+        finally:
+            os.close(fd)
+
+    def _recover_spares(self) -> int:
+        """Publish again the spares that hold a write's block: a spare is rewritten only after a
+        writer renamed it out of spares/ to its temp name, but a power cut can undo that rename
+        after the rewrite's fdatasync (the rename is not flushed), leaving the new block here. A
+        freed block's file is not one: its free made its epoch's freed mark durable first. Returns
+        how many were published."""
+        spares = self.root / SPARES_DIR
+        changed: set[Path] = set()
+        for name in os.listdir(spares):
+            path = spares / name
+            header = self._spare_header(path)
+            if header is None:
+                continue
+            with self._locked(header.key):
+                fd = self._open_orphan(path)
+                if fd is None:
+                    continue
+                try:
+                    if os.fstat(fd).st_nlink != 1 or not self._publishable(fd, header.key):
+                        continue
+                    os.rename(path, self._block_path(header.key))
+                    changed.add(self._bucket(header.key))
+                except CorruptFence:
+                    continue
+                finally:
+                    os.close(fd)
+        for bucket in changed:
+            fsync_dir(bucket)
+        if changed:
+            fsync_dir(spares)
+        return len(changed)
+
+    def _spare_header(self, path: Path) -> Header | None:
+        """The committed header a spare file starts with, if it has one (read without a lock: a
+        first filter, checked again under the key's lock)."""
+        try:
+            with open(path, "rb") as f:
+                header, _ = decode_header(f.read(HEADER_BYTES))
+        except FileNotFoundError:
+            return None
+        return header if header is not None and header.flags == FLAG_COMMITTED else None
 
     def recover(self) -> RecoveryReport:
         """Clean up after crashed writers and damaged files (see the module docstring). Safe to run
@@ -686,6 +814,7 @@ class SharedPoolTier(Tier):
         counts: dict[str, int] = defaultdict(int)
         lost: list[bytes] = []
         fences_corrupt: list[bytes] = []
+        counts["republished"] = self._recover_spares()
         for bucket in _BUCKETS:
             d = self.root / bucket
             by_key: dict[bytes, list[str]] = defaultdict(list)
@@ -696,9 +825,10 @@ class SharedPoolTier(Tier):
             changed = False
             for key, names in by_key.items():
                 with self._locked(key):
-                    for name in names:
-                        if name.startswith(TEMP_PREFIX) and self._remove_abandoned(d / name):
-                            counts["uncommitted"] += 1
+                    for name in sorted(n for n in names if n.startswith(TEMP_PREFIX)):
+                        settled = self._settle_temp(d / name, key)
+                        if settled is not None:
+                            counts["uncommitted" if settled == "removed" else settled] += 1
                             changed = True
                     verdict = self._recover_block(key, counts, lost, fences_corrupt)
                     changed |= verdict == "dropped"
@@ -708,12 +838,14 @@ class SharedPoolTier(Tier):
             self._usage = None
         report = RecoveryReport(
             kept=counts["kept"], dropped_corrupt=counts["corrupt"], dropped_truncated=counts["truncated"],
-            dropped_uncommitted=counts["uncommitted"], tombstones=counts["tombstones"],
+            dropped_uncommitted=counts["uncommitted"], republished=counts["republished"],
+            tombstones=counts["tombstones"],
             lost=tuple(sorted(lost)), fences_corrupt=tuple(sorted(fences_corrupt)),
             seconds=round(time.perf_counter() - started, 6))
         event(logging.INFO, "recovered", self.name, None, directory=str(self.root), kept=report.kept,
               dropped_corrupt=report.dropped_corrupt, dropped_truncated=report.dropped_truncated,
-              dropped_uncommitted=report.dropped_uncommitted, superseded=report.superseded,
+              dropped_uncommitted=report.dropped_uncommitted, republished=report.republished,
+              superseded=report.superseded,
               tombstones=report.tombstones, lost=len(lost), fences_corrupt=len(fences_corrupt),
               seconds=report.seconds)
         return report
@@ -745,23 +877,6 @@ class SharedPoolTier(Tier):
             self._write_fence(key, header.epoch, freed)
         path.unlink()
         return "dropped"
-
-    @staticmethod
-    def _remove_abandoned(path: Path) -> bool:
-        """Remove a temp file whose writer is gone (its flock is free). False if still in use."""
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return False
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return False
-            path.unlink(missing_ok=True)
-            return True
-        finally:
-            os.close(fd)
 
     def close(self) -> None:
         with self._mu:
