@@ -28,6 +28,10 @@ def add_parsers(sub: Any) -> None:
     d.add_argument("--backend", choices=("sqlite", "etcd"), default="sqlite", help="durable log (default sqlite)")
     d.add_argument("--etcd-endpoints", metavar="URL[,URL...]", help="etcd client URLs (backend etcd)")
     d.add_argument("--etcd-prefix", default="kvcc", help="key prefix in etcd (default kvcc)")
+    d.add_argument("--shards", type=int, default=1, metavar="N",
+                   help="the directory is sharded N ways by chain root (docs/sharding.md; default 1)")
+    d.add_argument("--shard", type=int, default=0, metavar="I",
+                   help="this process serves shard I of N, with its own --state or --etcd-prefix (default 0)")
     d.set_defaults(func=cmd_serve_directory)
 
     n = ssub.add_parser("node", help="a cache node with storage tiers")
@@ -81,7 +85,8 @@ def cmd_serve_directory(args: argparse.Namespace) -> int:
         return serve.run(serve.serve_directory(
             config, state=args.state, host=args.host, port=args.port, backend=args.backend,
             etcd_endpoints=args.etcd_endpoints, etcd_prefix=args.etcd_prefix, events=args.events,
-            ready_file=args.ready_file, metrics_host=args.metrics_host, metrics_port=args.metrics_port))  # fmt: skip
+            ready_file=args.ready_file, metrics_host=args.metrics_host, metrics_port=args.metrics_port,
+            shard=args.shard, shards=args.shards))  # fmt: skip
     except serve.ConfigError as e:
         print(f"kvcc serve directory: {e}", file=sys.stderr)
         return 2

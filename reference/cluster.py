@@ -309,7 +309,9 @@ class LocalCluster:
     tls=None)``; ``start()``/``stop()`` or a context manager. With ``metrics`` every process serves
     Prometheus metrics on a free port (``metrics_url(name)``). ``tls``: the deployment file's
     ``"tls"`` section (``kvcc.reference.serve``; relative paths from ``workdir``): every process
-    serves TLS, and ``client()`` connects with it."""
+    serves TLS, and ``client()`` connects with it. ``shard=(i, n)``: the directory serves shard
+    ``i`` of ``n`` of a sharded directory (``kvcc serve directory --shard I --shards N``; the other
+    shards are not started: docs/sharding.md)."""
 
     def __init__(
         self,
@@ -329,9 +331,11 @@ class LocalCluster:
         metrics: bool = False,
         transport: Mapping[str, int] | None = None,
         tls: Mapping[str, Any] | None = None,
+        shard: tuple[int, int] | None = None,
     ) -> None:
         if nodes < 1:
             raise ValueError("a cluster has at least one node")
+        self.shard = shard
         self.workdir = Path(workdir)
         self.node_ids = [f"n{i}" for i in range(1, nodes + 1)]
         self.tiers = list(tiers)
@@ -416,6 +420,8 @@ class LocalCluster:
                     "--events", str(self.workdir / "events" / "directory.ndjson")]  # fmt: skip
             if self.backend == "etcd":
                 argv += ["--etcd-endpoints", str(self.etcd_endpoints), "--etcd-prefix", self.etcd_prefix]
+            if self.shard is not None:
+                argv += ["--shard", str(self.shard[0]), "--shards", str(self.shard[1])]
             self._launch("directory", argv).wait_ready()
             # The nodes need only the directory's address: they start side by side, so a
             # deployment is up in about one process's start-up time, not one per node.

@@ -292,19 +292,32 @@ def open_store(backend: str, state: Path, etcd_endpoints: str | None, prefix: st
 async def serve_directory(config: ClusterConfig, *, state: Path, host: str, port: int, backend: str = "sqlite",
                           etcd_endpoints: str | None = None, etcd_prefix: str = "kvcc", events: str | None = None,
                           ready_file: str | None = None, metrics_host: str = DEFAULT_METRICS_HOST,
-                          metrics_port: int | None = None) -> None:  # fmt: skip
+                          metrics_port: int | None = None, shard: int = 0, shards: int = 1) -> None:  # fmt: skip
+    """Serve the directory, or shard ``shard`` of ``shards`` of a sharded one (docs/sharding.md:
+    its own port, state and log; the shard is recorded in the log, and a log of another shard or
+    shard count is refused with ``ConfigError`` before anything changes)."""
     from kvcc.spec.rules import restart_grace
 
     from .directory.core import DirectoryConfig
     from .directory.server import DirectoryServer
     from .events import append_missing
 
+    from .directory.store import ShardMismatch
+
     check_metrics_port(metrics_port)
+    if type(shards) is not int or shards < 1 or type(shard) is not int or not 0 <= shard < shards:
+        raise ConfigError(f"--shard {shard} of --shards {shards}: the shard is one of 0 .. shards - 1")
     config.check_serving(host, *([metrics_host] if metrics_port is not None else []))  # before the store opens
     grace_ms = restart_grace(config.lease_term_ms, config.skew_ms)  # DirectoryConfig.restart_grace_ms
     store = open_store(backend, state, etcd_endpoints, etcd_prefix, restart_grace_ms=grace_ms)
+    try:
+        store.claim_shard(shard, shards)
+    except ShardMismatch as e:
+        store.close()
+        raise ConfigError(str(e)) from None
     bucket_ms = store.lease_bucket_ms if backend == "etcd" else None  # only etcd mirrors the leases
-    cfg = DirectoryConfig(lease_term_ms=config.lease_term_ms, skew_ms=config.skew_ms, lease_mirror_bucket_ms=bucket_ms)
+    cfg = DirectoryConfig(lease_term_ms=config.lease_term_ms, skew_ms=config.skew_ms, lease_mirror_bucket_ms=bucket_ms,
+                          shard=shard, shards=shards)  # fmt: skip
     factory = None if not events else (lambda incarnation: _event_log(events, "directory", incarnation))
     recover = None if not events else functools.partial(append_missing, events)
     counts = None
@@ -323,7 +336,8 @@ async def serve_directory(config: ClusterConfig, *, state: Path, host: str, port
             endpoint = await _start_metrics(directory_registry(server), metrics_host, metrics_port, tls=config.tls)
         write_ready(ready_file, port=server.port, incarnation=server.incarnation, restarted=server.restarted,
                     **_metrics_fields(endpoint))  # fmt: skip
-        log.info("directory serving on %s:%d (backend %s, incarnation %d%s)", host, server.port, backend,
+        log.info("directory%s serving on %s:%d (backend %s, incarnation %d%s)",
+                 f" shard {shard} of {shards}" if shards > 1 else "", host, server.port, backend,
                  server.incarnation, ", restart grace" if server.restarted else "")  # fmt: skip
         await _until_signalled()
     finally:

@@ -89,7 +89,7 @@ from backends import directory_store_factory  # noqa: E402, F401
 COST_CLASSES = {
     "unit": {"test_rules", "test_client", "test_holder", "test_keys", "test_names", "test_wire", "test_bench_tiers",
              "test_bench_directory", "test_packaging", "test_docs", "test_render", "test_layers", "test_routing",
-             "test_bench_suite", "test_bench_sglang", "test_sglang_server", "test_directory_shards"},
+             "test_bench_suite", "test_bench_sglang", "test_sglang_server", "test_directory_shards", "test_vllm_cuda_layout"},
     "model": {"test_spec", "test_proofs", "test_validate", "test_cli", "test_directory_core"},
     "suite": {"test_conformance", "test_example_adapter", "test_mutation", "test_lmcache", "test_runner_close_run"},
     "integration": {"test_cluster_cli", "test_cluster_stateful", "test_cluster_processes", "test_deletion",
@@ -98,7 +98,8 @@ COST_CLASSES = {
                     "test_procs", "test_vllm", "test_vllm_connector", "test_vllm_connector_contract", "test_vllm_deployment", "test_routing_smg", "test_fuzz", "test_soak",
                     "test_transport_limits", "test_tls", "test_sglang", "test_sglang_conformance", "test_identities",
                     "test_vllm_conformance", "test_chains", "test_crash_points", "test_routing_calibrate",
-                    "test_routing_live", "test_routing_vllm", "test_bench_suite_reference"},
+                    "test_routing_live", "test_routing_vllm", "test_bench_suite_reference",
+                    "test_directory_shards_serve"},
 }
 
 

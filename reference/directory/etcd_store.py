@@ -18,6 +18,7 @@ by watching etcd. Every value is canonical CBOR (``kvcc.spec.keys.cbor_encode``)
 ``P/meta/ticket_high_water``          one above the highest ticket ever issued
 ``P/meta/lease_mirror``               True while every lease granted is mirrored (below)
 ``P/meta/schema_version``             ``SCHEMA_VERSION``
+``P/meta/shard``                      ``[shard, shards]`` of a sharded directory (``claim_shard``)
 ``P/rec/<key hex>``                   a record row (``durable.record_row``)
 ``P/ticket/<n, 20 digits>``           a ticket row (``durable.ticket_row``)
 ``P/journal/<jid>/<i>``               a batch too large for one transaction (below)
@@ -205,6 +206,7 @@ class _Keys:
         self.ticket_high_water = self.meta + b"ticket_high_water"
         self.lease_mirror = self.meta + b"lease_mirror"
         self.schema_version = self.meta + b"schema_version"
+        self.shard = self.meta + b"shard"
         self.rec = f"{p}/rec/".encode()
         self.ticket = f"{p}/ticket/".encode()
         self.journal = f"{p}/journal/".encode()
@@ -423,6 +425,27 @@ class EtcdDirectoryStore:
     @property
     def incarnation(self) -> int:
         return self._incarnation
+
+    def claim_shard(self, shard: int, shards: int) -> None:
+        """Record that this log is shard ``shard`` of ``shards``'s, or check that it is
+        (``store.shard_to_claim``; raises ``ShardMismatch``, changing nothing). Before ``load``."""
+        from .store import shard_to_claim
+
+        self._usable()
+        k = self._keys
+        meta = self._read_meta()
+        item = meta.get(k.shard)
+        stored = None
+        if item is not None:
+            value = _dec(item.value, k.shard.decode())
+            if not (isinstance(value, list) and len(value) == 2 and all(type(v) is int for v in value)):
+                raise StoreCorrupt(f"{k.shard.decode()}: {value!r}", where=k.shard.decode())
+            stored = (value[0], value[1])
+        # Opening bumped the incarnation to 1 on a new log; any earlier open or load left more. A
+        # record is written only after a load, so this also covers every log that holds one.
+        has_state = (self._meta_int(meta, k.incarnation) or 0) > 1 or k.lease_id_limit in meta
+        if shard_to_claim(stored, has_state, shard, shards, self.prefix):
+            self._fenced_txn([Op.put(k.shard, _enc([shard, shards]))], advances=None)
 
     @property
     def endpoints(self) -> list[str]:

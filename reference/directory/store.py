@@ -100,6 +100,24 @@ _RECORD_COLUMNS = RECORD_FIELDS
 _TICKET_COLUMNS = TICKET_FIELDS
 
 
+class ShardMismatch(ValueError):
+    """The log belongs to another shard of a sharded directory, or to a deployment with another
+    shard count (docs/sharding.md): its keys are that shard's chains, and serving them as this one
+    would refuse or lose them. Nothing was changed."""
+
+
+def shard_to_claim(stored: tuple[int, int] | None, has_state: bool, shard: int, shards: int, where: str) -> bool:
+    """Whether a directory serving shard ``shard`` of ``shards`` may use a log that records
+    ``stored`` (None: no shard recorded), and must record it (True) or finds it there (False).
+    A log without a record but with state was written by the one directory: shard 0 of 1.
+    Raises ``ShardMismatch`` for any other shard or count."""
+    found = stored if stored is not None else ((0, 1) if has_state else None)
+    if found is not None and found != (shard, shards):
+        raise ShardMismatch(f"{where} is the log of shard {found[0]} of {found[1]}, not of shard {shard} of {shards}: "
+                            "serve it as that shard, or give this one a log of its own")  # fmt: skip
+    return stored is None
+
+
 class DirectoryStore:
     """``DirectoryStore(path, *, synchronous="FULL")``: open (or create) the log at ``path``.
     ``commit(effects)`` makes a call's durable effects durable, ``load()`` reads the log back."""
@@ -146,6 +164,17 @@ class DirectoryStore:
     @property
     def incarnation(self) -> int:
         return self._meta("incarnation") or 0
+
+    def claim_shard(self, shard: int, shards: int) -> None:
+        """Record that this log is shard ``shard`` of ``shards``'s, or check that it is
+        (``shard_to_claim``; raises ``ShardMismatch``, changing nothing). Before ``load``."""
+        stored = None if self._meta("shards") is None else (self._meta("shard") or 0, self._meta("shards") or 0)
+        has_state = (self.incarnation > 0 or self._meta("lease_id_limit") is not None
+                     or self._db.execute("SELECT 1 FROM records LIMIT 1").fetchone() is not None)  # fmt: skip
+        if shard_to_claim(stored, has_state, shard, shards, self.path):
+            with self._transaction():
+                self._set_meta("shard", shard)
+                self._set_meta("shards", shards)
 
     def load(self) -> Loaded:
         """Everything a restart recovers, and a new incarnation (made durable before returning)."""

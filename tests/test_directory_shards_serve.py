@@ -1,0 +1,106 @@
+"""Step 2 of the sharded directory (docs/sharding.md): ``kvcc serve directory --shard I --shards N``,
+a real directory process serving one shard beside real cache nodes, on SQLite and on etcd.
+
+The shard owns the chains whose root hashes to it: its roots are written, read and leased under
+its own lease ids (odd ones, for shard 1 of 2), their children follow them, and another shard's
+root is refused ``wrong_shard``. The log records the shard, so a directory started on it as
+another shard or with another shard count -- or a sharded one on the one directory's log -- exits
+with a clear error before it changes anything.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from kvcc.reference.client import Refused
+from kvcc.reference.cluster import LocalCluster
+from kvcc.reference.wire import Committed
+from kvcc.spec.keys import Namespace, chain_keys, shard_of
+from kvcc.spec.vocabulary import REASON_WRONG_SHARD
+
+NS = Namespace(model_id="shards", model_revision="r1", kv_dtype="float16", block_tokens=4)
+
+
+def roots(shard: int, shards: int, n: int) -> list:
+    """``n`` chains (their keys) whose root shard ``shard`` of ``shards`` owns."""
+    out = []
+    for i in range(1000):
+        chain = chain_keys(NS, list(range(i, i + 8)))
+        if shard_of(chain[0].digest, shards) == shard:
+            out.append(chain)
+            if len(out) == n:
+                return out
+    raise AssertionError("not enough roots")
+
+
+def serve_refused(cluster: LocalCluster, *args: str) -> str:
+    """Start a directory on the cluster's log with ``args``; it must exit 2 at once. Its stderr."""
+    argv = [sys.executable, "-m", "kvcc", "serve", "directory", "--config", str(cluster.config_path),
+            "--state", str(cluster.workdir / "state" / "directory"), "--backend", cluster.backend]  # fmt: skip
+    if cluster.backend == "etcd":
+        argv += ["--etcd-endpoints", str(cluster.etcd_endpoints), "--etcd-prefix", cluster.etcd_prefix]
+    done = subprocess.run([*argv, *args], capture_output=True, text=True, timeout=60, env=cluster._env())
+    assert done.returncode == 2, (done.returncode, done.stderr[-2000:])
+    return done.stderr
+
+
+@pytest.fixture(params=["sqlite", "etcd"])
+def backend(request):
+    if request.param == "etcd":
+        return {"backend": "etcd", "etcd_endpoints": ",".join(request.getfixturevalue("etcd1").endpoints)}
+    return {"backend": "sqlite"}
+
+
+def test_a_served_shard_owns_its_chains_and_its_log(tmp_path, backend):
+    cluster = LocalCluster(tmp_path / "c", nodes=1, tiers=("dram=1MiB",), namespaces=[NS], shard=(1, 2), **backend)
+    with cluster:
+        c = cluster.client("c1")
+        [mine, mine2] = roots(1, 2, 2)
+        [theirs] = roots(0, 2, 1)
+        assert isinstance(c.put(NS, mine[0], None, b"root of shard 1"), Committed)
+        assert isinstance(c.put(NS, mine[1], mine[0], b"its child"), Committed)  # a child follows its root
+        lease = c.acquire(NS, mine[1])
+        assert not isinstance(lease, Refused), lease
+        assert lease.lease % 2 == 1, f"shard 1 of 2 hands out odd lease ids, not {lease.lease}"
+        assert c.read(lease) == b"its child"
+        c.release(lease)
+        assert c.begin_write(NS, theirs[0], None) == Refused(REASON_WRONG_SHARD, "")
+        refused = c.put(NS, theirs[0], None, b"another shard's root")
+        assert isinstance(refused, Refused) and refused.reason == REASON_WRONG_SHARD
+        assert c.lookup(NS, theirs).blocks == 0
+        grant = c.begin_write(NS, mine2[0], None)
+        assert not isinstance(grant, Refused) and grant.lease % 2 == 1
+        c.abort(grant)
+
+        cluster.procs["directory"].stop()
+        for args, found in ((("--shard", "0", "--shards", "2"), "shard 1 of 2"),
+                            (("--shard", "1", "--shards", "3"), "shard 1 of 2"),
+                            ((), "shard 1 of 2"),
+                            (("--shard", "2", "--shards", "2"), "one of 0 .. shards - 1")):  # fmt: skip
+            err = serve_refused(cluster, *args)
+            assert found in err, err
+        cluster.restart_directory(kill=False)  # as shard 1 of 2 again: its log, its blocks
+        lease = c.acquire(NS, mine[0])
+        assert not isinstance(lease, Refused) and lease.lease % 2 == 1
+        assert c.read(lease) == b"root of shard 1"
+        c.release(lease)
+
+
+def test_a_log_of_the_one_directory_is_not_served_as_a_shard(tmp_path):
+    """A log written before sharding is shard 0 of 1: serving it as one of two would refuse (and
+    so lose) the chains of its other half."""
+    cluster = LocalCluster(tmp_path / "c", nodes=1, tiers=("dram=1MiB",), namespaces=[NS])
+    with cluster:
+        c = cluster.client("c1")
+        [chain] = roots(1, 2, 1)
+        assert isinstance(c.put(NS, chain[0], None, b"x"), Committed)
+        cluster.procs["directory"].stop()
+        assert "shard 0 of 1" in serve_refused(cluster, "--shard", "1", "--shards", "2")
+        assert "shard 0 of 1" in serve_refused(cluster, "--shard", "0", "--shards", "2")
+        cluster.restart_directory(kill=False)
+        lease = c.acquire(NS, chain[0])
+        assert not isinstance(lease, Refused) and c.read(lease) == b"x"
+        c.release(lease)
