@@ -11,8 +11,9 @@ process that opens the pool, so that a write never makes a directory::
                                  CRC-32; written by a free, ``restore_fences`` and recovery only,
                                  replaced by write-temp-rename
     <root>/<hh>/.tmp-<hex>...    a block or fence file being written (invisible to readers)
-    <root>/spares/<size>-...     freed blocks' files, kept (up to ``spare_bytes``) to be rewritten
-                                 in place by writes of the same size
+    <root>/spares/<size>-<who>-..  freed blocks' files, kept (up to ``spare_bytes``) to be rewritten
+                                 in place by writes of the same size; <who> names the block its
+                                 free took off (key, epoch, publish sequence)
     <root>/.lock                 byte-range locks (``F_OFD_SETLKW``), one byte per key: they
                                  serialise the writers and freers of a key, across processes, with
                                  no file per key
@@ -37,16 +38,18 @@ holds it: a spare of the block's size, taken by renaming it out of ``spares/`` (
 still holds, or that is linked anywhere else too, is not taken), else a new file. It is written with ``O_DIRECT`` and
 ``fdatasync``-ed: its bytes and size are durable before it has a name. Then, under the key's lock:
 read the fence, refuse a lower epoch, or one at or below the key's freed mark
-(``rules.slot_accepts``; the temp file is removed: no state changed), and ``rename`` the temp
+(``rules.slot_accepts``; the temp file is removed, durably -- a rare path -- so that no crash
+brings it back: no state changed), and ``rename`` the temp
 file over ``<hex>`` (the atomic publish: bytes, generation and fence together, replacing the
 previous generation in the same step). ``Stored`` is answered then, with no flush of the bucket:
 the bytes are durable (the ``fdatasync``), the rename is not yet. A crash that undoes it leaves
 the new block whole, off its name -- under its temp name, or, for a reused spare whose rename out
 of ``spares/`` was undone too, back in ``spares/`` -- and the previous block, if any, at the name.
 Recovery publishes such a file again exactly when the write would publish it now
-(``_publishable``: every payload byte checked, the key's marks accept its epoch, and that epoch
-is above the published block's), so what ``Stored`` acknowledges (bytes, fence) is never lost: a
-crash delays the publish to the next open. Publishing a block late is what the fence rules
+(``_publishable``: the key's marks accept its epoch, the block is newer than the published one --
+a later epoch, or for two generations under one epoch, which the protocol never asks, the later
+write -- and every payload byte checks), so what ``Stored`` acknowledges (bytes, fence) is never
+lost: a crash delays the publish to the next open. Publishing a block late is what the fence rules
 already allow at any moment (a paused writer's bytes landing late: a free or a newer write in
 between has raised the marks, and then it is refused). The renames become durable with the next
 journal commit (a new file's ``fdatasync``, a free's flush, the filesystem's interval), so a
@@ -75,14 +78,23 @@ survives restarts with the fence (a fence file of the earlier format, without a 
 none).
 
 **Recovery** (on open, and ``recover()``): first the spares that hold a block a write would
-publish (a power cut undid a reused spare's renames after its bytes were synced; a freed block's
-file never qualifies: its free made the freed mark durable first) are published. Then per key,
-under its lock, each temp file whose writer is gone (a block's temp file is flocked by its
-writer; a fence file's is written under the key's lock) is published if it qualifies the same
-way, else removed; and a block that fails verification is removed (after raising the fence file
-to its header's epoch, if the header still reads). A fence file that cannot be read back is
-reported, not guessed: writes and frees of that key raise ``CorruptFence`` until
-``restore_fences`` sets it (its temp files are kept until then).
+publish (a power cut undid a reused spare's renames after its bytes were synced). A spare that
+still holds the block its free took off never qualifies, whatever the marks say (they may have
+been lost and restored): its name says which block that was. A spare is published by the file
+we hold flocked, not by its name (linked through ``/proc/self/fd``, then renamed over the key's
+block): a writer of another process may rename it away an instant before, find our flock, and put
+it back. Then per key, under its lock, each temp file whose writer is gone (a block's temp file
+is flocked by its writer; a fence file's is written under the key's lock) is published if it
+qualifies the same way (also when a crash kept both names of its rename out of spares/: a writer
+never takes a spare also linked as a block), else removed; a temp holding another key's block (a
+spare a writer took and left) goes back to spares/ under that block's name; and a block that
+fails verification is removed (after raising the fence file to its header's epoch, if the header
+still reads). A fence file that cannot be read back is reported, not guessed: writes and frees of
+that key raise ``CorruptFence`` until ``restore_fences`` sets it. Its key's candidates are kept
+until then under temp names (a spare candidate moved there, out of writers' reach), and
+``restore_fences`` publishes each one newer than the key's block before it writes the fence: a
+published block is removed only by a free or a newer write, never by a fence, and the marks that
+could have refused them are gone.
 
 I/O uses ``O_DIRECT`` where the filesystem allows it (as the NVMe tier does; on a network
 filesystem this also keeps a host from reading stale cached pages), else buffered I/O + fsync.
@@ -183,14 +195,67 @@ def _key_of(name: str) -> bytes | None:
     return None
 
 
+def _newer(header: Header, published: Header) -> bool:
+    """Whether a block found off its name replaces the published one: a later epoch (one owner
+    per epoch: an equal epoch is the same block), or, where a caller wrote two generations under
+    one epoch (outside the protocol), the later write of the same epoch."""
+    if header.epoch != published.epoch:
+        return header.epoch > published.epoch
+    return header.gen != published.gen and header.seq > published.seq
+
+
+def _publish_spare(path: Path, fd: int, bucket: Path, hex_key: str, publish: bool) -> None:
+    """Take the spare we hold open (``fd``, flocked) at ``path`` out of spares/: published as the
+    key's block (``publish``), else kept under a temp name of the key. By the file itself, not by
+    ``path``: a writer in another process may have renamed the spare away an instant before
+    (``_take_spare`` renames, then tries the flock we hold, then puts it back). Linked to a fresh
+    temp name through /proc/self/fd (wherever its name is now), renamed over the key's block
+    (atomic, replacing an older one), then its spare name dropped if it still names this file; a
+    spare name put back later links a published block, which no writer takes (``_take_spare``
+    checks the link count)."""
+    held = bucket / f"{TEMP_PREFIX}{hex_key}-held-{secrets.token_hex(6)}"
+    at = os.open(bucket, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:  # a directory fd makes os.link call linkat, which AT_SYMLINK_FOLLOW lets follow the /proc link
+        os.link(f"/proc/self/fd/{fd}", held.name, dst_dir_fd=at, follow_symlinks=True)
+    finally:
+        os.close(at)
+    if publish:
+        os.rename(held, bucket / hex_key)
+    with contextlib.suppress(FileNotFoundError):
+        if os.stat(path).st_ino == os.fstat(fd).st_ino:
+            os.unlink(path)
+
+
 class IncompatiblePool(RuntimeError):
     """The pool directory was written in another layout (see ``SharedPoolTier.__init__``)."""
 
 
 def _spare_size(name: str) -> int:
-    """The size of a spare file, from its name ("<size>-<pid>-<random>"); 0 for another name."""
+    """The size of a spare file, from its name ("<size>-..."); 0 for another name."""
     size = name.split("-", 1)[0]
     return int(size) if size.isdigit() else 0
+
+
+_NO_BLOCK = "x"  # a spare's name for "its free found no block header that reads back"
+
+
+def _spare_name(size: int, freed: Header | None) -> str:
+    """A spare's name: its size, then the identity of the block its free took off (key, epoch,
+    publish sequence; ``_NO_BLOCK`` if none read back), then a unique tail. Recovery publishes a
+    spare only if it now holds another block than that one: a rewrite whose renames a crash undid,
+    never the freed block itself, whatever the key's marks say (``_recover_spares``)."""
+    who = _NO_BLOCK if freed is None else f"{freed.key.hex()}.{freed.epoch}.{freed.seq}"
+    return f"{size}-{who}-{os.getpid()}-{secrets.token_hex(6)}"
+
+
+def _spare_holds_its_freed_block(name: str, header: Header) -> bool | None:
+    """Whether a spare named ``name`` still holds the block its free took off (None: a name of
+    the earlier form, which does not say)."""
+    parts = name.split("-")
+    if len(parts) != 4:
+        return None
+    who = parts[1]
+    return who != _NO_BLOCK and who == f"{header.key.hex()}.{header.epoch}.{header.seq}"
 
 
 def _is_block(name: str) -> bool:
@@ -371,7 +436,14 @@ class SharedPoolTier(Tier):
                 fence, freed, replaced = self._marks_sized(key)
                 if not _accepts(epoch, fence, freed):
                     # A stale writer; or bytes of a generation already freed here, landing late.
-                    return Fenced(fence)  # the finally removes the temp file: nothing changed
+                    # Its file is removed durably (a rare path): no crash may bring it back for
+                    # a recovery that has lost the marks that refused it.
+                    os.close(fd)
+                    fd = None
+                    os.unlink(tmp)
+                    tmp = None
+                    fsync_dir(bucket)
+                    return Fenced(fence)
                 final = f"{bucket}/{tag}"
                 # The publish: the bytes, their generation and the fence their header carries, in
                 # place of the previous generation.
@@ -471,7 +543,7 @@ class SharedPoolTier(Tier):
             for name in os.listdir(self.root / SPARES_DIR):
                 self._spares[_spare_size(name)].append(name)
 
-    def _retire(self, path: Path, size: int) -> None:
+    def _retire(self, path: Path, size: int, freed: Header | None) -> None:
         """Take a block file off its published name, under its key's lock: into spares/ while they
         hold less than ``spare_bytes`` (a soft bound across processes, as ``capacity_bytes`` is:
         counted on this process's view of spares/, not a listing per free), else unlinked. Either
@@ -482,7 +554,7 @@ class SharedPoolTier(Tier):
         if held + size > self.spare_bytes:
             path.unlink()
             return
-        name = f"{size}-{os.getpid()}-{secrets.token_hex(6)}"
+        name = _spare_name(size, freed)
         os.rename(path, self.root / SPARES_DIR / name)
         with self._mu:
             self._spares[size].append(name)
@@ -586,7 +658,7 @@ class SharedPoolTier(Tier):
             if not present:
                 return Absent()
             removed = path.stat().st_size
-            self._retire(path, removed)
+            self._retire(path, removed, header)
         fsync_dir(path.parent)  # the removal is durable before Freed, as the mark is before it
         self._adjust_usage(-removed)
         with self._mu:
@@ -605,7 +677,14 @@ class SharedPoolTier(Tier):
                 try:
                     current, freed = self._marks(key)
                 except CorruptFence:
-                    # The mark went with the file, as a SlotTier's goes with a restart.
+                    # The mark went with the file, as a SlotTier's goes with a restart. First the
+                    # blocks recovery kept off their name for want of it (a publish a crash undid,
+                    # so possibly acknowledged): published if newer than the key's block, as a
+                    # published block is never removed by a fence, only by a free or a newer write.
+                    bucket = self._bucket(key)
+                    for name in sorted(os.listdir(bucket)):
+                        if name.startswith(TEMP_PREFIX) and _key_of(name) == key:
+                            self._settle_temp(bucket / name, key, marks=False)
                     header = self._header_of(self._block_path(key))
                     self._write_fence(key, max(header.epoch if header is not None else 0, epoch))
                     continue
@@ -711,22 +790,30 @@ class SharedPoolTier(Tier):
                     return "corrupt", header
         return "ok", header
 
-    def _publishable(self, fd: int, key: bytes) -> bool:
+    def _publishable(self, fd: int, key: bytes, *, marks: bool = True) -> bool:
         """Whether the file open at ``fd`` (flocked exclusively by the caller, under the key's
-        lock) is a block a write would publish now: whole (every payload byte checked), the key's,
-        accepted by the key's marks (``_accepts``, as under the write's lock) and of a newer epoch
-        than the key's published block (an equal epoch is the same block: one owner per epoch).
-        A crash that undid a write's publish leaves such a file; publishing it is the state the
-        write would have reached a moment later, which the fence rules allow at any time (a
-        paused writer's bytes landing late). Raises ``CorruptFence`` as ``_read_marks``."""
-        verdict, header = self._verify_fd(fd, key, True)
-        if verdict != "ok" or header is None:
+        lock) holds a block a write would publish now: the key's, committed, accepted by the
+        key's marks (``_accepts``, as under the write's lock; skipped with ``marks=False``, for
+        ``restore_fences`` after the marks were lost), newer than the key's published block, and
+        whole (every payload byte checked, last: the cheap refusals first). A crash that undid a
+        write's publish leaves such a file; publishing it is the state the write would have
+        reached a moment later, which the fence rules allow at any time (a paused writer's bytes
+        landing late). Raises ``CorruptFence`` as ``_read_marks``."""
+        with self._buffers.get(PAGE_BYTES) as buf:  # aligned: the file may be open with O_DIRECT
+            header, _ = decode_header(buf[:pread_upto(fd, buf[:PAGE_BYTES], 0)])
+        if header is None or header.flags != FLAG_COMMITTED or header.key != key:
             return False
-        fence, freed = self._read_marks(key)
+        if marks:
+            fence, freed = self._read_marks(key)
+            if not _accepts(header.epoch, fence, freed):
+                return False
         published = self._block_header(key)
-        return _accepts(header.epoch, fence, freed) and (published is None or header.epoch > published.epoch)
+        if published is not None and not _newer(header, published):
+            return False
+        verdict, _ = self._verify_fd(fd, key, True)
+        return verdict == "ok"
 
-    def _open_orphan(self, path: Path) -> int | None:
+    def _open_orphan(self, path: Path | str) -> int | None:
         """``path`` opened and flocked exclusively without waiting; None if it is gone or in use (a
         live writer's temp file, a spare a reader still holds)."""
         try:
@@ -740,25 +827,35 @@ class SharedPoolTier(Tier):
             return None
         return fd
 
-    def _settle_temp(self, path: Path, key: bytes) -> str | None:
-        """A temp file of ``key`` (the caller holds the key's lock): "republished" if it is a whole
+    def _settle_temp(self, path: Path, key: bytes, *, marks: bool = True) -> str | None:
+        """A temp file of ``key`` (the caller holds the key's lock): "republished" if it holds a
         block its write would publish (a crash undid the publish: the write may have been
-        acknowledged), "removed" if not (a write that never finished, or that lost to the fence),
-        None if its writer is alive or the key's fence file cannot be read (kept for a recovery
-        after ``restore_fences``)."""
+        acknowledged), "removed" if not (a write that never finished), None if its writer is alive
+        or the key's fence file cannot be read (kept: ``restore_fences`` settles it). A file also
+        linked elsewhere (a crash that kept both names of its rename out of spares/) is published
+        all the same: a writer never takes a spare that is also linked as a block."""
         fd = self._open_orphan(path)
         if fd is None:
             return None
         try:
+            with self._buffers.get(PAGE_BYTES) as buf:
+                header, _ = decode_header(buf[:pread_upto(fd, buf[:PAGE_BYTES], 0)])
+            if header is not None and header.flags == FLAG_COMMITTED and header.key != key:
+                # Another key's block under this key's temp name: a spare a writer took and then
+                # left (killed before rewriting it, or an instant before putting it back). Back
+                # to spares/, named as the block it holds (so never published from there).
+                with contextlib.suppress(FileNotFoundError):
+                    os.rename(path, self.root / SPARES_DIR / _spare_name(os.fstat(fd).st_size, header))
+                return "removed"
             try:
-                publish = os.fstat(fd).st_nlink == 1 and self._publishable(fd, key)
+                publish = self._publishable(fd, key, marks=marks)
             except CorruptFence:
                 return None
             if publish:
                 os.fsync(fd)  # its bytes, if the writer was killed before its fdatasync
                 os.rename(path, self._block_path(key))
                 return "republished"
-            path.unlink(missing_ok=True)
+            os.unlink(path)
             return "removed"
         finally:
             os.close(fd)
@@ -766,34 +863,45 @@ class SharedPoolTier(Tier):
     def _recover_spares(self) -> int:
         """Publish again the spares that hold a write's block: a spare is rewritten only after a
         writer renamed it out of spares/ to its temp name, but a power cut can undo that rename
-        after the rewrite's fdatasync (the rename is not flushed), leaving the new block here. A
-        freed block's file is not one: its free made its epoch's freed mark durable first. Returns
-        how many were published."""
+        after the rewrite's fdatasync (the rename is not flushed), leaving the new block here.
+        The freed block a spare was made from never qualifies: the spare's name says which block
+        that was (``_spare_name``). A candidate whose key's fence file cannot be read is moved to
+        a temp name of its key (so that no writer takes it) and kept there until
+        ``restore_fences``. Returns how many were published."""
         spares = self.root / SPARES_DIR
         changed: set[Path] = set()
+        published = 0
         for name in os.listdir(spares):
             path = spares / name
             header = self._spare_header(path)
-            if header is None:
+            if header is None or _spare_holds_its_freed_block(name, header):
                 continue
-            with self._locked(header.key):
+            key = header.key
+            with self._locked(key):
                 fd = self._open_orphan(path)
                 if fd is None:
                     continue
                 try:
-                    if os.fstat(fd).st_nlink != 1 or not self._publishable(fd, header.key):
-                        continue
-                    os.rename(path, self._block_path(header.key))
-                    changed.add(self._bucket(header.key))
-                except CorruptFence:
-                    continue
+                    if os.fstat(fd).st_nlink != 1:
+                        continue  # also linked as a temp or a block: the bucket's pass settles it
+                    try:
+                        publish = self._publishable(fd, key)
+                        if not publish:
+                            continue
+                        published += 1
+                    except CorruptFence:
+                        if self._verify_fd(fd, key, True)[0] != "ok":
+                            continue
+                        publish = False
+                    _publish_spare(path, fd, self._bucket(key), key.hex(), publish)
+                    changed.add(self._bucket(key))
                 finally:
                     os.close(fd)
         for bucket in changed:
             fsync_dir(bucket)
         if changed:
             fsync_dir(spares)
-        return len(changed)
+        return published
 
     def _spare_header(self, path: Path) -> Header | None:
         """The committed header a spare file starts with, if it has one (read without a lock: a
