@@ -91,6 +91,10 @@ class ReferenceAdapter(Adapter):
 
     # ------------------------------------------------------------------ lifecycle
 
+    # The nodes' tiers (``kvcc serve node --tier``): two, the first the one a block lands in; a
+    # subclass may name others of the same sizes (the vLLM adapter on CUDA: a GPU tier first).
+    node_tiers: tuple[str, ...] = NODE_TIERS
+
     def capabilities(self) -> Capabilities:
         return Capabilities(
             profiles=frozenset(CACHE_PROFILES),
@@ -136,7 +140,7 @@ class ReferenceAdapter(Adapter):
                 self._etcd = EtcdCluster(1, ctx.workdir / "etcd").start()
                 endpoints = ",".join(self._etcd.endpoints)
             self._cluster = LocalCluster(
-                ctx.workdir / "cluster", nodes=ctx.nodes, tiers=NODE_TIERS, block_bytes=NODE_BLOCK_BYTES,
+                ctx.workdir / "cluster", nodes=ctx.nodes, tiers=self.node_tiers, block_bytes=NODE_BLOCK_BYTES,
                 lease_term_ms=ctx.lease_term_ms, skew_ms=ctx.skew_ms, namespaces=self._allowed,
                 backend=self.backend, etcd_endpoints=endpoints,
             ).start()  # fmt: skip
@@ -410,8 +414,9 @@ class ReferenceAdapter(Adapter):
         if proc is None or not proc.alive:
             raise AdapterError(f"location {grant.location!r} is down")
         tier = grant.location.partition(LOCATION_SEPARATOR)[2]
-        dest = next((f"{node}{LOCATION_SEPARATOR}{t}" for t in NODE_TIER_NAMES if t != tier), None)
-        if dest is None or tier not in NODE_TIER_NAMES:
+        names = tuple(t.partition("=")[0] for t in self.node_tiers)
+        dest = next((f"{node}{LOCATION_SEPARATOR}{t}" for t in names if t != tier), None)
+        if dest is None or tier not in names:
             return Refused(REASON_NOT_FOUND, f"{grant.location} is not one of {node}'s tiers")
         try:
             reply = self._ask_as(node_credential(node), self._cluster.node_token(node), self._cluster.directory_address,

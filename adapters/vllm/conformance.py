@@ -58,6 +58,14 @@ suite sees wrong bytes, never a repaired answer.
 
 Events are native (the directory's, every node's and every co-located client's NDJSON logs). Every
 profile is claimed; the ``corrupt`` fault is not declared, as for ``reference``.
+
+**On CUDA** (``kvcc.adapters.vllm.harness.default_device()``: ``KVCC_VLLM_DEVICE``, else ``cuda``
+where torch sees a GPU; ``scripts/vllm_cuda.sh``) the engines are vLLM's CUDA build on the GPU,
+started one after the other (vLLM measures the GPU memory free as it starts), and the worker
+connectors' paged KV tensors are CUDA tensors in the layout vLLM's default CUDA backend gets
+(``[blocks, kv heads, block size, 2 x head dim]`` stored block, token, head, content: ``LBNHC``),
+so the contract's bytes go through the connector's CUDA layout (``DeviceBlockLayout``). On CPU
+nothing changes.
 """
 
 from __future__ import annotations
@@ -350,7 +358,7 @@ class _EngineMixin:
         for name in ENGINES:
             self._retarget(name)
             engines[name] = harness.VllmEngine(model, served_name=MODEL_ID, num_blocks=ENGINE_NUM_BLOCKS,
-                                               max_model_len=ENGINE_MAX_MODEL_LEN,
+                                               max_model_len=ENGINE_MAX_MODEL_LEN, device=self.device,
                                                extra_args=("--kv-transfer-config", self._transfer_config(name)))  # fmt: skip
         pool.engines.update(engines)  # close_run closes whatever started
         self._start_all(list(engines.values()), "a vLLM engine did not start")
@@ -396,8 +404,20 @@ class _EngineMixin:
                 pool.subscriber.view(name).reset()
 
     def _start_all(self, engines: list[Any], what: str) -> None:
-        """Start ``engines`` side by side, each warmed up; ``AdapterError`` if one did not start."""
+        """Start ``engines`` side by side (on CUDA one after the other: vLLM sizes itself from the
+        GPU memory free as it starts), each warmed up; ``AdapterError`` if one did not start."""
         errors: list[BaseException] = []
+        if any(getattr(e, "device", "cpu") == "cuda" for e in engines):
+            for e in engines:
+                try:
+                    e.start()
+                    self._warm_up(e)
+                except BaseException as exc:  # noqa: BLE001 -- reported below
+                    errors.append(exc)
+                    break
+            if errors:
+                raise AdapterError(f"{what}: {errors[0]}")
+            return
 
         def up(e: Any) -> None:
             try:
@@ -715,8 +735,14 @@ class VllmAdapter(_EngineMixin, ClearingAdapter):
     engine_connector = ("kvcc.adapters.vllm.connector", "KvccConnector")
 
     def __init__(self) -> None:
+        from kvcc.adapters.vllm import harness
+
         super().__init__("sqlite")
         self.name = "vllm"
+        self.device = harness.default_device()  # "cuda": engines and paged KV tensors on the GPU
+        self.ENGINE_VERSION = ("vllm", harness.vllm_distribution(self.device))
+        if self.device == "cuda":  # the cache nodes' first tier on the GPU (reference/tiers/gpu.py)
+            self.node_tiers = ("gpu=4MiB", "nvme=16MiB")
         self._model: Any = None
         self._views: dict[str, _ConnectorClient] = {}
         self._idle: dict[str, list[Any]] = {}  # node -> worker connectors not in use
@@ -798,7 +824,13 @@ class VllmAdapter(_EngineMixin, ClearingAdapter):
         logging.getLogger("vllm.distributed.kv_transfer.kv_connector.v1.base").setLevel(logging.ERROR)  # its "experimental" warning, per instance
         conn = KvccConnector(config, KVConnectorRole.WORKER if worker else KVConnectorRole.SCHEDULER, None)
         conn._client = self._views[node]
-        if worker:
+        if worker and self.device == "cuda":  # vLLM's CUDA view: [B, H, N, 2D] stored B, N, H, C (LBNHC)
+            shape = (PAGED_BLOCKS, BLOCK_TOKENS, conn.kv_heads, 2 * conn.head_dim)
+            conn.register_kv_caches({f"model.layers.{i}.self_attn.attn":
+                                     torch.zeros(shape, dtype=torch.bfloat16, device="cuda").transpose(1, 2)
+                                     for i in range(conn.layers)})  # fmt: skip
+            assert conn.block_bytes == ENGINE_BLOCK_BYTES, conn.block_bytes
+        elif worker:
             shape = (PAGED_BLOCKS, conn.kv_heads, BLOCK_TOKENS, 2 * conn.head_dim)
             conn.register_kv_caches({f"model.layers.{i}.self_attn.attn": torch.zeros(shape, dtype=torch.bfloat16)
                                      for i in range(conn.layers)})  # fmt: skip

@@ -52,6 +52,22 @@ and reads off where each canonical element lands: a permutation, checked to be o
 unpacks whole blocks with one gather or scatter per layer. Any other cache shape, and quantized
 (fp8) KV caches, are refused at ``register_kv_caches``.
 
+**On CUDA** (the KV tensors vLLM registers are on a GPU) the layout is another one. vLLM's CUDA
+attention backends (``FLASH_ATTN`` on Hopper and older, ``FLASHINFER`` on Blackwell, ``TRITON_ATTN``)
+hand the connector, per layer, a view of logical shape ``[num_blocks, kv_heads, block_size,
+2 * head_dim]`` (``vllm.v1.kv_cache_interface.create_kv_cache_views``) whose physical stride order
+is the KV cache layout vLLM resolved (``vllm.v1.kv_cache_layout.KVCacheLayout``: ``LBNHC``,
+``LBHNC``, ``BLHNC``...; the content axis always innermost), and split it, in every backend's
+forward, as ``kv_cache.transpose(1, 2).split(head_dim, dim=-1)``: K is the first ``head_dim`` of
+the content axis, V the second, written by ``reshape_and_cache_flash``. ``DeviceBlockLayout``
+indexes that *logical* view, so the physical stride order never matters: ``probe`` runs vLLM's own
+``reshape_and_cache_flash`` on a scratch block of the engine's strides on the device (the mapping
+is the kernel's), and falls back, if that op cannot be run, to the mapping the logical shape
+documents (``derived``). Packing is one gather per layer on the device and one copy to the host;
+unpacking one copy to the device and one scatter per layer. Any other shape or stride (the content
+axis not innermost, layers of different strides), and quantized KV caches, are refused
+(``UnsupportedKvLayout``).
+
 **Scheduler side.** ``get_num_new_matched_tokens`` asks the directory one ``Lookup`` for the keys
 of the request's full prompt blocks (not the block holding the last prompt token: vLLM must compute
 at least one token) and answers how many tokens past the engine's own hit the committed prefix
@@ -158,7 +174,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-__all__ = ["KvccConnector", "KvccConnectorMetadata", "block_layout", "saves_settled", "wait_saves_settled", "write_deployment"]
+__all__ = ["DeviceBlockLayout", "KvccConnector", "KvccConnectorMetadata", "UnsupportedKvLayout", "block_layout",
+           "device_block_layout", "saves_settled", "wait_saves_settled", "write_deployment"]
 
 log = logging.getLogger("kvcc.vllm.connector")
 
@@ -329,6 +346,126 @@ class CpuBlockLayout:
         """Write a canonical block into vLLM's tensors, every layer."""
         for layer, t in enumerate(layers):
             t[block_id].view(-1).copy_(canonical[layer][self.canon_of_slot])
+
+
+class UnsupportedKvLayout(NotImplementedError):
+    """vLLM registered KV tensors whose layout the connector does not understand (refused, never guessed)."""
+
+
+def _flash_write(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:  # fmt: skip
+    """vLLM's CUDA cache write (``reshape_and_cache_flash``, what ``FLASH_ATTN`` and ``FLASHINFER``
+    call in ``do_kv_cache_update``), unquantized."""
+    from vllm import _custom_ops as ops
+
+    scale = torch.ones(1, dtype=torch.float32, device=key.device)
+    ops.reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, "auto", scale, scale)
+
+
+class DeviceBlockLayout:
+    """Where each element of a canonical block (``[2, block_size, kv_heads, head_dim]``: K, V)
+    lives inside one block of a layer's *logical* KV view ``[kv_heads, block_size, 2 * head_dim]``
+    (vLLM's CUDA backends; see the module docstring), as three index tensors (head, token, content)
+    on the cache's device: whatever the view's strides, ``t[block][index]`` gathers the canonical
+    block and ``t[block].index_put_(index, ...)`` scatters it."""
+
+    def __init__(self, canon_of_slot: torch.Tensor, block_size: int, kv_heads: int, head_dim: int,
+                 device: torch.device | str = "cpu", source: str = "derived") -> None:  # fmt: skip
+        n = 2 * block_size * kv_heads * head_dim
+        canon_of_slot = canon_of_slot.reshape(-1).to(torch.int64).cpu()
+        if canon_of_slot.numel() != n or not torch.equal(torch.sort(canon_of_slot).values, torch.arange(n)):
+            raise UnsupportedKvLayout("vLLM's CUDA cache write does not store a block as a permutation of its K and V")
+        self.canon_of_slot = canon_of_slot  # logical slot s of the block view holds canonical element canon_of_slot[s]
+        self.slot_of_canon = torch.argsort(canon_of_slot)
+        self.source = source  # "probe": learnt from vLLM's kernel; "derived": from the documented logical shape
+        c = 2 * head_dim
+        slot = self.slot_of_canon
+        self.device = torch.device(device)
+        self.index = tuple(i.to(self.device) for i in (slot // (block_size * c), (slot // c) % block_size, slot % c))
+
+    @classmethod
+    def derived(cls, block_size: int, kv_heads: int, head_dim: int, device: torch.device | str = "cpu") -> DeviceBlockLayout:
+        """The mapping vLLM's logical shape documents: canonical ``(part, token, head, d)`` is at
+        ``(head, token, part * head_dim + d)`` of the block view (K the first half of the content)."""
+        h = torch.arange(kv_heads).view(-1, 1, 1)
+        t = torch.arange(block_size).view(1, -1, 1)
+        c = torch.arange(2 * head_dim).view(1, 1, -1)
+        part, d = c // head_dim, c % head_dim
+        canon = ((part * block_size + t) * kv_heads + h) * head_dim + d
+        return cls(canon, block_size, kv_heads, head_dim, device, "derived")
+
+    @classmethod
+    def probe(cls, like: torch.Tensor, block_size: int, kv_heads: int, head_dim: int, write: Any = None) -> DeviceBlockLayout:
+        """Learn the mapping from vLLM's cache write (``write``, default ``reshape_and_cache_flash``;
+        same arguments, unquantized) on a scratch block with the strides, dtype and device of
+        ``like`` (a layer's registered KV view), split into K and V as the backends split it."""
+        write = write or _flash_write
+        if max(block_size, kv_heads, head_dim) > PROBE_EXACT_MAX:
+            raise UnsupportedKvLayout(f"probing a block of {block_size}x{kv_heads}x{head_dim}: indices over {PROBE_EXACT_MAX}")
+        dev, dtype = like.device, like.dtype
+        shape = (block_size, kv_heads, head_dim)  # the cache write's key and value: [tokens, kv heads, head dim]
+        index = {
+            "t": torch.arange(block_size).view(-1, 1, 1).expand(shape),
+            "h": torch.arange(kv_heads).view(1, -1, 1).expand(shape),
+            "d": torch.arange(head_dim).view(1, 1, -1).expand(shape),
+        }
+        zeros = torch.zeros(shape, dtype=torch.int64)
+        slots = torch.arange(block_size, dtype=torch.int64, device=dev)
+        found = {}
+        for name, (k_ids, v_ids) in {"part": (zeros, zeros + 1), **{n: (i, i) for n, i in index.items()}}.items():
+            scratch = torch.empty_strided((1, *like.shape[1:]), like.stride(), dtype=dtype, device=dev)
+            scratch.fill_(-1)
+            # (B, H, N, 2D) -> ((B, N, H, D), (B, N, H, D)): vLLM's split (flash_attn.py do_kv_cache_update)
+            key_cache, value_cache = scratch.transpose(1, 2).split(head_dim, dim=-1)
+            write(k_ids.to(dtype).to(dev).contiguous(), v_ids.to(dtype).to(dev).contiguous(), key_cache, value_cache, slots)
+            found[name] = scratch[0].reshape(-1).to(torch.int64).cpu()
+            if bool((found[name] < 0).any()):
+                raise UnsupportedKvLayout("vLLM's CUDA cache write left part of a block unwritten")
+        canon = ((found["part"] * block_size + found["t"]) * kv_heads + found["h"]) * head_dim + found["d"]
+        return cls(canon, block_size, kv_heads, head_dim, dev, "probe")
+
+    def pack(self, layers: list[torch.Tensor], block_id: int) -> torch.Tensor:
+        """The canonical ``[layers, 2 * block_size * kv_heads * head_dim]`` of one block, on the host."""
+        return torch.stack([t[block_id][self.index] for t in layers]).cpu()
+
+    def unpack(self, layers: list[torch.Tensor], block_id: int, canonical: torch.Tensor) -> None:
+        """Write a canonical block (host or device) into vLLM's tensors, every layer."""
+        canonical = canonical.to(self.device)
+        for layer, t in enumerate(layers):
+            t[block_id].index_put_(self.index, canonical[layer])
+
+
+def device_block_layout(tensors: list[torch.Tensor], names: list[str], block_size: int, kv_heads: int, head_dim: int,
+                        kv_cache_dtype: str = "auto", write: Any = None) -> DeviceBlockLayout:  # fmt: skip
+    """The ``DeviceBlockLayout`` of KV tensors in the layout vLLM's CUDA backends register
+    (``UnsupportedKvLayout`` for anything else): learnt with ``DeviceBlockLayout.probe`` (``write``:
+    the cache write, default vLLM's ``reshape_and_cache_flash``), or, when that op cannot be run
+    here, ``DeviceBlockLayout.derived``."""
+    expected = (kv_heads, block_size, 2 * head_dim)
+    for name, t in zip(names, tensors):
+        if t.dim() != 4 or tuple(t.shape[1:]) != expected or t.stride(-1) != 1:
+            raise UnsupportedKvLayout(
+                f"KvccConnector: layer {name} has a KV cache of shape {tuple(t.shape)}, strides {tuple(t.stride())}; "
+                f"only vLLM's logical layout [num_blocks, {expected[0]}, {expected[1]}, {expected[2]}] with the content "
+                "axis innermost (K then V) is supported on CUDA"
+            )
+        if t.stride() != tensors[0].stride() or t.dtype != tensors[0].dtype or t.device != tensors[0].device:
+            raise UnsupportedKvLayout(f"KvccConnector: layer {name}'s KV cache differs from {names[0]}'s in strides, dtype "
+                                      "or device")  # fmt: skip
+    if kv_cache_dtype != "auto" or tensors[0].dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise UnsupportedKvLayout(f"KvccConnector: KV cache dtype {kv_cache_dtype}/{tensors[0].dtype} (quantized) is not supported")
+    derived = DeviceBlockLayout.derived(block_size, kv_heads, head_dim, tensors[0].device)
+    try:
+        probed = DeviceBlockLayout.probe(tensors[0], block_size, kv_heads, head_dim, write)
+    except UnsupportedKvLayout:
+        raise
+    except Exception as e:  # noqa: BLE001 -- the op is not in this build: the documented layout
+        log.warning("KvccConnector: vLLM's cache write could not be probed (%s: %s); using the documented layout",
+                    type(e).__name__, e)  # fmt: skip
+        return derived
+    if not torch.equal(probed.canon_of_slot, derived.canon_of_slot):
+        log.warning("KvccConnector: vLLM's cache write places K/V otherwise than its documented layout; following the kernel")
+    return probed
 
 
 def engine_isa(dtype: torch.dtype, block_size: int, head_dim: int) -> str:
@@ -613,6 +750,14 @@ class KvccConnector(KVConnectorBase_V1):
         tensors = [kv_caches[n] for n in names]
         if len(tensors) != self.layers:
             raise ValueError(f"KvccConnector: {len(tensors)} KV layers, the namespace says {self.layers}")
+        if tensors[0].device.type != "cpu":  # vLLM's CUDA backends (see the module docstring)
+            self._kv = tensors
+            self.layout = device_block_layout(tensors, names, self.block_size, self.kv_heads, self.head_dim,
+                                              self.kv_cache_dtype)  # fmt: skip
+            self.block_bytes = self.layers * 2 * self.block_size * self.kv_heads * self.head_dim * tensors[0].element_size()
+            log.info("KvccConnector %s: %d layers on %s (%s layout), %d bytes a block, namespace %s", self.client_id,
+                     len(tensors), tensors[0].device, self.layout.source, self.block_bytes, self.mapper.base)  # fmt: skip
+            return
         for name, t in zip(names, tensors):
             expected = (self.kv_heads, self.block_size, 2 * self.head_dim)
             if t.dim() != 4 or tuple(t.shape[1:]) != expected or not t[0].is_contiguous():

