@@ -31,6 +31,19 @@ connection, session and holder id -- on one asyncio loop:
   volatile (protocol property 12) and lease ids are reserved durably in blocks (``lease_id_block``), so
   the log sees one commit per block of grants.
 
+- **shards** (``--shards N``, docs/sharding.md): the same load against N directory processes, each
+  serving one shard (``kvcc serve directory --shard I --shards N``) with a cache node of its own,
+  in the same run as the one directory: a row per backend and shard count. The load holds one
+  chain of ``keys`` blocks per shard, rooted in that shard (with one shard, the same chain as
+  without the option), and each client has a connection to every shard and sends each request to
+  the shard of its key's chain (its root's: ``keys.shard_of``), as a sharded client would; a pair
+  is the same two requests as with one directory. ``shard_scaling`` gives pairs/s and chain
+  blocks/s with N shards over one, and the directory CPU per operation summed over the shards
+  (what projects to more cores: one dedicated core per shard sustains ``1e6 / cpu_us`` each). A
+  node registers with one shard here, its own: a deployment's nodes registering with every shard,
+  and clients routing by themselves, are steps 3 and later of the design (not built); neither is
+  on the path of a lease pair, which never reaches a node.
+
 Trials interleave (ping, pairs, chains[, etcd puts]) ``trials`` times after a warm-up; every figure is the
 median over trials (latency percentiles are taken per trial, then the median). The benchmark
 process's and the directory process's CPU time over each trial are reported (``client_cpu``,
@@ -134,41 +147,56 @@ def _proc_cpu_s(pid: int) -> float:
 
 
 class _Load:
-    """``clients`` KvccClients of one cluster, on the caller's event loop."""
+    """``clients`` load clients, each a KvccClient per shard (one cluster per shard; one cluster for
+    the one directory), on the caller's event loop."""
 
-    def __init__(self, cluster: Any, clients: int, keys: int) -> None:
+    def __init__(self, clusters: Sequence[Any], clients: int, keys: int) -> None:
         from kvcc.reference.cluster import ENGINE_TENANT
-        from kvcc.spec.keys import chain_keys
+        from kvcc.spec.keys import chain_keys, shard_of
 
-        self.cluster = cluster
+        self.clusters = list(clusters)  # cluster s: the directory serving shard s of len(clusters)
+        shards = len(self.clusters)
         self.ns = bench_namespace()
         self.ns_digest = self.ns.digest()  # as an engine keeps it: hashing per request is the load's cost
-        self.keys = chain_keys(self.ns, list(range(keys * self.ns.block_tokens)))
-        self.chain_keys = self.keys[:CHAIN_BLOCKS]
+        # One chain of ``keys`` blocks (each block's parent the one before: a prompt's blocks) per
+        # shard, rooted in it; with one shard, the chain of tokens 0, 1, 2, ...
+        self.shard_chains: list[list[Any]] = []
+        for shard in range(shards):
+            for base in itertools.count():
+                chain = chain_keys(self.ns, list(range(base, base + keys * self.ns.block_tokens)))
+                if shard_of(chain[0].digest, shards) == shard:
+                    self.shard_chains.append(chain)
+                    break
+        # Pairs rotate over every shard's keys, shards interleaved: (shard, key).
+        self.keys = [(s, chain[j]) for j in range(keys) for s, chain in enumerate(self.shard_chains)]
+        self.chain_keys = [chain[:CHAIN_BLOCKS] for chain in self.shard_chains]
         self.n_clients = clients
         self.tenant = ENGINE_TENANT
-        self.clients: list[Any] = []
+        self.clients: list[list[Any]] = []  # per load client, a KvccClient per shard
 
     async def start(self) -> None:
         from kvcc.reference.client import KvccClient, Refused
         from kvcc.spec.vocabulary import REASON_NOT_ABSENT
 
-        address = self.cluster.directory_address
         for i in range(self.n_clients):
-            c = KvccClient(address, self.tenant, self.cluster.engine_token, client_id=f"bench-{i}",
-                           skew_ms=self.cluster.skew_ms, timeout_ms=CLIENT_TIMEOUT_MS)  # fmt: skip
-            self.clients.append(c)
-            await c.start()
-        writer = self.clients[0]
-        parent = None
-        for key in self.keys:  # a chain: each block's parent is the one before (a prompt's blocks)
-            out = await writer.put(self.ns, key, parent, key.digest * (BLOCK_BYTES // len(key.digest)))
-            if isinstance(out, Refused) and out.reason != REASON_NOT_ABSENT:
-                raise BenchError(f"committing the benchmark's blocks: {out}")
-            parent = key
+            per_shard = []
+            for s, cluster in enumerate(self.clusters):
+                c = KvccClient(cluster.directory_address, self.tenant, cluster.engine_token, client_id=f"bench-{i}-{s}",
+                               skew_ms=cluster.skew_ms, timeout_ms=CLIENT_TIMEOUT_MS)  # fmt: skip
+                per_shard.append(c)
+                await c.start()
+            self.clients.append(per_shard)
+        for s, chain in enumerate(self.shard_chains):
+            writer = self.clients[0][s]
+            parent = None
+            for key in chain:
+                out = await writer.put(self.ns, key, parent, key.digest * (BLOCK_BYTES // len(key.digest)))
+                if isinstance(out, Refused) and out.reason != REASON_NOT_ABSENT:
+                    raise BenchError(f"committing the benchmark's blocks: {out}")
+                parent = key
 
     async def close(self) -> None:
-        await asyncio.gather(*(c.close() for c in self.clients), return_exceptions=True)
+        await asyncio.gather(*(c.close() for per_shard in self.clients for c in per_shard), return_exceptions=True)
 
     async def _run(self, one: Callable[[Any, int], Any], seconds: float) -> dict[str, float]:
         """Every client runs ``one(client, i)`` in a loop for ``seconds``; latency per call."""
@@ -201,22 +229,25 @@ class _Load:
     async def pair(self, client: Any, i: int) -> None:
         from kvcc.reference.client import Refused
 
-        lease = await client.acquire(self.ns_digest, self.keys[i % len(self.keys)])
+        shard, key = self.keys[i % len(self.keys)]
+        lease = await client[shard].acquire(self.ns_digest, key)
         if isinstance(lease, Refused):
             raise BenchError(f"acquire refused: {lease}")
-        await client.release(lease)
+        await client[shard].release(lease)
 
     async def chain(self, client: Any, i: int) -> None:
-        leases, why = await client.acquire_chain(self.ns_digest, self.chain_keys)
-        if why is not None or len(leases) != len(self.chain_keys):
-            raise BenchError(f"acquire_chain leased {len(leases)} of {len(self.chain_keys)}: {why}")
-        await client.release_many(leases)
+        shard = i % len(self.chain_keys)
+        chain = self.chain_keys[shard]
+        leases, why = await client[shard].acquire_chain(self.ns_digest, chain)
+        if why is not None or len(leases) != len(chain):
+            raise BenchError(f"acquire_chain leased {len(leases)} of {len(chain)}: {why}")
+        await client[shard].release_many(leases)
 
     async def chains(self, seconds: float) -> dict[str, float]:
         return await self._run(self.chain, seconds)
 
     async def ping(self, client: Any, i: int) -> None:
-        await client._dir.ping(i & 0xFFFF)  # the same connection the leases use
+        await client[i % len(client)]._dir.ping(i & 0xFFFF)  # the same connections the leases use
 
     async def pairs(self, seconds: float) -> dict[str, float]:
         return await self._run(self.pair, seconds)
@@ -266,7 +297,7 @@ def _etcd_puts(endpoints: list[str], prefix: str, threads: int, seconds: float) 
 
 
 def _measure_backend(backend: str, *, clients: int, seconds: float, trials: int, keys: int,
-                     workdir: Path, progress: Callable[[str], None]) -> dict[str, Any]:  # fmt: skip
+                     workdir: Path, progress: Callable[[str], None], shards: int = 1) -> dict[str, Any]:  # fmt: skip
     from contextlib import ExitStack
 
     from kvcc.reference.cluster import LocalCluster
@@ -280,48 +311,55 @@ def _measure_backend(backend: str, *, clients: int, seconds: float, trials: int,
             progress("etcd: starting one member on loopback")
             etcd = stack.enter_context(EtcdCluster(members=1))
             kwargs = {"backend": "etcd", "etcd_endpoints": ",".join(etcd.endpoints)}
-        progress(f"{backend}: starting the directory and a node")
-        cluster = stack.enter_context(LocalCluster(
-            workdir / backend, nodes=1, tiers=(f"dram={max(1, keys * BLOCK_BYTES * 2 // (1 << 20) + 1)}MiB",),
-            block_bytes=BLOCK_BYTES, namespaces=[bench_namespace()], **kwargs))  # fmt: skip
-        directory_pid = cluster.procs["directory"].popen.pid
+        label = backend if shards == 1 else f"{backend}, {shards} shards"
+        progress(f"{label}: starting the directory and a node" if shards == 1
+                 else f"{label}: starting {shards} directory shards, each with a node")  # fmt: skip
+        clusters = [stack.enter_context(LocalCluster(
+            workdir / (backend if shards == 1 else f"{backend}-shard{s}-of-{shards}"), nodes=1,
+            tiers=(f"dram={max(1, keys * BLOCK_BYTES * 2 // (1 << 20) + 1)}MiB",), block_bytes=BLOCK_BYTES,
+            namespaces=[bench_namespace()], shard=None if shards == 1 else (s, shards), **kwargs))
+            for s in range(shards)]  # fmt: skip
+        cluster = clusters[0]
+        directory_pids = [c.procs["directory"].popen.pid for c in clusters]
         from kvcc.reference.loop import loop_factory
 
         runner = stack.enter_context(asyncio.Runner(loop_factory=loop_factory()))
-        load = _Load(cluster, clients, keys)
+        load = _Load(clusters, clients, keys)
         try:
-            progress(f"{backend}: {clients} clients, committing {keys} blocks")
+            progress(f"{label}: {clients} clients, committing {keys * shards} blocks")
             runner.run(load.start())
             runner.run(load.pings(WARMUP_S))
             runner.run(load.pairs(WARMUP_S))
             runner.run(load.chains(WARMUP_S))
             pings, pairs, chains, puts = [], [], [], []
             def timed(what: Any) -> dict[str, float]:
-                d0, c0, w0 = _proc_cpu_s(directory_pid), time.process_time(), time.perf_counter()
+                d0, c0, w0 = sum(map(_proc_cpu_s, directory_pids)), time.process_time(), time.perf_counter()
                 r = runner.run(what)
                 wall = time.perf_counter() - w0
-                d = _proc_cpu_s(directory_pid) - d0
+                d = sum(map(_proc_cpu_s, directory_pids)) - d0  # every shard's directory
                 r.update(directory_cpu=d / wall, client_cpu=(time.process_time() - c0) / wall,
                          directory_cpu_us_per_op=d * 1e6 / r["ops"])  # fmt: skip
                 return r
 
             for t in range(trials):
-                progress(f"{backend}: trial {t + 1}/{trials}: ping")
+                progress(f"{label}: trial {t + 1}/{trials}: ping")
                 pings.append(timed(load.pings(seconds)))
-                progress(f"{backend}: trial {t + 1}/{trials}: acquire+release")
+                progress(f"{label}: trial {t + 1}/{trials}: acquire+release")
                 pairs.append(timed(load.pairs(seconds)))
-                progress(f"{backend}: trial {t + 1}/{trials}: chains of {len(load.chain_keys)}")
+                progress(f"{label}: trial {t + 1}/{trials}: chains of {len(load.chain_keys[0])}")
                 chains.append(timed(load.chains(seconds)))
                 if etcd is not None:
-                    progress(f"{backend}: trial {t + 1}/{trials}: raw etcd put")
+                    progress(f"{label}: trial {t + 1}/{trials}: raw etcd put")
                     puts.append(_etcd_puts(etcd.endpoints, f"{cluster.etcd_prefix}-raw", clients, seconds))
-            if not cluster.alive("directory"):
-                raise BenchError(f"the directory died:\n{cluster.procs['directory'].tail()}")
+            for c in clusters:
+                if not c.alive("directory"):
+                    raise BenchError(f"the directory died:\n{c.procs['directory'].tail()}")
         finally:
             runner.run(load.close())
     cpu = ("directory_cpu", "client_cpu", "directory_cpu_us_per_op")
     out: dict[str, Any] = {
         "backend": backend,
+        "shards": shards,
         "pairs": {**_summary(pairs), **{k: _median(pairs, k) for k in cpu}},
         "ping": {**_summary(pings), **{k: _median(pings, k) for k in cpu}},
     }
@@ -343,27 +381,49 @@ def _measure_backend(backend: str, *, clients: int, seconds: float, trials: int,
     return out
 
 
+def shard_scaling(one: dict[str, Any], many: dict[str, Any]) -> dict[str, Any]:
+    """A sharded row against the one-directory row of the same backend, same run."""
+    return {
+        "backend": one["backend"], "shards": many["shards"],
+        "pairs_ratio": many["pairs"]["per_s"] / one["pairs"]["per_s"],
+        "chain_blocks_ratio": many["chains"]["blocks_per_s"] / one["chains"]["blocks_per_s"],
+        "directory_cpu": {"one": one["pairs"]["directory_cpu"], "sharded": many["pairs"]["directory_cpu"]},
+        "load_cpu": {"one": one["pairs"]["client_cpu"], "sharded": many["pairs"]["client_cpu"]},
+        "directory_cpu_us_per_pair": {"one": one["pairs"]["directory_cpu_us_per_op"],
+                                      "sharded": many["pairs"]["directory_cpu_us_per_op"]},
+        # What one dedicated core per shard would sustain, from the CPU each pair cost the shards.
+        "projected_pairs_per_s_per_shard_core": 1e6 / many["pairs"]["directory_cpu_us_per_op"],
+    }  # fmt: skip
+
+
 def measure(backends: Sequence[str] = BACKENDS, clients: int = DEFAULT_CLIENTS, seconds: float = DEFAULT_SECONDS,
             trials: int = DEFAULT_TRIALS, keys: int = DEFAULT_KEYS,
-            on_progress: Callable[[str], None] | None = None) -> dict[str, Any]:  # fmt: skip
+            on_progress: Callable[[str], None] | None = None, shards: int = 1) -> dict[str, Any]:  # fmt: skip
     """Run the benchmark; returns one JSON-able object (see the module docstring)."""
     for b in backends:
         if b not in BACKENDS:
             raise BenchError(f"backends are {', '.join(BACKENDS)}; got {b!r}")
-    assert clients >= 1 and seconds > 0 and trials >= 1 and keys >= 1
+    assert clients >= 1 and seconds > 0 and trials >= 1 and keys >= 1 and shards >= 1
     progress = on_progress or (lambda what: None)
     started = time.perf_counter()
-    rows = []
+    rows, sharded, scaling = [], [], []
     with tempfile.TemporaryDirectory(prefix="kvcc-bench-directory-") as tmp:
         for backend in backends:
             rows.append(_measure_backend(backend, clients=clients, seconds=seconds, trials=trials, keys=keys,
                                          workdir=Path(tmp), progress=progress))  # fmt: skip
+            if shards > 1:
+                sharded.append(_measure_backend(backend, clients=clients, seconds=seconds, trials=trials, keys=keys,
+                                                workdir=Path(tmp), progress=progress, shards=shards))  # fmt: skip
+                scaling.append(shard_scaling(rows[-1], sharded[-1]))
     return {
         "clients": clients, "seconds": seconds, "trials": trials, "keys": keys, "cpus": os.cpu_count(),
         "target": {"embedded_pairs_per_s": TARGET_PAIRS_PER_S, "embedded_p99_ms": TARGET_P99_MS,
                    "etcd_pairs_per_put": TARGET_ETCD_RATIO, "embedded_chain_blocks_per_s": TARGET_CHAIN_BLOCKS_PER_S,
                    "embedded_chain_p99_ms": TARGET_CHAIN_P99_MS},
         "rows": rows,
+        "shards": shards,
+        "sharded_rows": sharded,
+        "shard_scaling": scaling,
         "met": {row["backend"]: row["meets_target"] for row in rows},
         "chains_met": {row["backend"]: row["chains_meet_target"] for row in rows if row["backend"] == "embedded"},
         "elapsed_s": round(time.perf_counter() - started, 1),
@@ -410,6 +470,18 @@ def render(console: Any, r: dict[str, Any]) -> None:
             e = row["etcd_put"]
             t.add_row("", "raw: etcd put", f"{e['per_s']:,.0f}", f"{e['p50_ms']:.2f}", f"{e['p99_ms']:.2f}", "", "")
     console.print(t)
+    if r.get("shard_scaling"):
+        s = Table(title=f"Sharded directory: {r['shards']} shards against one, same run", box=box.SIMPLE_HEAVY,
+                  title_justify="left")  # fmt: skip
+        for name in ("backend", "pairs/s", "x one", "chain blocks/s", "x one", "directory CPU", "us a pair",
+                     "load CPU"):  # fmt: skip
+            s.add_column(name, justify="left" if name == "backend" else "right")
+        for row, sc in zip(r["sharded_rows"], r["shard_scaling"]):
+            s.add_row(f"{row['backend']}, {row['shards']} shards", f"{row['pairs']['per_s']:,.0f}",
+                      f"{sc['pairs_ratio']:.2f}", f"{row['chains']['blocks_per_s']:,.0f}",
+                      f"{sc['chain_blocks_ratio']:.2f}", f"{row['pairs']['directory_cpu']:.2f}",
+                      f"{row['pairs']['directory_cpu_us_per_op']:.0f}", f"{row['pairs']['client_cpu']:.2f}")  # fmt: skip
+        console.print(s)
     cpu = "; ".join(f"{row['backend']}: directory {row['pairs']['directory_cpu']:.2f} "
                     f"({row['pairs']['directory_cpu_us_per_op']:.0f} us per pair, "
                     f"{row['ping']['directory_cpu_us_per_op']:.0f} per ping), "
@@ -449,6 +521,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"timed trials per figure, median reported (default {DEFAULT_TRIALS})")
     parser.add_argument("--keys", type=positive_int, default=DEFAULT_KEYS, metavar="N",
                         help=f"committed blocks the clients lease (default {DEFAULT_KEYS})")
+    parser.add_argument("--shards", type=positive_int, default=1, metavar="N",
+                        help="also measure N directory shards against one, in the same run (default 1: not)")
     parser.add_argument("--json", action="store_true", help="print one JSON object and nothing else")
 
 
@@ -468,7 +542,7 @@ def cli(args: argparse.Namespace) -> int:
 
     try:
         run(json=args.json, backends=args.backends, clients=args.clients, seconds=args.seconds,
-            trials=args.trials, keys=args.keys)  # fmt: skip
+            trials=args.trials, keys=args.keys, shards=args.shards)  # fmt: skip
     except (BenchError, ClusterError, EtcdHarnessError, ConnectionFailed, TimeoutError_, OSError) as exc:
         print(f"kvcc bench directory: error: {exc}", file=sys.stderr)
         return 1

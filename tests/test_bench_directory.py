@@ -100,6 +100,25 @@ def test_bench_directory_etcd_json(capsys, etcd_leak_check):
     assert not _serving_children(), "the benchmark must stop its processes"
 
 
+def test_bench_directory_shards_json(capsys):
+    """``--shards 2``: the one directory, then two shard processes in the same run, each leasing
+    its own chain (a request sent to the wrong shard would be refused, and the run fail)."""
+    code = cli.main(["bench", "directory", "--backends", "embedded", *TINY, "--shards", "2", "--json"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    r = _one_json(captured.out)
+    [one] = r["rows"]
+    [two] = r["sharded_rows"]
+    assert (r["shards"], one["shards"], two["shards"]) == (2, 1, 2)
+    _check_row(one)
+    _check_row(two)
+    [scaling] = r["shard_scaling"]
+    assert scaling["pairs_ratio"] == pytest.approx(two["pairs"]["per_s"] / one["pairs"]["per_s"])
+    assert scaling["chain_blocks_ratio"] == pytest.approx(two["chains"]["blocks_per_s"] / one["chains"]["blocks_per_s"])
+    assert scaling["projected_pairs_per_s_per_shard_core"] == pytest.approx(1e6 / two["pairs"]["directory_cpu_us_per_op"])
+    assert not _serving_children(), "the benchmark must stop its processes"
+
+
 def test_bench_directory_table(capsys):
     code = cli.main(["bench", "directory", "--backends", "embedded", *TINY])
     captured = capsys.readouterr()
