@@ -102,6 +102,8 @@ from .wire import (
     LeaseRefused,
     LeaseRenewed,
     ListNodes,
+    Located,
+    Locate,
     Lookup,
     NodeList,
     PrefixFound,
@@ -424,6 +426,13 @@ class KvccClient:
                 assert type(answer) is PrefixFound
                 hits.append(PrefixHit(answer.blocks_matched, answer.locations))
         return hits
+
+    async def locate(self, ns: Namespace | bytes, keys: Sequence[BlockKey]) -> tuple[bool, ...]:
+        """Per key, whether the directory holds a record of it in ``ns`` (``Locate``: read-only,
+        no lease). A sharded directory's client asks every shard about a key it has not seen."""
+        reply = await self._ask(Locate(_digest(ns), tuple(keys)))
+        assert type(reply) is Located and len(reply.known) == len(keys)
+        return tuple(bool(k) for k in reply.known)
 
     # ------------------------------------------------------------------ read leases
 

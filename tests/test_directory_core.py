@@ -318,6 +318,22 @@ def test_lookup_is_the_longest_committed_chain(d):
     assert d.send(wire.Lookup(NS_A, (A0, A1, A2)))[0].blocks_matched == 2  # WRITING is not found
 
 
+def test_locate_finds_any_key_held_in_any_phase_and_changes_nothing(d):
+    """``Locate`` (a sharded directory's client asking which shard holds a key): a child alone,
+    a key being written and one voided are held; a key never written, or held in another
+    namespace, is not. Read-only: no effect, no event, no record."""
+    d.write(A0)
+    d.write(A1)
+    d.begin_write(A2)
+    before = dict(d.core.records)
+    reply, effects = d.send(wire.Locate(NS_A, (A1, A2, A0, A1X)))
+    assert reply == wire.Located(NS_A, (1, 1, 1, 0)) and effects == []
+    assert d.send(wire.Locate(NS_B, (A0,)))[0].known == (0,)
+    d.send(wire.Invalidate(NS_A, vocabulary.SCOPE_KEY, A1))
+    assert d.send(wire.Locate(NS_A, (A1,)))[0].known == (1,)  # voided, its record kept for its epoch
+    assert set(d.core.records) == set(before)
+
+
 # ------------------------------------------------------------------------------------------- invalidation
 
 

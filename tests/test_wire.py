@@ -94,6 +94,9 @@ def message_strategy(cls: type) -> st.SearchStrategy:
             lambda locs: st.builds(PrefixFound, namespace=FIELD_STRATEGIES["NamespaceDigest"],
                                    blocks_matched=st.just(len(locs)), locations=st.just(tuple(locs)))
         )  # fmt: skip
+    if cls is wire.Located:
+        return st.builds(wire.Located, namespace=FIELD_STRATEGIES["NamespaceDigest"],
+                         known=st.lists(st.integers(0, 1), max_size=6).map(tuple))
     if cls is Welcome:
         return st.lists(st.tuples(_keys, _uint), max_size=6).flatmap(
             lambda pairs: st.builds(Welcome, node=_ids, incarnation=_uint,

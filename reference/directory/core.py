@@ -166,6 +166,8 @@ from ..wire import (
     LeaseRefused,
     LeaseReleased,
     LeaseRenewed,
+    Located,
+    Locate,
     Lookup,
     PrefixFound,
     ReadLeaseGranted,
@@ -672,6 +674,13 @@ class DirectoryCore:
             parent = key
         return tuple(owners)
 
+    def locate(self, namespace: bytes, keys: Iterable[BlockKey]) -> tuple[int, ...]:
+        """Per key, 1 if this directory holds a record of it in ``namespace`` (in any phase: a
+        record, once made, is kept for its epoch), else 0. A sharded directory's client asks
+        every shard (docs/sharding.md): a key's records are all in its root's shard."""
+        records = self.records
+        return tuple(int(rec is not None and rec.namespace == namespace) for rec in map(records.get, keys))
+
     def ticket_status(self, ticket: int) -> Ticket | None:
         """The ticket, or ``None`` for one completed so long ago it was forgotten."""
         if not FIRST_TICKET <= ticket < self.next_ticket:
@@ -766,6 +775,9 @@ class DirectoryCore:
                 self._authorize(tenant, msg.namespace)
                 owners = self.lookup(msg.namespace, msg.keys)
                 reply = PrefixFound(msg.namespace, len(owners), owners)
+            case Locate():
+                self._authorize(tenant, msg.namespace)
+                reply = Located(msg.namespace, self.locate(msg.namespace, msg.keys))
             case Invalidate():
                 reply = self._invalidate(msg, tenant, effects)
             case WaitTicket():
@@ -930,7 +942,7 @@ class DirectoryCore:
     def check_request(self, msg: Any, tenant: str) -> None:
         """Raise what ``handle(msg)`` would raise for ``msg`` itself (a peer's violation), changing
         nothing: a batch is checked item by item before any item is taken."""
-        if type(msg) is Lookup:
+        if type(msg) in (Lookup, Locate):
             self._authorize(tenant, msg.namespace)
 
     def _begin_write(self, msg: BeginWrite, tenant: str, effects: list[Effect]) -> Any:

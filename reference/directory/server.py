@@ -129,6 +129,7 @@ from ..wire import (
     InvalidationPending,
     LeaseRenewed,
     ListNodes,
+    Locate,
     Lookup,
     NodeList,
     Noted,
@@ -172,7 +173,7 @@ HOME_SEPARATOR = COLOCATED_SEPARATOR  # a client id "<node>.<name>" lives next t
 TIMER_SLACK_MS = 1  # sleep this much past a deadline: the core expires at deadline, not before
 CLOSE_COMMITS_S = 10.0  # close() waits this long for the commit thread to finish what it took
 # What only a client (a tenant's credential) asks: a node credential is refused each (issue 14).
-CLIENT_REQUESTS = (Acquire, Renew, Release, BeginWrite, Commit, RevokeAcked, Lookup, Invalidate, WaitTicket, Batch)
+CLIENT_REQUESTS = (Acquire, Renew, Release, BeginWrite, Commit, RevokeAcked, Lookup, Locate, Invalidate, WaitTicket, Batch)
 # What only a cache node sends, about its own locations (issue 14).
 NODE_REQUESTS = (Freed, Copied, Transfer, Lost)
 
@@ -564,7 +565,7 @@ class DirectoryServer:
         if reply is None:
             assert type(msg) in (RevokeAcked, Copied, Freed)
             reply = Noted({RevokeAcked: "revoke_acked", Copied: "copied", Freed: "freed"}[type(msg)])
-        if type(msg) is Lookup and not effects and not any(k in self._pending_keys for k in msg.keys):
+        if type(msg) in (Lookup, Locate) and not effects and not any(k in self._pending_keys for k in msg.keys):
             return reply  # it read only what is durable: nothing in the pipeline touches its keys
         return self._once_caught_up(reply)
 

@@ -147,6 +147,8 @@ from .messages import (
     LeaseReleased,
     LeaseRenewed,
     ListNodes,
+    Located,
+    Locate,
     Lost,
     Lookup,
     Message,

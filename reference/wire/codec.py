@@ -36,6 +36,7 @@ from .messages import (
     Batched,
     Invalidate,
     NodeList,
+    Located,
     PrefixFound,
     WaitTicket,
     Welcome,
@@ -258,6 +259,9 @@ def _cross_field_problem(msg: Any) -> str | None:
     elif type(msg) is PrefixFound:
         if len(msg.locations) != msg.blocks_matched:
             return f"{len(msg.locations)} locations for {msg.blocks_matched} matched blocks"
+    elif type(msg) is Located:
+        if any(v > 1 for v in msg.known):
+            return "known holds 0 or 1 per key"
     elif type(msg) is Welcome:
         if len(msg.fence_keys) != len(msg.fence_epochs):
             return f"{len(msg.fence_keys)} fence keys for {len(msg.fence_epochs)} epochs"

@@ -318,6 +318,25 @@ class PrefixFound:
 
 
 @frozen
+class Locate:
+    """Which of ``keys`` does this directory hold a record of in ``namespace``, in any phase? A
+    sharded directory's client asks every shard at once about a key it has never seen (a key not
+    a root: ``Lookup`` walks a chain from its root, so it finds no child alone; docs/sharding.md).
+    Read-only: no lease, no event, nothing changes."""
+
+    namespace: NamespaceDigest
+    keys: tuple[BlockKey, ...]
+
+
+@frozen
+class Located:
+    """``known[i]`` is 1 if this directory holds a record of ``keys[i]`` of the ``Locate``, else 0."""
+
+    namespace: NamespaceDigest
+    known: tuple[int, ...]
+
+
+@frozen
 class Invalidate:
     """Void a generation: ``scope`` is ``"key"`` or ``"prefix"`` (with ``key``) or
     ``"namespace"`` (``key`` None). Answered at once by InvalidationStarted."""
@@ -502,7 +521,7 @@ _ALL = (
     BeginWrite, WriteLeaseGranted, WriteBytes, BytesStored, Commit, Committed, CommitRejected,
     Revoke, RevokeAcked,
     Free, Freed, Copy, Copied, Lost, CopyFailed, Fenced, ReadBytes, BytesRead, ReadRefused,
-    Lookup, PrefixFound, Invalidate, InvalidationStarted, WaitTicket, InvalidationCompleted,
+    Lookup, PrefixFound, Locate, Located, Invalidate, InvalidationStarted, WaitTicket, InvalidationCompleted,
     InvalidationPending, Evict, Evicted, EvictRefused,
     Hello, Welcome, ListNodes, NodeList, Transfer, TransferStarted, TransferRefused, Noted,
     Batch, Batched, Error, Ping, Pong,

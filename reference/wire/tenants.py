@@ -38,7 +38,7 @@ from kvcc.spec.keys import DIGEST_BYTES
 from ..errors import Unauthorized
 from .codec import check_digest
 from .limits import MAX_TENANT_BYTES, MIN_TOKEN_BYTES
-from .messages import Hello, Invalidate, ListNodes, Lookup, WaitTicket
+from .messages import Hello, Invalidate, ListNodes, Locate, Lookup, WaitTicket
 
 def tenant_problem(name: Any) -> str | None:
     if type(name) is not str or not name:
@@ -49,7 +49,7 @@ def tenant_problem(name: Any) -> str | None:
 
 
 # What an operator credential may ask the directory (``Tenants.may_operate``).
-OPERATOR_REQUESTS = (Hello, Invalidate, WaitTicket, Lookup, ListNodes)
+OPERATOR_REQUESTS = (Hello, Invalidate, WaitTicket, Lookup, Locate, ListNodes)
 
 NODE_CREDENTIAL_PREFIX = "node:"  # a node's credential is named "node:<node id>"
 

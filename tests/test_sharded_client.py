@@ -1,0 +1,100 @@
+"""``reference.sharded.ShardedClient`` against two real directory shards (``kvcc serve directory
+--shard I --shards 2``, each with a cache node of its own, as ``LocalCluster(shard=...)`` runs
+them): chains written, looked up, leased, read and released at their root's shard; a client that
+has never seen a key finds its shard; a child follows its parent; a key invalidation reaches one
+shard and a namespace invalidation both. A request sent to the wrong shard would be refused
+(``wrong_shard``, or a miss), so every check below also checks the routing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvcc.reference.client import ReadLease, Refused
+from kvcc.reference.cluster import ENGINE_TENANT, LocalCluster
+from kvcc.reference.sharded import ShardedClient
+from kvcc.reference.wire import Committed
+from kvcc.spec.keys import Namespace, chain_keys, shard_of
+from kvcc.spec.vocabulary import SCOPE_KEY, SCOPE_NAMESPACE
+
+NS = Namespace(model_id="sharded-client", model_revision="r1", kv_dtype="float16", block_tokens=4)
+BLOCKS = 4
+
+
+def chain_in(shard: int, shards: int = 2, skip: int = 0) -> list:
+    """A chain of ``BLOCKS`` keys whose root shard ``shard`` of ``shards`` owns."""
+    found = 0
+    for base in range(1000):
+        chain = chain_keys(NS, list(range(base * 100, base * 100 + (BLOCKS + 1) * 4)))
+        if shard_of(chain[0].digest, shards) == shard:
+            if found == skip:
+                return chain
+            found += 1
+    raise AssertionError("no chain found")
+
+
+def data(key) -> bytes:
+    return key.digest * 8
+
+
+@pytest.fixture
+def shards(tmp_path):
+    clusters = [LocalCluster(tmp_path / f"s{i}", nodes=1, tiers=("dram=1MiB",), namespaces=[NS], shard=(i, 2))
+                for i in range(2)]  # fmt: skip
+    try:
+        for c in clusters:
+            c.start()
+        yield [(c.directory_address, ENGINE_TENANT, c.engine_token) for c in clusters]
+    finally:
+        for c in clusters:
+            c.stop()
+
+
+def client(shards) -> ShardedClient:
+    return ShardedClient(shards, skew_ms=100)
+
+
+def test_a_sharded_client_routes_every_operation_to_its_keys_shard(shards):
+    c0, c1 = chain_in(0)[:BLOCKS], chain_in(1)[:BLOCKS]
+
+    async def run() -> None:
+        async with client(shards) as w:
+            for chain in (c0, c1):
+                out = await w.put_chain(NS, [(k, p, data(k)) for k, p in zip(chain, [None, *chain[:-1]])])
+                assert all(isinstance(x, Committed) for x in out), out
+            hits = await w.lookup_many(NS, [c0, c1])
+            assert [h.blocks for h in hits] == [BLOCKS, BLOCKS]
+        async with client(shards) as r:  # a client that has seen none of these keys
+            lease = await r.acquire(NS, c1[2])
+            assert isinstance(lease, ReadLease) and lease.lease % 2 == 1, lease
+            assert await r.read(lease) == data(c1[2])
+            await r.release(lease)
+            leases = await r.acquire_many(NS, [c0[1], c1[3]])
+            assert [x.lease % 2 for x in leases] == [0, 1], leases
+            assert await r.read_many(leases) == [data(c0[1]), data(c1[3])]
+            await r.release_many(leases)
+            leases, why = await r.acquire_chain(NS, c0)
+            assert why is None and len(leases) == BLOCKS and {x.lease % 2 for x in leases} == {0}
+            await r.release_many(leases)
+            child = chain_in(1)[BLOCKS]  # written under c1's last block: in c1's shard, whatever its own hash
+            assert isinstance(await r.put(NS, child, c1[-1], data(child)), Committed)
+            assert (await r.lookup(NS, [*c1, child])).blocks == BLOCKS + 1
+            stranger = chain_in(0, skip=1)[1]  # a child key nobody wrote
+            assert isinstance(await r.acquire(NS, stranger), Refused)
+
+            ticket = await r.invalidate(NS, SCOPE_KEY, c0[2])
+            assert [s for s, _ in ticket.parts] == [0] and await r.wait(ticket, 10.0)
+            assert (await r.lookup(NS, c0)).blocks == 2
+            assert (await r.lookup(NS, c1)).blocks == BLOCKS
+            ticket = await r.invalidate(NS, SCOPE_NAMESPACE)
+            assert [s for s, _ in ticket.parts] == [0, 1] and await r.wait(ticket, 10.0)
+            assert [h.blocks for h in await r.lookup_many(NS, [c0, c1])] == [0, 0]
+
+    asyncio.run(run())
+
+
+def test_a_sharded_client_needs_a_shard():
+    with pytest.raises(ValueError):
+        ShardedClient([], skew_ms=100)
