@@ -69,13 +69,19 @@ def _infra(exc: BaseException) -> AdapterError:
 
 
 class ReferenceAdapter(Adapter):
-    """``ReferenceAdapter(backend="sqlite" | "etcd")``."""
+    """``ReferenceAdapter(backend="sqlite" | "etcd", shards=1)``. ``shards`` > 1: the directory is
+    that many shard processes (docs/sharding.md), every node registered with each, every client
+    a ``ShardedClient``; ``restart_directory`` restarts every shard, one after another."""
 
-    def __init__(self, backend: str = "sqlite") -> None:
+    def __init__(self, backend: str = "sqlite", shards: int = 1) -> None:
         if backend not in ("sqlite", "etcd"):
             raise ValueError(f"backend is sqlite or etcd, got {backend!r}")
+        if type(shards) is not int or shards < 1:
+            raise ValueError(f"shards is a positive int, got {shards!r}")
         self.backend = backend
-        self.name = "reference" if backend == "sqlite" else "reference-etcd"
+        self.shards = shards
+        self.name = ("reference" if backend == "sqlite" else "reference-etcd") + ("-sharded" if shards > 1 else "")
+        self._tickets: dict[int, Any] = {}  # a sharded deployment's tickets (one per shard) by the id the suite got
         self._cluster: Any = None
         self._etcd: Any = None
         self._clients: dict[str, Any] = {}
@@ -106,7 +112,9 @@ class ReferenceAdapter(Adapter):
             capacity_bytes=self._node_count() * NODE_CAPACITY_BYTES,
             block_bytes=NODE_BLOCK_BYTES,
             slot_bytes=NODE_BLOCK_BYTES,
-            notes=f"kvcc reference implementation: directory ({self.backend}) and cache nodes (DRAM + NVMe) as "
+            notes=f"kvcc reference implementation: directory ({self.backend}"
+            + (f", {self.shards} shards by chain root, each node registered with every shard" if self.shards > 1 else "")
+            + ") and cache nodes (DRAM + NVMe) as "
             "processes on loopback; clients co-located with nodes; clock skew steps the holder's clock; no corrupt "
             "fault (a block lands in the node process's DRAM tier first, out of the adapter's reach)",
         )
@@ -121,6 +129,8 @@ class ReferenceAdapter(Adapter):
         from importlib.metadata import version
 
         out = {"kvcc": version("kvcc"), "python": platform.python_version(), "backend": self.backend}
+        if self.shards > 1:
+            out["directory_shards"] = str(self.shards)
         if self._etcd is not None:
             from kvcc.reference.etcd_harness import etcd_binary
 
@@ -142,7 +152,7 @@ class ReferenceAdapter(Adapter):
             self._cluster = LocalCluster(
                 ctx.workdir / "cluster", nodes=ctx.nodes, tiers=self.node_tiers, block_bytes=NODE_BLOCK_BYTES,
                 lease_term_ms=ctx.lease_term_ms, skew_ms=ctx.skew_ms, namespaces=self._allowed,
-                backend=self.backend, etcd_endpoints=endpoints,
+                backend=self.backend, etcd_endpoints=endpoints, shards=self.shards,
             ).start()  # fmt: skip
             for node in self._cluster.node_ids:
                 self._clients[node] = self._new_client(node)
@@ -169,6 +179,12 @@ class ReferenceAdapter(Adapter):
         if ev is None:
             ev = self._logs[node] = EventLog(self._cluster.workdir / "events" / f"{cid}.ndjson", cid, inc)
         assert self._ctx is not None
+        if self.shards > 1:
+            from kvcc.reference.sharded import SyncShardedClient
+
+            shards = [(address, ENGINE_TENANT, self._cluster.engine_token) for address in self._cluster.directory_addresses]
+            return SyncShardedClient(shards, client_id=cid, skew_ms=self._ctx.skew_ms, events=ev, incarnation=inc,
+                                     timeout_ms=OP_TIMEOUT_MS)  # fmt: skip
         return SyncClient(self._cluster.directory_address, ENGINE_TENANT, self._cluster.engine_token, client_id=cid,
                           skew_ms=self._ctx.skew_ms, events=ev, incarnation=inc, timeout_ms=OP_TIMEOUT_MS)  # fmt: skip
 
@@ -444,7 +460,11 @@ class ReferenceAdapter(Adapter):
                 self._empty_tickets += 1
                 return InvalidationTicket(EMPTY_TICKETS_FROM + self._empty_tickets, 0)
         ticket = self._call(node, "invalidate", ns, scope, key)
-        return InvalidationTicket(ticket.id, ticket.keys)
+        if self.shards == 1:
+            return InvalidationTicket(ticket.id, ticket.keys)
+        with self._lock:  # one id for the shards' tickets together (``ShardedTicket``)
+            self._tickets[len(self._tickets) + 1] = ticket
+            return InvalidationTicket(len(self._tickets), ticket.keys)
 
     def wait_invalidation(self, ticket: InvalidationTicket, timeout_s: float) -> bool:
         if EMPTY_TICKETS_FROM < ticket.id <= EMPTY_TICKETS_FROM + self._empty_tickets:
@@ -455,6 +475,12 @@ class ReferenceAdapter(Adapter):
         node = next((n for n in self._clients if n not in self._frozen), None)
         if node is None:
             raise AdapterError("no live client to wait with: every node is down or paused")
+        if self.shards > 1:
+            with self._lock:
+                parts = self._tickets.get(ticket.id)
+            if parts is None:
+                raise AdapterError(f"invalidation ticket {ticket.id} was not issued by this adapter")
+            return bool(self._call(node, "wait", parts, timeout_s))
         return bool(self._call(node, "wait", ticket.id, timeout_s))
 
     def evict(self, node: str, ns: Namespace, key: BlockKey) -> Evicted | Refused:
@@ -536,3 +562,8 @@ def reference() -> ReferenceAdapter:
 def reference_etcd() -> ReferenceAdapter:
     """The reference deployment with its directory on a loopback etcd cluster."""
     return ReferenceAdapter("etcd")
+
+
+def reference_sharded() -> ReferenceAdapter:
+    """The reference deployment with its directory in two shards (SQLite logs), nodes registered with both."""
+    return ReferenceAdapter("sqlite", shards=2)

@@ -34,11 +34,12 @@ from .contract import PROFILES, Adapter
 ENTRY_POINT_GROUP = "kvcc.adapters"
 # The built-in adapters are kvcc's own entry points (pyproject.toml, [project.entry-points."kvcc.adapters"]),
 # found the way a vendor's are: the suite names no adapter module (tests/test_layers.py).
-BUILTINS: tuple[str, ...] = ("core", "reference", "reference-etcd", "mooncake", "mooncake-raw", "sglang", "hicache-file", "vllm", "lmcache-raw")
+BUILTINS: tuple[str, ...] = ("core", "reference", "reference-etcd", "reference-sharded", "mooncake", "mooncake-raw", "sglang", "hicache-file", "vllm", "lmcache-raw")
 DESCRIPTIONS: dict[str, str] = {
     "core": "the suite's self-test: the reference directory core and a DRAM tier per node, in one process",
     "reference": "the reference implementation as processes on loopback (directory on its SQLite log)",
     "reference-etcd": "the reference implementation with its directory on a loopback etcd cluster",
+    "reference-sharded": "the reference implementation with its directory in two shards by chain root, nodes registered with both",
     "mooncake": "a real Mooncake Store holding the bytes, kvcc's directory in the adapter deciding leases and epochs",
     "mooncake-raw": "a real Mooncake Store's own operations mapped onto the contract, nothing added",
     "sglang": "kvcc's SGLang HiCache storage backend on the reference cluster: reads, commits, clears through SGLang's calls",

@@ -98,3 +98,28 @@ def test_a_sharded_client_routes_every_operation_to_its_keys_shard(shards):
 def test_a_sharded_client_needs_a_shard():
     with pytest.raises(ValueError):
         ShardedClient([], skew_ms=100)
+
+
+def test_a_namespace_invalidation_completes_once_every_shards_part_has(shards):
+    """A namespace invalidation is one ticket per shard; ``wait`` is true only once all are. A
+    read lease in shard 1 whose holder no longer answers (it crashed: the revocation is never
+    acknowledged) holds shard 1's part until the lease runs out, while shard 0's completes."""
+    c0, c1 = chain_in(0)[:1], chain_in(1)[:1]
+
+    async def run() -> None:
+        async with client(shards) as w, client(shards) as h:
+            for key in (c0[0], c1[0]):
+                assert isinstance(await w.put(NS, key, None, data(key)), Committed)
+            lease = await h.acquire(NS, c1[0])
+            assert isinstance(lease, ReadLease) and lease.lease % 2 == 1
+            await h.crash()  # the holder is gone: the revocation goes unanswered
+            ticket = await w.invalidate(NS, SCOPE_NAMESPACE)
+            assert [s for s, _ in ticket.parts] == [0, 1] and ticket.keys == 2
+            (_, part0), (_, part1) = ticket.parts
+            assert await w.clients[0].wait(part0, 5.0)
+            assert not await w.clients[1].wait(part1, 0.2)
+            assert not await w.wait(ticket, 0.2)  # shard 1's part is pending: the whole is
+            assert await w.wait(ticket, 10.0)  # once the lease ran out (term + epsilon)
+            assert [h.blocks for h in await w.lookup_many(NS, [c0, c1])] == [0, 0]
+
+    asyncio.run(run())
