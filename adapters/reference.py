@@ -435,7 +435,10 @@ class ReferenceAdapter(Adapter):
         if dest is None or tier not in names:
             return Refused(REASON_NOT_FOUND, f"{grant.location} is not one of {node}'s tiers")
         try:
-            reply = self._ask_as(node_credential(node), self._cluster.node_token(node), self._cluster.directory_address,
+            # Sharded: to the shard that granted the lease (shard i hands out ids congruent to i).
+            directory = (self._cluster.directory_addresses[grant.lease % self.shards] if self.shards > 1
+                         else self._cluster.directory_address)  # fmt: skip
+            reply = self._ask_as(node_credential(node), self._cluster.node_token(node), directory,
                                  Transfer(node, grant.key, grant.gen, grant.location, dest))  # fmt: skip
         except ConnectionFailed as e:
             raise _infra(e) from e

@@ -37,7 +37,9 @@ def add_parsers(sub: Any) -> None:
     n = ssub.add_parser("node", help="a cache node with storage tiers")
     _common(n)
     n.add_argument("--id", required=True, dest="node_id", help="node id (locations are ID/TIER)")
-    n.add_argument("--directory", required=True, metavar="HOST:PORT")
+    n.add_argument("--directory", required=True, action="append", metavar="HOST:PORT",
+                   help="the directory's address; for a directory sharded N ways, give it N times, once per "
+                        "shard in shard order (shard 0 first): the node registers with every shard")
     n.add_argument("--state", required=True, type=Path, help="state directory (incarnation, NVMe slabs)")
     n.add_argument("--tier", action="append", default=[], metavar="KIND=SIZE",
                    help="a tier, fastest first: gpu=1GiB, dram=256MiB, nvme=4GiB (repeatable)")
@@ -47,11 +49,14 @@ def add_parsers(sub: Any) -> None:
 
     p = sub.add_parser("cluster", help="a local cluster on loopback", description="A local cluster on loopback.")
     csub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
-    u = csub.add_parser("up", help="start a directory and N nodes, run the demo workload, stop",
+    u = csub.add_parser("up", help="start a directory (or its shards) and N nodes, run the demo workload, stop",
                         description="Start a directory and N cache nodes as processes on loopback, run the demo "
                                     "workload (writes, leased reads from peers, a prefix invalidation, evictions, "
                                     "a fenced stale writer), print what happened, and shut down cleanly.")
     u.add_argument("--nodes", type=int, default=3)
+    u.add_argument("--shards", type=int, default=1, metavar="N",
+                   help="shard the directory N ways, one process per shard, every node registered with every "
+                        "shard (docs/sharding.md; default 1)")
     u.add_argument("--workdir", type=Path, help="where state, logs and event traces go (default: a temp dir)")
     u.add_argument("--backend", choices=("sqlite", "etcd"), default="sqlite")
     u.add_argument("--etcd-endpoints", metavar="URL[,URL...]", help="an etcd to use (default with --backend "
@@ -116,6 +121,9 @@ def cmd_cluster_up(args: argparse.Namespace) -> int:
     if args.nodes < 1:
         console.print("kvcc cluster up: --nodes must be at least 1")
         return 2
+    if args.shards < 1:
+        console.print("kvcc cluster up: --shards must be at least 1")
+        return 2
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="kvcc-cluster-"))
     etcd = None
     endpoints = args.etcd_endpoints
@@ -128,12 +136,18 @@ def cmd_cluster_up(args: argparse.Namespace) -> int:
             etcd.start()
             endpoints = ",".join(etcd.endpoints)
         cluster = LocalCluster(workdir, nodes=args.nodes, namespaces=[DEMO_NAMESPACE], backend=args.backend,
-                               etcd_endpoints=endpoints, metrics=args.metrics)  # fmt: skip
-        with console.status(f"starting a directory and {args.nodes} nodes ..."):
+                               etcd_endpoints=endpoints, metrics=args.metrics, shards=args.shards)  # fmt: skip
+        what = "a directory" if args.shards == 1 else f"{args.shards} directory shards"
+        with console.status(f"starting {what} and {args.nodes} nodes ..."):
             cluster.start()
         try:
             pids = {name: p.popen.pid for name, p in cluster.procs.items() if p.popen}
-            console.print(f"[bold]kvcc cluster[/]: directory on 127.0.0.1:{cluster.directory_address[1]} "
+            if args.shards == 1:
+                where = f"directory on 127.0.0.1:{cluster.directory_address[1]}"
+            else:
+                where = "directory shards " + ", ".join(f"{i} on {host}:{port}" for i, (host, port)
+                                                        in enumerate(cluster.directory_addresses))  # fmt: skip
+            console.print(f"[bold]kvcc cluster[/]: {where} "
                           f"({args.backend}), nodes {', '.join(cluster.node_ids)}; pids {pids}")
             metrics_urls = {name: cluster.metrics_url(name) for name in cluster.procs} if args.metrics else {}
             for name, url in metrics_urls.items():

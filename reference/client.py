@@ -427,12 +427,13 @@ class KvccClient:
                 hits.append(PrefixHit(answer.blocks_matched, answer.locations))
         return hits
 
-    async def locate(self, ns: Namespace | bytes, keys: Sequence[BlockKey]) -> tuple[bool, ...]:
-        """Per key, whether the directory holds a record of it in ``ns`` (``Locate``: read-only,
-        no lease). A sharded directory's client asks every shard about a key it has not seen."""
+    async def locate(self, ns: Namespace | bytes, keys: Sequence[BlockKey]) -> tuple[bool, ...] | None:
+        """Per key, whether the directory holds a record of it, in any namespace (``Locate``:
+        read-only, no lease); ``None``: this tenant may not use ``ns``. A sharded directory's
+        client asks every shard about a key it has not seen."""
         reply = await self._ask(Locate(_digest(ns), tuple(keys)))
         assert type(reply) is Located and len(reply.known) == len(keys)
-        return tuple(bool(k) for k in reply.known)
+        return tuple(bool(k) for k in reply.known) if reply.authorized else None
 
     # ------------------------------------------------------------------ read leases
 

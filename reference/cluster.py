@@ -1,4 +1,4 @@
-"""A local cluster on loopback: one directory process and N cache-node processes.
+"""A local cluster on loopback: one directory process (or one per shard) and N cache-node processes.
 
 ``LocalCluster(workdir, nodes=3, ...)`` writes the deployment file, starts every process as
 ``kvcc serve ...`` on free ports (each process binds port 0 and reports the port it got in its
@@ -11,6 +11,14 @@ Faults act on the real processes: ``kill(node)`` (SIGKILL: no chance to sync any
 ``pause(node)``/``resume(node)`` (SIGSTOP/SIGCONT: a process that stops in the middle of
 whatever it was doing, its leases running out on the other clocks), ``restart(node)`` (a new
 incarnation on the same state directory), ``restart_directory()``.
+
+A sharded directory (docs/sharding.md): ``LocalCluster(..., shards=N)`` runs N directory
+processes, ``directory-0`` .. ``directory-{N-1}``, shard ``i`` with its own state
+(``state/directory-i``), events file (``events/directory-i.ndjson``) and, on etcd, its own prefix
+(``<etcd_prefix>-s<i>``); every node registers with every shard. ``directory_addresses`` lists
+them in shard order; ``restart_directory(shard=i)`` restarts one; ``kill``/``pause``/``resume``
+take a shard's process name. ``client()`` is then a synchronous ``ShardedClient``
+(``kvcc.reference.sharded``), which routes each request to its key's shard.
 
 Every process writes its protocol events to ``<workdir>/events/<name>.ndjson``; ``events()``
 reads them all back (``kvcc.reference.events.read_events``), the input of trace validation.
@@ -303,15 +311,37 @@ class _Proc:
         self.paused = False
 
 
+_SYNC_SHARDED: Any = None
+
+
+def _sync_sharded() -> Any:
+    """``SyncClient`` over a ``ShardedClient`` (``kvcc.reference.sharded``, imported on first use):
+    the same blocking methods, one event loop thread, for a cluster's sharded directory."""
+    global _SYNC_SHARDED
+    if _SYNC_SHARDED is None:
+        from .client import SyncClient
+
+        class SyncShardedClient(SyncClient):
+            async def _make(self, args: tuple, kwargs: dict) -> Any:
+                from .sharded import ShardedClient
+
+                return await ShardedClient(*args, **kwargs).start()
+
+        _SYNC_SHARDED = SyncShardedClient
+    return _SYNC_SHARDED
+
+
 class LocalCluster:
     """``LocalCluster(workdir, nodes=3, tiers=DEFAULT_TIERS, lease_term_ms=2000, skew_ms=100,
     namespaces=(), backend="sqlite", etcd_endpoints=None, pool=False, metrics=False, transport=None,
-    tls=None)``; ``start()``/``stop()`` or a context manager. With ``metrics`` every process serves
+    tls=None, shards=1)``; ``start()``/``stop()`` or a context manager. With ``metrics`` every process serves
     Prometheus metrics on a free port (``metrics_url(name)``). ``tls``: the deployment file's
     ``"tls"`` section (``kvcc.reference.serve``; relative paths from ``workdir``): every process
     serves TLS, and ``client()`` connects with it. ``shard=(i, n)``: the directory serves shard
     ``i`` of ``n`` of a sharded directory (``kvcc serve directory --shard I --shards N``; the other
-    shards are not started: docs/sharding.md)."""
+    shards are not started: docs/sharding.md). ``shards=N``: the whole directory sharded N ways,
+    one process per shard (``directory-0`` .. ``directory-{N-1}``), every node registered with
+    every shard."""
 
     def __init__(
         self,
@@ -332,10 +362,19 @@ class LocalCluster:
         transport: Mapping[str, int] | None = None,
         tls: Mapping[str, Any] | None = None,
         shard: tuple[int, int] | None = None,
+        shards: int = 1,
     ) -> None:
         if nodes < 1:
             raise ValueError("a cluster has at least one node")
+        if type(shards) is not int or shards < 1:
+            raise ValueError(f"shards is a count of at least 1, got {shards!r}")
+        if shard is not None and shards > 1:
+            raise ValueError("shard=(i, n) runs one shard of a directory; shards=N runs all N: not both")
         self.shard = shard
+        self.shards = shards
+        # The directory's processes, in shard order: "directory" (the one directory, or the one
+        # shard of ``shard``), or "directory-0" .. "directory-{N-1}".
+        self.directory_names = ["directory"] if shards == 1 else [f"directory-{i}" for i in range(shards)]
         self.workdir = Path(workdir)
         self.node_ids = [f"n{i}" for i in range(1, nodes + 1)]
         self.tiers = list(tiers)
@@ -400,7 +439,17 @@ class LocalCluster:
 
     @property
     def directory_address(self) -> tuple[str, int]:
+        """The directory's address (a cluster of one directory process; ``directory_addresses``
+        for a sharded one)."""
+        if self.shards > 1:
+            raise ClusterError(f"this cluster's directory is sharded {self.shards} ways: it has no one address "
+                               "(directory_addresses lists each shard's, in shard order)")  # fmt: skip
         return ("127.0.0.1", int(self.procs["directory"].info["port"]))
+
+    @property
+    def directory_addresses(self) -> list[tuple[str, int]]:
+        """Each directory process's address, in shard order (one for an unsharded directory)."""
+        return [("127.0.0.1", int(self.procs[name].info["port"])) for name in self.directory_names]
 
     def metrics_url(self, name: str) -> str:
         """Where process ``name`` serves its Prometheus metrics (``metrics=True``)."""
@@ -416,13 +465,9 @@ class LocalCluster:
         atexit.register(self.stop)
         self._started = True
         try:
-            argv = ["directory", "--state", str(self.workdir / "state" / "directory"), "--backend", self.backend,
-                    "--events", str(self.workdir / "events" / "directory.ndjson")]  # fmt: skip
-            if self.backend == "etcd":
-                argv += ["--etcd-endpoints", str(self.etcd_endpoints), "--etcd-prefix", self.etcd_prefix]
-            if self.shard is not None:
-                argv += ["--shard", str(self.shard[0]), "--shards", str(self.shard[1])]
-            self._launch("directory", argv).wait_ready()
+            # The shards start side by side, as the nodes do (they need nothing of each other).
+            for proc in [self._launch(name, self._directory_argv(i)) for i, name in enumerate(self.directory_names)]:
+                proc.wait_ready()
             # The nodes need only the directory's address: they start side by side, so a
             # deployment is up in about one process's start-up time, not one per node.
             for proc in [self._launch(node, self._node_argv(node)) for node in self.node_ids]:
@@ -432,10 +477,25 @@ class LocalCluster:
             raise
         return self
 
+    def _directory_argv(self, i: int) -> list[str]:
+        """Directory process ``i``'s arguments: shard ``i`` of ``shards`` when sharded."""
+        name = self.directory_names[i]
+        argv = ["directory", "--state", str(self.workdir / "state" / name), "--backend", self.backend,
+                "--events", str(self.workdir / "events" / f"{name}.ndjson")]  # fmt: skip
+        if self.backend == "etcd":
+            prefix = self.etcd_prefix if self.shards == 1 else f"{self.etcd_prefix}-s{i}"
+            argv += ["--etcd-endpoints", str(self.etcd_endpoints), "--etcd-prefix", prefix]
+        if self.shard is not None:
+            argv += ["--shard", str(self.shard[0]), "--shards", str(self.shard[1])]
+        elif self.shards > 1:
+            argv += ["--shard", str(i), "--shards", str(self.shards)]
+        return argv
+
     def _node_argv(self, node: str) -> list[str]:
-        host, port = self.directory_address
-        argv = ["node", "--id", node, "--directory", f"{host}:{port}",
-                "--state", str(self.workdir / "state" / node), "--block-bytes", str(self.block_bytes),
+        argv = ["node", "--id", node]
+        for host, port in self.directory_addresses:  # every shard, in shard order
+            argv += ["--directory", f"{host}:{port}"]
+        argv += ["--state", str(self.workdir / "state" / node), "--block-bytes", str(self.block_bytes),
                 "--events", str(self.workdir / "events" / f"{node}.ndjson")]  # fmt: skip
         for t in self.tiers:
             argv += ["--tier", t]
@@ -460,10 +520,13 @@ class LocalCluster:
         self._clients.clear()
         # The directory first: a node it saw go away for a lease term would be declared down (P4),
         # a step of the trace that no crash explains -- a stop is not a crash. Then every node
-        # is told at once and waited for together (each syncs its tiers as it goes).
-        directory = self.procs.get("directory")
-        if directory is not None:
-            directory.stop()
+        # is told at once and waited for together (each syncs its tiers as it goes). The shards
+        # of a sharded directory are told at once too, and waited for before any node.
+        directories = [p for p in (self.procs.get(n) for n in self.directory_names) if p is not None]
+        for proc in directories:
+            proc.terminate()
+        for proc in directories:
+            proc.stop()
         nodes = [p for p in (self.procs.get(n) for n in self.node_ids) if p is not None]
         for proc in nodes:
             proc.terminate()
@@ -486,7 +549,7 @@ class LocalCluster:
         """SIGKILL: the process dies where it stands. The crash is logged (spec ``crash``) in the
         fault injector's event log, since the dead process cannot log it."""
         self.procs[name].kill()
-        if name != "directory":  # a directory crash is its restart_directory, logged on restart
+        if name not in self.directory_names:  # a directory crash is its restart_directory, logged on restart
             self.note_crash(name)
 
     def note_crash(self, name: str, lose_disk: bool = False) -> None:
@@ -511,12 +574,22 @@ class LocalCluster:
         proc.start()
         proc.wait_ready()
 
-    def restart_directory(self, kill: bool = True) -> None:
+    def restart_directory(self, kill: bool = True, shard: int | None = None) -> None:
         """Kill -9 (or stop) the directory and start it again on its durable log. The nodes
-        reconnect (with Hello) on their next request."""
-        proc = self.procs["directory"]
+        reconnect (with Hello) on their next request. Sharded: shard ``shard`` alone (the others
+        go on serving), or with ``shard=None`` every shard, one after another."""
+        if shard is None:
+            for name in self.directory_names:
+                self._restart_directory(name, kill)
+            return
+        if type(shard) is not int or not 0 <= shard < self.shards:
+            raise ValueError(f"shard {shard!r}: this cluster's directory has shards 0 .. {self.shards - 1}")
+        self._restart_directory(self.directory_names[shard], kill)
+
+    def _restart_directory(self, name: str, kill: bool) -> None:
+        proc = self.procs[name]
         if kill:
-            self.kill("directory")
+            self.kill(name)
         else:
             proc.stop()
         # The directory takes a new port: the nodes would not find it. Keep the old one.
@@ -561,12 +634,19 @@ class LocalCluster:
         return self._keys
 
     def client(self, client_id: str, *, events: bool = True, timeout_ms: int | None = None) -> Any:
+        """A client of the engine tenant: a ``SyncClient``, or for a sharded directory a
+        synchronous ``ShardedClient`` (one session per shard, one event log for them all)."""
         from .client import SyncClient
         from .events import EventLog
 
         ev = EventLog(self.workdir / "events" / f"{client_id}.ndjson", client_id, 1) if events else None
-        c = SyncClient(self.directory_address, ENGINE_TENANT, self.engine_token, client_id=client_id,
-                       skew_ms=self.skew_ms, events=ev, timeout_ms=timeout_ms, tls=self.tls)  # fmt: skip
+        if self.shards > 1:
+            c = _sync_sharded()([(addr, ENGINE_TENANT, self.engine_token) for addr in self.directory_addresses],
+                                client_id=client_id, skew_ms=self.skew_ms, events=ev, timeout_ms=timeout_ms,
+                                tls=self.tls)  # fmt: skip
+        else:
+            c = SyncClient(self.directory_address, ENGINE_TENANT, self.engine_token, client_id=client_id,
+                           skew_ms=self.skew_ms, events=ev, timeout_ms=timeout_ms, tls=self.tls)  # fmt: skip
         self._clients.append(c)
         return c
 
@@ -578,8 +658,13 @@ class LocalCluster:
         from .wire import operator_credential
 
         token = bytes.fromhex(self.config["operators"][OPERATOR]["token"])
-        c = SyncClient(self.directory_address, operator_credential(OPERATOR), token, client_id=client_id,
-                       skew_ms=self.skew_ms, timeout_ms=timeout_ms, tls=self.tls)  # fmt: skip
+        if self.shards > 1:
+            c = _sync_sharded()([(addr, operator_credential(OPERATOR), token) for addr in self.directory_addresses],
+                                client_id=client_id, skew_ms=self.skew_ms, timeout_ms=timeout_ms,
+                                tls=self.tls)  # fmt: skip
+        else:
+            c = SyncClient(self.directory_address, operator_credential(OPERATOR), token, client_id=client_id,
+                           skew_ms=self.skew_ms, timeout_ms=timeout_ms, tls=self.tls)  # fmt: skip
         self._clients.append(c)
         return c
 

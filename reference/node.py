@@ -14,7 +14,8 @@ whether a block may be dropped: the directory does (docs/protocol.md: directory)
   against their checksum, or ``ReadRefused("miss")``: never other bytes (protocol property 4). ``Evict`` from
   a client asks the directory on the client's behalf. Every request is authenticated per tenant
   (the same tenant tokens as the directory's; no node credential: nodes do not dial each other).
-- **Directory link** (``transport.Client`` with ``on_push``). The node says ``Hello`` on every
+- **Directory link** (``transport.Client`` with ``on_push``), one per shard of a sharded
+  directory (docs/sharding.md; one link for the one directory). The node says ``Hello`` on every
   new connection (its incarnation, data address, locations, and the locations that came back empty
   after a restart); the ``Welcome`` carries the fences to restore (spec ``restart_node``). The
   directory pushes ``Free`` (drop a copy unless fenced: ``free_slot`` / ``fence_stale_free``,
@@ -22,6 +23,18 @@ whether a block may be dropped: the directory does (docs/protocol.md: directory)
   ``Copy`` (a transfer's new copy under ``epoch + 1``: ``store_copy``, then ``Copied``). It pings
   the directory every ``HEARTBEAT_INTERVAL_MS``: a node the directory stops hearing from is
   down (its keys voided, no lease pointed at it).
+- **Shards** (``directory`` given as N addresses, shard ``i`` at index ``i``): every link says
+  Hello and heartbeats on its own (each shard's failure detector hears the node), each Welcome's
+  fences are restored as that link's (a shard answers only for its own keys), and a pushed Free
+  or Copy is answered on the link it came on. A key's shard needs no field of its own: shard
+  ``i`` hands out only lease ids ``= i (mod N)``, so a ``WriteBytes`` or ``ReadBytes`` names it
+  as ``lease % N`` (under the grant's MAC), a Copy by the link it came on, and a restarted node's
+  recovered blocks by the shard whose Welcome restores their fence. The node keeps that per key
+  (in memory, forgetting keys no tier holds any more) and sends ``Lost`` (by the read's lease),
+  ``Evict`` and demotion ``Transfer`` to the key's shard; a key whose shard it does not know is
+  neither evicted nor demoted on its own say, and a client's ``Evict`` of it is refused
+  ``shard_unknown`` (asking a shard that does not own the key would log a step of that key in a
+  directory that is not its own).
 - **Eviction** (docs/protocol.md: eviction and tiering). When a tier is full the node walks its
   least-recently-used keys and asks the directory ``Evict`` for each; the directory refuses a copy
   under a live read lease (``leased``) or one whose children are still cached (``has_children``:
@@ -41,6 +54,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -108,10 +122,19 @@ DEMOTE_BATCH = 8
 DIRECTORY_RETRY_MS = 200
 WELCOME_WAIT_S = 30.0  # a pushed Free or Copy waits this long for its connection's Hello to restore the fences
 HEARTBEAT_TIMEOUT_MS = 4 * HEARTBEAT_INTERVAL_MS  # one Ping waits this long (the next one follows anyway)
+SHARD_PRUNE_INTERVAL_MS = 5_000  # how often a sharded node forgets the shards of keys no tier holds any more
+# A client's Evict of a key whose shard this node does not know (a sharded directory): asking a
+# shard that does not own it would log a step of the key in another shard's directory.
+REASON_SHARD_UNKNOWN = "shard_unknown"
 
 
 def location_id(node: NodeId, tier: str) -> LocationId:
     return LocationId(f"{node}/{tier}")
+
+
+def _is_address(a: Any) -> bool:
+    """Whether ``a`` is one (host, port) address, not a sequence of them."""
+    return isinstance(a, (tuple, list)) and len(a) == 2 and isinstance(a[0], str) and isinstance(a[1], int)
 
 
 NODE_MAX_IN_FLIGHT = 8  # requests in flight per connection to a node (each may hold a block)
@@ -122,7 +145,8 @@ class CacheNode:
     """``CacheNode(node_id, tiers, tenants, directory, *, incarnation, ...)``.
 
     ``tiers``: tier name -> ``Tier``, fastest first (the demotion order); ``pool``: the shared
-    pool's tier if this node mounts it. ``directory``: (host, port). ``directory_tenant``: the
+    pool's tier if this node mounts it. ``directory``: (host, port), or a sequence of N of them,
+    shard ``i``'s at index ``i``, for a directory sharded N ways (docs/sharding.md). ``directory_tenant``: the
     credential this node authenticates as with the directory (its token is in ``tenants``): its own node
     credential (``wire.node_credential(node_id)``), or a deployment's shared one. The data server
     takes tenants' credentials only (``Tenants.without_nodes``).
@@ -137,7 +161,7 @@ class CacheNode:
         node_id: str,
         tiers: Mapping[str, Tier],
         tenants: Tenants,
-        directory: tuple[str, int],
+        directory: tuple[str, int] | Sequence[tuple[str, int]],
         *,
         directory_tenant: str,
         incarnation: int = 1,
@@ -168,22 +192,35 @@ class CacheNode:
         self._locations: dict[LocationId, Tier] = {location_id(self.node_id, n): t for n, t in self.tiers.items()}
         if pool is not None:
             self._locations[LocationId(POOL_LOCATION)] = pool
-        self._lost = tuple(location_id(self.node_id, n) for n in lost)
         token = tenants.token(directory_tenant)
         assert token is not None, f"no token for tenant {directory_tenant!r}"
         self.tls = tls  # its server's, and its connections' to the directory
-        self._dir = Client(*directory, directory_tenant, token, on_push=self._on_push, tls=tls)
-        self._hello_connects = -1
-        # Set once the current directory connection's Hello restored the fences the Welcome carried:
-        # a Free or Copy the directory pushes right behind the Welcome waits for it (``_welcome_first``).
-        self._welcomed = asyncio.Event()
+        addresses = [tuple(directory)] if _is_address(directory) else [tuple(a) for a in directory]
+        assert addresses and all(_is_address(a) for a in addresses), f"not (host, port) addresses: {directory!r}"
+        self.shards = len(addresses)
+        # One link per shard (one for the one directory), each with its own Hello bookkeeping:
+        # ``_hello_connects[i]`` is the connect count of shard i's link at its last Hello, and
+        # ``_welcomed[i]`` is set once that connection's Hello restored the fences its Welcome
+        # carried (a Free or Copy the shard pushes right behind the Welcome waits for it:
+        # ``_welcome_first``). ``_lost[i]``: the locations still to report lost to shard i.
+        self._dirs = [Client(*a, directory_tenant, token, tls=tls,
+                             on_push=self._on_push if i == 0 else functools.partial(self._on_push, shard=i))
+                      for i, a in enumerate(addresses)]  # fmt: skip
+        self._dir = self._dirs[0]
+        self._hello_connects = [-1] * self.shards
+        self._welcomed = [asyncio.Event() for _ in range(self.shards)]
+        self._lost = [tuple(location_id(self.node_id, n) for n in lost)] * self.shards
+        # A sharded directory: key digest -> its shard, for every key a tier here holds that the
+        # node learned it of (``_note_shard``), with the stamp of the note (``_prune_shards``).
+        self._shards: dict[bytes, tuple[int, int]] = {}
+        self._shard_notes = 0
         # Few requests in flight per connection: each read holds its block until the reply leaves,
         # and a peer that pipelines reads and never collects them holds no more than these.
         self._server = Server(self._handle, tenants.without_nodes(), host=host, port=port, max_frame_bytes=MAX_FRAME_BYTES, limits=limits,
                               max_in_flight_per_connection=NODE_MAX_IN_FLIGHT, tls=tls)  # fmt: skip
         self._tasks: set[asyncio.Task] = set()
         self._demoter: asyncio.Task | None = None
-        self._heart: asyncio.Task | None = None
+        self._hearts: list[asyncio.Task] = []  # one heartbeat per shard
         self._evict_lock = asyncio.Lock()
         # Per location: keys the directory last refused to evict for their cached children
         # (``_make_room`` asks them after the others).
@@ -218,17 +255,21 @@ class CacheNode:
 
     @property
     def directory_connected(self) -> bool:
-        return self._dir.connected
+        """Whether the link to the directory -- to every shard of a sharded one -- is connected."""
+        return all(d.connected for d in self._dirs)
 
     async def start(self) -> CacheNode:
         await self._server.start()
-        await self._ensure_hello()
+        if self.shards == 1:
+            await self._ensure_hello()
+        else:
+            await asyncio.gather(*(self._ensure_hello(i) for i in range(self.shards)))
         self._demoter = asyncio.create_task(self._demote_loop())
-        self._heart = asyncio.create_task(self._heartbeat_loop())
+        self._hearts = [asyncio.create_task(self._heartbeat_loop(i)) for i in range(self.shards)]
         return self
 
     async def close(self) -> None:
-        for task in (self._demoter, self._heart):
+        for task in (self._demoter, *self._hearts):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(BaseException):
@@ -237,7 +278,8 @@ class CacheNode:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._server.close()
-        await self._dir.close()
+        for d in self._dirs:
+            await d.close()
 
     async def __aenter__(self) -> CacheNode:
         return await self.start()
@@ -247,27 +289,69 @@ class CacheNode:
 
     # ------------------------------------------------------------------ the directory link
 
-    async def _ensure_hello(self) -> None:
-        """Say Hello on the directory connection if it is a new one (after any reconnect)."""
-        await self._dir.connect()
-        if self._hello_connects == self._dir.stats["connects"]:
+    async def _ensure_hello(self, shard: int = 0) -> None:
+        """Say Hello on the directory connection (shard ``shard``'s) if it is a new one (after any
+        reconnect)."""
+        link = self._dirs[shard]
+        await link.connect()
+        if self._hello_connects[shard] == link.stats["connects"]:
             return
-        self._hello_connects = self._dir.stats["connects"]
-        self._welcomed.clear()
-        reply = await self._dir.request(
-            Hello(self.node_id, self.incarnation, self.address, self.locations, self._lost)
+        self._hello_connects[shard] = link.stats["connects"]
+        self._welcomed[shard].clear()
+        reply = await link.request(
+            Hello(self.node_id, self.incarnation, self.address, self.locations, self._lost[shard])
         )
         if type(reply) is not Welcome:
             raise ConnectionFailed(f"Hello answered with {type(reply).__name__}: {reply!r}", code="unexpected_reply")
         if reply.fence_keys:
+            # A shard's Welcome names only its own keys: they are its keys here too.
             fences = {k.digest: e for k, e in zip(reply.fence_keys, reply.fence_epochs)}
             for tier in self._locations.values():
                 await asyncio.to_thread(tier.restore_fences, fences)
-            log.info("%s restored %d fences", self.node_id, len(fences))
-        self._lost = ()  # reported once
-        self._welcomed.set()
+            for raw in fences:
+                self._note_shard(raw, shard)
+            log.info("%s restored %d fences%s", self.node_id, len(fences),
+                     f" from shard {shard}" if self.shards > 1 else "")  # fmt: skip
+        self._lost[shard] = ()  # reported once (to each shard)
+        self._welcomed[shard].set()
 
-    async def _welcome_first(self) -> bool:
+    # ------------------------------------------------------------------ keys' shards
+
+    def _note_shard(self, raw: bytes, shard: int) -> None:
+        """Key ``raw`` is shard ``shard``'s (a sharded directory only; a key never changes shard)."""
+        if self.shards > 1:
+            self._shard_notes += 1
+            self._shards[raw] = (shard, self._shard_notes)
+
+    def _shard_of(self, raw: bytes) -> int | None:
+        """The shard of key ``raw``, or None where this node never learned it."""
+        if self.shards == 1:
+            return 0
+        entry = self._shards.get(raw)
+        return None if entry is None else entry[0]
+
+    def _other_shard(self, raw: bytes, lease: int) -> bool:
+        """Whether key ``raw`` is known here as another shard's than the one that granted ``lease``."""
+        shard = self._shard_of(raw)
+        return shard is not None and shard != lease % self.shards
+
+    async def _prune_shards(self) -> None:
+        """Forget the shards of keys no tier here holds any more (freed, evicted, moved): the map
+        stays as large as what the node holds. A key noted after the tiers were listed is kept
+        (its stamp is newer): it may have been stored since."""
+        mark = self._shard_notes
+        tiers = list(self._locations.values())
+        held = await asyncio.to_thread(lambda: set().union(*(t.keys() for t in tiers)))
+        for raw in [r for r, (_, stamp) in self._shards.items() if stamp <= mark and r not in held]:
+            del self._shards[raw]
+
+    async def _to_shard(self, shard: int, msg: Any) -> Any:
+        """``msg`` to shard ``shard`` of the directory (to the directory when it is not sharded)."""
+        if self.shards == 1:
+            return await self._to_directory(msg)
+        return await self._to_directory(msg, shard)
+
+    async def _welcome_first(self, shard: int = 0) -> bool:
         """Whether the directory connection's Hello has restored the fences its Welcome carried.
         The directory sends the frees it owes a rejoining node at once, on the connection the
         Hello came on, and the Welcome's future resolves a loop turn after the push is handled: a
@@ -276,27 +360,29 @@ class CacheNode:
         of a Free the restored fence refuses). Not welcomed in time: the push is dropped unanswered,
         and the directory sends it again."""
         try:
-            await asyncio.wait_for(self._welcomed.wait(), WELCOME_WAIT_S)
+            await asyncio.wait_for(self._welcomed[shard].wait(), WELCOME_WAIT_S)
         except TimeoutError:
             log.warning("%s: a push waited %.0f s for the directory's Welcome; dropped", self.node_id, WELCOME_WAIT_S)
             return False
         return True
 
-    async def _after_welcome(self, handle: Callable[[Any], Awaitable[None]], msg: Any) -> None:
-        """A pushed Free or Copy, handled once the Welcome's fences are restored."""
-        if await self._welcome_first():
-            await handle(msg)
+    async def _after_welcome(self, handle: Callable[..., Awaitable[None]], msg: Any, shard: int = 0) -> None:
+        """A pushed Free or Copy, handled once the Welcome's fences (of the shard that pushed it)
+        are restored."""
+        if await self._welcome_first(shard):
+            await (handle(msg) if self.shards == 1 else handle(msg, shard))
 
-    async def _to_directory(self, msg: Any) -> Any:
-        await self._ensure_hello()
-        return await self._dir.request(msg)
+    async def _to_directory(self, msg: Any, shard: int = 0) -> Any:
+        await self._ensure_hello(shard)
+        return await self._dirs[shard].request(msg)
 
-    def _on_push(self, msg: Any) -> None:
+    def _on_push(self, msg: Any, shard: int = 0) -> None:
+        """A directive pushed on shard ``shard``'s link (the directory's, when not sharded)."""
         match msg:
             case Free():
-                self._spawn(self._after_welcome(self._free, msg))
+                self._spawn(self._after_welcome(self._free, msg, shard))
             case Copy():
-                self._spawn(self._after_welcome(self._copy, msg))
+                self._spawn(self._after_welcome(self._copy, msg, shard))
             case Revoke():
                 # A node holds no read leases itself (clients do): nothing to drop. Acknowledge
                 # anyway, so the directory is not left waiting for an expiry.
@@ -316,7 +402,7 @@ class CacheNode:
         if self.events is not None:
             self.events.emit(event, key=key, **fields)
 
-    async def _free(self, msg: Free) -> None:
+    async def _free(self, msg: Free, shard: int = 0) -> None:
         """Free the key's block at ``msg.location`` under the fence rule, then acknowledge
         (``Freed``) whatever the outcome: freed, absent (nothing there: an earlier try freed it,
         or the bytes never landed) or fenced. A fenced free is acknowledged too: the directory
@@ -338,7 +424,7 @@ class CacheNode:
                 self._emit("free_slot", msg.key, epoch=msg.epoch,
                            result="ok" if isinstance(outcome, TierFreed) else "absent", location=msg.location)  # fmt: skip
         with contextlib.suppress(ConnectionFailed, TimeoutError_):
-            await self._to_directory(Freed(msg.location, msg.key, msg.epoch))
+            await self._to_shard(shard, Freed(msg.location, msg.key, msg.epoch))  # on the link it came on
 
     @contextlib.asynccontextmanager
     async def _one_key(self, key: bytes) -> Any:
@@ -362,12 +448,14 @@ class CacheNode:
             if entry[1] == 0:
                 del self._key_locks[key]
 
-    async def _copy(self, msg: Copy) -> None:
+    async def _copy(self, msg: Copy, shard: int = 0) -> None:
         async with self._one_key(msg.key.digest):
             copied = await self._copy_one(msg)
+            if copied:
+                self._note_shard(msg.key.digest, shard)  # the shard that pushed the Copy owns the key
         if copied:
             with contextlib.suppress(ConnectionFailed, TimeoutError_):
-                await self._to_directory(Copied(msg.location, msg.key, msg.epoch))
+                await self._to_shard(shard, Copied(msg.location, msg.key, msg.epoch))  # on the link it came on
 
     async def _copy_one(self, msg: Copy) -> bool:
         dest, src = self._tier(msg.location), self._tier(msg.source)
@@ -463,6 +551,12 @@ class CacheNode:
         tier = self._tier(msg.location)
         if tier is None:
             return Error("not_here", f"{msg.location} is not a location of {self.node_id}")
+        if self._other_shard(msg.key.digest, msg.lease):
+            # A key lives in one shard; a grant from another names the same digest under a record
+            # of its own (a second namespace or parent, which the one directory would refuse):
+            # its bytes must never land where the key's own shard's readers read.
+            return Error(REASON_UNAUTHORIZED, f"{msg.key.hex[:16]} is shard {self._shard_of(msg.key.digest)}'s, "
+                                              f"not lease {msg.lease}'s shard")  # fmt: skip
         if not tier.fits(len(msg.data)):  # a typed refusal, before any state changes
             return Error(REASON_TOO_LARGE, f"a {len(msg.data)}-byte block does not fit {msg.location}'s slots")
         outcome = await self._store(tier, msg.location, msg.key, msg.gen, msg.epoch, msg.data, writer=msg.node,
@@ -471,6 +565,7 @@ class CacheNode:
             return Fenced(msg.location, msg.key, msg.epoch, outcome.fence)
         if not isinstance(outcome, Stored):
             return Error(REASON_NO_SPACE, f"{msg.location} is full of leased blocks")
+        self._note_shard(msg.key.digest, msg.lease % self.shards)  # shard i grants ids = i (mod N)
         return BytesStored(msg.location, msg.key, msg.gen, msg.epoch)
 
     async def _store(self, tier: Tier, location: LocationId, key: BlockKey, gen: int, epoch: int, data: Any,
@@ -500,6 +595,9 @@ class CacheNode:
         tier = self._tier(msg.location)
         if tier is None:
             return ReadRefused(msg.node, msg.key, msg.location, "not_here")
+        if self._other_shard(msg.key.digest, msg.lease):  # the bytes here are another shard's record's: a miss
+            self.stats["misses"] += 1
+            return ReadRefused(msg.node, msg.key, msg.location, REASON_MISS)
         data, fence = await asyncio.to_thread(self._read_and_fence, tier, msg.key.digest, msg.gen)
         self.stats["reads"] += 1
         if data is None:
@@ -508,6 +606,7 @@ class CacheNode:
             return ReadRefused(msg.node, msg.key, msg.location, REASON_MISS)
         if self.counts is not None:
             self.counts.read_bytes[msg.location] += len(data)
+        self._note_shard(msg.key.digest, msg.lease % self.shards)  # a granted read names its shard too
         return BytesRead(msg.location, msg.key, msg.gen, fence, data)
 
     @staticmethod
@@ -521,9 +620,10 @@ class CacheNode:
         """A read the directory granted found no valid bytes here (gone, or failing their
         checksum): tell the directory (``Lost``), which voids the key if this was the generation's
         owner copy -- else every lookup would find it, every read miss, and no one could write it
-        again. A report lost on the way is made again by the next read that misses."""
+        again. A report lost on the way is made again by the next read that misses. It goes to the
+        shard that granted the read (``lease % N``)."""
         with contextlib.suppress(ConnectionFailed, TimeoutError_, OSError):
-            await self._to_directory(Lost(self.node_id, msg.key, msg.location, msg.gen))
+            await self._to_shard(msg.lease % self.shards, Lost(self.node_id, msg.key, msg.location, msg.gen))
 
     async def _evict_for(self, tenant: str, msg: Evict) -> Any:
         """A client asks to evict the copy at one of our locations: the directory decides (with
@@ -537,11 +637,16 @@ class CacheNode:
         tier = self._tier(location)
         if tier is None:
             return EvictRefused(msg.node, msg.key, msg.location, "not_here")
+        shard = self._shard_of(msg.key.digest)
+        if shard is None:
+            log.info("%s: a client's Evict of %s refused: its shard is unknown here", self.node_id, msg.key.hex[:12])
+            return EvictRefused(msg.node, msg.key, msg.location, REASON_SHARD_UNKNOWN)
         token = self.tenants.token(tenant)
         assert token is not None
+        link = self._dirs[shard]
         async with self._one_key(msg.key.digest):
             fence = tier.fence(msg.key.digest)  # before asking: see _drop_evicted
-            async with Client(self._dir.host, self._dir.port, tenant, token, tls=self.tls) as dir_as_tenant:
+            async with Client(link.host, link.port, tenant, token, tls=self.tls) as dir_as_tenant:
                 reply = await dir_as_tenant.request(Evict(self.node_id, msg.key, location))
             if type(reply) is Evicted:
                 await self._drop_evicted(tier, location, msg.key, fence)
@@ -575,21 +680,33 @@ class CacheNode:
             parents = self._parents.setdefault(location, set())
             parents &= set(lru)  # forget keys no longer here
             asked = 0
+            unreachable: set[int] = set()  # shards that did not answer: their keys wait
             for raw in sorted(lru, key=parents.__contains__):  # stable: recency order within each part
                 if tier.capacity_bytes - tier.used_bytes >= nbytes or asked >= EVICT_SCAN_MAX:
                     return
                 if raw in self._key_locks:
                     continue  # being copied or evicted right now: another victim (never wait here,
                     # a copy that holds its own key may be the one making room)
+                shard = self._shard_of(raw)
+                if shard is None:
+                    log.info("%s: %s not evicted from %s: its shard is unknown here", self.node_id, raw.hex()[:12],
+                             location)  # fmt: skip
+                    continue
+                if shard in unreachable:
+                    continue
                 asked += 1
                 key = BlockKey(raw)
                 async with self._one_key(raw):
                     fence = tier.fence(raw)
                     try:
-                        reply = await self._to_directory(Evict(self.node_id, key, location))
+                        reply = await self._to_shard(shard, Evict(self.node_id, key, location))
                     except (ConnectionFailed, TimeoutError_) as e:
-                        log.warning("%s: cannot make room, directory unreachable: %s", self.node_id, e)
-                        return
+                        log.warning("%s: cannot make room, directory%s unreachable: %s", self.node_id,
+                                    f" shard {shard}" if self.shards > 1 else "", e)  # fmt: skip
+                        unreachable.add(shard)
+                        if len(unreachable) == self.shards:
+                            return
+                        continue
                     if type(reply) is Evicted:
                         await self._drop_evicted(tier, location, key, fence)
                         parents.discard(raw)
@@ -600,25 +717,33 @@ class CacheNode:
                         else:
                             parents.discard(raw)
 
-    async def _heartbeat_loop(self) -> None:
-        """Ping the directory every ``HEARTBEAT_INTERVAL_MS`` (saying Hello first on a new
+    async def _heartbeat_loop(self, shard: int = 0) -> None:
+        """Ping the directory (shard ``shard``: one loop per shard, so that a slow or paused
+        shard delays no other's) every ``HEARTBEAT_INTERVAL_MS`` (saying Hello first on a new
         connection): a node it stops hearing from is down (P4), its keys voided, no lease
         pointed at it; a node that reconnects after a directory restart or a dropped connection
         gets the frees it missed at once."""
         while True:
             await asyncio.sleep(HEARTBEAT_INTERVAL_MS / 1000)
             with contextlib.suppress(ConnectionFailed, TimeoutError_, OSError):
-                await self._ensure_hello()
-                await self._dir.ping(timeout_ms=HEARTBEAT_TIMEOUT_MS)
+                await self._ensure_hello(shard)
+                await self._dirs[shard].ping(timeout_ms=HEARTBEAT_TIMEOUT_MS)
 
     async def _demote_loop(self) -> None:
         names = list(self.tiers)
+        pruned = time.monotonic()
         while True:
             await asyncio.sleep(DEMOTE_INTERVAL_MS / 1000)
             # Stay registered: after a directory restart (or a lost connection) say Hello again
-            # at once, so directives reach us and writes can be placed here.
-            with contextlib.suppress(ConnectionFailed, TimeoutError_, OSError):
-                await self._ensure_hello()
+            # at once, so directives reach us and writes can be placed here. (Sharded: each
+            # shard's heartbeat loop does, so that a shard that does not answer holds up no
+            # demotion of another's keys.)
+            if self.shards == 1:
+                with contextlib.suppress(ConnectionFailed, TimeoutError_, OSError):
+                    await self._ensure_hello()
+            elif time.monotonic() - pruned >= SHARD_PRUNE_INTERVAL_MS / 1000:
+                pruned = time.monotonic()
+                await self._prune_shards()
             for upper, lower in zip(names, names[1:]):
                 tier = self.tiers[upper]
                 if tier.used_bytes <= self.demote_watermark * tier.capacity_bytes:
@@ -627,10 +752,14 @@ class CacheNode:
                 for raw in tier.lru()[:DEMOTE_BATCH]:
                     if raw not in gens:
                         continue  # freed since
+                    shard = self._shard_of(raw)
+                    if shard is None:
+                        log.info("%s: %s not demoted: its shard is unknown here", self.node_id, raw.hex()[:12])
+                        continue
                     key = BlockKey(raw)
                     source, dest = location_id(self.node_id, upper), location_id(self.node_id, lower)
                     with contextlib.suppress(ConnectionFailed, TimeoutError_):
-                        await self._to_directory(Transfer(self.node_id, key, gens[raw], source, dest))
+                        await self._to_shard(shard, Transfer(self.node_id, key, gens[raw], source, dest))
                         self.stats["demotions"] += 1
 
     def snapshot(self) -> dict[str, Any]:

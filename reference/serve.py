@@ -42,6 +42,11 @@ and ``pid``, written atomically; ``metrics_port`` too with ``--metrics-port``) t
 shut a process down cleanly: the server stops accepting, connections get ``Error("shutdown")``,
 tiers are closed (their files synced).
 
+A sharded directory (docs/sharding.md) runs one ``kvcc serve directory --shard I --shards N`` per
+shard, each logging its events as process ``directory-I`` (the one directory's is ``directory``); a
+node is given every shard's address, ``--directory HOST:PORT`` once per shard in shard order, and
+registers with each (``kvcc.reference.node``).
+
 A node's incarnation is kept in ``<state>/incarnation`` (read, incremented, fsynced at every
 start): a restarted node says Hello under a higher one, and the directory forgets what the old
 one held (spec ``restart_node``). Its volatile tiers (``dram``, ``gpu``) come back empty and are
@@ -58,7 +63,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -318,7 +323,10 @@ async def serve_directory(config: ClusterConfig, *, state: Path, host: str, port
     bucket_ms = store.lease_bucket_ms if backend == "etcd" else None  # only etcd mirrors the leases
     cfg = DirectoryConfig(lease_term_ms=config.lease_term_ms, skew_ms=config.skew_ms, lease_mirror_bucket_ms=bucket_ms,
                           shard=shard, shards=shards)  # fmt: skip
-    factory = None if not events else (lambda incarnation: _event_log(events, "directory", incarnation))
+    # A shard logs as a directory process of its own ("directory-I"): the trace validator tells a
+    # key's directory by it. The one directory is "directory", as it always was.
+    process = "directory" if shards == 1 else f"directory-{shard}"
+    factory = None if not events else (lambda incarnation: _event_log(events, process, incarnation))
     recover = None if not events else functools.partial(append_missing, events)
     counts = None
     if metrics_port is not None:
@@ -369,17 +377,34 @@ def open_tiers(node_id: str, state: Path, tiers: list[tuple[str, int]], block_by
     return out
 
 
-async def serve_node(config: ClusterConfig, *, node_id: str, directory: str, state: Path, host: str, port: int,
-                     tiers: list[tuple[str, int]], block_bytes: int = DEFAULT_BLOCK_BYTES, pool: str | None = None,
+def parse_directories(directory: str | Sequence[str]) -> list[tuple[str, int]]:
+    """A node's ``--directory`` values, each ``HOST:PORT``: the directory, or every shard of a
+    sharded one in shard order (shard ``i`` the ``i``-th; docs/sharding.md)."""
+    values = [directory] if isinstance(directory, str) else list(directory)
+    if not values:
+        raise ConfigError("a node needs --directory HOST:PORT")
+    out = []
+    for value in values:
+        dhost, _, dport = value.rpartition(":")
+        if not dhost or not dport.isdigit():
+            raise ConfigError(f"--directory takes HOST:PORT, got {value!r}")
+        out.append((dhost, int(dport)))
+    if len(set(out)) != len(out):
+        raise ConfigError(f"--directory: the same address twice in {', '.join(values)} (one per shard)")
+    return out
+
+
+async def serve_node(config: ClusterConfig, *, node_id: str, directory: str | Sequence[str], state: Path, host: str,
+                     port: int, tiers: list[tuple[str, int]], block_bytes: int = DEFAULT_BLOCK_BYTES, pool: str | None = None,
                      pool_bytes: int = 1 << 30, events: str | None = None, ready_file: str | None = None,
                      metrics_host: str = DEFAULT_METRICS_HOST, metrics_port: int | None = None) -> None:  # fmt: skip
+    """Serve a cache node. ``directory``: ``HOST:PORT`` of the directory, or a sequence of them,
+    one per shard in shard order, for a sharded directory: the node registers with every shard."""
     from .node import CacheNode
 
     check_metrics_port(metrics_port)
     credential = config.node_credential(node_id)  # before anything changes
-    dhost, _, dport = directory.rpartition(":")
-    if not dhost or not dport.isdigit():
-        raise ConfigError(f"--directory takes HOST:PORT, got {directory!r}")
+    directories = parse_directories(directory)
     if not tiers:
         raise ConfigError("a node needs at least one --tier")
     config.check_serving(host, *([metrics_host] if metrics_port is not None else []))  # before the incarnation
@@ -397,7 +422,8 @@ async def serve_node(config: ClusterConfig, *, node_id: str, directory: str, sta
         from .metrics import NodeCounts
 
         counts = NodeCounts()
-    node = CacheNode(node_id, opened, config.tenants, (dhost, int(dport)), directory_tenant=credential,
+    node = CacheNode(node_id, opened, config.tenants, directories[0] if len(directories) == 1 else directories,
+                     directory_tenant=credential,
                      incarnation=incarnation, host=host, port=port, pool=pool_tier, lost=lost, events=ev,
                      counts=counts, limits=config.transport, tls=config.tls, skew_ms=config.skew_ms)  # fmt: skip
     endpoint = None

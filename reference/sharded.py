@@ -39,6 +39,7 @@ holder and writer, whose leases are each granted by one shard.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 from collections import OrderedDict, defaultdict
 from collections.abc import Sequence
@@ -47,7 +48,7 @@ from typing import Any
 from attrs import frozen
 
 from kvcc.spec.keys import BlockKey, Namespace, shard_of
-from kvcc.spec.vocabulary import SCOPE_NAMESPACE
+from kvcc.spec.vocabulary import REASON_NOT_FOUND, REASON_UNAUTHORIZED, SCOPE_NAMESPACE
 
 from .client import KvccClient, PrefixHit, ReadLease, Refused, SyncClient, Ticket, WriteLease
 
@@ -62,8 +63,53 @@ class ShardedTicket:
     parts: tuple[tuple[int, Ticket], ...]
 
     @property
+    def id(self) -> str:
+        """The shards' ticket ids, ``"<shard>:<ticket>"`` each, comma-separated (for people to read)."""
+        return ",".join(f"{s}:{int(t)}" for s, t in self.parts)
+
+    @property
     def keys(self) -> int:
         return sum(t.keys for _, t in self.parts)
+
+
+def _nowhere(key: BlockKey) -> Refused:
+    return Refused(REASON_NOT_FOUND, f"no shard holds {key.hex[:16]}")
+
+
+class _Denied(Exception):
+    """The tenant may not use the namespace (every shard's ``Located`` says so): a request there
+    is refused by this client, ``unauthorized``, as every shard would refuse it."""
+
+
+def _denied() -> Refused:
+    return Refused(REASON_UNAUTHORIZED, "this tenant may not use the namespace")
+
+
+def _denied_one(method: Any) -> Any:
+    """``method``'s answer, or an ``unauthorized`` refusal when the tenant may not use the namespace."""
+
+    @functools.wraps(method)
+    async def call(self: Any, *args: Any) -> Any:
+        try:
+            return await method(self, *args)
+        except _Denied:
+            return _denied()
+
+    return call
+
+
+def _denied_each(method: Any) -> Any:
+    """``method``'s answers, or an ``unauthorized`` refusal per item (its second argument) when
+    the tenant may not use the namespace."""
+
+    @functools.wraps(method)
+    async def call(self: Any, ns: Any, items: Sequence[Any]) -> Any:
+        try:
+            return await method(self, ns, items)
+        except _Denied:
+            return [_denied() for _ in items]
+
+    return call
 
 
 class ShardedClient:
@@ -131,22 +177,51 @@ class ShardedClient:
         """The shard that granted ``lease``: shard ``i`` hands out only ids congruent to ``i``."""
         return lease.lease % self.n
 
-    async def find(self, ns: Namespace | bytes, key: BlockKey) -> int:
-        """The shard holding ``key``: remembered, else the one that holds a record of it
-        (``Locate`` at every shard at once), else the key's own hash's shard (which refuses what
-        it does not hold, as the one directory would)."""
+    async def locate(self, ns: Namespace | bytes, key: BlockKey) -> int | None:
+        """The shard holding a record of ``key``: remembered, else the one whose ``Locate``
+        finds it (every shard asked at once; in any namespace, so that a request naming the key
+        under another one is refused where its record is), else ``None``: no shard holds it.
+        ``_Denied``: the tenant may not use ``ns``."""
         known = self._known(key)
         if known is not None:
             return known
-        answers = await asyncio.gather(*(c.locate(ns, [key]) for c in self.clients))
-        shard = next((i for i, found in enumerate(answers) if found[0]), None)
-        if shard is None:
-            return self.root_shard(key)
-        self._remember(key, shard)
-        return shard
+        return (await self.locate_all(ns, [key]))[0]
 
-    async def _write_shard(self, ns: Namespace | bytes, key: BlockKey, parent: BlockKey | None) -> int:
-        shard = self.root_shard(key) if parent is None else await self.find(ns, parent)
+    async def locate_all(self, ns: Namespace | bytes, keys: Sequence[BlockKey]) -> list[int | None]:
+        """``locate`` of each key: the keys not remembered asked of every shard in one ``Locate``
+        each, the shards at once. ``_Denied``: the tenant may not use ``ns``."""
+        out: list[int | None] = [self._known(k) for k in keys]
+        unknown = list(dict.fromkeys(k for k, s in zip(keys, out) if s is None))
+        if unknown:
+            answers = await asyncio.gather(*(c.locate(ns, unknown) for c in self.clients))
+            if any(known is None for known in answers):
+                raise _Denied  # every shard has the same tenants: no shard would take the request
+            found: dict[BlockKey, int] = {}
+            for shard, known in enumerate(answers):
+                for key, k in zip(unknown, known):
+                    if k:
+                        found.setdefault(key, shard)
+            for key, shard in found.items():
+                self._remember(key, shard)
+            out = [found.get(k) if s is None else s for k, s in zip(keys, out)]
+        return out
+
+    async def find(self, ns: Namespace | bytes, key: BlockKey) -> int:
+        """``locate``, else the shard that would own ``key`` were it a root (it refuses what it
+        does not hold, as the one directory would)."""
+        shard = await self.locate(ns, key)
+        return self.root_shard(key) if shard is None else shard
+
+    async def _write_shard(self, ns: Namespace | bytes, key: BlockKey, parent: BlockKey | None, *,
+                           located: Any = ...) -> int:  # fmt: skip
+        """Where a write of ``key`` under ``parent`` is decided: where the key's record is, if
+        any shard holds one (a second parent, another namespace: refused there); else a root's
+        own shard, a child's parent's. A parent no shard holds is taken for a root: its shard
+        refuses the child (``parent_not_committed``), and a child is written in its parent's
+        shard, so its later steps are there too unless that parent is itself a child."""
+        shard = await self.locate(ns, key) if located is ... else located
+        if shard is None:
+            shard = self.root_shard(key) if parent is None else await self.find(ns, parent)
         self._remember(key, shard)
         return shard
 
@@ -184,18 +259,30 @@ class ShardedClient:
                 return lease
         return None
 
+    @_denied_one
     async def acquire(self, ns: Namespace | bytes, key: BlockKey) -> ReadLease | Refused:
-        return await self.clients[await self.find(ns, key)].acquire(ns, key)
+        """At the shard holding ``key``. A key no shard holds is refused here, ``not_found``,
+        sent nowhere: it was ABSENT everywhere when located, and a shard that does not own it
+        must take no step of it (each key's steps are its one shard's: the trace validator)."""
+        shard = await self.locate(ns, key)
+        if shard is None:
+            return _nowhere(key)
+        return await self.clients[shard].acquire(ns, key)
 
+    @_denied_each
     async def acquire_many(self, ns: Namespace | bytes, keys: Sequence[BlockKey]) -> list[ReadLease | Refused]:
+        """``acquire`` of each key, one ``KvccClient.acquire_many`` per shard, the shards at once."""
         keys = list(keys)
-        shards = await asyncio.gather(*(self.find(ns, k) for k in keys))
+        shards = await self.locate_all(ns, keys)
+        out: list[Any] = [None] * len(keys)
         by_shard: dict[int, list[int]] = defaultdict(list)
         for i, s in enumerate(shards):
-            by_shard[s].append(i)
+            if s is None:
+                out[i] = _nowhere(keys[i])
+            else:
+                by_shard[s].append(i)
         order = list(by_shard)
         answers = await asyncio.gather(*(self.clients[s].acquire_many(ns, [keys[i] for i in by_shard[s]]) for s in order))
-        out: list[Any] = [None] * len(keys)
         for s, results in zip(order, answers):
             for i, result in zip(by_shard[s], results):
                 out[i] = result
@@ -246,6 +333,7 @@ class ShardedClient:
 
     # ------------------------------------------------------------------ writes
 
+    @_denied_one
     async def begin_write(self, ns: Namespace | bytes, key: BlockKey, parent: BlockKey | None) -> WriteLease | Refused:
         return await self.clients[await self._write_shard(ns, key, parent)].begin_write(ns, key, parent)
 
@@ -258,9 +346,11 @@ class ShardedClient:
     def abort(self, wl: WriteLease) -> None:
         self.clients[self.lease_shard(wl)].abort(wl)
 
+    @_denied_one
     async def put(self, ns: Namespace | bytes, key: BlockKey, parent: BlockKey | None, data: Any) -> Any:
         return await self.clients[await self._write_shard(ns, key, parent)].put(ns, key, parent, data)
 
+    @_denied_each
     async def put_chain(self, ns: Namespace | bytes, blocks: Sequence[tuple[BlockKey, BlockKey | None, Any]]) -> list[Any]:
         """A chain (each block's parent the one before, the first a root or a committed key's
         child) in its shard, as ``KvccClient.put_chain``."""
@@ -272,18 +362,13 @@ class ShardedClient:
             self._remember(k, shard)
         return await self.clients[shard].put_chain(ns, blocks)
 
+    @_denied_each
     async def put_many(self, ns: Namespace | bytes, blocks: Sequence[tuple[BlockKey, BlockKey | None, Any]]) -> list[Any]:
         """``put`` of each block, one ``KvccClient.put_many`` per shard, the shards at once. A block
         whose parent is in the same call goes to its parent's shard."""
-        shards: list[int] = []
-        for key, parent, _ in blocks:
-            if parent is None:
-                shard = self.root_shard(key)
-            else:
-                known = self._known(parent)
-                shard = known if known is not None else await self.find(ns, parent)
-            self._remember(key, shard)
-            shards.append(shard)
+        located = await self.locate_all(ns, [k for k, _, _ in blocks])
+        shards = [await self._write_shard(ns, key, parent, located=shard)
+                  for (key, parent, _), shard in zip(blocks, located)]  # fmt: skip
         by_shard: dict[int, list[int]] = defaultdict(list)
         for i, s in enumerate(shards):
             by_shard[s].append(i)
@@ -298,14 +383,20 @@ class ShardedClient:
     # ------------------------------------------------------------------ invalidation, eviction
 
     async def invalidate(self, ns: Namespace | bytes, scope: str, key: BlockKey | None = None) -> ShardedTicket:
-        """A key or prefix invalidation at the key's shard; a namespace invalidation at every
-        shard (each voids its own keys of the namespace)."""
+        """A key or prefix invalidation at the key's shard (a key no shard holds: a ticket of no
+        shard, complete at once, as the one directory's of 0 keys); a namespace invalidation at
+        every shard (each voids its own keys of the namespace)."""
         if scope == SCOPE_NAMESPACE:
             tickets = await asyncio.gather(*(c.invalidate(ns, scope, key) for c in self.clients))
             return ShardedTicket(tuple(enumerate(tickets)))
         if key is None:
             raise ValueError(f"a {scope} invalidation names its key")
-        shard = await self.find(ns, key)
+        try:
+            shard = await self.locate(ns, key)
+        except _Denied:  # the key's own hash's shard answers as the one directory would
+            shard = self.root_shard(key)
+        if shard is None:  # ABSENT everywhere, with no descendant: nothing to void, and no shard takes a step of it
+            return ShardedTicket(())
         return ShardedTicket(((shard, await self.clients[shard].invalidate(ns, scope, key)),))
 
     async def wait(self, ticket: ShardedTicket, timeout_s: float) -> bool:

@@ -99,7 +99,7 @@ COST_CLASSES = {
                     "test_transport_limits", "test_tls", "test_sglang", "test_sglang_conformance", "test_identities",
                     "test_vllm_conformance", "test_chains", "test_crash_points", "test_routing_calibrate",
                     "test_routing_live", "test_routing_vllm", "test_bench_suite_reference",
-                    "test_directory_shards_serve", "test_tiers_pool_crashes", "test_sharded_client"},
+                    "test_directory_shards_serve", "test_tiers_pool_crashes", "test_sharded_client", "test_node_shards"},
 }
 
 

@@ -320,15 +320,18 @@ def test_lookup_is_the_longest_committed_chain(d):
 
 def test_locate_finds_any_key_held_in_any_phase_and_changes_nothing(d):
     """``Locate`` (a sharded directory's client asking which shard holds a key): a child alone,
-    a key being written and one voided are held; a key never written, or held in another
-    namespace, is not. Read-only: no effect, no event, no record."""
+    a key being written and one voided are held, in any namespace (a request naming the key
+    under another one must reach the shard that refuses it); a key never written is not.
+    Read-only: no effect, no event, no record."""
     d.write(A0)
     d.write(A1)
     d.begin_write(A2)
     before = dict(d.core.records)
     reply, effects = d.send(wire.Locate(NS_A, (A1, A2, A0, A1X)))
-    assert reply == wire.Located(NS_A, (1, 1, 1, 0)) and effects == []
-    assert d.send(wire.Locate(NS_B, (A0,)))[0].known == (0,)
+    assert reply == wire.Located(NS_A, (1, 1, 1, 0), 1) and effects == []
+    assert d.send(wire.Locate(NS_B, (A0,)))[0].known == (1,)
+    # A namespace the tenant may not use: told nothing, the session goes on.
+    assert d.send(wire.Locate(NS_B, (A0, A1)), tenant="t-a")[0] == wire.Located(NS_B, (0, 0), 0)
     d.send(wire.Invalidate(NS_A, vocabulary.SCOPE_KEY, A1))
     assert d.send(wire.Locate(NS_A, (A1,)))[0].known == (1,)  # voided, its record kept for its epoch
     assert set(d.core.records) == set(before)

@@ -95,8 +95,12 @@ def message_strategy(cls: type) -> st.SearchStrategy:
                                    blocks_matched=st.just(len(locs)), locations=st.just(tuple(locs)))
         )  # fmt: skip
     if cls is wire.Located:
-        return st.builds(wire.Located, namespace=FIELD_STRATEGIES["NamespaceDigest"],
-                         known=st.lists(st.integers(0, 1), max_size=6).map(tuple))
+        return st.one_of(
+            st.builds(wire.Located, namespace=FIELD_STRATEGIES["NamespaceDigest"],
+                      known=st.lists(st.integers(0, 1), max_size=6).map(tuple), authorized=st.just(1)),
+            st.builds(wire.Located, namespace=FIELD_STRATEGIES["NamespaceDigest"],
+                      known=st.lists(st.just(0), max_size=6).map(tuple), authorized=st.just(0)),
+        )
     if cls is Welcome:
         return st.lists(st.tuples(_keys, _uint), max_size=6).flatmap(
             lambda pairs: st.builds(Welcome, node=_ids, incarnation=_uint,

@@ -674,12 +674,13 @@ class DirectoryCore:
             parent = key
         return tuple(owners)
 
-    def locate(self, namespace: bytes, keys: Iterable[BlockKey]) -> tuple[int, ...]:
-        """Per key, 1 if this directory holds a record of it in ``namespace`` (in any phase: a
+    def locate(self, keys: Iterable[BlockKey]) -> tuple[int, ...]:
+        """Per key, 1 if this directory holds a record of it (in any phase and namespace: a
         record, once made, is kept for its epoch), else 0. A sharded directory's client asks
-        every shard (docs/sharding.md): a key's records are all in its root's shard."""
+        every shard (docs/sharding.md): a key's record is in its root's shard. Any namespace, so
+        that a request naming the key under another one reaches the shard that refuses it."""
         records = self.records
-        return tuple(int(rec is not None and rec.namespace == namespace) for rec in map(records.get, keys))
+        return tuple(int(key in records) for key in keys)
 
     def ticket_status(self, ticket: int) -> Ticket | None:
         """The ticket, or ``None`` for one completed so long ago it was forgotten."""
@@ -776,8 +777,11 @@ class DirectoryCore:
                 owners = self.lookup(msg.namespace, msg.keys)
                 reply = PrefixFound(msg.namespace, len(owners), owners)
             case Locate():
-                self._authorize(tenant, msg.namespace)
-                reply = Located(msg.namespace, self.locate(msg.namespace, msg.keys))
+                # A namespace the tenant may not use is told nothing but that, not a reason to end
+                # the session: its client refuses the request itself (``unauthorized``), as any
+                # directory would.
+                ok = self._authorized(tenant, msg.namespace)
+                reply = Located(msg.namespace, self.locate(msg.keys) if ok else (0,) * len(msg.keys), int(ok))
             case Invalidate():
                 reply = self._invalidate(msg, tenant, effects)
             case WaitTicket():
@@ -942,7 +946,7 @@ class DirectoryCore:
     def check_request(self, msg: Any, tenant: str) -> None:
         """Raise what ``handle(msg)`` would raise for ``msg`` itself (a peer's violation), changing
         nothing: a batch is checked item by item before any item is taken."""
-        if type(msg) in (Lookup, Locate):
+        if type(msg) is Lookup:
             self._authorize(tenant, msg.namespace)
 
     def _begin_write(self, msg: BeginWrite, tenant: str, effects: list[Effect]) -> Any:

@@ -260,8 +260,10 @@ def _cross_field_problem(msg: Any) -> str | None:
         if len(msg.locations) != msg.blocks_matched:
             return f"{len(msg.locations)} locations for {msg.blocks_matched} matched blocks"
     elif type(msg) is Located:
-        if any(v > 1 for v in msg.known):
-            return "known holds 0 or 1 per key"
+        if any(v > 1 for v in msg.known) or msg.authorized > 1:
+            return "known holds 0 or 1 per key, authorized 0 or 1"
+        if not msg.authorized and any(msg.known):
+            return "a namespace the tenant may not use is told no key"
     elif type(msg) is Welcome:
         if len(msg.fence_keys) != len(msg.fence_epochs):
             return f"{len(msg.fence_keys)} fence keys for {len(msg.fence_epochs)} epochs"

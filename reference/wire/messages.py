@@ -319,10 +319,13 @@ class PrefixFound:
 
 @frozen
 class Locate:
-    """Which of ``keys`` does this directory hold a record of in ``namespace``, in any phase? A
+    """Which of ``keys`` does this directory hold a record of, in any phase and any namespace? A
     sharded directory's client asks every shard at once about a key it has never seen (a key not
-    a root: ``Lookup`` walks a chain from its root, so it finds no child alone; docs/sharding.md).
-    Read-only: no lease, no event, nothing changes."""
+    a root: ``Lookup`` walks a chain from its root, so it finds no child alone; docs/sharding.md),
+    and sends the request where the key's record is, which decides it as the one directory would
+    -- also a request naming the key under another namespace, which must be refused there, not
+    granted by a shard that never saw the key. Read-only: no lease, no event, nothing changes.
+    ``namespace``: one the tenant may use; any other is told nothing but that (``Located``)."""
 
     namespace: NamespaceDigest
     keys: tuple[BlockKey, ...]
@@ -330,10 +333,14 @@ class Locate:
 
 @frozen
 class Located:
-    """``known[i]`` is 1 if this directory holds a record of ``keys[i]`` of the ``Locate``, else 0."""
+    """``known[i]`` is 1 if this directory holds a record of ``keys[i]`` of the ``Locate`` (in any
+    namespace), else 0. ``authorized``: 1 if the tenant may use the ``Locate``'s namespace; 0: it
+    may not, and ``known`` is all zeros (a request there is refused ``unauthorized`` by any
+    directory, the client's own answer)."""
 
     namespace: NamespaceDigest
     known: tuple[int, ...]
+    authorized: int
 
 
 @frozen
