@@ -17,14 +17,15 @@ frontier of possible states, time as intervals) over the same transitions the ch
    key, any kind, protocol property 8); a write is granted only under a COMMITTED parent and a copy is
    evicted only once its children are ABSENT (protocol property 10). A small shadow of the directory's
    records (phase, owner, parent, namespace) follows the directory's events for these checks
-   and to resolve cascades.
+   and to resolve cascades (one shadow per shard of a sharded directory, section 6).
 
 2. **Projection per key.** The protocol is per key except for chains; each key of the trace gets
    its own one-key ``ModelConfig``, sized to its projection: every node of the trace, their tiers
    and one shared pool, lease term and epsilon in ticks, and budgets (epochs, lease ids, requests,
    crashes, restarts) at least what the projection uses, so that no scope bound ever refuses
    what the trace did. A projection holds the key's events, the failures (``crash``,
-   ``restart_node``, ``restart_directory``: they apply to every key) and the cascades: an
+   ``restart_node``, ``restart_directory``, ``declare_node_down``: they apply to every key, or
+   to every key of the shard that logged them, section 6) and the cascades: an
    invalidation of an ancestor or of the key's namespace does to this key exactly what the
    spec's atomic multi-key step does to it (``Model._invalidate_into`` on this key alone).
    Real ids become spec indices: nodes and locations by a global table (``TraceParams.locations``
@@ -126,6 +127,23 @@ frontier of possible states, time as intervals) over the same transitions the ch
    re-evaluated only where a group it reads (``Invariant.reads``) differs from a state it held
    on: the frontier element the step was taken from, when that is a post-state as checked; the
    other invariants hold on the post-state as they did there.
+
+6. **Sharded directories** (``docs/sharding.md``). A trace in which several processes log
+   directory events (``"directory-0"``, ``"directory-1"``, ...: one per shard, each with its own
+   incarnations) is N independent directories over disjoint keys sharing the nodes. A key
+   belongs to the process that logs its first directory step (``_Roles.key_directory``; a
+   ``wrong_shard`` refusal is no step of the owner, and is replayed as the request's loss); a
+   directory step of it logged by another is REJECTED (``key_in_two_shards``: a chain lives in
+   its root's shard, and a child granted in a shard that does not hold its parent is
+   ``parent_not_committed`` there). Each shard has its own shadow, in its own log order (chains,
+   cascades, eviction order); lease ids are checked across all of them (the shards hand out
+   disjoint ids). The failure events a directory logs -- ``restart_directory``,
+   ``declare_node_down``, ``restart_node`` (a node's rejoin, as that shard took it) -- and its
+   cascades (a namespace's invalidation voids that shard's keys of it) enter only its own keys'
+   projections, at their own times; a ``crash`` is every key's. A key no directory logged a step
+   of (requests never answered) takes the failures of the first directory to log an event. The
+   check of one time per failure (``_shared_time_conflict``) then spans the projections that
+   hold the failure. A trace of one directory process is replayed exactly as before.
 
 Fields each event must carry (beyond the standard ``node, incarnation, seq, t_local_ns,
 t_wall_ns, event, key, gen, epoch, lease, result``; ``node`` is the logging process):
@@ -256,6 +274,7 @@ REJECT_CODES = (
     "no_spec_step",  # no frontier state can take the event
     "invariant",  # the only spec steps matching the event break a property
     "shared_event_time",  # a failure or cascade each projection explains only at other times
+    "key_in_two_shards",  # a key's directory steps logged by two directory processes (a sharded directory)
 )
 PROPERTY_MEMO_MAX = 200_000  # memoised property verdicts per projection (then the memo starts over)
 ADVANCE_MEMO_MAX = 100_000  # memoised ticks per projection (then the memo starts over)
@@ -296,6 +315,16 @@ _DROPPING_REFUSALS = {
 }
 FAILURE_EVENTS = frozenset({"crash", "restart_node", "restart_directory", "declare_node_down"})
 assert DIRECTORY_EVENTS | HOLDER_EVENTS | WRITER_EVENTS | LOCATION_EVENTS | FAILURE_EVENTS == set(EVENTS)
+# The directory's steps on one key: the process that logs them owns the key (one shard of a
+# sharded directory, ``_Roles.key_directory``). The directory's failure events and a namespace's
+# invalidation name no key of their own; and a ``wrong_shard`` refusal is by its nature the step
+# of a shard that does not own the key (``_owns``).
+_KEYED_DIRECTORY_EVENTS = DIRECTORY_EVENTS - FAILURE_EVENTS - {"invalidate_namespace"}
+
+
+def _owns(name: str, ev: dict) -> bool:
+    """Whether the directory event ``ev`` (named ``name``) is a step of the shard that owns its key."""
+    return name in _KEYED_DIRECTORY_EVENTS and not (name == "refuse_write_lease" and ev.get("result") == REASON_WRONG_SHARD)
 
 REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
     "acquire": ("key",),
@@ -677,15 +706,18 @@ class _Shapes:
 
 class _Shadow:
     """The directory's records as its own events tell them (phase, owner, parent, namespace), for
-    what a one-key projection cannot see: chains, cascades, lease-id uniqueness."""
+    what a one-key projection cannot see: chains, cascades, lease-id uniqueness. One per
+    directory process (each shard of a sharded directory has its own records and log order)."""
 
-    def __init__(self, host_of: Callable[[Any], str | None]) -> None:
+    def __init__(self, host_of: Callable[[Any], str | None], granted: dict[int, int] | None = None) -> None:
         self.host_of = host_of  # the node a location is a tier of (None: the pool), as _Roles places it
         self.phase: dict[str, int] = {}
         self.owner: dict[str, Any] = {}
         self.parent: dict[str, str | None] = {}
         self.namespace: dict[str, str] = {}
-        self.granted: dict[int, int] = {}  # lease id -> index of its grant
+        # lease id -> index of its grant; one table for every shard's shadow (ids are unique
+        # across the shards of a sharded directory: shard i hands out ids = i mod N)
+        self.granted: dict[int, int] = {} if granted is None else granted
 
     def children(self, key: str) -> list[str]:
         return [k for k, p in self.parent.items() if p == key]
@@ -765,7 +797,8 @@ class _Shadow:
 
 
 class _Roles:
-    """Spec indices for real names: nodes, locations, the directory."""
+    """Spec indices for real names: nodes, locations, the directory process(es) and which one
+    owns each key."""
 
     def __init__(self, events: Iterable[dict], params: TraceParams) -> None:
         # One pass over the events (a trace may be a file read line by line), keeping only the
@@ -773,7 +806,8 @@ class _Roles:
         processes: set[str] = set()
         named_hosts: set[str] = set()
         raw_nodes: dict[str, None] = {}  # in order of first appearance, before aliasing
-        directories: set[str] = set()
+        directories: dict[str, int] = {}  # directory process -> its number, in order of first event
+        key_directory: dict[str, int] = {}  # key -> the directory process that logged its first step
         seen: dict[str, None] = {}
         logged_by: dict[str, str] = {}  # location -> the first process logging its data plane
         for ev in events:
@@ -785,7 +819,13 @@ class _Roles:
             if name in HOLDER_EVENTS or name in WRITER_EVENTS:
                 raw_nodes.setdefault(ev["node"])
             if name in DIRECTORY_EVENTS:
-                directories.add(ev["node"])
+                d = directories.get(ev["node"])
+                if d is None:
+                    d = directories[ev["node"]] = len(directories)
+                if _owns(name, ev):
+                    k = ev.get("key")
+                    if k is not None and k not in key_directory:
+                        key_directory[k] = d
             for f in ("holder", "writer", "rejoined", "down"):
                 v = ev.get(f)
                 if isinstance(v, str) and v:
@@ -828,7 +868,10 @@ class _Roles:
             node(raw)
         self.nodes = nodes
         self.node_index = {n: i for i, n in enumerate(nodes)}
+        # The processes that log directory steps: one for a directory, one per shard for a sharded
+        # one (``"directory-<i>"``); each key's steps must all come from one of them (its shard).
         self.directories = directories
+        self.key_directory = key_directory
         # Locations: given, else hosted by the spec node that logs its data-plane events, else by
         # the node of the same name, else the shared pool.
         hosts: dict[str, str | None] = {}
@@ -2110,11 +2153,21 @@ def _validate(events: Sequence[dict], params: TraceParams) -> Verdict:
     if w0 is None:
         return Verdict(ACCEPTED, reason="an empty trace", frontier_max=1)
     shapes.wall_steps()
+    # A sharded directory (several processes logging directory steps, each owning the keys it
+    # logged steps of): each has its own shadow (its own records, in its own log order) but one
+    # table of lease ids, and its failure events (its restarts, its declarations, the rejoins it
+    # took) are its keys' alone. A key no directory logged a step of (requests never answered)
+    # takes the first directory's.
+    sharded = len(roles.directories) > 1
     shadow = _Shadow(roles.host)
+    if sharded:
+        shadows = [_Shadow(roles.host, shadow.granted) for _ in roles.directories]
+        directory_of, key_directory = roles.directories, roles.key_directory
     per_key: dict[str, array] = {}
     counts: dict[str, dict[str, int]] = {}
     failures: list[int] = []  # indices of the global events so far
     failure_names: list[str] = []  # and their event names
+    failure_scopes: list[int] = []  # and the directory whose keys each applies to (-1: every key)
     cascades: set[int] = set()  # indices of invalidations in more than one projection
     requests: dict[tuple[str, str], int] = {}
     # Each key's own events in model terms, hashed: keys alike (a workload repeated on fresh keys)
@@ -2127,11 +2180,18 @@ def _validate(events: Sequence[dict], params: TraceParams) -> Verdict:
         if got is None:
             # A key first seen now still lived through every failure before it.
             got = per_key[k] = _int_array(4 * len(events))
-            got.extend(i * 4 + _GLOBAL for i in failures)
             counts[k] = {"epochs": 0, "leases": 0, "requests": 0, "transfers": 0, "crashes": 0, "restarts": 0}
+            if sharded:
+                mine = key_directory.get(k, 0)
+                kept = [(i, name) for i, name, scope in zip(failures, failure_names, failure_scopes) if scope < 0 or scope == mine]
+                got.extend(i * 4 + _GLOBAL for i, _ in kept)
+                names: Iterable[str] = [name for _, name in kept]
+            else:
+                got.extend(i * 4 + _GLOBAL for i in failures)
+                names = failure_names
             # The failures' names as kept, not read again: reading ``events[i]`` of a file
             # (``_FileEvents``) here would move the file under the pass iterating it.
-            for name in failure_names:
+            for name in names:
                 if name != "declare_node_down":
                     counts[k]["restarts" if name == "restart_directory" else "crashes"] += 1
         return got
@@ -2148,16 +2208,35 @@ def _validate(events: Sequence[dict], params: TraceParams) -> Verdict:
         if own is not None:
             projection(own)
         cascade: list[str] = []
+        scope = -1
         if name in DIRECTORY_EVENTS:
-            cascade = shadow.step(i, ev)
+            if sharded:
+                scope = directory_of[ev["node"]]
+                if own is not None and key_directory.get(own, 0) != scope and _owns(name, ev):
+                    first = next(d for d, n in directory_of.items() if n == key_directory[own])
+                    raise _reject(i, ev, "key_in_two_shards", (
+                        f"event {i} ({name}): key {own[:16]}… has directory steps logged by {first!r} and by "
+                        f"{ev['node']!r}; each shard of a sharded directory owns its keys (a chain lives in its root's shard)"))
+                cascade = shadows[scope].step(i, ev)
+            else:
+                cascade = shadow.step(i, ev)
         if name in FAILURE_EVENTS:
             voided = set(cascade) if name == "restart_node" else set()
-            for k, idx in per_key.items():
-                idx.append(i * 4 + (_GLOBAL_CASCADE if k in voided else _GLOBAL))
-                if name != "declare_node_down":
-                    counts[k]["crashes" if name != "restart_directory" else "restarts"] += 1
+            if scope < 0:
+                for k, idx in per_key.items():
+                    idx.append(i * 4 + (_GLOBAL_CASCADE if k in voided else _GLOBAL))
+                    if name != "declare_node_down":
+                        counts[k]["crashes" if name != "restart_directory" else "restarts"] += 1
+            else:
+                # One shard's restart, declaration or rejoin: its own keys' failure alone.
+                for k, idx in per_key.items():
+                    if key_directory.get(k, 0) == scope:
+                        idx.append(i * 4 + (_GLOBAL_CASCADE if k in voided else _GLOBAL))
+                        if name != "declare_node_down":
+                            counts[k]["crashes" if name != "restart_directory" else "restarts"] += 1
             failures.append(i)
             failure_names.append(name)
+            failure_scopes.append(scope)
             continue
         if own is not None:
             per_key[own].append(i * 4 + _OWN)
@@ -2280,7 +2359,7 @@ def _validate(events: Sequence[dict], params: TraceParams) -> Verdict:
         elif timing is not None:
             timings.append(timing)
     rejected = [v for v in verdicts if v.status == REJECTED]
-    conflict = _shared_time_conflict(timings, failures)
+    conflict = _shared_time_conflict(timings, failures, sparse=sharded)
     if conflict is not None:
         rejected.append(Verdict(
             REJECTED, conflict, events[conflict], f"event {conflict} ({events[conflict]['event']}) is in several key "
@@ -2511,7 +2590,7 @@ def _join_boxes(a: tuple, b: tuple) -> tuple | None:
 
 
 def _shared_time_conflict(timings: list[tuple[dict[int, frozenset[int]], set[tuple], dict[int, set[int]]]],
-                          failures: list[int]) -> int | None:
+                          failures: list[int], sparse: bool = False) -> int | None:
     """The first event shared by projections that no single tick explains in all of them, or
     ``None``. Failures are in every projection: some assignment of ticks to all of them must be
     one that every projection accepted (joint). Each projection accepted a union of boxes (a set
@@ -2519,7 +2598,9 @@ def _shared_time_conflict(timings: list[tuple[dict[int, frozenset[int]], set[tup
     box of every projection is found (``_longest_joint_prefix``), and the failure after it is
     the conflict. A cascade is in its subtree's projections: some one tick of it must be one
     each of them took it at (per event; the ticks any element took, surviving or not: weaker
-    than the failures' check)."""
+    than the failures' check). ``sparse`` (a sharded directory): a shard's failures are in its
+    keys' projections only; a failure a projection does not hold is ``None`` in its boxes (any
+    tick)."""
     if not timings:
         return None
     projections: set[frozenset[tuple[frozenset[int], ...]]] = set()  # projections alike are one
@@ -2529,7 +2610,7 @@ def _shared_time_conflict(timings: list[tuple[dict[int, frozenset[int]], set[tup
         for gt in boxes or {()}:
             full = dict(settled)
             full.update(gt)
-            got.append(tuple(full[i] for i in failures if i in full))
+            got.append(tuple(full.get(i) for i in failures) if sparse else tuple(full[i] for i in failures if i in full))
         projections.add(frozenset(got))
         for i, ts in ticks.items():
             cascade_ticks[i] = set(ts) if i not in cascade_ticks else cascade_ticks[i] & ts
@@ -2545,8 +2626,9 @@ def _maximal_boxes(boxes: Iterable[tuple[frozenset[int], ...]]) -> list[tuple[fr
     of boxes that meets with the smaller one meets with the larger, so the joint check's answer
     is the same with fewer boxes."""
     out: list[tuple[frozenset[int], ...]] = []
-    for box in sorted(set(boxes), key=lambda b: -sum(map(len, b))):
-        if not any(len(box) == len(o) and all(x <= y for x, y in zip(box, o)) for o in out):
+    for box in sorted(set(boxes), key=lambda b: -sum(len(x) for x in b if x is not None)):
+        # None: any tick (a failure of a shard the projection is not of), inside no set of ticks.
+        if not any(len(box) == len(o) and all(y is None or (x is not None and x <= y) for x, y in zip(box, o)) for o in out):
             out.append(box)
     return out
 
@@ -2568,7 +2650,7 @@ def _longest_joint_prefix(per_projection: Sequence[Sequence[tuple[frozenset[int]
         short = [0] * width
         for bit, box in enumerate(boxes):
             for i in range(width):
-                if i >= len(box):
+                if i >= len(box) or box[i] is None:
                     short[i] |= 1 << bit
                     continue
                 d = per_failure[i]

@@ -6,8 +6,8 @@ Welcome, answers each shard's pushes on that shard's link, and sends ``Lost``, `
 demotion ``Transfer`` to the key's shard, which it learns from the lease ids (shard ``i`` grants
 only ids ``= i mod N``) and from the links pushes and Welcomes come on. These tests drive the
 shards with plain one-directory clients, each connected to the shard that owns its chains (the
-sharded client is tested in ``tests/test_sharded_client.py``). Two-shard traces are not validated
-here: the validator takes one directory process (step 4).
+sharded client is tested in ``tests/test_sharded_client.py``; two-shard traces are validated by
+``kvcc conform --adapter reference-sharded``, which CI runs).
 """
 
 from __future__ import annotations
