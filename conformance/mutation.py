@@ -160,6 +160,8 @@ TARGETS: tuple[Target, ...] = (
         ("Send.due", "only the reference server reads it (its log stamps a step after the decision); the kit logs "
                      "and delivers every Revoke in the step that made it"),
         ("DirectoryCore.ticket_status", "only the WaitTicket message calls it; the kit reads tickets directly"),
+        ("DirectoryCore.locate", "only the Locate message calls it (a sharded directory's client; the in-process "
+                                 "deployment has one directory); tests/test_directory_core.py and tests/test_sharded_client.py test it"),
         ("DirectoryCore.next_deadline_ms", "a wake-up hint: the kit's ticker wakes every TICK_IDLE_MS whatever it says, "
                                            "and every entry point first lets time pass (a late tick only delays)"),
         ("DirectoryCore.check_invariants", "a debugging check that tests call, not the deployment"),
