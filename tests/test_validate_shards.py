@@ -27,7 +27,6 @@ from kvcc.conformance.validate import (
     TraceParams,
     params_for_walk,
     render,
-    scripted_walk,
     validate_trace,
 )
 from kvcc.spec.config import ModelConfig
