@@ -29,9 +29,12 @@ def add_parsers(sub: Any) -> None:
     d.add_argument("--etcd-endpoints", metavar="URL[,URL...]", help="etcd client URLs (backend etcd)")
     d.add_argument("--etcd-prefix", default="kvcc", help="key prefix in etcd (default kvcc)")
     d.add_argument("--shards", type=int, default=1, metavar="N",
-                   help="the directory is sharded N ways by chain root (docs/sharding.md; default 1)")
-    d.add_argument("--shard", type=int, default=0, metavar="I",
-                   help="this process serves shard I of N, with its own --state or --etcd-prefix (default 0)")
+                   help="the directory is sharded N ways by chain root (docs/sharding.md; default 1). Without "
+                        "--shard, serve every shard: one child process per shard, shard I with state "
+                        "STATE/shard-I, etcd prefix PREFIX-sI, port PORT+I (any free one if PORT is 0), "
+                        "events FILE-I, all stopped together; the ready file lists each shard's port")
+    d.add_argument("--shard", type=int, default=None, metavar="I",
+                   help="serve only shard I of N, with its own --state or --etcd-prefix")
     d.set_defaults(func=cmd_serve_directory)
 
     n = ssub.add_parser("node", help="a cache node with storage tiers")
@@ -85,16 +88,103 @@ def cmd_serve_directory(args: argparse.Namespace) -> int:
     from kvcc.reference import serve
 
     serve.configure_logging(args.verbose)
+    if args.shard is None and args.shards > 1:
+        return _serve_every_shard(args)
     try:
         config = serve.ClusterConfig.load(args.config)
         return serve.run(serve.serve_directory(
             config, state=args.state, host=args.host, port=args.port, backend=args.backend,
             etcd_endpoints=args.etcd_endpoints, etcd_prefix=args.etcd_prefix, events=args.events,
             ready_file=args.ready_file, metrics_host=args.metrics_host, metrics_port=args.metrics_port,
-            shard=args.shard, shards=args.shards))  # fmt: skip
+            shard=args.shard or 0, shards=args.shards))  # fmt: skip
     except serve.ConfigError as e:
         print(f"kvcc serve directory: {e}", file=sys.stderr)
         return 2
+
+
+SHARD_START_TIMEOUT_S = 60.0
+
+
+def _shard_file(path: str, i: int) -> str:
+    """``events.ndjson`` -> ``events-<i>.ndjson``: shard ``i``'s file beside the one named."""
+    p = Path(path)
+    return str(p.with_name(f"{p.stem}-{i}{p.suffix}"))
+
+
+def _exit_status(returncode: int | None) -> int:
+    """A shard's exit status as this process's: its own if it exited non-zero, 1 otherwise (killed,
+    or ended while it should have served)."""
+    return returncode if returncode is not None and returncode > 0 else 1
+
+
+def _serve_every_shard(args: argparse.Namespace) -> int:
+    """``kvcc serve directory --shards N`` without ``--shard``: each shard a child process of its
+    own (a shard is a whole directory: its own log, port, lease ids and event log), started
+    side by side, this process writing the ready file once every shard serves (``port``: shard
+    0's; ``shards``: each one's ``port``, ``pid``, ...) and stopping them all on SIGINT or SIGTERM.
+    A shard that exits on its own stops the others, and the exit status is its own (2: a log
+    of another shard or shard count, ``serve_directory``)."""
+    import json
+    import os
+    import shutil
+    import signal
+
+    from kvcc.reference import procs, serve
+
+    n = args.shards
+    if args.port and not 0 < args.port + n - 1 <= 65535:
+        print(f"kvcc serve directory: --port {args.port} leaves no room for {n} shards' ports", file=sys.stderr)
+        return 2
+    stop: list[int] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, _frame: stop.append(signum))
+    run_dir = Path(tempfile.mkdtemp(prefix="kvcc-shards-"))
+    children: list[Any] = []
+    rc = 0
+    try:
+        for i in range(n):
+            argv = [sys.executable, "-m", "kvcc", "serve", "directory", "--config", str(args.config),
+                    "--state", str(args.state / f"shard-{i}"), "--backend", args.backend,
+                    "--etcd-prefix", f"{args.etcd_prefix}-s{i}", "--shard", str(i), "--shards", str(n),
+                    "--host", args.host, "--port", str(args.port + i if args.port else 0),
+                    "--ready-file", str(run_dir / f"shard-{i}.json"), "--metrics-host", args.metrics_host]  # fmt: skip
+            if args.etcd_endpoints:
+                argv += ["--etcd-endpoints", args.etcd_endpoints]
+            if args.events:
+                argv += ["--events", _shard_file(args.events, i)]
+            if args.metrics_port is not None:
+                argv += ["--metrics-port", str(args.metrics_port + i if args.metrics_port else 0)]
+            if args.verbose:
+                argv.append("--verbose")
+            children.append(procs.spawn(argv, sys.stderr.buffer, env=dict(os.environ), die_with_parent=True))
+        infos: list[dict[str, Any]] = []
+        deadline = time.monotonic() + SHARD_START_TIMEOUT_S
+        for i, child in enumerate(children):
+            ready = run_dir / f"shard-{i}.json"
+            while not ready.exists():
+                if child.poll() is not None or stop or time.monotonic() > deadline:
+                    why = (f"exited {child.returncode}" if child.poll() is not None
+                           else "stopped" if stop else f"not serving within {SHARD_START_TIMEOUT_S:.0f} s")  # fmt: skip
+                    print(f"kvcc serve directory: shard {i} of {n} {why}", file=sys.stderr)
+                    return 0 if stop and child.poll() is None else _exit_status(child.returncode)
+                time.sleep(0.05)
+            infos.append({"shard": i, **json.loads(ready.read_text())})
+        serve.write_ready(args.ready_file, port=infos[0]["port"], shards=infos)
+        print(f"kvcc serve directory: {n} shards on " + ", ".join(f"{args.host}:{x['port']}" for x in infos),
+              file=sys.stderr, flush=True)  # fmt: skip
+        while not stop:
+            dead = next((i for i, c in enumerate(children) if c.poll() is not None), None)
+            if dead is not None:
+                print(f"kvcc serve directory: shard {dead} of {n} exited {children[dead].returncode}; stopping "
+                      "the others", file=sys.stderr)  # fmt: skip
+                rc = _exit_status(children[dead].returncode)
+                break
+            time.sleep(0.2)
+        return rc
+    finally:
+        for child in children:
+            procs.stop_process(child, grace_s=10.0)
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def cmd_serve_node(args: argparse.Namespace) -> int:

@@ -10,13 +10,17 @@ with a clear error before it changes anything.
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
-from kvcc.reference.client import Refused
-from kvcc.reference.cluster import LocalCluster
+from kvcc.reference.client import Refused, SyncClient
+from kvcc.reference.cluster import ENGINE_TENANT, LocalCluster
 from kvcc.reference.wire import Committed
 from kvcc.spec.keys import Namespace, chain_keys, shard_of
 from kvcc.spec.vocabulary import REASON_WRONG_SHARD
@@ -104,3 +108,66 @@ def test_a_log_of_the_one_directory_is_not_served_as_a_shard(tmp_path):
         lease = c.acquire(NS, chain[0])
         assert not isinstance(lease, Refused) and c.read(lease) == b"x"
         c.release(lease)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is gone too
+        return f.read().split(") ", 1)[1][0] != "Z"
+
+
+def _wait_for(check, what: str, timeout_s: float = 60.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        out = check()
+        if out:
+            return out
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_serve_directory_with_shards_and_no_shard_serves_every_shard_and_stops_them_together(tmp_path):
+    """``kvcc serve directory --shards 2`` (no ``--shard``): one process per shard, each its own
+    state, port and event log, each refusing the other's roots; SIGTERM stops both; a shard that
+    dies stops the other, and the command's exit status says so."""
+    cluster = LocalCluster(tmp_path / "c", nodes=1, namespaces=[NS])  # only for its deployment file
+    cluster.workdir.mkdir(parents=True)
+    cluster.config_path.write_text(json.dumps(cluster.config))
+    ready = tmp_path / "ready.json"
+    argv = [sys.executable, "-m", "kvcc", "serve", "directory", "--config", str(cluster.config_path),
+            "--state", str(tmp_path / "state"), "--shards", "2", "--ready-file", str(ready),
+            "--events", str(tmp_path / "events.ndjson")]  # fmt: skip
+
+    for ending in ("sigterm", "a shard dies"):
+        ready.unlink(missing_ok=True)
+        sup = subprocess.Popen(argv, env=cluster._env(), stderr=subprocess.PIPE, text=True)
+        try:
+            info = _wait_for(lambda: ready.exists() and json.loads(ready.read_text()), "every shard serving")
+            shards = info["shards"]
+            assert [s["shard"] for s in shards] == [0, 1] and info["port"] == shards[0]["port"]
+            for i, s in enumerate(shards):
+                c = SyncClient(("127.0.0.1", s["port"]), ENGINE_TENANT, cluster.engine_token, client_id=f"c{i}",
+                               skew_ms=100)  # fmt: skip
+                try:
+                    [theirs] = roots(1 - i, 2, 1)
+                    assert c.begin_write(NS, theirs[0], None) == Refused(REASON_WRONG_SHARD, ""), f"shard {i}"
+                finally:
+                    c.close()
+                assert (tmp_path / "state" / f"shard-{i}").is_dir()
+                assert (tmp_path / f"events-{i}.ndjson").is_file()
+            if ending == "sigterm":
+                sup.send_signal(signal.SIGTERM)
+                assert sup.wait(60) == 0
+            else:
+                os.kill(shards[1]["pid"], signal.SIGKILL)
+                assert sup.wait(60) == 1
+                assert "shard 1 of 2 exited" in sup.stderr.read()
+            for s in shards:
+                _wait_for(lambda: not _alive(s["pid"]), f"shard {s['shard']} to exit", 30)
+        finally:
+            if sup.poll() is None:
+                sup.kill()
+                sup.wait(30)
