@@ -131,11 +131,14 @@ frontier of possible states, time as intervals) over the same transitions the ch
 6. **Sharded directories** (``docs/sharding.md``). A trace in which several processes log
    directory events (``"directory-0"``, ``"directory-1"``, ...: one per shard, each with its own
    incarnations) is N independent directories over disjoint keys sharing the nodes. A key
-   belongs to the process that logs its first directory step (``_Roles.key_directory``; a
-   ``wrong_shard`` refusal is no step of the owner, and is replayed as the request's loss); a
-   directory step of it logged by another is REJECTED (``key_in_two_shards``: a chain lives in
-   its root's shard, and a child granted in a shard that does not hold its parent is
-   ``parent_not_committed`` there). Each shard has its own shadow, in its own log order (chains,
+   belongs to the process that logs its first directory step other than a refusal of a lease
+   (``_Roles.key_directory``; a key only ever refused belongs to the first process that refused
+   it); a directory step of it logged by another is REJECTED (``key_in_two_shards``: a chain
+   lives in its root's shard, and a child granted in a shard that does not hold its parent is
+   ``parent_not_committed`` there), except a refusal of a read or write lease, which a shard
+   holding no record of the key gives a client that asked it before the key existed where it
+   does (a ``wrong_shard``, or a child under a parent no shard held yet): such a refusal changes
+   nothing of the key in any shard, and is replayed as the request's loss (``_foreign``). Each shard has its own shadow, in its own log order (chains,
    cascades, eviction order); lease ids are checked across all of them (the shards hand out
    disjoint ids). The failure events a directory logs -- ``restart_directory``,
    ``declare_node_down``, ``restart_node`` (a node's rejoin, as that shard took it) -- and its
@@ -325,6 +328,12 @@ _KEYED_DIRECTORY_EVENTS = DIRECTORY_EVENTS - FAILURE_EVENTS - {"invalidate_names
 def _owns(name: str, ev: dict) -> bool:
     """Whether the directory event ``ev`` (named ``name``) is a step of the shard that owns its key."""
     return name in _KEYED_DIRECTORY_EVENTS and not (name == "refuse_write_lease" and ev.get("result") == REASON_WRONG_SHARD)
+
+
+# A refusal of a lease: the one step of a key a shard that holds no record of it may take (a
+# client that asked there before the key existed where it does), so it names no owner unless no
+# other step of the key does, and from another shard than the owner it is the request's loss.
+_LEASE_REFUSALS = frozenset({"refuse_read_lease", "refuse_write_lease"})
 
 REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
     "acquire": ("key",),
@@ -808,6 +817,7 @@ class _Roles:
         raw_nodes: dict[str, None] = {}  # in order of first appearance, before aliasing
         directories: dict[str, int] = {}  # directory process -> its number, in order of first event
         key_directory: dict[str, int] = {}  # key -> the directory process that logged its first step
+        key_refuser: dict[str, int] = {}  # key -> the first directory process that refused it a lease
         seen: dict[str, None] = {}
         logged_by: dict[str, str] = {}  # location -> the first process logging its data plane
         for ev in events:
@@ -825,7 +835,10 @@ class _Roles:
                 if _owns(name, ev):
                     k = ev.get("key")
                     if k is not None and k not in key_directory:
-                        key_directory[k] = d
+                        if name not in _LEASE_REFUSALS:
+                            key_directory[k] = d
+                        else:
+                            key_refuser.setdefault(k, d)
             for f in ("holder", "writer", "rejoined", "down"):
                 v = ev.get(f)
                 if isinstance(v, str) and v:
@@ -871,6 +884,8 @@ class _Roles:
         # The processes that log directory steps: one for a directory, one per shard for a sharded
         # one (``"directory-<i>"``); each key's steps must all come from one of them (its shard).
         self.directories = directories
+        for k, d in key_refuser.items():  # a key only ever refused: the first refuser's
+            key_directory.setdefault(k, d)
         self.key_directory = key_directory
         # Locations: given, else hosted by the spec node that logs its data-plane events, else by
         # the node of the same name, else the shared pool.
@@ -960,7 +975,7 @@ def _event_signature(pe: _PEvent) -> tuple:
         hash(values)
     except TypeError:  # a list ("lost") or another unhashable value: as JSON text
         values = tuple(json.dumps(v, sort_keys=True, default=str) if isinstance(v, (list, dict)) else v for v in values)
-    return (pe.mode,) + values
+    return (pe.mode, "_foreign" in pe.ev) + values  # a foreign refusal is matched apart (``_foreign``)
 
 
 class _InvariantReads:
@@ -1292,7 +1307,7 @@ class _Replay:
                 b = self._check(pe, lab, p, s, s2, binding, bound)
                 if b is not None:
                     out.append((s2, b, lab, p, s))
-        if name in ("refuse_read_lease", "refuse_write_lease") and ev.get("result") in _DROPPING_REFUSALS[name]:
+        if name in _LEASE_REFUSALS and (ev.get("result") in _DROPPING_REFUSALS[name] or ev.get("_foreign")):
             # A refusal for a reason outside the one-key model (tenant, parent; for a write, a key
             # named under another parent than its own (``key_identity``), a root written to a
             # shard that does not own its chain (``wrong_shard``, docs/sharding.md), or no
@@ -2169,6 +2184,7 @@ def _validate(events: Sequence[dict], params: TraceParams) -> Verdict:
     failure_names: list[str] = []  # and their event names
     failure_scopes: list[int] = []  # and the directory whose keys each applies to (-1: every key)
     cascades: set[int] = set()  # indices of invalidations in more than one projection
+    foreign: set[int] = set()  # indices of lease refusals by a shard that does not own the key
     requests: dict[tuple[str, str], int] = {}
     # Each key's own events in model terms, hashed: keys alike (a workload repeated on fresh keys)
     # replay alike, so only their replays memoise matches across projections (``_matched``; a
@@ -2212,7 +2228,9 @@ def _validate(events: Sequence[dict], params: TraceParams) -> Verdict:
         if name in DIRECTORY_EVENTS:
             if sharded:
                 scope = directory_of[ev["node"]]
-                if own is not None and key_directory.get(own, 0) != scope and _owns(name, ev):
+                if own is not None and key_directory.get(own, 0) != scope and _owns(name, ev) and name in _LEASE_REFUSALS:
+                    foreign.add(i)  # a shard with no record of the key refused it: replayed as the request's loss
+                elif own is not None and key_directory.get(own, 0) != scope and _owns(name, ev):
                     first = next(d for d, n in directory_of.items() if n == key_directory[own])
                     raise _reject(i, ev, "key_in_two_shards", (
                         f"event {i} ({name}): key {own[:16]}… has directory steps logged by {first!r} and by "
@@ -2267,6 +2285,8 @@ def _validate(events: Sequence[dict], params: TraceParams) -> Verdict:
             ev = events[i]
             if mode == _GLOBAL_CASCADE:
                 ev = dict(ev, _cascade=True)
+            elif i in foreign:
+                ev = dict(ev, _foreign=True)
             wall = shapes.wall(ev)
             lo, hi = _interval(wall, w0, params)
             out.append(_PEvent(i, ev, _MODE_NAMES[mode], lo, hi, wall, ev["t_local_ns"]))

@@ -88,6 +88,10 @@ def cmd_serve_directory(args: argparse.Namespace) -> int:
     from kvcc.reference import serve
 
     serve.configure_logging(args.verbose)
+    layout = _state_layout_problem(args)
+    if layout is not None:
+        print(f"kvcc serve directory: {layout}", file=sys.stderr)
+        return 2
     if args.shard is None and args.shards > 1:
         return _serve_every_shard(args)
     try:
@@ -109,6 +113,25 @@ def _shard_file(path: str, i: int) -> str:
     """``events.ndjson`` -> ``events-<i>.ndjson``: shard ``i``'s file beside the one named."""
     p = Path(path)
     return str(p.with_name(f"{p.stem}-{i}{p.suffix}"))
+
+
+def _state_layout_problem(args: argparse.Namespace) -> str | None:
+    """Why ``--state`` holds another layout's log than the one asked for, or None. Every shard's
+    log, served with ``--shards N`` alone, lives in ``STATE/shard-I``; the one directory's, or one
+    shard's with ``--shard I``, in ``STATE`` itself. Serving beside the other layout's log would
+    start an empty directory under nodes that hold the old one's fences and epochs (a log of
+    another shard or shard count is refused by ``serve_directory`` itself)."""
+    if args.backend != "sqlite" or not args.state.is_dir():
+        return None
+    every_shard = args.shard is None and args.shards > 1
+    if every_shard and (args.state / "directory.db").exists():
+        return (f"{args.state} holds a directory's log (directory.db): serve it with --shard I --shards N (a log "
+                f"records its shard), or give every shard's processes a new --state")  # fmt: skip
+    shard_dirs = sorted(p.name for p in args.state.glob("shard-*") if p.is_dir())
+    if not every_shard and shard_dirs:
+        return (f"{args.state} holds every shard's logs ({', '.join(shard_dirs)}): serve them with --shards N and "
+                f"no --shard")  # fmt: skip
+    return None
 
 
 def _exit_status(returncode: int | None) -> int:

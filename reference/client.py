@@ -80,6 +80,7 @@ from .wire import (
     MAX_BATCH_DATA_BYTES,
     MAX_BATCH_ITEMS,
     MAX_FRAME_BYTES,
+    MAX_LOOKUP_KEYS,
     MAX_WAIT_TICKET_MS,
     Acquire,
     Batch,
@@ -427,13 +428,19 @@ class KvccClient:
                 hits.append(PrefixHit(answer.blocks_matched, answer.locations))
         return hits
 
-    async def locate(self, ns: Namespace | bytes, keys: Sequence[BlockKey]) -> tuple[bool, ...] | None:
-        """Per key, whether the directory holds a record of it, in any namespace (``Locate``:
-        read-only, no lease); ``None``: this tenant may not use ``ns``. A sharded directory's
-        client asks every shard about a key it has not seen."""
-        reply = await self._ask(Locate(_digest(ns), tuple(keys)))
-        assert type(reply) is Located and len(reply.known) == len(keys)
-        return tuple(bool(k) for k in reply.known) if reply.authorized else None
+    async def locate(self, ns: Namespace | bytes, keys: Sequence[BlockKey]) -> tuple[int, ...] | None:
+        """Per key, whether the directory holds a record of it: 2 in ``ns``, 1 in another
+        namespace, 0 none (``Locate``: read-only, no lease); ``None``: this tenant may not use
+        ``ns``. A sharded directory's client asks every shard about a key it has not seen."""
+        digest, keys = _digest(ns), list(keys)
+        known: list[int] = []
+        for part in range(0, len(keys), MAX_LOOKUP_KEYS):
+            reply = await self._ask(Locate(digest, tuple(keys[part : part + MAX_LOOKUP_KEYS])))
+            assert type(reply) is Located and len(reply.known) == len(keys[part : part + MAX_LOOKUP_KEYS])
+            if not reply.authorized:
+                return None
+            known += reply.known
+        return tuple(known)
 
     # ------------------------------------------------------------------ read leases
 

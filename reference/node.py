@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import functools
 import logging
 import time
@@ -210,9 +211,10 @@ class CacheNode:
         self._hello_connects = [-1] * self.shards
         self._welcomed = [asyncio.Event() for _ in range(self.shards)]
         self._lost = [tuple(location_id(self.node_id, n) for n in lost)] * self.shards
-        # A sharded directory: key digest -> its shard, for every key a tier here holds that the
-        # node learned it of (``_note_shard``), with the stamp of the note (``_prune_shards``).
-        self._shards: dict[bytes, tuple[int, int]] = {}
+        # A sharded directory: tier key (``_tkey``) -> (key digest, shard), for every block a tier
+        # here holds whose key this node learned (``_note``), with the stamp of the note
+        # (``_prune_shards``): what a tier lists (its LRU order, its blocks) named again.
+        self._blocks: dict[bytes, tuple[bytes, int, int]] = {}
         self._shard_notes = 0
         # Few requests in flight per connection: each read holds its block until the reply leaves,
         # and a peer that pipelines reads and never collects them holds no more than these.
@@ -305,11 +307,9 @@ class CacheNode:
             raise ConnectionFailed(f"Hello answered with {type(reply).__name__}: {reply!r}", code="unexpected_reply")
         if reply.fence_keys:
             # A shard's Welcome names only its own keys: they are its keys here too.
-            fences = {k.digest: e for k, e in zip(reply.fence_keys, reply.fence_epochs)}
+            fences = {self._note(k.digest, shard): e for k, e in zip(reply.fence_keys, reply.fence_epochs)}
             for tier in self._locations.values():
                 await asyncio.to_thread(tier.restore_fences, fences)
-            for raw in fences:
-                self._note_shard(raw, shard)
             log.info("%s restored %d fences%s", self.node_id, len(fences),
                      f" from shard {shard}" if self.shards > 1 else "")  # fmt: skip
         self._lost[shard] = ()  # reported once (to each shard)
@@ -317,23 +317,34 @@ class CacheNode:
 
     # ------------------------------------------------------------------ keys' shards
 
-    def _note_shard(self, raw: bytes, shard: int) -> None:
-        """Key ``raw`` is shard ``shard``'s (a sharded directory only; a key never changes shard)."""
+    def _tkey(self, digest: bytes, shard: int) -> bytes:
+        """The tier key of ``digest``'s block as shard ``shard``'s. The one directory's: the
+        digest itself. A sharded directory's: a hash of the shard and the digest, so that each
+        shard's blocks are apart in every tier, the shared pool's included -- a digest is the
+        client's to choose, and a second record of it in another shard (another namespace or
+        parent, which the one directory would refuse but a shard that never saw the digest
+        grants) must never take, free, fence or serve the bytes of the first: its writes, reads,
+        frees and copies reach only its own shard's block."""
+        if self.shards == 1:
+            return digest
+        return hashlib.sha256(b"kvcc shard block\0" + shard.to_bytes(4, "big") + digest).digest()
+
+    def _note(self, digest: bytes, shard: int) -> bytes:
+        """Remember that ``digest``'s block is shard ``shard``'s here; its tier key."""
+        tkey = self._tkey(digest, shard)
         if self.shards > 1:
             self._shard_notes += 1
-            self._shards[raw] = (shard, self._shard_notes)
+            self._blocks[tkey] = (digest, shard, self._shard_notes)
+        return tkey
 
-    def _shard_of(self, raw: bytes) -> int | None:
-        """The shard of key ``raw``, or None where this node never learned it."""
+    def _known(self, tkey: bytes) -> tuple[bytes, int] | None:
+        """The key digest and shard of the block a tier holds as ``tkey``, or None where this node
+        never learned them (a pool block another node wrote, a recovered block no shard's
+        Welcome named)."""
         if self.shards == 1:
-            return 0
-        entry = self._shards.get(raw)
-        return None if entry is None else entry[0]
-
-    def _other_shard(self, raw: bytes, lease: int) -> bool:
-        """Whether key ``raw`` is known here as another shard's than the one that granted ``lease``."""
-        shard = self._shard_of(raw)
-        return shard is not None and shard != lease % self.shards
+            return tkey, 0
+        entry = self._blocks.get(tkey)
+        return None if entry is None else entry[:2]
 
     async def _prune_shards(self) -> None:
         """Forget the shards of keys no tier here holds any more (freed, evicted, moved): the map
@@ -342,8 +353,8 @@ class CacheNode:
         mark = self._shard_notes
         tiers = list(self._locations.values())
         held = await asyncio.to_thread(lambda: set().union(*(t.keys() for t in tiers)))
-        for raw in [r for r, (_, stamp) in self._shards.items() if stamp <= mark and r not in held]:
-            del self._shards[raw]
+        for tkey in [t for t, (_, _, stamp) in self._blocks.items() if stamp <= mark and t not in held]:
+            del self._blocks[tkey]
 
     async def _to_shard(self, shard: int, msg: Any) -> Any:
         """``msg`` to shard ``shard`` of the directory (to the directory when it is not sharded)."""
@@ -414,8 +425,9 @@ class CacheNode:
         if tier is None:
             log.warning("%s: Free for a location it does not serve: %s", self.node_id, msg.location)
             return  # not acknowledged: the directory tries again (the pool: maybe another node)
-        async with self._one_key(msg.key.digest):  # never between a copy's read of its source and its log
-            outcome = await asyncio.to_thread(tier.free, msg.key.digest, msg.epoch)
+        tkey = self._tkey(msg.key.digest, shard)  # only the pushing shard's block
+        async with self._one_key(tkey):  # never between a copy's read of its source and its log
+            outcome = await asyncio.to_thread(tier.free, tkey, msg.epoch)
             if isinstance(outcome, TierFenced):
                 self._emit("fence_stale_free", msg.key, epoch=msg.epoch, result=REASON_FENCED, location=msg.location,
                            fence=outcome.fence)  # fmt: skip
@@ -449,21 +461,22 @@ class CacheNode:
                 del self._key_locks[key]
 
     async def _copy(self, msg: Copy, shard: int = 0) -> None:
-        async with self._one_key(msg.key.digest):
-            copied = await self._copy_one(msg)
+        tkey = self._tkey(msg.key.digest, shard)  # the shard that pushed the Copy owns the key
+        async with self._one_key(tkey):
+            copied = await self._copy_one(msg, tkey)
             if copied:
-                self._note_shard(msg.key.digest, shard)  # the shard that pushed the Copy owns the key
+                self._note(msg.key.digest, shard)
         if copied:
             with contextlib.suppress(ConnectionFailed, TimeoutError_):
                 await self._to_shard(shard, Copied(msg.location, msg.key, msg.epoch))  # on the link it came on
 
-    async def _copy_one(self, msg: Copy) -> bool:
+    async def _copy_one(self, msg: Copy, tkey: bytes) -> bool:
         dest, src = self._tier(msg.location), self._tier(msg.source)
         reason = None
         if dest is None or src is None:
             reason = "not_local"  # transfers run between tiers of one node (and its pool)
         else:
-            data = await asyncio.to_thread(src.read, msg.key.digest, msg.gen)
+            data = await asyncio.to_thread(src.read, tkey, msg.gen)
             if data is None:
                 reason = REASON_MISS
             elif not dest.fits(len(data)):
@@ -471,7 +484,7 @@ class CacheNode:
             else:
                 if self.counts is not None:
                     self.counts.read_bytes[msg.source] += len(data)
-                outcome = await self._store(dest, msg.location, msg.key, msg.gen, msg.epoch, data)
+                outcome = await self._store(dest, msg.location, msg.key, msg.gen, msg.epoch, data, tkey=tkey)
                 if isinstance(outcome, TierFenced):
                     reason = REASON_FENCED
                 elif not isinstance(outcome, Stored):
@@ -551,29 +564,24 @@ class CacheNode:
         tier = self._tier(msg.location)
         if tier is None:
             return Error("not_here", f"{msg.location} is not a location of {self.node_id}")
-        if self._other_shard(msg.key.digest, msg.lease):
-            # A key lives in one shard; a grant from another names the same digest under a record
-            # of its own (a second namespace or parent, which the one directory would refuse):
-            # its bytes must never land where the key's own shard's readers read.
-            return Error(REASON_UNAUTHORIZED, f"{msg.key.hex[:16]} is shard {self._shard_of(msg.key.digest)}'s, "
-                                              f"not lease {msg.lease}'s shard")  # fmt: skip
         if not tier.fits(len(msg.data)):  # a typed refusal, before any state changes
             return Error(REASON_TOO_LARGE, f"a {len(msg.data)}-byte block does not fit {msg.location}'s slots")
+        shard = msg.lease % self.shards  # shard i grants only lease ids = i (mod N), under the grant's MAC
         outcome = await self._store(tier, msg.location, msg.key, msg.gen, msg.epoch, msg.data, writer=msg.node,
-                                    lease=msg.lease)  # fmt: skip
+                                    lease=msg.lease, tkey=self._tkey(msg.key.digest, shard))  # fmt: skip
         if isinstance(outcome, TierFenced):
             return Fenced(msg.location, msg.key, msg.epoch, outcome.fence)
         if not isinstance(outcome, Stored):
             return Error(REASON_NO_SPACE, f"{msg.location} is full of leased blocks")
-        self._note_shard(msg.key.digest, msg.lease % self.shards)  # shard i grants ids = i (mod N)
+        self._note(msg.key.digest, shard)
         return BytesStored(msg.location, msg.key, msg.gen, msg.epoch)
 
     async def _store(self, tier: Tier, location: LocationId, key: BlockKey, gen: int, epoch: int, data: Any,
-                     *, writer: str | None = None, lease: int | None = None) -> Any:  # fmt: skip
-        outcome = await asyncio.to_thread(tier.write, key.digest, gen, epoch, data)
+                     *, tkey: bytes, writer: str | None = None, lease: int | None = None) -> Any:  # fmt: skip
+        outcome = await asyncio.to_thread(tier.write, tkey, gen, epoch, data)
         if isinstance(outcome, NoSpace):
             await self._make_room(tier, location, len(data))
-            outcome = await asyncio.to_thread(tier.write, key.digest, gen, epoch, data)
+            outcome = await asyncio.to_thread(tier.write, tkey, gen, epoch, data)
         if isinstance(outcome, TierFenced):
             self.stats["fenced"] += 1
             if self.counts is not None:
@@ -595,10 +603,8 @@ class CacheNode:
         tier = self._tier(msg.location)
         if tier is None:
             return ReadRefused(msg.node, msg.key, msg.location, "not_here")
-        if self._other_shard(msg.key.digest, msg.lease):  # the bytes here are another shard's record's: a miss
-            self.stats["misses"] += 1
-            return ReadRefused(msg.node, msg.key, msg.location, REASON_MISS)
-        data, fence = await asyncio.to_thread(self._read_and_fence, tier, msg.key.digest, msg.gen)
+        shard = msg.lease % self.shards  # the granting shard's block only
+        data, fence = await asyncio.to_thread(self._read_and_fence, tier, self._tkey(msg.key.digest, shard), msg.gen)
         self.stats["reads"] += 1
         if data is None:
             self.stats["misses"] += 1
@@ -606,7 +612,7 @@ class CacheNode:
             return ReadRefused(msg.node, msg.key, msg.location, REASON_MISS)
         if self.counts is not None:
             self.counts.read_bytes[msg.location] += len(data)
-        self._note_shard(msg.key.digest, msg.lease % self.shards)  # a granted read names its shard too
+        self._note(msg.key.digest, shard)  # a granted read names its shard too
         return BytesRead(msg.location, msg.key, msg.gen, fence, data)
 
     @staticmethod
@@ -629,35 +635,42 @@ class CacheNode:
         """A client asks to evict the copy at one of our locations: the directory decides (with
         the client's tenant, so that it may only evict in its own namespaces)."""
         location = msg.location
+        tkeys = [self._tkey(msg.key.digest, s) for s in range(self.shards)]
         if location == self.node_id:  # "whichever of my tiers holds it"
             location = next((loc for loc, t in self._locations.items() if loc != POOL_LOCATION
-                             and msg.key.digest in t.keys()), None)  # fmt: skip
+                             and not set(tkeys).isdisjoint(t.keys())), None)  # fmt: skip
             if location is None:
                 return EvictRefused(msg.node, msg.key, msg.location, REASON_NOT_FOUND)
         tier = self._tier(location)
         if tier is None:
             return EvictRefused(msg.node, msg.key, msg.location, "not_here")
-        shard = self._shard_of(msg.key.digest)
-        if shard is None:
-            log.info("%s: a client's Evict of %s refused: its shard is unknown here", self.node_id, msg.key.hex[:12])
-            return EvictRefused(msg.node, msg.key, msg.location, REASON_SHARD_UNKNOWN)
+        shard = 0
+        if self.shards > 1:  # the shard whose block of this key the tier holds (exactly one)
+            held = set(tier.keys())
+            shards = [s for s, t in enumerate(tkeys) if t in held]
+            if len(shards) != 1:
+                log.info("%s: a client's Evict of %s refused: %s", self.node_id, msg.key.hex[:12],
+                         "no shard's block is here" if not shards else "several shards' blocks are here")  # fmt: skip
+                return EvictRefused(msg.node, msg.key, msg.location, REASON_SHARD_UNKNOWN)
+            shard = shards[0]
+        tkey = tkeys[shard]
         token = self.tenants.token(tenant)
         assert token is not None
         link = self._dirs[shard]
-        async with self._one_key(msg.key.digest):
-            fence = tier.fence(msg.key.digest)  # before asking: see _drop_evicted
+        async with self._one_key(tkey):
+            fence = tier.fence(tkey)  # before asking: see _drop_evicted
             async with Client(link.host, link.port, tenant, token, tls=self.tls) as dir_as_tenant:
                 reply = await dir_as_tenant.request(Evict(self.node_id, msg.key, location))
             if type(reply) is Evicted:
-                await self._drop_evicted(tier, location, msg.key, fence)
+                await self._drop_evicted(tier, location, msg.key, fence, tkey)
         return reply
 
-    async def _drop_evicted(self, tier: Tier, location: LocationId, key: BlockKey, fence: int) -> None:
+    async def _drop_evicted(self, tier: Tier, location: LocationId, key: BlockKey, fence: int, tkey: bytes) -> None:
         """Free the copy the directory let go of. ``fence`` is the key's fence read *before*
         asking: once the directory said Evicted the key is ABSENT, a new write may be granted
         here at once and land before this free runs; its higher epoch fences this free, so the
         new block stays (freeing with the fence read now would drop it)."""
-        outcome = await asyncio.to_thread(tier.free, key.digest, fence)
+        outcome = await asyncio.to_thread(tier.free, tkey, fence)
         self.stats["evicted"] += 1
         log.debug("%s evicted %s from %s: %s", self.node_id, key.hex[:12], location, type(outcome).__name__)
 
@@ -681,23 +694,24 @@ class CacheNode:
             parents &= set(lru)  # forget keys no longer here
             asked = 0
             unreachable: set[int] = set()  # shards that did not answer: their keys wait
-            for raw in sorted(lru, key=parents.__contains__):  # stable: recency order within each part
+            for tkey in sorted(lru, key=parents.__contains__):  # stable: recency order within each part
                 if tier.capacity_bytes - tier.used_bytes >= nbytes or asked >= EVICT_SCAN_MAX:
                     return
-                if raw in self._key_locks:
+                if tkey in self._key_locks:
                     continue  # being copied or evicted right now: another victim (never wait here,
                     # a copy that holds its own key may be the one making room)
-                shard = self._shard_of(raw)
-                if shard is None:
-                    log.info("%s: %s not evicted from %s: its shard is unknown here", self.node_id, raw.hex()[:12],
+                known = self._known(tkey)
+                if known is None:
+                    log.info("%s: a block not evicted from %s: its key and shard are unknown here", self.node_id,
                              location)  # fmt: skip
                     continue
+                raw, shard = known
                 if shard in unreachable:
                     continue
                 asked += 1
                 key = BlockKey(raw)
-                async with self._one_key(raw):
-                    fence = tier.fence(raw)
+                async with self._one_key(tkey):
+                    fence = tier.fence(tkey)
                     try:
                         reply = await self._to_shard(shard, Evict(self.node_id, key, location))
                     except (ConnectionFailed, TimeoutError_) as e:
@@ -708,14 +722,14 @@ class CacheNode:
                             return
                         continue
                     if type(reply) is Evicted:
-                        await self._drop_evicted(tier, location, key, fence)
-                        parents.discard(raw)
+                        await self._drop_evicted(tier, location, key, fence, tkey)
+                        parents.discard(tkey)
                     else:
                         self.stats["evict_refused"] += 1
                         if getattr(reply, "reason", None) == REASON_HAS_CHILDREN:
-                            parents.add(raw)
+                            parents.add(tkey)
                         else:
-                            parents.discard(raw)
+                            parents.discard(tkey)
 
     async def _heartbeat_loop(self, shard: int = 0) -> None:
         """Ping the directory (shard ``shard``: one loop per shard, so that a slow or paused
@@ -749,17 +763,18 @@ class CacheNode:
                 if tier.used_bytes <= self.demote_watermark * tier.capacity_bytes:
                     continue
                 gens = {b.key: b.gen for b in tier.blocks()}
-                for raw in tier.lru()[:DEMOTE_BATCH]:
-                    if raw not in gens:
+                for tkey in tier.lru()[:DEMOTE_BATCH]:
+                    if tkey not in gens:
                         continue  # freed since
-                    shard = self._shard_of(raw)
-                    if shard is None:
-                        log.info("%s: %s not demoted: its shard is unknown here", self.node_id, raw.hex()[:12])
+                    known = self._known(tkey)
+                    if known is None:
+                        log.info("%s: a block not demoted: its key and shard are unknown here", self.node_id)
                         continue
+                    raw, shard = known
                     key = BlockKey(raw)
                     source, dest = location_id(self.node_id, upper), location_id(self.node_id, lower)
                     with contextlib.suppress(ConnectionFailed, TimeoutError_):
-                        await self._to_shard(shard, Transfer(self.node_id, key, gens[raw], source, dest))
+                        await self._to_shard(shard, Transfer(self.node_id, key, gens[tkey], source, dest))
                         self.stats["demotions"] += 1
 
     def snapshot(self) -> dict[str, Any]:

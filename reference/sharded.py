@@ -134,8 +134,13 @@ class ShardedClient:
         self._remembered = remembered
 
     async def start(self) -> ShardedClient:
+        """Connect to every shard; a shard that does not answer is connected to again at its first
+        request (a client starts while a shard restarts), unless none answers."""
         try:
-            await asyncio.gather(*(c.start() for c in self.clients))
+            started = await asyncio.gather(*(c.start() for c in self.clients), return_exceptions=True)
+            failed = [r for r in started if isinstance(r, BaseException)]
+            if len(failed) == len(started) or any(not isinstance(r, Exception) for r in failed):
+                raise failed[0]
         except BaseException:
             await self.close()
             raise
@@ -187,43 +192,56 @@ class ShardedClient:
             return known
         return (await self.locate_all(ns, [key]))[0]
 
-    async def locate_all(self, ns: Namespace | bytes, keys: Sequence[BlockKey]) -> list[int | None]:
+    async def locate_all(self, ns: Namespace | bytes, keys: Sequence[BlockKey], *,
+                         partial: bool = False) -> list[int | None]:  # fmt: skip
         """``locate`` of each key: the keys not remembered asked of every shard in one ``Locate``
-        each, the shards at once. ``_Denied``: the tenant may not use ``ns``."""
+        each, the shards at once. The shard holding the key's record in ``ns`` wins over one
+        holding a record of the same digest in another namespace (another tenant may make one in
+        another shard: a digest is the client's to choose); only the former is remembered.
+        ``_Denied``: the tenant may not use ``ns``. A shard that does not answer may hold a key
+        the others do not: its failure is raised for such a key, unless ``partial`` (a write, which
+        then goes where the rule puts a key no shard holds, its root's or its parent's shard)."""
         out: list[int | None] = [self._known(k) for k in keys]
         unknown = list(dict.fromkeys(k for k, s in zip(keys, out) if s is None))
         if unknown:
-            answers = await asyncio.gather(*(c.locate(ns, unknown) for c in self.clients))
-            if any(known is None for known in answers):
+            answers = await asyncio.gather(*(c.locate(ns, unknown) for c in self.clients), return_exceptions=True)
+            failed = [a for a in answers if isinstance(a, BaseException)]
+            if len(failed) == len(answers):
+                raise failed[0]
+            if any(a is None for a in answers):
                 raise _Denied  # every shard has the same tenants: no shard would take the request
-            found: dict[BlockKey, int] = {}
+            best: dict[BlockKey, tuple[int, int]] = {}  # key -> (2: its record in ns, 1: in another; shard)
             for shard, known in enumerate(answers):
-                for key, k in zip(unknown, known):
-                    if k:
-                        found.setdefault(key, shard)
-            for key, shard in found.items():
-                self._remember(key, shard)
-            out = [found.get(k) if s is None else s for k, s in zip(keys, out)]
+                if isinstance(known, BaseException):
+                    continue
+                for key, level in zip(unknown, known):
+                    if level > best.get(key, (0, 0))[0]:
+                        best[key] = (level, shard)
+            for key, (level, shard) in best.items():
+                if level == 2:
+                    self._remember(key, shard)
+            if failed and not partial and any(best.get(k, (0, 0))[0] < 2 for k in unknown):
+                raise failed[0]
+            out = [best[k][1] if s is None and k in best else s for k, s in zip(keys, out)]
         return out
 
-    async def find(self, ns: Namespace | bytes, key: BlockKey) -> int:
-        """``locate``, else the shard that would own ``key`` were it a root (it refuses what it
-        does not hold, as the one directory would)."""
-        shard = await self.locate(ns, key)
-        return self.root_shard(key) if shard is None else shard
-
     async def _write_shard(self, ns: Namespace | bytes, key: BlockKey, parent: BlockKey | None, *,
-                           located: Any = ...) -> int:  # fmt: skip
+                           located: Any = ..., planned: dict[BlockKey, int] | None = None) -> int:  # fmt: skip
         """Where a write of ``key`` under ``parent`` is decided: where the key's record is, if
         any shard holds one (a second parent, another namespace: refused there); else a root's
-        own shard, a child's parent's. A parent no shard holds is taken for a root: its shard
-        refuses the child (``parent_not_committed``), and a child is written in its parent's
-        shard, so its later steps are there too unless that parent is itself a child."""
-        shard = await self.locate(ns, key) if located is ... else located
-        if shard is None:
-            shard = self.root_shard(key) if parent is None else await self.find(ns, parent)
-        self._remember(key, shard)
-        return shard
+        own shard, a child's parent's (``planned``: shards of blocks written earlier in the same
+        call). A parent no shard holds is taken for a root: its shard refuses the child
+        (``parent_not_committed``). Nothing is remembered here: a refused write proves nothing
+        about the key's shard (the callers remember a granted one)."""
+        shard = await self.locate_all(ns, [key], partial=True) if located is ... else [located]
+        if shard[0] is not None:
+            return shard[0]
+        if parent is None:
+            return self.root_shard(key)
+        if planned is not None and parent in planned:
+            return planned[parent]
+        [found] = await self.locate_all(ns, [parent], partial=True)
+        return self.root_shard(parent) if found is None else found
 
     # ------------------------------------------------------------------ lookups and read leases
 
@@ -289,10 +307,17 @@ class ShardedClient:
         return out
 
     async def acquire_chain(self, ns: Namespace | bytes, keys: Sequence[BlockKey]) -> tuple[list[ReadLease], Refused | None]:
-        """A chain lives in one shard: its root's (``KvccClient.acquire_chain`` there)."""
+        """A chain lives in one shard: its first key's (``KvccClient.acquire_chain`` there; the
+        first key may continue a chain below a prefix, so it is located, not taken for a root).
+        A first key no shard holds is refused here (``not_found``), sent nowhere."""
         if not keys:
             return [], None
-        shard = self._chain_shard(keys[0])
+        try:
+            shard = await self.locate(ns, keys[0])
+        except _Denied:
+            return [], _denied()
+        if shard is None:
+            return [], _nowhere(keys[0])
         leases, why = await self.clients[shard].acquire_chain(ns, keys)
         for lease in leases:
             self._remember(lease.key, shard)
@@ -333,9 +358,18 @@ class ShardedClient:
 
     # ------------------------------------------------------------------ writes
 
+    def _granted(self, keys: Sequence[BlockKey], results: Sequence[Any], shard: int) -> None:
+        """Remember the shard of each key whose write ``shard`` granted or committed."""
+        for key, result in zip(keys, results):
+            if not isinstance(result, Refused):
+                self._remember(key, shard)
+
     @_denied_one
     async def begin_write(self, ns: Namespace | bytes, key: BlockKey, parent: BlockKey | None) -> WriteLease | Refused:
-        return await self.clients[await self._write_shard(ns, key, parent)].begin_write(ns, key, parent)
+        shard = await self._write_shard(ns, key, parent)
+        wl = await self.clients[shard].begin_write(ns, key, parent)
+        self._granted([key], [wl], shard)
+        return wl
 
     async def write_bytes(self, wl: WriteLease, data: Any) -> None | Refused:
         return await self.clients[self.lease_shard(wl)].write_bytes(wl, data)
@@ -348,7 +382,10 @@ class ShardedClient:
 
     @_denied_one
     async def put(self, ns: Namespace | bytes, key: BlockKey, parent: BlockKey | None, data: Any) -> Any:
-        return await self.clients[await self._write_shard(ns, key, parent)].put(ns, key, parent, data)
+        shard = await self._write_shard(ns, key, parent)
+        out = await self.clients[shard].put(ns, key, parent, data)
+        self._granted([key], [out], shard)
+        return out
 
     @_denied_each
     async def put_chain(self, ns: Namespace | bytes, blocks: Sequence[tuple[BlockKey, BlockKey | None, Any]]) -> list[Any]:
@@ -358,17 +395,20 @@ class ShardedClient:
             return []
         key, parent, _ = blocks[0]
         shard = await self._write_shard(ns, key, parent)
-        for k, _, _ in blocks[1:]:
-            self._remember(k, shard)
-        return await self.clients[shard].put_chain(ns, blocks)
+        out = await self.clients[shard].put_chain(ns, blocks)
+        self._granted([k for k, _, _ in blocks], out, shard)
+        return out
 
     @_denied_each
     async def put_many(self, ns: Namespace | bytes, blocks: Sequence[tuple[BlockKey, BlockKey | None, Any]]) -> list[Any]:
         """``put`` of each block, one ``KvccClient.put_many`` per shard, the shards at once. A block
         whose parent is in the same call goes to its parent's shard."""
-        located = await self.locate_all(ns, [k for k, _, _ in blocks])
-        shards = [await self._write_shard(ns, key, parent, located=shard)
-                  for (key, parent, _), shard in zip(blocks, located)]  # fmt: skip
+        located = await self.locate_all(ns, [k for k, _, _ in blocks], partial=True)
+        planned: dict[BlockKey, int] = {}
+        shards: list[int] = []
+        for (key, parent, _), shard in zip(blocks, located):
+            planned[key] = await self._write_shard(ns, key, parent, located=shard, planned=planned)
+            shards.append(planned[key])
         by_shard: dict[int, list[int]] = defaultdict(list)
         for i, s in enumerate(shards):
             by_shard[s].append(i)
@@ -378,6 +418,7 @@ class ShardedClient:
         for s, results in zip(order, answers):
             for i, result in zip(by_shard[s], results):
                 out[i] = result
+            self._granted([blocks[i][0] for i in by_shard[s]], results, s)
         return out
 
     # ------------------------------------------------------------------ invalidation, eviction

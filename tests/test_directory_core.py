@@ -328,12 +328,12 @@ def test_locate_finds_any_key_held_in_any_phase_and_changes_nothing(d):
     d.begin_write(A2)
     before = dict(d.core.records)
     reply, effects = d.send(wire.Locate(NS_A, (A1, A2, A0, A1X)))
-    assert reply == wire.Located(NS_A, (1, 1, 1, 0), 1) and effects == []
-    assert d.send(wire.Locate(NS_B, (A0,)))[0].known == (1,)
+    assert reply == wire.Located(NS_A, (2, 2, 2, 0), 1) and effects == []
+    assert d.send(wire.Locate(NS_B, (A0,)))[0].known == (1,)  # held, in another namespace
     # A namespace the tenant may not use: told nothing, the session goes on.
     assert d.send(wire.Locate(NS_B, (A0, A1)), tenant="t-a")[0] == wire.Located(NS_B, (0, 0), 0)
     d.send(wire.Invalidate(NS_A, vocabulary.SCOPE_KEY, A1))
-    assert d.send(wire.Locate(NS_A, (A1,)))[0].known == (1,)  # voided, its record kept for its epoch
+    assert d.send(wire.Locate(NS_A, (A1,)))[0].known == (2,)  # voided, its record kept for its epoch
     assert set(d.core.records) == set(before)
 
 

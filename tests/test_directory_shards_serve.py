@@ -171,3 +171,15 @@ def test_serve_directory_with_shards_and_no_shard_serves_every_shard_and_stops_t
             if sup.poll() is None:
                 sup.kill()
                 sup.wait(30)
+
+    # Either layout's log is refused by the other: an empty directory beside it would serve under
+    # nodes holding the old one's fences and epochs.
+    at = argv.index("--shards")
+    one = [*argv[:at], *argv[at + 2 :], "--shard", "0", "--shards", "2"]  # one shard, on STATE itself
+    done = subprocess.run(one, capture_output=True, text=True, timeout=60, env=cluster._env())
+    assert done.returncode == 2 and "every shard's logs" in done.stderr, done.stderr[-2000:]
+    (tmp_path / "state" / "shard-0").rename(tmp_path / "elsewhere")
+    (tmp_path / "state" / "shard-1").rename(tmp_path / "elsewhere-1")
+    (tmp_path / "state" / "directory.db").touch()
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=cluster._env())
+    assert done.returncode == 2 and "holds a directory's log" in done.stderr, done.stderr[-2000:]

@@ -15,7 +15,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import re
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -24,8 +26,8 @@ from kvcc.reference.cluster import ENGINE_TENANT, ClusterError, LocalCluster
 from kvcc.reference.events import EventLog, read_events
 from kvcc.reference.node import REASON_SHARD_UNKNOWN, CacheNode
 from kvcc.reference.serve import ConfigError, parse_directories
-from kvcc.reference.tiers import DramTier
-from kvcc.reference.wire import BytesRead, BytesStored, Committed, Error, Evict, EvictRefused, Free, ReadBytes, ReadRefused, Tenants, WriteBytes
+from kvcc.reference.tiers import DramTier, SharedPoolTier
+from kvcc.reference.wire import BytesRead, BytesStored, Committed, Evict, EvictRefused, Free, ReadBytes, Tenants, WriteBytes
 from kvcc.spec.keys import Namespace, chain_keys, shard_of
 
 NS = Namespace(model_id="node-shards", model_revision="r1", kv_dtype="float16", block_tokens=4)
@@ -99,9 +101,9 @@ def test_directories_are_given_once_per_shard_in_order():
 
 
 def test_a_sharded_node_routes_each_key_to_its_shard():
-    """In process, no directory: a key's shard is learned from what put it there, and each
-    request about it goes to that shard; a key of no known shard is neither evicted on the node's
-    own say nor for a client (refused ``shard_unknown``)."""
+    """In process, no directory: a block's key and shard are learned from what put it there, and
+    each request about it goes to that shard; a block of no known key and shard is neither
+    evicted on the node's own say nor for a client (refused ``shard_unknown``)."""
     tokens = {"engine": b"e" * 32, "nodes": b"n" * 32}
     tenants = Tenants(tokens, {"engine": [NS.digest()]}, operators=frozenset({"nodes"}))
 
@@ -110,11 +112,12 @@ def test_a_sharded_node_routes_each_key_to_its_shard():
         node = CacheNode("n1", {"dram": dram}, tenants, [("127.0.0.1", 9), ("127.0.0.1", 10)], directory_tenant="nodes")
         assert node.shards == 2 and not node.directory_connected
         keys = [c[0] for c in roots(0, 2)] + [c[0] for c in roots(1, 2)]
-        for k in keys:
-            dram.write(k.digest, 1, 1, b"x" * 100)
-        node._note_shard(keys[0].digest, 0)
-        node._note_shard(keys[1].digest, 0)
-        node._note_shard(keys[2].digest, 1)  # keys[3]: never learned
+        shards = [0, 0, 1, 1]
+        tkeys = [node._tkey(k.digest, s) for k, s in zip(keys, shards)]
+        for t in tkeys:
+            dram.write(t, 1, 1, b"x" * 100)
+        for k, s in list(zip(keys, shards))[:3]:  # keys[3]: never learned
+            node._note(k.digest, s)
         sent: list = []
 
         async def to_directory(msg, shard=0):
@@ -127,46 +130,71 @@ def test_a_sharded_node_routes_each_key_to_its_shard():
         await node._make_room(dram, "n1/dram", 4096)
         assert sorted(sent, key=lambda s: keys.index(s[1])) == [("Evict", keys[0], 0), ("Evict", keys[1], 0),
                                                                    ("Evict", keys[2], 1)]  # fmt: skip
-        refused = await node._evict_for("engine", Evict("c1", keys[3], "n1/dram"))
-        assert refused == EvictRefused("c1", keys[3], "n1/dram", REASON_SHARD_UNKNOWN)
+        # A client's Evict finds the one shard whose block of the key is here; none: refused.
+        stranger = roots(1, 3)[2][0]  # a root of shard 1's that no tier holds
+        refused = await node._evict_for("engine", Evict("c1", stranger, "n1/dram"))
+        assert refused == EvictRefused("c1", stranger, "n1/dram", REASON_SHARD_UNKNOWN)
         sent.clear()
-        # A pushed Free is answered on the link it came on.
+        # A pushed Free is answered on the link it came on, and frees that shard's block only.
         node._welcomed[1].set()
         await node._after_welcome(node._free, Free("n1/dram", keys[3], 1), 1)
-        assert sent == [("Freed", keys[3], 1)] and not dram.contains(keys[3].digest, 1)
-        # Forgotten once no tier holds the key; kept while one does.
+        assert sent == [("Freed", keys[3], 1)] and not dram.contains(tkeys[3], 1)
+        # Forgotten once no tier holds the block; kept while one does.
         await node._prune_shards()
-        assert node._shard_of(keys[2].digest) == 1
-        dram.free(keys[2].digest, 1)
+        assert node._known(tkeys[2]) == (keys[2].digest, 1)
+        dram.free(tkeys[2], 1)
         await node._prune_shards()
-        assert node._shard_of(keys[2].digest) is None and node._shard_of(keys[0].digest) == 0
+        assert node._known(tkeys[2]) is None and node._known(tkeys[0]) == (keys[0].digest, 0)
         await node.close()
 
     asyncio.run(body())
 
 
-def test_a_key_of_one_shard_takes_no_bytes_and_serves_none_under_another_shards_grant():
-    """A key lives in one shard. A grant from another shard for the same digest (its own record
-    of it: a second namespace or parent that a client routing wrongly, or on purpose, got there)
-    must not overwrite the bytes the key's own shard's readers read, nor read them: refused, and
-    a miss -- never another record's bytes."""
+def test_one_digest_in_two_shards_is_two_blocks_that_never_touch():
+    """Each shard is a whole directory, and a digest is the client's to choose: a second record of
+    a key's digest in another shard (another namespace or parent, which the one directory would
+    refuse but a shard that never saw the digest grants) must never take, serve, free or fence
+    the first record's bytes. A node keeps each shard's block of a digest apart (its tier key is
+    a hash of the shard and the digest), so shard 1's write, read and free of the digest reach
+    only shard 1's block, here and in the shared pool, whichever node wrote it."""
     tokens = {"engine": b"e" * 32, "nodes": b"n" * 32}
     tenants = Tenants(tokens, {"engine": [NS.digest()]}, operators=frozenset({"nodes"}))
     key = roots(0, 1)[0][0]
+    dirs = [("127.0.0.1", 9), ("127.0.0.1", 10)]
 
-    async def body() -> None:
-        node = CacheNode("n1", {"dram": DramTier(4, 4096)}, tenants, [("127.0.0.1", 9), ("127.0.0.1", 10)],
-                         directory_tenant="nodes")  # fmt: skip
+    async def body(tmp: Path) -> None:
+        pool_dir = tmp / "pool"
+        n1 = CacheNode("n1", {"dram": DramTier(4, 4096)}, tenants, dirs, directory_tenant="nodes",
+                       pool=SharedPoolTier(pool_dir, 1 << 20))  # fmt: skip
+        n2 = CacheNode("n2", {"dram": DramTier(4, 4096)}, tenants, dirs, directory_tenant="nodes",
+                       pool=SharedPoolTier(pool_dir, 1 << 20))  # fmt: skip
         ours, theirs = b"o" * 100, b"t" * 100
-        assert isinstance(await node._write_bytes(WriteBytes("w", key, 2, "n1/dram", 0, 1, ours)), BytesStored)
-        refused = await node._write_bytes(WriteBytes("w", key, 3, "n1/dram", 0, 2, theirs))  # lease 3: shard 1's
-        assert isinstance(refused, Error) and refused.code == "unauthorized", refused
-        assert await node._read_bytes(ReadBytes("r", key, 5, "n1/dram", 0)) == ReadRefused("r", key, "n1/dram", "miss")
-        read = await node._read_bytes(ReadBytes("r", key, 4, "n1/dram", 0))
-        assert isinstance(read, BytesRead) and bytes(read.data) == ours
-        await node.close()
+        for where in ("n1/dram", "pool"):
+            other = n2 if where == "pool" else n1  # the pool: shard 1's writer comes through another node
+            # lease 2: shard 0's (ids = shard mod 2); lease 3: shard 1's, for the same digest, generation, epoch
+            assert isinstance(await n1._write_bytes(WriteBytes("w", key, 2, where, 0, 1, ours)), BytesStored)
+            assert isinstance(await other._write_bytes(WriteBytes("x", key, 3, where, 0, 1, theirs)), BytesStored)
+            for node in (n1, n2) if where == "pool" else (n1,):
+                mine = await node._read_bytes(ReadBytes("r", key, 4, where, 0))
+                assert isinstance(mine, BytesRead) and bytes(mine.data) == ours, (where, node.node_id, mine)
+                other_read = await node._read_bytes(ReadBytes("x", key, 5, where, 0))
+                assert isinstance(other_read, BytesRead) and bytes(other_read.data) == theirs
+            # Shard 1 frees its record's copy: shard 0's block stays, whole.
+            other._welcomed[1].set()
+            other._to_directory = _ignore
+            await other._after_welcome(other._free, Free(where, key, 1), 1)
+            assert (await other._read_bytes(ReadBytes("x", key, 5, where, 0))).reason == "miss"
+            mine = await n1._read_bytes(ReadBytes("r", key, 4, where, 0))
+            assert isinstance(mine, BytesRead) and bytes(mine.data) == ours, where
+        await n1.close()
+        await n2.close()
 
-    asyncio.run(body())
+    with tempfile.TemporaryDirectory() as tmp:
+        asyncio.run(body(Path(tmp)))
+
+
+async def _ignore(msg, shard=0):
+    return None
 
 
 def test_nodes_register_with_every_shard_and_serve_both_shards_chains(tmp_path):

@@ -12,7 +12,7 @@ import asyncio
 
 import pytest
 
-from kvcc.reference.client import ReadLease, Refused
+from kvcc.reference.client import KvccClient, ReadLease, Refused
 from kvcc.reference.cluster import ENGINE_TENANT, LocalCluster
 from kvcc.reference.sharded import ShardedClient
 from kvcc.reference.wire import Committed
@@ -20,6 +20,7 @@ from kvcc.spec.keys import Namespace, chain_keys, shard_of
 from kvcc.spec.vocabulary import SCOPE_KEY, SCOPE_NAMESPACE
 
 NS = Namespace(model_id="sharded-client", model_revision="r1", kv_dtype="float16", block_tokens=4)
+NS2 = Namespace(model_id="sharded-client", model_revision="r2", kv_dtype="float16", block_tokens=4)
 BLOCKS = 4
 
 
@@ -41,7 +42,7 @@ def data(key) -> bytes:
 
 @pytest.fixture
 def shards(tmp_path):
-    clusters = [LocalCluster(tmp_path / f"s{i}", nodes=1, tiers=("dram=1MiB",), namespaces=[NS], shard=(i, 2))
+    clusters = [LocalCluster(tmp_path / f"s{i}", nodes=1, tiers=("dram=1MiB",), namespaces=[NS, NS2], shard=(i, 2))
                 for i in range(2)]  # fmt: skip
     try:
         for c in clusters:
@@ -123,3 +124,61 @@ def test_a_namespace_invalidation_completes_once_every_shards_part_has(shards):
             assert [h.blocks for h in await w.lookup_many(NS, [c0, c1])] == [0, 0]
 
     asyncio.run(run())
+
+
+def test_a_refused_write_teaches_the_client_nothing_and_a_record_of_the_digest_elsewhere_hides_nothing(shards):
+    """Two ways a client could learn a wrong shard for a key, neither of which it may: a write of
+    a child under a parent no shard holds yet, refused where the parent's own hash points (the
+    parent turns out to be a child of another shard's chain); and a record another namespace
+    made of the same digest in another shard (a digest is the client's to choose). Either way a
+    later key invalidation must reach the key's own shard and void it, not complete at once
+    where the key is not."""
+    # A chain of shard 1 (its root's) whose second key's own hash points at shard 0.
+    chain = next(c for c in (chain_in(1, skip=i) for i in range(50)) if shard_of(c[1].digest, 2) == 0)
+    parent, child = chain[1], chain[2]
+
+    async def run() -> None:
+        address, tenant, token = shards[0]
+        # x: a client of shard 0 alone (as any tenant may run), which routes nothing.
+        async with client(shards) as r, client(shards) as w, KvccClient(address, tenant, token, skew_ms=100) as x:
+            early = await r.put(NS, child, parent, data(child))  # no shard holds the parent yet
+            assert isinstance(early, Refused), early
+            out = await w.put_chain(NS, [(k, p, data(k)) for k, p in zip(chain[:3], [None, *chain[:2]])])
+            assert all(isinstance(o, Committed) for o in out), out
+            ticket = await r.invalidate(NS, SCOPE_KEY, child)
+            assert [s for s, _ in ticket.parts] == [1] and ticket.keys == 1 and await r.wait(ticket, 10.0)
+            assert (await w.lookup(NS, chain[:3])).blocks == 2
+            # Another namespace's record of the parent's digest, made in shard 0 (its hash's) as a root.
+            assert isinstance(await x.put(NS2, parent, None, b"planted"), Committed)
+            async with client(shards) as fresh:
+                ticket = await fresh.invalidate(NS, SCOPE_KEY, parent)
+                assert [s for s, _ in ticket.parts] == [1] and ticket.keys == 1 and await fresh.wait(ticket, 10.0)
+            assert (await w.lookup(NS, chain[:3])).blocks == 1
+            lease = await x.acquire(NS2, parent)  # the other record, untouched, its own bytes
+            assert isinstance(lease, ReadLease) and lease.lease % 2 == 0 and await x.read(lease) == b"planted"
+            await x.release(lease)
+
+    asyncio.run(run())
+
+
+def test_one_shard_down_fails_only_what_it_might_decide(tmp_path):
+    """Shard 1's process killed: a client still starts; shard 0's roots are written and its
+    children leased by a client that never saw them; a key no answering shard holds in the
+    namespace is not refused as missing (shard 1 may hold it): the shard's failure is raised."""
+    from kvcc.reference.errors import ConnectionFailed
+
+    cluster = LocalCluster(tmp_path / "c", nodes=1, tiers=("dram=1MiB",), namespaces=[NS], shards=2)
+    with cluster:
+        w = cluster.client("w", timeout_ms=3000)
+        c0, c1, fresh0 = chain_in(0), chain_in(1), chain_in(0, skip=1)
+        for chain in (c0, c1):
+            out = w.put_chain(NS, [(k, p, data(k)) for k, p in zip(chain[:2], [None, chain[0]])])
+            assert all(isinstance(o, Committed) for o in out), out
+        cluster.kill("directory-1")
+        late = cluster.client("late", timeout_ms=3000)  # started while shard 1 is down
+        assert isinstance(late.put(NS, fresh0[0], None, data(fresh0[0])), Committed)
+        lease = late.acquire(NS, c0[1])
+        assert isinstance(lease, ReadLease) and late.read(lease) == data(c0[1])
+        late.release(lease)
+        with pytest.raises(ConnectionFailed):
+            late.acquire(NS, c1[1])

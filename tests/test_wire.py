@@ -97,7 +97,7 @@ def message_strategy(cls: type) -> st.SearchStrategy:
     if cls is wire.Located:
         return st.one_of(
             st.builds(wire.Located, namespace=FIELD_STRATEGIES["NamespaceDigest"],
-                      known=st.lists(st.integers(0, 1), max_size=6).map(tuple), authorized=st.just(1)),
+                      known=st.lists(st.integers(0, 2), max_size=6).map(tuple), authorized=st.just(1)),
             st.builds(wire.Located, namespace=FIELD_STRATEGIES["NamespaceDigest"],
                       known=st.lists(st.just(0), max_size=6).map(tuple), authorized=st.just(0)),
         )

@@ -674,13 +674,15 @@ class DirectoryCore:
             parent = key
         return tuple(owners)
 
-    def locate(self, keys: Iterable[BlockKey]) -> tuple[int, ...]:
-        """Per key, 1 if this directory holds a record of it (in any phase and namespace: a
-        record, once made, is kept for its epoch), else 0. A sharded directory's client asks
-        every shard (docs/sharding.md): a key's record is in its root's shard. Any namespace, so
-        that a request naming the key under another one reaches the shard that refuses it."""
+    def locate(self, namespace: bytes, keys: Iterable[BlockKey]) -> tuple[int, ...]:
+        """Per key, 2 if this directory holds a record of it in ``namespace``, 1 if in another
+        namespace, 0 if none (in any phase: a record, once made, is kept for its epoch). A
+        sharded directory's client asks every shard (docs/sharding.md): a key's record is in its
+        root's shard. Another namespace too, so that a request naming the key under another
+        namespace reaches the shard that refuses it; told apart, so that a record another tenant
+        made of the same digest in another shard does not hide the key's own."""
         records = self.records
-        return tuple(int(key in records) for key in keys)
+        return tuple(0 if rec is None else 2 if rec.namespace == namespace else 1 for rec in map(records.get, keys))
 
     def ticket_status(self, ticket: int) -> Ticket | None:
         """The ticket, or ``None`` for one completed so long ago it was forgotten."""
@@ -781,7 +783,8 @@ class DirectoryCore:
                 # the session: its client refuses the request itself (``unauthorized``), as any
                 # directory would.
                 ok = self._authorized(tenant, msg.namespace)
-                reply = Located(msg.namespace, self.locate(msg.keys) if ok else (0,) * len(msg.keys), int(ok))
+                known = self.locate(msg.namespace, msg.keys) if ok else (0,) * len(msg.keys)
+                reply = Located(msg.namespace, known, int(ok))
             case Invalidate():
                 reply = self._invalidate(msg, tenant, effects)
             case WaitTicket():

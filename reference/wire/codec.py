@@ -260,8 +260,8 @@ def _cross_field_problem(msg: Any) -> str | None:
         if len(msg.locations) != msg.blocks_matched:
             return f"{len(msg.locations)} locations for {msg.blocks_matched} matched blocks"
     elif type(msg) is Located:
-        if any(v > 1 for v in msg.known) or msg.authorized > 1:
-            return "known holds 0 or 1 per key, authorized 0 or 1"
+        if any(v > 2 for v in msg.known) or msg.authorized > 1:
+            return "known holds 0, 1 or 2 per key, authorized 0 or 1"
         if not msg.authorized and any(msg.known):
             return "a namespace the tenant may not use is told no key"
     elif type(msg) is Welcome:

@@ -333,10 +333,12 @@ class Locate:
 
 @frozen
 class Located:
-    """``known[i]`` is 1 if this directory holds a record of ``keys[i]`` of the ``Locate`` (in any
-    namespace), else 0. ``authorized``: 1 if the tenant may use the ``Locate``'s namespace; 0: it
-    may not, and ``known`` is all zeros (a request there is refused ``unauthorized`` by any
-    directory, the client's own answer)."""
+    """``known[i]``: 2 if this directory holds a record of ``keys[i]`` of the ``Locate`` in the
+    ``Locate``'s namespace, 1 if it holds one in another namespace, 0 if none. (A digest is the
+    client's to choose: another tenant may have made a record of it in another shard, and the
+    key's own shard is the one with its record in this namespace.) ``authorized``: 1 if the tenant
+    may use the ``Locate``'s namespace; 0: it may not, and ``known`` is all zeros (a request there
+    is refused ``unauthorized`` by any directory, the client's own answer)."""
 
     namespace: NamespaceDigest
     known: tuple[int, ...]
