@@ -311,24 +311,12 @@ class _Proc:
         self.paused = False
 
 
-_SYNC_SHARDED: Any = None
-
-
 def _sync_sharded() -> Any:
-    """``SyncClient`` over a ``ShardedClient`` (``kvcc.reference.sharded``, imported on first use):
-    the same blocking methods, one event loop thread, for a cluster's sharded directory."""
-    global _SYNC_SHARDED
-    if _SYNC_SHARDED is None:
-        from .client import SyncClient
+    """``kvcc.reference.sharded.SyncShardedClient``, imported on first use (a cluster's sharded
+    directory)."""
+    from .sharded import SyncShardedClient
 
-        class SyncShardedClient(SyncClient):
-            async def _make(self, args: tuple, kwargs: dict) -> Any:
-                from .sharded import ShardedClient
-
-                return await ShardedClient(*args, **kwargs).start()
-
-        _SYNC_SHARDED = SyncShardedClient
-    return _SYNC_SHARDED
+    return SyncShardedClient
 
 
 class LocalCluster:

@@ -178,6 +178,22 @@ class ShardedClient:
         known = self._known(first)
         return self.root_shard(first) if known is None else known
 
+    async def _per_shard(self, shards: Sequence[int | None], call: Any, out: list[Any] | None = None) -> list[Any]:
+        """Item ``i`` sent to shard ``shards[i]`` (``None``: not sent, ``out[i]`` kept): one
+        ``call(shard, indices)`` per shard, the shards at once, each answering its items in
+        order; the answers back in the items' order."""
+        out = [None] * len(shards) if out is None else out
+        by_shard: dict[int, list[int]] = defaultdict(list)
+        for i, s in enumerate(shards):
+            if s is not None:
+                by_shard[s].append(i)
+        order = list(by_shard)
+        answers = await asyncio.gather(*(call(s, by_shard[s]) for s in order))
+        for s, results in zip(order, answers):
+            for i, result in zip(by_shard[s], results):
+                out[i] = result
+        return out
+
     def lease_shard(self, lease: ReadLease | WriteLease) -> int:
         """The shard that granted ``lease``: shard ``i`` hands out only ids congruent to ``i``."""
         return lease.lease % self.n
@@ -256,18 +272,11 @@ class ShardedClient:
 
     async def lookup_many(self, ns: Namespace | bytes, chains: Sequence[Sequence[BlockKey]]) -> list[PrefixHit]:
         """``lookup`` of each chain: one round trip per shard involved, the shards at once."""
-        by_shard: dict[int, list[int]] = defaultdict(list)
-        for i, keys in enumerate(chains):
-            by_shard[self._chain_shard(keys[0]) if keys else 0].append(i)
-        shards = list(by_shard)
-        answers = await asyncio.gather(*(self.clients[s].lookup_many(ns, [chains[i] for i in by_shard[s]])
-                                         for s in shards))  # fmt: skip
-        out: list[Any] = [None] * len(chains)
-        for s, hits in zip(shards, answers):
-            for i, hit in zip(by_shard[s], hits):
-                out[i] = hit
-                for key in chains[i][: hit.blocks]:
-                    self._remember(key, s)
+        shards = [self._chain_shard(keys[0]) if keys else 0 for keys in chains]
+        out = await self._per_shard(shards, lambda s, at: self.clients[s].lookup_many(ns, [chains[i] for i in at]))
+        for keys, shard, hit in zip(chains, shards, out):
+            for key in keys[: hit.blocks]:
+                self._remember(key, shard)
         return out
 
     def lease_of(self, key: BlockKey) -> ReadLease | None:
@@ -292,19 +301,9 @@ class ShardedClient:
         """``acquire`` of each key, one ``KvccClient.acquire_many`` per shard, the shards at once."""
         keys = list(keys)
         shards = await self.locate_all(ns, keys)
-        out: list[Any] = [None] * len(keys)
-        by_shard: dict[int, list[int]] = defaultdict(list)
-        for i, s in enumerate(shards):
-            if s is None:
-                out[i] = _nowhere(keys[i])
-            else:
-                by_shard[s].append(i)
-        order = list(by_shard)
-        answers = await asyncio.gather(*(self.clients[s].acquire_many(ns, [keys[i] for i in by_shard[s]]) for s in order))
-        for s, results in zip(order, answers):
-            for i, result in zip(by_shard[s], results):
-                out[i] = result
-        return out
+        nowhere = [_nowhere(k) if s is None else None for k, s in zip(keys, shards)]
+        return await self._per_shard(shards, lambda s, at: self.clients[s].acquire_many(ns, [keys[i] for i in at]),
+                                     nowhere)  # fmt: skip
 
     async def acquire_chain(self, ns: Namespace | bytes, keys: Sequence[BlockKey]) -> tuple[list[ReadLease], Refused | None]:
         """A chain lives in one shard: its first key's (``KvccClient.acquire_chain`` there; the
@@ -342,19 +341,9 @@ class ShardedClient:
         return await self.clients[self.lease_shard(lease)].read(lease, out)
 
     async def read_many(self, leases: Sequence[ReadLease], outs: Sequence[Any] | None = None) -> list[bytes | int | Refused]:
-        by_shard: dict[int, list[int]] = defaultdict(list)
-        for i, lease in enumerate(leases):
-            by_shard[self.lease_shard(lease)].append(i)
-        order = list(by_shard)
-        answers = await asyncio.gather(*(
-            self.clients[s].read_many([leases[i] for i in by_shard[s]],
-                                      None if outs is None else [outs[i] for i in by_shard[s]])
-            for s in order))  # fmt: skip
-        out: list[Any] = [None] * len(leases)
-        for s, results in zip(order, answers):
-            for i, result in zip(by_shard[s], results):
-                out[i] = result
-        return out
+        return await self._per_shard(
+            [self.lease_shard(lease) for lease in leases],
+            lambda s, at: self.clients[s].read_many([leases[i] for i in at], None if outs is None else [outs[i] for i in at]))
 
     # ------------------------------------------------------------------ writes
 
@@ -409,16 +398,9 @@ class ShardedClient:
         for (key, parent, _), shard in zip(blocks, located):
             planned[key] = await self._write_shard(ns, key, parent, located=shard, planned=planned)
             shards.append(planned[key])
-        by_shard: dict[int, list[int]] = defaultdict(list)
-        for i, s in enumerate(shards):
-            by_shard[s].append(i)
-        order = list(by_shard)
-        answers = await asyncio.gather(*(self.clients[s].put_many(ns, [blocks[i] for i in by_shard[s]]) for s in order))
-        out: list[Any] = [None] * len(blocks)
-        for s, results in zip(order, answers):
-            for i, result in zip(by_shard[s], results):
-                out[i] = result
-            self._granted([blocks[i][0] for i in by_shard[s]], results, s)
+        out = await self._per_shard(shards, lambda s, at: self.clients[s].put_many(ns, [blocks[i] for i in at]))
+        for (key, _, _), shard, result in zip(blocks, shards, out):
+            self._granted([key], [result], shard)
         return out
 
     # ------------------------------------------------------------------ invalidation, eviction
