@@ -42,6 +42,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--jobs", type=int, default=None, help="with --mutation-score: mutants run at once (default 2)")
     p.add_argument("--limit", type=int, default=None, help="with --mutation-score: run at most N mutants, spread evenly")
     p.add_argument("--rerun", help="with --mutation-score: rerun only the survivors of this earlier full run's JSON")
+    p.add_argument("--whole-suite", action="store_true", help="with --mutation-score: run every test on every mutant "
+                   "(default: only the tests that ran the mutated function in the baseline)")
     p.add_argument("--module", action="append", help="with --mutation-score: mutate only the targets whose module "
                    "name contains this (repeatable; the score is then theirs)")
     p.set_defaults(func=cmd_conform)

@@ -490,8 +490,9 @@ class _MutantFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Serves every target module from ``sources`` (name -> (source, origin file)): the snapshot
     taken when the run started, one of them mutated. Tracebacks name the original files."""
 
-    def __init__(self, sources: dict[str, tuple[str, str]]) -> None:
+    def __init__(self, sources: dict[str, tuple[str, str]], reach: Callable[[str], None] | None = None) -> None:
         self.sources = sources
+        self.reach = reach  # with it, every function of a target names itself to it when it runs
 
     def find_spec(self, fullname, path, target=None):  # noqa: ANN001 - the importlib protocol
         if fullname not in self.sources:
@@ -504,7 +505,46 @@ class _MutantFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def exec_module(self, module) -> None:  # noqa: ANN001
         text, origin = self.sources[module.__name__]
         module.__file__ = origin
-        exec(compile(text, origin, "exec"), module.__dict__)
+        if self.reach is None:
+            exec(compile(text, origin, "exec"), module.__dict__)
+            return
+        module.__dict__[_REACHED] = self.reach
+        exec(compile(_Reach(module.__name__).visit(ast.parse(text)), origin, "exec"), module.__dict__)
+
+
+_REACHED = "__kvcc_reached__"
+
+
+class _Reach(ast.NodeTransformer):
+    """Puts ``__kvcc_reached__("<module>:<function>")`` first in every function body (after its
+    docstring), the function named as ``Mutant.function`` names it; line numbers are kept."""
+
+    def __init__(self, module: str) -> None:
+        self.module = module
+        self.stack: list[str] = []
+
+    def visit_ClassDef(self, node: ast.ClassDef) -> ast.ClassDef:
+        self.stack.append(node.name)
+        self.generic_visit(node)
+        self.stack.pop()
+        return node
+
+    def visit_FunctionDef(self, node):  # noqa: ANN001, ANN201 - FunctionDef or AsyncFunctionDef
+        self.stack.append(node.name)
+        self.generic_visit(node)
+        name = reach_name(self.module, ".".join(self.stack))
+        self.stack.pop()
+        call = ast.Expr(ast.Call(ast.Name(_REACHED, ast.Load()), [ast.Constant(name)], []))
+        first = node.body[0]
+        docstring = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str)
+        node.body.insert(1 if docstring else 0, ast.fix_missing_locations(ast.copy_location(call, first)))
+        return node
+
+    visit_AsyncFunctionDef = visit_FunctionDef
+
+
+def reach_name(module: str, function: str) -> str:
+    return f"{module}:{function}"
 
 
 class _Stop(Exception):
@@ -521,30 +561,63 @@ class RunParams:
     mutant_timeout_s: float = MUTANT_TIMEOUT_S
 
 
-def _suite_verdict(params: RunParams) -> dict[str, Any]:
+def _suite_verdict(params: RunParams, ids: Sequence[str] | None = None, given: dict[str, dict] | None = None,
+                   reached: dict[str, set[str]] | None = None) -> dict[str, Any]:
     """Run the suite on the in-process deployment as this process has it; stop at the first
-    required test that does not PASS. ``{"certified": bool, "test", "status", "message"}``."""
+    required test that does not PASS. ``{"certified": bool, "test", "status", "message"}``.
+
+    ``ids``: only these tests run (none of them an audit); every other test is taken to end as it
+    did in the baseline (``given``: test id -> its ``status`` and ``audit`` there), which is what it
+    does when it never reaches the mutated function, and the profiles' audits are counted over
+    both. ``reached``: filled with test id -> the functions of the targets that test ran
+    (``reach_name``), when the targets are instrumented (``_Reach``)."""
     from . import catalogue, runner, testing
 
     required = catalogue.required_ids(params.profiles)
+    chosen = None if ids is None else set(ids)
+    assert chosen is None or given is not None, "a selection needs the baseline's results"
     first: dict[str, Any] = {}
+    results: dict[str, dict] = {}
 
     def on(event: str, test, result) -> None:  # noqa: ANN001 - the runner's progress hook
-        if event == "done" and test.id in required and result.status != runner.PASS:
+        if event == "start" and reached is not None:
+            _REACHING[0] = reached.setdefault(test.id, set())
+        if event != "done" or (chosen is not None and test.id not in chosen):
+            return
+        results[test.id] = {"status": result.status, "audit": result.audit}
+        if test.id in required and result.status != runner.PASS:
             first.update(test=test.id, status=result.status, message=result.message[:300])
             raise _Stop
 
     try:
         rep = runner.run_conformance(testing.core_factory, params.profiles, params.seed,
                                      lease_term_ms=params.lease_term_ms, skew_ms=params.skew_ms,
-                                     time_limit_s=params.test_time_limit_s, progress=on)  # fmt: skip
+                                     time_limit_s=params.test_time_limit_s, ids=ids, progress=on)  # fmt: skip
     except _Stop:
         return {"certified": False, **first}
+    if chosen is not None:
+        assert given is not None
+        for test in catalogue.tests_for(params.profiles):
+            if not test.audit or test.id not in required:
+                continue
+            counted = [runner.TestResult(t.id, t.profile, **(results[t.id] if t.id in chosen else given[t.id]))
+                       for t in catalogue.tests_for([test.profile]) if not t.audit]  # fmt: skip
+            r = runner._audit(test, counted)
+            if r.status != runner.PASS:
+                return {"certified": False, "test": r.id, "status": r.status, "message": r.message[:300]}
+        return {"certified": True}
     if not rep.certified:
         bad = rep.required_failures()
         r = bad[0] if bad else None
         return {"certified": False, "test": r and r.id, "status": r and r.status, "message": r and r.message[:300]}
-    return {"certified": True}
+    return {"certified": True, "results": results}
+
+
+_REACHING: list[set[str]] = [set()]  # where the instrumented targets record: the running test's set
+
+
+def _reach(name: str) -> None:
+    _REACHING[0].add(name)
 
 
 def _run_forked(job: dict[str, Any], timeout_s: float, snapshot: dict[str, tuple[str, str]]) -> dict[str, Any]:
@@ -563,8 +636,11 @@ def _run_forked(job: dict[str, Any], timeout_s: float, snapshot: dict[str, tuple
                 compile(job["source"], job["origin"], "exec")  # a splice that does not parse is no mutant
                 sources[job["module"]] = (job["source"], job["origin"])
             assert not [m for m in sources if m in sys.modules], "a target was imported before its snapshot"
-            sys.meta_path.insert(0, _MutantFinder(sources))
-            verdict = _suite_verdict(params)
+            reached: dict[str, set[str]] | None = {} if job.get("reach") else None
+            sys.meta_path.insert(0, _MutantFinder(sources, _reach if reached is not None else None))
+            verdict = _suite_verdict(params, job.get("ids"), job.get("given"), reached)
+            if reached is not None:
+                verdict["reached"] = {t: sorted(names) for t, names in reached.items()}
         except SyntaxError as e:
             verdict = {"certified": False, "test": None, "status": "INVALID", "message": f"SyntaxError: {e}"[:300]}
         except BaseException as e:  # noqa: BLE001 - a mutant that breaks the import or the runner is killed
@@ -653,6 +729,7 @@ class Outcome:
     status: str | None
     message: str
     duration_s: float
+    extra: dict = field(factory=dict, eq=False, repr=False)  # a baseline's ``reached`` and ``results``
 
 
 def run_all(
@@ -660,13 +737,17 @@ def run_all(
     params: RunParams,
     jobs: int = DEFAULT_JOBS,
     on_done: Callable[[Outcome], None] | None = None,
+    options: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, Outcome]:
     """Run each ``(key, module, source, origin)`` (module None: the unmutated deployment) in a
-    fresh process, ``jobs`` at a time."""
+    fresh process, ``jobs`` at a time. ``options``: key -> what that job adds to its run: ``ids``
+    and ``given`` (a selection, ``_suite_verdict``), ``reach`` (instrument the targets)."""
     p = {"profiles": list(params.profiles), "seed": params.seed, "lease_term_ms": params.lease_term_ms,
          "skew_ms": params.skew_ms, "test_time_limit_s": params.test_time_limit_s,
          "mutant_timeout_s": params.mutant_timeout_s}  # fmt: skip
-    pending = [{"key": k, "module": m, "source": s, "origin": o, "params": p} for k, m, s, o in jobs_in]
+    options = options or {}
+    pending = [{"key": k, "module": m, "source": s, "origin": o, "params": p, **options.get(k, {})}
+               for k, m, s, o in jobs_in]  # fmt: skip
     pending.reverse()
     out: dict[str, Outcome] = {}
     snapshot = {t.module: (t.path().read_text(encoding="utf-8"), str(t.path())) for t in TARGETS}
@@ -692,7 +773,8 @@ def run_all(
                     zygotes[zygotes.index(z)] = z = _Zygote(snapshot)
                 z.job = None
                 o = Outcome(v["key"], not v["certified"], v.get("status") == "TIMEOUT", v.get("test"), v.get("status"),
-                            v.get("message") or "", v.get("duration_s", 0.0))  # fmt: skip
+                            v.get("message") or "", v.get("duration_s", 0.0),
+                            {k: v[k] for k in ("reached", "results") if k in v})  # fmt: skip
                 out[o.fingerprint] = o
                 if on_done:
                     on_done(o)
@@ -739,6 +821,7 @@ def mutation_score(
     progress: Callable[[str, int, int, Outcome], None] | None = None,
     previous: dict[str, Any] | None = None,
     confirm_kills: bool = True,
+    select: bool = True,
 ) -> dict[str, Any]:
     """Generate the mutants, run the baseline and every (selected) mutant; the score as a dict.
 
@@ -758,7 +841,42 @@ def mutation_score(
     eq = load_equivalents() if equivalents is None else equivalents
     origins = {m: _origin(m) for m in {m.module for m in chosen}}
     sources = {m: Path(origin).read_bytes() for m, origin in origins.items()}
-    base = run_all([("baseline", None, None, None)], params, 1)["baseline"]
+    # The baseline, twice, its targets instrumented: which test runs which function (the union of
+    # the two runs, so that a path taken only now and then is not missed).
+    bases = run_all([("baseline", None, None, None), ("baseline-2", None, None, None)], params, jobs,
+                    options={"baseline": {"reach": True}, "baseline-2": {"reach": True}})  # fmt: skip
+    base = bases["baseline"] if bases["baseline"].killed or not bases["baseline-2"].killed else bases["baseline-2"]
+    reached: dict[str, set[str]] = {}
+    for b in bases.values():
+        for test_id, names in b.extra.get("reached", {}).items():
+            reached.setdefault(test_id, set()).update(names)
+    given = bases["baseline"].extra.get("results", {})
+    options: dict[str, dict[str, Any]] = {}
+    selection: dict[str, Any] = {"by_reach": select}
+    if select and not base.killed:
+        # Sound only if a test's verdict does not depend on which tests ran before it in the
+        # process: check it on the unmutated deployment, each half of the tests alone.
+        from . import catalogue
+
+        order = [t for t in given if t in reached and not catalogue.BY_ID[t].audit]
+        halves = {"half-1": order[0::2], "half-2": order[1::2]} if order else {}
+        checks = run_all([(k, None, None, None) for k in halves], params, jobs,
+                         options={k: {"ids": ids, "given": given} for k, ids in halves.items()})  # fmt: skip
+        if not order:
+            checks = {"reach": Outcome("reach", True, False, None, "NONE", "the baseline ran no test", 0.0)}
+        broken = {k: f"{o.test} {o.status}: {o.message[:200]}" for k, o in checks.items() if o.killed}
+        selection["halves_certified"] = not broken
+        if broken:
+            selection.update(by_reach=False, why=f"the unmutated deployment fails with a selection: {broken}")
+        else:
+            for m in chosen:
+                name = reach_name(m.module, m.function)
+                ids = [t for t in order if name in reached[t]]
+                if ids:  # reached by no test in either baseline run: the whole suite runs
+                    options[m.fingerprint] = {"ids": ids, "given": given}
+            sizes = [len(options[m.fingerprint]["ids"]) if m.fingerprint in options else len(order) for m in chosen]
+            selection.update(tests=len(order), mean_tests_run=round(sum(sizes) / max(1, len(sizes)), 1),
+                             reached_by_no_test=sum(m.fingerprint not in options for m in chosen))  # fmt: skip
     result: dict[str, Any] = {
         "params": {"profiles": list(params.profiles), "seed": params.seed, "lease_term_ms": params.lease_term_ms,
                    "skew_ms": params.skew_ms, "test_time_limit_s": params.test_time_limit_s,
@@ -766,6 +884,7 @@ def mutation_score(
         "baseline": {"certified": not base.killed, "test": base.test, "status": base.status, "message": base.message,
                      "duration_s": base.duration_s},
         "generated": len(every),
+        "selection": selection,
     }  # fmt: skip
     if base.killed:
         result.update(mutants=0, killed=0, survivors=[], equivalent=0, score=None,
@@ -799,14 +918,21 @@ def mutation_score(
             progress(by_fp[o.fingerprint].id, done[0], len(to_run), o)
 
     outcomes = run_all([(m.fingerprint, m.module, m.source(sources[m.module]), origins[m.module]) for m in to_run],
-                       params, jobs, on_done)  # fmt: skip
+                       params, jobs, on_done, options)  # fmt: skip
     unconfirmed: list[dict[str, Any]] = []
     if confirm_kills:
         # Every kill again (an INVALID splice needs no second look): a kill that does not repeat
         # was the machine's, not the suite's.
         again = [m for m in to_run if outcomes[m.fingerprint].killed and outcomes[m.fingerprint].status != "INVALID"]
+        # With a selection, the test that killed it first runs alone (any other test of the
+        # selection passed or never ran: only that one can repeat the kill quickly).
+        confirm = {}
+        for m in again:
+            o = options.get(m.fingerprint)
+            killer = outcomes[m.fingerprint].test
+            confirm[m.fingerprint] = {**o, "ids": [killer]} if o and killer in o["ids"] else (o or {})
         second = run_all([(m.fingerprint, m.module, m.source(sources[m.module]), origins[m.module]) for m in again],
-                         params, jobs)  # fmt: skip
+                         params, jobs, None, confirm)  # fmt: skip
         for m in again:
             first, o = outcomes[m.fingerprint], second[m.fingerprint]
             if not o.killed:
@@ -925,7 +1051,7 @@ def cmd_mutation_score(args: Any) -> int:
     if getattr(args, "rerun", None):
         previous = json.loads(Path(args.rerun).read_text(encoding="utf-8"))
     res = mutation_score(params, jobs=max(1, args.jobs or DEFAULT_JOBS), limit=args.limit, progress=progress,
-                         previous=previous, targets=targets)  # fmt: skip
+                         previous=previous, targets=targets, select=not getattr(args, "whole_suite", False))  # fmt: skip
     if args.json:
         print(json.dumps(res, default=str))
     else:

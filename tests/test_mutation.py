@@ -5,6 +5,7 @@ its shape."""
 
 from __future__ import annotations
 
+import ast
 import json
 
 import pytest
@@ -141,6 +142,44 @@ def test_a_killable_mutant_is_killed_and_the_reference_certifies():
     assert out["mutant"].test == "KVCC-CORE-004", out["mutant"]
 
 
+def test_the_names_the_targets_report_when_run_are_the_mutants_functions():
+    # A mutant runs only the tests whose baseline ran its function, named by _Reach as the mutator
+    # names it (nested functions and methods included): a name that differed would select nothing.
+    named: set[str] = set()
+    for t in mutation.TARGETS:
+        tree = mutation._Reach(t.module).visit(ast.parse(t.path().read_text(encoding="utf-8")))
+        named |= {n.args[0].value for n in ast.walk(tree)
+                  if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == mutation._REACHED}
+    mutants = mutation.generate()
+    assert {mutation.reach_name(m.module, m.function) for m in mutants} <= named
+
+
+def test_a_selection_runs_the_tests_that_reach_the_mutant_and_counts_the_rest_as_the_baseline():
+    params = RunParams(profiles=("core",))
+    base = mutation.run_all([("baseline", None, None, None)], params, 1, options={"baseline": {"reach": True}})["baseline"]
+    assert not base.killed, base
+    reached, given = base.extra["reached"], base.extra["results"]
+    assert "kvcc.reference.directory.core:DirectoryCore._acquire" in reached["KVCC-CORE-004"]
+    assert reached["KVCC-CORE-900"] == []  # the audit runs no deployment
+    m = _find(mutation.generate(mutation.TARGETS[:1]), "DirectoryCore._acquire", "cond-false", "reason is not None")
+    origin = mutation._origin(m.module)
+    with open(origin, "rb") as f:
+        source = m.source(f.read())
+    jobs = [("with", m.module, source, origin), ("without", m.module, source, origin), ("unmutated", None, None, None)]
+    out = mutation.run_all(jobs, params, jobs=2, options={
+        "with": {"ids": ["KVCC-CORE-004"], "given": given},
+        "without": {"ids": ["KVCC-CORE-001"], "given": given},  # its dirty read is what KVCC-CORE-004 looks for
+        "unmutated": {"ids": ["KVCC-CORE-004"], "given": given},
+    })  # fmt: skip
+    assert (out["with"].killed, out["with"].test) == (True, "KVCC-CORE-004"), out["with"]
+    assert not out["without"].killed, out["without"]
+    assert not out["unmutated"].killed, out["unmutated"]  # the audit counted over the baseline's other tests
+    # An audit short of its count kills a selection too: the baseline's results say nothing ran.
+    bare = {t: {"status": "SKIP", "audit": {}} for t in given}
+    o = mutation.run_all([("x", None, None, None)], params, 1, options={"x": {"ids": ["KVCC-CORE-004"], "given": bare}})
+    assert (o["x"].killed, o["x"].test) == (True, "KVCC-CORE-900"), o["x"]
+
+
 def test_the_command_prints_the_score_as_json(capsys):
     rc = main(["conform", "--mutation-score", "--json", "--limit", "3", "--profile", "core", "--jobs", "2"])
     out = json.loads(capsys.readouterr().out)
@@ -191,11 +230,11 @@ def test_a_kill_that_does_not_repeat_counts_as_a_survivor(monkeypatch):
     mutants = mutation.generate(mutation.TARGETS[:1])[:2]
     runs: dict[str, int] = {}
 
-    def flaky_run_all(jobs_in, params, jobs=1, on_done=None):
+    def flaky_run_all(jobs_in, params, jobs=1, on_done=None, options=None):
         out = {}
         for key, module, _source, _origin in jobs_in:
             runs[key] = runs.get(key, 0) + 1
-            if key == "baseline":
+            if module is None:  # the baselines and the checks of a selection
                 out[key] = mutation.Outcome(key, False, False, None, None, "", 0.0)
             elif key == mutants[0].fingerprint:  # killed every time: a kill
                 out[key] = mutation.Outcome(key, True, False, "KVCC-CORE-004", "FAIL", "dirty read", 0.0)
@@ -203,7 +242,7 @@ def test_a_kill_that_does_not_repeat_counts_as_a_survivor(monkeypatch):
                 killed = runs[key] == 1
                 out[key] = mutation.Outcome(key, killed, False, "KVCC-CORE-007" if killed else None,
                                             "FAIL" if killed else None, "late" if killed else "", 0.0)  # fmt: skip
-            if on_done is not None and key != "baseline":
+            if on_done is not None and module is not None:
                 on_done(out[key])
         return out
 
@@ -213,6 +252,7 @@ def test_a_kill_that_does_not_repeat_counts_as_a_survivor(monkeypatch):
     assert [u["id"] for u in res["unconfirmed_kills"]] == [mutants[1].id]
     assert res["survivors"][0]["id"] == mutants[1].id
     assert runs[mutants[0].fingerprint] == runs[mutants[1].fingerprint] == 2
+    assert res["selection"]["by_reach"] is False  # the fake baselines reached nothing: every test runs
     runs.clear()
     off = mutation.mutation_score(RunParams(profiles=("core",)), jobs=1, mutants=mutants, equivalents={},
                                   confirm_kills=False)  # fmt: skip
