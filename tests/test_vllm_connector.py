@@ -209,6 +209,30 @@ def _fresh(engine) -> None:
     assert engine.reset_prefix_cache(), "vLLM refused to clear its prefix cache"
 
 
+def test_the_saver_thread_alone_runs_at_the_lowest_priority():
+    """``save_priority: idle``: the saver yields the CPU to the engine; no other thread of the
+    engine's process may lose priority with it (Linux schedules threads, and the call names the
+    calling one)."""
+    import os
+    import threading
+
+    from kvcc.adapters.vllm.connector import lower_thread_priority
+
+    seen: dict[str, object] = {}
+
+    def saver() -> None:
+        seen["how"] = lower_thread_priority()
+        seen["policy"] = os.sched_getscheduler(0)
+        seen["nice"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    before = (os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+    t = threading.Thread(target=saver)
+    t.start()
+    t.join()
+    assert seen["how"] == "idle" and seen["policy"] == os.SCHED_IDLE, seen
+    assert (os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, threading.get_native_id())) == before
+
+
 def test_a_block_is_packed_as_k_then_v_token_major_whatever_the_kernel_stores():
     """The byte layout against vLLM's own cache-writing kernel (the one the engine's attention
     layers call, with the instruction set they use): K and V written by the kernel come out of
