@@ -603,7 +603,8 @@ _OVERWRITES = (
              "location held the old bytes, then by another -- MUST read back exactly on every node, under a higher "
              "generation each time; a write that succeeds and keeps the old bytes fails. Once invalidated again, "
              "begin_write naming another parent than the key was written under MUST be refused (`key_identity`: "
-             "a key's digest chains over its parent's).",
+             "a key's digest chains over its parent's), likewise by a node that never wrote the key (only the "
+             "directory knows its parent: a native trace MUST log that refusal).",
              "core", ("OneWriterPerGeneration", "CommittedBytesIntact", "EpochMonotonic"), "1,2,4", "overwrite_refused",
              covers={"overwrite", "caching", "trace_complete"}),
     TestCase("KVCC-INVAL-013", "Rewrites racing readers",
@@ -700,7 +701,9 @@ _CRASHED_OWNER = (
              "down: the directory MUST declare the node down and void the block within its failure-detection time "
              "(a lease term) plus the invalidation bound, so that another node's begin_write of the key is granted "
              "within a few terms while the node is still down, and the new block MUST read back exactly -- on the "
-             "writer before the node restarts, and on the restarted node after. A block owned at a shared location "
+             "writer before the node restarts, and on the restarted node after. Another node's block MUST keep being "
+             "served, exactly, throughout; the free of the voided block owed to the node MUST reach it once it is "
+             "back, within the free bound plus a term (native traces). A block owned at a shared location "
              "MUST instead keep being served, exactly, while the node is down.",
              "faults", ("CrashedOwnerWritableInTime", "CrashedOwnerDeclaredDown", "CommittedBytesIntact"),
              "4,progress", "crashed_owner_failover", faults={"kill", "restart"},

@@ -58,8 +58,10 @@ from kvcc.spec.vocabulary import (
     REASON_BUSY,
     REASON_FENCED,
     REASON_INVALIDATING,
+    REASON_KEY_IDENTITY,
     REASON_LEASE_EXPIRED,
     REASON_LEASED,
+    REASON_LOCATION_DOWN,
     REASON_MISS,
     REASON_NOT_ABSENT,
     REASON_NOT_COMMITTED,
@@ -69,6 +71,7 @@ from kvcc.spec.vocabulary import (
     REASON_STALE_EPOCH,
     REASON_UNKNOWN_LEASE,
     REASON_WRONG_GENERATION,
+    REASON_WRONG_SHARD,
     location_host,
 )
 
@@ -1124,7 +1127,9 @@ _REFUSAL_EVENTS = ("refuse_read_lease", "refuse_renewal", "refuse_write_lease", 
 _DIRECTORY_REFUSALS = {
     "acquire": ("refuse_read_lease", frozenset({REASON_NOT_COMMITTED, REASON_INVALIDATING})),
     "renew": ("refuse_renewal", frozenset({REASON_NOT_COMMITTED, REASON_INVALIDATING, REASON_NOT_OWNER})),
-    "begin_write": ("refuse_write_lease", frozenset({REASON_NOT_ABSENT, REASON_PARENT_NOT_COMMITTED})),
+    # A key's parent, a location's liveness, a key's shard: what only a directory knows.
+    "begin_write": ("refuse_write_lease", frozenset({REASON_NOT_ABSENT, REASON_PARENT_NOT_COMMITTED, REASON_KEY_IDENTITY,
+                                                     REASON_LOCATION_DOWN, REASON_WRONG_SHARD})),
     "commit": ("reject_stale_commit", frozenset({REASON_STALE_EPOCH, REASON_LEASE_EXPIRED, REASON_WRONG_GENERATION})),
 }  # fmt: skip
 

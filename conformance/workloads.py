@@ -879,14 +879,19 @@ def restarted_node(s: Session) -> None:
 def crashed_owner_failover(s: Session) -> None:
     """P4: a committed block whose owner's node is killed and stays down is given up -- the node
     declared down, the block voided -- so that another node writes the key again while the node
-    is still down; the new block reads back there, and on the node once it is back. A block owned
-    at a shared location is served on, exactly, while the node is down."""
+    is still down; the new block reads back there, and on the node once it is back, where the
+    free of the first block, owed while it was down, arrives within the free bound (native
+    traces). Another node's block is served on, exactly, throughout. A block owned at a shared
+    location is served on, exactly, while the node is down."""
+    from .oracles import unfreed_locations
+
     if len(s.nodes) < 2:
         raise _not_applicable("needs two nodes")
     w, r = s.nodes[0], s.nodes[1]
-    key = chain(s, 1)[0]
+    key, bystander = chain(s, 1)[0], chain(s, 1)[0]
     data = put(s, w, key, None)
     g = read_back(s, r, key, data, "a block about to lose its owner's node")
+    kept = put(s, r, bystander, None)
     s.fault("kill", w)
     if location_host(g.location) != w:
         read_back(s, r, key, data, f"a block owned at {g.location}, its writer's node {w} down")
@@ -900,8 +905,23 @@ def crashed_owner_failover(s: Session) -> None:
     s.check(isinstance(s.write_bytes(g2, new), Stored), "write", "write_bytes refused")
     s.check(isinstance(s.commit(g2), Committed), "write", "commit refused")
     read_back(s, r, key, new, f"a block rewritten while its first owner's node {w} was down")
+    # Declaring w down gave up w's blocks, no other node's.
+    read_back(s, r, bystander, kept, f"a block {r} wrote, after {w} was declared down")
     s.fault("restart", w)
     read_back(s, w, key, new, f"a block rewritten while {w} was down, read on {w} once it is back")
+    # The free of the first block, owed to w while it was down, reaches it once it is back (a
+    # restarted location judges it by what it holds now: ``fence_stale_free`` frees nothing).
+    caps = s.adapter.capabilities()
+    deadline = time.monotonic() + (caps.free_bound_ms + s.lease_term_ms) / 1000
+    left: list[str] = []
+    while (events := s.adapter.events()) is not None:
+        left = unfreed_locations(events, {key.hex: g.gen}, caps.frees_acknowledged)
+        if not left or time.monotonic() > deadline:
+            break
+        s.sleep_ms(s.lease_term_ms / 10)
+    s.check(not left, "DeletionReachesEverywhere",
+            f"the free of a block voided while its node {w} was down never reached it once back: {', '.join(left)}")
+    read_back(s, w, bystander, kept, f"a block {r} wrote, read on {w} once it is back")
 
 
 BODIES["crashed_owner_failover"] = crashed_owner_failover
@@ -1764,7 +1784,8 @@ def overwrite_refused(s: Session) -> None:
     written first by the node whose location held the old bytes, then by another, each MUST read
     back exactly on every node -- a store that keeps a key's first bytes (write-once, content
     addressed) fails here. Once invalidated again, a write of the key under another (committed)
-    parent MUST be refused: the key is a root (``key_identity``)."""
+    parent MUST be refused: the key is a root (``key_identity``); likewise of a key only another
+    node ever wrote."""
     w = s.nodes[0]
     other = reader(s, w)
     key, elsewhere = chain(s, 1)[0], chain(s, 1)[0]
@@ -1789,6 +1810,15 @@ def overwrite_refused(s: Session) -> None:
     s.check(isinstance(moved, Refused), "overwrite",
             f"begin_write of a root key, ABSENT again, naming a parent it was never written under answered "
             f"{moved}: a key's digest chains over its parent's (key_identity)")  # fmt: skip
+    # Likewise by a node that never wrote the key: only the directory knows the parent it had, so
+    # its refusal is the directory's, which a native trace logs (the completeness check).
+    fresh = chain(s, 1)[0]
+    put(s, w, fresh, None)
+    wait_done(s, s.invalidate(w, s.ns, "key", fresh), [fresh])
+    moved = s.begin_write(other, s.ns, fresh, elsewhere)
+    s.check(isinstance(moved, Refused), "overwrite",
+            f"begin_write by {other} of a root key written by {w}, ABSENT again, naming a parent it was never "
+            f"written under answered {moved} (key_identity)")  # fmt: skip
 
 
 BODIES["overwrite_refused"] = overwrite_refused
