@@ -729,7 +729,8 @@ _TRANSFER_RACES = (
              "transfer's own end, and once the block moved on again, a `move` under the first grant MUST be refused "
              "unless the block came back to its location, and a `move` under a grant on a generation invalidated and written again since MUST be refused (a transfer whose destination is paused as it starts MUST "
              "finish once it resumes, one whose destination on another node is killed as it starts MUST leave the block "
-             "served by its source, and a `move` under a grant whose node was killed MUST fail with AdapterError): once each invalidation completed, lookup MUST NOT count the block and no node may be "
+             "served by its source -- also when that node stays down until declared down, after which, once it is back, "
+             "a new `move` of the block MUST start and its copy become the one read -- and a `move` under a grant whose node was killed MUST fail with AdapterError): once each invalidation completed, lookup MUST NOT count the block and no node may be "
              "granted it, and within the deployment's deletion bound every location that held that generation -- "
              "the source and, wherever the copy landed, the destination -- MUST free it: a copy landing after the "
              "invalidation is fenced or freed, never kept. (Only an adapter with native events declares `move`.)",

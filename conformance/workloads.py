@@ -2340,6 +2340,32 @@ def _transfer_to_a_killed_destination(s: Session, w: str, other: str) -> None:
         read_back(s, w, key, data, f"a block whose transfer to {m.destination} lost its destination to a kill")
 
 
+def _transfer_to_a_destination_declared_down(s: Session, w: str, other: str) -> None:
+    """A transfer whose destination's node is killed as soon as it started and stays down past
+    its failure-detection time (``KVCC-FAULT-018``: a lease term), so that the directory declares
+    it down: the transfer MUST be given up -- the block served on, exactly, by its source -- and
+    once the node is back, the transfer being over, a new ``move`` of the block MUST start and
+    its copy MUST become the one read, with exactly the block's bytes."""
+    caps = s.adapter.capabilities()
+    if not {"kill", "restart"} <= caps.faults:
+        return
+    key = chain(s, 1)[0]
+    data = put(s, w, key, None)
+    m = _started_move(s, read_back(s, other, key, data, "a block about to be moved"))
+    dest = location_host(m.destination)
+    if dest not in s.nodes or dest == location_host(m.source):
+        return
+    reader_node = next((n for n in s.nodes if n != dest), w)
+    s.fault("kill", dest)
+    try:
+        s.sleep_ms(1.5 * s.lease_term_ms + 2 * s.skew_ms)  # past the detection time: declared down
+        g = read_back(s, reader_node, key, data, f"a block whose transfer's destination {m.destination} was declared down")
+    finally:
+        s.fault("restart", dest)
+    m2 = _started_move(s, g)
+    _await_moved_copy(s, m2, reader_node, key, data)
+
+
 def _no_move_from_a_killed_node(s: Session, w: str, other: str) -> None:
     """Where the adapter can kill and restart nodes: a ``move`` under a grant whose location's
     node is killed MUST raise ``AdapterError`` (the contract: the location's node is down) --
@@ -2443,6 +2469,7 @@ def invalidation_racing_transfer(s: Session) -> None:
             f"a transfer whose copy was read at its destination logged no store_copy for {key.hex[:16]}")  # fmt: skip
     _transfer_outlives_a_paused_destination(s, w, other)
     _transfer_to_a_killed_destination(s, w, other)
+    _transfer_to_a_destination_declared_down(s, w, other)
     _no_move_from_a_killed_node(s, w, other)
     _rewritten_move_refused(s, w, other)
     _freed_in_time(s, ended, after_end_ms, "a voided generation's bytes, once its invalidation completed,")
