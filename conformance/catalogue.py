@@ -373,7 +373,9 @@ _MUTATION_TESTS: tuple[TestCase, ...] = (
     TestCase("KVCC-INVAL-006", "Invalidation names the key's own namespace",
              "Invalidating a key through another namespace the tenant is authorised for MUST NOT void it: lookup "
              "MUST still count it and reads MUST return its bytes; once it is invalidated in its own namespace, "
-             "begin_write of it through the other namespace MUST be refused.",
+             "begin_write of it through the other namespace MUST be refused, and of its child named as a root "
+             "there refused `unauthorized` (or `wrong_shard` by a shard not owning that root), never `key_identity`, "
+             "which would tell the other namespace the key exists.",
              "invalidation", ("NamespaceIsolation", "NoStaleRead"), "6,11", "invalidate_other_namespace",
              namespaces=2, covers={"caching", "trace_complete"}),
     TestCase("KVCC-INVAL-007", "Invalidation while a block is only being written",

@@ -31,6 +31,7 @@ from kvcc.spec.vocabulary import (
     REASON_STALE_EPOCH,
     REASON_UNAUTHORIZED,
     REASON_UNKNOWN_LEASE,
+    REASON_WRONG_SHARD,
     location_host,
 )
 
@@ -959,6 +960,13 @@ def invalidate_other_namespace(s: Session) -> None:
     wait_done(s, s.invalidate(w, a, "key", keys[0]), keys)
     g = s.begin_write(w, b, keys[0], None)
     s.check(isinstance(g, Refused), "NamespaceIsolation", f"begin_write of an invalidated key through another namespace answered {g}")
+    # Its child, named as a root through the other namespace: refused ``unauthorized`` (or, by a
+    # shard that does not own that root, ``wrong_shard``: the contract's order), never
+    # ``key_identity``, which would tell that namespace the key exists under a parent elsewhere.
+    g = s.begin_write(w, b, keys[1], None)
+    s.check(isinstance(g, Refused) and g.reason in (REASON_UNAUTHORIZED, REASON_WRONG_SHARD), "NamespaceIsolation",
+            f"begin_write through another namespace of a key recorded in the first, naming another parent, "
+            f"answered {g} (the contract: unauthorized, before key_identity)")  # fmt: skip
 
 
 def invalidate_during_write(s: Session) -> None:
