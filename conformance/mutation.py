@@ -53,7 +53,7 @@ broken deployment, and counts how many the suite refuses to certify.
   count over both. Checked before any mutant runs: each half of the tests, run alone on the
   unmutated deployment, certifies (no test depends on one before it); otherwise, and with
   ``--whole-suite``, every mutant runs every test. A mutant of a function no baseline test ran
-  runs every test. A kill is confirmed by its killing test run alone.
+  runs every test. A kill is confirmed by its selection run again up to the killing test.
 - **Equivalents.** A survivor that no conformance test could ever tell from the reference (its
   behaviour, as an adapter, is the reference's) is recorded, with a one-line argument, in
   ``conformance/mutation_equivalents.json``; score = killed / (mutants - equivalent survivors). An
@@ -933,13 +933,14 @@ def mutation_score(
         # Every kill again (an INVALID splice needs no second look): a kill that does not repeat
         # was the machine's, not the suite's.
         again = [m for m in to_run if outcomes[m.fingerprint].killed and outcomes[m.fingerprint].status != "INVALID"]
-        # With a selection, the test that killed it first runs alone (any other test of the
-        # selection passed or never ran: only that one can repeat the kill quickly).
+        # With a selection, its tests up to the one that killed it (those after it never ran;
+        # the ones before it run too, as a kill may need what they left in the process).
         confirm = {}
         for m in again:
             o = options.get(m.fingerprint)
             killer = outcomes[m.fingerprint].test
-            confirm[m.fingerprint] = {**o, "ids": [killer]} if o and killer in o["ids"] else (o or {})
+            ids = o["ids"][: o["ids"].index(killer) + 1] if o and killer in o["ids"] else None
+            confirm[m.fingerprint] = {**o, "ids": ids} if ids else (o or {})
         second = run_all([(m.fingerprint, m.module, m.source(sources[m.module]), origins[m.module]) for m in again],
                          params, jobs, None, confirm)  # fmt: skip
         for m in again:
