@@ -705,7 +705,10 @@ _CRASHED_OWNER = (
              "within a few terms while the node is still down, and the new block MUST read back exactly -- on the "
              "writer before the node restarts, and on the restarted node after. Another node's block MUST keep being "
              "served, exactly, throughout; the free of the voided block owed to the node MUST reach it once it is "
-             "back, within the free bound plus a term (native traces). A block owned at a shared location "
+             "back, within the free bound plus a term (native traces); a block the node writes once back MUST be "
+             "served after a directory restart too. Before all this, the node killed and restarted at once MUST "
+             "NOT be declared down: a block it writes once back MUST still be served a detection time later. "
+             "A block owned at a shared location "
              "MUST instead keep being served, exactly, while the node is down.",
              "faults", ("CrashedOwnerWritableInTime", "CrashedOwnerDeclaredDown", "CommittedBytesIntact"),
              "4,progress", "crashed_owner_failover", faults={"kill", "restart"},

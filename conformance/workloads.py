@@ -889,6 +889,14 @@ def crashed_owner_failover(s: Session) -> None:
     if len(s.nodes) < 2:
         raise _not_applicable("needs two nodes")
     w, r = s.nodes[0], s.nodes[1]
+    # A node killed and back within its detection time is never declared down: a block it
+    # writes once back is still served after that time has passed.
+    early_key = chain(s, 1)[0]
+    s.fault("kill", w)
+    s.fault("restart", w)
+    early = put(s, w, early_key, None)
+    s.sleep_ms(1.5 * s.lease_term_ms + 2 * s.skew_ms)
+    read_back(s, r, early_key, early, f"a block {w} wrote once back from a kill, a detection time later")
     key, bystander = chain(s, 1)[0], chain(s, 1)[0]
     data = put(s, w, key, None)
     g = read_back(s, r, key, data, "a block about to lose its owner's node")
@@ -923,6 +931,11 @@ def crashed_owner_failover(s: Session) -> None:
     s.check(not left, "DeletionReachesEverywhere",
             f"the free of a block voided while its node {w} was down never reached it once back: {', '.join(left)}")
     read_back(s, w, bystander, kept, f"a block {r} wrote, read on {w} once it is back")
+    if "restart_directory" in caps.faults:
+        # Back is back: a directory restarted since does not take w for down again.
+        s.fault("restart_directory")
+        after = chain(s, 1)[0]
+        read_back(s, r, after, put(s, w, after, None), f"a block {w} wrote after a directory restart, once back")
 
 
 BODIES["crashed_owner_failover"] = crashed_owner_failover
