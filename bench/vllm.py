@@ -96,7 +96,7 @@ def _worker_stats(stats_path: Path, side: str = "worker") -> dict[str, int]:
 
 
 def measure(*, lengths: Sequence[int] = LENGTHS, tiers: Sequence[str] = TIERS, trials: int = DEFAULT_TRIALS,
-            seed: int = 0, directory: str | None = None, save_priority: str = "idle",
+            seed: int = 0, directory: str | None = None, save_priority: str = "normal",
             on_progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:  # fmt: skip
     from kvcc.adapters.vllm import harness
     from kvcc.adapters.vllm.connector import wait_saves_settled
@@ -256,8 +256,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"trials per figure, median reported (default {DEFAULT_TRIALS})")
     parser.add_argument("--seed", type=int, default=0, help="prompt seed (default 0)")
     parser.add_argument("--dir", metavar="PATH", help="parent of the clusters' state (default: the system temp dir)")
-    parser.add_argument("--save-priority", choices=("idle", "normal"), default="idle",
-                        help="the connector's saver thread: SCHED_IDLE (default) or the engine's own priority")
+    parser.add_argument("--save-priority", choices=("normal", "idle"), default="normal",
+                        help="the connector's saver thread: the engine's own priority (default) or SCHED_IDLE")
     parser.add_argument("--json", action="store_true", help="print one JSON object and nothing else")
 
 

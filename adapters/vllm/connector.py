@@ -16,7 +16,7 @@ served model name), ``client_id`` (default ``vllm<pid>``), ``colocated_node`` (o
 cache node this engine runs beside; its clients are then ``<node>.<client_id>-s`` and ``-w``,
 and the directory places the engine's writes on that node), ``load_hold_ms`` (fault injection,
 default 0: hold each read lease this long before reading, so that a test can stop the engine
-while it holds one), ``async_saves`` (default true; see Worker side, saves), ``save_priority`` (``idle`` or ``normal``, default ``idle``;
+while it holds one), ``async_saves`` (default true; see Worker side, saves), ``save_priority`` (``normal`` or ``idle``, default ``normal``;
 likewise), ``stats_path`` (optional; see Counting),
 ``deployment_file`` (optional; see Deployment file). The tenant must be allowed the
 engine's namespace (``engine_namespace``, plus each cache salt used).
@@ -108,10 +108,11 @@ blocks' bytes are packed out of the paged tensors before ``wait_for_save`` retur
 (``async_saves``, default true: the engine's step, and so its time to first token, does not wait
 for kvcc; a request's blocks are committed shortly after it is answered, and at most
 ``SAVE_QUEUE_MAX`` requests' saves wait, more are dropped as lost saves), or in ``wait_for_save``
-itself with ``async_saves: false``. The saver thread runs at the lowest CPU priority
-(``save_priority``: ``idle``, the default, is Linux's ``SCHED_IDLE`` for that thread alone, nice
-19 where the OS has no such class; ``normal`` keeps the engine's): a save is never urgent, and on
-cores the engine shares it waits until they are free instead of slowing the request being answered. Counters ``save_batches_queued``/``save_batches_done`` say when
+itself with ``async_saves: false``. ``save_priority: idle`` puts the saver thread alone in Linux's
+``SCHED_IDLE`` (nice 19 where the OS has no such class), so that on cores the engine shares a save
+waits for them to be free; the default, ``normal``, keeps the engine's priority: an engine that
+keeps its cores busy would starve an idle saver until its queue fills and saves are lost, and on
+two cores the measured gain was within the noise (README, TTFT through the engine). Counters ``save_batches_queued``/``save_batches_done`` say when
 every save handed over is done.
 
 **Reset.** ``POST /reset_prefix_cache?reset_external=true`` makes vLLM call the scheduler
@@ -520,7 +521,7 @@ class KvccConnector(KVConnectorBase_V1):
         self.layers, self.kv_heads, self.head_dim = block_layout(namespace.kv_layout)
         self._role_side = "s" if role == KVConnectorRole.SCHEDULER else "w"
         self._async_saves = bool(extra.get("async_saves", True))
-        self._save_priority = str(extra.get("save_priority", "idle"))
+        self._save_priority = str(extra.get("save_priority", "normal"))
         if self._save_priority not in SAVE_PRIORITIES:
             raise ValueError(f"kv_connector_extra_config save_priority must be one of {SAVE_PRIORITIES}, not {self._save_priority!r}")
         self._save_queue: queue.Queue | None = None
