@@ -712,7 +712,7 @@ _CRASHED_OWNER = (
              "MUST instead keep being served, exactly, while the node is down.",
              "faults", ("CrashedOwnerWritableInTime", "CrashedOwnerDeclaredDown", "CommittedBytesIntact"),
              "4,progress", "crashed_owner_failover", faults={"kill", "restart"},
-             covers={"caching", "trace_complete"}),
+             covers={"caching", "trace_complete", "deletion", "lease_ids"}),
 )  # fmt: skip
 _append(_CRASHED_OWNER)
 
