@@ -605,7 +605,6 @@ def _suite_verdict(params: RunParams, ids: Sequence[str] | None = None, given: d
     except _Stop:
         return {"certified": False, **first}
     if chosen is not None:
-        assert given is not None
         for test in catalogue.tests_for(params.profiles):
             if not test.audit or test.id not in required:
                 continue
@@ -854,7 +853,7 @@ def mutation_score(
     # the two runs, so that a path taken only now and then is not missed).
     bases = run_all([("baseline", None, None, None), ("baseline-2", None, None, None)], params, jobs,
                     options={"baseline": {"reach": True}, "baseline-2": {"reach": True}})  # fmt: skip
-    base = bases["baseline"] if bases["baseline"].killed or not bases["baseline-2"].killed else bases["baseline-2"]
+    base = next((b for b in bases.values() if b.killed), bases["baseline"])  # the first that failed, if one did
     reached: dict[str, set[str]] = {}
     for b in bases.values():
         for test_id, names in b.extra.get("reached", {}).items():
@@ -868,12 +867,13 @@ def mutation_score(
         from . import catalogue
 
         order = [t for t in given if t in reached and not catalogue.BY_ID[t].audit]
-        halves = {"half-1": order[0::2], "half-2": order[1::2]} if order else {}
-        checks = run_all([(k, None, None, None) for k in halves], params, jobs,
-                         options={k: {"ids": ids, "given": given} for k, ids in halves.items()})  # fmt: skip
-        if not order:
-            checks = {"reach": Outcome("reach", True, False, None, "NONE", "the baseline ran no test", 0.0)}
-        broken = {k: f"{o.test} {o.status}: {o.message[:200]}" for k, o in checks.items() if o.killed}
+        if order:
+            halves = {"half-1": order[0::2], "half-2": order[1::2]}
+            checks = run_all([(k, None, None, None) for k in halves], params, jobs,
+                             options={k: {"ids": ids, "given": given} for k, ids in halves.items()})  # fmt: skip
+            broken = {k: f"{o.test} {o.status}: {o.message[:200]}" for k, o in checks.items() if o.killed}
+        else:
+            broken = {"reach": "the baseline ran no test"}
         selection["halves_certified"] = not broken
         if broken:
             selection.update(by_reach=False, why=f"the unmutated deployment fails with a selection: {broken}")
@@ -881,7 +881,7 @@ def mutation_score(
             for m in chosen:
                 name = reach_name(m.module, m.function)
                 ids = [t for t in order if name in reached[t]]
-                if ids:  # reached by no test in either baseline run: the whole suite runs
+                if ids:  # else no baseline test ran it: the whole suite runs
                     options[m.fingerprint] = {"ids": ids, "given": given}
             sizes = [len(options[m.fingerprint]["ids"]) if m.fingerprint in options else len(order) for m in chosen]
             selection.update(tests=len(order), mean_tests_run=round(sum(sizes) / max(1, len(sizes)), 1),

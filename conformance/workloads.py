@@ -884,8 +884,6 @@ def crashed_owner_failover(s: Session) -> None:
     free of the first block, owed while it was down, arrives within the free bound (native
     traces). Another node's block is served on, exactly, throughout. A block owned at a shared
     location is served on, exactly, while the node is down."""
-    from .oracles import unfreed_locations
-
     if len(s.nodes) < 2:
         raise _not_applicable("needs two nodes")
     w, r = s.nodes[0], s.nodes[1]
@@ -921,15 +919,9 @@ def crashed_owner_failover(s: Session) -> None:
     # The free of the first block, owed to w while it was down, reaches it once it is back (a
     # restarted location judges it by what it holds now: ``fence_stale_free`` frees nothing).
     caps = s.adapter.capabilities()
-    deadline = time.monotonic() + (caps.free_bound_ms + s.lease_term_ms) / 1000
-    left: list[str] = []
-    while (events := s.adapter.events()) is not None:
-        left = unfreed_locations(events, {key.hex: g.gen}, caps.frees_acknowledged)
-        if not left or time.monotonic() > deadline:
-            break
-        s.sleep_ms(s.lease_term_ms / 10)
-    s.check(not left, "DeletionReachesEverywhere",
-            f"the free of a block voided while its node {w} was down never reached it once back: {', '.join(left)}")
+    _freed_in_time(s, {key.hex: g.gen}, caps.free_bound_ms + s.lease_term_ms,
+                   f"the free of a block voided while its node {w} was down, owed to it once back,",
+                   rule="DeletionReachesEverywhere")  # fmt: skip
     read_back(s, w, bystander, kept, f"a block {r} wrote, read on {w} once it is back")
     if "restart_directory" in caps.faults:
         # Back is back: a directory restarted since does not take w for down again.
@@ -2261,11 +2253,12 @@ def _await_moved_copy(s: Session, m: Moving, node: str, key: BlockKey, data: byt
                f"the transfer to {m.destination} did not make its copy the one read")  # fmt: skip
 
 
-def _freed_in_time(s: Session, ended: dict[str, int], within_ms: float, what: str, location: str | None = None) -> None:
+def _freed_in_time(s: Session, ended: dict[str, int], within_ms: float, what: str, location: str | None = None,
+                   rule: str = "transfer_race") -> None:
     """Every location the native trace shows holding a generation of ``ended`` (key hex ->
     generation) -- or only ``location`` -- MUST free it within ``within_ms`` (and, where the
-    adapter declares ``frees_acknowledged``, see the free settled): FAIL ``transfer_race`` with
-    ``what`` otherwise."""
+    adapter declares ``frees_acknowledged``, see the free settled): FAIL ``rule`` with ``what``
+    otherwise."""
     from .oracles import unfreed_locations
 
     caps = s.adapter.capabilities()
@@ -2275,7 +2268,7 @@ def _freed_in_time(s: Session, ended: dict[str, int], within_ms: float, what: st
                 if location is None or x.split("@", 1)[1].split(" ")[0] == location]  # fmt: skip
         if not left:
             return
-        s.check(time.monotonic() < deadline, "transfer_race",
+        s.check(time.monotonic() < deadline, rule,
                 f"{', '.join(left)}: {what} not freed (or the free never settled) within {caps.free_bound_ms} ms "
                 f"(free bound) + one term")  # fmt: skip
         s.sleep_ms(s.lease_term_ms / 10)
