@@ -443,6 +443,12 @@ def run_prove(mutant: str | None, refinement: bool = True) -> dict[str, Any]:
     return payload
 
 
+def cmd_accel(args: argparse.Namespace) -> int:
+    from kvcc import accel
+
+    return accel.run(args.action, force=args.force)
+
+
 def cmd_prove(args: argparse.Namespace) -> int:
     try:
         mutant = resolve_mutant(args.mutant) if args.mutant else None
@@ -702,6 +708,14 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
                                    "pass only if all three pass.")
     p.add_argument("--json", action="store_true", help="print one JSON object and nothing else")
     p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("accel", help="compile the spec's and the validator's hot modules, or say which are current",
+                       description="build: compile kvcc.spec.model, kvcc.spec.properties and kvcc.conformance.validate "
+                                   "with Cython into the environment (only those whose source changed; a compiled "
+                                   "module is loaded only while its source is unchanged). status: which are current.")
+    p.add_argument("action", choices=("build", "status"))
+    p.add_argument("--force", action="store_true", help="with build: compile every module")
+    p.set_defaults(func=cmd_accel)
 
     p = sub.add_parser("bench", help="benchmarks", description="Benchmarks.")
     bsub = p.add_subparsers(dest="bench", metavar="BENCHMARK", required=True)

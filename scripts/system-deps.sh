@@ -5,7 +5,9 @@
 #                                    (the [mooncake] extra; libibverbs is needed even over TCP);
 #   g++, libssl-dev           SGLang builds its page-hash extension (C++, linked with -lcrypto) the
 #                             first time a test derives page keys with SGLang's own hash;
-#   python3-venv              only where python3 cannot create a venv.
+#   python3-venv              only where python3 cannot create a venv;
+#   python3-dev               only where python3 has no headers (kvcc accel build compiles the
+#                             spec's and the validator's hot modules with Cython and g++'s gcc).
 # A no-op when everything is present. Fails loudly when something is missing and cannot be
 # installed: a test that would then be skipped is a test that did not run.
 set -euo pipefail
@@ -13,6 +15,9 @@ set -euo pipefail
 PACKAGES=(etcd-server etcd-client libibverbs1 libnuma1 libcurl4 g++ libssl-dev)
 if ! python3 -c 'import venv, ensurepip' >/dev/null 2>&1; then
     PACKAGES+=(python3-venv)
+fi
+if ! python3 -c 'import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' >/dev/null 2>&1; then
+    PACKAGES+=(python3-dev)
 fi
 
 missing=()

@@ -90,7 +90,7 @@ COST_CLASSES = {
     "unit": {"test_rules", "test_client", "test_holder", "test_keys", "test_names", "test_wire", "test_bench_tiers",
              "test_bench_directory", "test_packaging", "test_docs", "test_render", "test_layers", "test_routing",
              "test_bench_suite", "test_bench_sglang", "test_sglang_server", "test_directory_shards", "test_vllm_cuda_layout"},
-    "model": {"test_spec", "test_proofs", "test_validate", "test_validate_shards", "test_cli", "test_directory_core"},
+    "model": {"test_spec", "test_proofs", "test_validate", "test_accel", "test_validate_shards", "test_cli", "test_directory_core"},
     "suite": {"test_conformance", "test_example_adapter", "test_mutation", "test_lmcache", "test_runner_close_run"},
     "integration": {"test_cluster_cli", "test_cluster_stateful", "test_cluster_processes", "test_deletion",
                     "test_faults", "test_etcd", "test_mooncake", "test_directory_server", "test_directory_store",
