@@ -17,6 +17,10 @@ What is measured
   a read under a lease its holder has just released (``mutate_read_after_release``): it must be
   REJECTED at that read. The validator stops once no key left can be rejected earlier.
 
+- **load as source**: the load trace again with ``KVCC_ACCEL=0``: the validator's modules as Python
+  source instead of their compiled copies (``kvcc accel``, which ``scripts/setup.sh`` builds),
+  the baseline of ``speedup_of_compiled``. Each figure says which modules ran ``compiled``.
+
 Each figure: ``events``, ``seconds`` (wall), ``cpu_seconds`` (the child's own user + system
 time), ``events_per_second`` (events / wall seconds), ``events_per_cpu_second`` (events / CPU
 seconds: on a shared machine the figure least moved by what else runs) and ``peak_rss_bytes``
@@ -39,6 +43,8 @@ import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import IO, Any
+
+from kvcc.accel import MODULES
 
 TARGET_EVENTS_PER_S = 20_000
 DEFAULT_EVENTS = 1_000_000
@@ -160,6 +166,7 @@ def child_main(trace: str, lease_term_ms: int, skew_ms: int, jobs: int | None = 
     process and each worker."""
     import resource
 
+    from kvcc import accel
     from kvcc.conformance.validate import TraceParams, validate_file
 
     params = TraceParams(lease_term_ms, skew_ms, jobs=jobs)
@@ -176,16 +183,19 @@ def child_main(trace: str, lease_term_ms: int, skew_ms: int, jobs: int | None = 
         "peak_rss_bytes": rss if sys.platform == "darwin" else rss * 1024,
         "verdict": verdict.status, "code": verdict.code, "event_index": verdict.event_index,
         "reason": verdict.reason[:500], "frontier_max": verdict.frontier_max, "states_explored": verdict.states_explored,
+        "compiled": accel.compiled_modules(),
     }))  # fmt: skip
 
 
-def _measure_file(path: Path, lease_term_ms: int, skew_ms: int, jobs: int | None = None) -> dict[str, Any]:
+def _measure_file(path: Path, lease_term_ms: int, skew_ms: int, jobs: int | None = None, source: bool = False) -> dict[str, Any]:
+    """One child's figures; ``source``: with the validator's modules as Python source."""
     cmd = [sys.executable, "-m", "kvcc.bench.validator", "--child", str(path),
            "--lease-term-ms", str(lease_term_ms), "--skew-ms", str(skew_ms)]  # fmt: skip
     if jobs is not None:
         cmd += ["--jobs", str(jobs)]
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, check=False)
+        env = dict(os.environ, KVCC_ACCEL="0") if source else None
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, check=False, env=env)
     except subprocess.TimeoutExpired as e:
         raise BenchError(f"validating {path.name} took over {CHILD_TIMEOUT_S} s") from e
     if done.returncode != 0 or not done.stdout.strip():
@@ -211,6 +221,8 @@ def measure(trace: Path | None, events: int, seed: int, lease_term_ms: int, skew
         load = _measure_file(trace, lease_term_ms, skew_ms, jobs)
         step("validating it again in one process (the baseline of the workers' speed-up)")
         load_one = _measure_file(trace, lease_term_ms, skew_ms, 1)
+        step("validating it again with the validator's modules as Python source (the baseline of the compiled ones)")
+        load_source = _measure_file(trace, lease_term_ms, skew_ms, jobs, source=True)
         generated_path = work / "generated.ndjson"
         step(f"writing {copies} copies of it ({copies * len(base)} events)")
         with open(generated_path, "w", encoding="utf-8") as f:
@@ -230,14 +242,15 @@ def measure(trace: Path | None, events: int, seed: int, lease_term_ms: int, skew
     return {
         "source": source, "lease_term_ms": lease_term_ms, "skew_ms": skew_ms,
         "jobs": jobs, "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        "load": load, "load_one_process": load_one, "generated": dict(generated, copies=copies),
+        "load": load, "load_one_process": load_one, "load_as_source": load_source, "generated": dict(generated, copies=copies),
         "speedup_of_workers": load_one["seconds"] / load["seconds"] if load["seconds"] else None,
+        "speedup_of_compiled": load_source["seconds"] / load["seconds"] if load["seconds"] else None,
         "mutated": dict(mutated, mutation="read after release", expected_event_index=expected_at),
         "events_per_second": min(rates),
         "events_per_cpu_second": min(r["events_per_cpu_second"] or 0.0 for r in (load, generated)),
-        "peak_rss_bytes": max(r["peak_rss_bytes"] for r in (load, load_one, generated, mutated)),
+        "peak_rss_bytes": max(r["peak_rss_bytes"] for r in (load, load_one, load_source, generated, mutated)),
         "target_events_per_second": TARGET_EVENTS_PER_S,
-        "verdicts_ok": load["verdict"] == "ACCEPTED" and generated["verdict"] == "ACCEPTED"
+        "verdicts_ok": load["verdict"] == "ACCEPTED" and load_source["verdict"] == "ACCEPTED" and generated["verdict"] == "ACCEPTED"
         and mutated["verdict"] == "REJECTED" and mutated["event_index"] == expected_at,
     }  # fmt: skip
 
@@ -248,18 +261,20 @@ def render(console: Any, r: dict[str, Any]) -> None:
     from kvcc.report import fmt_bytes, fmt_int, fmt_seconds
 
     t = Table(title=f"trace validator ({r['source']}; term {r['lease_term_ms']} ms, epsilon {r['skew_ms']} ms)")
-    for col in ("trace", "events", "verdict", "seconds", "CPU s", "events/s", "events/CPU-s", "peak RSS"):
+    for col in ("trace", "events", "verdict", "seconds", "CPU s", "events/s", "events/CPU-s", "peak RSS", "compiled"):
         t.add_column(col, justify="left" if col in ("trace", "verdict") else "right")
-    for name in ("load", "load_one_process", "generated", "mutated"):
+    for name in ("load", "load_one_process", "load_as_source", "generated", "mutated"):
         x = r[name]
         verdict = x["verdict"] + (f" at {x['event_index']} ({x['code']})" if x["verdict"] != "ACCEPTED" else "")
         t.add_row(name, fmt_int(x["events"]), verdict, fmt_seconds(x["seconds"]), fmt_seconds(x["cpu_seconds"]),
                   fmt_int(round(x["events_per_second"] or 0)), fmt_int(round(x["events_per_cpu_second"] or 0)),
-                  fmt_bytes(x["peak_rss_bytes"]))  # fmt: skip
+                  fmt_bytes(x["peak_rss_bytes"]), f"{len(x['compiled'])} of {len(MODULES)}")  # fmt: skip
     console.print(t)
     met = r["events_per_second"] >= r["target_events_per_second"]
     console.print(f"events/s (the lower of load and generated): {fmt_int(round(r['events_per_second']))} "
                   f"(target {fmt_int(r['target_events_per_second'])}: {'met' if met else 'missed'})")  # fmt: skip
+    console.print(f"compiled against source on the load trace: {r['speedup_of_compiled']:.2f}x; "
+                  f"workers against one process: {r['speedup_of_workers']:.2f}x")  # fmt: skip
     if not r["verdicts_ok"]:
         console.print(f"[bold red]unexpected verdicts: the mutated trace should be REJECTED at "
                       f"{r['mutated']['expected_event_index']}[/]")  # fmt: skip

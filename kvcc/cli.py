@@ -1,4 +1,4 @@
-"""kvcc's command line: ``kvcc check | mutants | prove | verify | bench checker | bench tiers | bench directory | bench validator | bench routing | bench suite | bench compare | bench sglang | bench vllm``.
+"""kvcc's command line: ``kvcc check | mutants | prove | verify | accel | bench checker | bench tiers | bench directory | bench validator | bench routing | bench suite | bench compare | bench sglang | bench vllm``.
 
 Exit codes: 0 when everything asked for holds, 1 when something fails (a violation, an unreached
 ``sometimes``, a manifest mismatch, a mutant not caught by its property, an unproved obligation),
@@ -710,7 +710,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("accel", help="compile the spec's and the validator's hot modules, or say which are current",
-                       description="build: compile kvcc.spec.model, kvcc.spec.properties and kvcc.conformance.validate "
+                       description="build: compile kvcc.spec.model, kvcc.spec.properties, kvcc.spec.checker and kvcc.conformance.validate "
                                    "with Cython into the environment (only those whose source changed; a compiled "
                                    "module is loaded only while its source is unchanged). status: which are current.")
     p.add_argument("action", choices=("build", "status"))
