@@ -2684,7 +2684,7 @@ def _longest_joint_prefix(per_projection: Sequence[Sequence[tuple[frozenset[int]
     # The states searched, per failure: one whose boxes are each a subset of a searched one's
     # can reach no further (every tick choice open to it is open to the larger).
     searched: list[list[tuple[int, ...]]] = [[] for _ in range(width)]
-    stack = [(0, tuple((1 << len(boxes)) - 1 for boxes in per_projection))]
+    stack = [(0, tuple(_low_bits(len(boxes)) for boxes in per_projection))]
     while stack:
         i, alive = stack.pop()
         best = max(best, i)
@@ -2717,6 +2717,13 @@ def _longest_joint_prefix(per_projection: Sequence[Sequence[tuple[frozenset[int]
             if not any(_within(nxt, other) for other in nexts[n + 1 :]):
                 stack.append((i + 1, nxt))
     return best
+
+
+def _low_bits(n: Any) -> int:
+    """``2**n - 1``, a Python int however large ``n`` is. Not ``(1 << len(x)) - 1`` inline: compiled
+    (``kvcc accel``), ``len()`` is a C integer and so is the literal, and the shift is done in C,
+    wrong past 63 boxes (a sharded run's 166-box projection was REJECTED for it)."""
+    return (1 << n) - 1
 
 
 def _within(alive: tuple[int, ...], other: tuple[int, ...]) -> bool:

@@ -735,6 +735,14 @@ def test_the_joint_check_of_failure_times_is_the_brute_force_one():
     assert _shared_time_conflict(unsure, wide) is None
     late = ({}, {tuple((f, anyof if f != 123 else frozenset({3})) for f in wide)}, {})
     assert _shared_time_conflict(unsure + [late], wide) == 123
+    # More boxes in one projection than a machine word has bits (the masks are Python ints: a
+    # sharded run's projection of 166 maximal boxes was REJECTED once the compiled shift, ``1 <<
+    # len(boxes)`` in C, wrapped): 150 boxes, each its own tick of the first failure (so none is
+    # inside another), one of which, the last, also allows the tick the other projection needs.
+    many = ({}, {((3, frozenset({t})), (9, frozenset({t}))) for t in range(150)}, {})
+    other = ({}, {((3, frozenset({149})), (9, frozenset({149, 500})))}, {})
+    assert _shared_time_conflict([many, other], [3, 9]) is None
+    assert _shared_time_conflict([many, ({}, {((3, frozenset({150})), (9, frozenset({150})))}, {})], [3, 9]) == 3
 
 
 def test_a_holders_unanswered_requests_do_not_multiply_the_frontier():

@@ -110,9 +110,12 @@ def _read(case):
 
 
 def _splittable(case):
-    """A corpus trace with more than one chain, or with key-less directory events: splitting it
-    gives each shard something (a one-key trace without them is the same trace renamed)."""
+    """A corpus trace of one directory with more than one chain, or with key-less directory
+    events: splitting it gives each shard something (a one-key trace without them is the same
+    trace renamed). A trace of a sharded run is split already."""
     events = _read(case)
+    if len({e["node"] for e in events if e["event"] in DIRECTORY_EVENTS}) > 1:
+        return False
     root = chain_roots(events)
     roots = {root(e["key"]) for e in events if e.get("key") is not None}
     keyless = any(e["event"] in DIRECTORY_EVENTS and (e["event"] not in KEYED or e.get("key") is None) for e in events)
