@@ -166,7 +166,7 @@ def child_main(trace: str, lease_term_ms: int, skew_ms: int, jobs: int | None = 
     process and each worker."""
     import resource
 
-    from kvcc import accel
+    from kvcc.accel import compiled_modules
     from kvcc.conformance.validate import TraceParams, validate_file
 
     params = TraceParams(lease_term_ms, skew_ms, jobs=jobs)
@@ -183,7 +183,7 @@ def child_main(trace: str, lease_term_ms: int, skew_ms: int, jobs: int | None = 
         "peak_rss_bytes": rss if sys.platform == "darwin" else rss * 1024,
         "verdict": verdict.status, "code": verdict.code, "event_index": verdict.event_index,
         "reason": verdict.reason[:500], "frontier_max": verdict.frontier_max, "states_explored": verdict.states_explored,
-        "compiled": accel.compiled_modules(),
+        "compiled": compiled_modules(),
     }))  # fmt: skip
 
 
