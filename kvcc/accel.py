@@ -25,9 +25,7 @@ import importlib.machinery
 import importlib.util
 import json
 import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +70,18 @@ def _abi() -> str:
     return f"{sys.implementation.cache_tag}{importlib.machinery.EXTENSION_SUFFIXES[0]}"
 
 
+def _why_stale(root: Path, entry: dict[str, str] | None, digest: str) -> str | None:
+    """Why the compiled copy a manifest ``entry`` names may not stand for a source hashing to
+    ``digest``, or None when it may."""
+    if entry is None:
+        return "never compiled"
+    if digest != entry.get("source_sha256"):
+        return "its source changed since it was compiled (kvcc accel build)"
+    if not (root / entry.get("file", "")).is_file():
+        return f"{entry.get('file')} is missing"
+    return None
+
+
 def _source(name: str) -> Path:
     """The source file of module ``name``, found without importing it (its parent is imported)."""
     parent, _, _ = name.rpartition(".")
@@ -91,7 +101,6 @@ class _Finder(importlib.abc.MetaPathFinder):
 
     def __init__(self, root: Path, manifest: dict[str, dict[str, str]]) -> None:
         self.root, self.manifest = root, manifest
-        self.loaded: dict[str, str] = {}  # module -> the extension's path
         self.stale: dict[str, str] = {}  # module -> why its compiled copy was not used
 
     def find_spec(self, name: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
@@ -101,21 +110,14 @@ class _Finder(importlib.abc.MetaPathFinder):
         source = importlib.machinery.PathFinder.find_spec(name, path)
         if source is None or not source.origin:
             return None
-        compiled = self.root / entry.get("file", "")
         try:
-            current = _digest(Path(source.origin))
+            why = _why_stale(self.root, entry, _digest(Path(source.origin)))
         except OSError:
             return None
-        if current != entry.get("source_sha256"):
-            self.stale[name] = "its source changed since it was compiled (kvcc accel build)"
+        if why is not None:
+            self.stale[name] = why
             return None
-        if not compiled.is_file():
-            self.stale[name] = f"{compiled.name} is missing"
-            return None
-        spec = importlib.util.spec_from_file_location(name, compiled)
-        if spec is not None:
-            self.loaded[name] = str(compiled)
-        return spec
+        return importlib.util.spec_from_file_location(name, self.root / entry["file"])
 
 
 _finder: _Finder | None = None
@@ -143,7 +145,7 @@ def status() -> dict[str, Any]:
     for name in MODULES:
         entry = manifest.get(name)
         try:
-            current = entry is not None and _digest(_source(name)) == entry.get("source_sha256") and (root / entry["file"]).is_file()
+            current = _why_stale(root, entry, _digest(_source(name))) is None
         except (AccelError, OSError):
             current = False
         module = importlib.import_module(name)
@@ -167,6 +169,9 @@ def build(modules: tuple[str, ...] = MODULES, root: Path | None = None, force: b
     """Compile each of ``modules`` whose recorded digest differs from its source's (all with
     ``force``) into ``root``; the names compiled. Raises ``AccelError`` when Cython or a C
     compiler is missing or a compilation fails (the manifest then keeps only what is current)."""
+    import shutil
+    import tempfile
+
     root = root or accel_dir()
     try:
         from Cython.Build import cythonize
@@ -176,8 +181,7 @@ def build(modules: tuple[str, ...] = MODULES, root: Path | None = None, force: b
     manifest = _read_manifest(root)
     sources = {name: _source(name) for name in modules}
     digests = {name: _digest(path) for name, path in sources.items()}
-    todo = [n for n in modules if force or manifest.get(n, {}).get("source_sha256") != digests[n]
-            or not (root / manifest[n].get("file", "")).is_file()]  # fmt: skip
+    todo = [n for n in modules if force or _why_stale(root, manifest.get(n), digests[n]) is not None]
     if not todo:
         return []
     root.mkdir(parents=True, exist_ok=True)
